@@ -1,0 +1,881 @@
+//! The local file system backend.
+//!
+//! Durability: every file is fsynced (`File::sync_all`) before the name that exposes it is
+//! created by rename, and every directory whose entries changed is fsynced afterwards.
+//! Blocking file system work runs in `tokio::task::spawn_blocking`.
+
+use std::collections::BTreeSet;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use crate::{
+    CheckpointStore, CkptError, FileEntry, LATEST_FILE, MANIFEST_FILE, MAX_LATEST_BYTES,
+    MAX_MANIFEST_BYTES, MAX_PART_DEPTH, MAX_PART_FILES, Manifest, PartRecord, hash_reader,
+    parse_part_dir_rel, parse_step_dir_name, part_dir_rel, staging_dir_rel, step_dir_name,
+    validate_job_id, validate_rel_path, validate_state,
+};
+
+/// Checkpoint store on a local (or locally mounted) file system, rooted at one directory.
+/// Job `J` lives in `<root>/J/` with the layout of the crate documentation.
+///
+/// Atomicity relies on `rename(2)` within one file system: the staging directory, the part
+/// directories, `MANIFEST.json` and `LATEST` of a job must share a file system (they do, as
+/// all live under the job directory).
+#[derive(Clone, Debug)]
+pub struct LocalStore {
+    /// Root directory holding one directory per job.
+    root: PathBuf,
+}
+
+impl LocalStore {
+    /// A store rooted at `root` (created on first use when absent).
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The directory of `job_id`: `<root>/<job_id>`. The id is not validated here; every
+    /// store operation validates it before touching the file system.
+    pub fn job_dir(&self, job_id: &str) -> PathBuf {
+        self.root.join(job_id)
+    }
+
+    /// The job directory after validating the id.
+    fn checked_job_dir(&self, job_id: &str) -> Result<PathBuf, CkptError> {
+        validate_job_id(job_id)?;
+        Ok(self.job_dir(job_id))
+    }
+}
+
+/// Runs blocking file system work off the async runtime; a panic in it is re-raised here.
+async fn blocking<T, F>(work: F) -> Result<T, CkptError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, CkptError> + Send + 'static,
+{
+    match tokio::task::spawn_blocking(work).await {
+        Ok(result) => result,
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        Err(error) => Err(CkptError::Io {
+            op: "spawn_blocking",
+            path: PathBuf::new(),
+            source: io::Error::other(error),
+        }),
+    }
+}
+
+/// Maps an I/O error to [`CkptError::Io`] naming the operation and path.
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> CkptError + 'a {
+    move |source| CkptError::Io {
+        op,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn corrupt(path: &Path, reason: impl Into<String>) -> CkptError {
+    CkptError::Corrupt {
+        path: path.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// fsync of a directory (makes its entries durable).
+fn fsync_dir(path: &Path) -> Result<(), CkptError> {
+    File::open(path)
+        .and_then(|dir| dir.sync_all())
+        .map_err(io_err("fsync dir", path))
+}
+
+/// Opens a file for reading without following a symlink in the last component.
+fn open_nofollow(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// Makes sure `base/components...` exist as real directories (not symlinks), creating the
+/// missing ones and fsyncing the parent of each created one. `base` must exist.
+fn ensure_dirs(base: &Path, components: &[&str]) -> Result<PathBuf, CkptError> {
+    let mut path = base.to_owned();
+    for component in components {
+        let parent = path.clone();
+        path.push(component);
+        match fs::symlink_metadata(&path) {
+            Ok(metadata) if metadata.is_dir() => {}
+            Ok(_) => {
+                return Err(CkptError::Invalid(format!(
+                    "{} exists but is not a directory (symlinks are refused)",
+                    path.display()
+                )));
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                match fs::create_dir(&path) {
+                    Ok(()) => {}
+                    Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
+                        let metadata =
+                            fs::symlink_metadata(&path).map_err(io_err("stat", &path))?;
+                        if !metadata.is_dir() {
+                            return Err(CkptError::Invalid(format!(
+                                "{} is not a directory",
+                                path.display()
+                            )));
+                        }
+                    }
+                    Err(source) => {
+                        return Err(CkptError::Io {
+                            op: "create dir",
+                            path,
+                            source,
+                        });
+                    }
+                }
+                fsync_dir(&parent)?;
+            }
+            Err(source) => {
+                return Err(CkptError::Io {
+                    op: "stat",
+                    path,
+                    source,
+                });
+            }
+        }
+    }
+    Ok(path)
+}
+
+/// Checks that `base/rel` is a chain of real directories below `base` (no symlink, nothing
+/// missing); a missing or wrong component is [`CkptError::Corrupt`].
+fn check_dir_chain(base: &Path, rel: &str) -> Result<PathBuf, CkptError> {
+    let mut path = base.to_owned();
+    for component in rel.split('/') {
+        path.push(component);
+        match fs::symlink_metadata(&path) {
+            Ok(metadata) if metadata.is_dir() => {}
+            Ok(_) => return Err(corrupt(&path, "is not a directory (symlinks are refused)")),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                return Err(corrupt(&path, "is missing"));
+            }
+            Err(source) => {
+                return Err(CkptError::Io {
+                    op: "stat",
+                    path,
+                    source,
+                });
+            }
+        }
+    }
+    Ok(path)
+}
+
+/// Writes `bytes` to `dir/name` atomically and durably: temp file `name.tmp-<nonce>` in
+/// `dir`, write, fsync, rename over `name`, fsync `dir`.
+fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), CkptError> {
+    let temp = dir.join(format!("{name}.tmp-{:016x}", rand::random::<u64>()));
+    let target = dir.join(name);
+    let write = || -> Result<(), CkptError> {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&temp)
+            .map_err(io_err("create", &temp))?;
+        file.write_all(bytes).map_err(io_err("write", &temp))?;
+        file.sync_all().map_err(io_err("fsync", &temp))?;
+        drop(file);
+        fs::rename(&temp, &target).map_err(io_err("rename", &target))
+    };
+    if let Err(error) = write() {
+        // Best effort: a leftover is also removed by `prune`.
+        let _ = fs::remove_file(&temp);
+        return Err(error);
+    }
+    fsync_dir(dir)
+}
+
+/// Reads a small regular file (not a symlink) of at most `limit` bytes. `Ok(None)` when it
+/// does not exist.
+fn read_limited(path: &Path, limit: u64) -> Result<Option<Vec<u8>>, CkptError> {
+    match fs::symlink_metadata(path) {
+        Ok(metadata) if metadata.is_file() => {}
+        Ok(_) => {
+            return Err(corrupt(
+                path,
+                "is not a regular file (symlinks are refused)",
+            ));
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(CkptError::Io {
+                op: "stat",
+                path: path.to_owned(),
+                source,
+            });
+        }
+    }
+    let file = match open_nofollow(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(CkptError::Io {
+                op: "open",
+                path: path.to_owned(),
+                source,
+            });
+        }
+    };
+    let mut bytes = Vec::new();
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io_err("read", path))?;
+    if u64::try_from(bytes.len()).expect("a buffer length fits in u64") > limit {
+        return Err(corrupt(path, format!("is larger than {limit} bytes")));
+    }
+    Ok(Some(bytes))
+}
+
+/// Renames `from` to `to` unless `to` exists (then `AlreadyExists`). Atomic with
+/// `renameat2(RENAME_NOREPLACE)` where available; elsewhere (or on a file system without
+/// it) a check followed by `rename`.
+fn rename_no_replace(from: &Path, to: &Path) -> io::Result<()> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        use nix::errno::Errno;
+        use nix::fcntl::{AT_FDCWD, RenameFlags, renameat2};
+        match renameat2(AT_FDCWD, from, AT_FDCWD, to, RenameFlags::RENAME_NOREPLACE) {
+            Ok(()) => return Ok(()),
+            Err(Errno::EINVAL | Errno::ENOSYS) => {}
+            Err(errno) => return Err(io::Error::from(errno)),
+        }
+    }
+    match fs::symlink_metadata(to) {
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "target exists",
+        )),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => fs::rename(from, to),
+        Err(error) => Err(error),
+    }
+}
+
+/// The staging tree: regular files (relative path, absolute path) and directories.
+struct StagingTree {
+    files: Vec<(String, PathBuf)>,
+    dirs: Vec<PathBuf>,
+}
+
+/// Walks `staging` recursively (entries sorted by name), refusing symlinks, special files,
+/// non-UTF-8 or invalid names, more than [`MAX_PART_FILES`] files or directories, and
+/// nesting deeper than [`MAX_PART_DEPTH`].
+fn walk_staging(staging: &Path) -> Result<StagingTree, CkptError> {
+    let mut tree = StagingTree {
+        files: Vec::new(),
+        dirs: vec![staging.to_owned()],
+    };
+    // (directory, its path relative to staging; empty for the root)
+    let mut pending: Vec<(PathBuf, String)> = vec![(staging.to_owned(), String::new())];
+    while let Some((dir, rel_dir)) = pending.pop() {
+        let mut entries = Vec::new();
+        for entry in fs::read_dir(&dir).map_err(io_err("read dir", &dir))? {
+            let entry = entry.map_err(io_err("read dir", &dir))?;
+            if entries.len() >= MAX_PART_FILES {
+                return Err(CkptError::Invalid(format!(
+                    "staging directory {} holds more than {MAX_PART_FILES} entries",
+                    dir.display()
+                )));
+            }
+            let file_type = entry.file_type().map_err(io_err("stat", &entry.path()))?;
+            entries.push((entry.file_name(), entry.path(), file_type));
+        }
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, path, file_type) in entries {
+            let name = name.to_str().ok_or_else(|| {
+                CkptError::Invalid(format!("staging entry {} is not UTF-8", path.display()))
+            })?;
+            let rel = if rel_dir.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{rel_dir}/{name}")
+            };
+            validate_rel_path(&rel)?;
+            if file_type.is_symlink() {
+                return Err(CkptError::Invalid(format!(
+                    "staging entry {} is a symlink; a part holds regular files only",
+                    path.display()
+                )));
+            } else if file_type.is_dir() {
+                if tree.dirs.len() >= MAX_PART_FILES {
+                    return Err(CkptError::Invalid(format!(
+                        "staging {} holds more than {MAX_PART_FILES} directories",
+                        staging.display()
+                    )));
+                }
+                if rel.split('/').count() >= MAX_PART_DEPTH {
+                    return Err(CkptError::Invalid(format!(
+                        "staging {} is nested deeper than {MAX_PART_DEPTH}",
+                        staging.display()
+                    )));
+                }
+                tree.dirs.push(path.clone());
+                pending.push((path, rel));
+            } else if file_type.is_file() {
+                if tree.files.len() >= MAX_PART_FILES {
+                    return Err(CkptError::Invalid(format!(
+                        "staging {} holds more than {MAX_PART_FILES} files",
+                        staging.display()
+                    )));
+                }
+                tree.files.push((rel, path));
+            } else {
+                return Err(CkptError::Invalid(format!(
+                    "staging entry {} is not a regular file or directory",
+                    path.display()
+                )));
+            }
+        }
+    }
+    tree.files.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(tree)
+}
+
+/// Opens a part file for hashing, refusing symlinks and non-regular files.
+fn open_regular(path: &Path, missing_is_corrupt: bool) -> Result<File, CkptError> {
+    let file = match open_nofollow(path) {
+        Ok(file) => file,
+        Err(error) if missing_is_corrupt && error.kind() == io::ErrorKind::NotFound => {
+            return Err(corrupt(path, "is missing"));
+        }
+        Err(error) if error.raw_os_error() == Some(nix::libc::ELOOP) => {
+            return Err(corrupt(path, "is a symlink"));
+        }
+        Err(source) => {
+            return Err(CkptError::Io {
+                op: "open",
+                path: path.to_owned(),
+                source,
+            });
+        }
+    };
+    let metadata = file.metadata().map_err(io_err("stat", path))?;
+    if !metadata.is_file() {
+        return Err(corrupt(path, "is not a regular file"));
+    }
+    Ok(file)
+}
+
+impl LocalStore {
+    fn prepare_staging_sync(
+        &self,
+        job_id: &str,
+        rank: u32,
+        attempt: u32,
+    ) -> Result<PathBuf, CkptError> {
+        let job_dir = self.checked_job_dir(job_id)?;
+        fs::create_dir_all(&self.root).map_err(io_err("create dir", &self.root))?;
+        let staging_rel = staging_dir_rel(rank, attempt);
+        let components: Vec<&str> = std::iter::once(job_id)
+            .chain(staging_rel.split('/'))
+            .collect();
+        let staging = ensure_dirs(&self.root, &components)?;
+        debug_assert_eq!(staging, job_dir.join(&staging_rel));
+        Ok(staging)
+    }
+
+    fn commit_part_sync(
+        &self,
+        job_id: &str,
+        step: u64,
+        rank: u32,
+        attempt: u32,
+        staging: &Path,
+        state: serde_json::Value,
+    ) -> Result<PartRecord, CkptError> {
+        let job_dir = self.checked_job_dir(job_id)?;
+        validate_state(&state)?;
+        match fs::symlink_metadata(staging) {
+            Ok(metadata) if metadata.is_dir() => {}
+            Ok(_) => {
+                return Err(CkptError::Invalid(format!(
+                    "staging {} is not a directory (symlinks are refused)",
+                    staging.display()
+                )));
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                return Err(CkptError::NotFound {
+                    what: format!("staging directory {}", staging.display()),
+                });
+            }
+            Err(source) => {
+                return Err(CkptError::Io {
+                    op: "stat",
+                    path: staging.to_owned(),
+                    source,
+                });
+            }
+        }
+        let dir = part_dir_rel(step, rank, attempt);
+        let target = job_dir.join(&dir);
+        let already =
+            || CkptError::Invalid(format!("part {dir} of job {job_id} is already committed"));
+        match fs::symlink_metadata(&target) {
+            Ok(_) => return Err(already()),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => {
+                return Err(CkptError::Io {
+                    op: "stat",
+                    path: target,
+                    source,
+                });
+            }
+        }
+
+        // 1. Hash and fsync every file, then fsync every directory (deepest first).
+        let tree = walk_staging(staging)?;
+        let mut files = Vec::with_capacity(tree.files.len());
+        for (rel, path) in &tree.files {
+            let mut file = open_regular(path, false)?;
+            let (size_bytes, sha256) = hash_reader(&mut file, path)?;
+            file.sync_all().map_err(io_err("fsync", path))?;
+            files.push(FileEntry {
+                path: rel.clone(),
+                size_bytes,
+                sha256,
+            });
+        }
+        for dir_path in tree.dirs.iter().rev() {
+            fsync_dir(dir_path)?;
+        }
+
+        // 2. Parents step-N/rank-r, durable.
+        let rank_dir = ensure_dirs(
+            &self.root,
+            &[job_id, &step_dir_name(step), &format!("rank-{rank}")],
+        )?;
+
+        // 3. The atomic step: staging becomes the part, never over an existing one.
+        match rename_no_replace(staging, &target) {
+            Ok(()) => {}
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    io::ErrorKind::AlreadyExists | io::ErrorKind::DirectoryNotEmpty
+                ) =>
+            {
+                return Err(already());
+            }
+            Err(source) => {
+                return Err(CkptError::Io {
+                    op: "rename",
+                    path: target,
+                    source,
+                });
+            }
+        }
+        fsync_dir(&rank_dir)?;
+        let staging_parent = staging.parent().ok_or_else(|| {
+            CkptError::Invalid(format!("staging {} has no parent", staging.display()))
+        })?;
+        fsync_dir(staging_parent)?;
+
+        // 4. An empty staging directory for the next checkpoint.
+        match fs::create_dir(staging) {
+            Ok(()) => {}
+            Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(source) => {
+                return Err(CkptError::Io {
+                    op: "recreate staging",
+                    path: staging.to_owned(),
+                    source,
+                });
+            }
+        }
+        fsync_dir(staging_parent)?;
+
+        Ok(PartRecord {
+            rank,
+            attempt,
+            dir,
+            files,
+            state,
+        })
+    }
+
+    fn verify_part_sync(&self, job_id: &str, part: &PartRecord) -> Result<(), CkptError> {
+        let job_dir = self.checked_job_dir(job_id)?;
+        part.validate()?;
+        let part_dir = check_dir_chain(&job_dir, &part.dir)?;
+        let mut checked_dirs: BTreeSet<String> = BTreeSet::new();
+        for entry in &part.files {
+            // Intermediate directories must be real directories inside the part.
+            if let Some((parent_rel, _)) = entry.path.rsplit_once('/')
+                && !checked_dirs.contains(parent_rel)
+            {
+                check_dir_chain(&part_dir, parent_rel)?;
+                checked_dirs.insert(parent_rel.to_owned());
+            }
+            let path = part_dir.join(&entry.path);
+            let mut file = open_regular(&path, true)?;
+            let size_on_disk = file.metadata().map_err(io_err("stat", &path))?.len();
+            if size_on_disk != entry.size_bytes {
+                return Err(corrupt(
+                    &path,
+                    format!(
+                        "size is {size_on_disk} bytes, the record says {}",
+                        entry.size_bytes
+                    ),
+                ));
+            }
+            let (size_bytes, sha256) = hash_reader(&mut file, &path)?;
+            if size_bytes != entry.size_bytes {
+                return Err(corrupt(
+                    &path,
+                    format!(
+                        "read {size_bytes} bytes, the record says {}",
+                        entry.size_bytes
+                    ),
+                ));
+            }
+            if sha256 != entry.sha256 {
+                return Err(corrupt(
+                    &path,
+                    format!("SHA-256 is {sha256}, the record says {}", entry.sha256),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn write_manifest_sync(&self, manifest: &Manifest) -> Result<(), CkptError> {
+        manifest.validate()?;
+        let job_dir = self.checked_job_dir(&manifest.job_id)?;
+        let step_dir = job_dir.join(step_dir_name(manifest.step));
+        match fs::symlink_metadata(&step_dir) {
+            Ok(metadata) if metadata.is_dir() => {}
+            Ok(_) => {
+                return Err(corrupt(
+                    &step_dir,
+                    "is not a directory (symlinks are refused)",
+                ));
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                return Err(CkptError::NotFound {
+                    what: format!(
+                        "step {} of job {} ({})",
+                        manifest.step,
+                        manifest.job_id,
+                        step_dir.display()
+                    ),
+                });
+            }
+            Err(source) => {
+                return Err(CkptError::Io {
+                    op: "stat",
+                    path: step_dir,
+                    source,
+                });
+            }
+        }
+        let mut bytes = serde_json::to_vec_pretty(manifest)
+            .map_err(|e| CkptError::Invalid(format!("manifest cannot be serialized: {e}")))?;
+        bytes.push(b'\n');
+        if u64::try_from(bytes.len()).expect("a buffer length fits in u64") > MAX_MANIFEST_BYTES {
+            return Err(CkptError::Invalid(format!(
+                "manifest of step {} is {} bytes, more than {MAX_MANIFEST_BYTES}",
+                manifest.step,
+                bytes.len()
+            )));
+        }
+        write_atomic(&step_dir, MANIFEST_FILE, &bytes)
+    }
+
+    fn read_manifest_sync(&self, job_id: &str, step: u64) -> Result<Manifest, CkptError> {
+        let job_dir = self.checked_job_dir(job_id)?;
+        let step_dir = job_dir.join(step_dir_name(step));
+        let path = step_dir.join(MANIFEST_FILE);
+        let not_found = || CkptError::NotFound {
+            what: format!(
+                "manifest of step {step} of job {job_id} ({})",
+                path.display()
+            ),
+        };
+        match fs::symlink_metadata(&step_dir) {
+            Ok(metadata) if metadata.is_dir() => {}
+            Ok(_) => {
+                return Err(corrupt(
+                    &step_dir,
+                    "is not a directory (symlinks are refused)",
+                ));
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Err(not_found()),
+            Err(source) => {
+                return Err(CkptError::Io {
+                    op: "stat",
+                    path: step_dir,
+                    source,
+                });
+            }
+        }
+        let bytes = read_limited(&path, MAX_MANIFEST_BYTES)?.ok_or_else(not_found)?;
+        let manifest: Manifest = serde_json::from_slice(&bytes)
+            .map_err(|e| corrupt(&path, format!("is not a valid manifest: {e}")))?;
+        manifest
+            .validate()
+            .map_err(|e| corrupt(&path, e.to_string()))?;
+        if manifest.job_id != job_id || manifest.step != step {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "names job {} step {}, but lies at job {job_id} step {step}",
+                    manifest.job_id, manifest.step
+                ),
+            ));
+        }
+        Ok(manifest)
+    }
+
+    fn verify_step_sync(&self, job_id: &str, step: u64) -> Result<Manifest, CkptError> {
+        let manifest = self.read_manifest_sync(job_id, step)?;
+        for part in &manifest.parts {
+            self.verify_part_sync(job_id, part)?;
+        }
+        Ok(manifest)
+    }
+
+    fn write_latest_sync(&self, job_id: &str, step: u64) -> Result<(), CkptError> {
+        let job_dir = self.checked_job_dir(job_id)?;
+        let step_dir = job_dir.join(step_dir_name(step));
+        match fs::symlink_metadata(&step_dir) {
+            Ok(metadata) if metadata.is_dir() => {}
+            Ok(_) => {
+                return Err(corrupt(
+                    &step_dir,
+                    "is not a directory (symlinks are refused)",
+                ));
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                return Err(CkptError::NotFound {
+                    what: format!("step {step} of job {job_id} ({})", step_dir.display()),
+                });
+            }
+            Err(source) => {
+                return Err(CkptError::Io {
+                    op: "stat",
+                    path: step_dir,
+                    source,
+                });
+            }
+        }
+        write_atomic(
+            &job_dir,
+            LATEST_FILE,
+            format!("{}\n", step_dir_name(step)).as_bytes(),
+        )
+    }
+
+    fn read_latest_sync(&self, job_id: &str) -> Result<Option<u64>, CkptError> {
+        let path = self.checked_job_dir(job_id)?.join(LATEST_FILE);
+        let Some(bytes) = read_limited(&path, MAX_LATEST_BYTES)? else {
+            return Ok(None);
+        };
+        let text = std::str::from_utf8(&bytes).map_err(|_| corrupt(&path, "is not UTF-8"))?;
+        let name = text.strip_suffix('\n').unwrap_or(text);
+        parse_step_dir_name(name).map(Some).ok_or_else(|| {
+            corrupt(
+                &path,
+                format!("content {text:?} is not a step directory name"),
+            )
+        })
+    }
+
+    fn list_steps_sync(&self, job_id: &str) -> Result<Vec<u64>, CkptError> {
+        let job_dir = self.checked_job_dir(job_id)?;
+        let entries = match fs::read_dir(&job_dir) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(source) => {
+                return Err(CkptError::Io {
+                    op: "read dir",
+                    path: job_dir,
+                    source,
+                });
+            }
+        };
+        let mut steps = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(io_err("read dir", &job_dir))?;
+            let Some(step) = entry.file_name().to_str().and_then(parse_step_dir_name) else {
+                continue;
+            };
+            if entry
+                .file_type()
+                .map_err(io_err("stat", &entry.path()))?
+                .is_dir()
+            {
+                steps.push(step);
+            }
+        }
+        steps.sort_unstable();
+        Ok(steps)
+    }
+
+    fn prune_sync(&self, job_id: &str, keep: &[u64]) -> Result<Vec<u64>, CkptError> {
+        let job_dir = self.checked_job_dir(job_id)?;
+        let latest = self.read_latest_sync(job_id)?;
+        let steps = self.list_steps_sync(job_id)?;
+        let keep: BTreeSet<u64> = keep.iter().copied().collect();
+        let Some(latest) = latest else {
+            // Nothing committed yet: every step may still be in flight.
+            return Ok(Vec::new());
+        };
+        let mut deleted = Vec::new();
+        for &step in &steps {
+            if step >= latest || keep.contains(&step) {
+                continue;
+            }
+            // Rename first so that the step vanishes atomically; a crash during the removal
+            // leaves a `*.tmp*` leftover that the next prune removes.
+            let from = job_dir.join(step_dir_name(step));
+            let doomed = job_dir.join(format!(
+                "{}.tmp-prune-{:016x}",
+                step_dir_name(step),
+                rand::random::<u64>()
+            ));
+            fs::rename(&from, &doomed).map_err(io_err("rename", &from))?;
+            fsync_dir(&job_dir)?;
+            fs::remove_dir_all(&doomed).map_err(io_err("remove", &doomed))?;
+            deleted.push(step);
+        }
+
+        // Stale leftovers: temp files and dirs in the job dir and in remaining committed steps.
+        let mut scan_dirs = vec![job_dir.clone()];
+        scan_dirs.extend(
+            steps
+                .iter()
+                .filter(|step| **step <= latest && !deleted.contains(step))
+                .map(|step| job_dir.join(step_dir_name(*step))),
+        );
+        for dir in &scan_dirs {
+            let mut removed_any = false;
+            for entry in fs::read_dir(dir).map_err(io_err("read dir", dir))? {
+                let entry = entry.map_err(io_err("read dir", dir))?;
+                let is_temp = entry
+                    .file_name()
+                    .to_str()
+                    .is_some_and(|name| name.contains(".tmp"));
+                if !is_temp {
+                    continue;
+                }
+                let path = entry.path();
+                let file_type = entry.file_type().map_err(io_err("stat", &path))?;
+                if file_type.is_dir() {
+                    fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
+                } else {
+                    fs::remove_file(&path).map_err(io_err("remove", &path))?;
+                }
+                removed_any = true;
+            }
+            if removed_any {
+                fsync_dir(dir)?;
+            }
+        }
+        Ok(deleted)
+    }
+}
+
+#[async_trait::async_trait]
+impl CheckpointStore for LocalStore {
+    async fn prepare_staging(
+        &self,
+        job_id: &str,
+        rank: u32,
+        attempt: u32,
+    ) -> Result<PathBuf, CkptError> {
+        let store = self.clone();
+        let job_id = job_id.to_owned();
+        blocking(move || store.prepare_staging_sync(&job_id, rank, attempt)).await
+    }
+
+    async fn commit_part(
+        &self,
+        job_id: &str,
+        step: u64,
+        rank: u32,
+        attempt: u32,
+        staging: &Path,
+        state: serde_json::Value,
+    ) -> Result<PartRecord, CkptError> {
+        let store = self.clone();
+        let job_id = job_id.to_owned();
+        let staging = staging.to_owned();
+        blocking(move || store.commit_part_sync(&job_id, step, rank, attempt, &staging, state))
+            .await
+    }
+
+    async fn verify_part(&self, job_id: &str, part: &PartRecord) -> Result<(), CkptError> {
+        let store = self.clone();
+        let job_id = job_id.to_owned();
+        let part = part.clone();
+        blocking(move || store.verify_part_sync(&job_id, &part)).await
+    }
+
+    async fn write_manifest(&self, manifest: &Manifest) -> Result<(), CkptError> {
+        let store = self.clone();
+        let manifest = manifest.clone();
+        blocking(move || store.write_manifest_sync(&manifest)).await
+    }
+
+    async fn read_manifest(&self, job_id: &str, step: u64) -> Result<Manifest, CkptError> {
+        let store = self.clone();
+        let job_id = job_id.to_owned();
+        blocking(move || store.read_manifest_sync(&job_id, step)).await
+    }
+
+    async fn verify_step(&self, job_id: &str, step: u64) -> Result<Manifest, CkptError> {
+        let store = self.clone();
+        let job_id = job_id.to_owned();
+        blocking(move || store.verify_step_sync(&job_id, step)).await
+    }
+
+    async fn write_latest(&self, job_id: &str, step: u64) -> Result<(), CkptError> {
+        let store = self.clone();
+        let job_id = job_id.to_owned();
+        blocking(move || store.write_latest_sync(&job_id, step)).await
+    }
+
+    async fn read_latest(&self, job_id: &str) -> Result<Option<u64>, CkptError> {
+        let store = self.clone();
+        let job_id = job_id.to_owned();
+        blocking(move || store.read_latest_sync(&job_id)).await
+    }
+
+    async fn list_steps(&self, job_id: &str) -> Result<Vec<u64>, CkptError> {
+        let store = self.clone();
+        let job_id = job_id.to_owned();
+        blocking(move || store.list_steps_sync(&job_id)).await
+    }
+
+    async fn prune(&self, job_id: &str, keep: &[u64]) -> Result<Vec<u64>, CkptError> {
+        let store = self.clone();
+        let job_id = job_id.to_owned();
+        let keep = keep.to_vec();
+        blocking(move || store.prune_sync(&job_id, &keep)).await
+    }
+
+    fn local_part_path(&self, job_id: &str, part_dir: &str) -> Option<PathBuf> {
+        validate_job_id(job_id).ok()?;
+        parse_part_dir_rel(part_dir)?;
+        Some(self.job_dir(job_id).join(part_dir))
+    }
+
+    fn describe(&self) -> String {
+        let root = std::path::absolute(&self.root).unwrap_or_else(|_| self.root.clone());
+        format!("file://{}", root.display())
+    }
+}

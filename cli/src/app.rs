@@ -1,0 +1,251 @@
+//! Dispatch of the parsed command line, and the hints printed under an error.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+use crate::args::{
+    CkptCommand, Cli, ClusterCommand, Command, DatasetCommand, GlobalOpts, LocalCommand,
+    OutputFormat,
+};
+use crate::client::{Client, ClientError, RetryPolicy};
+use crate::config::{self, ClusterFile, ConfigError};
+use crate::dataset::{self, SplitError, SplitOptions};
+use crate::demo::{self, DemoOptions};
+use crate::jobs;
+use crate::local::{self, LocalError, UpOptions};
+use crate::logs::LogError;
+use crate::render;
+
+/// Runs one command.
+pub async fn run(cli: Cli) -> Result<()> {
+    let g = &cli.global;
+    let out = g.output;
+    match cli.command {
+        Command::Submit(a) => {
+            jobs::warn_missing_dir("--dataset", &a.dataset);
+            jobs::submit(&config::resolve(g)?, &a, out).await
+        }
+        Command::Status(j) => jobs::status(&config::resolve(g)?, &j.job, out).await,
+        Command::List => jobs::list(&config::resolve(g)?, out).await,
+        Command::Cancel(j) => jobs::cancel(&config::resolve(g)?, &j.job, out).await,
+        Command::Logs(l) => jobs::logs(&config::resolve(g)?, &l.job, l.rank, l.follow, out).await,
+        Command::Ckpt(CkptCommand::Ls(j)) => jobs::ckpt_ls(&config::resolve(g)?, &j.job, out).await,
+        Command::Cluster(ClusterCommand::Status) => {
+            jobs::cluster_status(&config::resolve(g)?, out).await
+        }
+        Command::Dataset(DatasetCommand::Split(a)) => {
+            let holdout_fraction = a.holdout_fraction.unwrap_or(if a.holdout_out.is_some() {
+                dataset::DEFAULT_HOLDOUT_FRACTION
+            } else {
+                0.0
+            });
+            let opts = SplitOptions {
+                input: a.file,
+                shards: a.shards,
+                out: a.out,
+                holdout_fraction,
+                holdout_out: a.holdout_out,
+                force: a.force,
+            };
+            let report = tokio::task::spawn_blocking(move || dataset::split(&opts))
+                .await
+                .context("dataset split task")??;
+            match out {
+                OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+                OutputFormat::Table => print!("{}", dataset::report_text(&report)),
+            }
+            Ok(())
+        }
+        Command::Local(LocalCommand::Up(a)) => {
+            let opts = UpOptions {
+                dir: g.local_dir.clone(),
+                coordinators: a.coordinators,
+                workers: a.workers,
+                slots: a.slots,
+                bin_dir: a.bin_dir,
+                ready_timeout: local::READY_TIMEOUT,
+            };
+            let started = local::up(&opts, true).await?;
+            match out {
+                OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&started.file)?),
+                OutputFormat::Table => {
+                    print!("{}", local::up_summary(&started, &local_dir_flag(g)))
+                }
+            }
+            Ok(())
+        }
+        Command::Local(LocalCommand::Down(a)) => {
+            let dir = g.local_dir.clone();
+            let outcomes = tokio::task::spawn_blocking(move || local::down(&dir, a.purge))
+                .await
+                .context("local down task")??;
+            match out {
+                OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&outcomes)?),
+                OutputFormat::Table => {
+                    for (p, o) in &outcomes {
+                        let what = match o {
+                            local::StopOutcome::NotRunning => "was not running",
+                            local::StopOutcome::Terminated => "stopped",
+                            local::StopOutcome::Killed => {
+                                "killed (did not stop within 10 s of SIGTERM)"
+                            }
+                            local::StopOutcome::Stuck => "STILL RUNNING",
+                        };
+                        println!(
+                            "{:<14} pid {:<8} {what}",
+                            p.name,
+                            p.pid.map_or("-".into(), |p| p.to_string())
+                        );
+                    }
+                    if a.purge {
+                        println!("purged {}", g.local_dir.display());
+                    }
+                }
+            }
+            Ok(())
+        }
+        Command::Local(LocalCommand::Status) => local_status(g).await,
+        Command::Demo(a) => {
+            demo::run(&DemoOptions {
+                dir: a.dir,
+                keep: a.keep,
+                bin_dir: a.bin_dir,
+            })
+            .await
+        }
+    }
+}
+
+/// ` --local-dir DIR` when it is not the default, for printed example commands.
+fn local_dir_flag(g: &GlobalOpts) -> String {
+    if g.local_dir == Path::new(".cumulus") {
+        String::new()
+    } else {
+        format!(" --local-dir {}", g.local_dir.display())
+    }
+}
+
+async fn local_status(g: &GlobalOpts) -> Result<()> {
+    let file = ClusterFile::load(&g.local_dir)?
+        .ok_or_else(|| LocalError::NotFound(g.local_dir.clone()))?;
+    let procs = local::processes(&file);
+    let alive: Vec<bool> = procs.iter().map(local::Proc::alive).collect();
+    let token = config::read_token_file(&file.token_file).ok();
+    let status = match (&token, alive.iter().any(|a| *a)) {
+        (Some(token), true) => {
+            let conn = config::Conn {
+                grpc: file.grpc_addrs(),
+                http: file.http_addrs(),
+                token: token.clone(),
+            };
+            Some(
+                Client::with_policy(&conn, RetryPolicy::single_pass(conn.grpc.len()))?
+                    .cluster_status()
+                    .await,
+            )
+        }
+        _ => None,
+    };
+    match g.output {
+        OutputFormat::Json => {
+            #[derive(serde::Serialize)]
+            struct P<'a> {
+                name: &'a str,
+                pid: Option<u32>,
+                alive: bool,
+                log: &'a Path,
+            }
+            let v = serde_json::json!({
+                "processes": procs.iter().zip(&alive).map(|(p, a)| P { name: &p.name, pid: p.pid, alive: *a, log: &p.log }).collect::<Vec<_>>(),
+                "cluster": status.as_ref().and_then(|s| s.as_ref().ok()),
+                "cluster_error": status.as_ref().and_then(|s| s.as_ref().err()).map(|e| e.to_string()),
+            });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        OutputFormat::Table => {
+            let mut t = render::table(&["PROCESS", "PID", "ALIVE", "LOG"]);
+            for (p, a) in procs.iter().zip(&alive) {
+                t.add_row(vec![
+                    p.name.clone(),
+                    p.pid.map_or("-".into(), |x| x.to_string()),
+                    if *a { "yes".into() } else { "no".into() },
+                    p.log.display().to_string(),
+                ]);
+            }
+            print!("{}", render::table_text(&t));
+            println!();
+            match status {
+                Some(Ok(s)) => print!("{}", render::cluster_status(&s)),
+                Some(Err(e)) => println!("cluster status unavailable: {e}"),
+                None => println!(
+                    "no process is running; start it with `cumulusctl{} local up`",
+                    local_dir_flag(g)
+                ),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A hint for an error, when one helps: what to check or run next.
+pub fn hint(err: &anyhow::Error) -> Option<String> {
+    for cause in err.chain() {
+        if let Some(e) = cause.downcast_ref::<ClientError>() {
+            return match e {
+                ClientError::Exhausted { .. } => Some(
+                    "is the cluster running? check --addr/CUMULUS_ADDR, or `cumulusctl local status` for a local cluster".into(),
+                ),
+                ClientError::Unauthenticated => Some("the token must be the cluster's (for a local cluster: <local-dir>/token)".into()),
+                _ => None,
+            };
+        }
+        if let Some(e) = cause.downcast_ref::<LogError>() {
+            return match e {
+                LogError::Exhausted { .. } => {
+                    Some("check --http/CUMULUS_HTTP and that the coordinators are up".into())
+                }
+                LogError::Unauthenticated => Some(
+                    "the token must be the cluster's (for a local cluster: <local-dir>/token)"
+                        .into(),
+                ),
+                _ => None,
+            };
+        }
+        if let Some(e) = cause.downcast_ref::<LocalError>() {
+            return match e {
+                LocalError::Exited { .. } | LocalError::NotReady { .. } => {
+                    Some("fix the cause shown above, then `cumulusctl local down` and `cumulusctl local up` again".into())
+                }
+                _ => None,
+            };
+        }
+        if let Some(SplitError::BadRow { .. }) = cause.downcast_ref::<SplitError>() {
+            return Some("every row must have the same number of comma-separated numbers, the last an integer label ≥ 0, no header".into());
+        }
+        if let Some(ConfigError::BadToken { .. }) = cause.downcast_ref::<ConfigError>() {
+            return Some("the token file must hold one line of visible ASCII".into());
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hints_for_common_failures() {
+        let e = anyhow::Error::new(ClientError::Exhausted {
+            method: "GetJob",
+            attempts: 20,
+            elapsed_ms: 30_000,
+            last_addr: "127.0.0.1:1".into(),
+            last: "Unavailable".into(),
+        });
+        assert!(hint(&e).expect("hint").contains("local status"));
+        let e = anyhow::Error::new(ClientError::Unauthenticated).context("status");
+        assert!(hint(&e).expect("hint").contains("<local-dir>/token"));
+        assert_eq!(hint(&anyhow::anyhow!("plain")), None);
+    }
+}

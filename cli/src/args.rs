@@ -1,0 +1,448 @@
+//! Command-line grammar of `cumulusctl` (clap derive).
+//!
+//! Global options come first or anywhere (`global = true`); every connection option also
+//! reads an environment variable, and when neither is given the values come from the
+//! `cluster.json` that `cumulusctl local up` writes into `--local-dir`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// `cumulusctl`: submit, inspect, tail and cancel Cumulus jobs; run a local cluster.
+#[derive(Debug, Parser)]
+#[command(
+    name = "cumulusctl",
+    version,
+    about,
+    long_about = None,
+    propagate_version = true,
+    after_help = "Examples:
+  cumulusctl demo                                   # local cluster, training job, a rank killed and resumed
+  cumulusctl local up                               # 3 coordinators + 2 workers on 127.0.0.1 under .cumulus/
+  cumulusctl dataset split data/digits/digits.csv.gz --shards 8 --out shards --holdout-out holdout.csv
+  cumulusctl submit --world-size 4 --dataset shards --ckpt-dir ckpt -- python train.py
+  cumulusctl logs -f job-000001
+  cumulusctl status job-000001"
+)]
+pub struct Cli {
+    /// Options shared by every command.
+    #[command(flatten)]
+    pub global: GlobalOpts,
+    /// The command to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options shared by every command.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Global options")]
+pub struct GlobalOpts {
+    /// Coordinator gRPC addresses, comma-separated `host:port` (any member; writes follow
+    /// the leader). Default: the local cluster's, from `<local-dir>/cluster.json`.
+    #[arg(long, global = true, env = "CUMULUS_ADDR", value_delimiter = ',')]
+    pub addr: Vec<String>,
+    /// Coordinator HTTP addresses, comma-separated `host:port` (used by `logs`).
+    /// Default: the local cluster's, from `<local-dir>/cluster.json`.
+    #[arg(long, global = true, env = "CUMULUS_HTTP", value_delimiter = ',')]
+    pub http: Vec<String>,
+    /// Cluster bearer token. Prefer --token-file: a token on the command line is visible
+    /// to every user of the machine in `ps`.
+    #[arg(
+        long,
+        global = true,
+        env = "CUMULUS_TOKEN",
+        conflicts_with = "token_file",
+        hide_env_values = true
+    )]
+    pub token: Option<String>,
+    /// File holding the cluster bearer token (surrounding whitespace is ignored).
+    #[arg(long, global = true, env = "CUMULUS_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Directory of the local cluster (`local up` writes `cluster.json` there).
+    #[arg(
+        long,
+        global = true,
+        env = "CUMULUS_LOCAL_DIR",
+        default_value = ".cumulus"
+    )]
+    pub local_dir: PathBuf,
+    /// Output format: human tables or JSON for scripts.
+    #[arg(short = 'o', long, global = true, value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+}
+
+/// Output format of every command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    /// Human-readable tables.
+    Table,
+    /// JSON (the proto messages as serde_json); `logs` prints one JSON object per line.
+    Json,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Submit a job: `submit --world-size 4 -- python train.py --lr 0.1`.
+    Submit(SubmitArgs),
+    /// Show one job: state, ranks, restarts.
+    Status(JobArg),
+    /// List every job.
+    List,
+    /// Cancel a job (its ranks are stopped).
+    Cancel(JobArg),
+    /// Print the logs of a job's ranks (all attempts), `-f` to follow.
+    Logs(LogsArgs),
+    /// Checkpoints of a job.
+    #[command(subcommand)]
+    Ckpt(CkptCommand),
+    /// The coordinator cluster.
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
+    /// Dataset preparation.
+    #[command(subcommand)]
+    Dataset(DatasetCommand),
+    /// A local cluster of background processes on 127.0.0.1, under --local-dir.
+    #[command(subcommand)]
+    Local(LocalCommand),
+    /// End-to-end demo: local cluster, digits training job, a rank killed and resumed.
+    Demo(DemoArgs),
+}
+
+/// A job id argument.
+#[derive(Debug, Args)]
+pub struct JobArg {
+    /// Job id, e.g. `job-000001`.
+    pub job: String,
+}
+
+/// Restart scope of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RestartScope {
+    /// Stop and restart every rank (what collective jobs need).
+    Group,
+    /// Restart only the rank that failed.
+    Rank,
+}
+
+impl RestartScope {
+    /// The wire name in `RestartPolicy.scope`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RestartScope::Group => "group",
+            RestartScope::Rank => "rank",
+        }
+    }
+}
+
+/// `submit` options.
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    /// Number of ranks (processes) of the job.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub world_size: u32,
+    /// Dataset directory: its regular files, sorted by name, are the shards; shard i goes
+    /// to rank i mod world-size. Must be readable at this path on the workers.
+    #[arg(long)]
+    pub dataset: Option<PathBuf>,
+    /// Checkpoint root directory (checkpoints are disabled without it).
+    #[arg(long)]
+    pub ckpt_dir: Option<PathBuf>,
+    /// Committed checkpoint steps to keep (cluster default 3).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub ckpt_keep: Option<u32>,
+    /// Job-wide restart budget (cluster default 3); past it the job fails.
+    #[arg(long)]
+    pub max_restarts: Option<u32>,
+    /// What a failure restarts (cluster default: group).
+    #[arg(long, value_enum)]
+    pub restart_scope: Option<RestartScope>,
+    /// Delay before the first restart, milliseconds; doubles per restart (±20% jitter).
+    #[arg(long)]
+    pub backoff_initial_ms: Option<u64>,
+    /// Upper bound of the restart delay, milliseconds.
+    #[arg(long)]
+    pub backoff_max_ms: Option<u64>,
+    /// A rank whose reported step does not advance for this many seconds is declared
+    /// hung and restarted (0 or absent: off).
+    #[arg(long)]
+    pub progress_timeout_s: Option<u64>,
+    /// Extra environment variable for every rank, `KEY=VALUE` (repeatable).
+    #[arg(long = "env", value_name = "KEY=VALUE")]
+    pub env: Vec<String>,
+    /// Human-readable job name (≤ 128 bytes).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Working directory of every rank (default: the worker's own).
+    #[arg(long)]
+    pub workdir: Option<PathBuf>,
+    /// Idempotency key (1..=128 bytes); default: random, generated once per invocation
+    /// and reused by every retry, so a retried submit never creates two jobs.
+    #[arg(long)]
+    pub request_id: Option<String>,
+    /// Wait until the job finishes; exit 0 only if it succeeded.
+    #[arg(long)]
+    pub wait: bool,
+    /// With --wait: give up waiting after this many seconds (the job keeps running).
+    #[arg(long, requires = "wait")]
+    pub wait_timeout_s: Option<u64>,
+    /// The command every rank runs (argv; argv[0] is looked up in PATH on the worker).
+    /// Put it after `--` when it has options of its own.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    pub command: Vec<String>,
+}
+
+/// `logs` options.
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// Job id, e.g. `job-000001`.
+    pub job: String,
+    /// Follow: keep streaming until the job finishes and every log is drained.
+    #[arg(short = 'f', long)]
+    pub follow: bool,
+    /// Only this rank (default: every rank).
+    #[arg(long)]
+    pub rank: Option<u32>,
+}
+
+/// `ckpt` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum CkptCommand {
+    /// List a job's checkpoints.
+    Ls(JobArg),
+}
+
+/// `cluster` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ClusterCommand {
+    /// Members, leader, Raft indexes and workers.
+    Status,
+}
+
+/// `dataset` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum DatasetCommand {
+    /// Split a CSV (or .csv.gz) of numeric columns, integer label last, into shards.
+    Split(SplitArgs),
+}
+
+/// `dataset split` options.
+#[derive(Debug, Args)]
+pub struct SplitArgs {
+    /// Input CSV, optionally gzip-compressed; no header; label (integer ≥ 0) last.
+    pub file: PathBuf,
+    /// Number of shard files to write (1..=100000).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub shards: u32,
+    /// Output directory for `shard-00000.csv` …; must be empty or absent (see --force).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Fraction of rows (0 ≤ f < 1) sent deterministically to --holdout-out.
+    /// Default: 0.2 when --holdout-out is given, else 0.
+    #[arg(long)]
+    pub holdout_fraction: Option<f64>,
+    /// Holdout CSV file (required when --holdout-fraction > 0; must lie outside --out).
+    #[arg(long)]
+    pub holdout_out: Option<PathBuf>,
+    /// Write into a non-empty --out: existing `shard-*.csv` files there are replaced.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `local` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum LocalCommand {
+    /// Start (or restart) the local cluster and wait until it is ready.
+    Up(LocalUpArgs),
+    /// Stop the local cluster (SIGTERM, then SIGKILL after 10 s).
+    Down(LocalDownArgs),
+    /// Which processes are alive, and the cluster status.
+    Status,
+}
+
+/// `local up` options.
+#[derive(Debug, Args)]
+pub struct LocalUpArgs {
+    /// Number of coordinators (Raft voters), 1..=7. Default 3 (or as recorded).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=7))]
+    pub coordinators: Option<u32>,
+    /// Number of workers, 0..=64. Default 2 (or as recorded).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub workers: Option<u32>,
+    /// Rank slots per worker, 1..=1024. Default 4 (or as recorded).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub slots: Option<u32>,
+    /// Directory holding `cumulus-coordinator` and `cumulus-worker` (default: next to
+    /// this executable, else PATH).
+    #[arg(long)]
+    pub bin_dir: Option<PathBuf>,
+}
+
+/// `local down` options.
+#[derive(Debug, Args)]
+pub struct LocalDownArgs {
+    /// Also delete everything `local up` created (data, logs, token, cluster.json).
+    #[arg(long)]
+    pub purge: bool,
+}
+
+/// `demo` options.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Directory of the demo's cluster, data, checkpoints and outputs (wiped first).
+    #[arg(long, default_value = ".cumulus-demo")]
+    pub dir: PathBuf,
+    /// Leave the cluster running at the end.
+    #[arg(long)]
+    pub keep: bool,
+    /// Directory holding the cumulus binaries (default: next to this executable, else PATH).
+    #[arg(long)]
+    pub bin_dir: Option<PathBuf>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("cumulusctl").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn submit_takes_command_after_double_dash_with_its_own_flags() {
+        let cli = parse(&[
+            "--addr",
+            "127.0.0.1:1,127.0.0.1:2",
+            "submit",
+            "--world-size",
+            "4",
+            "--env",
+            "A=1",
+            "--env",
+            "B=x=y",
+            "--restart-scope",
+            "rank",
+            "--",
+            "python",
+            "train.py",
+            "--lr",
+            "0.1",
+        ])
+        .expect("valid");
+        assert_eq!(cli.global.addr, vec!["127.0.0.1:1", "127.0.0.1:2"]);
+        let Command::Submit(s) = cli.command else {
+            panic!("not submit")
+        };
+        assert_eq!(s.world_size, 4);
+        assert_eq!(s.env, vec!["A=1", "B=x=y"]);
+        assert_eq!(s.restart_scope, Some(RestartScope::Rank));
+        assert_eq!(s.command, vec!["python", "train.py", "--lr", "0.1"]);
+    }
+
+    #[test]
+    fn submit_without_double_dash_keeps_trailing_flags_in_command() {
+        let cli = parse(&["submit", "--world-size", "2", "python", "-u", "x.py"]).expect("valid");
+        let Command::Submit(s) = cli.command else {
+            panic!("not submit")
+        };
+        assert_eq!(s.command, vec!["python", "-u", "x.py"]);
+    }
+
+    #[test]
+    fn submit_rejects_zero_world_size_and_missing_command() {
+        assert!(parse(&["submit", "--world-size", "0", "--", "true"]).is_err());
+        assert!(parse(&["submit", "--world-size", "2"]).is_err());
+        assert!(
+            parse(&["submit", "--", "true"]).is_err(),
+            "world size is required"
+        );
+    }
+
+    #[test]
+    fn token_and_token_file_conflict() {
+        let err = parse(&["--token", "a", "--token-file", "f", "list"]).expect_err("conflict");
+        assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
+    }
+
+    #[test]
+    fn global_options_after_the_subcommand_and_json_output() {
+        let cli =
+            parse(&["status", "job-000001", "-o", "json", "--local-dir", "/x"]).expect("valid");
+        assert_eq!(cli.global.output, OutputFormat::Json);
+        assert_eq!(cli.global.local_dir, PathBuf::from("/x"));
+        let Command::Status(j) = cli.command else {
+            panic!("not status")
+        };
+        assert_eq!(j.job, "job-000001");
+    }
+
+    #[test]
+    fn split_bounds_shards() {
+        assert!(parse(&["dataset", "split", "f.csv", "--shards", "0", "--out", "d"]).is_err());
+        assert!(
+            parse(&[
+                "dataset", "split", "f.csv", "--shards", "100001", "--out", "d"
+            ])
+            .is_err()
+        );
+        let cli = parse(&[
+            "dataset", "split", "f.csv", "--shards", "100000", "--out", "d",
+        ])
+        .expect("valid");
+        let Command::Dataset(DatasetCommand::Split(s)) = cli.command else {
+            panic!("not split")
+        };
+        assert_eq!(s.shards, 100_000);
+        assert_eq!(s.holdout_fraction, None);
+    }
+
+    #[test]
+    fn logs_follow_and_rank() {
+        let cli = parse(&["logs", "job-000002", "-f", "--rank", "3"]).expect("valid");
+        let Command::Logs(l) = cli.command else {
+            panic!("not logs")
+        };
+        assert!(l.follow);
+        assert_eq!(l.rank, Some(3));
+    }
+
+    #[test]
+    fn wait_timeout_requires_wait() {
+        assert!(
+            parse(&[
+                "submit",
+                "--world-size",
+                "1",
+                "--wait-timeout-s",
+                "5",
+                "--",
+                "true"
+            ])
+            .is_err()
+        );
+        assert!(
+            parse(&[
+                "submit",
+                "--world-size",
+                "1",
+                "--wait",
+                "--wait-timeout-s",
+                "5",
+                "--",
+                "true"
+            ])
+            .is_ok()
+        );
+    }
+}

@@ -1,0 +1,502 @@
+//! Where the cluster is: `cluster.json` (written by `local up`) and the resolution of
+//! `--addr`, `--http`, `--token`/`--token-file` against it.
+
+use std::collections::HashSet;
+use std::fs;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::args::GlobalOpts;
+
+/// Name of the cluster description inside `--local-dir`.
+pub const CLUSTER_FILE: &str = "cluster.json";
+/// Largest `cluster.json` read back, bytes.
+pub const MAX_CLUSTER_FILE_BYTES: u64 = 1024 * 1024;
+/// Largest token accepted, bytes.
+pub const MAX_TOKEN_BYTES: usize = 4096;
+
+/// Errors of reading or resolving the cluster configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// An I/O error on a named file.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `cluster.json` is not valid.
+    #[error("{path} is not a valid cluster file: {reason}")]
+    BadClusterFile {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The token file or value is not usable.
+    #[error("bad token ({origin}): {reason}")]
+    BadToken {
+        /// Where it came from (flag or file).
+        origin: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// An address is not `host:port`.
+    #[error("bad address {addr:?} in {flag}: expected host:port")]
+    BadAddress {
+        /// The flag it came from.
+        flag: &'static str,
+        /// The value.
+        addr: String,
+    },
+    /// Nothing says where the cluster is.
+    #[error(
+        "no {what}: pass {flag}, or start a local cluster with `cumulusctl local up` (looked for {path})"
+    )]
+    Missing {
+        /// What is missing.
+        what: &'static str,
+        /// The flag that would provide it.
+        flag: &'static str,
+        /// The cluster file that was looked for.
+        path: PathBuf,
+    },
+}
+
+/// One coordinator of a local cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoordinatorEntry {
+    /// Raft node id, 1..=n.
+    pub node_id: u64,
+    /// gRPC `host:port`.
+    pub grpc: String,
+    /// HTTP `host:port`.
+    pub http: String,
+    /// OS process id while running; `null` once stopped by `local down`.
+    pub pid: Option<u32>,
+    /// Its `--data-dir` (absolute).
+    pub data_dir: PathBuf,
+    /// Its combined stdout+stderr log (absolute).
+    pub log: PathBuf,
+}
+
+/// One worker agent of a local cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerEntry {
+    /// Worker id, e.g. `worker-1`.
+    pub worker_id: String,
+    /// OS process id while running; `null` once stopped by `local down`.
+    pub pid: Option<u32>,
+    /// Its `--data-dir` (absolute).
+    pub data_dir: PathBuf,
+    /// Its combined stdout+stderr log (absolute).
+    pub log: PathBuf,
+    /// Rank slots it offers.
+    #[serde(default = "default_slots")]
+    pub slots: u32,
+}
+
+fn default_slots() -> u32 {
+    4
+}
+
+/// `<local-dir>/cluster.json`: what `local up` started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterFile {
+    /// The cluster token file (absolute path, mode 0600).
+    pub token_file: PathBuf,
+    /// Coordinators, by node id.
+    pub coordinators: Vec<CoordinatorEntry>,
+    /// Worker agents.
+    pub workers: Vec<WorkerEntry>,
+}
+
+impl ClusterFile {
+    /// Path of the cluster file inside `local_dir`.
+    pub fn path_in(local_dir: &Path) -> PathBuf {
+        local_dir.join(CLUSTER_FILE)
+    }
+
+    /// Reads and validates `<local_dir>/cluster.json`; `Ok(None)` when it does not exist.
+    pub fn load(local_dir: &Path) -> Result<Option<ClusterFile>, ConfigError> {
+        let path = Self::path_in(local_dir);
+        let bytes = match read_limited(&path, MAX_CLUSTER_FILE_BYTES) {
+            Ok(b) => b,
+            Err(ConfigError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        let file: ClusterFile =
+            serde_json::from_slice(&bytes).map_err(|e| ConfigError::BadClusterFile {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        file.validate()
+            .map_err(|reason| ConfigError::BadClusterFile { path, reason })?;
+        Ok(Some(file))
+    }
+
+    /// Checks the invariants a reader relies on; the reason names the bad entry.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.coordinators.is_empty() {
+            return Err("no coordinators".into());
+        }
+        let mut ids = HashSet::new();
+        for c in &self.coordinators {
+            if c.node_id == 0 || !ids.insert(c.node_id) {
+                return Err(format!(
+                    "coordinator node id {} is zero or repeated",
+                    c.node_id
+                ));
+            }
+            for (what, addr) in [("grpc", &c.grpc), ("http", &c.http)] {
+                addr.parse::<SocketAddr>().map_err(|_| {
+                    format!(
+                        "coordinator {} {what} address {addr:?} is not ip:port",
+                        c.node_id
+                    )
+                })?;
+            }
+        }
+        let mut workers = HashSet::new();
+        for w in &self.workers {
+            if !valid_worker_id(&w.worker_id) || !workers.insert(w.worker_id.as_str()) {
+                return Err(format!(
+                    "worker id {:?} is invalid or repeated",
+                    w.worker_id
+                ));
+            }
+            if w.slots == 0 {
+                return Err(format!("worker {} has 0 slots", w.worker_id));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the file atomically: `cluster.json.tmp`, fsync, rename over `cluster.json`.
+    pub fn store(&self, local_dir: &Path) -> Result<(), ConfigError> {
+        let path = Self::path_in(local_dir);
+        let tmp = local_dir.join(format!("{CLUSTER_FILE}.tmp"));
+        let json = serde_json::to_vec_pretty(self).expect("a ClusterFile always serializes");
+        let io = |source| ConfigError::Io {
+            path: tmp.clone(),
+            source,
+        };
+        let mut f = fs::File::create(&tmp).map_err(io)?;
+        f.write_all(&json).map_err(io)?;
+        f.write_all(b"\n").map_err(io)?;
+        f.sync_all().map_err(io)?;
+        drop(f);
+        fs::rename(&tmp, &path).map_err(|source| ConfigError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(())
+    }
+
+    /// gRPC addresses of every coordinator, in node-id order.
+    pub fn grpc_addrs(&self) -> Vec<String> {
+        self.coordinators.iter().map(|c| c.grpc.clone()).collect()
+    }
+
+    /// HTTP addresses of every coordinator, in node-id order.
+    pub fn http_addrs(&self) -> Vec<String> {
+        self.coordinators.iter().map(|c| c.http.clone()).collect()
+    }
+}
+
+/// Whether `id` is a valid worker id: 1..=64 bytes of `[A-Za-z0-9._-]`.
+pub fn valid_worker_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// Reads at most `limit` bytes of `path`; more is an error.
+fn read_limited(path: &Path, limit: u64) -> Result<Vec<u8>, ConfigError> {
+    use std::io::Read;
+    let io = |source| ConfigError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let f = fs::File::open(path).map_err(io)?;
+    let mut buf = Vec::new();
+    f.take(limit + 1).read_to_end(&mut buf).map_err(io)?;
+    if buf.len() as u64 > limit {
+        return Err(ConfigError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("larger than {limit} bytes"),
+            ),
+        });
+    }
+    Ok(buf)
+}
+
+/// Reads a token file: trimmed, non-empty, ≤ [`MAX_TOKEN_BYTES`], visible ASCII only.
+pub fn read_token_file(path: &Path) -> Result<String, ConfigError> {
+    let bytes = read_limited(path, MAX_TOKEN_BYTES as u64 + 64)?;
+    let text = String::from_utf8(bytes).map_err(|_| ConfigError::BadToken {
+        origin: path.display().to_string(),
+        reason: "not UTF-8".into(),
+    })?;
+    check_token(text.trim(), &path.display().to_string())
+}
+
+/// Validates a token value (used in an HTTP header, so visible ASCII only).
+pub fn check_token(token: &str, origin: &str) -> Result<String, ConfigError> {
+    let bad = |reason: &str| ConfigError::BadToken {
+        origin: origin.to_string(),
+        reason: reason.to_string(),
+    };
+    if token.is_empty() {
+        return Err(bad("empty"));
+    }
+    if token.len() > MAX_TOKEN_BYTES {
+        return Err(bad("longer than 4096 bytes"));
+    }
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(bad("must be visible ASCII without spaces"));
+    }
+    Ok(token.to_string())
+}
+
+/// Normalizes one address: strips `http://`, a trailing `/`, and requires `host:port`.
+pub fn normalize_addr(raw: &str, flag: &'static str) -> Result<String, ConfigError> {
+    let s = raw.trim();
+    let s = s.strip_prefix("http://").unwrap_or(s);
+    let s = s.strip_suffix('/').unwrap_or(s);
+    let bad = || ConfigError::BadAddress {
+        flag,
+        addr: raw.to_string(),
+    };
+    let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
+    if host.is_empty() || host.contains('/') || port.parse::<u16>().map_or(true, |p| p == 0) {
+        return Err(bad());
+    }
+    Ok(s.to_string())
+}
+
+/// Where and how to reach the cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Conn {
+    /// Coordinator gRPC `host:port` addresses (non-empty).
+    pub grpc: Vec<String>,
+    /// Coordinator HTTP `host:port` addresses (may be empty when only gRPC was given).
+    pub http: Vec<String>,
+    /// The cluster bearer token.
+    pub token: String,
+}
+
+/// Resolves the connection from flags/env, falling back to `<local-dir>/cluster.json`.
+pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
+    let needs_file = global.addr.is_empty()
+        || global.http.is_empty()
+        || (global.token.is_none() && global.token_file.is_none());
+    let file = if needs_file {
+        ClusterFile::load(&global.local_dir)?
+    } else {
+        None
+    };
+    let cluster_path = ClusterFile::path_in(&global.local_dir);
+
+    let grpc: Vec<String> = if !global.addr.is_empty() {
+        global
+            .addr
+            .iter()
+            .filter(|a| !a.trim().is_empty())
+            .map(|a| normalize_addr(a, "--addr"))
+            .collect::<Result<_, _>>()?
+    } else {
+        file.as_ref()
+            .map(ClusterFile::grpc_addrs)
+            .unwrap_or_default()
+    };
+    if grpc.is_empty() {
+        return Err(ConfigError::Missing {
+            what: "coordinator address",
+            flag: "--addr (or CUMULUS_ADDR)",
+            path: cluster_path,
+        });
+    }
+    let http: Vec<String> = if !global.http.is_empty() {
+        global
+            .http
+            .iter()
+            .filter(|a| !a.trim().is_empty())
+            .map(|a| normalize_addr(a, "--http"))
+            .collect::<Result<_, _>>()?
+    } else if global.addr.is_empty() {
+        file.as_ref()
+            .map(ClusterFile::http_addrs)
+            .unwrap_or_default()
+    } else {
+        // Explicit gRPC addresses of another cluster: the local file's HTTP ports would be wrong.
+        Vec::new()
+    };
+    let token = if let Some(t) = &global.token {
+        check_token(t.trim(), "--token")?
+    } else if let Some(p) = &global.token_file {
+        read_token_file(p)?
+    } else if let Some(f) = &file {
+        read_token_file(&f.token_file)?
+    } else {
+        return Err(ConfigError::Missing {
+            what: "token",
+            flag: "--token-file (or CUMULUS_TOKEN_FILE)",
+            path: cluster_path,
+        });
+    };
+    Ok(Conn { grpc, http, token })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::OutputFormat;
+
+    fn sample(dir: &Path) -> ClusterFile {
+        ClusterFile {
+            token_file: dir.join("token"),
+            coordinators: (1..=3)
+                .map(|i| CoordinatorEntry {
+                    node_id: i,
+                    grpc: format!("127.0.0.1:{}", 7000 + i),
+                    http: format!("127.0.0.1:{}", 8000 + i),
+                    pid: Some(100 + i as u32),
+                    data_dir: dir.join(format!("coord-{i}")),
+                    log: dir.join(format!("coord-{i}.log")),
+                })
+                .collect(),
+            workers: vec![WorkerEntry {
+                worker_id: "worker-1".into(),
+                pid: None,
+                data_dir: dir.join("worker-1"),
+                log: dir.join("worker-1.log"),
+                slots: 4,
+            }],
+        }
+    }
+
+    fn opts(dir: &Path) -> GlobalOpts {
+        GlobalOpts {
+            addr: vec![],
+            http: vec![],
+            token: None,
+            token_file: None,
+            local_dir: dir.to_path_buf(),
+            output: OutputFormat::Table,
+        }
+    }
+
+    #[test]
+    fn cluster_file_round_trip_and_no_tmp_left() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert_eq!(ClusterFile::load(dir.path()).expect("absent is fine"), None);
+        let f = sample(dir.path());
+        f.store(dir.path()).expect("store");
+        assert_eq!(
+            ClusterFile::load(dir.path()).expect("load"),
+            Some(f.clone())
+        );
+        assert!(!dir.path().join("cluster.json.tmp").exists());
+        // Overwrite with a changed pid.
+        let mut g = f;
+        g.coordinators[0].pid = None;
+        g.store(dir.path()).expect("store");
+        assert_eq!(ClusterFile::load(dir.path()).expect("load"), Some(g));
+    }
+
+    #[test]
+    fn corrupt_or_invalid_cluster_file_is_rejected_with_reason() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        fs::write(dir.path().join(CLUSTER_FILE), b"{not json").expect("write");
+        let err = ClusterFile::load(dir.path()).expect_err("corrupt");
+        assert!(matches!(err, ConfigError::BadClusterFile { .. }), "{err}");
+
+        let mut f = sample(dir.path());
+        f.coordinators[1].node_id = 1;
+        fs::write(
+            dir.path().join(CLUSTER_FILE),
+            serde_json::to_vec(&f).expect("json"),
+        )
+        .expect("write");
+        let err = ClusterFile::load(dir.path()).expect_err("duplicate id");
+        assert!(err.to_string().contains("repeated"), "{err}");
+
+        let mut f = sample(dir.path());
+        f.coordinators[2].grpc = "nowhere".into();
+        fs::write(
+            dir.path().join(CLUSTER_FILE),
+            serde_json::to_vec(&f).expect("json"),
+        )
+        .expect("write");
+        let err = ClusterFile::load(dir.path()).expect_err("bad addr");
+        assert!(err.to_string().contains("nowhere"), "{err}");
+    }
+
+    #[test]
+    fn resolve_falls_back_to_cluster_file_and_token_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = sample(dir.path());
+        f.store(dir.path()).expect("store");
+        fs::write(&f.token_file, "abc123\n").expect("token");
+        let conn = resolve(&opts(dir.path())).expect("resolve");
+        assert_eq!(
+            conn.grpc,
+            vec!["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
+        );
+        assert_eq!(
+            conn.http,
+            vec!["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
+        );
+        assert_eq!(conn.token, "abc123");
+
+        // Explicit flags win; explicit gRPC without --http does not borrow the file's HTTP.
+        let mut o = opts(dir.path());
+        o.addr = vec!["http://10.0.0.1:50051/".into(), "10.0.0.2:50051".into()];
+        o.token = Some("tok".into());
+        let conn = resolve(&o).expect("resolve");
+        assert_eq!(conn.grpc, vec!["10.0.0.1:50051", "10.0.0.2:50051"]);
+        assert!(conn.http.is_empty());
+        assert_eq!(conn.token, "tok");
+    }
+
+    #[test]
+    fn resolve_without_anything_says_what_is_missing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = resolve(&opts(dir.path())).expect_err("nothing");
+        assert!(err.to_string().contains("--addr"), "{err}");
+        let mut o = opts(dir.path());
+        o.addr = vec!["127.0.0.1:1".into()];
+        let err = resolve(&o).expect_err("no token");
+        assert!(err.to_string().contains("--token-file"), "{err}");
+    }
+
+    #[test]
+    fn addresses_and_tokens_are_validated() {
+        assert_eq!(normalize_addr("h:1", "--addr").expect("ok"), "h:1");
+        assert!(normalize_addr("h", "--addr").is_err());
+        assert!(normalize_addr("h:0", "--addr").is_err());
+        assert!(normalize_addr(":80", "--addr").is_err());
+        assert!(normalize_addr("h:99999", "--addr").is_err());
+        assert!(check_token("", "x").is_err());
+        assert!(check_token("a b", "x").is_err());
+        assert!(check_token(&"a".repeat(4097), "x").is_err());
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("t");
+        fs::write(&p, "  \n").expect("write");
+        assert!(read_token_file(&p).is_err());
+    }
+}

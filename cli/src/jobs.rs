@@ -1,0 +1,418 @@
+//! The cluster commands: submit, status, list, cancel, logs, ckpt ls, cluster status.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use cumulus_proto::{JobSpec, RestartPolicy, SubmitJobRequest};
+
+use crate::args::{OutputFormat, SubmitArgs};
+use crate::client::{Client, new_request_id};
+use crate::config::Conn;
+use crate::dataset::absolute;
+use crate::logs::{CursorState, LogRequest, follow_logs};
+use crate::render;
+
+/// Poll interval of `submit --wait`.
+pub const WAIT_POLL: Duration = Duration::from_secs(1);
+/// Longest request id, bytes.
+pub const MAX_REQUEST_ID_BYTES: usize = 128;
+/// Most `--env` entries.
+pub const MAX_ENV: usize = 256;
+
+/// Job states after which nothing changes.
+pub fn is_finished(state: &str) -> bool {
+    matches!(state, "succeeded" | "failed" | "cancelled")
+}
+
+/// Parses `--env KEY=VALUE` entries; keys must be non-empty, without `=` or NUL, unique.
+pub fn parse_env(entries: &[String]) -> Result<HashMap<String, String>> {
+    if entries.len() > MAX_ENV {
+        bail!("at most {MAX_ENV} --env entries, got {}", entries.len());
+    }
+    let mut env = HashMap::new();
+    for e in entries {
+        let (k, v) = e
+            .split_once('=')
+            .with_context(|| format!("--env {e:?}: expected KEY=VALUE"))?;
+        if k.is_empty() || k.contains('\0') || v.contains('\0') {
+            bail!("--env {e:?}: the key must be non-empty and neither may contain NUL");
+        }
+        if env.insert(k.to_string(), v.to_string()).is_some() {
+            bail!("--env {k} is given twice");
+        }
+    }
+    Ok(env)
+}
+
+fn abs_string(p: &Option<std::path::PathBuf>, flag: &str) -> Result<String> {
+    match p {
+        None => Ok(String::new()),
+        Some(p) => {
+            let a = absolute(p)
+                .with_context(|| format!("{flag} {}: cannot make it absolute", p.display()))?;
+            a.to_str()
+                .map(str::to_string)
+                .with_context(|| format!("{flag} {} is not valid UTF-8", a.display()))
+        }
+    }
+}
+
+/// Builds the request of `submit` (relative paths made absolute; request id kept or
+/// generated once).
+pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
+    let request_id = match &args.request_id {
+        Some(id) if id.is_empty() || id.len() > MAX_REQUEST_ID_BYTES => {
+            bail!("--request-id must be 1..={MAX_REQUEST_ID_BYTES} bytes")
+        }
+        Some(id) => id.clone(),
+        None => new_request_id(),
+    };
+    if args.command.is_empty() {
+        bail!("no command: put it after `--`, e.g. `submit --world-size 2 -- python train.py`");
+    }
+    let progress_timeout_ms = match args.progress_timeout_s {
+        None => 0,
+        Some(s) => s
+            .checked_mul(1000)
+            .context("--progress-timeout-s is too large")?,
+    };
+    if let (Some(a), Some(b)) = (args.backoff_initial_ms, args.backoff_max_ms)
+        && a > b
+    {
+        bail!("--backoff-initial-ms {a} is larger than --backoff-max-ms {b}");
+    }
+    let spec = JobSpec {
+        name: args.name.clone().unwrap_or_default(),
+        world_size: args.world_size,
+        command: args.command.clone(),
+        env: parse_env(&args.env)?,
+        dataset: abs_string(&args.dataset, "--dataset")?,
+        ckpt_dir: abs_string(&args.ckpt_dir, "--ckpt-dir")?,
+        ckpt_keep: args.ckpt_keep,
+        restart: Some(RestartPolicy {
+            scope: args.restart_scope.map(|s| s.as_str().to_string()),
+            max_restarts: args.max_restarts,
+            backoff_initial_ms: args.backoff_initial_ms,
+            backoff_max_ms: args.backoff_max_ms,
+        }),
+        progress_timeout_ms,
+        working_dir: abs_string(&args.workdir, "--workdir")?,
+    };
+    Ok(SubmitJobRequest {
+        request_id,
+        spec: Some(spec),
+    })
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, v).context("writing JSON to stdout")?;
+    writeln!(out).context("writing to stdout")?;
+    Ok(())
+}
+
+fn print_text(s: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(s.as_bytes()).context("writing to stdout")?;
+    Ok(())
+}
+
+/// `submit`.
+pub async fn submit(conn: &Conn, args: &SubmitArgs, output: OutputFormat) -> Result<()> {
+    let req = build_submit(args)?;
+    let client = Client::new(conn)?;
+    let resp = client.submit_job(req.clone()).await?;
+    match output {
+        OutputFormat::Json if !args.wait => print_json(&resp)?,
+        OutputFormat::Json => {}
+        OutputFormat::Table => {
+            println!("{}", resp.job_id);
+            if !resp.created {
+                eprintln!(
+                    "(request id {} had already created {}; no new job)",
+                    req.request_id, resp.job_id
+                );
+            }
+        }
+    }
+    if args.wait {
+        return wait_for(
+            &client,
+            &resp.job_id,
+            args.wait_timeout_s.map(Duration::from_secs),
+            output,
+        )
+        .await;
+    }
+    Ok(())
+}
+
+/// Polls a job until it finishes; `Ok` only when it succeeded.
+pub async fn wait_for(
+    client: &Client,
+    job_id: &str,
+    timeout: Option<Duration>,
+    output: OutputFormat,
+) -> Result<()> {
+    let start = Instant::now();
+    let mut last_state = String::new();
+    loop {
+        let resp = client.get_job(job_id, true).await?;
+        let job = resp
+            .job
+            .clone()
+            .context("the coordinator returned no job")?;
+        if job.state != last_state {
+            eprintln!("{job_id}: {}", job.state);
+            last_state = job.state.clone();
+        }
+        if is_finished(&job.state) {
+            match output {
+                OutputFormat::Json => print_json(&resp)?,
+                OutputFormat::Table => print_text(&render::job_status(&resp, render::now_ms()))?,
+            }
+            if job.state == "succeeded" {
+                return Ok(());
+            }
+            let cause = if job.failure_cause.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", job.failure_cause)
+            };
+            bail!("job {job_id} {}{cause}", job.state);
+        }
+        if let Some(t) = timeout
+            && start.elapsed() >= t
+        {
+            bail!(
+                "gave up waiting for {job_id} after {} s (it is still {}; see `cumulusctl status {job_id}`)",
+                t.as_secs(),
+                job.state
+            );
+        }
+        tokio::time::sleep(WAIT_POLL).await;
+    }
+}
+
+/// `status JOB`.
+pub async fn status(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.get_job(job_id, true).await?;
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => print_text(&render::job_status(&resp, render::now_ms())),
+    }
+}
+
+/// `list`.
+pub async fn list(conn: &Conn, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.list_jobs(true).await?;
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => print_text(&render::jobs_table(&resp, render::now_ms())),
+    }
+}
+
+/// `cancel JOB`.
+pub async fn cancel(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.cancel_job(job_id).await?;
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => {
+            let state = resp
+                .job
+                .as_ref()
+                .map(|j| j.state.as_str())
+                .unwrap_or("unknown");
+            println!("{job_id}: {state}");
+            Ok(())
+        }
+    }
+}
+
+/// `ckpt ls JOB`.
+pub async fn ckpt_ls(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.list_checkpoints(job_id).await?;
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => print_text(&render::checkpoints_table(&resp)),
+    }
+}
+
+/// `cluster status`.
+pub async fn cluster_status(conn: &Conn, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.cluster_status().await?;
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => print_text(&render::cluster_status(&resp)),
+    }
+}
+
+/// `logs JOB [-f] [--rank R]`: prints `[rank R a A] line` (or one JSON object per line).
+pub async fn logs(
+    conn: &Conn,
+    job_id: &str,
+    rank: Option<u32>,
+    follow: bool,
+    output: OutputFormat,
+) -> Result<()> {
+    let req = LogRequest {
+        job_id: job_id.to_string(),
+        rank,
+        follow,
+    };
+    let mut state = CursorState::default();
+    let mut out = std::io::stdout().lock();
+    let mut write_err: Option<std::io::Error> = None;
+    let result = follow_logs(conn, &req, &mut state, |l| {
+        if write_err.is_some() {
+            return;
+        }
+        let r = match output {
+            OutputFormat::Table => writeln!(out, "{}", l.human()),
+            OutputFormat::Json => serde_json::to_string(l)
+                .map_err(std::io::Error::other)
+                .and_then(|s| writeln!(out, "{s}")),
+        };
+        if let Err(e) = r.and_then(|_| out.flush()) {
+            write_err = Some(e);
+        }
+    })
+    .await;
+    if let Some(e) = write_err {
+        // A closed pipe (`| head`) is a normal way to stop reading.
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            return Ok(());
+        }
+        return Err(e).context("writing to stdout");
+    }
+    result?;
+    Ok(())
+}
+
+/// Whether `p` names an existing directory (for friendlier submit warnings).
+pub fn warn_missing_dir(flag: &str, p: &Option<std::path::PathBuf>) {
+    if let Some(p) = p
+        && !Path::new(p).is_dir()
+    {
+        eprintln!(
+            "warning: {flag} {} is not a directory here (fine if it exists on the workers)",
+            p.display()
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::{Cli, Command};
+    use clap::Parser;
+
+    fn submit_args(extra: &[&str]) -> SubmitArgs {
+        let mut argv = vec!["cumulusctl", "submit", "--world-size", "2"];
+        argv.extend_from_slice(extra);
+        match Cli::try_parse_from(argv).expect("parse").command {
+            Command::Submit(s) => s,
+            _ => panic!("not submit"),
+        }
+    }
+
+    #[test]
+    fn submit_request_has_absolute_paths_policy_and_env() {
+        let a = submit_args(&[
+            "--dataset",
+            "data/shards",
+            "--ckpt-dir",
+            "/abs/ckpt",
+            "--workdir",
+            ".",
+            "--max-restarts",
+            "5",
+            "--restart-scope",
+            "group",
+            "--backoff-initial-ms",
+            "1000",
+            "--progress-timeout-s",
+            "30",
+            "--env",
+            "A=1=2",
+            "--name",
+            "n",
+            "--",
+            "python",
+            "t.py",
+        ]);
+        let req = build_submit(&a).expect("build");
+        let spec = req.spec.expect("spec");
+        let cwd = std::env::current_dir().expect("cwd");
+        assert_eq!(
+            spec.dataset,
+            cwd.join("data/shards").to_str().expect("utf8")
+        );
+        assert_eq!(spec.ckpt_dir, "/abs/ckpt");
+        assert_eq!(spec.working_dir, cwd.join(".").to_str().expect("utf8"));
+        assert_eq!(spec.env.get("A").map(String::as_str), Some("1=2"));
+        assert_eq!(spec.progress_timeout_ms, 30_000);
+        let r = spec.restart.expect("restart");
+        assert_eq!(r.scope.as_deref(), Some("group"));
+        assert_eq!(r.max_restarts, Some(5));
+        assert_eq!(r.backoff_initial_ms, Some(1000));
+        assert_eq!(r.backoff_max_ms, None);
+        assert_eq!(spec.command, vec!["python", "t.py"]);
+        assert_eq!(req.request_id.len(), 32);
+    }
+
+    #[test]
+    fn request_id_is_kept_or_generated_once_per_build() {
+        let a = submit_args(&["--request-id", "my-key", "--", "true"]);
+        assert_eq!(build_submit(&a).expect("build").request_id, "my-key");
+        let b = submit_args(&["--", "true"]);
+        assert_ne!(
+            build_submit(&b).expect("b1").request_id,
+            build_submit(&b).expect("b2").request_id
+        );
+        let long = "x".repeat(129);
+        let c = submit_args(&["--request-id", &long, "--", "true"]);
+        assert!(build_submit(&c).is_err());
+    }
+
+    #[test]
+    fn bad_env_and_backoff_are_rejected() {
+        assert!(build_submit(&submit_args(&["--env", "NOEQUALS", "--", "true"])).is_err());
+        assert!(build_submit(&submit_args(&["--env", "=v", "--", "true"])).is_err());
+        assert!(
+            build_submit(&submit_args(&[
+                "--env", "A=1", "--env", "A=2", "--", "true"
+            ]))
+            .is_err()
+        );
+        assert!(
+            build_submit(&submit_args(&[
+                "--backoff-initial-ms",
+                "10",
+                "--backoff-max-ms",
+                "5",
+                "--",
+                "true"
+            ]))
+            .is_err()
+        );
+        assert!(
+            build_submit(&submit_args(&[
+                "--progress-timeout-s",
+                &u64::MAX.to_string(),
+                "--",
+                "true"
+            ]))
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn finished_states() {
+        assert!(is_finished("succeeded") && is_finished("failed") && is_finished("cancelled"));
+        assert!(!is_finished("running") && !is_finished("pending"));
+    }
+}

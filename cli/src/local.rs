@@ -1,0 +1,1028 @@
+//! `local up|down|status`: a cluster of background processes on 127.0.0.1 under one
+//! directory (`--local-dir`, default `.cumulus`).
+//!
+//! Layout: `token` (0600), `cluster.json`, `coord-<i>/` + `coord-<i>.log` per
+//! coordinator (node ids 1..=n), `worker-<j>/` + `worker-<j>.log` per worker.
+//! Each process runs in its own process group, so a ctrl-c of `cumulusctl` (or its exit)
+//! does not reach it; `local down` stops it by the PID recorded in `cluster.json`, after
+//! checking in `/proc/<pid>/cmdline` that the PID still names our binary and data dir.
+//!
+//! Ports: each coordinator needs a gRPC and an HTTP port, chosen by binding 127.0.0.1:0
+//! and releasing the socket just before the coordinator starts. Another process may
+//! take such a port in between (a small race); the coordinator then exits with an
+//! address-in-use error, which `up` reports with the tail of its log.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::net::TcpListener;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cumulus_proto::ClusterStatusResponse;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde::Serialize;
+
+use crate::client::{Client, RetryPolicy};
+use crate::config::{ClusterFile, Conn, CoordinatorEntry, WorkerEntry, read_token_file};
+
+/// The coordinator binary's name.
+pub const COORDINATOR_BIN: &str = "cumulus-coordinator";
+/// The worker agent binary's name.
+pub const WORKER_BIN: &str = "cumulus-worker";
+/// The example trainer binary's name.
+pub const TRAINER_BIN: &str = "cumulus-trainer";
+/// How long `up` waits for a leader and every worker, by default.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long `down` waits after SIGTERM before SIGKILL.
+pub const TERM_GRACE: Duration = Duration::from_secs(10);
+/// Default number of coordinators.
+pub const DEFAULT_COORDINATORS: u32 = 3;
+/// Default number of workers.
+pub const DEFAULT_WORKERS: u32 = 2;
+/// Default slots per worker.
+pub const DEFAULT_SLOTS: u32 = 4;
+/// Bytes of a log shown when a process dies during `up`.
+pub const LOG_TAIL_BYTES: u64 = 4096;
+
+/// Errors of the local cluster commands.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    /// I/O on a named path.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A binary was not found.
+    #[error(
+        "cannot find {name} (looked in {looked}); build it with `cargo build` or pass --bin-dir"
+    )]
+    BinaryNotFound {
+        /// Binary name.
+        name: String,
+        /// Where we looked.
+        looked: String,
+    },
+    /// A recorded process is still running.
+    #[error(
+        "a local cluster is already running under {dir} (pids {pids}); stop it with `cumulusctl local down`"
+    )]
+    AlreadyRunning {
+        /// The local dir.
+        dir: PathBuf,
+        /// Live pids.
+        pids: String,
+    },
+    /// The recorded cluster differs from the requested shape.
+    #[error(
+        "{dir} holds a cluster with {recorded}, but {requested} was asked; use `cumulusctl local down --purge` first for a new shape"
+    )]
+    ShapeMismatch {
+        /// The local dir.
+        dir: PathBuf,
+        /// What is recorded.
+        recorded: String,
+        /// What was asked.
+        requested: String,
+    },
+    /// State from an unrecorded cluster is in the way.
+    #[error("{0} exists but no cluster.json records it; remove it or choose another --local-dir")]
+    StaleState(PathBuf),
+    /// No cluster is recorded.
+    #[error("no local cluster under {0} (no cluster.json); start one with `cumulusctl local up`")]
+    NotFound(PathBuf),
+    /// A process exited while the cluster was coming up.
+    #[error("{name} exited during startup ({status}); last lines of {log}:\n{tail}")]
+    Exited {
+        /// Which process.
+        name: String,
+        /// Its exit status.
+        status: String,
+        /// Its log file.
+        log: PathBuf,
+        /// The end of its log.
+        tail: String,
+    },
+    /// The cluster did not become ready in time.
+    #[error("the cluster was not ready after {secs} s: {last}; logs are in {dir}")]
+    NotReady {
+        /// Seconds waited.
+        secs: u64,
+        /// The last thing seen.
+        last: String,
+        /// Where the logs are.
+        dir: PathBuf,
+    },
+    /// Something else (config, client), with context.
+    #[error("{0}")]
+    Other(String),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LocalError + '_ {
+    move |source| LocalError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Finds a binary: in `bin_dir` when given (only there), else next to this executable,
+/// else in `PATH`.
+pub fn find_binary(name: &str, bin_dir: Option<&Path>) -> Result<PathBuf, LocalError> {
+    let is_exe = |p: &Path| {
+        p.metadata()
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
+    };
+    if let Some(dir) = bin_dir {
+        let p = dir.join(name);
+        return if is_exe(&p) {
+            Ok(absolute(&p))
+        } else {
+            Err(LocalError::BinaryNotFound {
+                name: name.into(),
+                looked: dir.display().to_string(),
+            })
+        };
+    }
+    let mut looked = Vec::new();
+    if let Ok(exe) = std::env::current_exe()
+        && let Some(dir) = exe.parent()
+    {
+        let p = dir.join(name);
+        if is_exe(&p) {
+            return Ok(p);
+        }
+        looked.push(dir.display().to_string());
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let p = dir.join(name);
+            if is_exe(&p) {
+                return Ok(absolute(&p));
+            }
+        }
+    }
+    looked.push("PATH".into());
+    Err(LocalError::BinaryNotFound {
+        name: name.into(),
+        looked: looked.join(", "),
+    })
+}
+
+fn absolute(p: &Path) -> PathBuf {
+    crate::dataset::absolute(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+/// Lowest port `local up` hands out.
+pub const LOCAL_PORT_MIN: u16 = 10_000;
+/// One past the highest: below Linux's ephemeral range (32768–60999), so no outgoing
+/// connection — say, a coordinator dialing its peers while they start — can take a
+/// chosen port before the process it is meant for binds it.
+pub const LOCAL_PORT_END: u16 = 32_000;
+
+/// `n` distinct free TCP ports on 127.0.0.1 outside the ephemeral range, from a random
+/// start (bound together, then released; see the module docs for the remaining race
+/// with other programs choosing fixed ports).
+pub fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
+    let span = u32::from(LOCAL_PORT_END - LOCAL_PORT_MIN);
+    let start = rand::random::<u32>() % span;
+    let mut listeners = Vec::with_capacity(n);
+    for i in 0..span {
+        if listeners.len() == n {
+            break;
+        }
+        let port = LOCAL_PORT_MIN + ((start + i) % span) as u16;
+        if let Ok(l) = TcpListener::bind(("127.0.0.1", port)) {
+            listeners.push(l);
+        }
+    }
+    if listeners.len() < n {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            format!("fewer than {n} free ports in {LOCAL_PORT_MIN}..{LOCAL_PORT_END}"),
+        ));
+    }
+    listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect()
+}
+
+/// A random 32-byte token as 64 hex characters.
+pub fn new_token() -> String {
+    hex::encode(rand::random::<[u8; 32]>())
+}
+
+/// Writes the token file with mode 0600 (also when it existed with another mode).
+pub fn write_token(path: &Path, token: &str) -> Result<(), LocalError> {
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io_err(path))?;
+    f.set_permissions(fs::Permissions::from_mode(0o600))
+        .map_err(io_err(path))?;
+    f.write_all(token.as_bytes()).map_err(io_err(path))?;
+    f.write_all(b"\n").map_err(io_err(path))?;
+    f.sync_all().map_err(io_err(path))?;
+    Ok(())
+}
+
+/// The planned cluster under `dir` (absolute) with the given ports (2 per coordinator).
+pub fn plan(dir: &Path, coordinators: u32, workers: u32, slots: u32, ports: &[u16]) -> ClusterFile {
+    assert!(
+        ports.len() >= 2 * coordinators as usize,
+        "two ports per coordinator"
+    );
+    ClusterFile {
+        token_file: dir.join("token"),
+        coordinators: (1..=coordinators)
+            .map(|i| {
+                let k = (i - 1) as usize;
+                CoordinatorEntry {
+                    node_id: i as u64,
+                    grpc: format!("127.0.0.1:{}", ports[2 * k]),
+                    http: format!("127.0.0.1:{}", ports[2 * k + 1]),
+                    pid: None,
+                    data_dir: dir.join(format!("coord-{i}")),
+                    log: dir.join(format!("coord-{i}.log")),
+                }
+            })
+            .collect(),
+        workers: (1..=workers)
+            .map(|j| WorkerEntry {
+                worker_id: format!("worker-{j}"),
+                pid: None,
+                data_dir: dir.join(format!("worker-{j}")),
+                log: dir.join(format!("worker-{j}.log")),
+                slots,
+            })
+            .collect(),
+    }
+}
+
+/// Arguments of coordinator `c` (after the binary).
+pub fn coordinator_args(file: &ClusterFile, c: &CoordinatorEntry) -> Vec<String> {
+    let mut a = vec![
+        "--node-id".to_string(),
+        c.node_id.to_string(),
+        "--grpc-listen".into(),
+        c.grpc.clone(),
+        "--http-listen".into(),
+        c.http.clone(),
+    ];
+    for p in &file.coordinators {
+        a.push("--peer".into());
+        a.push(format!("{}={}@{}", p.node_id, p.grpc, p.http));
+    }
+    a.extend([
+        "--data-dir".into(),
+        c.data_dir.display().to_string(),
+        "--token-file".into(),
+        file.token_file.display().to_string(),
+    ]);
+    a
+}
+
+/// Arguments of worker `w` (after the binary).
+pub fn worker_args(file: &ClusterFile, w: &WorkerEntry) -> Vec<String> {
+    vec![
+        "--worker-id".into(),
+        w.worker_id.clone(),
+        "--coordinators".into(),
+        file.grpc_addrs().join(","),
+        "--token-file".into(),
+        file.token_file.display().to_string(),
+        "--data-dir".into(),
+        w.data_dir.display().to_string(),
+        "--slots".into(),
+        w.slots.to_string(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+    ]
+}
+
+/// Starts `bin args…` in its own process group, stdin null, stdout+stderr appended to `log`.
+pub fn spawn_detached(bin: &Path, args: &[String], log: &Path) -> Result<Child, LocalError> {
+    let out = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(io_err(log))?;
+    let err = out.try_clone().map_err(io_err(log))?;
+    Command::new(bin)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .spawn()
+        .map_err(io_err(bin))
+}
+
+/// Whether `pid` is a live (non-zombie) process running `binary` with `data_dir` among
+/// its arguments, i.e. still the process we started and not a reused PID.
+pub fn is_ours(pid: u32, binary: &str, data_dir: &Path) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next());
+    if matches!(state, Some("Z" | "X") | None) {
+        return false;
+    }
+    let Ok(cmdline) = fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+    let Some(argv0) = args.first() else {
+        return false;
+    };
+    let name_ok = Path::new(std::str::from_utf8(argv0).unwrap_or(""))
+        .file_name()
+        .and_then(|n| n.to_str())
+        == Some(binary);
+    let dir = data_dir.as_os_str().as_encoded_bytes();
+    name_ok && args.iter().skip(1).any(|a| *a == dir)
+}
+
+/// One process of the local cluster.
+#[derive(Debug, Clone, Serialize)]
+pub struct Proc {
+    /// "coordinator 1" / "worker-1".
+    pub name: String,
+    /// The binary name.
+    pub binary: &'static str,
+    /// Recorded pid.
+    pub pid: Option<u32>,
+    /// Its data dir.
+    pub data_dir: PathBuf,
+    /// Its log.
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Whether the recorded pid is alive and ours.
+    pub fn alive(&self) -> bool {
+        self.pid
+            .is_some_and(|p| is_ours(p, self.binary, &self.data_dir))
+    }
+}
+
+/// Every process recorded in `file`, coordinators first.
+pub fn processes(file: &ClusterFile) -> Vec<Proc> {
+    let mut v: Vec<Proc> = file
+        .coordinators
+        .iter()
+        .map(|c| Proc {
+            name: format!("coordinator {}", c.node_id),
+            binary: COORDINATOR_BIN,
+            pid: c.pid,
+            data_dir: c.data_dir.clone(),
+            log: c.log.clone(),
+        })
+        .collect();
+    v.extend(file.workers.iter().map(|w| Proc {
+        name: w.worker_id.clone(),
+        binary: WORKER_BIN,
+        pid: w.pid,
+        data_dir: w.data_dir.clone(),
+        log: w.log.clone(),
+    }));
+    v
+}
+
+/// The last lines of a log (at most [`LOG_TAIL_BYTES`]).
+pub fn log_tail(path: &Path) -> String {
+    let Ok(mut f) = File::open(path) else {
+        return format!("({} cannot be read)", path.display());
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(LOG_TAIL_BYTES)));
+    let mut buf = Vec::new();
+    let _ = f.take(LOG_TAIL_BYTES).read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// What `up` asks for.
+#[derive(Debug, Clone)]
+pub struct UpOptions {
+    /// The local dir (created if absent).
+    pub dir: PathBuf,
+    /// Coordinators (default: as recorded, else 3).
+    pub coordinators: Option<u32>,
+    /// Workers (default: as recorded, else 2).
+    pub workers: Option<u32>,
+    /// Slots per worker (default: as recorded, else 4).
+    pub slots: Option<u32>,
+    /// Where the binaries are.
+    pub bin_dir: Option<PathBuf>,
+    /// How long to wait for readiness.
+    pub ready_timeout: Duration,
+}
+
+/// A started local cluster.
+#[derive(Debug)]
+pub struct Started {
+    /// The local dir (absolute).
+    pub dir: PathBuf,
+    /// What was started (pids filled in).
+    pub file: ClusterFile,
+    /// The child handles (for reaping when this process stops the cluster itself).
+    pub children: Vec<Child>,
+    /// Whether an existing cluster was restarted (its data kept).
+    pub restarted: bool,
+    /// The cluster token.
+    pub token: String,
+    /// The cluster status seen when ready.
+    pub status: ClusterStatusResponse,
+    /// Time from start to ready.
+    pub elapsed: Duration,
+}
+
+impl Started {
+    /// How to reach this cluster.
+    pub fn conn(&self) -> Conn {
+        Conn {
+            grpc: self.file.grpc_addrs(),
+            http: self.file.http_addrs(),
+            token: self.token.clone(),
+        }
+    }
+}
+
+/// Starts the local cluster (or restarts the recorded one) and waits until it is ready.
+/// On a startup failure the processes already started are left running for inspection
+/// only when `keep_on_failure`; otherwise they are stopped.
+pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, LocalError> {
+    let start = Instant::now();
+    fs::create_dir_all(&opts.dir).map_err(io_err(&opts.dir))?;
+    let dir = opts.dir.canonicalize().map_err(io_err(&opts.dir))?;
+    let coord_bin = find_binary(COORDINATOR_BIN, opts.bin_dir.as_deref())?;
+    let worker_bin = find_binary(WORKER_BIN, opts.bin_dir.as_deref())?;
+
+    let recorded = ClusterFile::load(&dir).map_err(|e| LocalError::Other(e.to_string()))?;
+    let (mut file, token, restarted) = match recorded {
+        Some(mut file) => {
+            let live: Vec<String> = processes(&file)
+                .iter()
+                .filter(|p| p.alive())
+                .map(|p| p.pid.unwrap_or(0).to_string())
+                .collect();
+            if !live.is_empty() {
+                return Err(LocalError::AlreadyRunning {
+                    dir,
+                    pids: live.join(", "),
+                });
+            }
+            let rec_slots = file.workers.first().map_or(DEFAULT_SLOTS, |w| w.slots);
+            let recorded_shape = (
+                file.coordinators.len() as u32,
+                file.workers.len() as u32,
+                rec_slots,
+            );
+            let asked = (
+                opts.coordinators.unwrap_or(recorded_shape.0),
+                opts.workers.unwrap_or(recorded_shape.1),
+                opts.slots.unwrap_or(recorded_shape.2),
+            );
+            if asked != recorded_shape {
+                return Err(LocalError::ShapeMismatch {
+                    dir,
+                    recorded: shape_text(recorded_shape),
+                    requested: shape_text(asked),
+                });
+            }
+            let token =
+                read_token_file(&file.token_file).map_err(|e| LocalError::Other(e.to_string()))?;
+            clear_pids(&mut file);
+            (file, token, true)
+        }
+        None => {
+            let n = opts.coordinators.unwrap_or(DEFAULT_COORDINATORS);
+            let m = opts.workers.unwrap_or(DEFAULT_WORKERS);
+            let slots = opts.slots.unwrap_or(DEFAULT_SLOTS);
+            let ports = free_ports(2 * n as usize).map_err(io_err(Path::new("127.0.0.1:0")))?;
+            let file = plan(&dir, n, m, slots, &ports);
+            for p in processes(&file) {
+                if p.data_dir.exists() {
+                    return Err(LocalError::StaleState(p.data_dir));
+                }
+            }
+            let token = new_token();
+            write_token(&file.token_file, &token)?;
+            (file, token, false)
+        }
+    };
+    file.store(&dir)
+        .map_err(|e| LocalError::Other(e.to_string()))?;
+
+    let mut children = Vec::new();
+    let spawned = (|| -> Result<(), LocalError> {
+        for i in 0..file.coordinators.len() {
+            let c = file.coordinators[i].clone();
+            fs::create_dir_all(&c.data_dir).map_err(io_err(&c.data_dir))?;
+            let child = spawn_detached(&coord_bin, &coordinator_args(&file, &c), &c.log)?;
+            file.coordinators[i].pid = Some(child.id());
+            children.push((format!("coordinator {}", c.node_id), c.log.clone(), child));
+        }
+        for j in 0..file.workers.len() {
+            let w = file.workers[j].clone();
+            fs::create_dir_all(&w.data_dir).map_err(io_err(&w.data_dir))?;
+            let child = spawn_detached(&worker_bin, &worker_args(&file, &w), &w.log)?;
+            file.workers[j].pid = Some(child.id());
+            children.push((w.worker_id.clone(), w.log.clone(), child));
+        }
+        Ok(())
+    })();
+    file.store(&dir)
+        .map_err(|e| LocalError::Other(e.to_string()))?;
+    let fail = |e: LocalError, file: &ClusterFile, children: Vec<(String, PathBuf, Child)>| {
+        if !keep_on_failure {
+            let _ = stop_processes(&processes(file), TERM_GRACE);
+            reap(children.into_iter().map(|(_, _, c)| c).collect());
+            let mut f = file.clone();
+            clear_pids(&mut f);
+            let _ = f.store(&dir);
+        }
+        e
+    };
+    if let Err(e) = spawned {
+        return Err(fail(e, &file, children));
+    }
+
+    let conn = Conn {
+        grpc: file.grpc_addrs(),
+        http: file.http_addrs(),
+        token: token.clone(),
+    };
+    let expected: Vec<String> = file.workers.iter().map(|w| w.worker_id.clone()).collect();
+    match wait_ready(&conn, &expected, &mut children, opts.ready_timeout, &dir).await {
+        Ok(status) => Ok(Started {
+            dir,
+            file,
+            children: children.into_iter().map(|(_, _, c)| c).collect(),
+            restarted,
+            token,
+            status,
+            elapsed: start.elapsed(),
+        }),
+        Err(e) => Err(fail(e, &file, children)),
+    }
+}
+
+fn shape_text((c, w, s): (u32, u32, u32)) -> String {
+    format!("{c} coordinators, {w} workers × {s} slots")
+}
+
+/// Sets every recorded pid to `None`.
+pub fn clear_pids(file: &mut ClusterFile) {
+    for c in &mut file.coordinators {
+        c.pid = None;
+    }
+    for w in &mut file.workers {
+        w.pid = None;
+    }
+}
+
+/// Whether `status` shows a leader and every expected worker alive; else what is missing.
+pub fn readiness(
+    status: &ClusterStatusResponse,
+    expected_workers: &[String],
+) -> Result<(), String> {
+    if status.leader_id.is_none() {
+        return Err(format!(
+            "no leader yet (node {} answered, term {})",
+            status.node_id, status.term
+        ));
+    }
+    let missing: Vec<&str> = expected_workers
+        .iter()
+        .filter(|id| {
+            !status
+                .workers
+                .iter()
+                .any(|w| &w.worker_id == *id && w.state == "alive")
+        })
+        .map(String::as_str)
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "workers not registered yet: {}",
+            missing.join(", ")
+        ))
+    }
+}
+
+/// Polls `ClusterStatus` until [`readiness`] holds, failing early when a process exits.
+async fn wait_ready(
+    conn: &Conn,
+    expected_workers: &[String],
+    children: &mut [(String, PathBuf, Child)],
+    timeout: Duration,
+    dir: &Path,
+) -> Result<ClusterStatusResponse, LocalError> {
+    let client = Client::with_policy(conn, RetryPolicy::single_pass(conn.grpc.len()))
+        .map_err(|e| LocalError::Other(e.to_string()))?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        for (name, log, child) in children.iter_mut() {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(LocalError::Exited {
+                    name: name.clone(),
+                    status: status.to_string(),
+                    log: log.clone(),
+                    tail: log_tail(log),
+                });
+            }
+        }
+        let last = match client.cluster_status().await {
+            Ok(s) => match readiness(&s, expected_workers) {
+                Ok(()) => return Ok(s),
+                Err(why) => why,
+            },
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() >= deadline {
+            return Err(LocalError::NotReady {
+                secs: timeout.as_secs(),
+                last,
+                dir: dir.to_path_buf(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Reaps child handles of processes that have been stopped (avoids zombies while this
+/// process keeps running), waiting at most 2 s in total.
+pub fn reap(mut children: Vec<Child>) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !children.is_empty() && Instant::now() < deadline {
+        children.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_)) | Err(_)));
+        if !children.is_empty() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// What happened to one process on `down`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum StopOutcome {
+    /// Was not running (or the pid is no longer ours).
+    NotRunning,
+    /// Exited after SIGTERM.
+    Terminated,
+    /// Needed SIGKILL.
+    Killed,
+    /// Still alive even after SIGKILL (should not happen).
+    Stuck,
+}
+
+/// SIGTERMs every live process, waits up to `grace`, SIGKILLs the rest.
+pub fn stop_processes(procs: &[Proc], grace: Duration) -> Vec<(Proc, StopOutcome)> {
+    let mut result: Vec<(Proc, StopOutcome)> = Vec::new();
+    let mut pending = Vec::new();
+    for p in procs {
+        if p.alive() {
+            let pid = p.pid.expect("alive implies a pid");
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+            pending.push(p.clone());
+        } else {
+            result.push((p.clone(), StopOutcome::NotRunning));
+        }
+    }
+    let deadline = Instant::now() + grace;
+    loop {
+        let (done, still): (Vec<Proc>, Vec<Proc>) = pending.into_iter().partition(|p| !p.alive());
+        result.extend(done.into_iter().map(|p| (p, StopOutcome::Terminated)));
+        pending = still;
+        if pending.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for p in &pending {
+        let _ = kill(
+            Pid::from_raw(p.pid.expect("alive implies a pid") as i32),
+            Signal::SIGKILL,
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pending.iter().any(Proc::alive) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for p in pending {
+        let outcome = if p.alive() {
+            StopOutcome::Stuck
+        } else {
+            StopOutcome::Killed
+        };
+        result.push((p, outcome));
+    }
+    result
+}
+
+/// `down`: stops every recorded process, clears the pids in `cluster.json`, and with
+/// `purge` deletes what `up` created (data dirs, logs, token, cluster.json; the local
+/// dir itself only when it is then empty).
+pub fn down(dir: &Path, purge: bool) -> Result<Vec<(Proc, StopOutcome)>, LocalError> {
+    let mut file = ClusterFile::load(dir)
+        .map_err(|e| LocalError::Other(e.to_string()))?
+        .ok_or_else(|| LocalError::NotFound(dir.to_path_buf()))?;
+    let outcomes = stop_processes(&processes(&file), TERM_GRACE);
+    if outcomes.iter().any(|(_, o)| *o == StopOutcome::Stuck) {
+        return Err(LocalError::Other(format!(
+            "some processes survived SIGKILL: {:?}",
+            outcomes
+        )));
+    }
+    clear_pids(&mut file);
+    if purge {
+        for p in processes(&file) {
+            remove_path(&p.data_dir)?;
+            remove_path(&p.log)?;
+        }
+        remove_path(&file.token_file)?;
+        remove_path(&ClusterFile::path_in(dir))?;
+        let _ = fs::remove_dir(dir);
+    } else {
+        file.store(dir)
+            .map_err(|e| LocalError::Other(e.to_string()))?;
+    }
+    Ok(outcomes)
+}
+
+fn remove_path(p: &Path) -> Result<(), LocalError> {
+    let r = match p.symlink_metadata() {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => Err(e),
+        Ok(m) if m.is_dir() => fs::remove_dir_all(p),
+        Ok(_) => fs::remove_file(p),
+    };
+    r.map_err(io_err(p))
+}
+
+/// Human summary after `up`.
+pub fn up_summary(s: &Started, local_dir_flag: &str) -> String {
+    let mut out = format!(
+        "local cluster {} in {:.1} s under {}\n",
+        if s.restarted {
+            "restarted (state kept)"
+        } else {
+            "up"
+        },
+        s.elapsed.as_secs_f64(),
+        s.dir.display()
+    );
+    for c in &s.file.coordinators {
+        let leader = if s.status.leader_id == Some(c.node_id) {
+            "  (leader)"
+        } else {
+            ""
+        };
+        out.push_str(&format!(
+            "  coordinator {}  grpc {}  http {}  pid {}{leader}\n",
+            c.node_id,
+            c.grpc,
+            c.http,
+            c.pid.map_or("-".into(), |p| p.to_string())
+        ));
+    }
+    for w in &s.file.workers {
+        out.push_str(&format!(
+            "  {}  {} slots  pid {}\n",
+            w.worker_id,
+            w.slots,
+            w.pid.map_or("-".into(), |p| p.to_string())
+        ));
+    }
+    out.push_str(&format!(
+        "  logs: {}/*.log   token: {}\n\n",
+        s.dir.display(),
+        s.file.token_file.display()
+    ));
+    out.push_str("use it:\n");
+    out.push_str(&format!("  cumulusctl{local_dir_flag} cluster status\n"));
+    out.push_str(&format!(
+        "  cumulusctl{local_dir_flag} submit --world-size 2 -- <command> [args...]\n"
+    ));
+    out.push_str(&format!("  cumulusctl{local_dir_flag} logs -f <job-id>\n"));
+    out.push_str(&format!(
+        "  (from elsewhere: export CUMULUS_LOCAL_DIR={})\n",
+        s.dir.display()
+    ));
+    out.push_str(&format!(
+        "stop it:\n  cumulusctl{local_dir_flag} local down      (add --purge to delete its data)\n"
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_are_distinct_and_nonzero() {
+        let ports = free_ports(6).expect("ports");
+        let set: std::collections::HashSet<u16> = ports.iter().copied().collect();
+        assert_eq!(set.len(), 6);
+        assert!(ports.iter().all(|&p| p != 0));
+    }
+
+    #[test]
+    fn command_lines_follow_the_contract() {
+        let dir = Path::new("/tmp/c");
+        let f = plan(dir, 3, 2, 4, &[1001, 1002, 1003, 1004, 1005, 1006]);
+        assert_eq!(
+            coordinator_args(&f, &f.coordinators[1]),
+            vec![
+                "--node-id",
+                "2",
+                "--grpc-listen",
+                "127.0.0.1:1003",
+                "--http-listen",
+                "127.0.0.1:1004",
+                "--peer",
+                "1=127.0.0.1:1001@127.0.0.1:1002",
+                "--peer",
+                "2=127.0.0.1:1003@127.0.0.1:1004",
+                "--peer",
+                "3=127.0.0.1:1005@127.0.0.1:1006",
+                "--data-dir",
+                "/tmp/c/coord-2",
+                "--token-file",
+                "/tmp/c/token",
+            ]
+        );
+        assert_eq!(
+            worker_args(&f, &f.workers[1]),
+            vec![
+                "--worker-id",
+                "worker-2",
+                "--coordinators",
+                "127.0.0.1:1001,127.0.0.1:1003,127.0.0.1:1005",
+                "--token-file",
+                "/tmp/c/token",
+                "--data-dir",
+                "/tmp/c/worker-2",
+                "--slots",
+                "4",
+                "--listen",
+                "127.0.0.1:0",
+            ]
+        );
+        assert_eq!(f.coordinators[2].log, Path::new("/tmp/c/coord-3.log"));
+        f.validate().expect("a plan is a valid cluster file");
+    }
+
+    #[test]
+    fn token_file_is_private_and_64_hex() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("token");
+        fs::write(&p, "old").expect("write");
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o644)).expect("chmod");
+        let t = new_token();
+        assert_eq!(t.len(), 64);
+        write_token(&p, &t).expect("write");
+        assert_eq!(
+            fs::metadata(&p).expect("meta").permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(read_token_file(&p).expect("read"), t);
+    }
+
+    #[test]
+    fn liveness_checks_binary_name_and_data_dir_of_a_real_process() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("sleep.log");
+        let marker = dir.path().join("data");
+        fs::write(&marker, "").expect("marker");
+        // `tail -f FILE` runs until signalled and has the path among its arguments.
+        let tail = find_binary("tail", None).expect("tail in PATH");
+        let mut child = spawn_detached(&tail, &["-f".into(), marker.display().to_string()], &log)
+            .expect("spawn");
+        let pid = child.id();
+        assert!(
+            is_ours(pid, "tail", &marker),
+            "a live child with our argv; log: {}",
+            log_tail(&log)
+        );
+        assert!(
+            !is_ours(pid, "cumulus-worker", &marker),
+            "wrong binary name"
+        );
+        assert!(
+            !is_ours(pid, "tail", Path::new("/elsewhere")),
+            "wrong data dir"
+        );
+        // Its own process group.
+        assert_eq!(
+            nix::unistd::getpgid(Some(Pid::from_raw(pid as i32)))
+                .expect("pgid")
+                .as_raw(),
+            pid as i32
+        );
+        let p = Proc {
+            name: "x".into(),
+            binary: "tail",
+            pid: Some(pid),
+            data_dir: marker.clone(),
+            log,
+        };
+        let out = stop_processes(std::slice::from_ref(&p), Duration::from_secs(5));
+        let _ = child.wait();
+        assert_eq!(out[0].1, StopOutcome::Terminated);
+        assert!(!is_ours(pid, "tail", &marker));
+    }
+
+    #[test]
+    fn readiness_needs_leader_and_every_worker_alive() {
+        let mut s = ClusterStatusResponse {
+            node_id: 1,
+            ..Default::default()
+        };
+        let want = vec!["worker-1".to_string(), "worker-2".to_string()];
+        assert!(
+            readiness(&s, &want)
+                .expect_err("no leader")
+                .contains("no leader")
+        );
+        s.leader_id = Some(2);
+        s.workers.push(cumulus_proto::WorkerInfo {
+            worker_id: "worker-1".into(),
+            state: "alive".into(),
+            ..Default::default()
+        });
+        s.workers.push(cumulus_proto::WorkerInfo {
+            worker_id: "worker-2".into(),
+            state: "expired".into(),
+            ..Default::default()
+        });
+        assert!(
+            readiness(&s, &want)
+                .expect_err("worker-2 expired")
+                .contains("worker-2")
+        );
+        s.workers[1].state = "alive".into();
+        readiness(&s, &want).expect("ready");
+    }
+
+    #[test]
+    fn down_without_cluster_file_and_purge_removes_only_ours() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert!(matches!(
+            down(dir.path(), false),
+            Err(LocalError::NotFound(_))
+        ));
+        let f = plan(dir.path(), 1, 1, 2, &free_ports(2).expect("ports"));
+        for p in processes(&f) {
+            fs::create_dir_all(&p.data_dir).expect("mkdir");
+            fs::write(&p.log, "log").expect("log");
+        }
+        write_token(&f.token_file, &new_token()).expect("token");
+        let mut g = f.clone();
+        g.coordinators[0].pid = Some(1); // init: alive but not ours, so left alone
+        g.store(dir.path()).expect("store");
+        fs::write(dir.path().join("mine.txt"), "user file").expect("write");
+        let out = down(dir.path(), false).expect("down");
+        assert!(out.iter().all(|(_, o)| *o == StopOutcome::NotRunning));
+        assert_eq!(
+            ClusterFile::load(dir.path())
+                .expect("load")
+                .expect("kept")
+                .coordinators[0]
+                .pid,
+            None
+        );
+        down(dir.path(), true).expect("purge");
+        let left: Vec<String> = fs::read_dir(dir.path())
+            .expect("ls")
+            .map(|e| e.expect("e").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, vec!["mine.txt".to_string()]);
+    }
+
+    #[test]
+    fn missing_binary_names_where_it_looked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = find_binary("cumulus-does-not-exist", Some(dir.path())).expect_err("absent");
+        assert!(err.to_string().contains("--bin-dir"), "{err}");
+        let err = find_binary("cumulus-does-not-exist", None).expect_err("absent");
+        assert!(err.to_string().contains("PATH"), "{err}");
+    }
+}

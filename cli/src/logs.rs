@@ -1,0 +1,538 @@
+//! `logs`: a job's rank logs over Server-Sent Events from a coordinator's HTTP API.
+//!
+//! `GET /v1/jobs/{id}/logs?rank=R&follow=true|false` with the bearer token. Events:
+//! `event: log`, `id: <cursor>`, `data: {"rank","attempt","offset","line"}`, and a final
+//! `event: end`. A dropped connection is resumed on the next HTTP address with
+//! `Last-Event-ID: <last cursor>`, so no line is lost or repeated; as a second guard,
+//! a line whose offset is not past the last printed offset of its (rank, attempt) is
+//! skipped.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use eventsource_stream::{Event, Eventsource};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+
+use crate::config::Conn;
+
+/// Consecutive failed connection attempts before giving up.
+pub const MAX_CONSECUTIVE_FAILURES: u32 = 20;
+/// Largest cursor accepted from the server (it is sent back in a header), bytes.
+pub const MAX_CURSOR_BYTES: usize = 64 * 1024;
+/// Most (rank, attempt) positions remembered for duplicate suppression.
+pub const MAX_TRACKED_STREAMS: usize = 1 << 20;
+
+/// One log line event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogLine {
+    /// Rank.
+    pub rank: u32,
+    /// Attempt of the rank.
+    pub attempt: u32,
+    /// Byte offset of the line in that attempt's log.
+    pub offset: u64,
+    /// The line, without its newline.
+    pub line: String,
+}
+
+impl LogLine {
+    /// `[rank R a A] line`.
+    pub fn human(&self) -> String {
+        format!("[rank {} a {}] {}", self.rank, self.attempt, self.line)
+    }
+}
+
+/// Errors of following logs.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    /// 401 from the coordinator.
+    #[error("the coordinator rejected the token (check --token/--token-file)")]
+    Unauthenticated,
+    /// 404 (unknown job) or 400 (bad request), with the coordinator's message.
+    #[error("{0}")]
+    Rejected(String),
+    /// No HTTP address is known.
+    #[error(
+        "no coordinator HTTP address: pass --http (or CUMULUS_HTTP), or use the local cluster's cluster.json"
+    )]
+    NoHttpAddress,
+    /// The server sent something that breaks the protocol.
+    #[error("bad log event from {addr}: {reason}")]
+    Protocol {
+        /// Where it came from.
+        addr: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// Too many consecutive failed connections.
+    #[error(
+        "lost the log stream: {failures} consecutive connection failures (last, from {addr}: {last})"
+    )]
+    Exhausted {
+        /// Failures counted.
+        failures: u32,
+        /// Address of the last try.
+        addr: String,
+        /// Last error.
+        last: String,
+    },
+}
+
+/// Resume state: the cursor and the last offset printed per (rank, attempt).
+#[derive(Debug, Clone, Default)]
+pub struct CursorState {
+    cursor: Option<String>,
+    last_offset: HashMap<(u32, u32), u64>,
+}
+
+/// What an event means to the follower.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// A new line to show.
+    Line(LogLine),
+    /// A line already shown (suppressed).
+    Duplicate,
+    /// `event: end`: the stream is complete.
+    End,
+    /// Another event type (ignored).
+    Other,
+}
+
+impl CursorState {
+    /// Starts with an optional cursor (e.g. from a previous run).
+    pub fn new(cursor: Option<String>) -> Self {
+        CursorState {
+            cursor,
+            last_offset: HashMap::new(),
+        }
+    }
+
+    /// The cursor to send as `Last-Event-ID` on reconnect.
+    pub fn cursor(&self) -> Option<&str> {
+        self.cursor.as_deref()
+    }
+
+    /// Applies one SSE event: validates it, advances the cursor, suppresses duplicates.
+    pub fn accept(&mut self, ev: &Event) -> Result<Outcome, String> {
+        match ev.event.as_str() {
+            "end" => return Ok(Outcome::End),
+            "log" | "" | "message" => {}
+            _ => return Ok(Outcome::Other),
+        }
+        let line: LogLine = serde_json::from_str(&ev.data).map_err(|e| {
+            format!(
+                "log data is not the expected JSON ({e}): {:?}",
+                truncate(&ev.data, 200)
+            )
+        })?;
+        if !ev.id.is_empty() {
+            if ev.id.len() > MAX_CURSOR_BYTES || !ev.id.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(format!(
+                    "event id is not a usable cursor: {:?}",
+                    truncate(&ev.id, 200)
+                ));
+            }
+            self.cursor = Some(ev.id.clone());
+        }
+        let key = (line.rank, line.attempt);
+        if let Some(&last) = self.last_offset.get(&key)
+            && line.offset <= last
+        {
+            return Ok(Outcome::Duplicate);
+        }
+        if self.last_offset.len() >= MAX_TRACKED_STREAMS && !self.last_offset.contains_key(&key) {
+            self.last_offset.clear();
+        }
+        self.last_offset.insert(key, line.offset);
+        Ok(Outcome::Line(line))
+    }
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+/// How to follow.
+#[derive(Debug, Clone)]
+pub struct LogRequest {
+    /// Job id.
+    pub job_id: String,
+    /// Only this rank.
+    pub rank: Option<u32>,
+    /// Keep streaming until `end` (else stop at the current end).
+    pub follow: bool,
+}
+
+/// Backoff before reconnect number `n` (1-based): 200 ms doubling, capped at 5 s.
+pub fn reconnect_backoff(n: u32) -> Duration {
+    let ms = 200u64.saturating_mul(1u64 << n.saturating_sub(1).min(10));
+    Duration::from_millis(ms.min(5000))
+}
+
+/// Streams the logs, calling `sink` for every new line, until `end` (returns `Ok`).
+/// A clean close without `end` counts as a dropped connection and is resumed.
+pub async fn follow_logs<F>(
+    conn: &Conn,
+    req: &LogRequest,
+    state: &mut CursorState,
+    mut sink: F,
+) -> Result<(), LogError>
+where
+    F: FnMut(&LogLine),
+{
+    if conn.http.is_empty() {
+        return Err(LogError::NoHttpAddress);
+    }
+    let client = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(2))
+        // A healthy follow stream may be silent; the coordinator's keep-alives (if any)
+        // and this bound decide when a silent connection is presumed dead and resumed.
+        .read_timeout(Duration::from_secs(30))
+        .build()
+        .map_err(|e| LogError::Protocol {
+            addr: String::new(),
+            reason: format!("cannot build HTTP client: {e}"),
+        })?;
+    let mut index = 0usize;
+    let mut failures = 0u32;
+    loop {
+        let addr = conn.http[index % conn.http.len()].clone();
+        let url = format!("http://{addr}/v1/jobs/{}/logs", req.job_id);
+        let mut query: Vec<(&str, String)> = vec![("follow", req.follow.to_string())];
+        if let Some(r) = req.rank {
+            query.push(("rank", r.to_string()));
+        }
+        let mut rb = client
+            .get(&url)
+            .query(&query)
+            .bearer_auth(&conn.token)
+            .header("accept", "text/event-stream");
+        if let Some(c) = state.cursor() {
+            rb = rb.header("last-event-id", c);
+        }
+        let failure: String = match rb.send().await {
+            Err(e) => format!("request failed: {e}"),
+            Ok(resp) => {
+                let status = resp.status();
+                if status == reqwest::StatusCode::UNAUTHORIZED {
+                    return Err(LogError::Unauthenticated);
+                }
+                if status == reqwest::StatusCode::NOT_FOUND
+                    || status == reqwest::StatusCode::BAD_REQUEST
+                {
+                    let body = resp.text().await.unwrap_or_default();
+                    return Err(LogError::Rejected(
+                        error_message(&body).unwrap_or_else(|| format!("{status} from {addr}")),
+                    ));
+                }
+                if !status.is_success() {
+                    let body = resp.text().await.unwrap_or_default();
+                    format!("{status}: {}", error_message(&body).unwrap_or_default())
+                } else {
+                    failures = 0;
+                    let mut events = resp.bytes_stream().eventsource();
+                    let mut dropped = "the stream closed without an end event".to_string();
+                    while let Some(item) = events.next().await {
+                        match item {
+                            Ok(ev) => match state.accept(&ev) {
+                                Ok(Outcome::Line(l)) => sink(&l),
+                                Ok(Outcome::End) => return Ok(()),
+                                Ok(Outcome::Duplicate | Outcome::Other) => {}
+                                Err(reason) => return Err(LogError::Protocol { addr, reason }),
+                            },
+                            Err(e) => {
+                                dropped = format!("stream error: {e}");
+                                break;
+                            }
+                        }
+                    }
+                    dropped
+                }
+            }
+        };
+        failures += 1;
+        tracing::debug!(%addr, failures, %failure, "log stream interrupted; resuming elsewhere");
+        if failures >= MAX_CONSECUTIVE_FAILURES {
+            return Err(LogError::Exhausted {
+                failures,
+                addr,
+                last: failure,
+            });
+        }
+        index += 1;
+        tokio::time::sleep(reconnect_backoff(failures)).await;
+    }
+}
+
+/// The `error` field of a `{"error": "..."}` body.
+fn error_message(body: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct E {
+        error: String,
+    }
+    serde_json::from_str::<E>(body).ok().map(|e| e.error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    use tokio::net::TcpListener;
+
+    fn ev(event: &str, id: &str, data: &str) -> Event {
+        Event {
+            event: event.into(),
+            data: data.into(),
+            id: id.into(),
+            retry: None,
+        }
+    }
+
+    fn data(rank: u32, attempt: u32, offset: u64, line: &str) -> String {
+        serde_json::to_string(&LogLine {
+            rank,
+            attempt,
+            offset,
+            line: line.into(),
+        })
+        .expect("json")
+    }
+
+    #[test]
+    fn cursor_advances_and_duplicates_are_suppressed() {
+        let mut st = CursorState::new(None);
+        assert_eq!(st.cursor(), None);
+        let o = st
+            .accept(&ev("log", "r0a0o10", &data(0, 0, 0, "hello")))
+            .expect("ok");
+        assert_eq!(
+            o,
+            Outcome::Line(LogLine {
+                rank: 0,
+                attempt: 0,
+                offset: 0,
+                line: "hello".into()
+            })
+        );
+        assert_eq!(st.cursor(), Some("r0a0o10"));
+        st.accept(&ev("log", "r0a0o20.r1a0o5", &data(0, 0, 10, "second")))
+            .expect("ok");
+        assert_eq!(st.cursor(), Some("r0a0o20.r1a0o5"));
+        // A replayed line of the same attempt is suppressed; a new attempt starts over.
+        assert_eq!(
+            st.accept(&ev("log", "", &data(0, 0, 10, "second")))
+                .expect("ok"),
+            Outcome::Duplicate
+        );
+        assert_eq!(
+            st.cursor(),
+            Some("r0a0o20.r1a0o5"),
+            "an event without id keeps the cursor"
+        );
+        assert!(matches!(
+            st.accept(&ev("log", "c", &data(0, 1, 0, "again")))
+                .expect("ok"),
+            Outcome::Line(_)
+        ));
+        assert_eq!(st.accept(&ev("end", "", "")).expect("ok"), Outcome::End);
+        assert_eq!(st.accept(&ev("ping", "", "")).expect("ok"), Outcome::Other);
+        assert!(st.accept(&ev("log", "x", "not json")).is_err());
+        assert!(
+            st.accept(&ev("log", "bad id", &data(0, 2, 0, "x")))
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn human_format_and_backoff() {
+        let l = LogLine {
+            rank: 2,
+            attempt: 1,
+            offset: 0,
+            line: "step 10".into(),
+        };
+        assert_eq!(l.human(), "[rank 2 a 1] step 10");
+        assert_eq!(reconnect_backoff(1), Duration::from_millis(200));
+        assert_eq!(reconnect_backoff(3), Duration::from_millis(800));
+        assert_eq!(reconnect_backoff(50), Duration::from_secs(5));
+    }
+
+    /// One scripted HTTP/1.1 answer of the loopback SSE server below.
+    struct Script {
+        /// Raw SSE body to send.
+        body: String,
+        /// Send `event: end` and close cleanly, or just drop the connection.
+        end: bool,
+    }
+
+    /// A loopback HTTP server speaking the SSE wire format: it answers each connection
+    /// with the next script and records the request head (to check Last-Event-ID).
+    async fn sse_server(scripts: Vec<Script>) -> (String, Arc<Mutex<Vec<String>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let heads2 = heads.clone();
+        tokio::spawn(async move {
+            for script in scripts {
+                let (sock, _) = listener.accept().await.expect("accept");
+                let mut reader = BufReader::new(sock);
+                let mut head = String::new();
+                loop {
+                    let mut l = String::new();
+                    if reader.read_line(&mut l).await.expect("read") == 0 || l == "\r\n" {
+                        break;
+                    }
+                    head.push_str(&l);
+                }
+                heads2.lock().expect("lock").push(head);
+                let mut sock = reader.into_inner();
+                let mut body = script.body;
+                if script.end {
+                    body.push_str("event: end\ndata: {}\n\n");
+                }
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{}\r\n",
+                    body.len(),
+                    body
+                );
+                sock.write_all(resp.as_bytes()).await.expect("write");
+                if script.end {
+                    sock.write_all(b"0\r\n\r\n").await.expect("write");
+                }
+                sock.flush().await.expect("flush");
+                // Dropping the socket without the final chunk is an interrupted stream.
+            }
+        });
+        (addr, heads)
+    }
+
+    fn sse(event_id: &str, rank: u32, offset: u64, line: &str) -> String {
+        format!(
+            "event: log\nid: {event_id}\ndata: {}\n\n",
+            data(rank, 0, offset, line)
+        )
+    }
+
+    #[tokio::test]
+    async fn reconnects_with_last_event_id_and_prints_each_line_once() {
+        let first = format!("{}{}", sse("c1", 0, 0, "one"), sse("c2", 1, 0, "two"));
+        // The second server replays "two" (as a buggy server might) and continues.
+        let second = format!("{}{}", sse("c2", 1, 0, "two"), sse("c3", 0, 4, "three"));
+        let (addr, heads) = sse_server(vec![
+            Script {
+                body: first,
+                end: false,
+            },
+            Script {
+                body: second,
+                end: true,
+            },
+        ])
+        .await;
+        let conn = Conn {
+            grpc: vec!["127.0.0.1:1".into()],
+            http: vec![addr],
+            token: "secret".into(),
+        };
+        let req = LogRequest {
+            job_id: "job-000001".into(),
+            rank: None,
+            follow: true,
+        };
+        let mut state = CursorState::default();
+        let mut lines = Vec::new();
+        tokio::time::timeout(
+            Duration::from_secs(20),
+            follow_logs(&conn, &req, &mut state, |l| lines.push(l.human())),
+        )
+        .await
+        .expect("finishes")
+        .expect("ok");
+        assert_eq!(
+            lines,
+            vec!["[rank 0 a 0] one", "[rank 1 a 0] two", "[rank 0 a 0] three"]
+        );
+        let heads = heads.lock().expect("lock").clone();
+        assert_eq!(heads.len(), 2);
+        assert!(
+            heads[0].starts_with("GET /v1/jobs/job-000001/logs?follow=true "),
+            "{}",
+            heads[0]
+        );
+        assert!(
+            heads[0]
+                .to_ascii_lowercase()
+                .contains("authorization: bearer secret"),
+            "{}",
+            heads[0]
+        );
+        assert!(
+            !heads[0].to_ascii_lowercase().contains("last-event-id"),
+            "{}",
+            heads[0]
+        );
+        assert!(
+            heads[1]
+                .to_ascii_lowercase()
+                .contains("last-event-id: c2\r\n"),
+            "{}",
+            heads[1]
+        );
+    }
+
+    #[tokio::test]
+    async fn unauthorized_and_not_found_are_not_retried() {
+        for (status, body, expect) in [
+            (
+                "401 Unauthorized",
+                "{\"error\":\"bad token\"}",
+                "rejected the token",
+            ),
+            (
+                "404 Not Found",
+                "{\"error\":\"no job job-000042\"}",
+                "no job job-000042",
+            ),
+        ] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let addr = listener.local_addr().expect("addr").to_string();
+            let resp = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let server = tokio::spawn(async move {
+                let (sock, _) = listener.accept().await.expect("accept");
+                let mut reader = BufReader::new(sock);
+                loop {
+                    let mut l = String::new();
+                    if reader.read_line(&mut l).await.expect("read") == 0 || l == "\r\n" {
+                        break;
+                    }
+                }
+                let mut sock = reader.into_inner();
+                sock.write_all(resp.as_bytes()).await.expect("write");
+                sock.flush().await.expect("flush");
+            });
+            let conn = Conn {
+                grpc: vec![],
+                http: vec![addr],
+                token: "t".into(),
+            };
+            let req = LogRequest {
+                job_id: "job-000042".into(),
+                rank: Some(1),
+                follow: false,
+            };
+            let err = follow_logs(&conn, &req, &mut CursorState::default(), |_| {})
+                .await
+                .expect_err("rejected");
+            assert!(err.to_string().contains(expect), "{err}");
+            server.await.expect("server");
+        }
+    }
+}

@@ -1,0 +1,572 @@
+//! Human-readable rendering of the proto messages (kubectl-like borderless tables).
+//!
+//! Every function is pure: it takes the message and "now" (Unix ms) and returns text,
+//! so the output is unit-tested.
+
+use comfy_table::{Table, presets};
+use cumulus_proto::{
+    ClusterStatusResponse, Job, JobResponse, ListCheckpointsResponse, ListJobsResponse, RankStatus,
+    RestartRecord,
+};
+
+/// Default restart budget of a job whose spec leaves it unset.
+pub const DEFAULT_MAX_RESTARTS: u32 = 3;
+
+/// A borderless table with the given upper-case header.
+pub fn table(header: &[&str]) -> Table {
+    let mut t = Table::new();
+    t.load_style(presets::NOTHING);
+    t.set_header(header.to_vec());
+    t
+}
+
+/// Renders a table as text, each line without trailing spaces, ending in `\n`.
+pub fn table_text(t: &Table) -> String {
+    let mut out = String::new();
+    for line in t.lines() {
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// Current wall-clock time, Unix epoch milliseconds.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// "12s ago", "5m ago", "3h ago", "2d ago"; "-" for 0 (unknown).
+pub fn age(then_ms: u64, now_ms: u64) -> String {
+    if then_ms == 0 {
+        return "-".into();
+    }
+    let s = now_ms.saturating_sub(then_ms) / 1000;
+    match s {
+        0..=119 => format!("{s}s ago"),
+        120..=7199 => format!("{}m ago", s / 60),
+        7200..=172_799 => format!("{}h ago", s / 3600),
+        _ => format!("{}d ago", s / 86_400),
+    }
+}
+
+/// Bytes in binary units with one decimal: "512 B", "1.5 KiB", "2.0 GiB".
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {}", UNITS[unit])
+}
+
+/// A command line for display: arguments with spaces or quotes are single-quoted.
+pub fn shell_words(argv: &[String]) -> String {
+    argv.iter()
+        .map(|a| {
+            if !a.is_empty()
+                && a.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%".contains(&b))
+            {
+                a.clone()
+            } else {
+                format!("'{}'", a.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn budget(job: &Job) -> u32 {
+    job.spec
+        .as_ref()
+        .and_then(|s| s.restart.as_ref())
+        .and_then(|r| r.max_restarts)
+        .unwrap_or(DEFAULT_MAX_RESTARTS)
+}
+
+fn or_dash(s: &str) -> String {
+    if s.is_empty() {
+        "-".into()
+    } else {
+        s.to_string()
+    }
+}
+
+/// "code 1", "signal 9", or "-".
+pub fn exit_text(r: &RankStatus) -> String {
+    match (r.exit_code, r.signal) {
+        (Some(c), _) => format!("code {c}"),
+        (None, Some(s)) => format!("signal {s}"),
+        (None, None) => "-".into(),
+    }
+}
+
+/// "120/360", "120", or "-".
+pub fn step_text(r: &RankStatus) -> String {
+    match (r.step, r.total_steps) {
+        (0, 0) => "-".into(),
+        (s, 0) => s.to_string(),
+        (s, t) => format!("{s}/{t}"),
+    }
+}
+
+/// `list`: one line per job.
+pub fn jobs_table(resp: &ListJobsResponse, now_ms: u64) -> String {
+    if resp.jobs.is_empty() {
+        return "no jobs\n".into();
+    }
+    let mut t = table(&[
+        "ID",
+        "NAME",
+        "STATE",
+        "WORLD",
+        "RESTARTS",
+        "CKPT STEP",
+        "SUBMITTED",
+        "COMMAND",
+    ]);
+    for j in &resp.jobs {
+        let spec = j.spec.clone().unwrap_or_default();
+        let mut cmd = shell_words(&spec.command);
+        if cmd.len() > 60 {
+            let cut = cmd
+                .char_indices()
+                .nth(57)
+                .map(|(i, _)| i)
+                .unwrap_or(cmd.len());
+            cmd.truncate(cut);
+            cmd.push_str("...");
+        }
+        t.add_row(vec![
+            j.id.clone(),
+            or_dash(&spec.name),
+            j.state.clone(),
+            spec.world_size.to_string(),
+            format!("{}/{}", j.restarts_used, budget(j)),
+            j.committed_step.map_or("-".into(), |s| s.to_string()),
+            age(j.submitted_at_ms, now_ms),
+            cmd,
+        ]);
+    }
+    table_text(&t)
+}
+
+/// `status`: summary, ranks table, restarts table.
+pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
+    let Some(job) = &resp.job else {
+        return "the coordinator returned no job\n".into();
+    };
+    let spec = job.spec.clone().unwrap_or_default();
+    let restart = spec.restart.clone().unwrap_or_default();
+    let mut out = String::new();
+    let mut kv = Table::new();
+    kv.load_style(presets::NOTHING);
+    let mut row = |k: &str, v: String| {
+        kv.add_row(vec![format!("{k}:"), v]);
+    };
+    row(
+        "job",
+        if spec.name.is_empty() {
+            job.id.clone()
+        } else {
+            format!("{} ({})", job.id, spec.name)
+        },
+    );
+    row("state", job.state.clone());
+    row(
+        "world size",
+        format!("{} ({} shards)", spec.world_size, job.shard_count),
+    );
+    row(
+        "restarts",
+        format!(
+            "{} used of {} (scope {}, backoff {}..{} ms)",
+            job.restarts_used,
+            budget(job),
+            restart.scope.as_deref().unwrap_or("group"),
+            restart
+                .backoff_initial_ms
+                .map_or("default".into(), |v| v.to_string()),
+            restart
+                .backoff_max_ms
+                .map_or("default".into(), |v| v.to_string()),
+        ),
+    );
+    row(
+        "committed step",
+        job.committed_step.map_or("none".into(), |s| s.to_string()),
+    );
+    if !job.failure_cause.is_empty() {
+        row("failure cause", job.failure_cause.clone());
+    }
+    row("submitted", age(job.submitted_at_ms, now_ms));
+    if job.finished_at_ms != 0 {
+        row("finished", age(job.finished_at_ms, now_ms));
+    }
+    row("command", shell_words(&spec.command));
+    if !spec.dataset.is_empty() {
+        row("dataset", spec.dataset.clone());
+    }
+    if !spec.ckpt_dir.is_empty() {
+        row(
+            "checkpoints",
+            format!(
+                "{} (keep {})",
+                spec.ckpt_dir,
+                spec.ckpt_keep.map_or("default".into(), |k| k.to_string())
+            ),
+        );
+    }
+    row(
+        "read",
+        if resp.linearizable {
+            "linearizable (leader read index)".into()
+        } else {
+            "local (may be stale)".into()
+        },
+    );
+    out.push_str(&table_text(&kv));
+
+    out.push('\n');
+    let mut ranks = table(&["RANK", "ATTEMPT", "WORKER", "STATE", "PID", "EXIT", "STEP"]);
+    for r in &job.ranks {
+        ranks.add_row(vec![
+            r.rank.to_string(),
+            r.attempt.to_string(),
+            or_dash(&r.worker_id),
+            r.state.clone(),
+            if r.pid == 0 {
+                "-".into()
+            } else {
+                r.pid.to_string()
+            },
+            exit_text(r),
+            step_text(r),
+        ]);
+    }
+    out.push_str(&table_text(&ranks));
+
+    if !job.restarts.is_empty() {
+        out.push('\n');
+        out.push_str(&restarts_table(&job.restarts));
+    }
+    out
+}
+
+/// The restart records of a job.
+pub fn restarts_table(restarts: &[RestartRecord]) -> String {
+    let mut t = table(&["RESTART", "CAUSE", "RANKS", "DELAY MS", "RESUME STEP"]);
+    for r in restarts {
+        t.add_row(vec![
+            format!("#{}", r.number),
+            r.cause.clone(),
+            r.ranks
+                .iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+            r.delay_ms.to_string(),
+            r.resume_step.map_or("scratch".into(), |s| s.to_string()),
+        ]);
+    }
+    table_text(&t)
+}
+
+/// `ckpt ls`.
+pub fn checkpoints_table(resp: &ListCheckpointsResponse) -> String {
+    if resp.checkpoints.is_empty() {
+        return "no checkpoints\n".into();
+    }
+    let mut t = table(&["STEP", "VERIFIED", "SIZE", "LATEST", "PATH"]);
+    for c in &resp.checkpoints {
+        t.add_row(vec![
+            c.step.to_string(),
+            if c.verified {
+                "yes".into()
+            } else {
+                "NO".into()
+            },
+            bytes(c.bytes),
+            if c.latest { "*".into() } else { String::new() },
+            c.path.clone(),
+        ]);
+    }
+    table_text(&t)
+}
+
+/// `cluster status`: Raft view, members, workers.
+pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
+    let mut out = String::new();
+    let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+    out.push_str(&format!(
+        "answered by node {}; leader: {}; term {}; commit index {}; last applied {}\n\n",
+        resp.node_id,
+        resp.leader_id
+            .map_or("none (election in progress?)".to_string(), |l| format!(
+                "node {l}"
+            )),
+        resp.term,
+        opt(resp.commit_index),
+        opt(resp.last_applied_index),
+    ));
+    let mut m = table(&["NODE", "GRPC", "HTTP", "ROLE", "VOTER"]);
+    for mem in &resp.members {
+        m.add_row(vec![
+            mem.node_id.to_string(),
+            mem.grpc_addr.clone(),
+            mem.http_addr.clone(),
+            mem.role.clone(),
+            if mem.voter { "yes".into() } else { "no".into() },
+        ]);
+    }
+    out.push_str(&table_text(&m));
+    out.push('\n');
+    if resp.workers.is_empty() {
+        out.push_str("no workers registered\n");
+        return out;
+    }
+    let mut w = table(&[
+        "WORKER",
+        "HOST",
+        "SLOTS",
+        "STATE",
+        "HEARTBEAT",
+        "CPU",
+        "MEMORY",
+    ]);
+    for wk in &resp.workers {
+        w.add_row(vec![
+            wk.worker_id.clone(),
+            wk.host.clone(),
+            format!("{}/{}", wk.slots_used, wk.slots),
+            wk.state.clone(),
+            if wk.last_heartbeat_age_ms == 0 {
+                "-".into()
+            } else {
+                format!("{} ms ago", wk.last_heartbeat_age_ms)
+            },
+            format!("{:.0}%", wk.cpu_percent),
+            format!(
+                "{} / {}",
+                bytes(wk.memory_used_bytes),
+                bytes(wk.memory_total_bytes)
+            ),
+        ]);
+    }
+    out.push_str(&table_text(&w));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cumulus_proto::{CheckpointInfo, JobSpec, Member, RestartPolicy, WorkerInfo};
+
+    fn job() -> Job {
+        Job {
+            id: "job-000001".into(),
+            spec: Some(JobSpec {
+                name: "digits".into(),
+                world_size: 2,
+                command: vec![
+                    "cumulus-trainer".into(),
+                    "train".into(),
+                    "--note".into(),
+                    "two words".into(),
+                ],
+                restart: Some(RestartPolicy {
+                    max_restarts: Some(5),
+                    ..Default::default()
+                }),
+                ckpt_dir: "/ck".into(),
+                ..Default::default()
+            }),
+            state: "running".into(),
+            submitted_at_ms: 1_000_000,
+            restarts_used: 1,
+            committed_step: Some(50),
+            shard_count: 8,
+            ranks: vec![
+                RankStatus {
+                    rank: 0,
+                    attempt: 1,
+                    worker_id: "worker-1".into(),
+                    state: "running".into(),
+                    pid: 4242,
+                    step: 60,
+                    total_steps: 360,
+                    ..Default::default()
+                },
+                RankStatus {
+                    rank: 1,
+                    attempt: 0,
+                    worker_id: "worker-2".into(),
+                    state: "failed".into(),
+                    signal: Some(9),
+                    ..Default::default()
+                },
+            ],
+            restarts: vec![RestartRecord {
+                number: 1,
+                delay_ms: 1043,
+                cause: "rank 1 attempt 0 killed by signal 9".into(),
+                ranks: vec![0, 1],
+                resume_step: Some(50),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn status_shows_summary_ranks_and_restarts() {
+        let text = job_status(
+            &JobResponse {
+                job: Some(job()),
+                linearizable: true,
+            },
+            1_012_000,
+        );
+        for needle in [
+            "job-000001 (digits)",
+            "running",
+            "2 (8 shards)",
+            "1 used of 5",
+            "committed step:",
+            "50",
+            "linearizable",
+            "12s ago",
+            "'two words'",
+            "4242",
+            "60/360",
+            "signal 9",
+            "#1",
+            "1043",
+            "rank 1 attempt 0 killed by signal 9",
+            "0,1",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+        }
+        let text = job_status(
+            &JobResponse {
+                job: Some(job()),
+                linearizable: false,
+            },
+            1_012_000,
+        );
+        assert!(text.contains("local (may be stale)"), "{text}");
+    }
+
+    #[test]
+    fn list_table_has_one_line_per_job_plus_header() {
+        let mut j2 = job();
+        j2.id = "job-000002".into();
+        j2.spec.as_mut().expect("spec").restart = None;
+        let text = jobs_table(
+            &ListJobsResponse {
+                jobs: vec![job(), j2],
+            },
+            1_000_000 + 7_200_000,
+        );
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(lines[0].contains("ID") && lines[0].contains("STATE"));
+        assert!(
+            lines[1].contains("job-000001")
+                && lines[1].contains("1/5")
+                && lines[1].contains("2h ago")
+        );
+        assert!(lines[2].contains("1/3"), "default budget shown: {text}");
+        assert_eq!(jobs_table(&ListJobsResponse::default(), 0), "no jobs\n");
+    }
+
+    #[test]
+    fn checkpoints_and_cluster_tables() {
+        let text = checkpoints_table(&ListCheckpointsResponse {
+            checkpoints: vec![
+                CheckpointInfo {
+                    step: 25,
+                    path: "/ck/job-000001/step-00000025".into(),
+                    verified: true,
+                    bytes: 2048,
+                    latest: false,
+                },
+                CheckpointInfo {
+                    step: 50,
+                    path: "/ck/job-000001/step-00000050".into(),
+                    verified: false,
+                    bytes: 10,
+                    latest: true,
+                },
+            ],
+        });
+        assert!(
+            text.contains("2.0 KiB")
+                && text.contains("step-00000050")
+                && text.contains("NO")
+                && text.contains('*'),
+            "{text}"
+        );
+
+        let text = cluster_status(&ClusterStatusResponse {
+            node_id: 2,
+            leader_id: Some(1),
+            term: 3,
+            commit_index: Some(17),
+            last_applied_index: Some(16),
+            members: vec![Member {
+                node_id: 1,
+                grpc_addr: "127.0.0.1:1".into(),
+                http_addr: "127.0.0.1:2".into(),
+                role: "leader".into(),
+                voter: true,
+            }],
+            workers: vec![WorkerInfo {
+                worker_id: "worker-1".into(),
+                host: "127.0.0.1".into(),
+                slots: 4,
+                slots_used: 2,
+                state: "alive".into(),
+                last_heartbeat_age_ms: 420,
+                cpu_percent: 12.6,
+                memory_used_bytes: 3 << 30,
+                memory_total_bytes: 8 << 30,
+                ..Default::default()
+            }],
+        });
+        for needle in [
+            "leader: node 1",
+            "term 3",
+            "commit index 17",
+            "last applied 16",
+            "2/4",
+            "420 ms ago",
+            "13%",
+            "3.0 GiB / 8.0 GiB",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn small_formatters() {
+        assert_eq!(bytes(0), "0 B");
+        assert_eq!(bytes(1536), "1.5 KiB");
+        assert_eq!(age(0, 5), "-");
+        assert_eq!(age(1000, 1000 + 300_000), "5m ago");
+        assert_eq!(age(1000, 1000 + 3 * 86_400_000), "3d ago");
+        assert_eq!(
+            shell_words(&["a".into(), "it's".into(), "".into()]),
+            r"a 'it'\''s' ''"
+        );
+        assert_eq!(step_text(&RankStatus::default()), "-");
+    }
+}

@@ -1,0 +1,195 @@
+//! The `cumulusctl` binary as a user runs it: dataset split on the bundled digits data,
+//! argument errors, and the errors shown when no cluster is reachable or configured.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn digits() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/digits/digits.csv.gz")
+}
+
+/// Runs `cumulusctl args…` in `cwd` with no CUMULUS_* variables inherited.
+fn ctl(cwd: &Path, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cumulusctl"));
+    cmd.current_dir(cwd).args(args);
+    for var in [
+        "CUMULUS_ADDR",
+        "CUMULUS_HTTP",
+        "CUMULUS_TOKEN",
+        "CUMULUS_TOKEN_FILE",
+        "CUMULUS_LOCAL_DIR",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.output().expect("run cumulusctl")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn dataset_split_of_digits_writes_shards_and_holdout() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = digits();
+    let out = ctl(
+        dir.path(),
+        &[
+            "dataset",
+            "split",
+            input.to_str().expect("utf8"),
+            "--shards",
+            "8",
+            "--out",
+            "shards",
+            "--holdout-out",
+            "holdout.csv",
+        ],
+    );
+    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("1797 rows"), "{stdout}");
+    assert!(stdout.contains("holdout: 359 rows"), "{stdout}");
+    let mut names: Vec<String> = std::fs::read_dir(dir.path().join("shards"))
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 8);
+    assert_eq!(names[0], "shard-00000.csv");
+    assert_eq!(names[7], "shard-00007.csv");
+    let hold = std::fs::read_to_string(dir.path().join("holdout.csv")).expect("holdout");
+    assert_eq!(hold.lines().count(), 359);
+
+    // A second run into the same directory is refused without --force …
+    let again = ctl(
+        dir.path(),
+        &[
+            "dataset",
+            "split",
+            input.to_str().expect("utf8"),
+            "--shards",
+            "4",
+            "--out",
+            "shards",
+        ],
+    );
+    assert_eq!(again.status.code(), Some(1));
+    let err = text(&again.stderr);
+    assert!(
+        err.starts_with("error: ") && err.contains("--force"),
+        "{err}"
+    );
+
+    // … and allowed with it; -o json is machine-readable.
+    let forced = ctl(
+        dir.path(),
+        &[
+            "-o",
+            "json",
+            "dataset",
+            "split",
+            input.to_str().expect("utf8"),
+            "--shards",
+            "4",
+            "--out",
+            "shards",
+            "--force",
+        ],
+    );
+    assert!(forced.status.success(), "stderr: {}", text(&forced.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&forced.stdout).expect("json");
+    assert_eq!(v["rows"], 1797);
+    assert_eq!(v["holdout_rows"], 0);
+    assert_eq!(v["shard_rows"].as_array().expect("array").len(), 4);
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("shards"))
+            .expect("ls")
+            .count(),
+        4,
+        "stale shards removed"
+    );
+}
+
+#[test]
+fn a_bad_row_is_named_with_its_line_and_a_hint() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("bad.csv"), "1,2,3\n4,5,6\n7,eight,9\n").expect("write");
+    let out = ctl(
+        dir.path(),
+        &["dataset", "split", "bad.csv", "--shards", "2", "--out", "s"],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("bad.csv:3") && err.contains("\"eight\" is not a number"),
+        "{err}"
+    );
+    assert!(err.contains("hint: "), "{err}");
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for args in [
+        vec!["submit", "--", "true"],
+        vec!["submit", "--world-size", "0", "--", "true"],
+        vec!["--token", "a", "--token-file", "b", "list"],
+        vec!["dataset", "split", "x.csv", "--shards", "0", "--out", "o"],
+        vec!["-o", "yaml", "list"],
+        vec!["frobnicate"],
+    ] {
+        let out = ctl(dir.path(), &args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn without_a_cluster_the_error_says_what_to_pass() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = ctl(dir.path(), &["list"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.starts_with("error: no coordinator address: pass --addr"),
+        "{err}"
+    );
+    assert!(err.contains("cumulusctl local up"), "{err}");
+
+    let out = ctl(
+        dir.path(),
+        &["--addr", "127.0.0.1:9", "status", "job-000001"],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("no token"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = ctl(dir.path(), &["local", "status"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("no local cluster"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = ctl(
+        dir.path(),
+        &[
+            "local",
+            "up",
+            "--bin-dir",
+            dir.path().to_str().expect("utf8"),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("cannot find cumulus-coordinator"), "{err}");
+}

@@ -1,0 +1,292 @@
+//! The client API's operations, shared by the gRPC `ClientService` and the REST mirror:
+//! submit, get, list, cancel, cluster status, checkpoints.
+
+use std::path::Path;
+
+use cumulus_ckpt::CheckpointStore;
+use cumulus_proto::v1;
+use cumulus_raft_store::Command;
+use cumulus_raft_store::Response;
+use openraft::ServerState;
+
+use crate::convert::{job_to_proto, spec_from_proto, workers_to_proto};
+use crate::node::{ApiError, Node, now_ms};
+
+/// Most regular files a dataset directory may hold (shards).
+pub const MAX_DATASET_FILES: usize = cumulus_raft_store::state::MAX_SHARDS;
+
+/// Lists a dataset directory's regular files (not hidden), sorted by name, as
+/// absolute paths.
+///
+/// # Errors
+/// `InvalidArgument` when the directory is missing, unreadable, empty or too large.
+pub fn list_dataset(dir: &str) -> Result<Vec<String>, ApiError> {
+    let path = Path::new(dir);
+    let entries = std::fs::read_dir(path).map_err(|e| {
+        ApiError::InvalidArgument(format!(
+            "dataset {dir} cannot be read: {e} (give an existing directory of shard files)"
+        ))
+    })?;
+    let mut shards = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| ApiError::InvalidArgument(format!("dataset {dir}: {e}")))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            return Err(ApiError::InvalidArgument(format!(
+                "dataset {dir} holds a file whose name is not UTF-8"
+            )));
+        };
+        if name.starts_with('.') {
+            continue;
+        }
+        let meta = entry
+            .metadata()
+            .map_err(|e| ApiError::InvalidArgument(format!("dataset {dir}/{name}: {e}")))?;
+        if meta.is_file() {
+            shards.push(path.join(name).to_string_lossy().to_string());
+        }
+        if shards.len() > MAX_DATASET_FILES {
+            return Err(ApiError::InvalidArgument(format!(
+                "dataset {dir} has more than {MAX_DATASET_FILES} files"
+            )));
+        }
+    }
+    if shards.is_empty() {
+        return Err(ApiError::InvalidArgument(format!(
+            "dataset {dir} has no shard files"
+        )));
+    }
+    shards.sort();
+    Ok(shards)
+}
+
+/// Submits a job (idempotent by request id).
+///
+/// # Errors
+/// `InvalidArgument` for a bad spec or dataset; `NotLeader`/`Unavailable` from Raft.
+pub async fn submit(
+    node: &Node,
+    req: v1::SubmitJobRequest,
+) -> Result<v1::SubmitJobResponse, ApiError> {
+    node.require_leader()?;
+    if req.request_id.is_empty() || req.request_id.len() > 128 {
+        return Err(ApiError::InvalidArgument(
+            "request_id must be 1..=128 bytes".into(),
+        ));
+    }
+    let Some(spec) = req.spec.as_ref() else {
+        return Err(ApiError::InvalidArgument(
+            "the request has no job spec".into(),
+        ));
+    };
+    // A retried request id returns its job before any validation against today's disk.
+    let existing = node.read_state(|s| s.request_ids.get(&req.request_id).cloned());
+    let spec = spec_from_proto(spec, node.limits.max_world_size)?;
+    let shards = if existing.is_some() || spec.dataset.is_empty() {
+        node.read_state(|s| {
+            existing
+                .as_ref()
+                .and_then(|id| s.jobs.get(id))
+                .map(|j| j.shard_plan.concat())
+                .unwrap_or_default()
+        })
+    } else {
+        list_dataset(&spec.dataset)?
+    };
+    let mut shards = shards;
+    shards.sort();
+    if !spec.ckpt_dir.is_empty() && existing.is_none() {
+        std::fs::create_dir_all(&spec.ckpt_dir).map_err(|e| {
+            ApiError::InvalidArgument(format!(
+                "checkpoint dir {} cannot be created: {e}",
+                spec.ckpt_dir
+            ))
+        })?;
+    }
+    let cmd = Command::SubmitJob {
+        request_id: req.request_id.clone(),
+        spec,
+        shards,
+        submitted_at_ms: now_ms(),
+    };
+    match node.propose(cmd).await? {
+        Response::JobSubmitted { job_id, created } => Ok(v1::SubmitJobResponse { job_id, created }),
+        Response::Rejected { reason } => Err(ApiError::InvalidArgument(reason)),
+        Response::Ok => Err(ApiError::Internal("submit produced no job".into())),
+    }
+}
+
+/// Reads one job; with `linearizable` the read goes through the leader's read index.
+///
+/// # Errors
+/// `NotFound` for an unknown id; `NotLeader` for a linearizable read on a follower.
+pub async fn get_job(
+    node: &Node,
+    job_id: &str,
+    linearizable: bool,
+) -> Result<v1::JobResponse, ApiError> {
+    if linearizable {
+        node.linearizable_barrier().await?;
+    }
+    let progress = node.soft().progress.clone();
+    let job = node
+        .read_state(|s| {
+            s.jobs
+                .get(job_id)
+                .map(|j| job_to_proto(j, &progress, now_ms()))
+        })
+        .ok_or_else(|| {
+            ApiError::NotFound(format!(
+                "no job {job_id:?} (list jobs with `cumulusctl list`)"
+            ))
+        })?;
+    Ok(v1::JobResponse {
+        job: Some(job),
+        linearizable,
+    })
+}
+
+/// Lists every job.
+///
+/// # Errors
+/// `NotLeader` for a linearizable read on a follower.
+pub async fn list_jobs(node: &Node, linearizable: bool) -> Result<v1::ListJobsResponse, ApiError> {
+    if linearizable {
+        node.linearizable_barrier().await?;
+    }
+    let progress = node.soft().progress.clone();
+    let now = now_ms();
+    let jobs = node.read_state(|s| {
+        s.jobs
+            .values()
+            .map(|j| job_to_proto(j, &progress, now))
+            .collect()
+    });
+    Ok(v1::ListJobsResponse { jobs })
+}
+
+/// Cancels a job.
+///
+/// # Errors
+/// `NotFound`, `FailedPrecondition` (already finished), `NotLeader`.
+pub async fn cancel(node: &Node, job_id: &str) -> Result<v1::JobResponse, ApiError> {
+    node.require_leader()?;
+    if !node.read_state(|s| s.jobs.contains_key(job_id)) {
+        return Err(ApiError::NotFound(format!("no job {job_id:?}")));
+    }
+    node.propose_ok(Command::CancelJob {
+        job_id: job_id.to_string(),
+        at_ms: now_ms(),
+    })
+    .await?;
+    get_job(node, job_id, false).await
+}
+
+/// The cluster as this node sees it.
+pub fn cluster_status(node: &Node) -> v1::ClusterStatusResponse {
+    let m = node.raft.metrics().borrow().clone();
+    let membership = m.membership_config.membership();
+    let voters: Vec<u64> = membership.voter_ids().collect();
+    let members = membership
+        .nodes()
+        .map(|(id, n)| {
+            let role = if m.current_leader == Some(*id) {
+                "leader"
+            } else if *id == node.id {
+                match m.state {
+                    ServerState::Candidate => "candidate",
+                    ServerState::Learner => "learner",
+                    ServerState::Follower => "follower",
+                    ServerState::Leader => "leader",
+                    ServerState::Shutdown => "shutdown",
+                }
+            } else if voters.contains(id) {
+                "follower"
+            } else {
+                "learner"
+            };
+            v1::Member {
+                node_id: *id,
+                grpc_addr: n.grpc_addr.clone(),
+                http_addr: n.http_addr.clone(),
+                role: role.to_string(),
+                voter: voters.contains(id),
+            }
+        })
+        .collect();
+    let soft_workers = node.soft().workers.clone();
+    let workers = node.read_state(|s| workers_to_proto(s, &soft_workers));
+    // openraft 0.9 metrics carry no commit index: on the leader the committed index is
+    // the quorum-acknowledged log index; elsewhere we show what was applied.
+    let commit_index = if m.current_leader == Some(node.id) {
+        m.replication.as_ref().and_then(|rep| {
+            let mut acked: Vec<u64> = voters
+                .iter()
+                .map(|id| {
+                    if *id == node.id {
+                        m.last_log_index.unwrap_or(0)
+                    } else {
+                        rep.get(id).and_then(|l| l.map(|l| l.index)).unwrap_or(0)
+                    }
+                })
+                .collect();
+            acked.sort_unstable();
+            let quorum = voters.len() / 2 + 1;
+            acked.len().checked_sub(quorum).map(|i| acked[i])
+        })
+    } else {
+        None
+    };
+    v1::ClusterStatusResponse {
+        node_id: node.id,
+        leader_id: m.current_leader,
+        term: m.current_term,
+        commit_index: commit_index.or(m.last_applied.map(|l| l.index)),
+        last_applied_index: m.last_applied.map(|l| l.index),
+        members,
+        workers,
+    }
+}
+
+/// Lists a job's kept checkpoint steps, verifying each against its manifest.
+///
+/// # Errors
+/// `NotFound` for an unknown job.
+pub async fn list_checkpoints(
+    node: &Node,
+    job_id: &str,
+) -> Result<v1::ListCheckpointsResponse, ApiError> {
+    let (ckpt_dir, steps) = node
+        .read_state(|s| {
+            s.jobs.get(job_id).map(|j| {
+                (
+                    j.spec.ckpt_dir.clone(),
+                    j.committed.keys().copied().collect::<Vec<_>>(),
+                )
+            })
+        })
+        .ok_or_else(|| ApiError::NotFound(format!("no job {job_id:?}")))?;
+    if ckpt_dir.is_empty() {
+        return Ok(v1::ListCheckpointsResponse {
+            checkpoints: vec![],
+        });
+    }
+    let store = cumulus_ckpt::LocalStore::new(&ckpt_dir);
+    let latest = store.read_latest(job_id).await.ok().flatten();
+    let mut checkpoints = Vec::new();
+    for step in steps.into_iter().rev() {
+        let verified = store.verify_step(job_id, step).await;
+        checkpoints.push(v1::CheckpointInfo {
+            step,
+            path: store
+                .job_dir(job_id)
+                .join(cumulus_ckpt::step_dir_name(step))
+                .to_string_lossy()
+                .to_string(),
+            verified: verified.is_ok(),
+            bytes: verified.as_ref().map_or(0, |m| m.total_bytes()),
+            latest: latest == Some(step),
+        });
+    }
+    Ok(v1::ListCheckpointsResponse { checkpoints })
+}

@@ -1,0 +1,103 @@
+//! The gRPC `ClientService` (cumulusctl, scripts): a thin adapter over [`crate::api`].
+
+use std::sync::Arc;
+
+use cumulus_proto::v1;
+use cumulus_proto::v1::client_service_server::ClientService;
+use cumulus_proto::{LEADER_GRPC_METADATA, LEADER_HTTP_METADATA};
+use tonic::{Request, Response, Status};
+
+use crate::api;
+use crate::node::{ApiError, Node};
+
+/// Maps an [`ApiError`] to a gRPC status. `NotLeader` becomes UNAVAILABLE with the
+/// leader's addresses in metadata, so clients and workers can follow it.
+pub fn to_status(e: ApiError) -> Status {
+    let msg = e.to_string();
+    match e {
+        ApiError::NotLeader { leader } => {
+            let mut status = Status::unavailable(msg);
+            if let Some(n) = leader {
+                if let Ok(v) = n.grpc_addr.parse() {
+                    status.metadata_mut().insert(LEADER_GRPC_METADATA, v);
+                }
+                if let Ok(v) = n.http_addr.parse() {
+                    status.metadata_mut().insert(LEADER_HTTP_METADATA, v);
+                }
+            }
+            status
+        }
+        ApiError::InvalidArgument(_) => Status::invalid_argument(msg),
+        ApiError::NotFound(_) => Status::not_found(msg),
+        ApiError::FailedPrecondition(_) => Status::failed_precondition(msg),
+        ApiError::Unavailable(_) => Status::unavailable(msg),
+        ApiError::Internal(_) => Status::internal(msg),
+    }
+}
+
+/// Serves the client API of one node.
+pub struct ClientSvc {
+    /// The node.
+    pub node: Arc<Node>,
+}
+
+#[tonic::async_trait]
+impl ClientService for ClientSvc {
+    async fn submit_job(
+        &self,
+        req: Request<v1::SubmitJobRequest>,
+    ) -> Result<Response<v1::SubmitJobResponse>, Status> {
+        api::submit(&self.node, req.into_inner())
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn get_job(
+        &self,
+        req: Request<v1::GetJobRequest>,
+    ) -> Result<Response<v1::JobResponse>, Status> {
+        let r = req.into_inner();
+        api::get_job(&self.node, &r.job_id, r.linearizable)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn list_jobs(
+        &self,
+        req: Request<v1::ListJobsRequest>,
+    ) -> Result<Response<v1::ListJobsResponse>, Status> {
+        api::list_jobs(&self.node, req.into_inner().linearizable)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn cancel_job(
+        &self,
+        req: Request<v1::CancelJobRequest>,
+    ) -> Result<Response<v1::JobResponse>, Status> {
+        api::cancel(&self.node, &req.into_inner().job_id)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn cluster_status(
+        &self,
+        _req: Request<v1::ClusterStatusRequest>,
+    ) -> Result<Response<v1::ClusterStatusResponse>, Status> {
+        Ok(Response::new(api::cluster_status(&self.node)))
+    }
+
+    async fn list_checkpoints(
+        &self,
+        req: Request<v1::ListCheckpointsRequest>,
+    ) -> Result<Response<v1::ListCheckpointsResponse>, Status> {
+        api::list_checkpoints(&self.node, &req.into_inner().job_id)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+}

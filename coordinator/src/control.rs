@@ -1,0 +1,985 @@
+//! The leader-only control loops: failure detector, scheduler, restart scheduler,
+//! checkpoint finalizer and job completion.
+//!
+//! Following Nomad's scheduler, planning is a pure function ([`plan`]) from the
+//! replicated state plus the leader's observations to a list of [`Action`]s; the
+//! executor stamps time and jitter, does the checkpoint I/O and commits each action
+//! through Raft. `apply` validates every command again, so an action planned on a
+//! state that moved on is rejected harmlessly and re-planned on the next tick.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cumulus_ckpt::{CheckpointStore, FileEntry, LocalStore, Manifest, PartRecord};
+use cumulus_raft_store::Command;
+use cumulus_raft_store::state::{
+    ClusterState, Job, JobState, PartInfo, RankState, RestartScope, WorkerState,
+};
+use rand::RngExt;
+use shard_planner::WorkerSlots;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::node::{AttemptKey, Node, now_ms};
+
+/// How often the loop runs when nothing wakes it.
+pub const TICK: Duration = Duration::from_millis(100);
+/// Shortest time between two planning passes: under a burst of commits (one wake per
+/// applied batch) the planner, which walks every job, runs at most this often.
+pub const MIN_PASS_INTERVAL: Duration = Duration::from_millis(20);
+/// A running attempt absent from this many heartbeat intervals of its worker is lost.
+pub const LOST_AFTER_HEARTBEATS: u64 = 5;
+/// Longest failure cause recorded, in bytes.
+pub const MAX_CAUSE_BYTES: usize = 1_024;
+
+/// What the leader observed outside the replicated state (soft state), in the units
+/// the planner needs.
+#[derive(Debug, Default, Clone)]
+pub struct Observations {
+    /// Milliseconds since the last heartbeat of each worker the leader tracks.
+    pub worker_silence_ms: HashMap<String, u64>,
+    /// Milliseconds since each observed attempt's reported step last changed.
+    pub progress_stall_ms: HashMap<AttemptKey, u64>,
+    /// Running attempts their worker stopped reporting (lost by the agent).
+    pub lost: HashSet<AttemptKey>,
+}
+
+/// One decision of the planner.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Expire a silent worker (its ranks fail).
+    ExpireWorker {
+        /// Worker.
+        worker_id: String,
+    },
+    /// Declare a running attempt failed.
+    FailRank {
+        /// Job.
+        job_id: String,
+        /// Rank.
+        rank: u32,
+        /// Attempt.
+        attempt: u32,
+        /// Why.
+        cause: String,
+    },
+    /// Gang-place a pending job.
+    Place {
+        /// Job.
+        job_id: String,
+        /// `(rank, worker)` for every rank.
+        placements: Vec<(u32, String)>,
+    },
+    /// Restart failed ranks (or the group) after a delay.
+    Restart {
+        /// Job.
+        job_id: String,
+        /// `(rank, worker)` of every restarted rank.
+        placements: Vec<(u32, String)>,
+        /// Leader time of the failure.
+        failed_at_ms: u64,
+        /// Jittered delay.
+        delay_ms: u64,
+        /// Cause.
+        cause: String,
+    },
+    /// Fail the job (budget exhausted).
+    FailJob {
+        /// Job.
+        job_id: String,
+        /// Cause.
+        cause: String,
+    },
+    /// Every rank exited 0.
+    Succeed {
+        /// Job.
+        job_id: String,
+    },
+    /// Every rank's part of `step` arrived: verify, write the manifest, commit.
+    Finalize {
+        /// Job.
+        job_id: String,
+        /// Step.
+        step: u64,
+    },
+}
+
+fn truncate(mut s: String) -> String {
+    if s.len() > MAX_CAUSE_BYTES {
+        let mut cut = MAX_CAUSE_BYTES;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+/// Plans the leader's next actions. Pure: the same inputs give the same plan;
+/// `jitter` yields the random units in [−1, 1] the restart delays need.
+pub fn plan(
+    state: &ClusterState,
+    obs: &Observations,
+    heartbeat_timeout_ms: u64,
+    jitter: &mut dyn FnMut() -> f64,
+) -> Vec<Action> {
+    let mut actions = Vec::new();
+    let mut expiring: BTreeSet<&str> = BTreeSet::new();
+    for w in state.workers.values() {
+        if w.state != WorkerState::Alive {
+            continue;
+        }
+        if obs
+            .worker_silence_ms
+            .get(&w.worker_id)
+            .is_some_and(|s| *s > heartbeat_timeout_ms)
+        {
+            expiring.insert(&w.worker_id);
+            actions.push(Action::ExpireWorker {
+                worker_id: w.worker_id.clone(),
+            });
+        }
+    }
+
+    let alive = |id: &str| {
+        !expiring.contains(id)
+            && state
+                .workers
+                .get(id)
+                .is_some_and(|w| w.state == WorkerState::Alive)
+    };
+    let mut used = state.slots_used(None);
+    let mut free_slots = |used: &BTreeMap<String, u32>| -> Vec<WorkerSlots> {
+        state
+            .workers
+            .values()
+            .filter(|w| alive(&w.worker_id))
+            .map(|w| WorkerSlots {
+                worker_id: w.worker_id.clone(),
+                free_slots: w
+                    .slots
+                    .saturating_sub(used.get(&w.worker_id).copied().unwrap_or(0)),
+            })
+            .collect()
+    };
+
+    for job in state.jobs.values() {
+        match job.state {
+            JobState::Pending => {
+                // Cheap test first: most pending jobs wait for capacity that is not there.
+                let free_total: u64 = free_slots(&used)
+                    .iter()
+                    .map(|w| u64::from(w.free_slots))
+                    .sum();
+                if free_total < u64::from(job.spec.world_size) {
+                    continue;
+                }
+                let ranks: Vec<u32> = (0..job.spec.world_size).collect();
+                if let Ok(Some(placements)) = shard_planner::place_ranks(&ranks, &free_slots(&used))
+                {
+                    for (_, w) in &placements {
+                        *used.entry(w.clone()).or_insert(0) += 1;
+                    }
+                    actions.push(Action::Place {
+                        job_id: job.id.clone(),
+                        placements,
+                    });
+                }
+            }
+            JobState::Running => plan_running(
+                job,
+                obs,
+                &mut used,
+                &mut free_slots,
+                &alive,
+                jitter,
+                &mut actions,
+            ),
+            _ => {}
+        }
+    }
+    actions
+}
+
+#[allow(clippy::too_many_arguments)]
+fn plan_running(
+    job: &Job,
+    obs: &Observations,
+    used: &mut BTreeMap<String, u32>,
+    free_slots: &mut dyn FnMut(&BTreeMap<String, u32>) -> Vec<WorkerSlots>,
+    alive: &dyn Fn(&str) -> bool,
+    jitter: &mut dyn FnMut() -> f64,
+    actions: &mut Vec<Action>,
+) {
+    // Failure detection on running attempts.
+    let mut newly_failed = false;
+    for r in &job.ranks {
+        if r.state != RankState::Running {
+            continue;
+        }
+        let key = (job.id.clone(), r.rank, r.attempt);
+        let cause = if obs.lost.contains(&key) {
+            Some("lost: its worker no longer reports the process".to_string())
+        } else if job.spec.progress_timeout_ms > 0
+            && obs
+                .progress_stall_ms
+                .get(&key)
+                .is_some_and(|s| *s > job.spec.progress_timeout_ms)
+        {
+            Some(format!(
+                "hung: no progress for more than {} ms",
+                job.spec.progress_timeout_ms
+            ))
+        } else {
+            None
+        };
+        if let Some(cause) = cause {
+            newly_failed = true;
+            actions.push(Action::FailRank {
+                job_id: job.id.clone(),
+                rank: r.rank,
+                attempt: r.attempt,
+                cause,
+            });
+        }
+    }
+    if newly_failed {
+        return; // re-plan once the failures are committed
+    }
+
+    let failed: Vec<_> = job
+        .ranks
+        .iter()
+        .filter(|r| r.state == RankState::Failed)
+        .collect();
+    if failed.is_empty() {
+        if job.all_ranks_succeeded() {
+            actions.push(Action::Succeed {
+                job_id: job.id.clone(),
+            });
+        } else if let Some((step, _)) = job
+            .pending_parts
+            .iter()
+            .rev()
+            .find(|(_, parts)| parts.len() == job.spec.world_size as usize)
+        {
+            actions.push(Action::Finalize {
+                job_id: job.id.clone(),
+                step: *step,
+            });
+        }
+        return;
+    }
+    let causes = truncate(
+        failed
+            .iter()
+            .filter_map(|r| r.failure.clone())
+            .collect::<Vec<_>>()
+            .join("; "),
+    );
+    let policy = &job.spec.restart;
+    if job.restarts_used >= policy.max_restarts {
+        actions.push(Action::FailJob {
+            job_id: job.id.clone(),
+            cause: truncate(format!(
+                "restart budget of {} exhausted; last failure: {causes}",
+                policy.max_restarts
+            )),
+        });
+        return;
+    }
+    let to_restart: Vec<u32> = match policy.scope {
+        RestartScope::Group => job.ranks.iter().map(|r| r.rank).collect(),
+        RestartScope::Rank => failed.iter().map(|r| r.rank).collect(),
+    };
+    // Keep each restarted rank on its worker when that worker is alive; re-place the rest.
+    let mut placements = Vec::new();
+    let mut homeless = Vec::new();
+    let restarting: BTreeSet<u32> = to_restart.iter().copied().collect();
+    for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
+        match &r.worker_id {
+            Some(w) if alive(w) => placements.push((r.rank, w.clone())),
+            _ => homeless.push(r.rank),
+        }
+    }
+    if !homeless.is_empty() {
+        // Free the slots of the ranks being restarted before placing the homeless ones.
+        let mut used_without = used.clone();
+        for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
+            if let (Some(w), RankState::Pending | RankState::Running) = (&r.worker_id, r.state)
+                && let Some(n) = used_without.get_mut(w)
+            {
+                *n = n.saturating_sub(1);
+            }
+        }
+        for (_, w) in &placements {
+            *used_without.entry(w.clone()).or_insert(0) += 1;
+        }
+        match shard_planner::place_ranks(&homeless, &free_slots(&used_without)) {
+            Ok(Some(more)) => placements.extend(more),
+            _ => return, // wait for capacity
+        }
+        placements.sort();
+    }
+    for (_, w) in &placements {
+        *used.entry(w.clone()).or_insert(0) += 1;
+    }
+    let number = job.restarts_used + 1;
+    let failed_at_ms = failed.iter().map(|r| r.exited_at_ms).max().unwrap_or(0);
+    actions.push(Action::Restart {
+        job_id: job.id.clone(),
+        placements,
+        failed_at_ms,
+        delay_ms: policy.jittered_delay_ms(number, jitter()),
+        cause: causes,
+    });
+}
+
+/// The leader's memory between ticks (rebuilt on every election).
+#[derive(Default)]
+struct LoopMemory {
+    /// Steps whose parts failed verification: never finalized.
+    bad_steps: HashSet<(String, u64)>,
+    /// Jobs whose LATEST file is known to match the committed step.
+    latest_ok: HashMap<String, u64>,
+    /// Last prune of the soft progress map.
+    last_progress_prune: Option<Instant>,
+}
+
+/// Runs the control loop until `cancel`; acts only while this node is the leader.
+pub async fn run(node: Arc<Node>, cancel: CancellationToken) {
+    let mut changes = node.shared.changes.subscribe();
+    let mut memory = LoopMemory::default();
+    let mut last_pass = Instant::now();
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(TICK) => {}
+            _ = changes.changed() => {}
+        }
+        // Coalesce bursts of wakes: the pass below sees every change made meanwhile.
+        let since = last_pass.elapsed();
+        if since < MIN_PASS_INTERVAL {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(MIN_PASS_INTERVAL - since) => {}
+            }
+        }
+        changes.borrow_and_update();
+        last_pass = Instant::now();
+        if !node.is_leader() {
+            node.soft().leader_term = None;
+            memory = LoopMemory::default();
+            continue;
+        }
+        let obs = observe(&node);
+        let actions = {
+            let mut rng = rand::rng();
+            let mut jitter = || rng.random_range(-1.0..=1.0);
+            node.read_state(|s| plan(s, &obs, node.limits.heartbeat_timeout_ms, &mut jitter))
+        };
+        for action in actions {
+            if cancel.is_cancelled() || !node.is_leader() {
+                break;
+            }
+            execute(&node, action, &mut memory).await;
+        }
+        ensure_latest(&node, &mut memory).await;
+        prune_progress(&node, &mut memory);
+    }
+}
+
+/// Builds the planner's observations from the soft state; on the first tick of a new
+/// term, grants every worker a full heartbeat timeout of grace (as Nomad does).
+fn observe(node: &Node) -> Observations {
+    let term = node.raft.metrics().borrow().current_term;
+    let now = Instant::now();
+    let now_wall = now_ms();
+    let (workers, running): (Vec<String>, Vec<(AttemptKey, String, u64)>) = node.read_state(|s| {
+        let workers = s
+            .workers
+            .values()
+            .filter(|w| w.state == WorkerState::Alive)
+            .map(|w| w.worker_id.clone())
+            .collect();
+        let running = s
+            .jobs
+            .values()
+            .filter(|j| j.state == JobState::Running)
+            .flat_map(|j| {
+                j.ranks
+                    .iter()
+                    .filter(|r| r.state == RankState::Running)
+                    .filter_map(|r| {
+                        r.worker_id
+                            .clone()
+                            .map(|w| ((j.id.clone(), r.rank, r.attempt), w, r.started_at_ms))
+                    })
+            })
+            .collect();
+        (workers, running)
+    });
+    let mut soft = node.soft();
+    if soft.leader_term != Some(term) {
+        info!(
+            term,
+            "acting as leader: every worker gets one heartbeat timeout of grace"
+        );
+        soft.leader_term = Some(term);
+        for w in &workers {
+            soft.workers.insert(
+                w.clone(),
+                crate::node::WorkerSoft {
+                    last_seen: now,
+                    observed: Vec::new(),
+                    resources: Default::default(),
+                },
+            );
+        }
+        for p in soft.progress.values_mut() {
+            p.changed_at = now;
+            p.seen_at = now;
+        }
+    }
+    let mut obs = Observations::default();
+    for w in &workers {
+        let silence = soft
+            .workers
+            .get(w)
+            .map_or(0, |s| now.duration_since(s.last_seen).as_millis() as u64);
+        obs.worker_silence_ms.insert(w.clone(), silence);
+    }
+    let lost_after_ms = LOST_AFTER_HEARTBEATS * node.limits.heartbeat_interval_ms;
+    for (key, worker, started_at_ms) in running {
+        let progress = soft.progress.get(&key);
+        if let Some(p) = progress {
+            obs.progress_stall_ms.insert(
+                key.clone(),
+                now.duration_since(p.changed_at).as_millis() as u64,
+            );
+        }
+        let unseen_ms = match progress {
+            Some(p) => now.duration_since(p.seen_at).as_millis() as u64,
+            None => now_wall.saturating_sub(started_at_ms),
+        };
+        let worker_reporting = soft.workers.get(&worker).is_some_and(|w| {
+            now.duration_since(w.last_seen).as_millis()
+                < u128::from(node.limits.heartbeat_interval_ms) * 2
+        });
+        if worker_reporting && unseen_ms > lost_after_ms {
+            obs.lost.insert(key);
+        }
+    }
+    obs
+}
+
+fn part_record(p: &PartInfo) -> PartRecord {
+    PartRecord {
+        rank: p.rank,
+        attempt: p.attempt,
+        dir: p.dir.clone(),
+        files: p
+            .files
+            .iter()
+            .map(|f| FileEntry {
+                path: f.path.clone(),
+                size_bytes: f.size_bytes,
+                sha256: f.sha256.clone(),
+            })
+            .collect(),
+        state: serde_json::from_str(&p.state_json).unwrap_or(serde_json::Value::Null),
+    }
+}
+
+async fn execute(node: &Node, action: Action, memory: &mut LoopMemory) {
+    let now = now_ms();
+    let describe = format!("{action:?}");
+    let cmd = match action {
+        Action::ExpireWorker { worker_id } => {
+            warn!(worker = %worker_id, "worker missed its heartbeats: expiring it");
+            Command::ExpireWorker {
+                worker_id,
+                at_ms: now,
+            }
+        }
+        Action::FailRank {
+            job_id,
+            rank,
+            attempt,
+            cause,
+        } => {
+            warn!(job = %job_id, rank, attempt, %cause, "rank failed");
+            Command::RankFailed {
+                job_id,
+                rank,
+                attempt,
+                cause,
+                at_ms: now,
+            }
+        }
+        Action::Place { job_id, placements } => {
+            info!(job = %job_id, ?placements, "placing job");
+            Command::PlaceJob {
+                job_id,
+                placements,
+                at_ms: now,
+            }
+        }
+        Action::Restart {
+            job_id,
+            placements,
+            failed_at_ms,
+            delay_ms,
+            cause,
+        } => {
+            let resume_step = choose_resume_step(node, &job_id).await;
+            info!(job = %job_id, delay_ms, ?resume_step, %cause, "scheduling restart");
+            Command::ScheduleRestart {
+                job_id,
+                placements,
+                failed_at_ms,
+                delay_ms,
+                cause,
+                resume_step,
+            }
+        }
+        Action::FailJob { job_id, cause } => {
+            warn!(job = %job_id, %cause, "job failed");
+            Command::FailJob {
+                job_id,
+                cause,
+                at_ms: now,
+            }
+        }
+        Action::Succeed { job_id } => {
+            info!(job = %job_id, "job succeeded");
+            Command::JobSucceeded { job_id, at_ms: now }
+        }
+        Action::Finalize { job_id, step } => {
+            if memory.bad_steps.contains(&(job_id.clone(), step)) {
+                return;
+            }
+            match finalize(node, &job_id, step).await {
+                Ok(()) => return,
+                Err(e) => {
+                    warn!(job = %job_id, step, error = %e, "checkpoint step not committed");
+                    memory.bad_steps.insert((job_id, step));
+                    return;
+                }
+            }
+        }
+    };
+    match node.propose(cmd).await {
+        Ok(cumulus_raft_store::Response::Rejected { reason }) => {
+            tracing::debug!(action = %describe, %reason, "planned action rejected (state moved on)")
+        }
+        Ok(_) => {}
+        Err(e) => warn!(action = %describe, error = %e, "could not commit planned action"),
+    }
+}
+
+/// Newest kept committed step whose manifest and files verify (the fallback for a
+/// torn or corrupt newest step); None without checkpoints.
+async fn choose_resume_step(node: &Node, job_id: &str) -> Option<u64> {
+    let (ckpt_dir, steps) = node.read_state(|s| {
+        s.jobs.get(job_id).map(|j| {
+            (
+                j.spec.ckpt_dir.clone(),
+                j.committed.keys().copied().collect::<Vec<_>>(),
+            )
+        })
+    })?;
+    if ckpt_dir.is_empty() || steps.is_empty() {
+        return None;
+    }
+    let store = LocalStore::new(&ckpt_dir);
+    match cumulus_ckpt::newest_valid_step(&store, job_id, &steps).await {
+        Ok(Some(m)) => {
+            if Some(&m.step) != steps.last() {
+                warn!(job = %job_id, step = m.step, "newest checkpoint failed verification: resuming from an older step");
+            }
+            Some(m.step)
+        }
+        Ok(None) => {
+            warn!(job = %job_id, "no kept checkpoint verifies: restarting from scratch");
+            None
+        }
+        Err(e) => {
+            warn!(job = %job_id, error = %e, "cannot verify checkpoints: restarting from scratch");
+            None
+        }
+    }
+}
+
+/// Verifies every part of `step`, writes its manifest, commits the step in Raft, then
+/// writes LATEST and prunes to the kept steps.
+async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
+    let Some((ckpt_dir, world_size, parts)) = node.read_state(|s| {
+        s.jobs.get(job_id).and_then(|j| {
+            j.pending_parts.get(&step).map(|p| {
+                (
+                    j.spec.ckpt_dir.clone(),
+                    j.spec.world_size,
+                    p.values().cloned().collect::<Vec<_>>(),
+                )
+            })
+        })
+    }) else {
+        return Ok(());
+    };
+    let store = LocalStore::new(&ckpt_dir);
+    let records: Vec<PartRecord> = parts.iter().map(part_record).collect();
+    for p in &records {
+        store.verify_part(job_id, p).await?;
+    }
+    let manifest = Manifest {
+        format_version: cumulus_ckpt::MANIFEST_FORMAT_VERSION,
+        job_id: job_id.to_string(),
+        step,
+        world_size,
+        committed_at_ms: now_ms(),
+        parts: records,
+    };
+    store.write_manifest(&manifest).await?;
+    if let cumulus_raft_store::Response::Rejected { reason } = node
+        .propose(Command::CheckpointCommitted {
+            job_id: job_id.to_string(),
+            step,
+            at_ms: now_ms(),
+        })
+        .await?
+    {
+        anyhow::bail!("commit rejected: {reason}")
+    }
+    store.write_latest(job_id, step).await?;
+    let keep: Vec<u64> = node.read_state(|s| {
+        s.jobs
+            .get(job_id)
+            .map(|j| j.committed.keys().copied().collect())
+            .unwrap_or_default()
+    });
+    if let Err(e) = store.prune(job_id, &keep).await {
+        warn!(job = %job_id, error = %e, "pruning old checkpoints failed");
+    }
+    info!(job = %job_id, step, "checkpoint committed");
+    Ok(())
+}
+
+/// Makes LATEST name the committed step of every job (a leader may have died between
+/// the Raft commit and the LATEST write).
+async fn ensure_latest(node: &Node, memory: &mut LoopMemory) {
+    let jobs: Vec<(String, String, u64)> = node.read_state(|s| {
+        s.jobs
+            .values()
+            .filter(|j| !j.spec.ckpt_dir.is_empty())
+            .filter_map(|j| {
+                j.committed_step
+                    .map(|c| (j.id.clone(), j.spec.ckpt_dir.clone(), c))
+            })
+            .filter(|(id, _, c)| memory.latest_ok.get(id) != Some(c))
+            .collect()
+    });
+    for (job_id, dir, step) in jobs {
+        let store = LocalStore::new(&dir);
+        match store.read_latest(&job_id).await {
+            Ok(Some(s)) if s == step => {
+                memory.latest_ok.insert(job_id, step);
+            }
+            _ => {
+                if store.verify_step(&job_id, step).await.is_ok()
+                    && store.write_latest(&job_id, step).await.is_ok()
+                {
+                    info!(job = %job_id, step, "LATEST repaired to the committed step");
+                    memory.latest_ok.insert(job_id, step);
+                }
+            }
+        }
+    }
+}
+
+/// Drops soft progress of attempts that are no longer current (bounded memory).
+fn prune_progress(node: &Node, memory: &mut LoopMemory) {
+    if memory
+        .last_progress_prune
+        .is_some_and(|t| t.elapsed() < Duration::from_secs(5))
+    {
+        return;
+    }
+    memory.last_progress_prune = Some(Instant::now());
+    let current: HashSet<AttemptKey> = node.read_state(|s| {
+        s.jobs
+            .values()
+            .filter(|j| !j.state.is_terminal())
+            .flat_map(|j| j.ranks.iter().map(|r| (j.id.clone(), r.rank, r.attempt)))
+            .collect()
+    });
+    let mut soft = node.soft();
+    soft.progress.retain(|k, _| current.contains(k));
+    if soft.progress.len() > crate::node::MAX_PROGRESS_ENTRIES {
+        soft.progress.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cumulus_raft_store::state::{JobSpec, RestartPolicy};
+    use cumulus_raft_store::{Command, Response};
+
+    fn state_with_running_job(world_size: u32, scope: RestartScope) -> (ClusterState, String) {
+        let mut s = ClusterState::default();
+        let mut d = BTreeSet::new();
+        for w in ["w1", "w2"] {
+            s.apply(
+                &Command::RegisterWorker {
+                    worker_id: w.into(),
+                    host: "h".into(),
+                    http_addr: "h:1".into(),
+                    slots: 4,
+                    at_ms: 0,
+                },
+                &mut d,
+            );
+        }
+        let spec = JobSpec {
+            name: String::new(),
+            world_size,
+            command: vec!["x".into()],
+            env: Default::default(),
+            dataset: String::new(),
+            ckpt_dir: String::new(),
+            ckpt_keep: 3,
+            restart: RestartPolicy {
+                scope,
+                max_restarts: 1,
+                ..RestartPolicy::default()
+            },
+            progress_timeout_ms: 1_000,
+            working_dir: String::new(),
+        };
+        let Response::JobSubmitted { job_id, .. } = s.apply(
+            &Command::SubmitJob {
+                request_id: "r".into(),
+                spec,
+                shards: vec![],
+                submitted_at_ms: 0,
+            },
+            &mut d,
+        ) else {
+            panic!("submit")
+        };
+        let mut zero = || 0.0;
+        let actions = plan(&s, &Observations::default(), 5_000, &mut zero);
+        let [Action::Place { placements, .. }] = actions.as_slice() else {
+            panic!("{actions:?}")
+        };
+        // Least-loaded placement alternates workers.
+        assert_eq!(
+            placements.iter().filter(|(_, w)| w == "w1").count() as u32,
+            world_size.div_ceil(2)
+        );
+        s.apply(
+            &Command::PlaceJob {
+                job_id: job_id.clone(),
+                placements: placements.clone(),
+                at_ms: 1,
+            },
+            &mut d,
+        );
+        for r in 0..world_size {
+            let w = s.jobs[&job_id].ranks[r as usize]
+                .worker_id
+                .clone()
+                .expect("placed");
+            s.apply(
+                &Command::RankStarted {
+                    job_id: job_id.clone(),
+                    rank: r,
+                    attempt: 0,
+                    worker_id: w,
+                    pid: 1,
+                    at_ms: 2,
+                },
+                &mut d,
+            );
+        }
+        (s, job_id)
+    }
+
+    #[test]
+    fn silent_worker_is_expired_only_after_the_timeout() {
+        let (s, _) = state_with_running_job(2, RestartScope::Group);
+        let mut zero = || 0.0;
+        let mut obs = Observations::default();
+        obs.worker_silence_ms.insert("w1".into(), 5_000);
+        assert!(plan(&s, &obs, 5_000, &mut zero).is_empty());
+        obs.worker_silence_ms.insert("w1".into(), 5_001);
+        assert_eq!(
+            plan(&s, &obs, 5_000, &mut zero),
+            vec![Action::ExpireWorker {
+                worker_id: "w1".into()
+            }]
+        );
+    }
+
+    #[test]
+    fn group_restart_then_budget_exhaustion() {
+        let (mut s, job_id) = state_with_running_job(4, RestartScope::Group);
+        let mut d = BTreeSet::new();
+        let w = s.jobs[&job_id].ranks[2].worker_id.clone().expect("placed");
+        s.apply(
+            &Command::RankExited {
+                job_id: job_id.clone(),
+                rank: 2,
+                attempt: 0,
+                worker_id: w,
+                exit_code: Some(1),
+                signal: None,
+                spawn_error: String::new(),
+                at_ms: 50,
+            },
+            &mut d,
+        );
+        let mut plus = || 1.0;
+        let actions = plan(&s, &Observations::default(), 5_000, &mut plus);
+        let [
+            Action::Restart {
+                placements,
+                failed_at_ms,
+                delay_ms,
+                cause,
+                ..
+            },
+        ] = actions.as_slice()
+        else {
+            panic!("{actions:?}")
+        };
+        assert_eq!(placements.len(), 4, "group scope restarts every rank");
+        assert_eq!((*failed_at_ms, *delay_ms), (50, 600));
+        assert!(cause.contains("exited with code 1"), "{cause}");
+        let cmd = Command::ScheduleRestart {
+            job_id: job_id.clone(),
+            placements: placements.clone(),
+            failed_at_ms: 50,
+            delay_ms: 600,
+            cause: cause.clone(),
+            resume_step: None,
+        };
+        assert_eq!(s.apply(&cmd, &mut d), Response::Ok);
+        // Second failure: the budget of 1 is used up.
+        let w = s.jobs[&job_id].ranks[0].worker_id.clone().expect("placed");
+        s.apply(
+            &Command::RankStarted {
+                job_id: job_id.clone(),
+                rank: 0,
+                attempt: 1,
+                worker_id: w.clone(),
+                pid: 9,
+                at_ms: 700,
+            },
+            &mut d,
+        );
+        s.apply(
+            &Command::RankExited {
+                job_id: job_id.clone(),
+                rank: 0,
+                attempt: 1,
+                worker_id: w,
+                exit_code: None,
+                signal: Some(9),
+                spawn_error: String::new(),
+                at_ms: 800,
+            },
+            &mut d,
+        );
+        let actions = plan(&s, &Observations::default(), 5_000, &mut plus);
+        let [Action::FailJob { cause, .. }] = actions.as_slice() else {
+            panic!("{actions:?}")
+        };
+        assert!(
+            cause.contains("budget of 1 exhausted") && cause.contains("signal 9"),
+            "{cause}"
+        );
+    }
+
+    #[test]
+    fn ranks_of_an_expired_worker_move_to_a_live_one() {
+        let (mut s, _job_id) = state_with_running_job(4, RestartScope::Group);
+        let mut d = BTreeSet::new();
+        s.apply(
+            &Command::ExpireWorker {
+                worker_id: "w2".into(),
+                at_ms: 100,
+            },
+            &mut d,
+        );
+        let mut zero = || 0.0;
+        let actions = plan(&s, &Observations::default(), 5_000, &mut zero);
+        let [Action::Restart { placements, .. }] = actions.as_slice() else {
+            panic!("{actions:?}")
+        };
+        assert!(placements.iter().all(|(_, w)| w == "w1"), "{placements:?}");
+        assert_eq!(
+            placements.iter().map(|(r, _)| *r).collect::<Vec<_>>(),
+            vec![0, 1, 2, 3]
+        );
+    }
+
+    #[test]
+    fn hung_and_lost_ranks_fail_and_rank_scope_restarts_one() {
+        let (s, job_id) = state_with_running_job(2, RestartScope::Rank);
+        let mut zero = || 0.0;
+        let mut obs = Observations::default();
+        obs.progress_stall_ms.insert((job_id.clone(), 0, 0), 1_001);
+        obs.lost.insert((job_id.clone(), 1, 0));
+        let actions = plan(&s, &obs, 5_000, &mut zero);
+        assert_eq!(actions.len(), 2);
+        assert!(
+            matches!(&actions[0], Action::FailRank { rank: 0, cause, .. } if cause.starts_with("hung"))
+        );
+        assert!(
+            matches!(&actions[1], Action::FailRank { rank: 1, cause, .. } if cause.starts_with("lost"))
+        );
+    }
+
+    #[test]
+    fn gang_placement_waits_for_capacity() {
+        let mut s = ClusterState::default();
+        let mut d = BTreeSet::new();
+        s.apply(
+            &Command::RegisterWorker {
+                worker_id: "w1".into(),
+                host: "h".into(),
+                http_addr: "h:1".into(),
+                slots: 2,
+                at_ms: 0,
+            },
+            &mut d,
+        );
+        let spec = JobSpec {
+            name: String::new(),
+            world_size: 3,
+            command: vec!["x".into()],
+            env: Default::default(),
+            dataset: String::new(),
+            ckpt_dir: String::new(),
+            ckpt_keep: 3,
+            restart: RestartPolicy::default(),
+            progress_timeout_ms: 0,
+            working_dir: String::new(),
+        };
+        s.apply(
+            &Command::SubmitJob {
+                request_id: "r".into(),
+                spec,
+                shards: vec![],
+                submitted_at_ms: 0,
+            },
+            &mut d,
+        );
+        let mut zero = || 0.0;
+        assert!(plan(&s, &Observations::default(), 5_000, &mut zero).is_empty());
+    }
+}

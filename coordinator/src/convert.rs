@@ -1,0 +1,289 @@
+//! Conversions between the gRPC/REST messages (`cumulus_proto::v1`) and the replicated
+//! state (`cumulus_raft_store::state`), with the validation and defaults of job specs.
+
+use std::collections::{BTreeMap, HashMap};
+
+use cumulus_proto::v1;
+use cumulus_raft_store::state::{
+    ClusterState, Job, JobSpec, JobState, RankState, RestartPolicy, RestartScope, WorkerState,
+};
+
+use crate::node::{ApiError, AttemptKey, ProgressSoft};
+
+/// Default number of committed checkpoint steps kept.
+pub const DEFAULT_CKPT_KEEP: u32 = 3;
+
+/// Builds a validated [`JobSpec`] from a request, filling the documented defaults.
+///
+/// # Errors
+/// `InvalidArgument` naming the first bad field.
+pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, ApiError> {
+    let defaults = RestartPolicy::default();
+    let r = p.restart.clone().unwrap_or_default();
+    let scope = match r.scope.as_deref() {
+        None | Some("") | Some("group") => RestartScope::Group,
+        Some("rank") => RestartScope::Rank,
+        Some(other) => {
+            return Err(ApiError::InvalidArgument(format!(
+                "restart scope {other:?} is unknown: use \"group\" or \"rank\""
+            )));
+        }
+    };
+    let spec = JobSpec {
+        name: p.name.clone(),
+        world_size: p.world_size,
+        command: p.command.clone(),
+        env: p
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<BTreeMap<_, _>>(),
+        dataset: p.dataset.clone(),
+        ckpt_dir: p.ckpt_dir.clone(),
+        ckpt_keep: p.ckpt_keep.unwrap_or(DEFAULT_CKPT_KEEP),
+        restart: RestartPolicy {
+            scope,
+            max_restarts: r.max_restarts.unwrap_or(defaults.max_restarts),
+            backoff_initial_ms: r.backoff_initial_ms.unwrap_or(defaults.backoff_initial_ms),
+            backoff_max_ms: r.backoff_max_ms.unwrap_or(defaults.backoff_max_ms),
+        },
+        progress_timeout_ms: p.progress_timeout_ms,
+        working_dir: p.working_dir.clone(),
+    };
+    spec.validate(max_world_size)
+        .map_err(ApiError::InvalidArgument)?;
+    Ok(spec)
+}
+
+/// The request form of a stored spec (used in job views).
+pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
+    v1::JobSpec {
+        name: s.name.clone(),
+        world_size: s.world_size,
+        command: s.command.clone(),
+        env: s
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<HashMap<_, _>>(),
+        dataset: s.dataset.clone(),
+        ckpt_dir: s.ckpt_dir.clone(),
+        ckpt_keep: Some(s.ckpt_keep),
+        restart: Some(v1::RestartPolicy {
+            scope: Some(
+                match s.restart.scope {
+                    RestartScope::Group => "group",
+                    RestartScope::Rank => "rank",
+                }
+                .to_string(),
+            ),
+            max_restarts: Some(s.restart.max_restarts),
+            backoff_initial_ms: Some(s.restart.backoff_initial_ms),
+            backoff_max_ms: Some(s.restart.backoff_max_ms),
+        }),
+        progress_timeout_ms: s.progress_timeout_ms,
+        working_dir: s.working_dir.clone(),
+    }
+}
+
+fn rank_state_name(
+    job: &Job,
+    r: &cumulus_raft_store::state::RankRecord,
+    now_ms: u64,
+) -> &'static str {
+    match r.state {
+        RankState::Unplaced => "pending",
+        RankState::Pending if r.not_before_ms > now_ms && job.state == JobState::Running => {
+            "waiting"
+        }
+        RankState::Pending => "pending",
+        RankState::Running => "running",
+        RankState::Exited => "exited",
+        RankState::Failed => "failed",
+    }
+}
+
+/// The API view of a job; `progress` is the leader's soft progress (empty on followers).
+pub fn job_to_proto(
+    job: &Job,
+    progress: &HashMap<AttemptKey, ProgressSoft>,
+    now_ms: u64,
+) -> v1::Job {
+    v1::Job {
+        id: job.id.clone(),
+        spec: Some(spec_to_proto(&job.spec)),
+        state: job.state.as_str().to_string(),
+        submitted_at_ms: job.submitted_at_ms,
+        finished_at_ms: job.finished_at_ms,
+        restarts_used: job.restarts_used,
+        failure_cause: job.failure_cause.clone().unwrap_or_default(),
+        ranks: job
+            .ranks
+            .iter()
+            .map(|r| {
+                let p = progress.get(&(job.id.clone(), r.rank, r.attempt));
+                v1::RankStatus {
+                    rank: r.rank,
+                    attempt: r.attempt,
+                    worker_id: r.worker_id.clone().unwrap_or_default(),
+                    state: rank_state_name(job, r, now_ms).to_string(),
+                    exit_code: r.exit_code,
+                    signal: r.signal,
+                    started_at_ms: r.started_at_ms,
+                    exited_at_ms: r.exited_at_ms,
+                    step: p.map_or(0, |p| p.step),
+                    total_steps: p.map_or(0, |p| p.total_steps),
+                    local_rank: r.local_rank,
+                    shard_count: job
+                        .shard_plan
+                        .get(r.rank as usize)
+                        .map_or(0, |s| s.len() as u32),
+                    not_before_ms: r.not_before_ms,
+                    pid: r.pid,
+                }
+            })
+            .collect(),
+        committed_step: job.committed_step,
+        restarts: job
+            .restarts
+            .iter()
+            .map(|x| v1::RestartRecord {
+                number: x.number,
+                failed_at_ms: x.failed_at_ms,
+                delay_ms: x.delay_ms,
+                not_before_ms: x.not_before_ms,
+                cause: x.cause.clone(),
+                ranks: x.ranks.clone(),
+                resume_step: x.resume_step,
+            })
+            .collect(),
+        request_id: job.request_id.clone(),
+        shard_count: job.shard_count,
+    }
+}
+
+/// The rank attempts the leader wants running on `worker_id` at `now_ms`: every
+/// placed rank of a running job whose current attempt is pending (and past its
+/// backoff) or running.
+pub fn desired_for_worker(
+    state: &ClusterState,
+    worker_id: &str,
+    now_ms: u64,
+) -> Vec<v1::DesiredRank> {
+    let mut out = Vec::new();
+    for job in state.jobs.values() {
+        if job.state != JobState::Running {
+            continue;
+        }
+        let master_addr = job.ranks[0]
+            .worker_id
+            .as_ref()
+            .and_then(|w| state.workers.get(w))
+            .map(|w| w.host.clone())
+            .unwrap_or_default();
+        for r in &job.ranks {
+            if r.worker_id.as_deref() != Some(worker_id) {
+                continue;
+            }
+            let wanted = match r.state {
+                RankState::Running => true,
+                RankState::Pending => r.not_before_ms <= now_ms,
+                _ => false,
+            };
+            if !wanted {
+                continue;
+            }
+            out.push(v1::DesiredRank {
+                job_id: job.id.clone(),
+                rank: r.rank,
+                attempt: r.attempt,
+                world_size: job.spec.world_size,
+                local_rank: r.local_rank,
+                local_world_size: r.local_world_size,
+                master_addr: master_addr.clone(),
+                master_port: job.master_port,
+                command: job.spec.command.clone(),
+                env: job
+                    .spec
+                    .env
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                shards: job
+                    .shard_plan
+                    .get(r.rank as usize)
+                    .cloned()
+                    .unwrap_or_default(),
+                ckpt_dir: job.spec.ckpt_dir.clone(),
+                resume_step: r.resume_step,
+                resume_dir: r.resume_dir.clone(),
+                working_dir: job.spec.working_dir.clone(),
+            });
+        }
+    }
+    out
+}
+
+/// The API view of the workers, with the leader's soft heartbeat ages when known.
+pub fn workers_to_proto(
+    state: &ClusterState,
+    soft: &HashMap<String, crate::node::WorkerSoft>,
+) -> Vec<v1::WorkerInfo> {
+    let used = state.slots_used(None);
+    state
+        .workers
+        .values()
+        .map(|w| {
+            let s = soft.get(&w.worker_id);
+            let res = s.map(|s| s.resources).unwrap_or_default();
+            v1::WorkerInfo {
+                worker_id: w.worker_id.clone(),
+                host: w.host.clone(),
+                http_addr: w.http_addr.clone(),
+                slots: w.slots,
+                slots_used: used.get(&w.worker_id).copied().unwrap_or(0),
+                state: match w.state {
+                    WorkerState::Alive => "alive",
+                    WorkerState::Expired => "expired",
+                }
+                .to_string(),
+                last_heartbeat_age_ms: s.map_or(0, |s| s.last_seen.elapsed().as_millis() as u64),
+                cpu_percent: res.cpu_percent,
+                memory_used_bytes: res.memory_used_bytes,
+                memory_total_bytes: res.memory_total_bytes,
+            }
+        })
+        .collect()
+}
+
+/// Digest of a desired set: a hash of its sorted `(job, rank, attempt)` keys (the rest of
+/// a desired attempt never changes for the same key). `WatchDesired` compares it with
+/// the agent's to tell whether the agent is current. Never 0 (0 means "none known").
+pub fn desired_digest(desired: &[v1::DesiredRank]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut keys: Vec<(&str, u32, u32)> = desired
+        .iter()
+        .map(|d| (d.job_id.as_str(), d.rank, d.attempt))
+        .collect();
+    keys.sort_unstable();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    keys.hash(&mut h);
+    h.finish().max(1)
+}
+
+/// The earliest backoff end (leader clock, ms) after `now_ms` among the pending attempts
+/// placed on `worker_id`: when its desired set changes without a new command.
+pub fn next_backoff_end_ms(state: &ClusterState, worker_id: &str, now_ms: u64) -> Option<u64> {
+    state
+        .jobs
+        .values()
+        .filter(|j| j.state == JobState::Running)
+        .flat_map(|j| j.ranks.iter())
+        .filter(|r| {
+            r.worker_id.as_deref() == Some(worker_id)
+                && r.state == RankState::Pending
+                && r.not_before_ms > now_ms
+        })
+        .map(|r| r.not_before_ms)
+        .min()
+}

@@ -1,0 +1,143 @@
+//! The coordinator's HTTP API (axum): `/health`, the JSON mirror of the client API
+//! under `/v1/jobs…`, and the SSE log stream (see [`crate::logs`]). Everything but
+//! `/health` requires the cluster bearer token.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use cumulus_proto::LEADER_HTTP_HEADER;
+use cumulus_proto::v1;
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::api;
+use crate::auth::bearer_matches;
+use crate::node::{ApiError, Node};
+
+/// Largest JSON request body accepted, in bytes.
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+
+/// An [`ApiError`] as an HTTP response: `{"error": "..."}` with a matching status; a
+/// follower answers writes with 503 and the leader's HTTP address in a header.
+pub struct HttpError(pub ApiError);
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        let msg = self.0.to_string();
+        let (status, leader) = match &self.0 {
+            ApiError::NotLeader { leader } => (StatusCode::SERVICE_UNAVAILABLE, leader.clone()),
+            ApiError::InvalidArgument(_) => (StatusCode::BAD_REQUEST, None),
+            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, None),
+            ApiError::FailedPrecondition(_) => (StatusCode::CONFLICT, None),
+            ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, None),
+            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, None),
+        };
+        let mut resp = (status, Json(json!({ "error": msg }))).into_response();
+        if let Some(value) = leader.and_then(|n| HeaderValue::from_str(&n.http_addr).ok()) {
+            resp.headers_mut().insert(LEADER_HTTP_HEADER, value);
+        }
+        resp
+    }
+}
+
+impl From<ApiError> for HttpError {
+    fn from(e: ApiError) -> Self {
+        HttpError(e)
+    }
+}
+
+/// Builds the router of one node.
+pub fn router(node: Arc<Node>) -> Router {
+    let protected = Router::new()
+        .route("/v1/jobs", get(list_jobs).post(submit))
+        .route("/v1/jobs/{id}", get(get_job))
+        .route("/v1/jobs/{id}/cancel", post(cancel))
+        .route("/v1/jobs/{id}/checkpoints", get(checkpoints))
+        .route("/v1/jobs/{id}/logs", get(crate::logs::stream))
+        .route("/v1/cluster", get(cluster))
+        .layer(axum::middleware::from_fn_with_state(
+            node.clone(),
+            require_token,
+        ));
+    Router::new()
+        .route("/health", get(health))
+        .merge(protected)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(node)
+}
+
+async fn require_token(State(node): State<Arc<Node>>, req: Request, next: Next) -> Response {
+    let header = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok());
+    if bearer_matches(header, &node.token) {
+        next.run(req).await
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"error": "missing or wrong bearer token"})),
+        )
+            .into_response()
+    }
+}
+
+async fn health(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
+    let m = node.raft.metrics().borrow().clone();
+    Json(json!({ "node_id": node.id, "leader_id": m.current_leader, "term": m.current_term }))
+}
+
+/// `?linearizable=true|false` on reads.
+#[derive(Deserialize, Default)]
+struct ReadParams {
+    #[serde(default)]
+    linearizable: bool,
+}
+
+async fn list_jobs(
+    State(node): State<Arc<Node>>,
+    Query(p): Query<ReadParams>,
+) -> Result<Json<v1::ListJobsResponse>, HttpError> {
+    Ok(Json(api::list_jobs(&node, p.linearizable).await?))
+}
+
+async fn get_job(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    Query(p): Query<ReadParams>,
+) -> Result<Json<v1::JobResponse>, HttpError> {
+    Ok(Json(api::get_job(&node, &id, p.linearizable).await?))
+}
+
+async fn submit(
+    State(node): State<Arc<Node>>,
+    _headers: HeaderMap,
+    body: Result<Json<v1::SubmitJobRequest>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<v1::SubmitJobResponse>, HttpError> {
+    let Json(req) =
+        body.map_err(|e| ApiError::InvalidArgument(format!("invalid JSON body: {e}")))?;
+    Ok(Json(api::submit(&node, req).await?))
+}
+
+async fn cancel(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+) -> Result<Json<v1::JobResponse>, HttpError> {
+    Ok(Json(api::cancel(&node, &id).await?))
+}
+
+async fn checkpoints(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+) -> Result<Json<v1::ListCheckpointsResponse>, HttpError> {
+    Ok(Json(api::list_checkpoints(&node, &id).await?))
+}
+
+async fn cluster(State(node): State<Arc<Node>>) -> Json<v1::ClusterStatusResponse> {
+    Json(api::cluster_status(&node))
+}

@@ -1,0 +1,293 @@
+//! A Cumulus coordinator: one Raft node (openraft, sled storage, tonic transport) that
+//! serves the client, worker and Raft gRPC services and the HTTP API on its two ports,
+//! and runs the leader-only control loops while it leads.
+//!
+//! `main.rs` parses [`Config`] and calls [`run`]; everything else lives here.
+
+pub mod api;
+pub mod auth;
+pub mod client_service;
+pub mod control;
+pub mod convert;
+pub mod http;
+pub mod logs;
+pub mod network;
+pub mod node;
+pub mod raft_service;
+pub mod worker_service;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use cumulus_proto::v1::client_service_server::ClientServiceServer;
+use cumulus_proto::v1::raft_service_server::RaftServiceServer;
+use cumulus_proto::v1::worker_service_server::WorkerServiceServer;
+use cumulus_raft_store::{CumulusNode, NodeId};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::auth::{AddToken, AuthInterceptor};
+use crate::network::{MAX_RAFT_MESSAGE_BYTES, Network};
+use crate::node::{Node, NodeLimits, SoftState};
+
+/// A peer given on the command line: `ID=GRPC_ADDR@HTTP_ADDR`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peer {
+    /// Raft node id (≥ 1).
+    pub id: NodeId,
+    /// Its addresses.
+    pub node: CumulusNode,
+}
+
+/// Parses `ID=GRPC_ADDR@HTTP_ADDR`, e.g. `1=127.0.0.1:7001@127.0.0.1:8001`.
+///
+/// # Errors
+/// A message saying what is malformed.
+pub fn parse_peer(s: &str) -> Result<Peer, String> {
+    let usage = || format!("peer {s:?} must look like ID=GRPC_HOST:PORT@HTTP_HOST:PORT");
+    let (id, addrs) = s.split_once('=').ok_or_else(usage)?;
+    let (grpc, http) = addrs.split_once('@').ok_or_else(usage)?;
+    let id: NodeId = id.parse().map_err(|_| usage())?;
+    if id == 0 || grpc.is_empty() || http.is_empty() || !grpc.contains(':') || !http.contains(':') {
+        return Err(usage());
+    }
+    Ok(Peer {
+        id,
+        node: CumulusNode {
+            grpc_addr: grpc.to_string(),
+            http_addr: http.to_string(),
+        },
+    })
+}
+
+/// Command-line configuration of `cumulus-coordinator`.
+#[derive(clap::Parser, Debug, Clone)]
+#[command(
+    name = "cumulus-coordinator",
+    version,
+    about = "A Cumulus coordinator (one Raft node)."
+)]
+pub struct Config {
+    /// Raft node id of this coordinator (≥ 1, unique in the cluster).
+    #[arg(long, env = "CUMULUS_NODE_ID")]
+    pub node_id: NodeId,
+    /// Address the gRPC server (Raft, client and worker services) listens on.
+    #[arg(long)]
+    pub grpc_listen: SocketAddr,
+    /// Address the HTTP server (REST, SSE logs, health) listens on.
+    #[arg(long)]
+    pub http_listen: SocketAddr,
+    /// Every member of the initial cluster, this node included: `ID=GRPC@HTTP` (repeat).
+    #[arg(long = "peer", value_parser = parse_peer, required = true)]
+    pub peers: Vec<Peer>,
+    /// Directory of this node's sled database (created if missing).
+    #[arg(long)]
+    pub data_dir: PathBuf,
+    /// File holding the cluster bearer token.
+    #[arg(long, env = "CUMULUS_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// The cluster bearer token (prefer --token-file).
+    #[arg(long, env = "CUMULUS_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Heartbeat interval workers are told to use, in milliseconds.
+    #[arg(long, default_value_t = 1_000)]
+    pub heartbeat_interval_ms: u64,
+    /// A worker silent for this long is expired and its ranks rescheduled, in milliseconds.
+    #[arg(long, default_value_t = 5_000)]
+    pub heartbeat_timeout_ms: u64,
+    /// Largest world size a job may ask for.
+    #[arg(long, default_value_t = 1_024)]
+    pub max_world_size: u32,
+    /// Raft heartbeat interval between coordinators, in milliseconds.
+    #[arg(long, default_value_t = 50)]
+    pub raft_heartbeat_ms: u64,
+    /// Lower bound of the Raft election timeout, in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    pub election_timeout_min_ms: u64,
+    /// Upper bound of the Raft election timeout, in milliseconds.
+    #[arg(long, default_value_t = 400)]
+    pub election_timeout_max_ms: u64,
+    /// Build a snapshot (and compact the log) every this many applied entries.
+    #[arg(long, default_value_t = 5_000)]
+    pub snapshot_every_entries: u64,
+    /// Most concurrent SSE log streams served by this node.
+    #[arg(long, default_value_t = 256)]
+    pub max_log_streams: usize,
+}
+
+impl Config {
+    fn validate(&self) -> anyhow::Result<CumulusNode> {
+        let mut ids = BTreeMap::new();
+        for p in &self.peers {
+            if ids.insert(p.id, p.node.clone()).is_some() {
+                bail!("peer id {} is given twice", p.id);
+            }
+        }
+        let Some(me) = ids.get(&self.node_id).cloned() else {
+            bail!("--peer must include this node (id {})", self.node_id);
+        };
+        if self.heartbeat_interval_ms == 0
+            || self.heartbeat_timeout_ms <= self.heartbeat_interval_ms
+        {
+            bail!("--heartbeat-timeout-ms must be larger than --heartbeat-interval-ms (> 0)");
+        }
+        if self.election_timeout_min_ms <= self.raft_heartbeat_ms
+            || self.election_timeout_max_ms <= self.election_timeout_min_ms
+        {
+            bail!("need raft heartbeat < election timeout min < election timeout max");
+        }
+        Ok(me)
+    }
+}
+
+/// Runs the coordinator until `shutdown` completes, then stops its servers, its loops
+/// and its Raft node.
+///
+/// # Errors
+/// Bad configuration, an unusable data dir (corrupt files refuse to start), a port in use.
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let me = config.validate()?;
+    let token = auth::load_token(config.token_file.as_deref(), config.token.as_deref())?;
+    std::fs::create_dir_all(&config.data_dir)
+        .with_context(|| format!("creating the data dir {}", config.data_dir.display()))?;
+    let (log_store, sm_store) = cumulus_raft_store::open(&config.data_dir.join("raft"))?;
+    let shared = sm_store.shared();
+
+    let raft_config = openraft::Config {
+        cluster_name: "cumulus".into(),
+        heartbeat_interval: config.raft_heartbeat_ms,
+        election_timeout_min: config.election_timeout_min_ms,
+        election_timeout_max: config.election_timeout_max_ms,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(config.snapshot_every_entries),
+        max_in_snapshot_log_to_keep: 1_000,
+        ..Default::default()
+    };
+    let raft_config = Arc::new(raft_config.validate().context("raft configuration")?);
+    let network = Network {
+        auth: AddToken::new(&token)?,
+    };
+    let raft = openraft::Raft::new(config.node_id, raft_config, network, log_store, sm_store)
+        .await
+        .context("starting raft")?;
+
+    let http = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10))
+        .build()
+        .context("building the HTTP client")?;
+    let node = Arc::new(Node {
+        id: config.node_id,
+        raft: raft.clone(),
+        shared,
+        soft: Mutex::new(SoftState::default()),
+        limits: NodeLimits {
+            heartbeat_interval_ms: config.heartbeat_interval_ms,
+            heartbeat_timeout_ms: config.heartbeat_timeout_ms,
+            max_world_size: config.max_world_size,
+        },
+        token: token.clone(),
+        http,
+        log_streams: Arc::new(Semaphore::new(config.max_log_streams)),
+    });
+
+    // The lowest-id member bootstraps a pristine cluster with the configured membership;
+    // the others wait to be contacted (several nodes initializing at once race their
+    // first elections).
+    let bootstrapper = config.peers.iter().map(|p| p.id).min() == Some(config.node_id);
+    if bootstrapper && !raft.is_initialized().await? {
+        let members: BTreeMap<NodeId, CumulusNode> = config
+            .peers
+            .iter()
+            .map(|p| (p.id, p.node.clone()))
+            .collect();
+        match raft.initialize(members).await {
+            Ok(()) => info!("initialized a new cluster"),
+            Err(e) => info!(error = %e, "not initializing (state exists)"),
+        }
+    }
+
+    let cancel = CancellationToken::new();
+    let grpc_listener = tokio::net::TcpListener::bind(config.grpc_listen)
+        .await
+        .with_context(|| format!("binding gRPC on {}", config.grpc_listen))?;
+    let http_listener = tokio::net::TcpListener::bind(config.http_listen)
+        .await
+        .with_context(|| format!("binding HTTP on {}", config.http_listen))?;
+    info!(node_id = config.node_id, grpc = %me.grpc_addr, http = %me.http_addr, "coordinator listening");
+
+    let interceptor = AuthInterceptor {
+        token: token.clone(),
+    };
+    let grpc = tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(256)
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            RaftServiceServer::new(raft_service::RaftSvc { node: node.clone() })
+                .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
+            interceptor.clone(),
+        ))
+        .add_service(ClientServiceServer::with_interceptor(
+            client_service::ClientSvc { node: node.clone() },
+            interceptor.clone(),
+        ))
+        .add_service(WorkerServiceServer::with_interceptor(
+            worker_service::WorkerSvc { node: node.clone() },
+            interceptor,
+        ));
+    let grpc_cancel = cancel.clone();
+    let grpc_task = tokio::spawn(grpc.serve_with_incoming_shutdown(
+        tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+        async move { grpc_cancel.cancelled().await },
+    ));
+    let http_cancel = cancel.clone();
+    let http_task = tokio::spawn(
+        axum::serve(http_listener, http::router(node.clone()))
+            .with_graceful_shutdown(async move { http_cancel.cancelled().await })
+            .into_future(),
+    );
+    let control_task = tokio::spawn(control::run(node.clone(), cancel.clone()));
+
+    let mut grpc_task = grpc_task;
+    let mut http_task = http_task;
+    tokio::select! {
+        _ = shutdown => info!("shutting down"),
+        r = &mut grpc_task => warn!(result = ?r, "gRPC server stopped"),
+        r = &mut http_task => warn!(result = ?r, "HTTP server stopped"),
+    }
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        let _ = control_task.await;
+        let _ = grpc_task.await;
+        let _ = http_task.await;
+    })
+    .await;
+    if let Err(e) = raft.shutdown().await {
+        warn!(error = %e, "raft shutdown");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_parse() {
+        let p = parse_peer("2=127.0.0.1:7002@127.0.0.1:8002").expect("valid");
+        assert_eq!(p.id, 2);
+        assert_eq!(p.node.grpc_addr, "127.0.0.1:7002");
+        assert_eq!(p.node.http_addr, "127.0.0.1:8002");
+        for bad in ["", "1", "x=a:1@b:2", "0=a:1@b:2", "1=a:1", "1=a@b:2"] {
+            assert!(parse_peer(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! The shared context of one coordinator: its Raft handle, the applied state, the
+//! leader's soft state (heartbeats, progress), and the operations every API uses
+//! (propose, linearizable read, leader lookup). gRPC and HTTP handlers are thin
+//! adapters over these.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use cumulus_proto::v1;
+use cumulus_raft_store::state::ClusterState;
+use cumulus_raft_store::{Command, CumulusNode, NodeId, Raft, Response, SharedState};
+use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
+use tokio::sync::Semaphore;
+
+/// Errors of the coordinator's APIs, mapped to gRPC codes and HTTP statuses by the
+/// service adapters.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// This node is not the leader; `leader` is the leader when known.
+    #[error("this coordinator is not the leader{}", leader_hint(.leader))]
+    NotLeader {
+        /// The leader's addresses, when known.
+        leader: Option<CumulusNode>,
+    },
+    /// The request is malformed or violates a limit.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The named job does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request is valid but the state does not allow it (e.g. a stale attempt).
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// Raft could not serve the request now (no quorum, shutting down); retry later.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A bug or an I/O failure on this node.
+    #[error("{0}")]
+    Internal(String),
+}
+
+fn leader_hint(leader: &Option<CumulusNode>) -> String {
+    match leader {
+        Some(n) => format!("; the leader is at {} (HTTP {})", n.grpc_addr, n.http_addr),
+        None => "; no leader is known yet, retry shortly".to_string(),
+    }
+}
+
+/// Milliseconds since the Unix epoch, from the system clock. Only the leader reads it,
+/// to stamp commands; `apply` never does.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Limits and timeouts of this coordinator.
+#[derive(Clone, Debug)]
+pub struct NodeLimits {
+    /// Heartbeat interval told to workers, in milliseconds.
+    pub heartbeat_interval_ms: u64,
+    /// A worker silent this long is expired, in milliseconds.
+    pub heartbeat_timeout_ms: u64,
+    /// Largest accepted world size.
+    pub max_world_size: u32,
+}
+
+/// What the leader knows of a worker from its heartbeats (not replicated).
+#[derive(Clone, Debug)]
+pub struct WorkerSoft {
+    /// When the last heartbeat (or registration, or the leader's grace) was seen.
+    pub last_seen: Instant,
+    /// Rank attempts the agent reported running in its last heartbeat.
+    pub observed: Vec<v1::ObservedRank>,
+    /// Resources in its last heartbeat.
+    pub resources: v1::Resources,
+}
+
+/// Progress of one rank attempt as seen by the leader.
+#[derive(Clone, Debug)]
+pub struct ProgressSoft {
+    /// Latest reported step.
+    pub step: u64,
+    /// Latest reported total steps.
+    pub total_steps: u64,
+    /// When `step` last changed (or the attempt was first observed).
+    pub changed_at: Instant,
+    /// When the attempt was last seen in its worker's heartbeat.
+    pub seen_at: Instant,
+}
+
+/// Key of a rank attempt: (job id, rank, attempt).
+pub type AttemptKey = (String, u32, u32);
+
+/// The leader's soft state: rebuilt from heartbeats after an election, never in Raft.
+#[derive(Debug, Default)]
+pub struct SoftState {
+    /// Per worker id.
+    pub workers: HashMap<String, WorkerSoft>,
+    /// Per rank attempt.
+    pub progress: HashMap<AttemptKey, ProgressSoft>,
+    /// Term in which this node last started acting as leader (grace is granted then).
+    pub leader_term: Option<u64>,
+}
+
+/// Upper bound on soft progress entries (stale ones are pruned by the control loop).
+pub const MAX_PROGRESS_ENTRIES: usize = 1_000_000;
+
+/// One coordinator's shared context.
+pub struct Node {
+    /// Raft node id.
+    pub id: NodeId,
+    /// The openraft handle.
+    pub raft: Raft,
+    /// The applied replicated state.
+    pub shared: Arc<SharedState>,
+    /// The leader's soft state.
+    pub soft: Mutex<SoftState>,
+    /// Limits and timeouts.
+    pub limits: NodeLimits,
+    /// The cluster bearer token.
+    pub token: Arc<str>,
+    /// HTTP client for worker agents (log retrieval), with timeouts.
+    pub http: reqwest::Client,
+    /// Bounds concurrent SSE log streams.
+    pub log_streams: Arc<Semaphore>,
+}
+
+impl Node {
+    /// Runs `f` on the applied state.
+    pub fn read_state<T>(&self, f: impl FnOnce(&ClusterState) -> T) -> T {
+        self.shared.read(|d| f(&d.state))
+    }
+
+    /// Locks the soft state (never held across an `.await`).
+    pub fn soft(&self) -> std::sync::MutexGuard<'_, SoftState> {
+        self.soft.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// True when this node currently believes it is the leader.
+    pub fn is_leader(&self) -> bool {
+        self.raft.metrics().borrow().current_leader == Some(self.id)
+    }
+
+    /// The leader's addresses from this node's view of the membership.
+    pub fn leader_node(&self) -> Option<CumulusNode> {
+        let m = self.raft.metrics().borrow().clone();
+        let leader = m.current_leader?;
+        m.membership_config.membership().get_node(&leader).cloned()
+    }
+
+    /// Fails with [`ApiError::NotLeader`] unless this node is the leader.
+    pub fn require_leader(&self) -> Result<(), ApiError> {
+        if self.is_leader() {
+            Ok(())
+        } else {
+            Err(ApiError::NotLeader {
+                leader: self.leader_node(),
+            })
+        }
+    }
+
+    /// Commits `cmd` through Raft and returns its response (which may be `Rejected`).
+    ///
+    /// # Errors
+    /// `NotLeader` on a follower; `Unavailable` when Raft cannot commit now.
+    pub async fn propose(&self, cmd: Command) -> Result<Response, ApiError> {
+        match self.raft.client_write(cmd).await {
+            // The control loop wakes on the applied-state change itself.
+            Ok(resp) => Ok(resp.data),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
+                Err(ApiError::NotLeader {
+                    leader: f.leader_node.clone().or_else(|| self.leader_node()),
+                })
+            }
+            Err(e) => Err(ApiError::Unavailable(format!("raft could not commit: {e}"))),
+        }
+    }
+
+    /// Like [`Node::propose`], but maps `Rejected` to `FailedPrecondition`.
+    pub async fn propose_ok(&self, cmd: Command) -> Result<(), ApiError> {
+        match self.propose(cmd).await? {
+            Response::Rejected { reason } => Err(ApiError::FailedPrecondition(reason)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits until this node's state reflects everything committed before the call, as
+    /// confirmed by a quorum (openraft's read index). Only the leader can do this.
+    ///
+    /// # Errors
+    /// `NotLeader` on a follower; `Unavailable` without a quorum.
+    pub async fn linearizable_barrier(&self) -> Result<(), ApiError> {
+        match self.raft.ensure_linearizable().await {
+            Ok(_) => Ok(()),
+            Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(f))) => {
+                Err(ApiError::NotLeader {
+                    leader: f.leader_node.clone().or_else(|| self.leader_node()),
+                })
+            }
+            Err(e) => Err(ApiError::Unavailable(format!(
+                "linearizable read failed: {e}"
+            ))),
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! The gRPC `WorkerService`: registration, heartbeats (soft state, answered with the
+//! desired rank attempts), and the rank events and checkpoint parts the leader commits.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cumulus_proto::v1;
+use cumulus_proto::v1::worker_service_server::WorkerService;
+use cumulus_raft_store::Command;
+use cumulus_raft_store::state::{PartFile, PartInfo, WorkerState, valid_id};
+use tonic::{Request, Response, Status};
+
+use crate::client_service::to_status;
+use crate::convert::{desired_digest, desired_for_worker, next_backoff_end_ms};
+use crate::node::{ApiError, Node, ProgressSoft, WorkerSoft, now_ms};
+
+/// Most observed ranks accepted in one heartbeat.
+pub const MAX_OBSERVED_PER_HEARTBEAT: usize = 4_096;
+/// Longest `WatchDesired` long poll, in milliseconds.
+pub const MAX_WATCH_MS: u64 = 30_000;
+
+/// The reply to a heartbeat or a watch: the worker's desired set, versioned by the
+/// applied log index and the leader's clock (read under one lock), and the earliest
+/// backoff end among its pending attempts.
+fn desired_reply(node: &Node, worker_id: &str) -> (v1::HeartbeatResponse, Option<u64>) {
+    let term = node.raft.metrics().borrow().current_term;
+    let now = now_ms();
+    node.shared.read(|d| {
+        let registered = d
+            .state
+            .workers
+            .get(worker_id)
+            .is_some_and(|w| w.state == WorkerState::Alive);
+        let desired = if registered {
+            desired_for_worker(&d.state, worker_id, now)
+        } else {
+            Vec::new()
+        };
+        let next = if registered {
+            next_backoff_end_ms(&d.state, worker_id, now)
+        } else {
+            None
+        };
+        let reply = v1::HeartbeatResponse {
+            registered,
+            desired_digest: desired_digest(&desired),
+            desired,
+            term,
+            desired_index: d.last_applied.map_or(0, |l| l.index),
+            desired_at_ms: now,
+        };
+        (reply, next)
+    })
+}
+
+/// Serves the worker API of one node.
+pub struct WorkerSvc {
+    /// The node.
+    pub node: Arc<Node>,
+}
+
+fn check_worker_id(id: &str) -> Result<(), Status> {
+    if valid_id(id) {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(format!(
+            "invalid worker id {id:?}: use 1..=64 bytes of [A-Za-z0-9._-]"
+        )))
+    }
+}
+
+fn check_job_id(id: &str) -> Result<(), Status> {
+    if valid_id(id) {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(format!("invalid job id {id:?}")))
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerService for WorkerSvc {
+    async fn register(
+        &self,
+        req: Request<v1::RegisterWorkerRequest>,
+    ) -> Result<Response<v1::RegisterWorkerResponse>, Status> {
+        let r = req.into_inner();
+        check_worker_id(&r.worker_id)?;
+        if r.host.is_empty() || r.http_addr.is_empty() || r.slots == 0 || r.slots > 4_096 {
+            return Err(Status::invalid_argument(
+                "host, http_addr and 1..=4096 slots are required",
+            ));
+        }
+        self.node.require_leader().map_err(to_status)?;
+        self.node
+            .propose_ok(Command::RegisterWorker {
+                worker_id: r.worker_id.clone(),
+                host: r.host,
+                http_addr: r.http_addr,
+                slots: r.slots,
+                at_ms: now_ms(),
+            })
+            .await
+            .map_err(to_status)?;
+        self.node.soft().workers.insert(
+            r.worker_id,
+            WorkerSoft {
+                last_seen: Instant::now(),
+                observed: Vec::new(),
+                resources: v1::Resources::default(),
+            },
+        );
+        Ok(Response::new(v1::RegisterWorkerResponse {
+            heartbeat_interval_ms: self.node.limits.heartbeat_interval_ms,
+            heartbeat_timeout_ms: self.node.limits.heartbeat_timeout_ms,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<v1::HeartbeatRequest>,
+    ) -> Result<Response<v1::HeartbeatResponse>, Status> {
+        let r = req.into_inner();
+        check_worker_id(&r.worker_id)?;
+        if r.observed.len() > MAX_OBSERVED_PER_HEARTBEAT {
+            return Err(Status::invalid_argument(
+                "too many observed ranks in one heartbeat",
+            ));
+        }
+        self.node.require_leader().map_err(to_status)?;
+        let registered = self.node.read_state(|s| {
+            s.workers
+                .get(&r.worker_id)
+                .is_some_and(|w| w.state == WorkerState::Alive)
+        });
+        if !registered {
+            return Ok(Response::new(desired_reply(&self.node, &r.worker_id).0));
+        }
+        {
+            let at = Instant::now();
+            let mut soft = self.node.soft();
+            for o in &r.observed {
+                let key = (o.job_id.clone(), o.rank, o.attempt);
+                let p = soft.progress.entry(key).or_insert(ProgressSoft {
+                    step: o.step,
+                    total_steps: o.total_steps,
+                    changed_at: at,
+                    seen_at: at,
+                });
+                if p.step != o.step {
+                    p.changed_at = at;
+                }
+                p.step = o.step;
+                p.total_steps = o.total_steps;
+                p.seen_at = at;
+            }
+            soft.workers.insert(
+                r.worker_id.clone(),
+                WorkerSoft {
+                    last_seen: at,
+                    observed: r.observed,
+                    resources: r.resources.unwrap_or_default(),
+                },
+            );
+        }
+        Ok(Response::new(desired_reply(&self.node, &r.worker_id).0))
+    }
+
+    async fn watch_desired(
+        &self,
+        req: Request<v1::WatchDesiredRequest>,
+    ) -> Result<Response<v1::HeartbeatResponse>, Status> {
+        let r = req.into_inner();
+        check_worker_id(&r.worker_id)?;
+        if r.timeout_ms == 0 || r.timeout_ms > MAX_WATCH_MS {
+            return Err(Status::invalid_argument(format!(
+                "timeout_ms must be 1..={MAX_WATCH_MS}"
+            )));
+        }
+        self.node.require_leader().map_err(to_status)?;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms);
+        let mut changes = self.node.shared.changes.subscribe();
+        loop {
+            let (reply, next_backoff_end) = desired_reply(&self.node, &r.worker_id);
+            let now = tokio::time::Instant::now();
+            if !reply.registered || reply.desired_digest != r.known_digest || now >= deadline {
+                return Ok(Response::new(reply));
+            }
+            // Wake when the state changes, when a pending attempt's backoff ends, or at the deadline.
+            let wake = next_backoff_end
+                .map(|at| now + Duration::from_millis(at.saturating_sub(now_ms())))
+                .map_or(deadline, |w| w.min(deadline));
+            tokio::select! {
+                _ = tokio::time::sleep_until(wake) => {}
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return Err(Status::unavailable("the coordinator is shutting down"));
+                    }
+                }
+            }
+            if !self.node.is_leader() {
+                return Err(to_status(ApiError::NotLeader {
+                    leader: self.node.leader_node(),
+                }));
+            }
+        }
+    }
+
+    async fn rank_started(
+        &self,
+        req: Request<v1::RankStartedRequest>,
+    ) -> Result<Response<v1::Ack>, Status> {
+        let r = req.into_inner();
+        check_worker_id(&r.worker_id)?;
+        check_job_id(&r.job_id)?;
+        self.node
+            .propose_ok(Command::RankStarted {
+                job_id: r.job_id,
+                rank: r.rank,
+                attempt: r.attempt,
+                worker_id: r.worker_id,
+                pid: r.pid,
+                at_ms: now_ms(),
+            })
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(v1::Ack {}))
+    }
+
+    async fn rank_exited(
+        &self,
+        req: Request<v1::RankExitedRequest>,
+    ) -> Result<Response<v1::Ack>, Status> {
+        let r = req.into_inner();
+        check_worker_id(&r.worker_id)?;
+        check_job_id(&r.job_id)?;
+        if r.spawn_error.len() > 4_096 {
+            return Err(Status::invalid_argument(
+                "spawn_error is longer than 4096 bytes",
+            ));
+        }
+        if r.exit_code.is_none() && r.signal.is_none() && r.spawn_error.is_empty() {
+            return Err(Status::invalid_argument(
+                "an exit needs an exit code, a signal or a spawn error",
+            ));
+        }
+        self.node
+            .propose_ok(Command::RankExited {
+                job_id: r.job_id,
+                rank: r.rank,
+                attempt: r.attempt,
+                worker_id: r.worker_id,
+                exit_code: r.exit_code,
+                signal: r.signal,
+                spawn_error: r.spawn_error,
+                at_ms: now_ms(),
+            })
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(v1::Ack {}))
+    }
+
+    async fn commit_checkpoint_part(
+        &self,
+        req: Request<v1::CommitCheckpointPartRequest>,
+    ) -> Result<Response<v1::Ack>, Status> {
+        let r = req.into_inner();
+        check_worker_id(&r.worker_id)?;
+        check_job_id(&r.job_id)?;
+        let expected_dir = cumulus_ckpt::part_dir_rel(r.step, r.rank, r.attempt);
+        if r.dir != expected_dir {
+            return Err(Status::invalid_argument(format!(
+                "part dir must be {expected_dir}, not {}",
+                r.dir
+            )));
+        }
+        if r.files.len() > cumulus_ckpt::MAX_PART_FILES
+            || r.state_json.len() > cumulus_ckpt::MAX_STATE_JSON_BYTES
+        {
+            return Err(Status::invalid_argument(
+                "checkpoint part has too many files or too large a state",
+            ));
+        }
+        if !matches!(serde_json::from_str::<serde_json::Value>(&r.state_json), Ok(v) if v.is_object())
+        {
+            return Err(Status::invalid_argument("state_json must be a JSON object"));
+        }
+        for f in &r.files {
+            let bad_path = f.path.is_empty()
+                || f.path.starts_with('/')
+                || f.path.split('/').any(|c| c == ".." || c.is_empty());
+            let bad_sum = f.sha256.len() != 64 || !f.sha256.bytes().all(|b| b.is_ascii_hexdigit());
+            if bad_path || bad_sum {
+                return Err(Status::invalid_argument(format!(
+                    "invalid checkpoint file entry {:?}",
+                    f.path
+                )));
+            }
+        }
+        // Only the worker the attempt is placed on may commit for it.
+        let placed = self.node.read_state(|s| {
+            s.jobs
+                .get(&r.job_id)
+                .and_then(|j| j.ranks.get(r.rank as usize))
+                .is_some_and(|rk| rk.worker_id.as_deref() == Some(r.worker_id.as_str()))
+        });
+        if !placed {
+            return Err(to_status(ApiError::FailedPrecondition(format!(
+                "rank {} of {} is not placed on {}",
+                r.rank, r.job_id, r.worker_id
+            ))));
+        }
+        let part = PartInfo {
+            rank: r.rank,
+            attempt: r.attempt,
+            dir: r.dir,
+            files: r
+                .files
+                .into_iter()
+                .map(|f| PartFile {
+                    path: f.path,
+                    size_bytes: f.size_bytes,
+                    sha256: f.sha256.to_ascii_lowercase(),
+                })
+                .collect(),
+            state_json: r.state_json,
+        };
+        self.node
+            .propose_ok(Command::CheckpointPartCommitted {
+                job_id: r.job_id,
+                step: r.step,
+                part,
+            })
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(v1::Ack {}))
+    }
+}

@@ -1,0 +1,672 @@
+//! Test harness for end-to-end tests: starts real `cumulus-coordinator` and
+//! `cumulus-worker` processes on 127.0.0.1 in a temp dir, talks to them over gRPC and
+//! HTTP, kills them with SIGKILL, and waits on conditions (never on fixed sleeps).
+//!
+//! The binaries are taken from the cargo target dir of the test executable, so run
+//! `cargo build --workspace --bins` before `cargo test` (the README's test command
+//! does).
+
+use std::fs::File;
+use std::future::Future;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use cumulus_proto::v1;
+use cumulus_proto::v1::client_service_client::ClientServiceClient;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tonic::codegen::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+/// The token every test cluster uses.
+pub const TOKEN: &str = "e2e-test-token-0123456789abcdef";
+
+/// Directory holding the workspace's binaries (target/debug or target/release): the
+/// directory of the running executable, or its parent for test executables in `deps/`.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the running executable has a path");
+    let dir = exe.parent().expect("an executable lives in a directory");
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.parent().expect("deps has a parent").to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
+}
+
+/// Path of a workspace binary; panics with the fix when it was not built.
+pub fn bin(name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --workspace --bins` first",
+        p.display()
+    );
+    p
+}
+
+/// Root of the workspace (for the bundled data set).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e lives in the workspace")
+        .to_path_buf()
+}
+
+/// Lowest port handed out by [`free_port`].
+pub const TEST_PORT_MIN: u16 = 10_000;
+/// One past the highest port handed out by [`free_port`]: below Linux's ephemeral range
+/// (32768–60999), so no outgoing connection of any process can take a port between
+/// the moment it is chosen and the moment a coordinator binds it.
+pub const TEST_PORT_END: u16 = 32_000;
+
+/// A free TCP port on 127.0.0.1 outside the ephemeral range, never the same twice in
+/// one test process (bound, then released for the process that will use it).
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let span = u32::from(TEST_PORT_END - TEST_PORT_MIN);
+    // Spread concurrent test processes apart by pid.
+    let start = std::process::id().wrapping_mul(7_919) % span;
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = TEST_PORT_MIN + ((start + n) % span) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {TEST_PORT_MIN}..{TEST_PORT_END}");
+}
+
+/// Polls `f` every 100 ms until it yields `Some`, or panics after `deadline` naming `what`.
+pub async fn wait_for<T, F, Fut>(what: &str, deadline: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Adds the bearer token to gRPC calls.
+#[derive(Clone)]
+pub struct Auth(tonic::metadata::MetadataValue<tonic::metadata::Ascii>);
+
+impl Auth {
+    /// For `token`.
+    pub fn new(token: &str) -> Self {
+        Auth(format!("Bearer {token}").parse().expect("ascii token"))
+    }
+}
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        req.metadata_mut().insert("authorization", self.0.clone());
+        Ok(req)
+    }
+}
+
+/// An authenticated client of one coordinator.
+pub type Client = ClientServiceClient<InterceptedService<Channel, Auth>>;
+
+/// One spawned process.
+pub struct Proc {
+    /// Name for messages ("coord-1", "worker-2").
+    pub name: String,
+    /// The child (None once killed and reaped).
+    pub child: Option<Child>,
+    /// Its combined stdout/stderr log.
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// OS pid while alive.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = kill(Pid::from_raw(c.id() as i32), Signal::SIGKILL);
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A coordinator of the test cluster.
+pub struct Coordinator {
+    /// Raft node id.
+    pub id: u64,
+    /// gRPC address.
+    pub grpc: String,
+    /// HTTP address.
+    pub http: String,
+    /// Data dir.
+    pub data_dir: PathBuf,
+    /// Process.
+    pub proc: Proc,
+}
+
+/// Options of a test cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterOpts {
+    /// Coordinators (3 or 5).
+    pub coordinators: usize,
+    /// Worker agents.
+    pub workers: usize,
+    /// Slots per worker.
+    pub slots: u32,
+    /// Worker expiry timeout, in milliseconds.
+    pub heartbeat_timeout_ms: u64,
+}
+
+impl Default for ClusterOpts {
+    fn default() -> Self {
+        Self {
+            coordinators: 3,
+            workers: 2,
+            slots: 4,
+            heartbeat_timeout_ms: 5_000,
+        }
+    }
+}
+
+/// A running test cluster; every process is SIGKILLed when it is dropped.
+pub struct Cluster {
+    /// Temp dir holding data dirs, logs and the token file.
+    pub dir: tempfile::TempDir,
+    /// Options it was started with.
+    pub opts: ClusterOpts,
+    /// Coordinators.
+    pub coordinators: Vec<Coordinator>,
+    /// Worker agents.
+    pub workers: Vec<Proc>,
+    token_file: PathBuf,
+    /// Held for the cluster's lifetime: test clusters run one at a time, so a 2-core CI
+    /// machine never starves heartbeats of two clusters at once.
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+static ONE_CLUSTER_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+impl Cluster {
+    /// Starts the coordinators and workers and waits for a leader and every worker.
+    pub async fn start(opts: ClusterOpts) -> anyhow::Result<Cluster> {
+        let serial = ONE_CLUSTER_AT_A_TIME
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let dir = tempfile::Builder::new().prefix("cumulus-e2e-").tempdir()?;
+        let token_file = dir.path().join("token");
+        std::fs::write(&token_file, TOKEN)?;
+        let mut coordinators = Vec::new();
+        for id in 1..=opts.coordinators as u64 {
+            coordinators.push(Coordinator {
+                id,
+                grpc: format!("127.0.0.1:{}", free_port()),
+                http: format!("127.0.0.1:{}", free_port()),
+                data_dir: dir.path().join(format!("coord-{id}")),
+                proc: Proc {
+                    name: format!("coord-{id}"),
+                    child: None,
+                    log: dir.path().join(format!("coord-{id}.log")),
+                },
+            });
+        }
+        let mut cluster = Cluster {
+            dir,
+            opts: opts.clone(),
+            coordinators,
+            workers: Vec::new(),
+            token_file,
+            _serial: serial,
+        };
+        for i in 0..cluster.coordinators.len() {
+            cluster.spawn_coordinator(i)?;
+        }
+        cluster.wait_leader(Duration::from_secs(60)).await;
+        for i in 1..=opts.workers {
+            let name = format!("worker-{i}");
+            let log = cluster.dir.path().join(format!("{name}.log"));
+            cluster.workers.push(Proc {
+                name,
+                child: None,
+                log,
+            });
+            cluster.spawn_worker(i - 1)?;
+        }
+        let n = opts.workers;
+        cluster
+            .wait_status("every worker registered", Duration::from_secs(60), |s| {
+                s.workers.iter().filter(|w| w.state == "alive").count() == n
+            })
+            .await;
+        Ok(cluster)
+    }
+
+    fn peers(&self) -> Vec<String> {
+        self.coordinators
+            .iter()
+            .flat_map(|c| {
+                [
+                    "--peer".to_string(),
+                    format!("{}={}@{}", c.id, c.grpc, c.http),
+                ]
+            })
+            .collect()
+    }
+
+    /// (Re)starts coordinator `i` (index into `coordinators`) on its data dir.
+    pub fn spawn_coordinator(&mut self, i: usize) -> anyhow::Result<()> {
+        let peers = self.peers();
+        let c = &mut self.coordinators[i];
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&c.proc.log)?;
+        let child = Command::new(bin("cumulus-coordinator"))
+            .arg("--node-id")
+            .arg(c.id.to_string())
+            .arg("--grpc-listen")
+            .arg(&c.grpc)
+            .arg("--http-listen")
+            .arg(&c.http)
+            .args(&peers)
+            .arg("--data-dir")
+            .arg(&c.data_dir)
+            .arg("--token-file")
+            .arg(&self.token_file)
+            .arg("--heartbeat-timeout-ms")
+            .arg(self.opts.heartbeat_timeout_ms.to_string())
+            .env("RUST_LOG", "info,openraft=warn")
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("spawning cumulus-coordinator")?;
+        c.proc.child = Some(child);
+        Ok(())
+    }
+
+    /// (Re)starts worker `i` (index into `workers`).
+    pub fn spawn_worker(&mut self, i: usize) -> anyhow::Result<()> {
+        let coords = self
+            .coordinators
+            .iter()
+            .map(|c| c.grpc.clone())
+            .collect::<Vec<_>>()
+            .join(",");
+        let w = &mut self.workers[i];
+        let log = File::options().create(true).append(true).open(&w.log)?;
+        let child = Command::new(bin("cumulus-worker"))
+            .arg("--worker-id")
+            .arg(&w.name)
+            .arg("--coordinators")
+            .arg(coords)
+            .arg("--token-file")
+            .arg(&self.token_file)
+            .arg("--data-dir")
+            .arg(self.dir.path().join(&w.name))
+            .arg("--slots")
+            .arg(self.opts.slots.to_string())
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .env("RUST_LOG", "info")
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("spawning cumulus-worker")?;
+        w.child = Some(child);
+        Ok(())
+    }
+
+    /// The token file path.
+    pub fn token_file(&self) -> &Path {
+        &self.token_file
+    }
+
+    /// Comma-separated gRPC addresses of every coordinator.
+    pub fn grpc_addrs(&self) -> String {
+        self.coordinators
+            .iter()
+            .map(|c| c.grpc.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Comma-separated HTTP addresses of every coordinator.
+    pub fn http_addrs(&self) -> String {
+        self.coordinators
+            .iter()
+            .map(|c| c.http.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// A client of coordinator `i`.
+    pub async fn client_of(&self, i: usize) -> anyhow::Result<Client> {
+        let ch = Endpoint::from_shared(format!("http://{}", self.coordinators[i].grpc))?
+            .connect_timeout(Duration::from_secs(1))
+            .timeout(Duration::from_secs(10))
+            .connect()
+            .await?;
+        Ok(ClientServiceClient::with_interceptor(ch, Auth::new(TOKEN)))
+    }
+
+    /// Cluster status from the first live coordinator that answers with a known leader.
+    pub async fn status(&self) -> Option<v1::ClusterStatusResponse> {
+        for (i, c) in self.coordinators.iter().enumerate() {
+            if c.proc.child.is_none() {
+                continue;
+            }
+            let Ok(mut cl) = self.client_of(i).await else {
+                continue;
+            };
+            if let Ok(r) = cl.cluster_status(v1::ClusterStatusRequest {}).await {
+                let r = r.into_inner();
+                if r.leader_id.is_some() {
+                    return Some(r);
+                }
+            }
+        }
+        None
+    }
+
+    /// Waits until a leader that is alive is known; returns its node id.
+    pub async fn wait_leader(&self, deadline: Duration) -> u64 {
+        wait_for("a leader", deadline, || async {
+            let s = self.status().await?;
+            let id = s.leader_id?;
+            let alive = self
+                .coordinators
+                .iter()
+                .any(|c| c.id == id && c.proc.child.is_some());
+            alive.then_some(id)
+        })
+        .await
+    }
+
+    /// Waits until the cluster status satisfies `pred`.
+    pub async fn wait_status(
+        &self,
+        what: &str,
+        deadline: Duration,
+        pred: impl Fn(&v1::ClusterStatusResponse) -> bool,
+    ) -> v1::ClusterStatusResponse {
+        wait_for(what, deadline, || async {
+            self.status().await.filter(|s| pred(s))
+        })
+        .await
+    }
+
+    /// A client of the current leader.
+    pub async fn leader_client(&self) -> anyhow::Result<Client> {
+        let id = self.wait_leader(Duration::from_secs(60)).await;
+        let i = self
+            .coordinators
+            .iter()
+            .position(|c| c.id == id)
+            .context("leader is a member")?;
+        self.client_of(i).await
+    }
+
+    /// Submits through the leader (retrying across leader changes with the same request id).
+    pub async fn submit(
+        &self,
+        request_id: &str,
+        spec: v1::JobSpec,
+    ) -> anyhow::Result<v1::SubmitJobResponse> {
+        let start = Instant::now();
+        loop {
+            let result = match self.leader_client().await {
+                Ok(mut c) => c
+                    .submit_job(v1::SubmitJobRequest {
+                        request_id: request_id.into(),
+                        spec: Some(spec.clone()),
+                    })
+                    .await
+                    .map(|r| r.into_inner())
+                    .map_err(anyhow::Error::from),
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(r) => return Ok(r),
+                Err(e) => {
+                    let retryable = e
+                        .downcast_ref::<tonic::Status>()
+                        .is_none_or(|s| s.code() == tonic::Code::Unavailable);
+                    if !retryable || start.elapsed() > Duration::from_secs(60) {
+                        return Err(e);
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+
+    /// Reads a job (linearizable, through the leader), retrying across leader changes.
+    pub async fn job(&self, job_id: &str) -> Option<v1::Job> {
+        let mut c = self.leader_client().await.ok()?;
+        let r = c
+            .get_job(v1::GetJobRequest {
+                job_id: job_id.into(),
+                linearizable: true,
+            })
+            .await
+            .ok()?;
+        r.into_inner().job
+    }
+
+    /// Waits until the job satisfies `pred`; returns it.
+    pub async fn wait_job(
+        &self,
+        job_id: &str,
+        what: &str,
+        deadline: Duration,
+        pred: impl Fn(&v1::Job) -> bool,
+    ) -> v1::Job {
+        wait_for(what, deadline, || async {
+            self.job(job_id).await.filter(|j| pred(j))
+        })
+        .await
+    }
+
+    /// Waits until the job is terminal.
+    pub async fn wait_finished(&self, job_id: &str, deadline: Duration) -> v1::Job {
+        self.wait_job(job_id, &format!("{job_id} to finish"), deadline, |j| {
+            matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled")
+        })
+        .await
+    }
+
+    /// Runs `cumulusctl` against this cluster and returns its output.
+    pub fn cumulusctl(&self, args: &[&str]) -> anyhow::Result<std::process::Output> {
+        Ok(Command::new(bin("cumulusctl"))
+            .arg("--addr")
+            .arg(self.grpc_addrs())
+            .arg("--http")
+            .arg(self.http_addrs())
+            .arg("--token-file")
+            .arg(&self.token_file)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()?)
+    }
+
+    /// Prints the tail of every process log (called when a test fails).
+    pub fn dump_logs(&self) {
+        let procs = self
+            .coordinators
+            .iter()
+            .map(|c| &c.proc)
+            .chain(self.workers.iter());
+        for p in procs {
+            let text = std::fs::read_to_string(&p.log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let errors: Vec<&str> = lines
+                .iter()
+                .copied()
+                .filter(|l| l.contains("panicked") || l.starts_with("Error") || l.contains("ERROR"))
+                .take(20)
+                .collect();
+            let tail = &lines[lines.len().saturating_sub(40)..];
+            let exit = p
+                .child
+                .as_ref()
+                .map_or("killed by the test".to_string(), |c| {
+                    format!("pid {}", c.id())
+                });
+            eprintln!(
+                "===== {} ({}, {exit}) =====\n--- errors ---\n{}\n--- tail ---\n{}",
+                p.name,
+                p.log.display(),
+                errors.join("\n"),
+                tail.join("\n")
+            );
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.dump_logs();
+        }
+        for w in &mut self.workers {
+            w.kill9();
+        }
+        for c in &mut self.coordinators {
+            c.proc.kill9();
+        }
+    }
+}
+
+/// The example workload: digits split into shards and a holdout file.
+pub struct Workload {
+    /// Shard directory.
+    pub shards_dir: PathBuf,
+    /// Holdout CSV.
+    pub holdout: PathBuf,
+}
+
+/// Splits the bundled digits data with `cumulusctl dataset split` into `shards` shards
+/// plus a 20% holdout, under `dir`.
+pub fn prepare_digits(dir: &Path, shards: u32) -> anyhow::Result<Workload> {
+    let shards_dir = dir.join("shards");
+    let holdout = dir.join("holdout.csv");
+    let data = workspace_root().join("data/digits/digits.csv.gz");
+    let out = Command::new(bin("cumulusctl"))
+        .args(["dataset", "split"])
+        .arg(&data)
+        .arg("--shards")
+        .arg(shards.to_string())
+        .arg("--out")
+        .arg(&shards_dir)
+        .arg("--holdout-fraction")
+        .arg("0.2")
+        .arg("--holdout-out")
+        .arg(&holdout)
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "dataset split failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(Workload {
+        shards_dir,
+        holdout,
+    })
+}
+
+/// A trainer job spec: world size `world_size` over `w`, checkpoints to `ckpt_dir`,
+/// results under `out_dir`.
+pub fn trainer_spec(
+    w: &Workload,
+    world_size: u32,
+    ckpt_dir: &Path,
+    out_dir: &Path,
+    extra: &[&str],
+) -> v1::JobSpec {
+    let mut command = vec![
+        bin("cumulus-trainer").to_string_lossy().to_string(),
+        "train".into(),
+        "--test-file".into(),
+        w.holdout.to_string_lossy().to_string(),
+        "--out".into(),
+        out_dir.to_string_lossy().to_string(),
+    ];
+    command.extend(extra.iter().map(|s| s.to_string()));
+    v1::JobSpec {
+        world_size,
+        command,
+        dataset: w.shards_dir.to_string_lossy().to_string(),
+        ckpt_dir: ckpt_dir.to_string_lossy().to_string(),
+        ..Default::default()
+    }
+}
+
+/// A rank's `result.json` written by the trainer.
+pub fn read_result(out_dir: &Path, rank: u32) -> anyhow::Result<serde_json::Value> {
+    let p = out_dir.join(format!("rank-{rank}")).join("result.json");
+    let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// The digest the trainer must report for `rank` when it consumed each record of its
+/// shards exactly once per epoch, computed by `cumulus-trainer digest` from the shard
+/// files read directly.
+pub fn expected_digest(
+    w: &Workload,
+    world_size: u32,
+    rank: u32,
+    epochs: u32,
+    tmp: &Path,
+) -> anyhow::Result<String> {
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(&w.shards_dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file())
+        .collect();
+    shards.sort();
+    let mine: Vec<String> = shards
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i as u32 % world_size == rank)
+        .map(|(_, p)| p.to_string_lossy().to_string())
+        .collect();
+    let list = tmp.join(format!("expected-rank-{rank}.shards"));
+    std::fs::write(&list, mine.join("\n") + "\n")?;
+    let out = Command::new(bin("cumulus-trainer"))
+        .args(["digest", "--shards-file"])
+        .arg(&list)
+        .arg("--epochs")
+        .arg(epochs.to_string())
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "trainer digest failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let text = String::from_utf8(out.stdout)?;
+    let digest = text
+        .split_whitespace()
+        .last()
+        .context("digest output is empty")?
+        .to_string();
+    Ok(digest)
+}

@@ -1,0 +1,743 @@
+//! End-to-end tests of the core issue: a real 3-coordinator Raft cluster, 2 worker
+//! agents and the example trainer on the digits data, all real processes on loopback.
+//! Every wait is on a condition (job status, cluster status) with a generous deadline.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cumulus_e2e::{
+    Cluster, ClusterOpts, TOKEN, Workload, expected_digest, prepare_digits, read_result,
+    trainer_spec, wait_for,
+};
+use cumulus_proto::v1;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+const LONG: Duration = Duration::from_secs(300);
+const EPOCHS: u32 = 8;
+
+fn train_args(step_sleep_ms: u32) -> Vec<String> {
+    vec![
+        "--epochs".into(),
+        EPOCHS.to_string(),
+        "--ckpt-every".into(),
+        "20".into(),
+        "--step-sleep-ms".into(),
+        step_sleep_ms.to_string(),
+    ]
+}
+
+fn spec(w: &Workload, root: &Path, name: &str, step_sleep_ms: u32) -> v1::JobSpec {
+    let args = train_args(step_sleep_ms);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut s = trainer_spec(
+        w,
+        4,
+        &root.join(format!("ckpt-{name}")),
+        &root.join(format!("out-{name}")),
+        &args,
+    );
+    s.name = name.into();
+    s
+}
+
+fn check_results(cluster: &Cluster, w: &Workload, out: &Path) {
+    for rank in 0..4 {
+        let r = read_result(out, rank).expect("result.json");
+        let want =
+            expected_digest(w, 4, rank, EPOCHS, cluster.dir.path()).expect("expected digest");
+        assert_eq!(
+            r["digest"].as_str(),
+            Some(want.as_str()),
+            "rank {rank}: every record exactly once"
+        );
+        let acc = r["accuracy"].as_f64().expect("accuracy");
+        assert!(acc >= 0.90, "rank {rank} accuracy {acc} < 0.90");
+    }
+}
+
+fn kill_rank(job: &v1::Job, rank: u32) -> u32 {
+    let pid = job.ranks[rank as usize].pid;
+    assert!(pid > 0, "rank {rank} has a pid");
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("SIGKILL the rank");
+    pid
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trainer_job_succeeds_with_every_record_consumed_exactly_once() {
+    let cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 8).expect("shards");
+    let job_id = cluster
+        .submit("happy", spec(&w, &root, "happy", 0))
+        .await
+        .expect("submit")
+        .job_id;
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.state, "succeeded", "{job:?}");
+    assert_eq!(job.restarts_used, 0);
+    check_results(&cluster, &w, &root.join("out-happy"));
+    // The committed step is on disk: LATEST names it and its manifest verifies.
+    let step = job.committed_step.expect("a committed checkpoint");
+    let latest = std::fs::read_to_string(root.join("ckpt-happy").join(&job_id).join("LATEST"))
+        .expect("LATEST");
+    assert_eq!(latest.trim(), format!("step-{step:08}"));
+    let out = cluster
+        .cumulusctl(&["-o", "json", "ckpt", "ls", &job_id])
+        .expect("cumulusctl");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: v1::ListCheckpointsResponse = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(
+        listed
+            .checkpoints
+            .iter()
+            .any(|c| c.step == step && c.verified && c.latest),
+        "{listed:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_rank_restarts_with_backoff_and_resumes_to_identical_weights() {
+    let cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 8).expect("shards");
+    // The same job twice: one undisturbed, one whose rank 2 is SIGKILLed mid-run.
+    let clean = cluster
+        .submit("clean", spec(&w, &root, "clean", 10))
+        .await
+        .expect("submit")
+        .job_id;
+    let mut killed_spec = spec(&w, &root, "killed", 10);
+    killed_spec.restart = Some(v1::RestartPolicy {
+        backoff_initial_ms: Some(1_000),
+        ..Default::default()
+    });
+    let killed = cluster
+        .submit("killed", killed_spec)
+        .await
+        .expect("submit")
+        .job_id;
+    let job = cluster
+        .wait_job(&killed, "a committed step and rank 2 running", LONG, |j| {
+            j.committed_step.is_some_and(|s| s >= 40)
+                && j.ranks[2].state == "running"
+                && j.ranks[2].pid > 0
+        })
+        .await;
+    let killed_at = Instant::now();
+    kill_rank(&job, 2);
+    let resumed = cluster
+        .wait_job(&killed, "the restarted group running again", LONG, |j| {
+            j.restarts_used == 1
+                && j.ranks
+                    .iter()
+                    .all(|r| r.attempt == 1 && matches!(r.state.as_str(), "running" | "exited"))
+        })
+        .await;
+    eprintln!(
+        "rank kill -> restarted group running: {:?}",
+        killed_at.elapsed()
+    );
+    let restart = &resumed.restarts[0];
+    assert!(restart.cause.contains("signal 9"), "{restart:?}");
+    assert!(
+        restart.delay_ms >= 800,
+        "delay {} below the policy's minimum",
+        restart.delay_ms
+    );
+    let resume_step = restart.resume_step.expect("resumed from a checkpoint");
+    assert!(resume_step >= 40, "{restart:?}");
+    for r in &resumed.ranks {
+        assert!(
+            r.started_at_ms >= restart.not_before_ms,
+            "rank {} started before its backoff ended",
+            r.rank
+        );
+    }
+    let a = cluster.wait_finished(&clean, LONG).await;
+    let b = cluster.wait_finished(&killed, LONG).await;
+    assert_eq!(a.state, "succeeded", "{a:?}");
+    assert_eq!(b.state, "succeeded", "{b:?}");
+    check_results(&cluster, &w, &root.join("out-killed"));
+    for rank in 0..4 {
+        let wa = std::fs::read(root.join(format!("out-clean/rank-{rank}/weights.bin")))
+            .expect("weights");
+        let wb = std::fs::read(root.join(format!("out-killed/rank-{rank}/weights.bin")))
+            .expect("weights");
+        assert!(
+            wa == wb,
+            "rank {rank}: resumed weights differ from the uninterrupted run"
+        );
+        let r = read_result(&root.join("out-killed"), rank).expect("result");
+        assert_eq!(
+            r["attempt"].as_u64(),
+            Some(1),
+            "rank {rank} finished in the restarted attempt"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_kill_elects_a_new_leader_and_the_job_finishes() {
+    let mut cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 8).expect("shards");
+    let job_id = cluster
+        .submit("leader-kill", spec(&w, &root, "lk", 10))
+        .await
+        .expect("submit")
+        .job_id;
+    cluster
+        .wait_job(&job_id, "job running with a checkpoint", LONG, |j| {
+            j.committed_step.is_some_and(|s| s >= 20)
+        })
+        .await;
+    let old = cluster.wait_leader(LONG).await;
+    let i = cluster
+        .coordinators
+        .iter()
+        .position(|c| c.id == old)
+        .expect("leader index");
+    let killed_at = Instant::now();
+    cluster.coordinators[i].proc.kill9();
+    // A submit sent during the failover, retried with the same request id, makes one job.
+    let extra = v1::JobSpec {
+        world_size: 1,
+        command: vec!["true".into()],
+        ..Default::default()
+    };
+    let first = cluster
+        .submit("failover-submit", extra.clone())
+        .await
+        .expect("submit during failover");
+    let new = cluster.wait_leader(LONG).await;
+    eprintln!(
+        "leader {old} killed -> new leader {new} and a committed write: {:?}",
+        killed_at.elapsed()
+    );
+    assert_ne!(new, old);
+    let second = cluster
+        .submit("failover-submit", extra)
+        .await
+        .expect("retried submit");
+    assert_eq!(first.job_id, second.job_id);
+    assert!(!second.created);
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.state, "succeeded", "{job:?}");
+    check_results(&cluster, &w, &root.join("out-lk"));
+    // cumulusctl keeps working with the dead coordinator still in its address list.
+    let out = cluster
+        .cumulusctl(&["-o", "json", "list"])
+        .expect("cumulusctl list");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let list: v1::ListJobsResponse = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(
+        list.jobs
+            .iter()
+            .filter(|j| j.request_id == "failover-submit")
+            .count(),
+        1
+    );
+    let out = cluster
+        .cumulusctl(&["status", &job_id])
+        .expect("cumulusctl status");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("succeeded"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_worker_expires_and_its_ranks_move() {
+    let opts = ClusterOpts {
+        heartbeat_timeout_ms: 3_000,
+        ..ClusterOpts::default()
+    };
+    let mut cluster = Cluster::start(opts).await.expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 8).expect("shards");
+    let job_id = cluster
+        .submit("worker-kill", spec(&w, &root, "wk", 10))
+        .await
+        .expect("submit")
+        .job_id;
+    cluster
+        .wait_job(&job_id, "ranks running on both workers", LONG, |j| {
+            j.committed_step.is_some() && j.ranks.iter().all(|r| r.state == "running")
+        })
+        .await;
+    let killed_at = Instant::now();
+    cluster.workers[1].kill9();
+    let moved = cluster
+        .wait_job(&job_id, "every rank on worker-1", LONG, |j| {
+            j.restarts_used >= 1 && j.ranks.iter().all(|r| r.worker_id == "worker-1")
+        })
+        .await;
+    let expired_after = killed_at.elapsed();
+    eprintln!("worker kill -> ranks re-placed: {expired_after:?}");
+    // The timeout runs from the worker's last heartbeat, at most one interval (1 s)
+    // before the kill.
+    assert!(
+        expired_after >= Duration::from_millis(2_000),
+        "expired before the heartbeat timeout"
+    );
+    assert!(
+        moved.restarts[0].cause.contains("expired"),
+        "{:?}",
+        moved.restarts
+    );
+    let s = cluster.status().await.expect("status");
+    assert!(
+        s.workers
+            .iter()
+            .any(|w| w.worker_id == "worker-2" && w.state == "expired")
+    );
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.state, "succeeded", "{job:?}");
+    check_results(&cluster, &w, &root.join("out-wk"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn always_failing_rank_exhausts_exactly_the_restart_budget() {
+    let cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    let spec = v1::JobSpec {
+        world_size: 2,
+        command: vec!["sh".into(), "-c".into(), "echo failing; exit 1".into()],
+        restart: Some(v1::RestartPolicy {
+            max_restarts: Some(3),
+            backoff_initial_ms: Some(300),
+            backoff_max_ms: Some(1_000),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let job_id = cluster
+        .submit("always-fails", spec)
+        .await
+        .expect("submit")
+        .job_id;
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.state, "failed", "{job:?}");
+    assert_eq!(job.restarts_used, 3);
+    assert_eq!(job.restarts.len(), 3);
+    assert!(
+        job.failure_cause.contains("budget of 3 exhausted"),
+        "{}",
+        job.failure_cause
+    );
+    assert!(
+        job.failure_cause.contains("exited with code 1"),
+        "{}",
+        job.failure_cause
+    );
+    let mut previous_not_before = 0;
+    for (n, r) in job.restarts.iter().enumerate() {
+        let base = (300u64 << n).min(1_000);
+        assert!(
+            r.delay_ms * 10 >= base * 8,
+            "restart {}: delay {} below 0.8 x {base}",
+            r.number,
+            r.delay_ms
+        );
+        assert_eq!(r.not_before_ms, r.failed_at_ms + r.delay_ms);
+        // The attempt that failed had not started before its own backoff ended.
+        assert!(
+            r.failed_at_ms >= previous_not_before,
+            "restart {} came too early",
+            r.number
+        );
+        previous_not_before = r.not_before_ms;
+    }
+    for rank in &job.ranks {
+        assert!(rank.started_at_ms >= previous_not_before || rank.started_at_ms == 0);
+    }
+    let out = cluster
+        .cumulusctl(&["status", &job_id])
+        .expect("cumulusctl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("budget of 3 exhausted"),
+        "status must name the cause:\n{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_errors_and_changes_nothing() {
+    let cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    let mut c = cluster.leader_client().await.expect("client");
+    let before = c
+        .list_jobs(v1::ListJobsRequest { linearizable: true })
+        .await
+        .expect("list")
+        .into_inner();
+    let cases: Vec<(v1::JobSpec, &str)> = vec![
+        (
+            v1::JobSpec {
+                world_size: 0,
+                command: vec!["true".into()],
+                ..Default::default()
+            },
+            "world size 0",
+        ),
+        (
+            v1::JobSpec {
+                world_size: 5000,
+                command: vec!["true".into()],
+                ..Default::default()
+            },
+            "world size 5000",
+        ),
+        (
+            v1::JobSpec {
+                world_size: 1,
+                command: vec![],
+                ..Default::default()
+            },
+            "command is empty",
+        ),
+        (
+            v1::JobSpec {
+                world_size: 1,
+                command: vec!["true".into()],
+                dataset: "/no/such/dataset".into(),
+                ..Default::default()
+            },
+            "/no/such/dataset",
+        ),
+    ];
+    for (i, (spec, needle)) in cases.into_iter().enumerate() {
+        let err = c
+            .submit_job(v1::SubmitJobRequest {
+                request_id: format!("bad-{i}"),
+                spec: Some(spec),
+            })
+            .await
+            .expect_err("bad spec must be rejected");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert!(
+            err.message().contains(needle),
+            "{} should mention {needle}",
+            err.message()
+        );
+    }
+    let err = c
+        .get_job(v1::GetJobRequest {
+            job_id: "job-999999".into(),
+            linearizable: false,
+        })
+        .await
+        .expect_err("unknown");
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    // Wrong token: rejected by gRPC and HTTP.
+    let ch =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.coordinators[0].grpc))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect");
+    let mut bad = v1::client_service_client::ClientServiceClient::with_interceptor(
+        ch,
+        cumulus_e2e::Auth::new("wrong-token-0123456789"),
+    );
+    let err = bad
+        .submit_job(v1::SubmitJobRequest {
+            request_id: "x".into(),
+            spec: Some(v1::JobSpec {
+                world_size: 1,
+                command: vec!["true".into()],
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect_err("wrong token");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    let http = reqwest::Client::new();
+    let resp = http
+        .get(format!("http://{}/v1/jobs", cluster.coordinators[0].http))
+        .bearer_auth("wrong-token-0123456789")
+        .send()
+        .await
+        .expect("http");
+    assert_eq!(resp.status(), reqwest::StatusCode::UNAUTHORIZED);
+    let resp = http
+        .get(format!("http://{}/v1/jobs", cluster.coordinators[0].http))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("http");
+    assert_eq!(resp.status(), reqwest::StatusCode::OK);
+    let after = c
+        .list_jobs(v1::ListJobsRequest { linearizable: true })
+        .await
+        .expect("list")
+        .into_inner();
+    assert_eq!(
+        before.jobs, after.jobs,
+        "rejected requests changed the state"
+    );
+    let out = cluster
+        .cumulusctl(&["status", "job-999999"])
+        .expect("cumulusctl");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("job-999999"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_checkpoint_part_falls_back_to_the_previous_good_step() {
+    let cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 8).expect("shards");
+    let mut s = spec(&w, &root, "corrupt", 15);
+    s.restart = Some(v1::RestartPolicy {
+        backoff_initial_ms: Some(200),
+        ..Default::default()
+    });
+    let job_id = cluster.submit("corrupt", s).await.expect("submit").job_id;
+    let job = cluster
+        .wait_job(&job_id, "two committed steps", LONG, |j| {
+            j.committed_step.is_some_and(|s| s >= 60) && j.ranks[0].state == "running"
+        })
+        .await;
+    let step = job.committed_step.expect("committed");
+    // Flip a byte of rank 0's weights in the newest committed step.
+    let step_dir = root
+        .join("ckpt-corrupt")
+        .join(&job_id)
+        .join(format!("step-{step:08}"))
+        .join("rank-0");
+    let part = wait_for("the part directory", Duration::from_secs(10), || async {
+        std::fs::read_dir(&step_dir)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .find(|p| p.is_dir())
+    })
+    .await;
+    let weights = part.join("weights.bin");
+    let mut bytes = std::fs::read(&weights).expect("weights");
+    bytes[0] ^= 0xff;
+    std::fs::write(&weights, &bytes).expect("corrupt");
+    kill_rank(&job, 0);
+    let restarted = cluster
+        .wait_job(&job_id, "a restart", LONG, |j| j.restarts_used == 1)
+        .await;
+    let resume = restarted.restarts[0].resume_step;
+    assert_ne!(
+        resume,
+        Some(step),
+        "a corrupt step must never be resumed from"
+    );
+    assert!(resume.is_some(), "the previous good step is used");
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.state, "succeeded", "{job:?}");
+    check_results(&cluster, &w, &root.join("out-corrupt"));
+}
+
+/// Reads SSE `log` events from `url` until `end` or until `limit` events; returns
+/// `(rank, attempt, line)` triples and the last event id.
+async fn read_sse(
+    url: &str,
+    last_event_id: Option<&str>,
+    limit: usize,
+) -> (Vec<(u64, u64, String)>, Option<String>, bool) {
+    use eventsource_stream::Eventsource;
+    use futures::StreamExt;
+    let mut req = reqwest::Client::new().get(url).bearer_auth(TOKEN);
+    if let Some(id) = last_event_id {
+        req = req.header("Last-Event-ID", id);
+    }
+    let resp = req.send().await.expect("sse request");
+    assert!(resp.status().is_success(), "{}", resp.status());
+    let mut events = resp.bytes_stream().eventsource();
+    let mut lines = Vec::new();
+    let mut last = last_event_id.map(str::to_string);
+    while let Some(ev) = events.next().await {
+        let ev = ev.expect("sse event");
+        if ev.event == "end" {
+            return (lines, last, true);
+        }
+        assert_eq!(ev.event, "log");
+        let v: serde_json::Value = serde_json::from_str(&ev.data).expect("json data");
+        lines.push((
+            v["rank"].as_u64().expect("rank"),
+            v["attempt"].as_u64().expect("attempt"),
+            v["line"].as_str().expect("line").to_string(),
+        ));
+        last = Some(ev.id.clone());
+        if lines.len() == limit {
+            return (lines, last, false);
+        }
+    }
+    (lines, last, false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_of_every_attempt_stream_over_sse_and_resume_on_another_coordinator() {
+    let cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    // Attempt 0 of every rank prints 40 lines and fails; attempt 1 prints 40 and succeeds.
+    // Rank scope, so each rank's attempt 0 runs (a group restart could supersede a rank
+    // before it ever starts).
+    let script = r#"for i in $(seq 1 40); do echo "rank $RANK attempt $CUMULUS_ATTEMPT line $i"; done; [ "$CUMULUS_ATTEMPT" -ge 1 ]"#;
+    let spec = v1::JobSpec {
+        world_size: 2,
+        command: vec!["sh".into(), "-c".into(), script.into()],
+        restart: Some(v1::RestartPolicy {
+            scope: Some("rank".into()),
+            max_restarts: Some(2),
+            backoff_initial_ms: Some(200),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let job_id = cluster.submit("logs", spec).await.expect("submit").job_id;
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.state, "succeeded", "{job:?}");
+    let url = |i: usize| {
+        format!(
+            "http://{}/v1/jobs/{job_id}/logs?follow=true",
+            cluster.coordinators[i].http
+        )
+    };
+    // Read part of the stream from coordinator 0, then resume on coordinator 2.
+    let (first, last_id, ended) = read_sse(&url(0), None, 55).await;
+    assert!(!ended);
+    let (rest, _, ended) = read_sse(&url(2), last_id.as_deref(), usize::MAX).await;
+    assert!(ended, "the stream ends once the job is over and drained");
+    let all: Vec<_> = first.into_iter().chain(rest).collect();
+    for rank in 0..2u64 {
+        for attempt in 0..2u64 {
+            let got: Vec<&str> = all
+                .iter()
+                .filter(|(r, a, _)| *r == rank && *a == attempt)
+                .map(|(_, _, l)| l.as_str())
+                .collect();
+            let want: Vec<String> = (1..=40)
+                .map(|i| format!("rank {rank} attempt {attempt} line {i}"))
+                .collect();
+            assert_eq!(
+                got, want,
+                "rank {rank} attempt {attempt}: no gap, no duplicate, in order"
+            );
+        }
+    }
+    assert_eq!(all.len(), 160);
+    // One rank only, through cumulusctl.
+    let out = cluster
+        .cumulusctl(&["logs", &job_id, "--rank", "1"])
+        .expect("cumulusctl logs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.contains("rank 1 attempt 1 line"))
+            .count(),
+        40,
+        "{text}"
+    );
+    assert!(!text.contains("rank 0 attempt"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_rank_is_detected_by_the_progress_timeout() {
+    let cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    // Alive but silent: never reports progress, never exits.
+    let spec = v1::JobSpec {
+        world_size: 1,
+        command: vec!["sleep".into(), "1000".into()],
+        progress_timeout_ms: 2_000,
+        restart: Some(v1::RestartPolicy {
+            max_restarts: Some(0),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let job_id = cluster.submit("hung", spec).await.expect("submit").job_id;
+    let running = cluster
+        .wait_job(&job_id, "the rank running", LONG, |j| j.ranks[0].pid > 0)
+        .await;
+    let pid = running.ranks[0].pid;
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.state, "failed");
+    assert!(job.failure_cause.contains("hung"), "{}", job.failure_cause);
+    // The hung process is stopped by its agent.
+    wait_for(
+        "the hung process to be killed",
+        Duration::from_secs(30),
+        || async { (kill(Pid::from_raw(pid as i32), None).is_err()).then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_coordinator_rejoins_with_its_state() {
+    let mut cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    let leader = cluster.wait_leader(LONG).await;
+    let i = cluster
+        .coordinators
+        .iter()
+        .position(|c| c.id != leader)
+        .expect("a follower");
+    cluster.coordinators[i].proc.kill9();
+    // Writes while it is down.
+    let spec = v1::JobSpec {
+        world_size: 1,
+        command: vec!["true".into()],
+        ..Default::default()
+    };
+    let job_id = cluster
+        .submit("while-down", spec)
+        .await
+        .expect("submit")
+        .job_id;
+    let done = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(done.state, "succeeded");
+    cluster
+        .spawn_coordinator(i)
+        .expect("restart on the same data dir");
+    // Its own (local, non-linearizable) view catches up with the committed state.
+    wait_for("the restarted coordinator to catch up", LONG, || async {
+        let mut c = cluster.client_of(i).await.ok()?;
+        let r = c
+            .get_job(v1::GetJobRequest {
+                job_id: job_id.clone(),
+                linearizable: false,
+            })
+            .await
+            .ok()?;
+        let job = r.into_inner().job?;
+        (job.state == "succeeded").then_some(())
+    })
+    .await;
+}

@@ -1,0 +1,211 @@
+//! Client of the worker agent's rank-local HTTP API (ARCHITECTURE.md, "Rank-local HTTP
+//! API"): `POST /v1/progress` and `POST /v1/checkpoint`, both with
+//! `Authorization: Bearer $CUMULUS_AGENT_TOKEN`.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Time limit of one progress request, in milliseconds.
+pub const PROGRESS_TIMEOUT_MS: u64 = 2_000;
+/// Time limit of one checkpoint commit request, in milliseconds (the agent fsyncs and
+/// waits for the leader before answering).
+pub const CHECKPOINT_TIMEOUT_MS: u64 = 60_000;
+/// Most bytes of a reply body that are read.
+pub const MAX_REPLY_BYTES: u64 = 64 * 1024;
+
+/// A request to the agent failed.
+#[derive(Debug, Error)]
+pub enum AgentError {
+    /// The agent says this attempt is stale: 409 (the leader rejected the attempt) or
+    /// 401 (the agent no longer knows this attempt's token). Retrying cannot help.
+    #[error("the agent rejected this attempt as stale (HTTP {status}): {message}")]
+    Stale {
+        /// 409 or 401.
+        status: u16,
+        /// The agent's error message.
+        message: String,
+    },
+    /// Another non-success status.
+    #[error("the agent answered HTTP {status}: {message}")]
+    Status {
+        /// The status code.
+        status: u16,
+        /// The agent's error message.
+        message: String,
+    },
+    /// The request could not be sent or the reply not read (refused, timeout, …).
+    #[error("request to the agent failed: {0}")]
+    Transport(String),
+    /// A success reply whose body is not what the API promises.
+    #[error("the agent's reply is malformed: {0}")]
+    BadReply(String),
+}
+
+/// Body of `POST /v1/progress`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressReport {
+    /// Steps completed.
+    pub step: u64,
+    /// Steps of the whole run.
+    pub total_steps: u64,
+    /// Named metrics (finite values only), e.g. `loss`.
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// Body of `POST /v1/checkpoint`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointRequest {
+    /// The checkpoint's step.
+    pub step: u64,
+    /// The trainer's state (the content of `state.json`), a JSON object.
+    pub state: serde_json::Value,
+}
+
+/// The 200 reply of `POST /v1/checkpoint`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CommitReply {
+    /// The committed part, relative to the job's checkpoint dir, e.g.
+    /// `step-00000100/rank-0/attempt-1`.
+    pub dir: String,
+}
+
+/// A client of one agent, for one attempt's token.
+#[derive(Debug, Clone)]
+pub struct AgentClient {
+    base_url: String,
+    token: String,
+    http: reqwest::blocking::Client,
+}
+
+fn read_body(resp: reqwest::blocking::Response) -> String {
+    let mut body = Vec::new();
+    // A body that cannot be read is reported as empty: the status says enough.
+    let _ = resp.take(MAX_REPLY_BYTES).read_to_end(&mut body);
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+fn error_message(body: &str) -> String {
+    #[derive(Deserialize)]
+    struct ErrorBody {
+        error: String,
+    }
+    match serde_json::from_str::<ErrorBody>(body) {
+        Ok(e) => e.error,
+        Err(_) => body.trim().chars().take(500).collect(),
+    }
+}
+
+impl AgentClient {
+    /// A client for the agent at `base_url` (e.g. `http://127.0.0.1:41234`) with the
+    /// attempt's bearer `token`. Proxies from the environment are ignored: the agent is
+    /// on loopback.
+    pub fn new(base_url: &str, token: &str) -> Result<Self, AgentError> {
+        let http = reqwest::blocking::Client::builder()
+            .no_proxy()
+            .connect_timeout(Duration::from_millis(PROGRESS_TIMEOUT_MS))
+            .build()
+            .map_err(|e| AgentError::Transport(format!("cannot build HTTP client: {e}")))?;
+        Ok(Self {
+            base_url: base_url.trim_end_matches('/').to_string(),
+            token: token.to_string(),
+            http,
+        })
+    }
+
+    fn post<T: Serialize>(
+        &self,
+        path: &str,
+        body: &T,
+        timeout_ms: u64,
+    ) -> Result<(u16, String), AgentError> {
+        let resp = self
+            .http
+            .post(format!("{}{path}", self.base_url))
+            .bearer_auth(&self.token)
+            .timeout(Duration::from_millis(timeout_ms))
+            .json(body)
+            .send()
+            .map_err(|e| AgentError::Transport(format!("POST {path}: {e}")))?;
+        let status = resp.status().as_u16();
+        Ok((status, read_body(resp)))
+    }
+
+    /// `POST /v1/progress` (time limit [`PROGRESS_TIMEOUT_MS`]); any 2xx is success.
+    pub fn progress(&self, report: &ProgressReport) -> Result<(), AgentError> {
+        let (status, body) = self.post("/v1/progress", report, PROGRESS_TIMEOUT_MS)?;
+        match status {
+            200..=299 => Ok(()),
+            401 | 409 => Err(AgentError::Stale {
+                status,
+                message: error_message(&body),
+            }),
+            _ => Err(AgentError::Status {
+                status,
+                message: error_message(&body),
+            }),
+        }
+    }
+
+    /// `POST /v1/checkpoint` (time limit [`CHECKPOINT_TIMEOUT_MS`]): asks the agent to
+    /// commit the staging dir as this attempt's part of `step`.
+    pub fn commit_checkpoint(
+        &self,
+        step: u64,
+        state: &serde_json::Value,
+    ) -> Result<CommitReply, AgentError> {
+        let request = CheckpointRequest {
+            step,
+            state: state.clone(),
+        };
+        let (status, body) = self.post("/v1/checkpoint", &request, CHECKPOINT_TIMEOUT_MS)?;
+        match status {
+            200 => serde_json::from_str(&body)
+                .map_err(|e| AgentError::BadReply(format!("{e}: {:?}", error_message(&body)))),
+            401 | 409 => Err(AgentError::Stale {
+                status,
+                message: error_message(&body),
+            }),
+            _ => Err(AgentError::Status {
+                status,
+                message: error_message(&body),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_bodies_are_read() {
+        assert_eq!(
+            error_message(r#"{"error":"stale attempt"}"#),
+            "stale attempt"
+        );
+        assert_eq!(error_message("  plain text \n"), "plain text");
+    }
+
+    #[test]
+    fn refused_connection_is_a_transport_error() {
+        // Bind then drop a listener to get a loopback port with nobody listening.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let c = AgentClient::new(&format!("http://127.0.0.1:{port}/"), "t").unwrap();
+        let err = c
+            .progress(&ProgressReport {
+                step: 1,
+                total_steps: 2,
+                metrics: BTreeMap::new(),
+            })
+            .unwrap_err();
+        assert!(matches!(err, AgentError::Transport(_)), "{err}");
+    }
+}

@@ -1,0 +1,1288 @@
+//! The training loop: data preparation, steps, checkpoints through the agent, resume,
+//! progress reports and the final result.
+//!
+//! Record order: every epoch visits every record of the rank's shards once, in a
+//! Fisher–Yates shuffle drawn from a splitmix64 PRNG seeded with `--seed` (see
+//! [`crate::rng`]). A step is one mini-batch of `batch_size` consecutive records of that
+//! order; the last batch of an epoch may be smaller; batches never span epochs. So
+//! `total_steps = epochs × ceil(records / batch_size)`.
+//!
+//! Feature scale: every raw feature value is multiplied by one factor, `--feature-scale`;
+//! `auto` (the default) is `1 / max |value|` over the rank's training data (1 when every
+//! value is 0), which is 1/16 on the digits data. It is a pure function of the data, is
+//! saved in the checkpoint and must match on resume.
+//!
+//! Classes: `--classes`, or the largest training label + 1.
+
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::agent::{AgentClient, AgentError, ProgressReport};
+use crate::data::{self, DataError, Dataset, MAX_CLASSES};
+use crate::digest::RecordDigest;
+use crate::env::{EnvError, RankEnv};
+use crate::model::{self, ModelError, Momentum, SoftmaxModel};
+use crate::rng::epoch_order;
+use crate::state::{
+    HexF64, HexU64, MAX_STATE_BYTES, RunSpec, STATE_FORMAT, StateError, TrainState,
+};
+
+/// File of the model parameters in a checkpoint and in the output dir (f64 LE,
+/// `classes × (features + 1)`, row-major, bias last).
+pub const WEIGHTS_FILE: &str = "weights.bin";
+/// File of the momentum buffers in a checkpoint (f64 LE, same shape as the weights).
+pub const OPTIMIZER_FILE: &str = "optimizer.bin";
+/// File of the [`TrainState`] in a checkpoint.
+pub const STATE_FILE: &str = "state.json";
+/// File of the [`RankResult`] in the output dir.
+pub const RESULT_FILE: &str = "result.json";
+/// Retries of a failed checkpoint commit (after the first try).
+pub const CKPT_MAX_RETRIES: u32 = 5;
+/// Wait before the first retry of a checkpoint commit, in milliseconds; doubles each time
+/// (100, 200, 400, 800, 1600: 3.1 s in all).
+pub const CKPT_BACKOFF_INITIAL_MS: u64 = 100;
+/// Least time between two progress reports, in milliseconds (the final one is always sent).
+pub const PROGRESS_INTERVAL_MS: u64 = 200;
+/// Progress failures logged in full; after that only every 100th is logged.
+pub const PROGRESS_FAILURES_LOGGED: u64 = 5;
+
+/// Exit code of a successful run.
+pub const EXIT_OK: i32 = 0;
+/// Exit code of a bad argument, bad input data or an I/O failure.
+pub const EXIT_INPUT: i32 = 1;
+/// Exit code of a resume that cannot be done (missing or invalid checkpoint).
+pub const EXIT_RESUME: i32 = 2;
+/// Exit code when the agent rejected this attempt as stale.
+pub const EXIT_STALE: i32 = 3;
+/// Exit code when a checkpoint could not be committed after every retry.
+pub const EXIT_COMMIT_FAILED: i32 = 4;
+
+/// Why a checkpoint could not be resumed.
+#[derive(Debug, Error)]
+pub enum ResumeError {
+    /// The resume variables are incomplete or malformed.
+    #[error("{0}")]
+    Env(EnvError),
+    /// A checkpoint file could not be read.
+    #[error("cannot read checkpoint file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// `state.json` is larger than [`MAX_STATE_BYTES`].
+    #[error("checkpoint file {path} is {size_bytes} bytes, limit {limit_bytes}")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        size_bytes: u64,
+        /// The limit.
+        limit_bytes: u64,
+    },
+    /// `state.json` is not a valid state.
+    #[error("checkpoint file {path} is not a valid trainer state: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        source: serde_json::Error,
+    },
+    /// The state does not fit this run.
+    #[error("checkpoint {dir}: {source}")]
+    State {
+        /// The checkpoint dir.
+        dir: PathBuf,
+        /// What is wrong.
+        source: StateError,
+    },
+    /// `weights.bin` or `optimizer.bin` has the wrong size.
+    #[error("checkpoint {dir}: {source}")]
+    Model {
+        /// The checkpoint dir.
+        dir: PathBuf,
+        /// What is wrong.
+        source: ModelError,
+    },
+    /// The next record named by the state is not the one the record order gives.
+    #[error(
+        "checkpoint {dir}: state.json names the next record as {found}, but the record \
+         order of epoch {epoch} gives {expected}"
+    )]
+    NextRecord {
+        /// The checkpoint dir.
+        dir: PathBuf,
+        /// The epoch.
+        epoch: u32,
+        /// `shard #index name:line` from the order.
+        expected: String,
+        /// `shard #index name:line` from the state.
+        found: String,
+    },
+}
+
+/// Why a run failed; [`TrainError::exit_code`] gives the process exit code.
+#[derive(Debug, Error)]
+pub enum TrainError {
+    /// A bad argument or environment.
+    #[error("{0}")]
+    Config(String),
+    /// A bad rank environment variable.
+    #[error("{0}")]
+    Env(#[from] EnvError),
+    /// Bad or missing input data.
+    #[error("{0}")]
+    Data(#[from] DataError),
+    /// The checkpoint to resume from is missing or invalid.
+    #[error("cannot resume: {0}")]
+    Resume(#[from] ResumeError),
+    /// A file could not be written or read.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// The agent rejected this attempt as stale.
+    #[error("stopping: {0}")]
+    Stale(String),
+    /// A checkpoint could not be committed after every retry.
+    #[error("checkpoint commit failed: {0}")]
+    CommitFailed(String),
+}
+
+impl TrainError {
+    /// The process exit code for this error.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            TrainError::Config(_) | TrainError::Data(_) | TrainError::Io { .. } => EXIT_INPUT,
+            TrainError::Env(e) if e.is_resume() => EXIT_RESUME,
+            TrainError::Env(_) => EXIT_INPUT,
+            TrainError::Resume(_) => EXIT_RESUME,
+            TrainError::Stale(_) => EXIT_STALE,
+            TrainError::CommitFailed(_) => EXIT_COMMIT_FAILED,
+        }
+    }
+}
+
+/// How raw feature values are scaled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FeatureScale {
+    /// `1 / max |value|` over the training data (1 when all are 0).
+    Auto,
+    /// This factor (finite, > 0).
+    Fixed(f64),
+}
+
+impl std::str::FromStr for FeatureScale {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(FeatureScale::Auto);
+        }
+        match s.parse::<f64>() {
+            Ok(v) if v.is_finite() && v > 0.0 => Ok(FeatureScale::Fixed(v)),
+            _ => Err(format!(
+                "feature scale {s:?} is neither \"auto\" nor a positive finite number"
+            )),
+        }
+    }
+}
+
+/// Training data ready for the model: the data set, its classes and scaled features.
+#[derive(Debug, Clone)]
+pub struct TrainData {
+    /// The loaded records.
+    pub dataset: Dataset,
+    /// Classes of the model.
+    pub classes: u32,
+    /// The factor applied to every raw feature value.
+    pub feature_scale: f64,
+    /// Scaled features, `records × features`, row-major.
+    pub x: Vec<f64>,
+}
+
+fn scaled(values: &[f64], scale: f64) -> Vec<f64> {
+    values.iter().map(|v| v * scale).collect()
+}
+
+impl TrainData {
+    /// Fixes classes and scale for `dataset`. Fails when `classes` is not above the
+    /// largest label, or the model would be too large.
+    pub fn prepare(
+        dataset: Dataset,
+        classes: Option<u32>,
+        scale: FeatureScale,
+    ) -> Result<Self, TrainError> {
+        let max_label = dataset
+            .max_label()
+            .ok_or_else(|| TrainError::Config("the training data has no records".to_string()))?;
+        let classes = match classes {
+            Some(c) if c <= max_label => {
+                return Err(TrainError::Config(format!(
+                    "--classes {c} is too small: the training data has label {max_label}"
+                )));
+            }
+            Some(c) if c > MAX_CLASSES => {
+                return Err(TrainError::Config(format!(
+                    "--classes {c} is above the limit {MAX_CLASSES}"
+                )));
+            }
+            Some(c) => c,
+            None => max_label + 1,
+        };
+        if classes < 2 {
+            return Err(TrainError::Config(format!(
+                "a classifier needs at least 2 classes; the training data has only label \
+                 {max_label} (pass --classes)"
+            )));
+        }
+        let params = (classes as usize).saturating_mul(dataset.features + 1);
+        if params > data::MAX_VALUES {
+            return Err(TrainError::Config(format!(
+                "{classes} classes × {} features is {params} parameters, limit {}",
+                dataset.features,
+                data::MAX_VALUES
+            )));
+        }
+        let feature_scale = match scale {
+            FeatureScale::Fixed(s) => s,
+            FeatureScale::Auto => {
+                let max = dataset.max_abs_feature();
+                if max > 0.0 { 1.0 / max } else { 1.0 }
+            }
+        };
+        let x = scaled(&dataset.values, feature_scale);
+        Ok(Self {
+            dataset,
+            classes,
+            feature_scale,
+            x,
+        })
+    }
+
+    /// Scales a test set like the training data. Fails when its feature count differs or
+    /// a label is not below `classes`.
+    pub fn scale_test(&self, test: &Dataset, path: &Path) -> Result<Vec<f64>, TrainError> {
+        if test.features != self.dataset.features {
+            return Err(TrainError::Config(format!(
+                "test file {} has {} features, the training data {}",
+                path.display(),
+                test.features,
+                self.dataset.features
+            )));
+        }
+        if let Some(i) = test.labels.iter().position(|l| *l >= self.classes) {
+            let (_, line) = test.record_name(i);
+            return Err(TrainError::Config(format!(
+                "test file {} line {}: label {} is not below the model's {} classes",
+                path.display(),
+                line + 1,
+                test.labels[i],
+                self.classes
+            )));
+        }
+        Ok(scaled(&test.values, self.feature_scale))
+    }
+}
+
+/// Hyper-parameters that determine the run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hyper {
+    /// Epochs (≥ 1).
+    pub epochs: u32,
+    /// Records per mini-batch (≥ 1).
+    pub batch_size: u64,
+    /// Learning rate (finite, > 0).
+    pub lr: f64,
+    /// Momentum (in `[0, 1)`).
+    pub momentum: f64,
+    /// Seed of the record order.
+    pub seed: u64,
+}
+
+impl Hyper {
+    /// Checks the ranges.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        if self.epochs == 0 {
+            return Err(TrainError::Config(
+                "--epochs must be at least 1".to_string(),
+            ));
+        }
+        if self.batch_size == 0 {
+            return Err(TrainError::Config(
+                "--batch-size must be at least 1".to_string(),
+            ));
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(TrainError::Config(format!(
+                "--lr {} must be a positive finite number",
+                self.lr
+            )));
+        }
+        if !(0.0..1.0).contains(&self.momentum) {
+            return Err(TrainError::Config(format!(
+                "--momentum {} must be in [0, 1)",
+                self.momentum
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Steps completed after this one.
+    pub step: u64,
+    /// Epoch the batch belonged to.
+    pub epoch: u32,
+    /// Mean loss of the batch.
+    pub batch_loss: f64,
+}
+
+/// The training state machine of one rank: model, optimizer and data position.
+#[derive(Debug, Clone)]
+pub struct Trainer<'a> {
+    data: &'a TrainData,
+    hyper: Hyper,
+    spec: RunSpec,
+    model: SoftmaxModel,
+    opt: Momentum,
+    grad: Vec<f64>,
+    step: u64,
+    epoch: u32,
+    position: usize,
+    epoch_rng_state: u64,
+    next_rng_state: u64,
+    order: Vec<usize>,
+    digest: RecordDigest,
+    epoch_loss_sum: f64,
+    last_epoch_loss: Option<f64>,
+}
+
+impl<'a> Trainer<'a> {
+    /// The run's identity for checkpoint validation.
+    pub fn run_spec(data: &TrainData, hyper: &Hyper) -> RunSpec {
+        RunSpec {
+            epochs: hyper.epochs,
+            batch_size: hyper.batch_size,
+            seed: hyper.seed,
+            lr: hyper.lr,
+            momentum: hyper.momentum,
+            classes: data.classes,
+            features: data.dataset.features as u64,
+            feature_scale: data.feature_scale,
+            records_per_epoch: data.dataset.len() as u64,
+            shard_count: data.dataset.shards.len() as u64,
+            data_fingerprint: data.dataset.fingerprint_hex(),
+        }
+    }
+
+    /// A fresh run: zero weights and velocity, epoch 0, position 0.
+    pub fn new(data: &'a TrainData, hyper: Hyper) -> Result<Self, TrainError> {
+        hyper.validate()?;
+        let model = SoftmaxModel::zeros(data.classes as usize, data.dataset.features)
+            .map_err(|e| TrainError::Config(e.to_string()))?;
+        let params = model.param_count();
+        let (order, next_rng_state) = epoch_order(hyper.seed, data.dataset.len());
+        Ok(Self {
+            data,
+            spec: Self::run_spec(data, &hyper),
+            opt: Momentum::new(hyper.lr, hyper.momentum, params),
+            grad: vec![0.0; params],
+            model,
+            step: 0,
+            epoch: 0,
+            position: 0,
+            epoch_rng_state: hyper.seed,
+            next_rng_state,
+            order,
+            digest: RecordDigest::zero(),
+            epoch_loss_sum: 0.0,
+            last_epoch_loss: None,
+            hyper,
+        })
+    }
+
+    /// Resumes from a checkpoint dir written by [`Trainer::write_checkpoint`], after
+    /// validating every file against this run and `resume_step`.
+    pub fn resume(
+        data: &'a TrainData,
+        hyper: Hyper,
+        dir: &Path,
+        resume_step: u64,
+    ) -> Result<Self, TrainError> {
+        let mut t = Self::new(data, hyper)?;
+        let state = read_state(dir)?;
+        let digest = state
+            .check(&t.spec, resume_step)
+            .map_err(|source| ResumeError::State {
+                dir: dir.to_path_buf(),
+                source,
+            })?;
+        let params = t.model.param_count();
+        let weights = read_f64_file(dir, WEIGHTS_FILE, params)?;
+        let velocity = read_f64_file(dir, OPTIMIZER_FILE, params)?;
+        t.model = SoftmaxModel::from_weights(data.classes as usize, data.dataset.features, weights)
+            .map_err(|source| ResumeError::Model {
+                dir: dir.to_path_buf(),
+                source,
+            })?;
+        t.opt = Momentum::with_velocity(t.hyper.lr, t.hyper.momentum, velocity);
+        t.step = state.step;
+        t.epoch = state.epoch;
+        t.position = state.position as usize;
+        t.epoch_rng_state = state.rng_state.0;
+        let (order, next) = epoch_order(t.epoch_rng_state, data.dataset.len());
+        t.order = order;
+        t.next_rng_state = next;
+        t.digest = digest;
+        t.epoch_loss_sum = state.epoch_loss_sum.0;
+        t.last_epoch_loss = state.last_epoch_loss.map(|l| l.0);
+        let (expected_index, expected_name, expected_line) = t.next_record_fields();
+        if (expected_index, &expected_name, expected_line)
+            != (
+                state.next_shard_index,
+                &state.next_shard,
+                state.next_record_index,
+            )
+        {
+            let show = |i: Option<u64>, n: &Option<String>, l: Option<u64>| match (i, n, l) {
+                (Some(i), Some(n), Some(l)) => format!("shard #{i} {n}:{l}"),
+                _ => "none".to_string(),
+            };
+            return Err(ResumeError::NextRecord {
+                dir: dir.to_path_buf(),
+                epoch: t.epoch,
+                expected: show(expected_index, &expected_name, expected_line),
+                found: show(
+                    state.next_shard_index,
+                    &state.next_shard,
+                    state.next_record_index,
+                ),
+            }
+            .into());
+        }
+        Ok(t)
+    }
+
+    fn next_record_fields(&self) -> (Option<u64>, Option<String>, Option<u64>) {
+        if self.is_done() {
+            return (None, None, None);
+        }
+        let i = self.order[self.position];
+        let id = self.data.dataset.ids[i];
+        (
+            Some(u64::from(id.shard)),
+            Some(self.data.dataset.shards[id.shard as usize].name.clone()),
+            Some(id.line),
+        )
+    }
+
+    /// Whether every epoch is done.
+    pub fn is_done(&self) -> bool {
+        self.epoch >= self.hyper.epochs
+    }
+
+    /// Steps completed.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Steps of the whole run.
+    pub fn total_steps(&self) -> u64 {
+        self.spec.total_steps()
+    }
+
+    /// The current epoch (0-based; `epochs` when done).
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    /// Records of the current epoch consumed.
+    pub fn position(&self) -> u64 {
+        self.position as u64
+    }
+
+    /// Records consumed over the whole run.
+    pub fn records_consumed(&self) -> u64 {
+        u64::from(self.epoch) * self.data.dataset.len() as u64 + self.position as u64
+    }
+
+    /// The running record digest.
+    pub fn digest(&self) -> RecordDigest {
+        self.digest
+    }
+
+    /// The model.
+    pub fn model(&self) -> &SoftmaxModel {
+        &self.model
+    }
+
+    /// The mean training loss of the current epoch so far, or of the previous epoch at
+    /// the start of an epoch; `None` before the first step.
+    pub fn current_loss(&self) -> Option<f64> {
+        if self.position > 0 {
+            Some(self.epoch_loss_sum / self.position as f64)
+        } else {
+            self.last_epoch_loss
+        }
+    }
+
+    /// The mean training loss of the last completed epoch.
+    pub fn last_epoch_loss(&self) -> Option<f64> {
+        self.last_epoch_loss
+    }
+
+    /// Runs one mini-batch; `None` when training is already complete.
+    pub fn train_step(&mut self) -> Option<StepReport> {
+        if self.is_done() {
+            return None;
+        }
+        let n = self.order.len();
+        let end = (self.position + self.hyper.batch_size as usize).min(n);
+        let batch = &self.order[self.position..end];
+        let loss_sum = self.model.batch_gradient(
+            &self.data.x,
+            &self.data.dataset.labels,
+            batch,
+            &mut self.grad,
+        );
+        self.opt.apply(self.model.weights_mut(), &self.grad);
+        for &i in batch {
+            let (name, line) = self.data.dataset.record_name(i);
+            self.digest.update(self.epoch, name, line);
+        }
+        let report = StepReport {
+            step: self.step + 1,
+            epoch: self.epoch,
+            batch_loss: loss_sum / batch.len() as f64,
+        };
+        self.epoch_loss_sum += loss_sum;
+        self.position = end;
+        self.step += 1;
+        if self.position == n {
+            self.last_epoch_loss = Some(self.epoch_loss_sum / n as f64);
+            self.epoch_loss_sum = 0.0;
+            self.position = 0;
+            self.epoch += 1;
+            self.epoch_rng_state = self.next_rng_state;
+            if self.is_done() {
+                self.order.clear();
+            } else {
+                let (order, next) = epoch_order(self.epoch_rng_state, n);
+                self.order = order;
+                self.next_rng_state = next;
+            }
+        }
+        Some(report)
+    }
+
+    /// The checkpoint state of the current position.
+    pub fn state(&self) -> TrainState {
+        let (next_shard_index, next_shard, next_record_index) = self.next_record_fields();
+        TrainState {
+            format: STATE_FORMAT.to_string(),
+            step: self.step,
+            total_steps: self.total_steps(),
+            epoch: self.epoch,
+            epochs: self.hyper.epochs,
+            position: self.position as u64,
+            records_per_epoch: self.spec.records_per_epoch,
+            records_consumed: self.records_consumed(),
+            next_shard_index,
+            next_shard,
+            next_record_index,
+            rng_state: HexU64(self.epoch_rng_state),
+            digest: self.digest.to_hex(),
+            batch_size: self.hyper.batch_size,
+            seed: HexU64(self.hyper.seed),
+            lr: HexF64(self.hyper.lr),
+            momentum: HexF64(self.hyper.momentum),
+            classes: self.data.classes,
+            features: self.spec.features,
+            feature_scale: HexF64(self.data.feature_scale),
+            epoch_loss_sum: HexF64(self.epoch_loss_sum),
+            last_epoch_loss: self.last_epoch_loss.map(HexF64),
+            shard_count: self.spec.shard_count,
+            data_fingerprint: self.spec.data_fingerprint.clone(),
+        }
+    }
+
+    /// Writes `weights.bin`, `optimizer.bin` and `state.json` into `dir` (which must
+    /// exist); returns the state written.
+    pub fn write_checkpoint(&self, dir: &Path) -> io::Result<TrainState> {
+        let state = self.state();
+        std::fs::write(
+            dir.join(WEIGHTS_FILE),
+            model::f64s_to_le_bytes(self.model.weights()),
+        )?;
+        std::fs::write(
+            dir.join(OPTIMIZER_FILE),
+            model::f64s_to_le_bytes(self.opt.velocity()),
+        )?;
+        let text = serde_json::to_vec_pretty(&state).expect("a TrainState always serializes");
+        std::fs::write(dir.join(STATE_FILE), text)?;
+        Ok(state)
+    }
+}
+
+fn read_state(dir: &Path) -> Result<TrainState, ResumeError> {
+    let path = dir.join(STATE_FILE);
+    let io_err = |source| ResumeError::Io {
+        path: path.clone(),
+        source,
+    };
+    let size_bytes = std::fs::metadata(&path).map_err(io_err)?.len();
+    if size_bytes > MAX_STATE_BYTES {
+        return Err(ResumeError::TooLarge {
+            path,
+            size_bytes,
+            limit_bytes: MAX_STATE_BYTES,
+        });
+    }
+    let bytes = std::fs::read(&path).map_err(io_err)?;
+    serde_json::from_slice(&bytes).map_err(|source| ResumeError::Json { path, source })
+}
+
+fn read_f64_file(dir: &Path, name: &str, values: usize) -> Result<Vec<f64>, ResumeError> {
+    let path = dir.join(name);
+    let io_err = |source| ResumeError::Io {
+        path: path.clone(),
+        source,
+    };
+    let size_bytes = std::fs::metadata(&path).map_err(io_err)?.len();
+    if size_bytes != values as u64 * 8 {
+        return Err(ResumeError::Model {
+            dir: dir.to_path_buf(),
+            source: ModelError::Size {
+                what: name.to_string(),
+                found_bytes: size_bytes as usize,
+                expected_bytes: values * 8,
+                expected_values: values,
+            },
+        });
+    }
+    let bytes = std::fs::read(&path).map_err(io_err)?;
+    model::f64s_from_le_bytes(&bytes, values, name).map_err(|source| ResumeError::Model {
+        dir: dir.to_path_buf(),
+        source,
+    })
+}
+
+/// Everything `cumulus-trainer train` needs besides the environment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainConfig {
+    /// The shards file (from `--shards-file` or `CUMULUS_SHARDS_FILE`).
+    pub shards_file: PathBuf,
+    /// Holdout CSV to measure accuracy on at the end.
+    pub test_file: Option<PathBuf>,
+    /// Output dir; results go to `<out>/rank-<RANK>/`.
+    pub out_dir: PathBuf,
+    /// Hyper-parameters.
+    pub hyper: Hyper,
+    /// Classes (default: largest training label + 1).
+    pub classes: Option<u32>,
+    /// Feature scaling.
+    pub feature_scale: FeatureScale,
+    /// Checkpoint every this many steps (0: never).
+    pub ckpt_every: u64,
+    /// Sleep after every step, in milliseconds (simulates a heavier model).
+    pub step_sleep_ms: u64,
+    /// Print a progress line every this many steps (0: only the last step).
+    pub log_every: u64,
+}
+
+/// `result.json`, written to `<out>/rank-<RANK>/` at the end of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankResult {
+    /// `RANK`.
+    pub rank: u32,
+    /// `CUMULUS_ATTEMPT` (0 standalone).
+    pub attempt: u64,
+    /// Fraction of the test file predicted right; `None` without a test file.
+    pub accuracy: Option<f64>,
+    /// Records consumed over the whole run, across restarts.
+    pub records_consumed: u64,
+    /// Final record digest, 64 hex characters.
+    pub digest: String,
+    /// Steps of the whole run.
+    pub steps: u64,
+    /// Epochs of the whole run.
+    pub epochs: u32,
+    /// Mean training loss of the last epoch; `None` when not finite.
+    pub final_loss: Option<f64>,
+    /// Classes of the model.
+    pub classes: u32,
+    /// Features of the model.
+    pub features: u64,
+    /// Factor applied to every raw feature value (needed to use `weights.bin`).
+    pub feature_scale: f64,
+    /// Records of the test file; `None` without one.
+    pub test_records: Option<u64>,
+}
+
+/// What a completed run produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainOutcome {
+    /// The result written to `result.json`.
+    pub result: RankResult,
+    /// Path of the final `weights.bin`.
+    pub weights_path: PathBuf,
+    /// Path of `result.json`.
+    pub result_path: PathBuf,
+}
+
+/// Writes `bytes` to `path` through a temp file in the same dir, fsync and rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("output");
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Sends progress reports, at most one per [`PROGRESS_INTERVAL_MS`], logging failures
+/// (bounded) and otherwise ignoring them.
+struct ProgressSender<'c> {
+    client: Option<&'c AgentClient>,
+    last_sent: Option<Instant>,
+    failures: u64,
+}
+
+impl ProgressSender<'_> {
+    fn send(&mut self, step: u64, total_steps: u64, loss: Option<f64>, force: bool) {
+        let Some(client) = self.client else { return };
+        if !force
+            && self
+                .last_sent
+                .is_some_and(|t| t.elapsed() < Duration::from_millis(PROGRESS_INTERVAL_MS))
+        {
+            return;
+        }
+        self.last_sent = Some(Instant::now());
+        let mut metrics = std::collections::BTreeMap::new();
+        if let Some(l) = loss.filter(|l| l.is_finite()) {
+            metrics.insert("loss".to_string(), l);
+        }
+        let report = ProgressReport {
+            step,
+            total_steps,
+            metrics,
+        };
+        if let Err(e) = client.progress(&report) {
+            self.failures += 1;
+            if self.failures <= PROGRESS_FAILURES_LOGGED || self.failures.is_multiple_of(100) {
+                eprintln!(
+                    "warning: progress report failed ({} so far, ignored): {e}",
+                    self.failures
+                );
+            }
+        }
+    }
+}
+
+fn fmt_loss(loss: Option<f64>) -> String {
+    loss.map_or_else(|| "none".to_string(), |l| format!("{l:.4}"))
+}
+
+/// Most foreign staging entries named in one warning.
+const FOREIGN_ENTRIES_NAMED: usize = 5;
+
+/// Warns (on stderr) when the staging dir holds entries that are not the trainer's: the
+/// agent would commit them with the checkpoint. They are left alone.
+fn warn_foreign_entries(staging: &Path, step: u64) {
+    let Ok(entries) = std::fs::read_dir(staging) else {
+        return;
+    };
+    let foreign: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| ![WEIGHTS_FILE, OPTIMIZER_FILE, STATE_FILE].contains(&n.as_str()))
+        .collect();
+    if !foreign.is_empty() {
+        eprintln!(
+            "warning: checkpoint step {step}: staging dir {} already holds {} foreign \
+             entries (e.g. {:?}); they will be committed with the checkpoint",
+            staging.display(),
+            foreign.len(),
+            &foreign[..foreign.len().min(FOREIGN_ENTRIES_NAMED)]
+        );
+    }
+}
+
+/// Writes the checkpoint into `staging` and has the agent commit it, retrying failures
+/// [`CKPT_MAX_RETRIES`] times with doubling backoff. A stale verdict stops at once.
+fn commit_checkpoint(
+    trainer: &Trainer<'_>,
+    staging: &Path,
+    agent: &AgentClient,
+    log: &mut dyn Write,
+) -> Result<(), TrainError> {
+    let step = trainer.step();
+    let mut backoff_ms = CKPT_BACKOFF_INITIAL_MS;
+    let mut last_error = String::new();
+    for attempt in 0..=CKPT_MAX_RETRIES {
+        if attempt > 0 {
+            std::thread::sleep(Duration::from_millis(backoff_ms));
+            backoff_ms *= 2;
+        }
+        // The staging dir is written again on every try: a failed commit may have taken
+        // the files away (or left them), and the content is the same each time.
+        // The agent empties (or recreates) the staging dir after a commit; only the dir
+        // itself is created here, never its parents.
+        if !staging.is_dir()
+            && let Err(e) = std::fs::create_dir(staging)
+        {
+            last_error = format!("cannot create staging dir {}: {e}", staging.display());
+            eprintln!("checkpoint step {step}: try {}: {last_error}", attempt + 1);
+            continue;
+        }
+        warn_foreign_entries(staging, step);
+        let state = match trainer.write_checkpoint(staging) {
+            Ok(s) => s,
+            Err(e) => {
+                last_error = format!("cannot write into staging dir {}: {e}", staging.display());
+                eprintln!("checkpoint step {step}: try {}: {last_error}", attempt + 1);
+                continue;
+            }
+        };
+        let state_json = serde_json::to_value(&state).expect("a TrainState always serializes");
+        match agent.commit_checkpoint(step, &state_json) {
+            Ok(reply) => {
+                // A failed log write cannot be reported anywhere better; training goes on.
+                let _ = writeln!(log, "checkpoint step {step} committed: {}", reply.dir);
+                return Ok(());
+            }
+            Err(AgentError::Stale { status, message }) => {
+                return Err(TrainError::Stale(format!(
+                    "the agent rejected the checkpoint of step {step} with HTTP {status} \
+                     ({message}): this attempt is stale and must not continue"
+                )));
+            }
+            Err(e) => {
+                last_error = e.to_string();
+                eprintln!("checkpoint step {step}: try {} failed: {e}", attempt + 1);
+            }
+        }
+    }
+    Err(TrainError::CommitFailed(format!(
+        "step {step}: {} tries failed; last error: {last_error}",
+        CKPT_MAX_RETRIES + 1
+    )))
+}
+
+/// Runs `cumulus-trainer train`: loads and validates the data (and the test file),
+/// resumes when the environment says so, trains with progress reports and checkpoints,
+/// and writes `weights.bin` and `result.json` into `<out>/rank-<RANK>/`. Human-readable
+/// lines go to `log`.
+pub fn run(
+    config: &TrainConfig,
+    env: &RankEnv,
+    log: &mut dyn Write,
+) -> Result<TrainOutcome, TrainError> {
+    config.hyper.validate()?;
+    let agent = match (&env.agent_url, &env.agent_token) {
+        (Some(url), Some(token)) => {
+            Some(AgentClient::new(url, token).map_err(|e| TrainError::Config(e.to_string()))?)
+        }
+        _ => None,
+    };
+    let staging = if config.ckpt_every > 0 {
+        env.ckpt_staging.clone()
+    } else {
+        None
+    };
+    if staging.is_some() && agent.is_none() {
+        return Err(TrainError::Config(
+            "CUMULUS_CKPT_STAGING is set but CUMULUS_AGENT_URL is not: nobody could commit \
+             the checkpoints"
+                .to_string(),
+        ));
+    }
+
+    let shard_paths = data::read_shards_file(&config.shards_file)?;
+    let dataset = data::load_shards(&shard_paths)?;
+    let data = TrainData::prepare(dataset, config.classes, config.feature_scale)?;
+    let test = match &config.test_file {
+        Some(path) => {
+            let t = data::load_csv(path)?;
+            let x = data.scale_test(&t, path)?;
+            Some((t, x))
+        }
+        None => None,
+    };
+
+    let mut trainer = match &env.resume {
+        Some(r) => {
+            let t = Trainer::resume(&data, config.hyper.clone(), &r.dir, r.step)?;
+            let _ = writeln!(
+                log,
+                "resumed from step {} (epoch {}, record {})",
+                t.step(),
+                t.epoch(),
+                t.position()
+            );
+            t
+        }
+        None => Trainer::new(&data, config.hyper.clone())?,
+    };
+    let total = trainer.total_steps();
+    let _ = writeln!(
+        log,
+        "rank={} attempt={} training on {} records from {} shard(s): {} features, {} classes, \
+         feature scale {}, {} epochs of {} steps",
+        env.rank,
+        env.attempt,
+        data.dataset.len(),
+        data.dataset.shards.len(),
+        data.dataset.features,
+        data.classes,
+        data.feature_scale,
+        config.hyper.epochs,
+        trainer.spec.steps_per_epoch()
+    );
+
+    let mut progress = ProgressSender {
+        client: agent.as_ref(),
+        last_sent: None,
+        failures: 0,
+    };
+    while let Some(report) = trainer.train_step() {
+        let step = report.step;
+        if (config.log_every > 0 && step.is_multiple_of(config.log_every)) || step == total {
+            let _ = writeln!(
+                log,
+                "rank={} attempt={} epoch={} step={step}/{total} loss={}",
+                env.rank,
+                env.attempt,
+                report.epoch,
+                fmt_loss(trainer.current_loss())
+            );
+        }
+        progress.send(step, total, trainer.current_loss(), false);
+        if let (Some(staging), Some(agent)) = (&staging, &agent)
+            && step.is_multiple_of(config.ckpt_every)
+        {
+            commit_checkpoint(&trainer, staging, agent, log)?;
+        }
+        if config.step_sleep_ms > 0 {
+            std::thread::sleep(Duration::from_millis(config.step_sleep_ms));
+        }
+    }
+    progress.send(trainer.step(), total, trainer.current_loss(), true);
+
+    let accuracy = test
+        .as_ref()
+        .map(|(t, x)| trainer.model().accuracy(x, &t.labels));
+    let rank_dir = config.out_dir.join(format!("rank-{}", env.rank));
+    std::fs::create_dir_all(&rank_dir).map_err(|source| TrainError::Io {
+        what: format!("cannot create output dir {}", rank_dir.display()),
+        source,
+    })?;
+    let result = RankResult {
+        rank: env.rank,
+        attempt: env.attempt,
+        accuracy,
+        records_consumed: trainer.records_consumed(),
+        digest: trainer.digest().to_hex(),
+        steps: trainer.step(),
+        epochs: config.hyper.epochs,
+        final_loss: trainer.last_epoch_loss().filter(|l| l.is_finite()),
+        classes: data.classes,
+        features: data.dataset.features as u64,
+        feature_scale: data.feature_scale,
+        test_records: test.as_ref().map(|(t, _)| t.len() as u64),
+    };
+    let weights_path = rank_dir.join(WEIGHTS_FILE);
+    write_atomic(
+        &weights_path,
+        &model::f64s_to_le_bytes(trainer.model().weights()),
+    )
+    .map_err(|source| TrainError::Io {
+        what: format!("cannot write {}", weights_path.display()),
+        source,
+    })?;
+    let result_path = rank_dir.join(RESULT_FILE);
+    let text = serde_json::to_vec_pretty(&result).expect("a RankResult always serializes");
+    write_atomic(&result_path, &text).map_err(|source| TrainError::Io {
+        what: format!("cannot write {}", result_path.display()),
+        source,
+    })?;
+    let _ = writeln!(
+        log,
+        "RESULT rank={} accuracy={} records={} digest={}",
+        env.rank,
+        accuracy.map_or_else(|| "none".to_string(), |a| format!("{a:.4}")),
+        result.records_consumed,
+        result.digest
+    );
+    let _ = log.flush();
+    Ok(TrainOutcome {
+        result,
+        weights_path,
+        result_path,
+    })
+}
+
+/// Result of `cumulus-trainer eval`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalResult {
+    /// Fraction of records predicted right.
+    pub accuracy: f64,
+    /// Records evaluated.
+    pub records: u64,
+    /// Classes of the model (from the weights size).
+    pub classes: u32,
+}
+
+/// Evaluates `weights.bin` on a test CSV whose raw features are multiplied by
+/// `feature_scale`; the classes follow from the file size and the test file's features.
+pub fn evaluate(
+    weights_path: &Path,
+    test_path: &Path,
+    feature_scale: f64,
+) -> Result<EvalResult, TrainError> {
+    let test = data::load_csv(test_path)?;
+    let bytes = std::fs::read(weights_path).map_err(|source| TrainError::Io {
+        what: format!("cannot read {}", weights_path.display()),
+        source,
+    })?;
+    let row_bytes = (test.features + 1) * 8;
+    if bytes.is_empty() || bytes.len() % row_bytes != 0 {
+        return Err(TrainError::Config(format!(
+            "{} is {} bytes, not a whole number of rows of {} f64 values ({} features + bias) \
+             for the {} features of {}",
+            weights_path.display(),
+            bytes.len(),
+            test.features + 1,
+            test.features,
+            test.features,
+            test_path.display()
+        )));
+    }
+    let classes = bytes.len() / row_bytes;
+    let weights = model::f64s_from_le_bytes(&bytes, classes * (test.features + 1), "weights")
+        .map_err(|e| TrainError::Config(e.to_string()))?;
+    let m = SoftmaxModel::from_weights(classes, test.features, weights)
+        .map_err(|e| TrainError::Config(e.to_string()))?;
+    if let Some(i) = test.labels.iter().position(|l| *l as usize >= classes) {
+        let (_, line) = test.record_name(i);
+        return Err(TrainError::Config(format!(
+            "{} line {}: label {} is not below the model's {classes} classes",
+            test_path.display(),
+            line + 1,
+            test.labels[i]
+        )));
+    }
+    let x = scaled(&test.values, feature_scale);
+    Ok(EvalResult {
+        accuracy: m.accuracy(&x, &test.labels),
+        records: test.len() as u64,
+        classes: classes as u32,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::digest::expected_digest;
+
+    /// A small separable data set: 3 classes around 3 centres, 2 features.
+    fn toy(dir: &Path) -> Vec<PathBuf> {
+        let mut paths = Vec::new();
+        for s in 0..2 {
+            let mut text = String::new();
+            for i in 0..23 {
+                let k = (i + s) % 3;
+                let (cx, cy) = [(0.0, 8.0), (8.0, 0.0), (8.0, 8.0)][k];
+                let jitter = ((i * 7 + s * 3) % 5) as f64 * 0.3;
+                text.push_str(&format!("{},{},{k}\n", cx + jitter, cy - jitter));
+            }
+            let p = dir.join(format!("s{s}.csv"));
+            std::fs::write(&p, text).unwrap();
+            paths.push(p);
+        }
+        paths
+    }
+
+    fn hyper() -> Hyper {
+        Hyper {
+            epochs: 4,
+            batch_size: 5,
+            lr: 0.2,
+            momentum: 0.9,
+            seed: 11,
+        }
+    }
+
+    fn bits(m: &SoftmaxModel) -> Vec<u64> {
+        m.weights().iter().map(|w| w.to_bits()).collect()
+    }
+
+    #[test]
+    fn learns_the_toy_set_and_digest_matches_a_straight_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = data::load_shards(&toy(dir.path())).unwrap();
+        let data = TrainData::prepare(d, None, FeatureScale::Auto).unwrap();
+        assert_eq!(data.classes, 3);
+        // The largest value is 8 + 4 × 0.3.
+        assert!(
+            (data.feature_scale - 1.0 / 9.2).abs() < 1e-12,
+            "{}",
+            data.feature_scale
+        );
+        let mut t = Trainer::new(&data, hyper()).unwrap();
+        let mut steps = 0;
+        while t.train_step().is_some() {
+            steps += 1;
+        }
+        assert_eq!(
+            steps,
+            4 * 10,
+            "46 records in batches of 5: 10 steps per epoch"
+        );
+        assert_eq!(t.total_steps(), 40);
+        assert_eq!(t.records_consumed(), 4 * 46);
+        assert_eq!(t.model().accuracy(&data.x, &data.dataset.labels), 1.0);
+        assert_eq!(t.digest(), expected_digest(&data.dataset, 4, 11));
+        assert_ne!(t.digest(), expected_digest(&data.dataset, 4, 12));
+    }
+
+    #[test]
+    fn resume_from_every_checkpoint_is_bit_identical() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = data::load_shards(&toy(dir.path())).unwrap();
+        let data = TrainData::prepare(d, None, FeatureScale::Auto).unwrap();
+        let mut straight = Trainer::new(&data, hyper()).unwrap();
+        while straight.train_step().is_some() {}
+        // Checkpoint at a mid-epoch step, at an epoch boundary and at the very end.
+        for stop in [7u64, 10, 23, 40] {
+            let mut first = Trainer::new(&data, hyper()).unwrap();
+            while first.step() < stop {
+                first.train_step().unwrap();
+            }
+            let ckpt = dir.path().join(format!("ckpt-{stop}"));
+            std::fs::create_dir(&ckpt).unwrap();
+            first.write_checkpoint(&ckpt).unwrap();
+            let mut resumed = Trainer::resume(&data, hyper(), &ckpt, stop).unwrap();
+            assert_eq!(resumed.state(), first.state());
+            while resumed.train_step().is_some() {}
+            assert_eq!(bits(resumed.model()), bits(straight.model()), "stop {stop}");
+            assert_eq!(resumed.digest(), straight.digest());
+            assert_eq!(resumed.last_epoch_loss(), straight.last_epoch_loss());
+        }
+    }
+
+    #[test]
+    fn resume_validation_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = data::load_shards(&toy(dir.path())).unwrap();
+        let data = TrainData::prepare(d, None, FeatureScale::Auto).unwrap();
+        let mut t = Trainer::new(&data, hyper()).unwrap();
+        for _ in 0..7 {
+            t.train_step();
+        }
+        let ckpt = dir.path().join("ckpt");
+        std::fs::create_dir(&ckpt).unwrap();
+        t.write_checkpoint(&ckpt).unwrap();
+        let code = |r: Result<Trainer<'_>, TrainError>| r.map(|_| ()).unwrap_err().exit_code();
+
+        assert_eq!(code(Trainer::resume(&data, hyper(), &ckpt, 8)), EXIT_RESUME);
+        let mut other = hyper();
+        other.batch_size = 6;
+        assert_eq!(code(Trainer::resume(&data, other, &ckpt, 7)), EXIT_RESUME);
+
+        let good_weights = std::fs::read(ckpt.join(WEIGHTS_FILE)).unwrap();
+        std::fs::write(
+            ckpt.join(WEIGHTS_FILE),
+            &good_weights[..good_weights.len() - 8],
+        )
+        .unwrap();
+        let err = Trainer::resume(&data, hyper(), &ckpt, 7)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(err.to_string().contains("weights.bin"), "{err}");
+        assert_eq!(err.exit_code(), EXIT_RESUME);
+        std::fs::write(ckpt.join(WEIGHTS_FILE), &good_weights).unwrap();
+
+        // A state whose next record disagrees with the order is refused.
+        let mut state: TrainState =
+            serde_json::from_slice(&std::fs::read(ckpt.join(STATE_FILE)).unwrap()).unwrap();
+        state.next_record_index = Some(state.next_record_index.unwrap() + 1000);
+        std::fs::write(ckpt.join(STATE_FILE), serde_json::to_vec(&state).unwrap()).unwrap();
+        let err = Trainer::resume(&data, hyper(), &ckpt, 7)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(err, TrainError::Resume(ResumeError::NextRecord { .. })),
+            "{err}"
+        );
+
+        std::fs::write(ckpt.join(STATE_FILE), b"{not json").unwrap();
+        let err = Trainer::resume(&data, hyper(), &ckpt, 7)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(err, TrainError::Resume(ResumeError::Json { .. })),
+            "{err}"
+        );
+
+        std::fs::remove_file(ckpt.join(OPTIMIZER_FILE)).unwrap();
+        assert_eq!(code(Trainer::resume(&data, hyper(), &ckpt, 7)), EXIT_RESUME);
+    }
+
+    #[test]
+    fn classes_and_scale_options() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = data::load_shards(&toy(dir.path())).unwrap();
+        assert!(TrainData::prepare(d.clone(), Some(2), FeatureScale::Auto).is_err());
+        let p = TrainData::prepare(d.clone(), Some(5), FeatureScale::Fixed(0.5)).unwrap();
+        assert_eq!(p.classes, 5);
+        assert_eq!(p.x[0], d.values[0] * 0.5);
+        assert_eq!("auto".parse::<FeatureScale>(), Ok(FeatureScale::Auto));
+        assert_eq!(
+            "0.0625".parse::<FeatureScale>(),
+            Ok(FeatureScale::Fixed(0.0625))
+        );
+        assert!("0".parse::<FeatureScale>().is_err());
+        assert!("-1".parse::<FeatureScale>().is_err());
+        let one = dir.path().join("one.csv");
+        std::fs::write(&one, "1,2,0\n").unwrap();
+        let single = data::load_csv(&one).unwrap();
+        assert!(TrainData::prepare(single, None, FeatureScale::Auto).is_err());
+    }
+
+    #[test]
+    fn hyper_validation() {
+        let mut h = hyper();
+        assert!(h.validate().is_ok());
+        h.momentum = 1.0;
+        assert!(h.validate().is_err());
+        let mut h = hyper();
+        h.lr = f64::NAN;
+        assert!(h.validate().is_err());
+        let mut h = hyper();
+        h.batch_size = 0;
+        assert!(h.validate().is_err());
+        let mut h = hyper();
+        h.epochs = 0;
+        assert!(h.validate().is_err());
+    }
+}

@@ -1,0 +1,17 @@
+//! Generates the tonic/prost code from `proto/cumulus.proto` with the vendored protoc,
+//! so no system protoc is needed.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
+    unsafe {
+        std::env::set_var("PROTOC", protoc);
+    }
+    println!("cargo:rerun-if-changed=proto/cumulus.proto");
+    tonic_prost_build::configure()
+        // Messages double as the JSON bodies of the REST mirror.
+        .type_attribute(".", "#[derive(serde::Serialize, serde::Deserialize)]")
+        .type_attribute(".", "#[serde(default)]")
+        .compile_protos(&["proto/cumulus.proto"], &["proto"])?;
+    Ok(())
+}

@@ -1,0 +1,512 @@
+//! The Cumulus worker agent.
+//!
+//! The agent registers with the coordinators, heartbeats every `--heartbeat-interval-ms`
+//! with the rank attempts it observes and the machine's resources, and makes its processes
+//! match the *desired* rank attempts of each reply (see [`reconcile`]). It captures every
+//! attempt's output into a capped log ([`logs`]), serves those logs to the coordinators
+//! ([`agent_api`]), and serves the ranks' progress and checkpoint commits on loopback
+//! ([`rank_api`]).
+//!
+//! Files under `--data-dir`:
+//! ```text
+//! agent.json                                   this agent's pid and bound addresses
+//! agent.lock                                   held (flock) while an agent uses the dir
+//! logs/<job>/rank-<r>/attempt-<a>.log|.exit    attempt logs and exit records
+//! jobs/<job>/rank-<r>.attempt-<a>.shards       CUMULUS_SHARDS_FILE (removed at exit)
+//! pids/<job>.rank-<r>.attempt-<a>.json         pid records of live attempts
+//! ```
+
+pub mod agent;
+pub mod agent_api;
+pub mod client;
+pub mod events;
+pub mod http;
+pub mod logs;
+pub mod orphans;
+pub mod rank_api;
+pub mod reconcile;
+pub mod resources;
+pub mod spawn;
+pub mod supervisor;
+pub mod validate;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use cumulus_proto::RegisterWorkerRequest;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::ControlLoop;
+use crate::agent_api::AgentApiState;
+use crate::client::{CoordinatorClient, RetryPolicy};
+use crate::events::EventReporter;
+use crate::spawn::Spawner;
+use crate::supervisor::{Supervisor, SupervisorSettings};
+
+/// At shutdown, how long the agent still tries to report the exits of its ranks.
+pub const SHUTDOWN_REPORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// At shutdown, how long the HTTP servers get to finish in-flight requests.
+pub const SERVER_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest token file accepted, in bytes.
+pub const MAX_TOKEN_BYTES: u64 = 4096;
+
+/// Command-line configuration of the agent. Every flag also reads an environment
+/// variable.
+#[derive(Clone, clap::Parser)]
+#[command(name = "cumulus-worker", version, about = "The Cumulus worker agent")]
+pub struct Config {
+    /// Stable id of this agent: 1..=64 bytes of [A-Za-z0-9._-]. Default: the host name.
+    #[arg(long, env = "CUMULUS_WORKER_ID")]
+    pub worker_id: Option<String>,
+
+    /// Coordinators' gRPC addresses, `host:port`, comma-separated.
+    #[arg(
+        long,
+        env = "CUMULUS_COORDINATORS",
+        value_delimiter = ',',
+        required = true,
+        num_args = 1..
+    )]
+    pub coordinators: Vec<String>,
+
+    /// File holding the cluster bearer token (surrounding whitespace ignored). Wins over
+    /// `--token` / `CUMULUS_TOKEN` when both are given.
+    #[arg(long, env = "CUMULUS_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+
+    /// The cluster bearer token. Prefer `CUMULUS_TOKEN` or `--token-file`: a value on the
+    /// command line is visible to every local user.
+    #[arg(long, env = "CUMULUS_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+
+    /// Address of the agent HTTP API (logs, health) for coordinators.
+    #[arg(long, env = "CUMULUS_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+
+    /// Host name or IP of this machine as other machines reach it: sent as the worker's
+    /// `host` (the leader's `MASTER_ADDR` for ranks placed here), `MASTER_ADDR` when the
+    /// leader sends none, and the host part of the `http_addr` given to the leader.
+    #[arg(long, env = "CUMULUS_ADVERTISE_HOST", default_value = "127.0.0.1")]
+    pub advertise_host: String,
+
+    /// Address of the rank-local API; must be a loopback address.
+    #[arg(long, env = "CUMULUS_RANK_API_LISTEN", default_value = "127.0.0.1:0")]
+    pub rank_api_listen: SocketAddr,
+
+    /// Directory for logs, shard files and pid records (created if missing).
+    #[arg(long, env = "CUMULUS_DATA_DIR")]
+    pub data_dir: PathBuf,
+
+    /// Rank slots this worker offers (1..=4096).
+    #[arg(long, env = "CUMULUS_SLOTS", default_value_t = 4,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub slots: u32,
+
+    /// Milliseconds between heartbeats (10..=600000); also the retry interval of
+    /// unacknowledged exit reports.
+    #[arg(long, env = "CUMULUS_HEARTBEAT_INTERVAL_MS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    pub heartbeat_interval_ms: u64,
+
+    /// Milliseconds between SIGTERM and SIGKILL when stopping a rank (0..=3600000).
+    #[arg(long, env = "CUMULUS_STOP_GRACE_MS", default_value_t = 5000,
+          value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    pub stop_grace_ms: u64,
+
+    /// Cap of each attempt's log file in bytes (at least 1024); past it one marker line is
+    /// written and further output dropped.
+    #[arg(long, env = "CUMULUS_LOG_MAX_BYTES", default_value_t = 64 * 1024 * 1024,
+          value_parser = clap::value_parser!(u64).range(1024..))]
+    pub log_max_bytes: u64,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("worker_id", &self.worker_id)
+            .field("coordinators", &self.coordinators)
+            .field("token_file", &self.token_file)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("listen", &self.listen)
+            .field("advertise_host", &self.advertise_host)
+            .field("rank_api_listen", &self.rank_api_listen)
+            .field("data_dir", &self.data_dir)
+            .field("slots", &self.slots)
+            .field("heartbeat_interval_ms", &self.heartbeat_interval_ms)
+            .field("stop_grace_ms", &self.stop_grace_ms)
+            .field("log_max_bytes", &self.log_max_bytes)
+            .finish()
+    }
+}
+
+/// The parts of a [`Config`] that need checking or reading before the agent starts.
+#[derive(Clone)]
+struct Resolved {
+    worker_id: String,
+    token: String,
+}
+
+impl Config {
+    fn resolve(&self) -> anyhow::Result<Resolved> {
+        let worker_id = match &self.worker_id {
+            Some(id) => id.clone(),
+            None => nix::unistd::gethostname()
+                .context("cannot read the host name for the default --worker-id")?
+                .into_string()
+                .map_err(|_| anyhow::anyhow!("the host name is not UTF-8: give --worker-id"))?,
+        };
+        validate::worker_id(&worker_id).context("invalid --worker-id")?;
+        let token = match (&self.token_file, &self.token) {
+            (Some(path), _) => read_token_file(path)?,
+            (None, Some(token)) => token.trim().to_string(),
+            (None, None) => bail!("no cluster token: give --token-file or set CUMULUS_TOKEN"),
+        };
+        if token.is_empty() {
+            bail!("the cluster token is empty");
+        }
+        if !self.rank_api_listen.ip().is_loopback() {
+            bail!(
+                "--rank-api-listen {} is not a loopback address: the rank-local API must \
+                 only be reachable from this machine",
+                self.rank_api_listen
+            );
+        }
+        let host = self.advertise_host.trim();
+        if host.is_empty() || host.contains(char::is_whitespace) || host.contains('/') {
+            bail!("invalid --advertise-host {:?}", self.advertise_host);
+        }
+        if self.coordinators.iter().all(|c| c.trim().is_empty()) {
+            bail!("--coordinators is empty");
+        }
+        Ok(Resolved { worker_id, token })
+    }
+}
+
+fn read_token_file(path: &Path) -> anyhow::Result<String> {
+    let meta = std::fs::metadata(path)
+        .with_context(|| format!("cannot read token file {}", path.display()))?;
+    if meta.len() > MAX_TOKEN_BYTES {
+        bail!(
+            "token file {} is larger than {MAX_TOKEN_BYTES} bytes",
+            path.display()
+        );
+    }
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read token file {}", path.display()))?;
+    Ok(text.trim().to_string())
+}
+
+/// `host` as it appears before `:port` in an address (IPv6 literals get brackets).
+fn url_host(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    }
+}
+
+/// Takes the data dir's `agent.lock` (flock): two agents on one data dir would kill each
+/// other's ranks as orphans.
+fn lock_data_dir(data_dir: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
+    let path = data_dir.join("agent.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(
+        |(_, errno)| {
+            anyhow::anyhow!(
+                "cannot lock {} ({errno}): is another agent using this data dir?",
+                path.display()
+            )
+        },
+    )
+}
+
+/// Content of `<data-dir>/agent.json`, written once the servers are bound.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AgentInfo {
+    /// The worker id.
+    pub worker_id: String,
+    /// The agent's pid.
+    pub pid: u32,
+    /// `host:port` of the agent API as sent to the leader.
+    pub http_addr: String,
+    /// Bound address of the agent API.
+    pub listen_addr: SocketAddr,
+    /// Bound address of the rank-local API.
+    pub rank_api_addr: SocketAddr,
+}
+
+/// Path of [`AgentInfo`] in a data dir.
+pub fn agent_info_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("agent.json")
+}
+
+async fn write_agent_info(data_dir: &Path, info: &AgentInfo) -> std::io::Result<()> {
+    let path = agent_info_path(data_dir);
+    let tmp = path.with_extension("json.tmp");
+    let mut file = tokio::fs::File::create(&tmp).await?;
+    file.write_all(&serde_json::to_vec_pretty(info).map_err(std::io::Error::other)?)
+        .await?;
+    file.sync_all().await?;
+    drop(file);
+    tokio::fs::rename(&tmp, &path).await
+}
+
+/// Runs the agent until `shutdown` completes, then stops every rank (SIGTERM, SIGKILL
+/// after the grace time), waits for them, reports their exits (best effort, for at most
+/// [`SHUTDOWN_REPORT_TIMEOUT`]) and returns `Ok(())`. Fails early on an invalid
+/// configuration, a data dir in use by another agent, or an address that cannot be bound.
+pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
+    let resolved = config.resolve().context("invalid configuration")?;
+    tokio::fs::create_dir_all(&config.data_dir)
+        .await
+        .with_context(|| format!("cannot create --data-dir {}", config.data_dir.display()))?;
+    let _lock = lock_data_dir(&config.data_dir)?;
+
+    let agent_listener = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot bind --listen {}", config.listen))?;
+    let rank_listener = TcpListener::bind(config.rank_api_listen)
+        .await
+        .with_context(|| format!("cannot bind --rank-api-listen {}", config.rank_api_listen))?;
+    let listen_addr = agent_listener.local_addr()?;
+    let rank_api_addr = rank_listener.local_addr()?;
+    let http_addr = format!(
+        "{}:{}",
+        url_host(config.advertise_host.trim()),
+        listen_addr.port()
+    );
+    let heartbeat_interval = Duration::from_millis(config.heartbeat_interval_ms);
+
+    let client_cancel = CancellationToken::new();
+    let client = Arc::new(
+        CoordinatorClient::new(&config.coordinators, &resolved.token, client_cancel.clone())
+            .context("invalid coordinator client configuration")?,
+    );
+    let events = EventReporter::new(client.clone(), heartbeat_interval);
+    let spawner = Spawner::start(tokio::runtime::Handle::current())
+        .context("cannot start the spawner thread")?;
+    let supervisor = Supervisor::new(
+        SupervisorSettings {
+            worker_id: resolved.worker_id.clone(),
+            data_dir: config.data_dir.clone(),
+            advertise_host: config.advertise_host.trim().to_string(),
+            rank_api_url: format!("http://{rank_api_addr}"),
+            stop_grace: Duration::from_millis(config.stop_grace_ms),
+            log_max_bytes: config.log_max_bytes,
+            commit_retry: RetryPolicy::STANDARD,
+        },
+        spawner,
+        client.clone(),
+        events.clone(),
+    );
+    supervisor.recover_orphans().await;
+
+    let servers_cancel = CancellationToken::new();
+    let mut servers = JoinSet::new();
+    let agent_router = agent_api::router(AgentApiState {
+        data_dir: Arc::new(config.data_dir.clone()),
+        token: Arc::from(resolved.token.as_str()),
+        worker_id: Arc::from(resolved.worker_id.as_str()),
+    });
+    let stop = servers_cancel.clone();
+    servers.spawn(async move {
+        axum::serve(agent_listener, agent_router)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+            .context("agent API server failed")
+    });
+    let rank_router = rank_api::router(supervisor.clone());
+    let stop = servers_cancel.clone();
+    servers.spawn(async move {
+        axum::serve(rank_listener, rank_router)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+            .context("rank API server failed")
+    });
+
+    let info = AgentInfo {
+        worker_id: resolved.worker_id.clone(),
+        pid: std::process::id(),
+        http_addr: http_addr.clone(),
+        listen_addr,
+        rank_api_addr,
+    };
+    write_agent_info(&config.data_dir, &info)
+        .await
+        .context("cannot write agent.json")?;
+    let host = config.advertise_host.trim();
+    if listen_addr.ip().is_loopback() && !matches!(host, "127.0.0.1" | "localhost" | "::1") {
+        tracing::warn!(
+            "--listen {listen_addr} is a loopback address but --advertise-host is {host}: \
+             coordinators on other machines cannot fetch this agent's logs"
+        );
+    }
+    tracing::info!(
+        worker_id = %resolved.worker_id,
+        %http_addr,
+        %listen_addr,
+        %rank_api_addr,
+        coordinators = ?config.coordinators,
+        "agent started"
+    );
+
+    let loops_cancel = CancellationToken::new();
+    let events_task = tokio::spawn(events.clone().run(loops_cancel.clone()));
+    let control = ControlLoop {
+        client: client.clone(),
+        supervisor: supervisor.clone(),
+        registration: RegisterWorkerRequest {
+            worker_id: resolved.worker_id.clone(),
+            host: config.advertise_host.trim().to_string(),
+            http_addr,
+            slots: config.slots,
+        },
+        heartbeat_interval,
+        applied: Default::default(),
+    };
+    let control_task = tokio::spawn(control.run(loops_cancel.clone()));
+
+    let outcome = tokio::select! {
+        _ = shutdown => {
+            tracing::info!("shutdown requested: stopping every rank");
+            Ok(())
+        }
+        Some(result) = servers.join_next() => {
+            let error = match result {
+                Ok(Ok(())) => anyhow::anyhow!("an HTTP server stopped unexpectedly"),
+                Ok(Err(e)) => e,
+                Err(e) => anyhow::anyhow!("an HTTP server task failed: {e}"),
+            };
+            tracing::error!("{error:#}: stopping the agent");
+            Err(error)
+        }
+    };
+
+    loops_cancel.cancel();
+    if let Err(e) = control_task.await {
+        tracing::error!("control loop task failed: {e}");
+    }
+    if let Err(e) = events_task.await {
+        tracing::error!("event reporter task failed: {e}");
+    }
+    supervisor.shutdown().await;
+    let unreported = events.flush(SHUTDOWN_REPORT_TIMEOUT).await;
+    if unreported > 0 {
+        tracing::warn!("{unreported} rank events could not be reported before exiting");
+    }
+    servers_cancel.cancel();
+    let drained = tokio::time::timeout(SERVER_SHUTDOWN_TIMEOUT, async {
+        while servers.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            "HTTP servers did not finish within {SERVER_SHUTDOWN_TIMEOUT:?}: aborting them"
+        );
+        servers.abort_all();
+    }
+    client_cancel.cancel();
+    if let Err(e) = tokio::fs::remove_file(agent_info_path(&config.data_dir)).await {
+        tracing::warn!("cannot remove agent.json: {e}");
+    }
+    tracing::info!("agent stopped");
+    outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn parse(args: &[&str]) -> Result<Config, clap::Error> {
+        Config::try_parse_from(std::iter::once("cumulus-worker").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn defaults_and_lists() {
+        let c = parse(&[
+            "--coordinators",
+            "a:1,b:2",
+            "--data-dir",
+            "/tmp/x",
+            "--token",
+            "t",
+        ])
+        .expect("parse");
+        assert_eq!(c.coordinators, ["a:1", "b:2"]);
+        assert_eq!(c.slots, 4);
+        assert_eq!(c.heartbeat_interval_ms, 1000);
+        assert_eq!(c.stop_grace_ms, 5000);
+        assert_eq!(c.log_max_bytes, 64 << 20);
+        assert_eq!(c.listen.to_string(), "127.0.0.1:0");
+        assert!(
+            !format!("{c:?}").contains("\"t\""),
+            "token must be redacted"
+        );
+        assert!(
+            parse(&["--data-dir", "/tmp/x"]).is_err(),
+            "coordinators required"
+        );
+        assert!(parse(&["--coordinators", "a:1", "--data-dir", "/x", "--slots", "0"]).is_err());
+    }
+
+    #[test]
+    fn resolve_checks() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let token_file = dir.path().join("token");
+        std::fs::write(&token_file, " secret-file \n").expect("write");
+        let base = |extra: &[&str]| {
+            let mut args = vec!["--coordinators", "a:1", "--data-dir", "/tmp/x"];
+            args.extend_from_slice(extra);
+            parse(&args).expect("parse")
+        };
+        let r = base(&[
+            "--worker-id",
+            "w1",
+            "--token-file",
+            token_file.to_str().expect("utf8"),
+        ])
+        .resolve()
+        .expect("resolve");
+        assert_eq!(
+            (r.worker_id.as_str(), r.token.as_str()),
+            ("w1", "secret-file")
+        );
+        let err = base(&[
+            "--worker-id",
+            "w1",
+            "--token",
+            "t",
+            "--rank-api-listen",
+            "0.0.0.0:0",
+        ])
+        .resolve()
+        .err()
+        .expect("non-loopback refused");
+        assert!(err.to_string().contains("loopback"), "{err}");
+        assert!(
+            base(&["--worker-id", "bad/id", "--token", "t"])
+                .resolve()
+                .is_err()
+        );
+        assert!(
+            base(&["--worker-id", "w", "--token", "  "])
+                .resolve()
+                .is_err()
+        );
+        assert_eq!(url_host("::1"), "[::1]");
+        assert_eq!(url_host("node-1"), "node-1");
+    }
+}

@@ -1,0 +1,169 @@
+//! The rank-local HTTP API (ARCHITECTURE.md "Rank-local HTTP API"), bound to loopback.
+//!
+//! Every request carries `Authorization: Bearer $CUMULUS_AGENT_TOKEN`; the token names the
+//! attempt, and is unknown (401) once the attempt has ended.
+//! - `POST /v1/progress` `{"step": u64, "total_steps": u64, "metrics": {"name": f64}}` →
+//!   204 (`total_steps` and `metrics` may be left out; ≤ 64 metrics, names ≤ 128 bytes).
+//! - `POST /v1/checkpoint` `{"step": u64, "state": {..}}` (state: a JSON object of at most
+//!   64 KiB) → 200 `{"dir": "step-00000100/rank-0/attempt-1"}` once the leader
+//!   acknowledged the part; 409 when the attempt is no longer desired or the leader rejects
+//!   it as stale; 400 for a bad body or a job without checkpoints; 502/503 when the leader
+//!   failed or could not be reached (a retry of the same step re-reports the part already
+//!   committed locally). Errors are `{"error": ..}`.
+
+use std::collections::BTreeMap;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use cumulus_ckpt::CkptError;
+use serde::Deserialize;
+
+use crate::client::ClientError;
+use crate::http::{json_error, limit_concurrency, request_permits, request_token};
+use crate::supervisor::{CommitError, MAX_METRIC_NAME_BYTES, MAX_METRICS, Progress, Supervisor};
+
+/// Largest checkpoint `state`, serialized, in bytes.
+pub const MAX_STATE_BYTES: usize = 64 * 1024;
+/// Largest request body, in bytes (the state plus room for the envelope).
+pub const MAX_BODY_BYTES: usize = MAX_STATE_BYTES + 4 * 1024;
+
+/// The router of the rank-local API, with its body and concurrency limits.
+pub fn router(supervisor: Supervisor) -> Router {
+    Router::new()
+        .route("/v1/progress", post(progress))
+        .route("/v1/checkpoint", post(checkpoint))
+        .with_state(supervisor)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn_with_state(
+            request_permits(),
+            limit_concurrency,
+        ))
+}
+
+#[derive(Debug, Deserialize)]
+struct ProgressBody {
+    step: u64,
+    #[serde(default)]
+    total_steps: u64,
+    #[serde(default)]
+    metrics: BTreeMap<String, f64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct CheckpointBody {
+    step: u64,
+    state: serde_json::Value,
+}
+
+fn missing_token() -> Response {
+    json_error(
+        StatusCode::UNAUTHORIZED,
+        "missing bearer token (use $CUMULUS_AGENT_TOKEN)",
+    )
+}
+
+fn unknown_token() -> Response {
+    json_error(
+        StatusCode::UNAUTHORIZED,
+        "unknown agent token: the attempt has ended or never ran here",
+    )
+}
+
+async fn progress(State(sup): State<Supervisor>, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(token) = request_token(&headers) else {
+        return missing_token();
+    };
+    if sup.attempt_for_token(token).is_none() {
+        return unknown_token();
+    }
+    let body: ProgressBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid progress body: {e}"),
+            );
+        }
+    };
+    if body.metrics.len() > MAX_METRICS {
+        return json_error(
+            StatusCode::BAD_REQUEST,
+            format!("at most {MAX_METRICS} metrics, got {}", body.metrics.len()),
+        );
+    }
+    if let Some(name) = body
+        .metrics
+        .keys()
+        .find(|n| n.is_empty() || n.len() > MAX_METRIC_NAME_BYTES)
+    {
+        return json_error(
+            StatusCode::BAD_REQUEST,
+            format!("metric names must be 1..={MAX_METRIC_NAME_BYTES} bytes, got {name:?}"),
+        );
+    }
+    let progress = Progress {
+        step: body.step,
+        total_steps: body.total_steps,
+        metrics: body.metrics,
+    };
+    match sup.record_progress(token, progress) {
+        Some(_) => StatusCode::NO_CONTENT.into_response(),
+        None => unknown_token(),
+    }
+}
+
+async fn checkpoint(State(sup): State<Supervisor>, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(token) = request_token(&headers) else {
+        return missing_token();
+    };
+    if sup.attempt_for_token(token).is_none() {
+        return unknown_token();
+    }
+    let body: CheckpointBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid checkpoint body: {e}"),
+            );
+        }
+    };
+    if !body.state.is_object() {
+        return json_error(StatusCode::BAD_REQUEST, "state must be a JSON object");
+    }
+    let state_len = serde_json::to_vec(&body.state)
+        .map(|v| v.len())
+        .unwrap_or(usize::MAX);
+    if state_len > MAX_STATE_BYTES {
+        return json_error(
+            StatusCode::BAD_REQUEST,
+            format!("state is {state_len} bytes, at most {MAX_STATE_BYTES}"),
+        );
+    }
+    match sup.commit_checkpoint(token, body.step, body.state).await {
+        Ok(dir) => axum::Json(serde_json::json!({ "dir": dir })).into_response(),
+        Err(e) => commit_error_response(e),
+    }
+}
+
+fn commit_error_response(e: CommitError) -> Response {
+    let status = match &e {
+        CommitError::UnknownToken => StatusCode::UNAUTHORIZED,
+        CommitError::NotDesired(_) | CommitError::Stale(_) => StatusCode::CONFLICT,
+        CommitError::Disabled(_) => StatusCode::BAD_REQUEST,
+        CommitError::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
+        CommitError::Store(CkptError::Invalid(_))
+        | CommitError::Store(CkptError::NotFound { .. }) => StatusCode::BAD_REQUEST,
+        CommitError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        CommitError::Coordinator(ClientError::Rejected { .. }) => StatusCode::BAD_GATEWAY,
+        CommitError::Coordinator(_) => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    if status.is_server_error() {
+        tracing::warn!("checkpoint commit failed: {e}");
+    }
+    json_error(status, e.to_string())
+}

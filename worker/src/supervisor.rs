@@ -1,0 +1,1007 @@
+//! The rank supervisor: the table of live rank attempts, their whole lifecycle (prepare,
+//! spawn, log capture, stop escalation, exit record, exit report) and the rank-facing
+//! operations (progress, checkpoint commit).
+//!
+//! Limits: at most [`MAX_LIVE_ATTEMPTS`] attempts live at once (more are refused with a
+//! spawn error); at most [`MAX_FINISHED_REMEMBERED`] finished attempts are remembered in
+//! memory (older ones are recognised by their `attempt-<a>.exit` file on disk); a rank's
+//! pipes are drained for at most [`DRAIN_TIMEOUT`] after its process exited; each
+//! attempt's log buffers at most [`LOG_CHANNEL_CAPACITY`] chunks of at most
+//! [`crate::logs::LINE_PIECE_MAX_BYTES`] (plus one pipe read) in memory.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::ffi::OsString;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cumulus_ckpt::{CheckpointStore, CkptError, LocalStore, PartRecord};
+use cumulus_proto::{
+    CheckpointFile, CommitCheckpointPartRequest, DesiredRank, ObservedRank, RankExitedRequest,
+    RankStartedRequest,
+};
+use nix::sys::signal::Signal;
+use thiserror::Error;
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::client::{ClientError, CoordinatorClient, RetryPolicy};
+use crate::events::{EventReporter, RankEvent};
+use crate::logs::{self, AttemptPaths, ExitRecord, LogWriter};
+use crate::orphans::{self, PidRecord};
+use crate::reconcile::{Action, AttemptKey, ObservedAttempt, reconcile};
+use crate::spawn::{SpawnRequest, SpawnedChild, Spawner, signal_group};
+
+/// Most rank attempts alive on this agent at once.
+pub const MAX_LIVE_ATTEMPTS: usize = 1024;
+/// Most finished attempts remembered in memory (the exit files on disk remember the rest).
+pub const MAX_FINISHED_REMEMBERED: usize = 4096;
+/// How long a rank's pipes are still read after its process exited (a background process
+/// that escaped the rank's process group may hold them open).
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Chunks (lines) buffered between a rank's pipe readers and its log writer.
+pub const LOG_CHANNEL_CAPACITY: usize = 32;
+/// Chunks written between two flushes of the log.
+const LOG_BATCH_CHUNKS: usize = 64;
+/// Most metrics in one progress report.
+pub const MAX_METRICS: usize = 64;
+/// Longest metric name, in bytes.
+pub const MAX_METRIC_NAME_BYTES: usize = 128;
+
+/// The variables of the rank contract. A job's own `env` entry with one of these names is
+/// dropped (even when the agent does not set that variable for this attempt), so that a
+/// job cannot fake, say, a resume.
+pub const CONTRACT_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUMULUS_JOB_ID",
+    "CUMULUS_ATTEMPT",
+    "CUMULUS_SHARDS_FILE",
+    "CUMULUS_AGENT_URL",
+    "CUMULUS_AGENT_TOKEN",
+    "CUMULUS_CKPT_STAGING",
+    "CUMULUS_RESUME_DIR",
+    "CUMULUS_RESUME_STEP",
+];
+
+/// Fixed settings of a supervisor.
+#[derive(Debug, Clone)]
+pub struct SupervisorSettings {
+    /// This agent's worker id (sent in every report).
+    pub worker_id: String,
+    /// Root of logs, shard files and pid records.
+    pub data_dir: PathBuf,
+    /// `MASTER_ADDR` when the leader sends none.
+    pub advertise_host: String,
+    /// `CUMULUS_AGENT_URL`: the rank-local API, `http://127.0.0.1:<port>`.
+    pub rank_api_url: String,
+    /// Time between SIGTERM and SIGKILL when stopping a rank.
+    pub stop_grace: Duration,
+    /// Cap of each attempt's log file, in bytes (plus one marker line).
+    pub log_max_bytes: u64,
+    /// Retries of `CommitCheckpointPart`.
+    pub commit_retry: RetryPolicy,
+}
+
+/// The latest progress a rank reported (soft state).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Progress {
+    /// Steps done.
+    pub step: u64,
+    /// Steps planned (0 = unknown).
+    pub total_steps: u64,
+    /// Named metrics (≤ [`MAX_METRICS`] entries).
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// Why a checkpoint commit was refused or failed.
+#[derive(Debug, Error)]
+pub enum CommitError {
+    /// The token names no live attempt.
+    #[error("unknown agent token")]
+    UnknownToken,
+    /// The attempt is being stopped: the leader no longer wants it.
+    #[error("attempt {0} is no longer desired on this worker")]
+    NotDesired(AttemptKey),
+    /// The job has no checkpoint directory.
+    #[error("checkpoints are disabled for job {0} (it has no ckpt_dir)")]
+    Disabled(String),
+    /// The attempt's staging directory is not prepared (yet).
+    #[error("the checkpoint staging of {0} is not prepared")]
+    NotReady(AttemptKey),
+    /// The local commit (fsync, rename) failed.
+    #[error("local commit of the part failed: {0}")]
+    Store(#[from] CkptError),
+    /// The leader rejected the part: the attempt is stale.
+    #[error("the leader rejected the part: {0}")]
+    Stale(String),
+    /// The leader could not be reached or failed otherwise.
+    #[error("the leader did not acknowledge the part: {0}")]
+    Coordinator(ClientError),
+}
+
+/// A part committed locally whose report the leader has not acknowledged yet; a retried
+/// commit of the same step re-reports it instead of committing again.
+#[derive(Debug)]
+struct UnackedPart {
+    step: u64,
+    part: PartRecord,
+}
+
+#[derive(Clone)]
+struct CkptTarget {
+    store: Arc<dyn CheckpointStore>,
+    staging: PathBuf,
+}
+
+struct Entry {
+    pid: Option<u32>,
+    stopping: bool,
+    stop: CancellationToken,
+    progress: Option<Progress>,
+    ckpt_enabled: bool,
+    ckpt: Option<CkptTarget>,
+    commit_lock: Arc<tokio::sync::Mutex<Option<UnackedPart>>>,
+}
+
+#[derive(Default)]
+struct FinishedSet {
+    order: VecDeque<AttemptKey>,
+    set: HashSet<AttemptKey>,
+}
+
+impl FinishedSet {
+    fn insert(&mut self, key: AttemptKey) {
+        if self.set.insert(key.clone()) {
+            self.order.push_back(key);
+            while self.order.len() > MAX_FINISHED_REMEMBERED {
+                if let Some(old) = self.order.pop_front() {
+                    self.set.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct Table {
+    entries: HashMap<AttemptKey, Entry>,
+    tokens: HashMap<String, AttemptKey>,
+    finished: FinishedSet,
+    /// Set by [`Supervisor::shutdown`]: nothing new starts.
+    closed: bool,
+}
+
+struct Inner {
+    settings: SupervisorSettings,
+    table: Mutex<Table>,
+    spawner: Spawner,
+    client: Arc<CoordinatorClient>,
+    events: EventReporter,
+    tracker: TaskTracker,
+}
+
+/// Runs the rank attempts of this agent. Cheap to clone.
+#[derive(Clone)]
+pub struct Supervisor {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("settings", &self.inner.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+fn random_token() -> String {
+    hex::encode(rand::random::<[u8; 16]>())
+}
+
+/// `<data-dir>/jobs/<job>/rank-<r>.attempt-<a>.shards`.
+pub fn shards_file(data_dir: &Path, key: &AttemptKey) -> PathBuf {
+    data_dir
+        .join("jobs")
+        .join(&key.job_id)
+        .join(format!("rank-{}.attempt-{}.shards", key.rank, key.attempt))
+}
+
+impl Supervisor {
+    /// A supervisor spawning through `spawner` and reporting through `client` / `events`.
+    pub fn new(
+        settings: SupervisorSettings,
+        spawner: Spawner,
+        client: Arc<CoordinatorClient>,
+        events: EventReporter,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                settings,
+                table: Mutex::new(Table::default()),
+                spawner,
+                client,
+                events,
+                tracker: TaskTracker::new(),
+            }),
+        }
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.inner.table.lock().expect("rank table lock poisoned")
+    }
+
+    /// The event reporter exits and starts are queued on.
+    pub fn events(&self) -> &EventReporter {
+        &self.inner.events
+    }
+
+    /// Reconciles the live attempts with the leader's `desired` set: starts what is missing
+    /// (never an attempt that already ran here) and stops what is not desired.
+    /// Returns the actions taken.
+    pub fn apply_desired(&self, desired: &[DesiredRank]) -> Vec<Action> {
+        let mut table = self.table();
+        if table.closed {
+            return Vec::new();
+        }
+        let observed: Vec<ObservedAttempt> = table
+            .entries
+            .iter()
+            .map(|(key, e)| ObservedAttempt {
+                key: key.clone(),
+                stopping: e.stopping,
+            })
+            .collect();
+        let finished: HashSet<AttemptKey> = desired
+            .iter()
+            .map(AttemptKey::of)
+            .filter(|k| {
+                !table.entries.contains_key(k)
+                    && (table.finished.set.contains(k) || self.exit_recorded(k))
+            })
+            .collect();
+        let actions = reconcile(desired, &observed, &finished);
+        for action in &actions {
+            match action {
+                Action::Stop(key) => {
+                    if let Some(entry) = table.entries.get_mut(key) {
+                        tracing::info!(attempt = %key, "stopping: no longer desired");
+                        entry.stopping = true;
+                        entry.stop.cancel();
+                    }
+                }
+                Action::Start(d) => self.start_locked(&mut table, d),
+            }
+        }
+        actions
+    }
+
+    fn exit_recorded(&self, key: &AttemptKey) -> bool {
+        AttemptPaths::new(&self.inner.settings.data_dir, key)
+            .map(|p| p.exit.exists())
+            .unwrap_or(false)
+    }
+
+    fn start_locked(&self, table: &mut Table, desired: &DesiredRank) {
+        let key = AttemptKey::of(desired);
+        if table.entries.len() >= MAX_LIVE_ATTEMPTS {
+            tracing::error!(attempt = %key, "refusing to start: {MAX_LIVE_ATTEMPTS} attempts already live");
+            table.finished.insert(key.clone());
+            self.inner.events.push(RankEvent::Exited(RankExitedRequest {
+                worker_id: self.inner.settings.worker_id.clone(),
+                job_id: key.job_id.clone(),
+                rank: key.rank,
+                attempt: key.attempt,
+                exit_code: None,
+                signal: None,
+                spawn_error: format!("the agent already runs {MAX_LIVE_ATTEMPTS} rank attempts"),
+            }));
+            return;
+        }
+        let token = random_token();
+        let stop = CancellationToken::new();
+        table.tokens.insert(token.clone(), key.clone());
+        table.entries.insert(
+            key.clone(),
+            Entry {
+                pid: None,
+                stopping: false,
+                stop: stop.clone(),
+                progress: None,
+                ckpt_enabled: !desired.ckpt_dir.is_empty(),
+                ckpt: None,
+                commit_lock: Arc::new(tokio::sync::Mutex::new(None)),
+            },
+        );
+        tracing::info!(attempt = %key, "starting rank attempt");
+        let this = self.clone();
+        let desired = Arc::new(desired.clone());
+        self.inner
+            .tracker
+            .spawn(async move { this.run_attempt(key, desired, token, stop).await });
+    }
+
+    /// Every live process (stopping ones included), with its latest progress, sorted by
+    /// attempt: the observed set of a heartbeat.
+    pub fn observed(&self) -> Vec<ObservedRank> {
+        let table = self.table();
+        let mut out: Vec<(&AttemptKey, ObservedRank)> = table
+            .entries
+            .iter()
+            .filter_map(|(key, e)| {
+                let pid = e.pid?;
+                let progress = e.progress.clone().unwrap_or_default();
+                Some((
+                    key,
+                    ObservedRank {
+                        job_id: key.job_id.clone(),
+                        rank: key.rank,
+                        attempt: key.attempt,
+                        pid,
+                        step: progress.step,
+                        total_steps: progress.total_steps,
+                    },
+                ))
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(b.0));
+        out.into_iter().map(|(_, o)| o).collect()
+    }
+
+    /// Attempts in the table (starting, running or stopping).
+    pub fn live_count(&self) -> usize {
+        self.table().entries.len()
+    }
+
+    /// Whether `key` is known to have finished on this agent (memory or exit file).
+    pub fn is_finished(&self, key: &AttemptKey) -> bool {
+        let in_memory = self.table().finished.set.contains(key);
+        in_memory || self.exit_recorded(key)
+    }
+
+    /// Stops every live attempt (SIGTERM to its group, SIGKILL after the grace time).
+    pub fn stop_all(&self) {
+        let mut table = self.table();
+        for (key, entry) in table.entries.iter_mut() {
+            if !entry.stopping {
+                tracing::info!(attempt = %key, "stopping");
+                entry.stopping = true;
+                entry.stop.cancel();
+            }
+        }
+    }
+
+    /// Stops every attempt, refuses new ones, and waits until every attempt has exited,
+    /// written its exit record and queued its exit report.
+    pub async fn shutdown(&self) {
+        self.table().closed = true;
+        self.stop_all();
+        self.inner.tracker.close();
+        self.inner.tracker.wait().await;
+    }
+
+    /// The attempt a rank-local token belongs to.
+    pub fn attempt_for_token(&self, token: &str) -> Option<AttemptKey> {
+        self.table().tokens.get(token).cloned()
+    }
+
+    /// Stores the progress a rank reported; `None` when the token is unknown.
+    pub fn record_progress(&self, token: &str, progress: Progress) -> Option<AttemptKey> {
+        let mut table = self.table();
+        let key = table.tokens.get(token)?.clone();
+        let entry = table.entries.get_mut(&key)?;
+        entry.progress = Some(progress);
+        Some(key)
+    }
+
+    /// The latest progress of a live attempt.
+    pub fn progress(&self, key: &AttemptKey) -> Option<Progress> {
+        self.table().entries.get(key)?.progress.clone()
+    }
+
+    /// Commits the content of the attempt's staging directory as its part of `step`, then
+    /// reports the part to the leader. Commits of one attempt are serialized. Returns the
+    /// part directory (`step-00000100/rank-0/attempt-1`) once the leader acknowledged it.
+    pub async fn commit_checkpoint(
+        &self,
+        token: &str,
+        step: u64,
+        state: serde_json::Value,
+    ) -> Result<String, CommitError> {
+        let (key, lock) = self.commit_target(token)?;
+        let mut unacked = lock.lock().await;
+        // Re-check after waiting: the attempt may have been stopped meanwhile.
+        let (_, _) = self.commit_target(token)?;
+        let target = {
+            let table = self.table();
+            let entry = table.entries.get(&key).ok_or(CommitError::UnknownToken)?;
+            entry
+                .ckpt
+                .clone()
+                .ok_or_else(|| CommitError::NotReady(key.clone()))?
+        };
+        let part = match unacked.take() {
+            Some(previous) if previous.step == step => previous.part,
+            _ => {
+                target
+                    .store
+                    .commit_part(
+                        &key.job_id,
+                        step,
+                        key.rank,
+                        key.attempt,
+                        &target.staging,
+                        state,
+                    )
+                    .await?
+            }
+        };
+        let state_json = serde_json::to_string(&part.state).expect("a JSON value serializes");
+        let request = CommitCheckpointPartRequest {
+            worker_id: self.inner.settings.worker_id.clone(),
+            job_id: key.job_id.clone(),
+            rank: key.rank,
+            attempt: key.attempt,
+            step,
+            dir: part.dir.clone(),
+            files: part
+                .files
+                .iter()
+                .map(|f| CheckpointFile {
+                    path: f.path.clone(),
+                    size_bytes: f.size_bytes,
+                    sha256: f.sha256.clone(),
+                })
+                .collect(),
+            state_json,
+        };
+        let result = self
+            .inner
+            .client
+            .call(
+                "CommitCheckpointPart",
+                self.inner.settings.commit_retry,
+                &request,
+                |mut c, r| async move { c.commit_checkpoint_part(r).await },
+            )
+            .await;
+        match result {
+            Ok(_) => {
+                tracing::info!(attempt = %key, step, dir = %part.dir, "checkpoint part acknowledged");
+                Ok(part.dir)
+            }
+            Err(e) if e.is_stale() => Err(CommitError::Stale(e.to_string())),
+            Err(e) => {
+                *unacked = Some(UnackedPart { step, part });
+                Err(CommitError::Coordinator(e))
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn commit_target(
+        &self,
+        token: &str,
+    ) -> Result<(AttemptKey, Arc<tokio::sync::Mutex<Option<UnackedPart>>>), CommitError> {
+        let table = self.table();
+        let key = table
+            .tokens
+            .get(token)
+            .ok_or(CommitError::UnknownToken)?
+            .clone();
+        let entry = table.entries.get(&key).ok_or(CommitError::UnknownToken)?;
+        if entry.stopping {
+            return Err(CommitError::NotDesired(key));
+        }
+        if !entry.ckpt_enabled {
+            return Err(CommitError::Disabled(key.job_id));
+        }
+        Ok((key, entry.commit_lock.clone()))
+    }
+
+    /// Finalizes the attempts a previous agent on this data dir left behind (their pid
+    /// records): kills what is left of their process groups, writes their exit records
+    /// (SIGKILL, or a spawn error when they never got a pid), queues their exit reports and
+    /// remembers them as finished so they are never started again.
+    pub async fn recover_orphans(&self) {
+        let data_dir = self.inner.settings.data_dir.clone();
+        let records = match orphans::scan(&data_dir).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!("cannot read pid records in {}: {e}", data_dir.display());
+                return;
+            }
+        };
+        for (path, record) in records {
+            let record = match record {
+                Ok(r) => r,
+                Err(why) => {
+                    tracing::warn!("removing invalid pid record {}: {why}", path.display());
+                    let _ = tokio::fs::remove_file(&path).await;
+                    continue;
+                }
+            };
+            self.recover_one(&record).await;
+            if let Err(e) = tokio::fs::remove_file(&path).await {
+                tracing::warn!("cannot remove pid record {}: {e}", path.display());
+            }
+        }
+    }
+
+    async fn recover_one(&self, record: &PidRecord) {
+        let key = record.key();
+        if let Some(pid) = record.pid {
+            let now = orphans::process_start_ticks(pid);
+            let ours = match (now, record.start_ticks) {
+                // Same process: kill its group.
+                (Some(t), Some(recorded)) => t == recorded,
+                // Alive but unverifiable: leave it alone rather than risk a stranger.
+                (Some(_), None) => false,
+                // The leader is gone; a group id is never reused while members remain,
+                // so members still in it are the rank's.
+                (None, _) => true,
+            };
+            if ours {
+                if let Err(e) = signal_group(pid, Signal::SIGKILL) {
+                    tracing::warn!(attempt = %key, pid, "cannot kill orphaned group: {e}");
+                } else {
+                    tracing::warn!(attempt = %key, pid, "killed what was left of an orphaned rank attempt");
+                }
+            }
+        }
+        let Ok(paths) = AttemptPaths::new(&self.inner.settings.data_dir, &key) else {
+            return;
+        };
+        let record_on_disk = match logs::read_exit_record(&paths.exit).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(attempt = %key, "replacing unreadable exit record: {e}");
+                None
+            }
+        };
+        let exit = match record_on_disk {
+            Some(r) => r,
+            None => {
+                let exit = if record.pid.is_some() {
+                    ExitRecord {
+                        exit_code: None,
+                        signal: Some(Signal::SIGKILL as i32),
+                        spawn_error: None,
+                    }
+                } else {
+                    ExitRecord::spawn_failed("the agent stopped before the process started")
+                };
+                let marker = "[cumulus: the agent restarted; this attempt was lost]\n";
+                if let Err(e) = append_line(&paths.log, marker).await {
+                    tracing::warn!(attempt = %key, "cannot append to log: {e}");
+                }
+                if let Err(e) = logs::write_exit_record(&paths.exit, &exit).await {
+                    tracing::error!(attempt = %key, "cannot write exit record: {e}");
+                }
+                exit
+            }
+        };
+        let _ = tokio::fs::remove_file(shards_file(&self.inner.settings.data_dir, &key)).await;
+        self.table().finished.insert(key.clone());
+        self.push_exit(&key, &exit);
+    }
+
+    fn push_exit(&self, key: &AttemptKey, exit: &ExitRecord) {
+        self.inner.events.push(RankEvent::Exited(RankExitedRequest {
+            worker_id: self.inner.settings.worker_id.clone(),
+            job_id: key.job_id.clone(),
+            rank: key.rank,
+            attempt: key.attempt,
+            exit_code: exit.exit_code,
+            signal: exit.signal,
+            spawn_error: exit.spawn_error.clone().unwrap_or_default(),
+        }));
+    }
+
+    /// The whole life of one attempt, from preparation to the queued exit report.
+    async fn run_attempt(
+        self,
+        key: AttemptKey,
+        desired: Arc<DesiredRank>,
+        token: String,
+        stop: CancellationToken,
+    ) {
+        let data_dir = self.inner.settings.data_dir.clone();
+        let paths = AttemptPaths::new(&data_dir, &key);
+        let exit = match &paths {
+            Ok(paths) => self.run_process(&key, &desired, &token, &stop, paths).await,
+            Err(e) => ExitRecord::spawn_failed(format!("invalid desired rank: {e}")),
+        };
+        if let Ok(paths) = &paths {
+            if let Err(e) = logs::write_exit_record(&paths.exit, &exit).await {
+                tracing::error!(attempt = %key, "cannot write exit record: {e}");
+            }
+            if let Err(e) = orphans::remove(&data_dir, &key).await {
+                tracing::warn!(attempt = %key, "cannot remove pid record: {e}");
+            }
+            let _ = tokio::fs::remove_file(shards_file(&data_dir, &key)).await;
+        }
+        let ckpt = {
+            let mut table = self.table();
+            let entry = table.entries.remove(&key);
+            table.tokens.remove(&token);
+            table.finished.insert(key.clone());
+            entry.and_then(|e| e.ckpt)
+        };
+        // The attempt never runs again: whatever it left uncommitted in staging is garbage.
+        if let Some(ckpt) = ckpt {
+            match tokio::fs::remove_dir_all(&ckpt.staging).await {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(
+                    attempt = %key,
+                    "cannot remove staging {}: {e}",
+                    ckpt.staging.display()
+                ),
+            }
+        }
+        tracing::info!(
+            attempt = %key,
+            exit_code = ?exit.exit_code,
+            signal = ?exit.signal,
+            spawn_error = exit.spawn_error.as_deref().unwrap_or(""),
+            "rank attempt finished"
+        );
+        self.push_exit(&key, &exit);
+    }
+
+    async fn run_process(
+        &self,
+        key: &AttemptKey,
+        desired: &DesiredRank,
+        token: &str,
+        stop: &CancellationToken,
+        paths: &AttemptPaths,
+    ) -> ExitRecord {
+        let settings = &self.inner.settings;
+        let mut log = match LogWriter::create(&paths.log, settings.log_max_bytes).await {
+            Ok(log) => log,
+            Err(e) => {
+                return ExitRecord::spawn_failed(format!(
+                    "cannot create log {}: {e}",
+                    paths.log.display()
+                ));
+            }
+        };
+        let mut pid_record = PidRecord {
+            job_id: key.job_id.clone(),
+            rank: key.rank,
+            attempt: key.attempt,
+            pid: None,
+            start_ticks: None,
+        };
+        if let Err(e) = orphans::write(&settings.data_dir, &pid_record).await {
+            return fail_start(log, format!("cannot write pid record: {e}")).await;
+        }
+        let request = tokio::select! {
+            r = self.prepare(key, desired, token) => r,
+            _ = stop.cancelled() => Err("stopped by the agent before the process started".to_string()),
+        };
+        let request = match request {
+            Ok(r) if !stop.is_cancelled() => r,
+            Ok(_) => {
+                return fail_start(
+                    log,
+                    "stopped by the agent before the process started".into(),
+                )
+                .await;
+            }
+            Err(e) => return fail_start(log, e).await,
+        };
+        let spawned = match self.inner.spawner.spawn(request).await {
+            Ok(s) => s,
+            Err(e) => return fail_start(log, e.to_string()).await,
+        };
+        let pid = spawned.pid;
+        if let Some(entry) = self.table().entries.get_mut(key) {
+            entry.pid = Some(pid);
+        }
+        pid_record.pid = Some(pid);
+        pid_record.start_ticks = orphans::process_start_ticks(pid);
+        if let Err(e) = orphans::write(&settings.data_dir, &pid_record).await {
+            tracing::warn!(attempt = %key, "cannot update pid record: {e}");
+        }
+        tracing::info!(attempt = %key, pid, "rank attempt running");
+        self.inner
+            .events
+            .push(RankEvent::Started(RankStartedRequest {
+                worker_id: settings.worker_id.clone(),
+                job_id: key.job_id.clone(),
+                rank: key.rank,
+                attempt: key.attempt,
+                pid,
+            }));
+        let status = supervise(key, spawned, stop, settings.stop_grace, &mut log).await;
+        if let Err(e) = log.finish().await {
+            tracing::warn!(attempt = %key, "cannot finish log: {e}");
+        }
+        match status {
+            Ok(status) => ExitRecord::from_status(status),
+            Err(e) => ExitRecord::spawn_failed(format!("cannot wait for process {pid}: {e}")),
+        }
+    }
+
+    /// Writes the shards file, prepares checkpoint staging, verifies the resume part and
+    /// builds the command with the rank environment.
+    async fn prepare(
+        &self,
+        key: &AttemptKey,
+        d: &DesiredRank,
+        token: &str,
+    ) -> Result<SpawnRequest, String> {
+        let settings = &self.inner.settings;
+        let (program, args) = d
+            .command
+            .split_first()
+            .ok_or("the desired rank has an empty command")?;
+        if d.command.iter().any(|a| a.contains('\0')) {
+            return Err("a command argument contains a NUL byte".into());
+        }
+        let mut env: Vec<(OsString, OsString)> = Vec::with_capacity(d.env.len() + 16);
+        let mut job_env: Vec<(&String, &String)> = d.env.iter().collect();
+        job_env.sort();
+        for (name, value) in job_env {
+            if name.is_empty() || name.contains(['=', '\0']) || value.contains('\0') {
+                return Err(format!("invalid environment variable {name:?}"));
+            }
+            if !CONTRACT_VARS.contains(&name.as_str()) {
+                env.push((name.into(), value.into()));
+            }
+        }
+
+        let shards_path = shards_file(&settings.data_dir, key);
+        if let Some(bad) = d.shards.iter().find(|s| s.contains(['\n', '\0'])) {
+            return Err(format!("shard path {bad:?} contains a newline or NUL"));
+        }
+        let mut shards = String::with_capacity(d.shards.iter().map(|s| s.len() + 1).sum());
+        for s in &d.shards {
+            shards.push_str(s);
+            shards.push('\n');
+        }
+        write_file_atomic(&shards_path, shards.as_bytes())
+            .await
+            .map_err(|e| format!("cannot write {}: {e}", shards_path.display()))?;
+
+        let master_addr = if d.master_addr.is_empty() {
+            settings.advertise_host.as_str()
+        } else {
+            d.master_addr.as_str()
+        };
+        let mut contract: Vec<(&str, OsString)> = vec![
+            ("RANK", d.rank.to_string().into()),
+            ("WORLD_SIZE", d.world_size.to_string().into()),
+            ("LOCAL_RANK", d.local_rank.to_string().into()),
+            ("LOCAL_WORLD_SIZE", d.local_world_size.to_string().into()),
+            ("MASTER_ADDR", master_addr.into()),
+            ("MASTER_PORT", d.master_port.to_string().into()),
+            ("CUMULUS_JOB_ID", d.job_id.clone().into()),
+            ("CUMULUS_ATTEMPT", d.attempt.to_string().into()),
+            ("CUMULUS_SHARDS_FILE", shards_path.into_os_string()),
+            ("CUMULUS_AGENT_URL", settings.rank_api_url.clone().into()),
+            ("CUMULUS_AGENT_TOKEN", token.into()),
+        ];
+
+        if !d.ckpt_dir.is_empty() {
+            let store: Arc<dyn CheckpointStore> = Arc::new(LocalStore::new(&d.ckpt_dir));
+            let staging = store
+                .prepare_staging(&key.job_id, key.rank, key.attempt)
+                .await
+                .map_err(|e| format!("cannot prepare checkpoint staging: {e}"))?;
+            contract.push(("CUMULUS_CKPT_STAGING", staging.clone().into_os_string()));
+            if let Some(step) = d.resume_step {
+                let dir = verify_resume(&*store, key, step, &d.resume_dir).await?;
+                contract.push(("CUMULUS_RESUME_STEP", step.to_string().into()));
+                contract.push(("CUMULUS_RESUME_DIR", dir.into_os_string()));
+            }
+            if let Some(entry) = self.table().entries.get_mut(key) {
+                entry.ckpt = Some(CkptTarget { store, staging });
+            }
+        } else if d.resume_step.is_some() {
+            return Err("resume_step is set but the job has no ckpt_dir".into());
+        }
+        env.extend(contract.into_iter().map(|(k, v)| (OsString::from(k), v)));
+        Ok(SpawnRequest {
+            program: program.into(),
+            args: args.iter().map(OsString::from).collect(),
+            env,
+            working_dir: (!d.working_dir.is_empty()).then(|| PathBuf::from(&d.working_dir)),
+        })
+    }
+}
+
+/// Checks the rank's part of the resume step against the step's manifest and returns its
+/// local directory.
+async fn verify_resume(
+    store: &dyn CheckpointStore,
+    key: &AttemptKey,
+    step: u64,
+    resume_dir: &str,
+) -> Result<PathBuf, String> {
+    let fail = |why: String| {
+        format!("checkpoint part {resume_dir:?} of step {step} failed verification: {why}")
+    };
+    if resume_dir.is_empty() {
+        return Err(fail("the leader sent no resume_dir".into()));
+    }
+    let manifest = store
+        .read_manifest(&key.job_id, step)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    if manifest.step != step || manifest.job_id != key.job_id {
+        return Err(fail(format!(
+            "the manifest is for {} step {}",
+            manifest.job_id, manifest.step
+        )));
+    }
+    let part = manifest
+        .parts
+        .iter()
+        .find(|p| p.rank == key.rank)
+        .ok_or_else(|| fail(format!("the manifest has no part for rank {}", key.rank)))?;
+    if part.dir != resume_dir {
+        return Err(fail(format!(
+            "the manifest names {:?} for rank {}",
+            part.dir, key.rank
+        )));
+    }
+    store
+        .verify_part(&key.job_id, part)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    store
+        .local_part_path(&key.job_id, resume_dir)
+        .ok_or_else(|| fail("the part has no local path".into()))
+}
+
+async fn fail_start(mut log: LogWriter, message: String) -> ExitRecord {
+    let line = format!("[cumulus: cannot start the rank: {message}]\n");
+    if let Err(e) = log.append(line.as_bytes()).await {
+        tracing::warn!("cannot write to log: {e}");
+    }
+    if let Err(e) = log.finish().await {
+        tracing::warn!("cannot finish log: {e}");
+    }
+    ExitRecord::spawn_failed(message)
+}
+
+async fn append_line(path: &Path, line: &str) -> io::Result<()> {
+    if let Some(dir) = path.parent() {
+        tokio::fs::create_dir_all(dir).await?;
+    }
+    let mut file = tokio::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .await?;
+    file.write_all(line.as_bytes()).await?;
+    file.sync_all().await
+}
+
+async fn write_file_atomic(path: &Path, content: &[u8]) -> io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::other("path has no parent"))?;
+    tokio::fs::create_dir_all(dir).await?;
+    let tmp = path.with_extension("tmp");
+    let mut file = tokio::fs::File::create(&tmp).await?;
+    file.write_all(content).await?;
+    file.sync_all().await?;
+    drop(file);
+    tokio::fs::rename(&tmp, path).await
+}
+
+/// Waits for the process while copying its output to the log and applying a stop request
+/// (SIGTERM to the group, SIGKILL after `grace`). After the process exited, whatever is
+/// left of its group is killed and the pipes are drained for at most [`DRAIN_TIMEOUT`].
+async fn supervise(
+    key: &AttemptKey,
+    spawned: SpawnedChild,
+    stop: &CancellationToken,
+    grace: Duration,
+    log: &mut LogWriter,
+) -> io::Result<ExitStatus> {
+    let SpawnedChild { mut child, pid } = spawned;
+    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(LOG_CHANNEL_CAPACITY);
+    let mut readers = JoinSet::new();
+    if let Some(out) = child.stdout.take() {
+        readers.spawn(logs::pump_lines(out, tx.clone()));
+    }
+    if let Some(err) = child.stderr.take() {
+        readers.spawn(logs::pump_lines(err, tx.clone()));
+    }
+    drop(tx);
+
+    let far = Instant::now() + Duration::from_secs(86400 * 365);
+    let mut status: Option<io::Result<ExitStatus>> = None;
+    let mut pipes_open = true;
+    let mut term_sent = false;
+    let mut kill_at: Option<Instant> = None;
+    let mut drain_until: Option<Instant> = None;
+    let mut log_ok = true;
+    loop {
+        if status.is_some() && !pipes_open {
+            break;
+        }
+        tokio::select! {
+            chunk = rx.recv(), if pipes_open => match chunk {
+                Some(first) => {
+                    let mut batch = vec![first];
+                    while batch.len() < LOG_BATCH_CHUNKS {
+                        match rx.try_recv() {
+                            Ok(c) => batch.push(c),
+                            Err(_) => break,
+                        }
+                    }
+                    if log_ok {
+                        let mut result = Ok(());
+                        for c in &batch {
+                            result = log.append(c).await;
+                            if result.is_err() {
+                                break;
+                            }
+                        }
+                        if let Err(e) = result.and(log.flush().await) {
+                            tracing::error!(attempt = %key, "cannot write log, dropping further output: {e}");
+                            log_ok = false;
+                        }
+                    }
+                }
+                None => pipes_open = false,
+            },
+            s = child.wait(), if status.is_none() => {
+                status = Some(s);
+                // Helpers the rank left in its group end with it. (The group id stays
+                // reserved while any member lives; once none does, killpg finds no group
+                // unless the pid was reused within these microseconds by a new group
+                // leader, which needs a full wrap of the pid space.)
+                let _ = signal_group(pid, Signal::SIGKILL);
+                drain_until = Some(Instant::now() + DRAIN_TIMEOUT);
+            }
+            _ = stop.cancelled(), if status.is_none() && !term_sent => {
+                term_sent = true;
+                if let Err(e) = signal_group(pid, Signal::SIGTERM) {
+                    tracing::warn!(attempt = %key, pid, "SIGTERM failed: {e}");
+                }
+                kill_at = Some(Instant::now() + grace);
+            }
+            _ = tokio::time::sleep_until(kill_at.unwrap_or(far)), if status.is_none() && kill_at.is_some() => {
+                tracing::warn!(attempt = %key, pid, "still running {} ms after SIGTERM: SIGKILL", grace.as_millis());
+                kill_at = None;
+                if let Err(e) = signal_group(pid, Signal::SIGKILL) {
+                    tracing::warn!(attempt = %key, pid, "SIGKILL failed: {e}");
+                }
+            }
+            _ = tokio::time::sleep_until(drain_until.unwrap_or(far)), if drain_until.is_some() => {
+                tracing::warn!(attempt = %key, "output pipes still open {} s after exit: capture stopped", DRAIN_TIMEOUT.as_secs());
+                readers.abort_all();
+                if log_ok {
+                    let marker = format!(
+                        "[cumulus: output still open {} s after the process exited; capture stopped]\n",
+                        DRAIN_TIMEOUT.as_secs()
+                    );
+                    let _ = log.append(marker.as_bytes()).await;
+                }
+                break;
+            }
+        }
+    }
+    status.expect("the loop only ends once the process was waited for")
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,780 @@
+//! Supervisor tests with real processes, real files and a real rank-local HTTP server.
+//! No coordinator runs: reports go to a closed port and stay queued, which the tests check.
+
+use std::collections::HashMap;
+use std::os::unix::process::CommandExt;
+use std::time::{Duration, Instant};
+
+use cumulus_ckpt::{CheckpointStore, LocalStore, MANIFEST_FORMAT_VERSION, Manifest};
+
+use super::*;
+use crate::logs::truncation_marker;
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+struct Harness {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    sup: Supervisor,
+}
+
+struct Options {
+    stop_grace: Duration,
+    log_max_bytes: u64,
+    rank_api_url: String,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            stop_grace: Duration::from_secs(5),
+            log_max_bytes: 1 << 20,
+            rank_api_url: "http://127.0.0.1:9".into(),
+        }
+    }
+}
+
+fn harness(opts: Options) -> Harness {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().to_path_buf();
+    let sup = supervisor_at(&root, opts);
+    Harness {
+        _dir: dir,
+        root,
+        sup,
+    }
+}
+
+fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
+    // Nothing listens on port 1: every report fails fast and stays queued.
+    let client = Arc::new(
+        CoordinatorClient::new(&["127.0.0.1:1".into()], "token", CancellationToken::new())
+            .expect("client"),
+    );
+    let events = EventReporter::new(client.clone(), Duration::from_secs(3600));
+    let spawner = Spawner::start(tokio::runtime::Handle::current()).expect("spawner");
+    Supervisor::new(
+        SupervisorSettings {
+            worker_id: "w-test".into(),
+            data_dir: root.join("data"),
+            advertise_host: "10.1.2.3".into(),
+            rank_api_url: opts.rank_api_url,
+            stop_grace: opts.stop_grace,
+            log_max_bytes: opts.log_max_bytes,
+            commit_retry: RetryPolicy {
+                max_attempts: 1,
+                initial_backoff: Duration::from_millis(1),
+                max_backoff: Duration::from_millis(1),
+            },
+        },
+        spawner,
+        client,
+        events,
+    )
+}
+
+fn desired(job: &str, rank: u32, attempt: u32, script: &str) -> DesiredRank {
+    DesiredRank {
+        job_id: job.into(),
+        rank,
+        attempt,
+        world_size: 4,
+        local_rank: 1,
+        local_world_size: 2,
+        master_port: 29500,
+        command: vec!["sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    }
+}
+
+async fn poll_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn wait_finished(sup: &Supervisor, key: &AttemptKey) -> ExitRecord {
+    poll_until(&format!("{key} to finish"), || {
+        sup.is_finished(key) && sup.attempt_pid(key).is_none() && sup.live_count() == 0
+    })
+    .await;
+    let paths = AttemptPaths::new(&sup.inner.settings.data_dir, key).expect("paths");
+    logs::read_exit_record(&paths.exit)
+        .await
+        .expect("read exit")
+        .expect("exit record exists")
+}
+
+fn log_text(sup: &Supervisor, key: &AttemptKey) -> String {
+    let paths = AttemptPaths::new(&sup.inner.settings.data_dir, key).expect("paths");
+    std::fs::read_to_string(paths.log).unwrap_or_default()
+}
+
+fn parse_env(text: &str) -> HashMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+impl Supervisor {
+    fn attempt_pid(&self, key: &AttemptKey) -> Option<u32> {
+        self.table().entries.get(key).and_then(|e| e.pid)
+    }
+}
+
+fn exited_events(sup: &Supervisor) -> Vec<RankExitedRequest> {
+    sup.events()
+        .pending()
+        .into_iter()
+        .filter_map(|e| match e {
+            RankEvent::Exited(r) => Some(r),
+            RankEvent::Started(_) => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn spawns_with_the_full_env_contract() {
+    let h = harness(Options::default());
+    let out = h.root.join("env.txt");
+    let shards_copy = h.root.join("shards.txt");
+    let workdir = h.root.join("work");
+    std::fs::create_dir_all(&workdir).expect("mkdir");
+    let mut d = desired(
+        "job-000001",
+        2,
+        0,
+        &format!(
+            "env > {o}.tmp; echo PWD_IS=$(pwd) >> {o}.tmp; cat \"$CUMULUS_SHARDS_FILE\" > {s}; mv {o}.tmp {o}",
+            o = out.display(),
+            s = shards_copy.display()
+        ),
+    );
+    d.shards = vec!["/data/shard-0002".into(), "/data/shard-0006".into()];
+    d.working_dir = workdir.display().to_string();
+    d.env = [
+        ("FOO", "bar"),
+        ("RANK", "99"),
+        ("CUMULUS_RESUME_STEP", "7"),
+        ("CUMULUS_AGENT_TOKEN", "forged"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+
+    let actions = h.sup.apply_desired(std::slice::from_ref(&d));
+    assert_eq!(actions.len(), 1);
+    let key = AttemptKey::of(&d);
+    let exit = wait_finished(&h.sup, &key).await;
+    assert_eq!(
+        exit,
+        ExitRecord {
+            exit_code: Some(0),
+            signal: None,
+            spawn_error: None
+        }
+    );
+
+    let env = parse_env(&std::fs::read_to_string(&out).expect("env dump"));
+    let data = h.root.join("data");
+    let expect = [
+        ("RANK", "2".to_string()),
+        ("WORLD_SIZE", "4".into()),
+        ("LOCAL_RANK", "1".into()),
+        ("LOCAL_WORLD_SIZE", "2".into()),
+        ("MASTER_ADDR", "10.1.2.3".into()),
+        ("MASTER_PORT", "29500".into()),
+        ("CUMULUS_JOB_ID", "job-000001".into()),
+        ("CUMULUS_ATTEMPT", "0".into()),
+        (
+            "CUMULUS_SHARDS_FILE",
+            data.join("jobs/job-000001/rank-2.attempt-0.shards")
+                .display()
+                .to_string(),
+        ),
+        ("CUMULUS_AGENT_URL", "http://127.0.0.1:9".into()),
+        ("FOO", "bar".into()),
+        (
+            "PWD_IS",
+            std::fs::canonicalize(&workdir)
+                .expect("canon")
+                .display()
+                .to_string(),
+        ),
+    ];
+    for (k, v) in expect {
+        assert_eq!(env.get(k), Some(&v), "{k}");
+    }
+    let token = env.get("CUMULUS_AGENT_TOKEN").expect("token");
+    assert_eq!(token.len(), 32);
+    assert!(token.bytes().all(|b| b.is_ascii_hexdigit()), "{token}");
+    for absent in [
+        "CUMULUS_CKPT_STAGING",
+        "CUMULUS_RESUME_STEP",
+        "CUMULUS_RESUME_DIR",
+    ] {
+        assert!(!env.contains_key(absent), "{absent} must not be set");
+    }
+    assert_eq!(
+        std::fs::read_to_string(&shards_copy).expect("shards"),
+        "/data/shard-0002\n/data/shard-0006\n"
+    );
+    // Cleaned up after exit: shards file and pid record; the token is dead.
+    assert!(
+        !data
+            .join("jobs/job-000001/rank-2.attempt-0.shards")
+            .exists()
+    );
+    assert!(orphans::scan(&data).await.expect("scan").is_empty());
+    assert!(h.sup.attempt_for_token(token).is_none());
+
+    // Started then Exited were queued (no coordinator acknowledged them).
+    let events = h.sup.events().pending();
+    assert!(matches!(&events[0], RankEvent::Started(s) if s.rank == 2 && s.pid > 1));
+    assert!(
+        matches!(&events[1], RankEvent::Exited(e) if e.exit_code == Some(0) && e.signal.is_none() && e.spawn_error.is_empty())
+    );
+
+    // The same attempt is never started again, by this agent or by a new one on this dir.
+    assert!(h.sup.apply_desired(std::slice::from_ref(&d)).is_empty());
+    let again = supervisor_at(&h.root, Options::default());
+    assert!(again.apply_desired(std::slice::from_ref(&d)).is_empty());
+    assert!(again.is_finished(&key));
+}
+
+#[tokio::test]
+async fn stdout_and_stderr_share_one_capped_log() {
+    let h = harness(Options {
+        log_max_bytes: 4096,
+        ..Options::default()
+    });
+    // ~190 KB of output, far past the cap: the rank must still run to a clean exit.
+    let d = desired(
+        "job-000002",
+        0,
+        0,
+        "echo out-first; echo err-second >&2; i=0; while [ $i -lt 20000 ]; do echo line-$i; i=$((i+1)); done; echo done >&2",
+    );
+    let key = AttemptKey::of(&d);
+    h.sup.apply_desired(std::slice::from_ref(&d));
+    let exit = wait_finished(&h.sup, &key).await;
+    assert_eq!(
+        exit.exit_code,
+        Some(0),
+        "the rank kept writing after the cap"
+    );
+    let text = log_text(&h.sup, &key);
+    assert!(text.contains("out-first\n"));
+    assert!(text.contains("err-second\n"));
+    let marker_at = text.find("[cumulus: log truncated at ").expect("marker");
+    assert!(marker_at <= 4096);
+    assert_eq!(&text[marker_at..], truncation_marker(marker_at as u64));
+    assert!(
+        text[..marker_at].ends_with('\n'),
+        "only whole lines before the marker"
+    );
+    assert_eq!(text.matches("[cumulus:").count(), 1);
+}
+
+#[tokio::test]
+async fn stop_escalates_from_sigterm_to_sigkill() {
+    let h = harness(Options {
+        stop_grace: Duration::from_millis(300),
+        ..Options::default()
+    });
+    // Ignores SIGTERM (its `sleep` children inherit the ignored disposition).
+    let d = desired(
+        "job-000003",
+        0,
+        0,
+        "trap '' TERM; echo ready; while :; do sleep 0.05; done",
+    );
+    let key = AttemptKey::of(&d);
+    h.sup.apply_desired(std::slice::from_ref(&d));
+    poll_until("ready", || log_text(&h.sup, &key).contains("ready\n")).await;
+    let observed = h.sup.observed();
+    assert_eq!(observed.len(), 1);
+    let stopped_at = Instant::now();
+    let actions = h.sup.apply_desired(&[]);
+    assert_eq!(actions, vec![Action::Stop(key.clone())]);
+    // Stopping is idempotent.
+    assert!(h.sup.apply_desired(&[]).is_empty());
+    let exit = wait_finished(&h.sup, &key).await;
+    assert_eq!(exit.signal, Some(9), "{exit:?}");
+    assert!(stopped_at.elapsed() >= Duration::from_millis(300));
+    let exited = exited_events(&h.sup);
+    assert_eq!(exited.len(), 1);
+    assert_eq!(exited[0].signal, Some(9));
+}
+
+#[tokio::test]
+async fn stop_with_sigterm_when_the_rank_obeys() {
+    let h = harness(Options {
+        stop_grace: Duration::from_secs(60),
+        ..Options::default()
+    });
+    let d = desired("job-000004", 1, 3, "echo ready; exec sleep 1000");
+    let key = AttemptKey::of(&d);
+    h.sup.apply_desired(std::slice::from_ref(&d));
+    poll_until("ready", || log_text(&h.sup, &key).contains("ready\n")).await;
+    let started = Instant::now();
+    h.sup.stop_all();
+    let exit = wait_finished(&h.sup, &key).await;
+    assert_eq!(exit.signal, Some(15));
+    assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+#[tokio::test]
+async fn replacement_starts_only_after_its_predecessor_is_gone() {
+    let h = harness(Options {
+        stop_grace: Duration::from_millis(200),
+        ..Options::default()
+    });
+    let first = desired(
+        "job-000005",
+        0,
+        0,
+        "trap '' TERM; echo ready; while :; do sleep 0.05; done",
+    );
+    let second = desired("job-000005", 0, 1, "echo second");
+    let k0 = AttemptKey::of(&first);
+    let k1 = AttemptKey::of(&second);
+    h.sup.apply_desired(std::slice::from_ref(&first));
+    poll_until("ready", || log_text(&h.sup, &k0).contains("ready\n")).await;
+    let actions = h.sup.apply_desired(std::slice::from_ref(&second));
+    assert_eq!(actions, vec![Action::Stop(k0.clone())]);
+    poll_until("attempt 0 gone", || {
+        h.sup.is_finished(&k0) && h.sup.live_count() == 0
+    })
+    .await;
+    let actions = h.sup.apply_desired(std::slice::from_ref(&second));
+    assert!(matches!(&actions[..], [Action::Start(d)] if d.attempt == 1));
+    let exit = wait_finished(&h.sup, &k1).await;
+    assert_eq!(exit.exit_code, Some(0));
+}
+
+#[tokio::test]
+async fn spawn_failures_are_recorded_and_reported() {
+    let h = harness(Options::default());
+    let mut d = desired("job-000006", 0, 0, "");
+    d.command = vec!["/nonexistent/cumulus-no-such-program".into()];
+    let key = AttemptKey::of(&d);
+    h.sup.apply_desired(std::slice::from_ref(&d));
+    let exit = wait_finished(&h.sup, &key).await;
+    let why = exit.spawn_error.expect("spawn error");
+    assert!(why.contains("cumulus-no-such-program"), "{why}");
+    assert!(log_text(&h.sup, &key).starts_with("[cumulus: cannot start the rank: "));
+    let exited = exited_events(&h.sup);
+    assert_eq!(exited.len(), 1);
+    assert_eq!((exited[0].exit_code, exited[0].signal), (None, None));
+    assert_eq!(exited[0].spawn_error, why);
+
+    // An invalid job id never touches the disk and is reported too.
+    let bad = desired("../escape", 0, 0, "true");
+    h.sup.apply_desired(std::slice::from_ref(&bad));
+    let bad_key = AttemptKey::of(&bad);
+    poll_until("bad attempt reported", || exited_events(&h.sup).len() == 2).await;
+    assert!(exited_events(&h.sup)[1].spawn_error.contains("job id"));
+    assert!(h.sup.is_finished(&bad_key));
+    assert!(!h.root.join("escape").exists());
+}
+
+async fn commit_step(store: &LocalStore, job: &str, step: u64, rank: u32, attempt: u32) -> String {
+    let staging = store
+        .prepare_staging(job, rank, attempt)
+        .await
+        .expect("staging");
+    std::fs::write(staging.join("weights.bin"), b"0123456789").expect("write");
+    let part = store
+        .commit_part(
+            job,
+            step,
+            rank,
+            attempt,
+            &staging,
+            serde_json::json!({"shard": 1}),
+        )
+        .await
+        .expect("commit");
+    let dir = part.dir.clone();
+    store
+        .write_manifest(&Manifest {
+            format_version: MANIFEST_FORMAT_VERSION,
+            job_id: job.into(),
+            step,
+            world_size: 1,
+            committed_at_ms: 0,
+            parts: vec![part],
+        })
+        .await
+        .expect("manifest");
+    dir
+}
+
+#[tokio::test]
+async fn checkpoint_staging_and_verified_resume() {
+    let h = harness(Options::default());
+    let ckpt = h.root.join("ckpt");
+    let store = LocalStore::new(&ckpt);
+    let part_dir = commit_step(&store, "job-000007", 100, 0, 0).await;
+
+    let out = h.root.join("env.txt");
+    let mut d = desired(
+        "job-000007",
+        0,
+        1,
+        &format!(
+            "test -d \"$CUMULUS_CKPT_STAGING\" && test -f \"$CUMULUS_RESUME_DIR/weights.bin\" || exit 3; \
+             env > {o}.tmp; mv {o}.tmp {o}",
+            o = out.display()
+        ),
+    );
+    d.ckpt_dir = ckpt.display().to_string();
+    d.resume_step = Some(100);
+    d.resume_dir = part_dir.clone();
+    let key = AttemptKey::of(&d);
+    h.sup.apply_desired(std::slice::from_ref(&d));
+    let exit = wait_finished(&h.sup, &key).await;
+    assert_eq!(exit.exit_code, Some(0), "{exit:?}");
+    let env = parse_env(&std::fs::read_to_string(&out).expect("env"));
+    let staging = ckpt.join("job-000007/.staging/rank-0.attempt-1");
+    assert_eq!(
+        env.get("CUMULUS_CKPT_STAGING"),
+        Some(&staging.display().to_string())
+    );
+    // Staging existed for the rank and is removed once the attempt ended.
+    assert!(!staging.exists());
+    assert_eq!(
+        env.get("CUMULUS_RESUME_STEP").map(String::as_str),
+        Some("100")
+    );
+    let resume = ckpt.join("job-000007").join(&part_dir);
+    assert_eq!(
+        env.get("CUMULUS_RESUME_DIR"),
+        Some(&resume.display().to_string())
+    );
+
+    // Corrupt the part: the next attempt must not start.
+    std::fs::write(resume.join("weights.bin"), b"0123456789-tampered").expect("tamper");
+    let mut d2 = d.clone();
+    d2.attempt = 2;
+    let key2 = AttemptKey::of(&d2);
+    h.sup.apply_desired(std::slice::from_ref(&d2));
+    let exit = wait_finished(&h.sup, &key2).await;
+    let why = exit.spawn_error.expect("refused");
+    assert!(
+        why.starts_with(&format!(
+            "checkpoint part {part_dir:?} of step 100 failed verification: "
+        )),
+        "{why}"
+    );
+    // A resume from a step without manifest is refused as well.
+    let mut d3 = d.clone();
+    d3.attempt = 3;
+    d3.resume_step = Some(200);
+    d3.resume_dir = "step-00000200/rank-0/attempt-0".into();
+    let key3 = AttemptKey::of(&d3);
+    h.sup.apply_desired(std::slice::from_ref(&d3));
+    let why = wait_finished(&h.sup, &key3)
+        .await
+        .spawn_error
+        .expect("refused");
+    assert!(why.contains("failed verification"), "{why}");
+}
+
+#[tokio::test]
+async fn orphans_of_a_previous_agent_are_killed_and_finalized() {
+    let h = harness(Options::default());
+    let data = h.root.join("data");
+    // A rank left behind by a "previous agent": its own process group, no parent-death signal.
+    let mut orphan = std::process::Command::new("sleep")
+        .arg("1000")
+        .process_group(0)
+        .spawn()
+        .expect("spawn orphan");
+    let pid = orphan.id();
+    let running = PidRecord {
+        job_id: "job-000008".into(),
+        rank: 0,
+        attempt: 0,
+        pid: Some(pid),
+        start_ticks: orphans::process_start_ticks(pid),
+    };
+    orphans::write(&data, &running).await.expect("record");
+    let never_started = PidRecord {
+        job_id: "job-000008".into(),
+        rank: 1,
+        attempt: 0,
+        pid: None,
+        start_ticks: None,
+    };
+    orphans::write(&data, &never_started).await.expect("record");
+    let logs_dir = data.join("logs/job-000008/rank-0");
+    std::fs::create_dir_all(&logs_dir).expect("mkdir");
+    std::fs::write(logs_dir.join("attempt-0.log"), b"old output\n").expect("log");
+
+    h.sup.recover_orphans().await;
+
+    let status = tokio::task::spawn_blocking(move || orphan.wait())
+        .await
+        .expect("join")
+        .expect("wait");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+    assert!(orphans::scan(&data).await.expect("scan").is_empty());
+    for (rank, signal, spawn_error) in [(0, Some(9), false), (1, None, true)] {
+        let key = AttemptKey::new("job-000008", rank, 0);
+        assert!(h.sup.is_finished(&key));
+        let paths = AttemptPaths::new(&data, &key).expect("paths");
+        let exit = logs::read_exit_record(&paths.exit)
+            .await
+            .expect("read")
+            .expect("exit");
+        assert_eq!(exit.signal, signal);
+        assert_eq!(exit.spawn_error.is_some(), spawn_error);
+        assert!(
+            log_text(&h.sup, &key)
+                .ends_with("[cumulus: the agent restarted; this attempt was lost]\n")
+        );
+    }
+    assert!(log_text(&h.sup, &AttemptKey::new("job-000008", 0, 0)).starts_with("old output\n"));
+    let exited = exited_events(&h.sup);
+    assert_eq!(exited.len(), 2);
+    assert_eq!(exited[0].signal, Some(9));
+    assert!(!exited[1].spawn_error.is_empty());
+    // Never started again.
+    assert!(
+        h.sup
+            .apply_desired(&[desired("job-000008", 0, 0, "true")])
+            .is_empty()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Rank-local API over real HTTP
+// ---------------------------------------------------------------------------
+
+struct RankApi {
+    h: Harness,
+    url: String,
+    http: reqwest::Client,
+    _server: tokio::task::JoinHandle<()>,
+}
+
+async fn rank_api(opts: Options) -> RankApi {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let h = harness(Options {
+        rank_api_url: url.clone(),
+        ..opts
+    });
+    let router = crate::rank_api::router(h.sup.clone());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router).await.expect("serve");
+    });
+    RankApi {
+        h,
+        url,
+        http: reqwest::Client::new(),
+        _server: server,
+    }
+}
+
+/// Starts a rank that dumps its env and then waits; returns its env.
+async fn start_waiting_rank(api: &RankApi, d: &mut DesiredRank) -> HashMap<String, String> {
+    let out = api.h.root.join(format!("env-{}-{}.txt", d.rank, d.attempt));
+    d.command = vec![
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "trap '' TERM; env > {o}.tmp; mv {o}.tmp {o}; while :; do sleep 0.05; done",
+            o = out.display()
+        ),
+    ];
+    api.h.sup.apply_desired(std::slice::from_ref(d));
+    poll_until("env dump", || out.exists()).await;
+    parse_env(&std::fs::read_to_string(&out).expect("env"))
+}
+
+#[tokio::test]
+async fn rank_api_progress_and_auth() {
+    let api = rank_api(Options {
+        stop_grace: Duration::from_millis(100),
+        ..Options::default()
+    })
+    .await;
+    let mut d = desired("job-000009", 0, 0, "");
+    let env = start_waiting_rank(&api, &mut d).await;
+    assert_eq!(env.get("CUMULUS_AGENT_URL"), Some(&api.url));
+    let token = env.get("CUMULUS_AGENT_TOKEN").expect("token").clone();
+    let progress = format!("{}/v1/progress", api.url);
+    let key = AttemptKey::of(&d);
+
+    let r = api
+        .http
+        .post(&progress)
+        .bearer_auth(&token)
+        .json(&serde_json::json!({"step": 42, "total_steps": 100, "metrics": {"loss": 0.5}}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 204);
+    let p = api.h.sup.progress(&key).expect("progress");
+    assert_eq!((p.step, p.total_steps), (42, 100));
+    assert_eq!(p.metrics.get("loss"), Some(&0.5));
+    poll_until("pid", || !api.h.sup.observed().is_empty()).await;
+    let observed = api.h.sup.observed();
+    assert_eq!((observed[0].step, observed[0].total_steps), (42, 100));
+
+    for (auth, body, status) in [
+        (None, serde_json::json!({"step": 1}), 401),
+        (Some("wrong-token"), serde_json::json!({"step": 1}), 401),
+        (
+            Some(token.as_str()),
+            serde_json::json!({"total_steps": 1}),
+            400,
+        ),
+        (Some(token.as_str()), serde_json::json!({"step": -1}), 400),
+    ] {
+        let mut req = api.http.post(&progress).json(&body);
+        if let Some(t) = auth {
+            req = req.bearer_auth(t);
+        }
+        let r = req.send().await.expect("send");
+        assert_eq!(r.status(), status, "{auth:?} {body}");
+        let err: serde_json::Value = r.json().await.expect("json error");
+        assert!(err["error"].is_string());
+    }
+    let many: serde_json::Map<String, serde_json::Value> = (0..65)
+        .map(|i| (format!("m{i}"), serde_json::json!(1.0)))
+        .collect();
+    let r = api
+        .http
+        .post(&progress)
+        .bearer_auth(&token)
+        .json(&serde_json::json!({"step": 1, "metrics": many}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 400);
+
+    // Checkpoints are disabled for this job.
+    let r = api
+        .http
+        .post(format!("{}/v1/checkpoint", api.url))
+        .bearer_auth(&token)
+        .json(&serde_json::json!({"step": 1, "state": {}}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 400);
+
+    // Once the attempt ended, its token is unknown.
+    api.h.sup.apply_desired(&[]);
+    wait_finished(&api.h.sup, &key).await;
+    let r = api
+        .http
+        .post(&progress)
+        .bearer_auth(&token)
+        .json(&serde_json::json!({"step": 43}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 401);
+}
+
+#[tokio::test]
+async fn rank_api_checkpoint_commit_paths() {
+    let api = rank_api(Options {
+        stop_grace: Duration::from_secs(60),
+        ..Options::default()
+    })
+    .await;
+    let ckpt = api.h.root.join("ckpt");
+    let mut d = desired("job-000010", 0, 0, "");
+    d.ckpt_dir = ckpt.display().to_string();
+    let env = start_waiting_rank(&api, &mut d).await;
+    let token = env.get("CUMULUS_AGENT_TOKEN").expect("token").clone();
+    let staging = PathBuf::from(env.get("CUMULUS_CKPT_STAGING").expect("staging"));
+    let url = format!("{}/v1/checkpoint", api.url);
+    let key = AttemptKey::of(&d);
+
+    // Bad bodies.
+    for body in [
+        serde_json::json!({"step": 1, "state": [1, 2]}),
+        serde_json::json!({"state": {}}),
+        serde_json::json!({"step": 1, "state": {"big": "x".repeat(MAX_BODY_TEST)}}),
+    ] {
+        let r = api
+            .http
+            .post(&url)
+            .bearer_auth(&token)
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        assert!(r.status() == 400 || r.status() == 413, "{}", r.status());
+    }
+
+    // The part commits locally; no leader acknowledges it: 503, and the part stays.
+    std::fs::write(staging.join("weights.bin"), b"abc").expect("write");
+    let body = serde_json::json!({"step": 100, "state": {"shard": 3, "record": 17}});
+    let r = api
+        .http
+        .post(&url)
+        .bearer_auth(&token)
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 503);
+    let err: serde_json::Value = r.json().await.expect("json");
+    assert!(
+        err["error"]
+            .as_str()
+            .expect("msg")
+            .contains("CommitCheckpointPart")
+    );
+    let part = ckpt.join("job-000010/step-00000100/rank-0/attempt-0");
+    assert_eq!(
+        std::fs::read(part.join("weights.bin")).expect("part"),
+        b"abc"
+    );
+    assert_eq!(std::fs::read_dir(&staging).expect("staging").count(), 0);
+    // A retry of the same step re-reports the committed part (no "already exists" 400).
+    let r = api
+        .http
+        .post(&url)
+        .bearer_auth(&token)
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 503);
+
+    // Once the attempt is no longer desired: 409.
+    poll_until("pid", || api.h.sup.attempt_pid(&key).is_some()).await;
+    let pid = api.h.sup.attempt_pid(&key).expect("pid");
+    api.h.sup.apply_desired(&[]);
+    let r = api
+        .http
+        .post(&url)
+        .bearer_auth(&token)
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 409);
+    // The rank ignores SIGTERM and the grace is long: end it here.
+    signal_group(pid, Signal::SIGKILL).expect("kill");
+    wait_finished(&api.h.sup, &key).await;
+}
+
+const MAX_BODY_TEST: usize = crate::rank_api::MAX_STATE_BYTES + 10;
