@@ -917,6 +917,12 @@ mod tests {
         let mut child = spawn_detached(&tail, &["-f".into(), marker.display().to_string()], &log)
             .expect("spawn");
         let pid = child.id();
+        // `spawn` returns once exec has begun; the kernel sets the new argv a moment
+        // later (an empty cmdline until then), so wait for it on a condition.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !is_ours(pid, "tail", &marker) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         assert!(
             is_ours(pid, "tail", &marker),
             "a live child with our argv; log: {}",
