@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # The project's test command: builds every binary (the end-to-end tests start the real
-# coordinator, worker, trainer and cumulusctl processes), then runs every test.
+# coordinator, worker, trainer and cumulusctl processes), then runs every test, then the
+# docker-compose test (compose/test.sh: real images and containers; it prints
+# "COMPOSE TEST SKIPPED" and why when no Docker engine is reachable).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --workspace --bins
 cargo test --workspace "$@"
+if [ "${CUMULUS_COMPOSE_TEST:-1}" = 0 ]; then
+  echo "COMPOSE TEST SKIPPED: CUMULUS_COMPOSE_TEST=0"
+else
+  ./compose/test.sh
+fi
