@@ -7,6 +7,7 @@ ARG BUILDER_IMAGE=rust:1.95-bookworm
 ARG BASE_IMAGE=debian:bookworm-slim
 
 FROM ${BUILDER_IMAGE} AS build
+LABEL cumulus.stage=build
 ARG S3S_FS_BIN=
 COPY . /ctx
 RUN set -eu; \

@@ -85,6 +85,7 @@ cleanup() {
     for i in cumulus-coordinator cumulus-worker cumulusctl cumulus-s3s-fs; do
       docker rmi "$i:$CUMULUS_TAG" >/dev/null 2>&1 || true
     done
+    docker image prune -f --filter label=cumulus.stage=build >/dev/null 2>&1 || true
   fi
   rm -rf "$work"
 }

@@ -442,6 +442,19 @@ fn observe(node: &Node) -> Observations {
             p.changed_at = now;
             p.seen_at = now;
         }
+        // A new leader has seen no heartbeat yet: a running attempt counts as seen now,
+        // not at its start (else every attempt older than the lost threshold would be
+        // declared lost on the first tick, and a failover would restart every job).
+        for (key, _, _) in &running {
+            soft.progress
+                .entry(key.clone())
+                .or_insert(crate::node::ProgressSoft {
+                    step: 0,
+                    total_steps: 0,
+                    changed_at: now,
+                    seen_at: now,
+                });
+        }
     }
     let mut obs = Observations::default();
     for w in &workers {

@@ -193,13 +193,26 @@ async fn leader_kill_elects_a_new_leader_and_the_job_finishes() {
     let root = cluster.dir.path().to_path_buf();
     let w = prepare_digits(&root, 8).expect("shards");
     let job_id = cluster
-        .submit("leader-kill", spec(&w, &root, "lk", 10))
+        .submit("leader-kill", spec(&w, &root, "lk", 60))
         .await
         .expect("submit")
         .job_id;
+    // Ranks running for longer than the coordinators' "lost" threshold (5 heartbeat
+    // intervals of 1 s): a new leader must not take its own empty soft state for
+    // attempts that went missing.
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    };
     cluster
-        .wait_job(&job_id, "job running with a checkpoint", LONG, |j| {
+        .wait_job(&job_id, "ranks running for 6 s with a checkpoint", LONG, |j| {
             j.committed_step.is_some_and(|s| s >= 20)
+                && j.ranks.iter().all(|r| {
+                    r.state == "running"
+                        && r.started_at_ms > 0
+                        && now_ms().saturating_sub(r.started_at_ms) > 6_000
+                })
         })
         .await;
     let old = cluster.wait_leader(LONG).await;
@@ -234,6 +247,11 @@ async fn leader_kill_elects_a_new_leader_and_the_job_finishes() {
     assert!(!second.created);
     let job = cluster.wait_finished(&job_id, LONG).await;
     assert_eq!(job.state, "succeeded", "{job:?}");
+    assert_eq!(
+        job.restarts_used, 0,
+        "a leader failover restarts no rank: {:?}",
+        job.restarts
+    );
     check_results(&cluster, &w, &root.join("out-lk"));
     // cumulusctl keeps working with the dead coordinator still in its address list.
     let out = cluster
