@@ -206,14 +206,19 @@ async fn leader_kill_elects_a_new_leader_and_the_job_finishes() {
             .map_or(0, |d| d.as_millis() as u64)
     };
     cluster
-        .wait_job(&job_id, "ranks running for 6 s with a checkpoint", LONG, |j| {
-            j.committed_step.is_some_and(|s| s >= 20)
-                && j.ranks.iter().all(|r| {
-                    r.state == "running"
-                        && r.started_at_ms > 0
-                        && now_ms().saturating_sub(r.started_at_ms) > 6_000
-                })
-        })
+        .wait_job(
+            &job_id,
+            "ranks running for 6 s with a checkpoint",
+            LONG,
+            |j| {
+                j.committed_step.is_some_and(|s| s >= 20)
+                    && j.ranks.iter().all(|r| {
+                        r.state == "running"
+                            && r.started_at_ms > 0
+                            && now_ms().saturating_sub(r.started_at_ms) > 6_000
+                    })
+            },
+        )
         .await;
     let old = cluster.wait_leader(LONG).await;
     let i = cluster
