@@ -162,10 +162,21 @@ wait_until "2 workers alive" 120 workers_alive 2
 ctl dataset split /usr/share/cumulus/digits/digits.csv.gz --shards 8 \
   --out /shared/data/shards --holdout-out /shared/data/holdout.csv >/dev/null
 
+# Checkpoints go to the S3 server (bucket `cumulus`, prefix `runs`) when the binaries
+# support S3 targets, else to the shared /ckpt volume (local backend).
+if ctl submit --help | grep -q -- '--ckpt-url'; then
+  CKPT_MODE=s3
+  ckpt_args=(--ckpt-url s3://cumulus/runs)
+else
+  CKPT_MODE=local
+  ckpt_args=(--ckpt-dir /ckpt)
+fi
+say "checkpoint target: $CKPT_MODE (${ckpt_args[*]})"
+
 EPOCHS=8
 submit() { # name epochs step_sleep_ms
   ctl submit -o json --name "$1" --world-size 4 --dataset /shared/data/shards \
-    --ckpt-dir /ckpt --max-restarts 10 --backoff-initial-ms 500 --backoff-max-ms 2000 \
+    "${ckpt_args[@]}" --max-restarts 10 --backoff-initial-ms 500 --backoff-max-ms 2000 \
     -- /usr/local/bin/cumulus-trainer train --test-file /shared/data/holdout.csv \
     --out "/shared/out/$1" --epochs "$2" --ckpt-every 20 --step-sleep-ms "$3" |
     jget 'd["job_id"]'
@@ -203,20 +214,30 @@ check_results() { # job name
   say "$name: 4 ranks, every record exactly once, accuracy >= 0.9"
 }
 
-# LATEST names a step that `ckpt ls` verified against its manifest.
+# LATEST (on /ckpt, or in the bucket: a signed S3 GET) names a step that `ckpt ls`
+# verified against its manifest (in S3 mode: with a verified copy in the bucket, L2).
 check_latest() { # job
   local latest
-  latest="$(docker exec "$ctlbox" cat "/ckpt/$1/LATEST" | tr -d '\n')"
+  if [ "$CKPT_MODE" = s3 ]; then
+    latest="$(docker exec "$(dc ps -q s3)" curl -fsS --aws-sigv4 aws:amz:us-east-1:s3 \
+      -H 'x-amz-content-sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855' \
+      --user "${CUMULUS_S3_ACCESS_KEY:-cumulus}:${CUMULUS_S3_SECRET_KEY:-cumulus-secret}" \
+      "http://127.0.0.1:9000/cumulus/runs/$1/LATEST" | tr -d '\n')"
+  else
+    latest="$(docker exec "$ctlbox" cat "/ckpt/$1/LATEST" | tr -d '\n')"
+  fi
   [[ "$latest" =~ ^step-0*([0-9]+)$ ]] || fail "LATEST of $1 is '$latest'"
   ctl ckpt ls -o json "$1" >"$work/ckpt.json"
-  python3 - "$work/ckpt.json" "${BASH_REMATCH[1]}" <<'EOF' || fail "LATEST of $1 is not a verified step"
+  python3 - "$work/ckpt.json" "${BASH_REMATCH[1]}" "$CKPT_MODE" <<'EOF' || fail "LATEST of $1 is not a verified step ($(cat "$work/ckpt.json"))"
 import json, sys
 d = json.load(open(sys.argv[1]))
 steps = d.get("checkpoints", d if isinstance(d, list) else [])
-ok = any(c["step"] == int(sys.argv[2]) and c.get("verified") for c in steps)
+need_l2 = sys.argv[3] == "s3"
+ok = any(c["step"] == int(sys.argv[2]) and c.get("verified")
+         and (not need_l2 or "L2" in c.get("tiers", [])) for c in steps)
 sys.exit(0 if ok else 1)
 EOF
-  say "$1: LATEST = $latest, verified against its manifest"
+  say "$1: LATEST = $latest ($CKPT_MODE), verified against its manifest"
 }
 
 # ---- 1. a job --------------------------------------------------------------------------
