@@ -193,6 +193,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         workers: 1,
         slots: 1,
         heartbeat_timeout_ms: 5_000,
+        ..ClusterOpts::default()
     })
     .await
     .context("starting the cluster")?;

@@ -34,6 +34,15 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Cluster(ClusterCommand::Status) => {
             jobs::cluster_status(&config::resolve(g)?, out).await
         }
+        Command::Cluster(ClusterCommand::AddLearner(a)) => {
+            jobs::add_learner(&config::resolve(g)?, a.id, &a.member_addr, out).await
+        }
+        Command::Cluster(ClusterCommand::Promote(m)) => {
+            jobs::promote(&config::resolve(g)?, m.id, out).await
+        }
+        Command::Cluster(ClusterCommand::Remove(m)) => {
+            jobs::remove(&config::resolve(g)?, m.id, out).await
+        }
         Command::Dataset(DatasetCommand::Split(a)) => {
             let holdout_fraction = a.holdout_fraction.unwrap_or(if a.holdout_out.is_some() {
                 dataset::DEFAULT_HOLDOUT_FRACTION

@@ -222,6 +222,34 @@ pub enum CkptCommand {
 pub enum ClusterCommand {
     /// Members, leader, Raft indexes and workers.
     Status,
+    /// Add a coordinator (started with `--join`) as a non-voting learner; returns once it
+    /// has caught up with the leader's log.
+    AddLearner(AddLearnerArgs),
+    /// Make a learner a voting member.
+    Promote(MemberArg),
+    /// Remove a voter or learner (stop its process afterwards; a wiped node may rejoin
+    /// with `add-learner`).
+    Remove(MemberArg),
+}
+
+/// `cluster add-learner ID ADDR`.
+#[derive(Debug, Args)]
+pub struct AddLearnerArgs {
+    /// Raft node id of the new coordinator (≥ 1).
+    #[arg(value_parser = clap::value_parser!(u64).range(1..))]
+    pub id: u64,
+    /// Its addresses: `GRPC_HOST:PORT@HTTP_HOST:PORT` (as in the coordinator's `--peer`).
+    /// (Named apart from the global `--addr`, whose clap id it would otherwise share.)
+    #[arg(value_name = "ADDR")]
+    pub member_addr: String,
+}
+
+/// A member's Raft node id.
+#[derive(Debug, Args)]
+pub struct MemberArg {
+    /// Raft node id (≥ 1).
+    #[arg(value_parser = clap::value_parser!(u64).range(1..))]
+    pub id: u64,
 }
 
 /// `dataset` subcommands.

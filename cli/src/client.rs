@@ -480,6 +480,35 @@ impl Client {
         .await
     }
 
+    /// `AddLearner` (waits until the learner caught up).
+    pub async fn add_learner(
+        &self,
+        req: cumulus_proto::AddLearnerRequest,
+    ) -> Result<ClusterStatusResponse, ClientError> {
+        self.call("AddLearner", req, |mut c, r| async move {
+            c.add_learner(r).await
+        })
+        .await
+    }
+
+    /// `PromoteMember`.
+    pub async fn promote_member(&self, node_id: u64) -> Result<ClusterStatusResponse, ClientError> {
+        let req = cumulus_proto::PromoteMemberRequest { node_id };
+        self.call("PromoteMember", req, |mut c, r| async move {
+            c.promote_member(r).await
+        })
+        .await
+    }
+
+    /// `RemoveMember`.
+    pub async fn remove_member(&self, node_id: u64) -> Result<ClusterStatusResponse, ClientError> {
+        let req = cumulus_proto::RemoveMemberRequest { node_id };
+        self.call("RemoveMember", req, |mut c, r| async move {
+            c.remove_member(r).await
+        })
+        .await
+    }
+
     /// `ListCheckpoints`.
     pub async fn list_checkpoints(
         &self,
@@ -764,6 +793,27 @@ mod tests {
             ) -> Result<Response<ListCheckpointsResponse>, Status> {
                 self.0.gate(&req)?;
                 Ok(Response::new(ListCheckpointsResponse::default()))
+            }
+            async fn add_learner(
+                &self,
+                req: Request<cumulus_proto::AddLearnerRequest>,
+            ) -> Result<Response<ClusterStatusResponse>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::unimplemented("not served by this test node"))
+            }
+            async fn promote_member(
+                &self,
+                req: Request<cumulus_proto::PromoteMemberRequest>,
+            ) -> Result<Response<ClusterStatusResponse>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::unimplemented("not served by this test node"))
+            }
+            async fn remove_member(
+                &self,
+                req: Request<cumulus_proto::RemoveMemberRequest>,
+            ) -> Result<Response<ClusterStatusResponse>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::unimplemented("not served by this test node"))
             }
         }
 

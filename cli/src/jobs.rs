@@ -250,6 +250,59 @@ pub async fn cluster_status(conn: &Conn, output: OutputFormat) -> Result<()> {
     }
 }
 
+/// Splits `GRPC_HOST:PORT@HTTP_HOST:PORT` into its two addresses.
+///
+/// # Errors
+/// When either half is missing or has no port.
+pub fn parse_member_addr(addr: &str) -> Result<(String, String)> {
+    let usage = || format!("{addr:?} must look like GRPC_HOST:PORT@HTTP_HOST:PORT");
+    let (grpc, http) = addr.split_once('@').with_context(usage)?;
+    for a in [grpc, http] {
+        let ok = a
+            .rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+        if !ok {
+            bail!(usage());
+        }
+    }
+    Ok((grpc.to_string(), http.to_string()))
+}
+
+fn print_membership(
+    resp: &cumulus_proto::ClusterStatusResponse,
+    output: OutputFormat,
+) -> Result<()> {
+    match output {
+        OutputFormat::Json => print_json(resp),
+        OutputFormat::Table => print_text(&render::cluster_status(resp)),
+    }
+}
+
+/// `cluster add-learner ID GRPC@HTTP`.
+pub async fn add_learner(conn: &Conn, id: u64, addr: &str, output: OutputFormat) -> Result<()> {
+    let (grpc_addr, http_addr) = parse_member_addr(addr)?;
+    let resp = Client::new(conn)?
+        .add_learner(cumulus_proto::AddLearnerRequest {
+            node_id: id,
+            grpc_addr,
+            http_addr,
+        })
+        .await?;
+    print_membership(&resp, output)
+}
+
+/// `cluster promote ID`.
+pub async fn promote(conn: &Conn, id: u64, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.promote_member(id).await?;
+    print_membership(&resp, output)
+}
+
+/// `cluster remove ID`.
+pub async fn remove(conn: &Conn, id: u64, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.remove_member(id).await?;
+    print_membership(&resp, output)
+}
+
 /// `logs JOB [-f] [--rank R]`: prints `[rank R a A] line` (or one JSON object per line).
 pub async fn logs(
     conn: &Conn,

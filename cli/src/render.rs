@@ -307,7 +307,7 @@ pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
     let mut out = String::new();
     let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
     out.push_str(&format!(
-        "answered by node {}; leader: {}; term {}; commit index {}; last applied {}\n\n",
+        "answered by node {}; leader: {}; term {}; commit index {}; last applied {}; snapshot {}; purged {}\n\n",
         resp.node_id,
         resp.leader_id
             .map_or("none (election in progress?)".to_string(), |l| format!(
@@ -316,6 +316,8 @@ pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
         resp.term,
         opt(resp.commit_index),
         opt(resp.last_applied_index),
+        opt(resp.snapshot_index),
+        opt(resp.purged_index),
     ));
     let mut m = table(&["NODE", "GRPC", "HTTP", "ROLE", "VOTER"]);
     for mem in &resp.members {

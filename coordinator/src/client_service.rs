@@ -100,4 +100,34 @@ impl ClientService for ClientSvc {
             .map(Response::new)
             .map_err(to_status)
     }
+
+    async fn add_learner(
+        &self,
+        req: Request<v1::AddLearnerRequest>,
+    ) -> Result<Response<v1::ClusterStatusResponse>, Status> {
+        api::add_learner(&self.node, req.into_inner())
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn promote_member(
+        &self,
+        req: Request<v1::PromoteMemberRequest>,
+    ) -> Result<Response<v1::ClusterStatusResponse>, Status> {
+        api::promote_member(&self.node, req.into_inner().node_id)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn remove_member(
+        &self,
+        req: Request<v1::RemoveMemberRequest>,
+    ) -> Result<Response<v1::ClusterStatusResponse>, Status> {
+        api::remove_member(&self.node, req.into_inner().node_id)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
 }

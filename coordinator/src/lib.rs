@@ -84,6 +84,7 @@ pub struct Config {
     #[arg(long)]
     pub http_listen: SocketAddr,
     /// Every member of the initial cluster, this node included: `ID=GRPC@HTTP` (repeat).
+    /// With `--join`, this node's own entry is enough.
     #[arg(long = "peer", value_parser = parse_peer, required = true)]
     pub peers: Vec<Peer>,
     /// Directory of this node's sled database (created if missing).
@@ -116,6 +117,15 @@ pub struct Config {
     /// Build a snapshot (and compact the log) every this many applied entries.
     #[arg(long, default_value_t = 5_000)]
     pub snapshot_every_entries: u64,
+    /// Log entries kept behind each snapshot (a follower lagging by more than this
+    /// catches up by a snapshot install instead of log entries).
+    #[arg(long, default_value_t = 1_000)]
+    pub keep_log_entries: u64,
+    /// Join an existing cluster: never bootstrap, wait to be added with
+    /// `cumulusctl cluster add-learner`. Use it for every node started after the cluster
+    /// was created, and for a node whose data dir was wiped (after `cluster remove`).
+    #[arg(long)]
+    pub join: bool,
     /// Most concurrent SSE log streams served by this node.
     #[arg(long, default_value_t = 256)]
     pub max_log_streams: usize,
@@ -168,7 +178,7 @@ pub async fn run(
         election_timeout_min: config.election_timeout_min_ms,
         election_timeout_max: config.election_timeout_max_ms,
         snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(config.snapshot_every_entries),
-        max_in_snapshot_log_to_keep: 1_000,
+        max_in_snapshot_log_to_keep: config.keep_log_entries,
         ..Default::default()
     };
     let raft_config = Arc::new(raft_config.validate().context("raft configuration")?);
@@ -202,7 +212,9 @@ pub async fn run(
     // The lowest-id member bootstraps a pristine cluster with the configured membership;
     // the others wait to be contacted (several nodes initializing at once race their
     // first elections).
-    let bootstrapper = config.peers.iter().map(|p| p.id).min() == Some(config.node_id);
+    // A joining node never bootstraps: the leader adds it.
+    let bootstrapper =
+        !config.join && config.peers.iter().map(|p| p.id).min() == Some(config.node_id);
     if bootstrapper && !raft.is_initialized().await? {
         let members: BTreeMap<NodeId, CumulusNode> = config
             .peers

@@ -6,7 +6,12 @@
 //! `cargo build --workspace --bins` before `cargo test` (the README's test command
 //! does).
 
+pub mod history;
+pub mod nemesis;
+pub mod net;
+
 use std::fs::File;
+use std::sync::Arc;
 use std::future::Future;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -149,14 +154,19 @@ impl Proc {
 pub struct Coordinator {
     /// Raft node id.
     pub id: u64,
-    /// gRPC address.
+    /// gRPC address it advertises (a [`net::Proxy`] front when the cluster is proxied).
     pub grpc: String,
+    /// gRPC address it listens on (equal to `grpc` unless proxied).
+    pub grpc_listen: String,
     /// HTTP address.
     pub http: String,
     /// Data dir.
     pub data_dir: PathBuf,
     /// Process.
     pub proc: Proc,
+    /// Started with `--join` (added after the cluster was created, or wiped): it never
+    /// bootstraps and waits for `add-learner`.
+    pub join: bool,
 }
 
 /// Options of a test cluster.
@@ -170,6 +180,13 @@ pub struct ClusterOpts {
     pub slots: u32,
     /// Worker expiry timeout, in milliseconds.
     pub heartbeat_timeout_ms: u64,
+    /// Coordinators' `--snapshot-every-entries` (None: the coordinator's default).
+    pub snapshot_every_entries: Option<u64>,
+    /// Coordinators' `--keep-log-entries` (None: the coordinator's default).
+    pub keep_log_entries: Option<u64>,
+    /// Put a fault-injecting [`net::Proxy`] in front of every coordinator's gRPC port,
+    /// so [`Cluster::net`] can cut links between nodes.
+    pub proxied: bool,
 }
 
 impl Default for ClusterOpts {
@@ -179,6 +196,9 @@ impl Default for ClusterOpts {
             workers: 2,
             slots: 4,
             heartbeat_timeout_ms: 5_000,
+            snapshot_every_entries: None,
+            keep_log_entries: None,
+            proxied: false,
         }
     }
 }
@@ -194,6 +214,9 @@ pub struct Cluster {
     /// Worker agents.
     pub workers: Vec<Proc>,
     token_file: PathBuf,
+    /// The link fault state shared by every proxy (unused unless `opts.proxied`).
+    pub net: Arc<net::Net>,
+    proxies: Vec<net::Proxy>,
     /// Held for the cluster's lifetime: test clusters run one at a time, so a 2-core CI
     /// machine never starves heartbeats of two clusters at once.
     _serial: std::sync::MutexGuard<'static, ()>,
@@ -211,10 +234,29 @@ impl Cluster {
         let token_file = dir.path().join("token");
         std::fs::write(&token_file, TOKEN)?;
         let mut coordinators = Vec::new();
+        let net = net::Net::new();
+        let mut proxies = Vec::new();
         for id in 1..=opts.coordinators as u64 {
+            let grpc = format!("127.0.0.1:{}", free_port());
+            let grpc_listen = if opts.proxied {
+                let back = format!("127.0.0.1:{}", free_port());
+                proxies.push(
+                    net::Proxy::start(
+                        net.clone(),
+                        &format!("coord-{id}"),
+                        grpc.parse()?,
+                        back.parse()?,
+                    )
+                    .await?,
+                );
+                back
+            } else {
+                grpc.clone()
+            };
             coordinators.push(Coordinator {
                 id,
-                grpc: format!("127.0.0.1:{}", free_port()),
+                grpc,
+                grpc_listen,
                 http: format!("127.0.0.1:{}", free_port()),
                 data_dir: dir.path().join(format!("coord-{id}")),
                 proc: Proc {
@@ -222,6 +264,7 @@ impl Cluster {
                     child: None,
                     log: dir.path().join(format!("coord-{id}.log")),
                 },
+                join: false,
             });
         }
         let mut cluster = Cluster {
@@ -230,6 +273,8 @@ impl Cluster {
             coordinators,
             workers: Vec::new(),
             token_file,
+            net,
+            proxies,
             _serial: serial,
         };
         for i in 0..cluster.coordinators.len() {
@@ -258,6 +303,7 @@ impl Cluster {
     fn peers(&self) -> Vec<String> {
         self.coordinators
             .iter()
+            .filter(|c| !c.join)
             .flat_map(|c| {
                 [
                     "--peer".to_string(),
@@ -267,10 +313,22 @@ impl Cluster {
             .collect()
     }
 
-    /// (Re)starts coordinator `i` (index into `coordinators`) on its data dir.
+    /// (Re)starts coordinator `i` (index into `coordinators`) on its data dir. A
+    /// joining coordinator is given only itself as peer, plus `--join`.
     pub fn spawn_coordinator(&mut self, i: usize) -> anyhow::Result<()> {
-        let peers = self.peers();
+        let mut peers = self.peers();
         let c = &mut self.coordinators[i];
+        let mut extra: Vec<String> = Vec::new();
+        if c.join {
+            peers = vec!["--peer".into(), format!("{}={}@{}", c.id, c.grpc, c.http)];
+            extra.push("--join".into());
+        }
+        if let Some(n) = self.opts.snapshot_every_entries {
+            extra.extend(["--snapshot-every-entries".into(), n.to_string()]);
+        }
+        if let Some(n) = self.opts.keep_log_entries {
+            extra.extend(["--keep-log-entries".into(), n.to_string()]);
+        }
         let log = File::options()
             .create(true)
             .append(true)
@@ -279,7 +337,7 @@ impl Cluster {
             .arg("--node-id")
             .arg(c.id.to_string())
             .arg("--grpc-listen")
-            .arg(&c.grpc)
+            .arg(&c.grpc_listen)
             .arg("--http-listen")
             .arg(&c.http)
             .args(&peers)
@@ -289,6 +347,7 @@ impl Cluster {
             .arg(&self.token_file)
             .arg("--heartbeat-timeout-ms")
             .arg(self.opts.heartbeat_timeout_ms.to_string())
+            .args(&extra)
             .env("RUST_LOG", "info,openraft=warn")
             .env("RUST_BACKTRACE", "0")
             .stdin(Stdio::null())
@@ -296,8 +355,66 @@ impl Cluster {
             .stderr(log)
             .spawn()
             .context("spawning cumulus-coordinator")?;
+        self.net.register(child.id(), &c.proc.name);
         c.proc.child = Some(child);
         Ok(())
+    }
+
+    /// Creates a new coordinator (next free id, fresh ports and data dir), starts it with
+    /// `--join` and returns its index; it is not a member until `add-learner`.
+    pub fn add_coordinator(&mut self) -> anyhow::Result<usize> {
+        let id = self.coordinators.iter().map(|c| c.id).max().unwrap_or(0) + 1;
+        let dir = self.dir.path();
+        let grpc = format!("127.0.0.1:{}", free_port());
+        self.coordinators.push(Coordinator {
+            id,
+            grpc_listen: grpc.clone(),
+            grpc,
+            http: format!("127.0.0.1:{}", free_port()),
+            data_dir: dir.join(format!("coord-{id}")),
+            proc: Proc {
+                name: format!("coord-{id}"),
+                child: None,
+                log: dir.join(format!("coord-{id}.log")),
+            },
+            join: true,
+        });
+        let i = self.coordinators.len() - 1;
+        self.spawn_coordinator(i)?;
+        Ok(i)
+    }
+
+    /// SIGKILLs coordinator `i`, deletes its data dir and marks it as joining: the next
+    /// [`Cluster::spawn_coordinator`] starts it empty with `--join`.
+    pub fn wipe_coordinator(&mut self, i: usize) -> anyhow::Result<()> {
+        let c = &mut self.coordinators[i];
+        c.proc.kill9();
+        if c.data_dir.exists() {
+            std::fs::remove_dir_all(&c.data_dir)
+                .with_context(|| format!("wiping {}", c.data_dir.display()))?;
+        }
+        c.join = true;
+        Ok(())
+    }
+
+    /// Index into `coordinators` of node `id`.
+    pub fn index_of(&self, id: u64) -> Option<usize> {
+        self.coordinators.iter().position(|c| c.id == id)
+    }
+
+    /// `GRPC@HTTP` of coordinator `i`, as `cumulusctl cluster add-learner` takes it.
+    pub fn member_addr(&self, i: usize) -> String {
+        let c = &self.coordinators[i];
+        format!("{}@{}", c.grpc, c.http)
+    }
+
+    /// Cluster status as coordinator `i` itself sees it (None when it does not answer).
+    pub async fn status_of(&self, i: usize) -> Option<v1::ClusterStatusResponse> {
+        let mut c = self.client_of(i).await.ok()?;
+        c.cluster_status(v1::ClusterStatusRequest {})
+            .await
+            .ok()
+            .map(|r| r.into_inner())
     }
 
     /// (Re)starts worker `i` (index into `workers`).
@@ -330,6 +447,7 @@ impl Cluster {
             .stderr(log)
             .spawn()
             .context("spawning cumulus-worker")?;
+        self.net.register(child.id(), &w.name);
         w.child = Some(child);
         Ok(())
     }
@@ -507,6 +625,14 @@ impl Cluster {
             .output()?)
     }
 
+    /// A cloneable client-side view of the coordinators' addresses, for concurrent
+    /// clients while the cluster itself is being mutated (faults, restarts).
+    pub fn view(&self) -> View {
+        View {
+            grpc: self.coordinators.iter().map(|c| c.grpc.clone()).collect(),
+        }
+    }
+
     /// Prints the tail of every process log (called when a test fails).
     pub fn dump_logs(&self) {
         let procs = self
@@ -537,6 +663,81 @@ impl Cluster {
                 errors.join("\n"),
                 tail.join("\n")
             );
+        }
+    }
+}
+
+/// The coordinators' advertised gRPC addresses, for clients (see [`Cluster::view`]).
+#[derive(Clone, Debug)]
+pub struct View {
+    /// gRPC address of each coordinator.
+    pub grpc: Vec<String>,
+}
+
+impl View {
+    /// A client of coordinator `i`.
+    pub async fn client_of(&self, i: usize) -> anyhow::Result<Client> {
+        let ch = Endpoint::from_shared(format!("http://{}", self.grpc[i]))?
+            .connect_timeout(Duration::from_secs(1))
+            .timeout(Duration::from_secs(5))
+            .connect()
+            .await?;
+        Ok(ClientServiceClient::with_interceptor(ch, Auth::new(TOKEN)))
+    }
+
+    /// Submits with one request id, starting at coordinator `first` and following
+    /// leader hints or rotating on errors, for up to `deadline`.
+    pub async fn submit(
+        &self,
+        first: usize,
+        request_id: &str,
+        spec: v1::JobSpec,
+        deadline: Duration,
+    ) -> anyhow::Result<v1::SubmitJobResponse> {
+        let start = Instant::now();
+        let mut addr = self.grpc[first % self.grpc.len()].clone();
+        let mut next = first;
+        loop {
+            let result = async {
+                let ch = Endpoint::from_shared(format!("http://{addr}"))?
+                    .connect_timeout(Duration::from_secs(1))
+                    .timeout(Duration::from_secs(5))
+                    .connect()
+                    .await?;
+                let mut c = ClientServiceClient::with_interceptor(ch, Auth::new(TOKEN));
+                let r = c
+                    .submit_job(v1::SubmitJobRequest {
+                        request_id: request_id.into(),
+                        spec: Some(spec.clone()),
+                    })
+                    .await?;
+                anyhow::Ok(r.into_inner())
+            }
+            .await;
+            let e = match result {
+                Ok(r) => return Ok(r),
+                Err(e) => e,
+            };
+            let status = e.downcast_ref::<tonic::Status>();
+            if status.is_some_and(|s| s.code() != tonic::Code::Unavailable) {
+                return Err(e);
+            }
+            if start.elapsed() > deadline {
+                return Err(e.context(format!("submit {request_id} still failing after {deadline:?}")));
+            }
+            let hint = status
+                .and_then(|s| s.metadata().get(cumulus_proto::LEADER_GRPC_METADATA))
+                .and_then(|v| v.to_str().ok())
+                .filter(|h| self.grpc.iter().any(|g| g == h))
+                .map(str::to_string);
+            match hint {
+                Some(h) if h != addr => addr = h,
+                _ => {
+                    next += 1;
+                    addr = self.grpc[next % self.grpc.len()].clone();
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
         }
     }
 }

@@ -651,6 +651,11 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             *guard = data;
         }
         self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
+        tracing::info!(
+            last_log_index = meta.last_log_id.map(|l| l.index),
+            bytes = stored.data.len(),
+            "installed a snapshot received from the leader"
+        );
         Ok(())
     }
 

@@ -1,0 +1,380 @@
+//! End-to-end tests of live membership changes and log compaction on real processes:
+//! `cumulusctl cluster add-learner / promote / remove`, a 3 → 5 → 3 change while a
+//! training job runs, a wiped coordinator rejoining, and a lagging coordinator catching
+//! up by a snapshot install. Every wait is on a condition with a generous deadline.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use cumulus_e2e::{
+    Cluster, ClusterOpts, expected_digest, prepare_digits, read_result, trainer_spec, wait_for,
+};
+use cumulus_proto::v1;
+
+const LONG: Duration = Duration::from_secs(300);
+const EPOCHS: u32 = 6;
+
+fn small_spec() -> v1::JobSpec {
+    v1::JobSpec {
+        world_size: 1,
+        command: vec!["true".into()],
+        ..Default::default()
+    }
+}
+
+fn voters(s: &v1::ClusterStatusResponse) -> BTreeSet<u64> {
+    s.members
+        .iter()
+        .filter(|m| m.voter)
+        .map(|m| m.node_id)
+        .collect()
+}
+
+fn members(s: &v1::ClusterStatusResponse) -> BTreeSet<u64> {
+    s.members.iter().map(|m| m.node_id).collect()
+}
+
+/// Runs `cumulusctl -o json cluster ARGS…` and parses the status it prints.
+fn ctl_cluster(cluster: &Cluster, args: &[&str]) -> v1::ClusterStatusResponse {
+    let mut all = vec!["-o", "json", "cluster"];
+    all.extend_from_slice(args);
+    let out = cluster.cumulusctl(&all).expect("cumulusctl runs");
+    assert!(
+        out.status.success(),
+        "cumulusctl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("cluster status JSON")
+}
+
+/// Every acknowledged submit is in the final state exactly once (no loss, no duplicate).
+async fn assert_submits_exactly_once(cluster: &Cluster, acked: &[(String, String)]) {
+    let mut c = cluster.leader_client().await.expect("leader client");
+    let list = c
+        .list_jobs(v1::ListJobsRequest { linearizable: true })
+        .await
+        .expect("list jobs")
+        .into_inner();
+    for (rid, job_id) in acked {
+        let found: Vec<&v1::Job> = list.jobs.iter().filter(|j| &j.request_id == rid).collect();
+        assert_eq!(found.len(), 1, "request {rid} must make exactly one job");
+        assert_eq!(&found[0].id, job_id, "request {rid}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grow_3_to_5_to_3_while_a_job_runs() {
+    let mut cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 8).expect("shards");
+    let args = [
+        "--epochs",
+        &EPOCHS.to_string(),
+        "--ckpt-every",
+        "20",
+        "--step-sleep-ms",
+        "10",
+    ]
+    .map(str::to_string);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = root.join("out-member");
+    let spec = trainer_spec(&w, 4, &root.join("ckpt-member"), &out, &args);
+    let job_id = cluster
+        .submit("member-train", spec)
+        .await
+        .expect("submit")
+        .job_id;
+    cluster
+        .wait_job(&job_id, "the job running", LONG, |j| j.state == "running")
+        .await;
+    let mut acked = vec![("member-train".to_string(), job_id.clone())];
+    let mut seq = 0;
+    let mut submit = async |cluster: &Cluster, acked: &mut Vec<(String, String)>| {
+        seq += 1;
+        let rid = format!("member-{seq}");
+        let r = cluster.submit(&rid, small_spec()).await.expect("submit");
+        acked.push((rid, r.job_id));
+    };
+
+    // Grow: two new coordinators join as learners, then become voters.
+    for _ in 0..2 {
+        let i = cluster
+            .add_coordinator()
+            .expect("start a joining coordinator");
+        let id = cluster.coordinators[i].id;
+        let addr = cluster.member_addr(i);
+        let s = ctl_cluster(&cluster, &["add-learner", &id.to_string(), &addr]);
+        assert!(members(&s).contains(&id), "{s:?}");
+        assert!(!voters(&s).contains(&id), "a learner does not vote: {s:?}");
+        submit(&cluster, &mut acked).await;
+        let s = ctl_cluster(&cluster, &["promote", &id.to_string()]);
+        assert!(voters(&s).contains(&id), "{s:?}");
+        submit(&cluster, &mut acked).await;
+    }
+    let s = cluster
+        .wait_status("5 voters", LONG, |s| voters(s).len() == 5)
+        .await;
+    assert_eq!(voters(&s), BTreeSet::from([1, 2, 3, 4, 5]));
+
+    // Shrink: remove the leader itself and one original follower.
+    let leader = cluster.wait_leader(LONG).await;
+    let other = [1, 2, 3]
+        .into_iter()
+        .find(|id| *id != leader)
+        .expect("a follower among the originals");
+    for id in [other, leader] {
+        ctl_cluster(&cluster, &["remove", &id.to_string()]);
+        submit(&cluster, &mut acked).await;
+    }
+    for id in [other, leader] {
+        let i = cluster.index_of(id).expect("index");
+        cluster.coordinators[i].proc.kill9();
+    }
+    let s = cluster
+        .wait_status("3 voters without the removed ones", LONG, |s| {
+            voters(s).len() == 3 && s.leader_id.is_some_and(|l| l != leader && l != other)
+        })
+        .await;
+    assert!(!voters(&s).contains(&leader) && !voters(&s).contains(&other));
+    submit(&cluster, &mut acked).await;
+
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.state, "succeeded", "{job:?}");
+    assert_eq!(job.restarts_used, 0, "the job is unaffected: {job:?}");
+    for rank in 0..4 {
+        let r = read_result(&out, rank).expect("result.json");
+        let want = expected_digest(&w, 4, rank, EPOCHS, &root).expect("expected digest");
+        assert_eq!(r["digest"].as_str(), Some(want.as_str()), "rank {rank}");
+    }
+    assert_submits_exactly_once(&cluster, &acked).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wiped_coordinator_rejoins_after_remove_and_add_learner() {
+    let mut cluster = Cluster::start(ClusterOpts {
+        workers: 1,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let mut acked = Vec::new();
+    for n in 0..5 {
+        let rid = format!("before-{n}");
+        let r = cluster.submit(&rid, small_spec()).await.expect("submit");
+        acked.push((rid, r.job_id));
+    }
+    let leader = cluster.wait_leader(LONG).await;
+    // Wipe the lowest-id follower: without --join it would bootstrap a new cluster.
+    let victim = [1, 2, 3]
+        .into_iter()
+        .find(|id| *id != leader)
+        .expect("a follower");
+    let i = cluster.index_of(victim).expect("index");
+    cluster.wipe_coordinator(i).expect("wipe");
+    let s = ctl_cluster(&cluster, &["remove", &victim.to_string()]);
+    assert!(!members(&s).contains(&victim), "{s:?}");
+    for n in 0..5 {
+        let rid = format!("between-{n}");
+        let r = cluster.submit(&rid, small_spec()).await.expect("submit");
+        acked.push((rid, r.job_id));
+    }
+    cluster
+        .spawn_coordinator(i)
+        .expect("restart the wiped node");
+    let addr = cluster.member_addr(i);
+    ctl_cluster(&cluster, &["add-learner", &victim.to_string(), &addr]);
+    let s = ctl_cluster(&cluster, &["promote", &victim.to_string()]);
+    assert_eq!(voters(&s).len(), 3, "{s:?}");
+    // Its own view holds every acknowledged job.
+    wait_for("the rejoined node to hold every job", LONG, || async {
+        let mut c = cluster.client_of(i).await.ok()?;
+        let list = c
+            .list_jobs(v1::ListJobsRequest {
+                linearizable: false,
+            })
+            .await
+            .ok()?
+            .into_inner();
+        let ids: BTreeSet<&str> = list.jobs.iter().map(|j| j.request_id.as_str()).collect();
+        acked
+            .iter()
+            .all(|(rid, _)| ids.contains(rid.as_str()))
+            .then_some(())
+    })
+    .await;
+    // It is a working voter: with the old leader down, it and the third node still
+    // elect a leader and commit.
+    let li = cluster.index_of(leader).expect("leader index");
+    cluster.coordinators[li].proc.kill9();
+    let r = cluster
+        .submit("after-leader-kill", small_spec())
+        .await
+        .expect("submit without the old leader");
+    acked.push(("after-leader-kill".into(), r.job_id));
+    assert_submits_exactly_once(&cluster, &acked).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lagging_coordinator_catches_up_by_snapshot_install() {
+    let mut cluster = Cluster::start(ClusterOpts {
+        workers: 0,
+        snapshot_every_entries: Some(10),
+        keep_log_entries: Some(0),
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let leader = cluster.wait_leader(LONG).await;
+    let i = cluster
+        .coordinators
+        .iter()
+        .position(|c| c.id != leader)
+        .expect("a follower");
+    let before = cluster
+        .status_of(i)
+        .await
+        .and_then(|s| s.last_applied_index)
+        .unwrap_or(0);
+    cluster.coordinators[i].proc.kill9();
+    let mut acked = Vec::new();
+    for n in 0..40 {
+        let rid = format!("lag-{n}");
+        let r = cluster.submit(&rid, small_spec()).await.expect("submit");
+        acked.push((rid, r.job_id));
+    }
+    // The leader compacted past everything the stopped follower has.
+    let s = cluster
+        .wait_status("the leader to purge its log", LONG, |s| {
+            s.purged_index.is_some_and(|p| p > before + 10)
+        })
+        .await;
+    let purged = s.purged_index.expect("purged");
+    cluster.spawn_coordinator(i).expect("restart the follower");
+    let caught = wait_for("the follower to catch up", LONG, || async {
+        let s = cluster.status_of(i).await?;
+        (s.last_applied_index? >= purged).then_some(s)
+    })
+    .await;
+    assert!(
+        caught.snapshot_index.is_some_and(|x| x >= purged),
+        "{caught:?}"
+    );
+    let log = std::fs::read_to_string(&cluster.coordinators[i].proc.log).expect("log");
+    assert!(
+        log.contains("installed a snapshot received from the leader"),
+        "the follower caught up by a snapshot install"
+    );
+    let mut c = cluster.client_of(i).await.expect("client");
+    let list = c
+        .list_jobs(v1::ListJobsRequest {
+            linearizable: false,
+        })
+        .await
+        .expect("list")
+        .into_inner();
+    for (rid, job_id) in &acked {
+        assert_eq!(
+            list.jobs
+                .iter()
+                .filter(|j| &j.request_id == rid && &j.id == job_id)
+                .count(),
+            1,
+            "{rid}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_coordinator_data_refuses_to_start() {
+    let mut cluster = Cluster::start(ClusterOpts {
+        workers: 0,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let r = cluster.submit("c-1", small_spec()).await.expect("submit");
+    let leader = cluster.wait_leader(LONG).await;
+    let i = cluster
+        .coordinators
+        .iter()
+        .position(|c| c.id != leader)
+        .expect("a follower");
+    wait_for("the follower to apply the submit", LONG, || async {
+        let mut c = cluster.client_of(i).await.ok()?;
+        c.get_job(v1::GetJobRequest {
+            job_id: r.job_id.clone(),
+            linearizable: false,
+        })
+        .await
+        .ok()
+        .map(|_| ())
+    })
+    .await;
+    // kill -9 and restart: log and state intact.
+    cluster.coordinators[i].proc.kill9();
+    cluster.spawn_coordinator(i).expect("restart");
+    wait_for(
+        "the restarted follower to serve its state",
+        LONG,
+        || async {
+            let mut c = cluster.client_of(i).await.ok()?;
+            c.get_job(v1::GetJobRequest {
+                job_id: r.job_id.clone(),
+                linearizable: false,
+            })
+            .await
+            .ok()
+            .map(|_| ())
+        },
+    )
+    .await;
+    // Overwrite every sled file with garbage: it must refuse to start, not run empty.
+    cluster.coordinators[i].proc.kill9();
+    let raft_dir = cluster.coordinators[i].data_dir.join("raft");
+    let mut corrupted = 0;
+    for entry in walk(&raft_dir) {
+        let len = std::fs::metadata(&entry).map(|m| m.len()).unwrap_or(0);
+        if len > 0 {
+            std::fs::write(&entry, vec![0xA5u8; len as usize]).expect("corrupt");
+            corrupted += 1;
+        }
+    }
+    assert!(
+        corrupted > 0,
+        "sled wrote files under {}",
+        raft_dir.display()
+    );
+    cluster.spawn_coordinator(i).expect("spawn");
+    let child = cluster.coordinators[i].proc.child.as_mut().expect("child");
+    let status = wait_for("the corrupt node to exit", LONG, || {
+        let st = child.try_wait().ok().flatten();
+        async move { st }
+    })
+    .await;
+    assert!(!status.success(), "a corrupt data dir must not start");
+    let log = std::fs::read_to_string(&cluster.coordinators[i].proc.log).expect("log");
+    let tail: String = log.lines().rev().take(20).collect::<Vec<_>>().join("\n");
+    assert!(
+        tail.contains("corrupt") || tail.contains("sled") || tail.contains("data dir"),
+        "a clear error: {tail}"
+    );
+    cluster.coordinators[i].proc.child = None;
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
