@@ -171,10 +171,7 @@ mod tests {
 
     #[test]
     fn a_stale_read_after_a_newer_completed_read_is_caught() {
-        let h = [
-            read(0, 10, v("running", 0)),
-            read(20, 30, v("pending", 0)),
-        ];
+        let h = [read(0, 10, v("running", 0)), read(20, 30, v("pending", 0))];
         let a = check_reads(&h);
         assert_eq!(a.len(), 1, "{a:?}");
         assert!(a[0].what.contains("stale read"));
@@ -183,10 +180,7 @@ mod tests {
     #[test]
     fn overlapping_reads_may_see_either_order() {
         // The second read overlaps the first: it may linearize before it.
-        let h = [
-            read(0, 50, v("running", 0)),
-            read(10, 60, v("pending", 0)),
-        ];
+        let h = [read(0, 50, v("running", 0)), read(10, 60, v("pending", 0))];
         assert!(check_reads(&h).is_empty());
         // But a read that starts after a terminal read completed must see it.
         let h = [
@@ -198,10 +192,7 @@ mod tests {
 
     #[test]
     fn two_different_terminal_states_are_incomparable() {
-        let h = [
-            read(0, 10, v("succeeded", 0)),
-            read(5, 20, v("failed", 0)),
-        ];
+        let h = [read(0, 10, v("succeeded", 0)), read(5, 20, v("failed", 0))];
         let a = check_reads(&h);
         assert!(a.iter().any(|a| a.what.contains("incomparable")), "{a:?}");
     }
@@ -216,7 +207,12 @@ mod tests {
 
     #[test]
     fn transitions_follow_the_state_machine() {
-        let ok = [v("pending", 0), v("running", 0), v("running", 1), v("failed", 1)];
+        let ok = [
+            v("pending", 0),
+            v("running", 0),
+            v("running", 1),
+            v("failed", 1),
+        ];
         assert!(check_transitions("j", &ok).is_empty());
         let back = [v("running", 1), v("running", 0)];
         assert_eq!(check_transitions("j", &back).len(), 1);

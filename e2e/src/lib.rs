@@ -11,11 +11,11 @@ pub mod nemesis;
 pub mod net;
 
 use std::fs::File;
-use std::sync::Arc;
 use std::future::Future;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -216,7 +216,8 @@ pub struct Cluster {
     token_file: PathBuf,
     /// The link fault state shared by every proxy (unused unless `opts.proxied`).
     pub net: Arc<net::Net>,
-    proxies: Vec<net::Proxy>,
+    /// Kept for the cluster's lifetime (a dropped proxy stops forwarding).
+    _proxies: Vec<net::Proxy>,
     /// Held for the cluster's lifetime: test clusters run one at a time, so a 2-core CI
     /// machine never starves heartbeats of two clusters at once.
     _serial: std::sync::MutexGuard<'static, ()>,
@@ -274,7 +275,7 @@ impl Cluster {
             workers: Vec::new(),
             token_file,
             net,
-            proxies,
+            _proxies: proxies,
             _serial: serial,
         };
         for i in 0..cluster.coordinators.len() {
@@ -723,7 +724,9 @@ impl View {
                 return Err(e);
             }
             if start.elapsed() > deadline {
-                return Err(e.context(format!("submit {request_id} still failing after {deadline:?}")));
+                return Err(e.context(format!(
+                    "submit {request_id} still failing after {deadline:?}"
+                )));
             }
             let hint = status
                 .and_then(|s| s.metadata().get(cumulus_proto::LEADER_GRPC_METADATA))

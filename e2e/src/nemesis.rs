@@ -163,9 +163,7 @@ async fn client(
             let spec = small_spec(&mut rng);
             // Submit to a random coordinator, retrying across leader changes with
             // the same request id (the harness follows the leader).
-            let r = cluster
-                .submit(i, &rid, spec, Duration::from_secs(20))
-                .await;
+            let r = cluster.submit(i, &rid, spec, Duration::from_secs(20)).await;
             let mut h = history.lock().unwrap_or_else(|p| p.into_inner());
             match r {
                 Ok(resp) => {
@@ -302,7 +300,7 @@ async fn one_fault(
             "kill-rank"
         }
         4 => {
-            let i = rng.random_range(0..cluster.grpc.len());
+            let i = rng.random_range(0..cluster.coordinators.len());
             signal(&cluster.coordinators[i].proc, Signal::SIGSTOP);
             tokio::time::sleep(hold).await;
             signal(&cluster.coordinators[i].proc, Signal::SIGCONT);
@@ -376,7 +374,10 @@ async fn reference_weights(
         .submit("reference", trainer(w, root, "reference", epochs))
         .await?;
     let job = cluster.wait_finished(&r.job_id, LONG).await;
-    anyhow::ensure!(job.state == "succeeded", "the fault-free run failed: {job:?}");
+    anyhow::ensure!(
+        job.state == "succeeded",
+        "the fault-free run failed: {job:?}"
+    );
     (0..TRAINER_WORLD)
         .map(|rank| weights(&root.join("out-reference"), rank).context("reference weights"))
         .collect()
@@ -389,7 +390,10 @@ async fn reference_weights(
 /// When the cluster cannot be started or repaired (not an anomaly: a harness failure).
 pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
     let started = Instant::now();
-    eprintln!("nemesis: seed {} ({} ms of faults)", opts.seed, opts.fault_ms);
+    eprintln!(
+        "nemesis: seed {} ({} ms of faults)",
+        opts.seed, opts.fault_ms
+    );
     let mut cluster = Cluster::start(ClusterOpts {
         workers: 2,
         slots: 4,
@@ -404,7 +408,10 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
 
     let mut rng = StdRng::seed_from_u64(opts.seed);
     let trainer_job = cluster
-        .submit("nemesis-trainer", trainer(&w, &root, "nemesis", opts.epochs))
+        .submit(
+            "nemesis-trainer",
+            trainer(&w, &root, "nemesis", opts.epochs),
+        )
         .await?
         .job_id;
     let history = Arc::new(Mutex::new(History {
@@ -542,7 +549,10 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
             if r.delay_ms * 10 < base * 8 || r.not_before_ms < r.failed_at_ms + r.delay_ms {
                 anomalies.push(Anomaly {
                     job_id: j.id.clone(),
-                    what: format!("restart {} delay {} ms below policy base {base} ms", r.number, r.delay_ms),
+                    what: format!(
+                        "restart {} delay {} ms below policy base {base} ms",
+                        r.number, r.delay_ms
+                    ),
                 });
             }
         }
@@ -591,10 +601,16 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
     if !report.anomalies.is_empty() {
         // Keep the logs of a failing run.
         let kept = cluster.dir.path().to_path_buf();
-        eprintln!("nemesis: seed {} FAILED; logs in {}", opts.seed, kept.display());
+        eprintln!(
+            "nemesis: seed {} FAILED; logs in {}",
+            opts.seed,
+            kept.display()
+        );
         std::mem::forget(std::mem::replace(
             &mut cluster.dir,
-            tempfile::Builder::new().prefix("cumulus-nemesis-drop-").tempdir()?,
+            tempfile::Builder::new()
+                .prefix("cumulus-nemesis-drop-")
+                .tempdir()?,
         ));
     }
     Ok(report)

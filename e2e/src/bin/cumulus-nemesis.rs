@@ -13,7 +13,10 @@ use cumulus_e2e::nemesis::{RunOpts, run};
 
 /// Command line.
 #[derive(Parser, Debug)]
-#[command(name = "cumulus-nemesis", about = "Seeded nemesis runs against real clusters.")]
+#[command(
+    name = "cumulus-nemesis",
+    about = "Seeded nemesis runs against real clusters."
+)]
 struct Args {
     /// At least this many runs.
     #[arg(long, default_value_t = 1)]
