@@ -524,6 +524,8 @@ mod tests {
             term: 3,
             commit_index: Some(17),
             last_applied_index: Some(16),
+            snapshot_index: Some(10),
+            purged_index: None,
             members: vec![Member {
                 node_id: 1,
                 grpc_addr: "127.0.0.1:1".into(),
@@ -549,6 +551,8 @@ mod tests {
             "term 3",
             "commit index 17",
             "last applied 16",
+            "snapshot 10",
+            "purged -",
             "2/4",
             "420 ms ago",
             "13%",

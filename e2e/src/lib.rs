@@ -241,15 +241,12 @@ impl Cluster {
             let grpc = format!("127.0.0.1:{}", free_port());
             let grpc_listen = if opts.proxied {
                 let back = format!("127.0.0.1:{}", free_port());
-                proxies.push(
-                    net::Proxy::start(
-                        net.clone(),
-                        &format!("coord-{id}"),
-                        grpc.parse()?,
-                        back.parse()?,
-                    )
-                    .await?,
-                );
+                proxies.push(net::Proxy::start(
+                    net.clone(),
+                    &format!("coord-{id}"),
+                    grpc.parse()?,
+                    back.parse()?,
+                )?);
                 back
             } else {
                 grpc.clone()

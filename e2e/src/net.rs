@@ -133,17 +133,19 @@ pub struct Proxy {
 
 impl Proxy {
     /// Binds `front` and starts forwarding to `back` for node `name` on the current
-    /// tokio runtime.
+    /// tokio runtime (call it inside one).
     ///
     /// # Errors
     /// When `front` cannot be bound.
-    pub async fn start(
+    pub fn start(
         net: Arc<Net>,
         name: &str,
         front: SocketAddr,
         back: SocketAddr,
     ) -> std::io::Result<Proxy> {
-        let listener = TcpListener::bind(front).await?;
+        let std_listener = std::net::TcpListener::bind(front)?;
+        std_listener.set_nonblocking(true)?;
+        let listener = TcpListener::from_std(std_listener)?;
         let cancel = CancellationToken::new();
         let name = name.to_string();
         let c = cancel.clone();
@@ -297,9 +299,7 @@ mod tests {
         let front: SocketAddr = format!("127.0.0.1:{}", crate::free_port())
             .parse()
             .expect("addr");
-        let _p = Proxy::start(net.clone(), "c1", front, back)
-            .await
-            .expect("proxy");
+        let _p = Proxy::start(net.clone(), "c1", front, back).expect("proxy");
         assert!(roundtrip(front).await, "an uncut link forwards");
         // This test process is not registered: it is the UNKNOWN client.
         net.partition(&[UNKNOWN.to_string()], &["c1".to_string()]);
@@ -317,9 +317,7 @@ mod tests {
         let front: SocketAddr = format!("127.0.0.1:{}", crate::free_port())
             .parse()
             .expect("addr");
-        let _p = Proxy::start(net.clone(), "c2", front, back)
-            .await
-            .expect("proxy");
+        let _p = Proxy::start(net.clone(), "c2", front, back).expect("proxy");
         let mut s = TcpStream::connect(front).await.expect("connect");
         s.write_all(b"ping").await.expect("write");
         let mut buf = [0u8; 4];
