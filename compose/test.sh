@@ -164,7 +164,8 @@ ctl dataset split /usr/share/cumulus/digits/digits.csv.gz --shards 8 \
 
 # Checkpoints go to the S3 server (bucket `cumulus`, prefix `runs`) when the binaries
 # support S3 targets, else to the shared /ckpt volume (local backend).
-if ctl submit --help | grep -q -- '--ckpt-url'; then
+submit_help="$(ctl submit --help)"
+if [[ "$submit_help" == *--ckpt-url* ]]; then
   CKPT_MODE=s3
   ckpt_args=(--ckpt-url s3://cumulus/runs)
 else
