@@ -152,9 +152,18 @@ async fn client(
     let mut n = 0u64;
     while !stop.is_cancelled() {
         let op = rng.random_range(0..10u32);
-        let known: Vec<String> = {
+        // Every acknowledged job may be read; only the clients' own jobs are cancelled
+        // (cancelling the trainer would void check 4).
+        let (known, cancellable): (Vec<String>, Vec<String>) = {
             let h = history.lock().unwrap_or_else(|p| p.into_inner());
-            h.acked.values().cloned().collect()
+            (
+                h.acked.values().cloned().collect(),
+                h.acked
+                    .iter()
+                    .filter(|(rid, _)| rid.starts_with("nem-"))
+                    .map(|(_, j)| j.clone())
+                    .collect(),
+            )
         };
         let i = rng.random_range(0..cluster.grpc.len());
         let kind = if op < 4 || known.is_empty() {
@@ -172,8 +181,8 @@ async fn client(
                 _ => h.unknown.push(rid),
             }
             "submit"
-        } else if op < 5 {
-            let job = &known[rng.random_range(0..known.len())];
+        } else if op < 5 && !cancellable.is_empty() {
+            let job = &cancellable[rng.random_range(0..cancellable.len())];
             if let Ok(mut c) = cluster.client_of(i).await {
                 let _ = c
                     .cancel_job(v1::CancelJobRequest {
