@@ -270,6 +270,8 @@ impl Template {
             }),
             progress_timeout_ms: 60_000,
             working_dir: path(dir),
+            ckpt_url: String::new(),
+            ckpt_commit_tier: String::new(),
         };
         let placeholder = "#".repeat(REQUEST_ID_LEN);
         let request = v1::SubmitJobRequest {

@@ -52,8 +52,12 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 mod local;
+mod s3;
+mod tiered;
 
 pub use local::LocalStore;
+pub use s3::{RemoteKind, S3Args, S3Connector, S3Location, S3Settings, S3Store, SHA256_METADATA_KEY, part_file_key};
+pub use tiered::{CommitTier, TieredStore};
 
 /// File name of a step's manifest, inside `step-N/`.
 pub const MANIFEST_FILE: &str = "MANIFEST.json";
@@ -212,6 +216,20 @@ pub enum CkptError {
     /// Invalid input from the caller.
     #[error("invalid checkpoint input: {0}")]
     Invalid(String),
+    /// An S3 request failed (after retrying transient failures until the deadline).
+    #[error("S3 {op} {url} at {endpoint}: {kind}: {detail}")]
+    Remote {
+        /// The operation, e.g. `"put"`, `"upload part"`, `"put LATEST"`.
+        op: &'static str,
+        /// The object or prefix, `s3://bucket/key`.
+        url: String,
+        /// The endpoint URL (or `AWS <region>`).
+        endpoint: String,
+        /// What kind of failure (callers branch on it).
+        kind: RemoteKind,
+        /// The server's error code and message, or the transport error.
+        detail: String,
+    },
 }
 
 impl CkptError {
@@ -477,6 +495,17 @@ pub trait CheckpointStore: Send + Sync + 'static {
     /// Local path of a part directory (`part_dir` as in [`PartRecord::dir`]) for a resume:
     /// `Some` for a local backend when job id and `part_dir` are valid, `None` otherwise.
     fn local_part_path(&self, job_id: &str, part_dir: &str) -> Option<PathBuf>;
+
+    /// Verified local directory of `part` for a resume (`CUMULUS_RESUME_DIR`). The default
+    /// verifies the part in place ([`CheckpointStore::verify_part`]) and returns
+    /// [`CheckpointStore::local_part_path`]; a tiered store restores a missing or damaged
+    /// local copy from its remote tier first.
+    async fn resume_part_path(&self, job_id: &str, part: &PartRecord) -> Result<PathBuf, CkptError> {
+        self.verify_part(job_id, part).await?;
+        self.local_part_path(job_id, &part.dir).ok_or_else(|| {
+            CkptError::Invalid(format!("part {:?} has no local path in {}", part.dir, self.describe()))
+        })
+    }
 
     /// Human-readable location of the store for messages, e.g. `file:///abs/root`.
     fn describe(&self) -> String;

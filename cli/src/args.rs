@@ -151,6 +151,14 @@ pub struct SubmitArgs {
     /// Committed checkpoint steps to keep (cluster default 3).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub ckpt_keep: Option<u32>,
+    /// S3 checkpoint target (L2), `s3://bucket/prefix`. The coordinators and workers need
+    /// `--s3-endpoint` etc.; the submit fails at once on a missing bucket or bad credentials.
+    #[arg(long)]
+    pub ckpt_url: Option<String>,
+    /// With `--ckpt-url`: where a step counts as committed, `l2` (default: uploaded and
+    /// verified in S3) or `l1` (local disk, S3 in the background; needs `--ckpt-dir`).
+    #[arg(long, value_parser = ["l1", "l2"])]
+    pub ckpt_commit_tier: Option<String>,
     /// Job-wide restart budget (cluster default 3); past it the job fails.
     #[arg(long)]
     pub max_restarts: Option<u32>,

@@ -100,6 +100,8 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
         }),
         progress_timeout_ms,
         working_dir: abs_string(&args.workdir, "--workdir")?,
+        ckpt_url: args.ckpt_url.clone().unwrap_or_default(),
+        ckpt_commit_tier: args.ckpt_commit_tier.clone().unwrap_or_default(),
     };
     Ok(SubmitJobRequest {
         request_id,

@@ -215,6 +215,20 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
     if !spec.dataset.is_empty() {
         row("dataset", spec.dataset.clone());
     }
+    if !spec.ckpt_url.is_empty() {
+        row(
+            "checkpoints (L2)",
+            format!(
+                "{} (commit at {})",
+                spec.ckpt_url,
+                if spec.ckpt_commit_tier.is_empty() {
+                    "l2"
+                } else {
+                    spec.ckpt_commit_tier.as_str()
+                }
+            ),
+        );
+    }
     if !spec.ckpt_dir.is_empty() {
         row(
             "checkpoints",
@@ -285,7 +299,7 @@ pub fn checkpoints_table(resp: &ListCheckpointsResponse) -> String {
     if resp.checkpoints.is_empty() {
         return "no checkpoints\n".into();
     }
-    let mut t = table(&["STEP", "VERIFIED", "SIZE", "LATEST", "PATH"]);
+    let mut t = table(&["STEP", "VERIFIED", "SIZE", "LATEST", "TIERS", "PATH"]);
     for c in &resp.checkpoints {
         t.add_row(vec![
             c.step.to_string(),
@@ -296,6 +310,11 @@ pub fn checkpoints_table(resp: &ListCheckpointsResponse) -> String {
             },
             bytes(c.bytes),
             if c.latest { "*".into() } else { String::new() },
+            if c.tiers.is_empty() {
+                "-".into()
+            } else {
+                c.tiers.join("+")
+            },
             c.path.clone(),
         ]);
     }
@@ -500,6 +519,7 @@ mod tests {
                     verified: true,
                     bytes: 2048,
                     latest: false,
+                    tiers: vec!["L1".into(), "L2".into()],
                 },
                 CheckpointInfo {
                     step: 50,
@@ -507,6 +527,7 @@ mod tests {
                     verified: false,
                     bytes: 10,
                     latest: true,
+                    tiers: vec![],
                 },
             ],
         });
@@ -514,6 +535,7 @@ mod tests {
             text.contains("2.0 KiB")
                 && text.contains("step-00000050")
                 && text.contains("NO")
+                && text.contains("L1+L2")
                 && text.contains('*'),
             "{text}"
         );

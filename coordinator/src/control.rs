@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cumulus_ckpt::{CheckpointStore, FileEntry, LocalStore, Manifest, PartRecord};
+use cumulus_ckpt::{FileEntry, Manifest, PartRecord};
 use cumulus_raft_store::Command;
 use cumulus_raft_store::state::{
     ClusterState, Job, JobState, PartInfo, RankState, RestartScope, WorkerState,
@@ -577,8 +577,15 @@ async fn execute(node: &Node, action: Action, memory: &mut LoopMemory) {
             match finalize(node, &job_id, step).await {
                 Ok(()) => return,
                 Err(e) => {
-                    warn!(job = %job_id, step, error = %e, "checkpoint step not committed");
-                    memory.bad_steps.insert((job_id, step));
+                    // An S3 outage is retried on a later pass; anything else marks the step
+                    // bad (a later step commits instead).
+                    let transient = e.downcast_ref::<cumulus_ckpt::CkptError>().is_some_and(|c| {
+                        matches!(c, cumulus_ckpt::CkptError::Remote { kind, .. } if kind.is_transient())
+                    });
+                    warn!(job = %job_id, step, error = %e, transient, "checkpoint step not committed");
+                    if !transient {
+                        memory.bad_steps.insert((job_id, step));
+                    }
                     return;
                 }
             }
@@ -596,19 +603,26 @@ async fn execute(node: &Node, action: Action, memory: &mut LoopMemory) {
 /// Newest kept committed step whose manifest and files verify (the fallback for a
 /// torn or corrupt newest step); None without checkpoints.
 async fn choose_resume_step(node: &Node, job_id: &str) -> Option<u64> {
-    let (ckpt_dir, steps) = node.read_state(|s| {
+    let (spec, steps) = node.read_state(|s| {
         s.jobs.get(job_id).map(|j| {
             (
-                j.spec.ckpt_dir.clone(),
+                j.spec.clone(),
                 j.committed.keys().copied().collect::<Vec<_>>(),
             )
         })
     })?;
-    if ckpt_dir.is_empty() || steps.is_empty() {
+    if steps.is_empty() {
         return None;
     }
-    let store = LocalStore::new(&ckpt_dir);
-    match cumulus_ckpt::newest_valid_step(&store, job_id, &steps).await {
+    let store = match node.ckpt_store(&spec).await {
+        Ok(Some(store)) => store,
+        Ok(None) => return None,
+        Err(e) => {
+            warn!(job = %job_id, error = %e, "cannot open the checkpoint store: restarting from scratch");
+            return None;
+        }
+    };
+    match cumulus_ckpt::newest_valid_step(&*store, job_id, &steps).await {
         Ok(Some(m)) => {
             if Some(&m.step) != steps.last() {
                 warn!(job = %job_id, step = m.step, "newest checkpoint failed verification: resuming from an older step");
@@ -629,11 +643,11 @@ async fn choose_resume_step(node: &Node, job_id: &str) -> Option<u64> {
 /// Verifies every part of `step`, writes its manifest, commits the step in Raft, then
 /// writes LATEST and prunes to the kept steps.
 async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
-    let Some((ckpt_dir, world_size, parts)) = node.read_state(|s| {
+    let Some((spec, world_size, parts)) = node.read_state(|s| {
         s.jobs.get(job_id).and_then(|j| {
             j.pending_parts.get(&step).map(|p| {
                 (
-                    j.spec.ckpt_dir.clone(),
+                    j.spec.clone(),
                     j.spec.world_size,
                     p.values().cloned().collect::<Vec<_>>(),
                 )
@@ -642,7 +656,9 @@ async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
     }) else {
         return Ok(());
     };
-    let store = LocalStore::new(&ckpt_dir);
+    let Some(store) = node.ckpt_store(&spec).await? else {
+        return Ok(());
+    };
     let records: Vec<PartRecord> = parts.iter().map(part_record).collect();
     for p in &records {
         store.verify_part(job_id, p).await?;
@@ -683,19 +699,23 @@ async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
 /// Makes LATEST name the committed step of every job (a leader may have died between
 /// the Raft commit and the LATEST write).
 async fn ensure_latest(node: &Node, memory: &mut LoopMemory) {
-    let jobs: Vec<(String, String, u64)> = node.read_state(|s| {
+    let jobs: Vec<(String, cumulus_raft_store::state::JobSpec, u64)> = node.read_state(|s| {
         s.jobs
             .values()
-            .filter(|j| !j.spec.ckpt_dir.is_empty())
-            .filter_map(|j| {
-                j.committed_step
-                    .map(|c| (j.id.clone(), j.spec.ckpt_dir.clone(), c))
-            })
+            .filter(|j| j.spec.ckpt_enabled())
+            .filter_map(|j| j.committed_step.map(|c| (j.id.clone(), j.spec.clone(), c)))
             .filter(|(id, _, c)| memory.latest_ok.get(id) != Some(c))
             .collect()
     });
-    for (job_id, dir, step) in jobs {
-        let store = LocalStore::new(&dir);
+    for (job_id, spec, step) in jobs {
+        let store = match node.ckpt_store(&spec).await {
+            Ok(Some(store)) => store,
+            Ok(None) => continue,
+            Err(e) => {
+                warn!(job = %job_id, error = %e, "cannot open the checkpoint store");
+                continue;
+            }
+        };
         match store.read_latest(&job_id).await {
             Ok(Some(s)) if s == step => {
                 memory.latest_ok.insert(job_id, step);
@@ -771,6 +791,8 @@ mod tests {
             },
             progress_timeout_ms: 1_000,
             working_dir: String::new(),
+            ckpt_url: String::new(),
+            ckpt_commit_tier: String::new(),
         };
         let Response::JobSubmitted { job_id, .. } = s.apply(
             &Command::SubmitJob {
@@ -982,6 +1004,8 @@ mod tests {
             restart: RestartPolicy::default(),
             progress_timeout_ms: 0,
             working_dir: String::new(),
+            ckpt_url: String::new(),
+            ckpt_commit_tier: String::new(),
         };
         s.apply(
             &Command::SubmitJob {

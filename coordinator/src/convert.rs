@@ -49,6 +49,8 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
         },
         progress_timeout_ms: p.progress_timeout_ms,
         working_dir: p.working_dir.clone(),
+        ckpt_url: p.ckpt_url.clone(),
+        ckpt_commit_tier: p.ckpt_commit_tier.to_ascii_lowercase(),
     };
     spec.validate(max_world_size)
         .map_err(ApiError::InvalidArgument)?;
@@ -83,6 +85,8 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         }),
         progress_timeout_ms: s.progress_timeout_ms,
         working_dir: s.working_dir.clone(),
+        ckpt_url: s.ckpt_url.clone(),
+        ckpt_commit_tier: s.ckpt_commit_tier.clone(),
     }
 }
 
@@ -218,6 +222,8 @@ pub fn desired_for_worker(
                 resume_step: r.resume_step,
                 resume_dir: r.resume_dir.clone(),
                 working_dir: job.spec.working_dir.clone(),
+                ckpt_url: job.spec.ckpt_url.clone(),
+                ckpt_commit_tier: job.spec.ckpt_commit_tier.clone(),
             });
         }
     }

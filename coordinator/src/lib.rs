@@ -129,6 +129,10 @@ pub struct Config {
     /// Most concurrent SSE log streams served by this node.
     #[arg(long, default_value_t = 256)]
     pub max_log_streams: usize,
+    /// S3 settings for jobs with an S3 checkpoint target (`--ckpt-url s3://…`): the leader
+    /// verifies parts, writes manifests and LATEST there.
+    #[command(flatten)]
+    pub s3: cumulus_ckpt::S3Args,
 }
 
 impl Config {
@@ -207,6 +211,7 @@ pub async fn run(
         token: token.clone(),
         http,
         log_streams: Arc::new(Semaphore::new(config.max_log_streams)),
+        s3: cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?,
     });
 
     // The lowest-id member bootstraps a pristine cluster with the configured membership;

@@ -126,9 +126,32 @@ pub struct Node {
     pub http: reqwest::Client,
     /// Bounds concurrent SSE log streams.
     pub log_streams: Arc<Semaphore>,
+    /// S3 client factory for jobs with an S3 checkpoint target.
+    pub s3: cumulus_ckpt::S3Connector,
 }
 
 impl Node {
+    /// The store where the leader verifies parts and writes manifests and LATEST for a job:
+    /// the S3 target (L2) when the job has `ckpt_url` and commits at L2 (the default), else
+    /// [`cumulus_ckpt::LocalStore`] on the shared `ckpt_dir` (commit tier `l1`, or no S3).
+    /// `None` when the job does not checkpoint.
+    ///
+    /// # Errors
+    /// An invalid `ckpt_url` or S3 settings (the client cannot be built).
+    pub async fn ckpt_store(
+        &self,
+        spec: &cumulus_raft_store::state::JobSpec,
+    ) -> Result<Option<Arc<dyn cumulus_ckpt::CheckpointStore>>, cumulus_ckpt::CkptError> {
+        if !spec.ckpt_url.is_empty() && spec.ckpt_commit_tier != "l1" {
+            let store = self.s3.store(&spec.ckpt_url).await?;
+            Ok(Some(Arc::new(store)))
+        } else if !spec.ckpt_dir.is_empty() {
+            Ok(Some(Arc::new(cumulus_ckpt::LocalStore::new(&spec.ckpt_dir))))
+        } else {
+            Ok(None)
+        }
+    }
+
     /// Runs `f` on the applied state.
     pub fn read_state<T>(&self, f: impl FnOnce(&ClusterState) -> T) -> T {
         self.shared.read(|d| f(&d.state))

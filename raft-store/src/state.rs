@@ -127,9 +127,20 @@ pub struct JobSpec {
     pub progress_timeout_ms: u64,
     /// Working directory of the ranks ("" = the worker's).
     pub working_dir: String,
+    /// S3 checkpoint target `s3://bucket/prefix` ("" = none).
+    #[serde(default)]
+    pub ckpt_url: String,
+    /// Commit tier with an S3 target: "l1" or "l2" ("" = l2).
+    #[serde(default)]
+    pub ckpt_commit_tier: String,
 }
 
 impl JobSpec {
+    /// True when the job checkpoints (a local root, an S3 target, or both).
+    pub fn ckpt_enabled(&self) -> bool {
+        !self.ckpt_dir.is_empty() || !self.ckpt_url.is_empty()
+    }
+
     /// Checks every field against the limits of this module; `max_world_size` is the
     /// cluster's own limit (≤ [`MAX_WORLD_SIZE`]).
     ///
@@ -194,6 +205,25 @@ impl JobSpec {
             {
                 return Err(format!("{field} {path:?} must be an absolute path"));
             }
+        }
+        if !self.ckpt_url.is_empty()
+            && (!self.ckpt_url.starts_with("s3://")
+                || self.ckpt_url.len() > MAX_ARG_BYTES
+                || self.ckpt_url.contains('\0'))
+        {
+            return Err(format!(
+                "ckpt_url {:?} must be an s3://bucket/prefix URL",
+                self.ckpt_url
+            ));
+        }
+        if !matches!(self.ckpt_commit_tier.as_str(), "" | "l1" | "l2") {
+            return Err(format!(
+                "ckpt_commit_tier {:?} must be l1 or l2",
+                self.ckpt_commit_tier
+            ));
+        }
+        if self.ckpt_commit_tier == "l1" && (self.ckpt_url.is_empty() || self.ckpt_dir.is_empty()) {
+            return Err("ckpt_commit_tier l1 needs both ckpt_url (L2) and a shared ckpt_dir (L1)".into());
         }
         if self.ckpt_keep == 0 || self.ckpt_keep > MAX_CKPT_KEEP {
             return Err(format!("ckpt_keep must be between 1 and {MAX_CKPT_KEEP}"));
@@ -1351,6 +1381,8 @@ mod tests {
             },
             progress_timeout_ms: 0,
             working_dir: String::new(),
+            ckpt_url: String::new(),
+            ckpt_commit_tier: String::new(),
         }
     }
 

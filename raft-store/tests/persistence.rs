@@ -19,6 +19,8 @@ fn spec() -> JobSpec {
         restart: RestartPolicy::default(),
         progress_timeout_ms: 0,
         working_dir: String::new(),
+        ckpt_url: String::new(),
+        ckpt_commit_tier: String::new(),
     }
 }
 

@@ -125,6 +125,10 @@ pub struct Config {
     #[arg(long, env = "CUMULUS_LOG_MAX_BYTES", default_value_t = 64 * 1024 * 1024,
           value_parser = clap::value_parser!(u64).range(1024..))]
     pub log_max_bytes: u64,
+
+    /// S3 settings for jobs with an S3 checkpoint target (`--ckpt-url s3://…`).
+    #[command(flatten)]
+    pub s3: cumulus_ckpt::S3Args,
 }
 
 impl std::fmt::Debug for Config {
@@ -306,6 +310,10 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
             stop_grace: Duration::from_millis(config.stop_grace_ms),
             log_max_bytes: config.log_max_bytes,
             commit_retry: RetryPolicy::STANDARD,
+            s3: Some(
+                cumulus_ckpt::S3Connector::new(config.s3.settings())
+                    .context("invalid S3 settings")?,
+            ),
         },
         spawner,
         client.clone(),

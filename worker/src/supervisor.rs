@@ -17,7 +17,7 @@ use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cumulus_ckpt::{CheckpointStore, CkptError, LocalStore, PartRecord};
+use cumulus_ckpt::{CheckpointStore, CkptError, CommitTier, LocalStore, PartRecord, TieredStore};
 use cumulus_proto::{
     CheckpointFile, CommitCheckpointPartRequest, DesiredRank, ObservedRank, RankExitedRequest,
     RankStartedRequest,
@@ -91,6 +91,9 @@ pub struct SupervisorSettings {
     pub log_max_bytes: u64,
     /// Retries of `CommitCheckpointPart`.
     pub commit_retry: RetryPolicy,
+    /// S3 client factory for jobs with an S3 checkpoint target (`ckpt_url`); `None` when
+    /// the agent has no S3 settings (such jobs then fail to start with a clear message).
+    pub s3: Option<cumulus_ckpt::S3Connector>,
 }
 
 /// The latest progress a rank reported (soft state).
@@ -119,8 +122,8 @@ pub enum CommitError {
     /// The attempt's staging directory is not prepared (yet).
     #[error("the checkpoint staging of {0} is not prepared")]
     NotReady(AttemptKey),
-    /// The local commit (fsync, rename) failed.
-    #[error("local commit of the part failed: {0}")]
+    /// The commit failed: locally (fsync, rename) or, with an S3 target, the upload.
+    #[error("committing the part failed: {0}")]
     Store(#[from] CkptError),
     /// The leader rejected the part: the attempt is stale.
     #[error("the leader rejected the part: {0}")]
@@ -318,7 +321,7 @@ impl Supervisor {
                 stopping: false,
                 stop: stop.clone(),
                 progress: None,
-                ckpt_enabled: !desired.ckpt_dir.is_empty(),
+                ckpt_enabled: !desired.ckpt_dir.is_empty() || !desired.ckpt_url.is_empty(),
                 ckpt: None,
                 commit_lock: Arc::new(tokio::sync::Mutex::new(None)),
             },
@@ -796,8 +799,8 @@ impl Supervisor {
             ("CUMULUS_AGENT_TOKEN", token.into()),
         ];
 
-        if !d.ckpt_dir.is_empty() {
-            let store: Arc<dyn CheckpointStore> = Arc::new(LocalStore::new(&d.ckpt_dir));
+        if !d.ckpt_dir.is_empty() || !d.ckpt_url.is_empty() {
+            let store = self.job_store(d).await?;
             let staging = store
                 .prepare_staging(&key.job_id, key.rank, key.attempt)
                 .await
@@ -812,7 +815,7 @@ impl Supervisor {
                 entry.ckpt = Some(CkptTarget { store, staging });
             }
         } else if d.resume_step.is_some() {
-            return Err("resume_step is set but the job has no ckpt_dir".into());
+            return Err("resume_step is set but the job has no checkpoint target".into());
         }
         env.extend(contract.into_iter().map(|(k, v)| (OsString::from(k), v)));
         Ok(SpawnRequest {
@@ -824,8 +827,43 @@ impl Supervisor {
     }
 }
 
+impl Supervisor {
+    /// The checkpoint store of a desired attempt: [`LocalStore`] on `ckpt_dir`, or with an
+    /// S3 target a [`TieredStore`] (L1 = `ckpt_dir`, else `<data_dir>/ckpt-l1`; L2 = S3).
+    async fn job_store(&self, d: &DesiredRank) -> Result<Arc<dyn CheckpointStore>, String> {
+        if d.ckpt_url.is_empty() {
+            return Ok(Arc::new(LocalStore::new(&d.ckpt_dir)));
+        }
+        let connector = self.inner.settings.s3.as_ref().ok_or_else(|| {
+            format!(
+                "the job checkpoints to {} but this worker has no S3 settings (--s3-endpoint, --s3-access-key, ...)",
+                d.ckpt_url
+            )
+        })?;
+        let l2 = connector
+            .store(&d.ckpt_url)
+            .await
+            .map_err(|e| format!("cannot use the S3 checkpoint target: {e}"))?;
+        let tier = CommitTier::parse(&d.ckpt_commit_tier).map_err(|e| e.to_string())?;
+        let l1_root = if d.ckpt_dir.is_empty() {
+            self.inner.settings.data_dir.join("ckpt-l1")
+        } else {
+            PathBuf::from(&d.ckpt_dir)
+        };
+        Ok(Arc::new(TieredStore::new(
+            LocalStore::new(l1_root),
+            l2,
+            tier,
+            L1_KEEP_STEPS,
+        )))
+    }
+}
+
+/// Parts of its own each rank keeps on the worker's disk (L1) with an S3 target.
+const L1_KEEP_STEPS: usize = 2;
+
 /// Checks the rank's part of the resume step against the step's manifest and returns its
-/// local directory.
+/// local directory (restored from L2 first when the store is tiered and L1 lacks it).
 async fn verify_resume(
     store: &dyn CheckpointStore,
     key: &AttemptKey,
@@ -860,12 +898,9 @@ async fn verify_resume(
         )));
     }
     store
-        .verify_part(&key.job_id, part)
+        .resume_part_path(&key.job_id, part)
         .await
-        .map_err(|e| fail(e.to_string()))?;
-    store
-        .local_part_path(&key.job_id, resume_dir)
-        .ok_or_else(|| fail("the part has no local path".into()))
+        .map_err(|e| fail(e.to_string()))
 }
 
 async fn fail_start(mut log: LogWriter, message: String) -> ExitRecord {

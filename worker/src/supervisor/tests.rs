@@ -66,6 +66,7 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
                 initial_backoff: Duration::from_millis(1),
                 max_backoff: Duration::from_millis(1),
             },
+            s3: None,
         },
         spawner,
         client,
