@@ -242,6 +242,15 @@ pub struct S3Connector {
     requests: Arc<Semaphore>,
 }
 
+impl std::fmt::Debug for S3Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Connector")
+            .field("endpoint", &self.settings.endpoint_url)
+            .field("region", &self.settings.region)
+            .finish_non_exhaustive()
+    }
+}
+
 impl S3Connector {
     /// A connector for `settings` (validated; the client is built on first use).
     pub fn new(settings: S3Settings) -> Result<Self, CkptError> {
