@@ -10,6 +10,7 @@
 //! executes, and asserts nothing about speed.
 
 mod ckpt_commit;
+mod ckpt_s3;
 mod cluster_ops;
 mod heartbeat_scale;
 mod memory;
@@ -37,7 +38,7 @@ struct Args {
     #[arg(long)]
     smoke: bool,
     /// Comma-separated scenarios to run (default: all): write_path, failover, rank_restart,
-    /// worker_expiry, heartbeat_scale, ckpt_commit, training, memory.
+    /// worker_expiry, heartbeat_scale, ckpt_commit, ckpt_s3, training, memory.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Directory for the JSON results (created).
@@ -68,6 +69,7 @@ pub const SCENARIOS: &[&str] = &[
     "worker_expiry",
     "heartbeat_scale",
     "ckpt_commit",
+    "ckpt_s3",
     "training",
     "memory",
 ];
@@ -80,6 +82,7 @@ async fn run_one(name: &str, ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         "worker_expiry" => cluster_ops::worker_expiry(ctx).await,
         "heartbeat_scale" => heartbeat_scale::run(ctx).await,
         "ckpt_commit" => ckpt_commit::run(ctx).await,
+        "ckpt_s3" => ckpt_s3::run(ctx).await,
         "training" => training::run(ctx).await,
         "memory" => memory::run(ctx).await,
         other => anyhow::bail!(

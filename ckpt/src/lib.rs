@@ -51,10 +51,12 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+mod dataset;
 mod local;
 mod s3;
 mod tiered;
 
+pub use dataset::{DatasetCache, Fetched};
 pub use local::LocalStore;
 pub use s3::{RemoteKind, S3Args, S3Connector, S3Location, S3Settings, S3Store, SHA256_METADATA_KEY, part_file_key};
 pub use tiered::{CommitTier, TieredStore};

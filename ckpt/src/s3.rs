@@ -506,6 +506,55 @@ impl S3Store {
         Ok(())
     }
 
+    /// Size and ETag of object `key` (a full key in the bucket). [`CkptError::NotFound`]
+    /// when absent.
+    pub async fn head(&self, key: &str) -> Result<(u64, Option<String>), CkptError> {
+        let head = self
+            .retry("head", key, || {
+                self.client
+                    .head_object()
+                    .bucket(&self.location.bucket)
+                    .key(key)
+                    .send()
+            })
+            .await?;
+        let size = head
+            .content_length()
+            .and_then(|l| u64::try_from(l).ok())
+            .ok_or_else(|| self.remote_error("head", key, RemoteKind::Other, "no size".into()))?;
+        Ok((size, head.e_tag().map(str::to_owned)))
+    }
+
+    /// The body of object `key`, only while its ETag is `etag` (`If-Match`): a changed
+    /// object is [`CkptError::Remote`] with [`RemoteKind::Changed`].
+    pub async fn get_if_match(&self, key: &str, etag: &str) -> Result<ByteStream, CkptError> {
+        let output = self
+            .retry("get", key, || {
+                self.client
+                    .get_object()
+                    .bucket(&self.location.bucket)
+                    .key(key)
+                    .if_match(etag)
+                    .send()
+            })
+            .await?;
+        Ok(output.body)
+    }
+
+    /// Keys of the objects under the store's prefix (full keys, sorted; at most
+    /// [`MAX_LISTED_OBJECTS`]); keys ending in `/` (folder markers) are skipped.
+    pub async fn list_objects(&self) -> Result<Vec<String>, CkptError> {
+        let prefix = if self.location.prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{}/", self.location.prefix)
+        };
+        let mut keys = self.list_keys(&prefix).await?;
+        keys.retain(|k| !k.ends_with('/'));
+        keys.sort();
+        Ok(keys)
+    }
+
     fn job_key(&self, job_id: &str, rest: &str) -> String {
         self.location.key(&format!("{job_id}/{rest}"))
     }

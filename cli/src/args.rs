@@ -142,7 +142,9 @@ pub struct SubmitArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub world_size: u32,
     /// Dataset directory: its regular files, sorted by name, are the shards; shard i goes
-    /// to rank i mod world-size. Must be readable at this path on the workers.
+    /// to rank i mod world-size. Must be readable at this path on the workers. Or an S3
+    /// prefix `s3://bucket/prefix`: its objects are the shards, downloaded by the workers
+    /// into their dataset cache (needs the S3 settings on coordinators and workers).
     #[arg(long)]
     pub dataset: Option<PathBuf>,
     /// Checkpoint root directory (checkpoints are disabled without it).

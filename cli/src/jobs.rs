@@ -89,7 +89,13 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
         world_size: args.world_size,
         command: args.command.clone(),
         env: parse_env(&args.env)?,
-        dataset: abs_string(&args.dataset, "--dataset")?,
+        dataset: match &args.dataset {
+            // An S3 prefix goes as is; a directory is made absolute.
+            Some(p) if p.to_str().is_some_and(|s| s.starts_with("s3://")) => {
+                p.to_string_lossy().into_owned()
+            }
+            _ => abs_string(&args.dataset, "--dataset")?,
+        },
         ckpt_dir: abs_string(&args.ckpt_dir, "--ckpt-dir")?,
         ckpt_keep: args.ckpt_keep,
         restart: Some(RestartPolicy {

@@ -65,6 +65,34 @@ pub fn list_dataset(dir: &str) -> Result<Vec<String>, ApiError> {
     Ok(shards)
 }
 
+/// The objects under an S3 dataset prefix, as `s3://bucket/key` shard URLs (sorted).
+///
+/// # Errors
+/// `InvalidArgument` when the prefix cannot be listed (with the S3 reason), is empty or
+/// holds more than [`MAX_DATASET_FILES`] objects.
+async fn list_s3_dataset(node: &Node, url: &str) -> Result<Vec<String>, ApiError> {
+    let bad = |e: cumulus_ckpt::CkptError| {
+        ApiError::InvalidArgument(format!("dataset {url} cannot be listed: {e}"))
+    };
+    let store = node.s3.store(url).await.map_err(bad)?;
+    let keys = store.list_objects().await.map_err(bad)?;
+    if keys.is_empty() {
+        return Err(ApiError::InvalidArgument(format!(
+            "dataset {url} has no objects"
+        )));
+    }
+    if keys.len() > MAX_DATASET_FILES {
+        return Err(ApiError::InvalidArgument(format!(
+            "dataset {url} has more than {MAX_DATASET_FILES} objects"
+        )));
+    }
+    let bucket = &store.location().bucket;
+    Ok(keys
+        .into_iter()
+        .map(|k| format!("s3://{bucket}/{k}"))
+        .collect())
+}
+
 /// Submits a job (idempotent by request id).
 ///
 /// # Errors
@@ -95,6 +123,8 @@ pub async fn submit(
                 .map(|j| j.shard_plan.concat())
                 .unwrap_or_default()
         })
+    } else if spec.dataset.starts_with("s3://") {
+        list_s3_dataset(node, &spec.dataset).await?
     } else {
         list_dataset(&spec.dataset)?
     };

@@ -880,6 +880,14 @@ impl View {
                 }
             }
         }
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        if std::thread::panicking()
+            && let Ok(log) = std::fs::read_to_string(&self.proc.log)
+        {
+            eprintln!("----- s3s-fs log -----\n{log}");
+        }
+        self.proc.kill9();
     }
 }
 

@@ -261,3 +261,70 @@ async fn s3_server_restart_mid_upload_loses_no_step_and_commits_no_partial_one()
     check_results(&cluster, &w, &root.join("out-outage"));
     check_bucket(&server.access, &url, &job).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dataset_from_s3_is_cached_and_the_cache_is_hit_on_restart() {
+    let server = S3Server::start().await.expect("s3s-fs");
+    server.create_bucket(BUCKET).await.expect("bucket");
+    let cluster = s3_cluster(&server, 2).await;
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 8).expect("shards");
+    // The shards go to s3://BUCKET/digits/.
+    let client = server.access.settings().client().await.expect("client");
+    let mut names: Vec<String> = std::fs::read_dir(&w.shards_dir)
+        .expect("shards dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    for name in &names {
+        let bytes = std::fs::read(w.shards_dir.join(name)).expect("shard");
+        client
+            .put_object()
+            .bucket(BUCKET)
+            .key(format!("digits/{name}"))
+            .body(bytes.into())
+            .send()
+            .await
+            .expect("upload shard");
+    }
+    let mut s = spec(&w, &root, "data", &format!("s3://{BUCKET}/data-ckpt"), 10);
+    s.dataset = format!("s3://{BUCKET}/digits");
+    s.restart = Some(v1::RestartPolicy {
+        backoff_initial_ms: Some(500),
+        ..Default::default()
+    });
+    let job_id = cluster.submit("data", s).await.expect("submit").job_id;
+    let job = cluster
+        .wait_job(&job_id, "a committed step", LONG, |j| {
+            j.committed_step.is_some() && j.ranks.iter().all(|r| r.state == "running" && r.pid > 0)
+        })
+        .await;
+    let count = |what: &str| {
+        cluster
+            .workers
+            .iter()
+            .map(|w| {
+                std::fs::read_to_string(&w.log)
+                    .unwrap_or_default()
+                    .matches(what)
+                    .count()
+            })
+            .sum::<usize>()
+    };
+    // Every shard was downloaded once, by the worker of its rank.
+    assert_eq!(count("dataset cache miss"), names.len());
+    assert_eq!(count("dataset cache hit"), 0);
+    let pid = job.ranks[1].pid;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("SIGKILL rank 1");
+    let done = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(done.state, "succeeded", "{done:?}");
+    assert_eq!(done.restarts_used, 1, "{done:?}");
+    check_results(&cluster, &w, &root.join("out-data"));
+    // The restarted group found every shard in its worker's cache: no new download.
+    assert_eq!(count("dataset cache miss"), names.len());
+    assert_eq!(count("dataset cache hit"), names.len());
+}

@@ -115,7 +115,7 @@ pub struct JobSpec {
     pub command: Vec<String>,
     /// Extra environment of every rank (sorted for determinism).
     pub env: BTreeMap<String, String>,
-    /// Dataset directory ("" = none).
+    /// Dataset directory, or an S3 prefix `s3://bucket/prefix` ("" = none).
     pub dataset: String,
     /// Checkpoint root ("" = disabled).
     pub ckpt_dir: String,
@@ -200,8 +200,11 @@ impl JobSpec {
             ("ckpt_dir", &self.ckpt_dir),
             ("working_dir", &self.working_dir),
         ] {
+            let s3_dataset = field == "dataset" && path.starts_with("s3://");
             if !path.is_empty()
-                && (!path.starts_with('/') || path.len() > MAX_ARG_BYTES || path.contains('\0'))
+                && ((!path.starts_with('/') && !s3_dataset)
+                    || path.len() > MAX_ARG_BYTES
+                    || path.contains('\0'))
             {
                 return Err(format!("{field} {path:?} must be an absolute path"));
             }

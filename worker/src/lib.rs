@@ -126,9 +126,16 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1024..))]
     pub log_max_bytes: u64,
 
-    /// S3 settings for jobs with an S3 checkpoint target (`--ckpt-url s3://…`).
+    /// S3 settings for jobs with an S3 checkpoint target (`--ckpt-url s3://…`) or an S3
+    /// dataset (`--dataset s3://…`).
     #[command(flatten)]
     pub s3: cumulus_ckpt::S3Args,
+
+    /// Most bytes of S3 dataset shards cached in `<data-dir>/dataset-cache` (least
+    /// recently used evicted first); size it above the shards of the ranks run at once.
+    #[arg(long, env = "CUMULUS_DATASET_CACHE_MAX_BYTES", default_value_t = 10 * 1024 * 1024 * 1024,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub dataset_cache_max_bytes: u64,
 }
 
 impl std::fmt::Debug for Config {
@@ -301,6 +308,7 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     let events = EventReporter::new(client.clone(), heartbeat_interval);
     let spawner = Spawner::start(tokio::runtime::Handle::current())
         .context("cannot start the spawner thread")?;
+    let s3 = cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?;
     let supervisor = Supervisor::new(
         SupervisorSettings {
             worker_id: resolved.worker_id.clone(),
@@ -310,10 +318,12 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
             stop_grace: Duration::from_millis(config.stop_grace_ms),
             log_max_bytes: config.log_max_bytes,
             commit_retry: RetryPolicy::STANDARD,
-            s3: Some(
-                cumulus_ckpt::S3Connector::new(config.s3.settings())
-                    .context("invalid S3 settings")?,
-            ),
+            s3: Some(s3.clone()),
+            dataset_cache: Some(Arc::new(cumulus_ckpt::DatasetCache::new(
+                config.data_dir.join("dataset-cache"),
+                config.dataset_cache_max_bytes,
+                s3,
+            ))),
         },
         spawner,
         client.clone(),

@@ -94,6 +94,8 @@ pub struct SupervisorSettings {
     /// S3 client factory for jobs with an S3 checkpoint target (`ckpt_url`); `None` when
     /// the agent has no S3 settings (such jobs then fail to start with a clear message).
     pub s3: Option<cumulus_ckpt::S3Connector>,
+    /// Local cache of dataset shards given as `s3://` URLs; `None` without S3 settings.
+    pub dataset_cache: Option<Arc<cumulus_ckpt::DatasetCache>>,
 }
 
 /// The latest progress a rank reported (soft state).
@@ -773,7 +775,12 @@ impl Supervisor {
         }
         let mut shards = String::with_capacity(d.shards.iter().map(|s| s.len() + 1).sum());
         for s in &d.shards {
-            shards.push_str(s);
+            if s.starts_with("s3://") {
+                let local = self.fetch_shard(key, s).await?;
+                shards.push_str(&local);
+            } else {
+                shards.push_str(s);
+            }
             shards.push('\n');
         }
         write_file_atomic(&shards_path, shards.as_bytes())
@@ -828,6 +835,28 @@ impl Supervisor {
 }
 
 impl Supervisor {
+    /// Local path of an `s3://` shard from the dataset cache (downloaded and verified on a
+    /// miss).
+    async fn fetch_shard(&self, key: &AttemptKey, url: &str) -> Result<String, String> {
+        let cache = self.inner.settings.dataset_cache.as_ref().ok_or_else(|| {
+            format!("shard {url} is in S3 but this worker has no S3 settings (--s3-endpoint, ...)")
+        })?;
+        let fetched = cache
+            .fetch(url)
+            .await
+            .map_err(|e| format!("cannot fetch dataset shard {url}: {e}"))?;
+        if fetched.hit {
+            tracing::info!(attempt = %key, shard = url, "dataset cache hit");
+        } else {
+            tracing::info!(attempt = %key, shard = url, bytes = fetched.size_bytes, "dataset cache miss: downloaded and verified");
+        }
+        fetched
+            .path
+            .to_str()
+            .map(str::to_owned)
+            .ok_or_else(|| format!("cache path of {url} is not UTF-8"))
+    }
+
     /// The checkpoint store of a desired attempt: [`LocalStore`] on `ckpt_dir`, or with an
     /// S3 target a [`TieredStore`] (L1 = `ckpt_dir`, else `<data_dir>/ckpt-l1`; L2 = S3).
     async fn job_store(&self, d: &DesiredRank) -> Result<Arc<dyn CheckpointStore>, String> {

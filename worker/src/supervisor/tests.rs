@@ -67,6 +67,7 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
                 max_backoff: Duration::from_millis(1),
             },
             s3: None,
+            dataset_cache: None,
         },
         spawner,
         client,

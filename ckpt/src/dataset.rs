@@ -1,0 +1,222 @@
+//! Dataset shards from S3 (`--dataset s3://bucket/prefix`): a size-bounded local cache on
+//! the worker, least recently used evicted first, every entry verified by size and ETag.
+//!
+//! Entry of object `s3://b/k`: `<dir>/<sha256(url)>.data` (the bytes) and `.meta` (JSON:
+//! url, size, ETag). A fetch first `HEAD`s the object: when the entry's meta and data size
+//! match the object's size and ETag it is a hit (its mtime is bumped for LRU); otherwise the
+//! object is downloaded with `If-Match: <etag>` (an object changed during the download is
+//! an error, not a mix), its MD5 checked against a plain (non-multipart) ETag, fsynced,
+//! renamed into place, and older entries evicted until the cache fits.
+
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use md5::{Digest as _, Md5};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+use tokio::io::AsyncWriteExt;
+
+use crate::{CkptError, RemoteKind, S3Connector};
+
+/// Largest `.meta` file read back, in bytes.
+const MAX_META_BYTES: u64 = 8 * 1024;
+
+#[derive(Serialize, Deserialize, PartialEq, Eq, Debug)]
+struct EntryMeta {
+    url: String,
+    size_bytes: u64,
+    etag: String,
+}
+
+/// Result of [`DatasetCache::fetch`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fetched {
+    /// Local path of the verified copy.
+    pub path: PathBuf,
+    /// True when the copy was already cached (no download).
+    pub hit: bool,
+    /// Size of the object, in bytes.
+    pub size_bytes: u64,
+}
+
+/// A size-bounded, LRU, verified local cache of S3 objects. One fetch at a time.
+#[derive(Debug)]
+pub struct DatasetCache {
+    dir: PathBuf,
+    max_bytes: u64,
+    connector: S3Connector,
+    lock: tokio::sync::Mutex<()>,
+}
+
+impl DatasetCache {
+    /// A cache in `dir` (created on first use) holding at most `max_bytes` of data.
+    pub fn new(dir: impl Into<PathBuf>, max_bytes: u64, connector: S3Connector) -> Self {
+        Self {
+            dir: dir.into(),
+            max_bytes,
+            connector,
+            lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// A verified local copy of `url` (`s3://bucket/key`). Errors: [`CkptError::Invalid`]
+    /// for a bad URL or an object larger than the cache, [`CkptError::NotFound`] for a
+    /// missing object, [`CkptError::Remote`] for S3 failures (`Changed` when the object
+    /// changed during the download), [`CkptError::Corrupt`] when the bytes do not match.
+    pub async fn fetch(&self, url: &str) -> Result<Fetched, CkptError> {
+        let (bucket_url, key) = split_object_url(url)?;
+        let store = self.connector.store(&bucket_url).await?;
+        let head = store.head(&key).await?;
+        let size_bytes = head.0;
+        let etag = head.1.ok_or_else(|| CkptError::Invalid(format!("{url} has no ETag")))?;
+        if size_bytes > self.max_bytes {
+            return Err(CkptError::Invalid(format!(
+                "{url} is {size_bytes} bytes, larger than the dataset cache ({} bytes)",
+                self.max_bytes
+            )));
+        }
+        let _guard = self.lock.lock().await;
+        let io = |op: &'static str, p: &Path| {
+            let p = p.to_owned();
+            move |source| CkptError::Io { op, path: p, source }
+        };
+        tokio::fs::create_dir_all(&self.dir)
+            .await
+            .map_err(io("create dir", &self.dir))?;
+        let name = hex::encode(<Sha256 as sha2::Digest>::digest(url.as_bytes()));
+        let data = self.dir.join(format!("{name}.data"));
+        let meta_path = self.dir.join(format!("{name}.meta"));
+        let want = EntryMeta {
+            url: url.to_owned(),
+            size_bytes,
+            etag: etag.clone(),
+        };
+        if read_meta(&meta_path).await.as_ref() == Some(&want)
+            && tokio::fs::metadata(&data)
+                .await
+                .is_ok_and(|m| m.is_file() && m.len() == size_bytes)
+        {
+            let file = std::fs::File::options()
+                .write(true)
+                .open(&data)
+                .map_err(io("open", &data))?;
+            file.set_modified(SystemTime::now())
+                .map_err(io("touch", &data))?;
+            return Ok(Fetched {
+                path: data,
+                hit: true,
+                size_bytes,
+            });
+        }
+        let _ = tokio::fs::remove_file(&meta_path).await;
+        self.evict(size_bytes, &data).await?;
+        let tmp = self.dir.join(format!("{name}.tmp"));
+        let mut out = tokio::fs::File::create(&tmp)
+            .await
+            .map_err(io("create", &tmp))?;
+        let mut body = store.get_if_match(&key, &etag).await?;
+        let mut md5 = Md5::new();
+        let mut got = 0u64;
+        while let Some(chunk) = body.try_next().await.map_err(|e| CkptError::Remote {
+            op: "get",
+            url: url.to_owned(),
+            endpoint: String::new(),
+            kind: RemoteKind::Unreachable,
+            detail: e.to_string(),
+        })? {
+            got += chunk.len() as u64;
+            if got > size_bytes {
+                break;
+            }
+            md5.update(&chunk);
+            out.write_all(&chunk).await.map_err(io("write", &tmp))?;
+        }
+        out.sync_all().await.map_err(io("fsync", &tmp))?;
+        drop(out);
+        let md5 = hex::encode(md5.finalize());
+        let plain_etag = etag.trim_matches('"');
+        let etag_is_md5 = plain_etag.len() == 32 && plain_etag.bytes().all(|b| b.is_ascii_hexdigit());
+        if got != size_bytes || (etag_is_md5 && !plain_etag.eq_ignore_ascii_case(&md5)) {
+            let _ = tokio::fs::remove_file(&tmp).await;
+            return Err(CkptError::Corrupt {
+                path: PathBuf::from(url),
+                reason: format!(
+                    "downloaded {got} bytes with MD5 {md5}; the object has {size_bytes} bytes, ETag {etag}"
+                ),
+            });
+        }
+        tokio::fs::rename(&tmp, &data).await.map_err(io("rename", &tmp))?;
+        let meta = serde_json::to_vec(&want).map_err(|e| CkptError::Invalid(e.to_string()))?;
+        tokio::fs::write(&meta_path, meta)
+            .await
+            .map_err(io("write", &meta_path))?;
+        Ok(Fetched {
+            path: data,
+            hit: false,
+            size_bytes,
+        })
+    }
+
+    /// Removes least recently used entries (and stray temp files) until `incoming` more
+    /// bytes fit under the bound; `keep` is never removed.
+    async fn evict(&self, incoming: u64, keep: &Path) -> Result<(), CkptError> {
+        let dir = self.dir.clone();
+        let keep = keep.to_owned();
+        let max = self.max_bytes;
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            let mut entries = Vec::new();
+            let mut total = 0u64;
+            for entry in std::fs::read_dir(&dir)? {
+                let entry = entry?;
+                let path = entry.path();
+                let meta = entry.metadata()?;
+                match path.extension().and_then(|e| e.to_str()) {
+                    Some("data") if path != keep => {
+                        total += meta.len();
+                        entries.push((meta.modified()?, meta.len(), path));
+                    }
+                    Some("tmp") => std::fs::remove_file(&path)?,
+                    _ => {}
+                }
+            }
+            entries.sort();
+            for (_, len, path) in entries {
+                if total + incoming <= max {
+                    break;
+                }
+                let _ = std::fs::remove_file(path.with_extension("meta"));
+                std::fs::remove_file(&path)?;
+                total -= len;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| CkptError::Invalid(format!("eviction task failed: {e}")))?
+        .map_err(|source| CkptError::Io {
+            op: "evict",
+            path: self.dir.clone(),
+            source,
+        })
+    }
+}
+
+async fn read_meta(path: &Path) -> Option<EntryMeta> {
+    let meta = tokio::fs::metadata(path).await.ok()?;
+    if meta.len() > MAX_META_BYTES {
+        return None;
+    }
+    serde_json::from_slice(&tokio::fs::read(path).await.ok()?).ok()
+}
+
+/// `s3://bucket/key` → (`s3://bucket`, `key`); the key must not be empty.
+fn split_object_url(url: &str) -> Result<(String, String), CkptError> {
+    let rest = url
+        .strip_prefix("s3://")
+        .ok_or_else(|| CkptError::Invalid(format!("{url:?} is not an s3:// URL")))?;
+    match rest.split_once('/') {
+        Some((bucket, key)) if !key.is_empty() && !key.ends_with('/') => {
+            Ok((format!("s3://{bucket}"), key.to_owned()))
+        }
+        _ => Err(CkptError::Invalid(format!("{url:?} names no object"))),
+    }
+}
