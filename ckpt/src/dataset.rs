@@ -1,8 +1,8 @@
 //! Dataset shards from S3 (`--dataset s3://bucket/prefix`): a size-bounded local cache on
 //! the worker, least recently used evicted first, every entry verified by size and ETag.
 //!
-//! Entry of object `s3://b/k`: `<dir>/<sha256(url)>.data` (the bytes) and `.meta` (JSON:
-//! url, size, ETag). A fetch first `HEAD`s the object: when the entry's meta and data size
+//! Entry of object `s3://b/k/name`: directory `<dir>/<sha256(url)>/` holding `name` (the
+//! bytes, under the object's own base name) and `.meta` (JSON: url, size, ETag). A fetch first `HEAD`s the object: when the entry's meta and data size
 //! match the object's size and ETag it is a hit (its mtime is bumped for LRU); otherwise the
 //! object is downloaded with `If-Match: <etag>` (an object changed during the download is
 //! an error, not a mix), its MD5 checked against a plain (non-multipart) ETag, fsynced,
@@ -20,6 +20,10 @@ use crate::{CkptError, RemoteKind, S3Connector};
 
 /// Largest `.meta` file read back, in bytes.
 const MAX_META_BYTES: u64 = 8 * 1024;
+/// Name of an entry's metadata file.
+const META_FILE: &str = ".meta";
+/// Name of an entry's download in progress.
+const TMP_FILE: &str = ".download";
 
 #[derive(Serialize, Deserialize, PartialEq, Eq, Debug)]
 struct EntryMeta {
@@ -84,8 +88,17 @@ impl DatasetCache {
             .await
             .map_err(io("create dir", &self.dir))?;
         let name = hex::encode(<Sha256 as sha2::Digest>::digest(url.as_bytes()));
-        let data = self.dir.join(format!("{name}.data"));
-        let meta_path = self.dir.join(format!("{name}.meta"));
+        // The copy keeps the object's base name: trainers may use it (record ids).
+        let base = key.rsplit('/').next().unwrap_or(&key);
+        if base.is_empty() || base == "." || base == ".." || base.len() > 255 {
+            return Err(CkptError::Invalid(format!("{url} has no usable file name")));
+        }
+        let entry = self.dir.join(&name);
+        tokio::fs::create_dir_all(&entry)
+            .await
+            .map_err(io("create dir", &entry))?;
+        let data = entry.join(base);
+        let meta_path = entry.join(META_FILE);
         let want = EntryMeta {
             url: url.to_owned(),
             size_bytes,
@@ -109,8 +122,9 @@ impl DatasetCache {
             });
         }
         let _ = tokio::fs::remove_file(&meta_path).await;
-        self.evict(size_bytes, &data).await?;
-        let tmp = self.dir.join(format!("{name}.tmp"));
+        let _ = tokio::fs::remove_file(&data).await;
+        self.evict(size_bytes, &entry).await?;
+        let tmp = entry.join(TMP_FILE);
         let mut out = tokio::fs::File::create(&tmp)
             .await
             .map_err(io("create", &tmp))?;
@@ -157,8 +171,8 @@ impl DatasetCache {
         })
     }
 
-    /// Removes least recently used entries (and stray temp files) until `incoming` more
-    /// bytes fit under the bound; `keep` is never removed.
+    /// Removes least recently used entries until `incoming` more bytes fit under the
+    /// bound; the entry `keep` is never removed.
     async fn evict(&self, incoming: u64, keep: &Path) -> Result<(), CkptError> {
         let dir = self.dir.clone();
         let keep = keep.to_owned();
@@ -167,26 +181,32 @@ impl DatasetCache {
             let mut entries = Vec::new();
             let mut total = 0u64;
             for entry in std::fs::read_dir(&dir)? {
-                let entry = entry?;
-                let path = entry.path();
-                let meta = entry.metadata()?;
-                match path.extension().and_then(|e| e.to_str()) {
-                    Some("data") if path != keep => {
-                        total += meta.len();
-                        entries.push((meta.modified()?, meta.len(), path));
-                    }
-                    Some("tmp") => std::fs::remove_file(&path)?,
-                    _ => {}
+                let entry_dir = entry?.path();
+                if entry_dir == keep || !entry_dir.is_dir() {
+                    continue;
                 }
+                // An entry's size and age are those of its data file (the one non-dot file).
+                let mut size = 0u64;
+                let mut modified = std::time::SystemTime::UNIX_EPOCH;
+                for file in std::fs::read_dir(&entry_dir)? {
+                    let file = file?;
+                    if file.file_name().to_string_lossy().starts_with('.') {
+                        continue;
+                    }
+                    let meta = file.metadata()?;
+                    size += meta.len();
+                    modified = modified.max(meta.modified()?);
+                }
+                total += size;
+                entries.push((modified, size, entry_dir));
             }
             entries.sort();
-            for (_, len, path) in entries {
+            for (_, size, entry_dir) in entries {
                 if total + incoming <= max {
                     break;
                 }
-                let _ = std::fs::remove_file(path.with_extension("meta"));
-                std::fs::remove_file(&path)?;
-                total -= len;
+                std::fs::remove_dir_all(&entry_dir)?;
+                total -= size;
             }
             Ok(())
         })

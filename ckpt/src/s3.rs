@@ -411,6 +411,9 @@ where
                     RemoteKind::Throttled
                 }
                 ("PreconditionFailed", _) | (_, 412) => RemoteKind::Changed,
+                // A server without the operation (s3s-fs: ListMultipartUploads) will not
+                // grow it by retrying.
+                ("NotImplemented", _) | (_, 501) => RemoteKind::Other,
                 (_, 403) => RemoteKind::AccessDenied,
                 (_, s) if s >= 500 => RemoteKind::Server,
                 _ => RemoteKind::Other,
@@ -1250,8 +1253,10 @@ impl CheckpointStore for S3Store {
         validate_job_id(job_id)?;
         // Uploads abandoned by a crashed writer (an hour is far beyond any live upload's
         // retry deadline).
-        if let Err(e) = self.abort_stale_uploads(job_id, 3_600_000).await {
-            tracing::warn!(job_id, "cannot clean up abandoned multipart uploads: {e}");
+        match self.abort_stale_uploads(job_id, 3_600_000).await {
+            Ok(0) => {}
+            Ok(aborted) => tracing::info!(job_id, aborted, "aborted abandoned multipart uploads"),
+            Err(e) => tracing::debug!(job_id, "cannot clean up abandoned multipart uploads: {e}"),
         }
         let Some(latest) = self.read_latest(job_id).await? else {
             return Ok(Vec::new());
