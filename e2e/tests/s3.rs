@@ -161,7 +161,7 @@ async fn rank_moved_to_another_worker_resumes_from_l2_to_identical_weights() {
 
     // The uninterrupted run first (both jobs do not fit on one worker).
     let clean = cluster
-        .submit("clean", spec(&w, &root, "clean", &url, 10))
+        .submit("clean", spec(&w, &root, "clean", &url, 20))
         .await
         .expect("submit")
         .job_id;
@@ -169,13 +169,13 @@ async fn rank_moved_to_another_worker_resumes_from_l2_to_identical_weights() {
     assert_eq!(a.state, "succeeded", "{a:?}");
 
     let moved = cluster
-        .submit("moved", spec(&w, &root, "moved", &url, 10))
+        .submit("moved", spec(&w, &root, "moved", &url, 20))
         .await
         .expect("submit")
         .job_id;
     let job = cluster
         .wait_job(&moved, "a committed step, ranks on both workers", LONG, |j| {
-            j.committed_step.is_some_and(|s| s >= 40)
+            j.committed_step.is_some_and(|s| s >= 20)
                 && j.ranks.iter().all(|r| r.state == "running")
                 && j.ranks.iter().any(|r| r.worker_id == "worker-2")
         })
