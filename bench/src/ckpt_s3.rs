@@ -52,7 +52,10 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let server = cumulus_e2e::S3Server::start()
         .await
         .context("starting s3s-fs")?;
-    server.create_bucket(BUCKET).await.context("creating the bucket")?;
+    server
+        .create_bucket(BUCKET)
+        .await
+        .context("creating the bucket")?;
     let settings = S3Settings {
         multipart_threshold_bytes: part_size_bytes,
         part_size_bytes,
@@ -71,7 +74,11 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let mut cumulus = Vec::new();
     let mut raw = Vec::new();
     for rep in 0..reps {
-        let order = if rep % 2 == 0 { [true, false] } else { [false, true] };
+        let order = if rep % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        };
         for cumulus_first in order {
             if cumulus_first {
                 cumulus.push(
@@ -90,8 +97,20 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let mib = (per_rank_bytes * u64::from(RANKS)) as f64 / f64::from(1 << 20);
     let mut rows = vec![
         Row::new(SCENARIO, "step size", mib, "MiB", 1),
-        Row::new(SCENARIO, "raw multipart PUT, best", ms(raw_total), "ms", raw.len()),
-        Row::new(SCENARIO, "Cumulus L2 step, best", ms(cumulus_total), "ms", cumulus.len()),
+        Row::new(
+            SCENARIO,
+            "raw multipart PUT, best",
+            ms(raw_total),
+            "ms",
+            raw.len(),
+        ),
+        Row::new(
+            SCENARIO,
+            "Cumulus L2 step, best",
+            ms(cumulus_total),
+            "ms",
+            cumulus.len(),
+        ),
         Row::new(
             SCENARIO,
             "Cumulus slowest commit_part (L1 + upload + verify), best",
@@ -178,7 +197,12 @@ async fn cumulus_step(
         settings.clone(),
         S3Location::parse(&format!("s3://{BUCKET}/cumulus"))?,
     );
-    let store = Arc::new(TieredStore::new(LocalStore::new(&l1), l2, CommitTier::L2, 2));
+    let store = Arc::new(TieredStore::new(
+        LocalStore::new(&l1),
+        l2,
+        CommitTier::L2,
+        2,
+    ));
     let step = 100 + rep as u64;
     let mut stagings = Vec::new();
     for (rank, source) in (0..RANKS).zip(sources) {
@@ -193,7 +217,14 @@ async fn cumulus_step(
         tasks.push(tokio::spawn(async move {
             let began = Instant::now();
             let part = store
-                .commit_part(JOB, step, rank, 0, &staging, serde_json::json!({ "rank": rank }))
+                .commit_part(
+                    JOB,
+                    step,
+                    rank,
+                    0,
+                    &staging,
+                    serde_json::json!({ "rank": rank }),
+                )
                 .await
                 .with_context(|| format!("commit_part of rank {rank}"))?;
             anyhow::Ok((part, began.elapsed()))
@@ -224,7 +255,10 @@ async fn cumulus_step(
     let finish = finish_start.elapsed();
     let total = start.elapsed();
     let bytes = store.verify_step(JOB, step).await?.total_bytes();
-    anyhow::ensure!(bytes == per_rank_bytes * u64::from(RANKS), "manifest records {bytes} bytes");
+    anyhow::ensure!(
+        bytes == per_rank_bytes * u64::from(RANKS),
+        "manifest records {bytes} bytes"
+    );
     std::fs::remove_dir_all(&l1).ok();
     Ok(CumulusTimes {
         parts: slowest,
@@ -334,7 +368,12 @@ async fn clear_bucket(client: &aws_sdk_s3::Client) -> anyhow::Result<()> {
     let listed = client.list_objects_v2().bucket(BUCKET).send().await?;
     for object in listed.contents() {
         if let Some(key) = object.key() {
-            client.delete_object().bucket(BUCKET).key(key).send().await?;
+            client
+                .delete_object()
+                .bucket(BUCKET)
+                .key(key)
+                .send()
+                .await?;
         }
     }
     anyhow::ensure!(

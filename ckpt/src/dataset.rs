@@ -72,7 +72,9 @@ impl DatasetCache {
         let store = self.connector.store(&bucket_url).await?;
         let head = store.head(&key).await?;
         let size_bytes = head.0;
-        let etag = head.1.ok_or_else(|| CkptError::Invalid(format!("{url} has no ETag")))?;
+        let etag = head
+            .1
+            .ok_or_else(|| CkptError::Invalid(format!("{url} has no ETag")))?;
         if size_bytes > self.max_bytes {
             return Err(CkptError::Invalid(format!(
                 "{url} is {size_bytes} bytes, larger than the dataset cache ({} bytes)",
@@ -82,7 +84,11 @@ impl DatasetCache {
         let _guard = self.lock.lock().await;
         let io = |op: &'static str, p: &Path| {
             let p = p.to_owned();
-            move |source| CkptError::Io { op, path: p, source }
+            move |source| CkptError::Io {
+                op,
+                path: p,
+                source,
+            }
         };
         tokio::fs::create_dir_all(&self.dir)
             .await
@@ -149,7 +155,8 @@ impl DatasetCache {
         drop(out);
         let md5 = hex::encode(md5.finalize());
         let plain_etag = etag.trim_matches('"');
-        let etag_is_md5 = plain_etag.len() == 32 && plain_etag.bytes().all(|b| b.is_ascii_hexdigit());
+        let etag_is_md5 =
+            plain_etag.len() == 32 && plain_etag.bytes().all(|b| b.is_ascii_hexdigit());
         if got != size_bytes || (etag_is_md5 && !plain_etag.eq_ignore_ascii_case(&md5)) {
             let _ = tokio::fs::remove_file(&tmp).await;
             return Err(CkptError::Corrupt {
@@ -159,7 +166,9 @@ impl DatasetCache {
                 ),
             });
         }
-        tokio::fs::rename(&tmp, &data).await.map_err(io("rename", &tmp))?;
+        tokio::fs::rename(&tmp, &data)
+            .await
+            .map_err(io("rename", &tmp))?;
         let meta = serde_json::to_vec(&want).map_err(|e| CkptError::Invalid(e.to_string()))?;
         tokio::fs::write(&meta_path, meta)
             .await

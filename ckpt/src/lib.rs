@@ -58,7 +58,10 @@ mod tiered;
 
 pub use dataset::{DatasetCache, Fetched};
 pub use local::LocalStore;
-pub use s3::{RemoteKind, S3Args, S3Connector, S3Location, S3Settings, S3Store, SHA256_METADATA_KEY, part_file_key};
+pub use s3::{
+    RemoteKind, S3Args, S3Connector, S3Location, S3Settings, S3Store, SHA256_METADATA_KEY,
+    part_file_key,
+};
 pub use tiered::{CommitTier, TieredStore};
 
 /// File name of a step's manifest, inside `step-N/`.
@@ -502,10 +505,18 @@ pub trait CheckpointStore: Send + Sync + 'static {
     /// verifies the part in place ([`CheckpointStore::verify_part`]) and returns
     /// [`CheckpointStore::local_part_path`]; a tiered store restores a missing or damaged
     /// local copy from its remote tier first.
-    async fn resume_part_path(&self, job_id: &str, part: &PartRecord) -> Result<PathBuf, CkptError> {
+    async fn resume_part_path(
+        &self,
+        job_id: &str,
+        part: &PartRecord,
+    ) -> Result<PathBuf, CkptError> {
         self.verify_part(job_id, part).await?;
         self.local_part_path(job_id, &part.dir).ok_or_else(|| {
-            CkptError::Invalid(format!("part {:?} has no local path in {}", part.dir, self.describe()))
+            CkptError::Invalid(format!(
+                "part {:?} has no local path in {}",
+                part.dir,
+                self.describe()
+            ))
         })
     }
 

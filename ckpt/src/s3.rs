@@ -187,7 +187,11 @@ pub struct S3Args {
     #[arg(long = "s3-endpoint", env = "CUMULUS_S3_ENDPOINT")]
     pub endpoint: Option<String>,
     /// S3 region used for signing.
-    #[arg(long = "s3-region", env = "CUMULUS_S3_REGION", default_value = "us-east-1")]
+    #[arg(
+        long = "s3-region",
+        env = "CUMULUS_S3_REGION",
+        default_value = "us-east-1"
+    )]
     pub region: String,
     /// Path-style addressing (`http://host/bucket/key`); MinIO and s3s-fs need it.
     #[arg(long = "s3-path-style", env = "CUMULUS_S3_PATH_STYLE")]
@@ -197,7 +201,11 @@ pub struct S3Args {
     #[arg(long = "s3-access-key", env = "CUMULUS_S3_ACCESS_KEY")]
     pub access_key: Option<String>,
     /// S3 secret access key (prefer the environment variable).
-    #[arg(long = "s3-secret-key", env = "CUMULUS_S3_SECRET_KEY", hide_env_values = true)]
+    #[arg(
+        long = "s3-secret-key",
+        env = "CUMULUS_S3_SECRET_KEY",
+        hide_env_values = true
+    )]
     pub secret_key: Option<String>,
     /// Multipart part size, MiB (5..=5120).
     #[arg(long = "s3-part-size-mib", env = "CUMULUS_S3_PART_SIZE_MIB", default_value_t = 16,
@@ -209,8 +217,11 @@ pub struct S3Args {
     pub max_concurrency: u64,
     /// How long transient S3 failures (unreachable, 5xx, SlowDown) of one request are
     /// retried with backoff, milliseconds.
-    #[arg(long = "s3-retry-deadline-ms", env = "CUMULUS_S3_RETRY_DEADLINE_MS",
-          default_value_t = 120_000)]
+    #[arg(
+        long = "s3-retry-deadline-ms",
+        env = "CUMULUS_S3_RETRY_DEADLINE_MS",
+        default_value_t = 120_000
+    )]
     pub retry_deadline_ms: u64,
 }
 
@@ -562,7 +573,13 @@ impl S3Store {
         self.location.key(&format!("{job_id}/{rest}"))
     }
 
-    fn remote_error(&self, op: &'static str, key: &str, kind: RemoteKind, detail: String) -> CkptError {
+    fn remote_error(
+        &self,
+        op: &'static str,
+        key: &str,
+        kind: RemoteKind,
+        detail: String,
+    ) -> CkptError {
         CkptError::Remote {
             op,
             url: format!("s3://{}/{key}", self.location.bucket),
@@ -574,7 +591,12 @@ impl S3Store {
 
     /// Runs `call` (one request) with a concurrency permit, retrying transient failures
     /// with exponential backoff (100 ms doubling to 5 s) until the retry deadline.
-    async fn retry<T, E, F, Fut>(&self, op: &'static str, key: &str, mut call: F) -> Result<T, CkptError>
+    async fn retry<T, E, F, Fut>(
+        &self,
+        op: &'static str,
+        key: &str,
+        mut call: F,
+    ) -> Result<T, CkptError>
     where
         E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
         F: FnMut() -> Fut,
@@ -659,14 +681,18 @@ impl S3Store {
                         .send()
                 })
                 .await?;
-            check_etag(output.e_tag(), &md5).map_err(|why| {
-                self.remote_error("put", key, RemoteKind::Changed, why)
-            })?;
+            check_etag(output.e_tag(), &md5)
+                .map_err(|why| self.remote_error("put", key, RemoteKind::Changed, why))?;
         }
         self.check_object(key, file, "verify upload").await
     }
 
-    async fn upload_multipart(&self, key: &str, path: &Path, file: &FileEntry) -> Result<(), CkptError> {
+    async fn upload_multipart(
+        &self,
+        key: &str,
+        path: &Path,
+        file: &FileEntry,
+    ) -> Result<(), CkptError> {
         let part_size = self
             .settings
             .part_size_bytes
@@ -684,7 +710,12 @@ impl S3Store {
         let upload_id = created
             .upload_id()
             .ok_or_else(|| {
-                self.remote_error("create multipart upload", key, RemoteKind::Other, "no upload id".into())
+                self.remote_error(
+                    "create multipart upload",
+                    key,
+                    RemoteKind::Other,
+                    "no upload id".into(),
+                )
             })?
             .to_owned();
         let count = file.size_bytes.div_ceil(part_size).max(1);
@@ -768,12 +799,20 @@ impl S3Store {
             })
             .await
         {
-            tracing::warn!(key, "cannot abort multipart upload (prune cleans it up later): {e}");
+            tracing::warn!(
+                key,
+                "cannot abort multipart upload (prune cleans it up later): {e}"
+            );
         }
     }
 
     /// `HEAD`s one object: its size and SHA-256 metadata must match `file`.
-    async fn check_object(&self, key: &str, file: &FileEntry, op: &'static str) -> Result<(), CkptError> {
+    async fn check_object(
+        &self,
+        key: &str,
+        file: &FileEntry,
+        op: &'static str,
+    ) -> Result<(), CkptError> {
         let head = match self
             .retry(op, key, || {
                 self.client
@@ -885,7 +924,11 @@ impl S3Store {
 
     /// Reads a small object whole: `None` when absent, [`CkptError::Corrupt`] when larger
     /// than `limit` bytes. Returns the bytes and the ETag.
-    async fn get_small(&self, key: &str, limit: u64) -> Result<Option<(Vec<u8>, Option<String>)>, CkptError> {
+    async fn get_small(
+        &self,
+        key: &str,
+        limit: u64,
+    ) -> Result<Option<(Vec<u8>, Option<String>)>, CkptError> {
         let output = match self
             .retry("get", key, || {
                 self.client
@@ -927,7 +970,10 @@ impl S3Store {
     }
 
     /// `LATEST` and its ETag; `None` when absent.
-    async fn read_latest_tagged(&self, job_id: &str) -> Result<Option<(u64, Option<String>)>, CkptError> {
+    async fn read_latest_tagged(
+        &self,
+        job_id: &str,
+    ) -> Result<Option<(u64, Option<String>)>, CkptError> {
         validate_job_id(job_id)?;
         let key = self.job_key(job_id, LATEST_FILE);
         let Some((bytes, etag)) = self.get_small(&key, MAX_LATEST_BYTES).await? else {
@@ -959,7 +1005,11 @@ impl S3Store {
                         .send()
                 })
                 .await?;
-            keys.extend(page.contents().iter().filter_map(|o| o.key().map(str::to_owned)));
+            keys.extend(
+                page.contents()
+                    .iter()
+                    .filter_map(|o| o.key().map(str::to_owned)),
+            );
             if keys.len() > MAX_LISTED_OBJECTS {
                 return Err(CkptError::Invalid(format!(
                     "more than {MAX_LISTED_OBJECTS} objects under s3://{}/{prefix}",
@@ -975,7 +1025,11 @@ impl S3Store {
 
     /// Aborts multipart uploads under the job's prefix that were started more than
     /// `older_than_ms` ago (abandoned by a crashed uploader). Returns how many it aborted.
-    pub async fn abort_stale_uploads(&self, job_id: &str, older_than_ms: u64) -> Result<usize, CkptError> {
+    pub async fn abort_stale_uploads(
+        &self,
+        job_id: &str,
+        older_than_ms: u64,
+    ) -> Result<usize, CkptError> {
         validate_job_id(job_id)?;
         let prefix = self.job_key(job_id, "");
         let listed = self
@@ -1041,7 +1095,12 @@ fn base64_encode(bytes: &[u8]) -> String {
 
 #[async_trait::async_trait]
 impl CheckpointStore for S3Store {
-    async fn prepare_staging(&self, _job_id: &str, _rank: u32, _attempt: u32) -> Result<PathBuf, CkptError> {
+    async fn prepare_staging(
+        &self,
+        _job_id: &str,
+        _rank: u32,
+        _attempt: u32,
+    ) -> Result<PathBuf, CkptError> {
         Err(CkptError::Invalid(
             "an S3 store is the L2 tier and has no staging: commit through TieredStore".into(),
         ))
@@ -1111,10 +1170,11 @@ impl CheckpointStore for S3Store {
             .ok_or_else(|| CkptError::NotFound {
                 what: format!("manifest {}", path.display()),
             })?;
-        let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| CkptError::Corrupt {
-            path: path.clone(),
-            reason: format!("unparsable manifest: {e}"),
-        })?;
+        let manifest: Manifest =
+            serde_json::from_slice(&bytes).map_err(|e| CkptError::Corrupt {
+                path: path.clone(),
+                reason: format!("unparsable manifest: {e}"),
+            })?;
         manifest.validate().map_err(|e| CkptError::Corrupt {
             path: path.clone(),
             reason: e.to_string(),
@@ -1313,14 +1373,23 @@ mod tests {
         let l = S3Location::parse("s3://bkt").expect("valid");
         assert_eq!(l.prefix, "");
         assert_eq!(l.key("x"), "x");
-        for bad in ["http://b/x", "s3://", "s3://ab", "s3://Bad/x", "s3://bkt/a//b", "s3://bkt/../x"] {
+        for bad in [
+            "http://b/x",
+            "s3://",
+            "s3://ab",
+            "s3://Bad/x",
+            "s3://bkt/a//b",
+            "s3://bkt/../x",
+        ] {
             assert!(S3Location::parse(bad).is_err(), "{bad}");
         }
     }
 
     #[test]
     fn settings_validation() {
-        S3Settings::default().validate().expect("defaults are valid");
+        S3Settings::default()
+            .validate()
+            .expect("defaults are valid");
         let bad = S3Settings {
             part_size_bytes: 1024,
             ..S3Settings::default()

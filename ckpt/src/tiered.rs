@@ -135,7 +135,12 @@ impl TieredStore {
 
 #[async_trait::async_trait]
 impl CheckpointStore for TieredStore {
-    async fn prepare_staging(&self, job_id: &str, rank: u32, attempt: u32) -> Result<PathBuf, CkptError> {
+    async fn prepare_staging(
+        &self,
+        job_id: &str,
+        rank: u32,
+        attempt: u32,
+    ) -> Result<PathBuf, CkptError> {
         self.l1.prepare_staging(job_id, rank, attempt).await
     }
 
@@ -174,7 +179,9 @@ impl CheckpointStore for TieredStore {
                             tracing::info!(job_id, part = %upload.dir, "part uploaded to L2");
                             store.prune_l1_rank(&job_id, upload.rank).await;
                         }
-                        Err(e) => tracing::error!(job_id, part = %upload.dir, "L2 upload failed: {e}"),
+                        Err(e) => {
+                            tracing::error!(job_id, part = %upload.dir, "L2 upload failed: {e}")
+                        }
                     }
                 });
             }
@@ -218,27 +225,39 @@ impl CheckpointStore for TieredStore {
         self.l1.local_part_path(job_id, part_dir)
     }
 
-    async fn resume_part_path(&self, job_id: &str, part: &PartRecord) -> Result<PathBuf, CkptError> {
+    async fn resume_part_path(
+        &self,
+        job_id: &str,
+        part: &PartRecord,
+    ) -> Result<PathBuf, CkptError> {
         let path = self
             .l1
             .local_part_path(job_id, &part.dir)
             .ok_or_else(|| CkptError::Invalid(format!("part dir {:?} is invalid", part.dir)))?;
         match self.l1.verify_part(job_id, part).await {
             Ok(()) => return Ok(path),
-            Err(e) => tracing::info!(job_id, part = %part.dir, "no valid L1 copy ({e}); restoring from L2"),
+            Err(e) => {
+                tracing::info!(job_id, part = %part.dir, "no valid L1 copy ({e}); restoring from L2")
+            }
         }
         let (step, rank, attempt) = parse_part_dir_rel(&part.dir)
             .ok_or_else(|| CkptError::Invalid(format!("part dir {:?} is invalid", part.dir)))?;
         let job_dir = self.l1.job_dir(job_id);
         let io = |op: &'static str, p: &Path| {
             let p = p.to_owned();
-            move |source| CkptError::Io { op, path: p, source }
+            move |source| CkptError::Io {
+                op,
+                path: p,
+                source,
+            }
         };
         let tmp = job_dir.join(format!(
             ".restore/step-{step}.rank-{rank}.attempt-{attempt}.{}",
             rand::random::<u64>()
         ));
-        tokio::fs::create_dir_all(&tmp).await.map_err(io("create dir", &tmp))?;
+        tokio::fs::create_dir_all(&tmp)
+            .await
+            .map_err(io("create dir", &tmp))?;
         let restored = self.l2.restore_part(job_id, part, &tmp).await;
         if let Err(e) = restored {
             let _ = tokio::fs::remove_dir_all(&tmp).await;
@@ -246,12 +265,18 @@ impl CheckpointStore for TieredStore {
         }
         if tokio::fs::try_exists(&path).await.unwrap_or(false) {
             // A damaged L1 copy: replaced by the verified download.
-            tokio::fs::remove_dir_all(&path).await.map_err(io("remove", &path))?;
+            tokio::fs::remove_dir_all(&path)
+                .await
+                .map_err(io("remove", &path))?;
         }
         if let Some(parent) = path.parent() {
-            tokio::fs::create_dir_all(parent).await.map_err(io("create dir", parent))?;
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(io("create dir", parent))?;
         }
-        tokio::fs::rename(&tmp, &path).await.map_err(io("rename", &tmp))?;
+        tokio::fs::rename(&tmp, &path)
+            .await
+            .map_err(io("rename", &tmp))?;
         self.l1.verify_part(job_id, part).await?;
         tracing::info!(job_id, part = %part.dir, "part restored from L2 into L1");
         Ok(path)

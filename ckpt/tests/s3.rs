@@ -32,7 +32,9 @@ fn s3s_fs_binary() -> PathBuf {
     if let Some(path) = std::env::var_os("CUMULUS_S3S_FS") {
         return path.into();
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
     let cargo_bin = home.join(".cargo/bin/s3s-fs");
     if cargo_bin.exists() {
         return cargo_bin;
@@ -105,13 +107,26 @@ fn write_staging(staging: &Path, seed: u8, big: bool) {
     std::fs::write(staging.join("opt/weights.bin"), bytes).expect("write");
 }
 
-async fn commit_step(tiered: &TieredStore, job: &str, step: u64, world: u32, big: bool) -> Manifest {
+async fn commit_step(
+    tiered: &TieredStore,
+    job: &str,
+    step: u64,
+    world: u32,
+    big: bool,
+) -> Manifest {
     let mut parts = Vec::new();
     for rank in 0..world {
         let staging = tiered.prepare_staging(job, rank, 1).await.expect("staging");
         write_staging(&staging, (step as u8).wrapping_add(rank as u8), big);
         let part = tiered
-            .commit_part(job, step, rank, 1, &staging, serde_json::json!({"rank": rank}))
+            .commit_part(
+                job,
+                step,
+                rank,
+                1,
+                &staging,
+                serde_json::json!({"rank": rank}),
+            )
             .await
             .expect("commit part");
         parts.push(part);
@@ -134,12 +149,20 @@ async fn commit_verify_latest_restore_prune() {
     let l2 = store(&server, "ckpt-bucket", true).await;
     l2.check_access().await.expect("bucket is reachable");
     let l1_dir = tempfile::tempdir().expect("tempdir");
-    let tiered = TieredStore::new(LocalStore::new(l1_dir.path()), l2.clone(), CommitTier::L2, 2);
+    let tiered = TieredStore::new(
+        LocalStore::new(l1_dir.path()),
+        l2.clone(),
+        CommitTier::L2,
+        2,
+    );
     let job = "job-000001";
 
     // Step 1 with a multipart file (12 MiB over 5 MiB parts), steps 2..4 small.
     let first = commit_step(&tiered, job, 1, 2, true).await;
-    assert_eq!(l2.verify_step(job, 1).await.expect("step 1 verifies"), first);
+    assert_eq!(
+        l2.verify_step(job, 1).await.expect("step 1 verifies"),
+        first
+    );
     tiered.write_latest(job, 1).await.expect("latest 1");
     for step in 2..=4 {
         commit_step(&tiered, job, step, 2, false).await;
@@ -151,7 +174,13 @@ async fn commit_verify_latest_restore_prune() {
     // A stale writer cannot move LATEST back past a step that verifies.
     let refused = l2.write_latest(job, 2).await;
     assert!(
-        matches!(refused, Err(CkptError::Remote { kind: RemoteKind::Changed, .. })),
+        matches!(
+            refused,
+            Err(CkptError::Remote {
+                kind: RemoteKind::Changed,
+                ..
+            })
+        ),
         "{refused:?}"
     );
     assert_eq!(l2.read_latest(job).await.expect("read"), Some(4));
@@ -163,9 +192,16 @@ async fn commit_verify_latest_restore_prune() {
     // Cross-machine resume: step 1's part is gone from L1; it is restored from L2 and verified.
     let part = first.parts[1].clone();
     let path = tiered.resume_part_path(job, &part).await.expect("restored");
-    l1.verify_part(job, &part).await.expect("restored copy verifies");
-    let original: Vec<u8> = (0..12 * 1024 * 1024 + 17).map(|i| (i % 251) as u8 ^ 2).collect();
-    assert_eq!(std::fs::read(path.join("opt/weights.bin")).expect("read"), original);
+    l1.verify_part(job, &part)
+        .await
+        .expect("restored copy verifies");
+    let original: Vec<u8> = (0..12 * 1024 * 1024 + 17)
+        .map(|i| (i % 251) as u8 ^ 2)
+        .collect();
+    assert_eq!(
+        std::fs::read(path.join("opt/weights.bin")).expect("read"),
+        original
+    );
 
     // An object changed under us: same size and metadata, other bytes → restore refuses.
     let key = format!("runs/a/{job}/step-00000001/rank-0/attempt-1/state.json");
@@ -190,13 +226,19 @@ async fn commit_verify_latest_restore_prune() {
     let other = tempfile::tempdir().expect("tempdir");
     let fresh = TieredStore::new(LocalStore::new(other.path()), l2.clone(), CommitTier::L2, 2);
     let damaged = fresh.resume_part_path(job, &first.parts[0]).await;
-    assert!(matches!(damaged, Err(CkptError::Corrupt { .. })), "{damaged:?}");
+    assert!(
+        matches!(damaged, Err(CkptError::Corrupt { .. })),
+        "{damaged:?}"
+    );
 
     // Retention: steps older than LATEST and not kept are deleted, manifests included.
     let deleted = l2.prune(job, &[3, 4]).await.expect("prune");
     assert_eq!(deleted, vec![1, 2]);
     assert_eq!(l2.list_steps(job).await.expect("list"), vec![3, 4]);
-    assert!(matches!(l2.read_manifest(job, 2).await, Err(CkptError::NotFound { .. })));
+    assert!(matches!(
+        l2.read_manifest(job, 2).await,
+        Err(CkptError::NotFound { .. })
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,17 +247,33 @@ async fn clear_errors() {
     let missing = store(&server, "no-such-bucket", false).await;
     let error = missing.check_access().await.expect_err("missing bucket");
     assert!(
-        matches!(error, CkptError::Remote { kind: RemoteKind::NoSuchBucket, .. }),
+        matches!(
+            error,
+            CkptError::Remote {
+                kind: RemoteKind::NoSuchBucket,
+                ..
+            }
+        ),
         "{error}"
     );
 
     let mut wrong = settings(server.port);
     wrong.secret_access_key = Some("wrong-secret".into());
     let client = wrong.client().await.expect("client");
-    let bad = S3Store::new(client, wrong, S3Location::parse("s3://any-bucket").expect("loc"));
+    let bad = S3Store::new(
+        client,
+        wrong,
+        S3Location::parse("s3://any-bucket").expect("loc"),
+    );
     let error = bad.check_access().await.expect_err("bad credentials");
     assert!(
-        matches!(error, CkptError::Remote { kind: RemoteKind::BadCredentials, .. }),
+        matches!(
+            error,
+            CkptError::Remote {
+                kind: RemoteKind::BadCredentials,
+                ..
+            }
+        ),
         "{error}"
     );
 
@@ -224,11 +282,24 @@ async fn clear_errors() {
     let mut gone = settings(port);
     gone.retry_deadline_ms = 300;
     let client = gone.client().await.expect("client");
-    let unreachable = S3Store::new(client, gone, S3Location::parse("s3://any-bucket").expect("loc"));
+    let unreachable = S3Store::new(
+        client,
+        gone,
+        S3Location::parse("s3://any-bucket").expect("loc"),
+    );
     let error = unreachable.check_access().await.expect_err("unreachable");
     assert!(
-        matches!(error, CkptError::Remote { kind: RemoteKind::Unreachable, .. }),
+        matches!(
+            error,
+            CkptError::Remote {
+                kind: RemoteKind::Unreachable,
+                ..
+            }
+        ),
         "{error}"
     );
-    assert!(error.to_string().contains(&format!("127.0.0.1:{port}")), "{error}");
+    assert!(
+        error.to_string().contains(&format!("127.0.0.1:{port}")),
+        "{error}"
+    );
 }

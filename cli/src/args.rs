@@ -81,6 +81,8 @@ pub enum OutputFormat {
 }
 
 /// The commands.
+// Parsed once per invocation: the size of the `Submit` variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Submit a job: `submit --world-size 4 -- python train.py --lr 0.1`.

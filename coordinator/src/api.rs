@@ -492,13 +492,14 @@ pub async fn list_checkpoints(
         })
         .ok_or_else(|| ApiError::NotFound(format!("no job {job_id:?}")))?;
     let l1 = (!spec.ckpt_dir.is_empty()).then(|| cumulus_ckpt::LocalStore::new(&spec.ckpt_dir));
-    let l2 = if spec.ckpt_url.is_empty() {
-        None
-    } else {
-        Some(node.s3.store(&spec.ckpt_url).await.map_err(|e| {
-            ApiError::Internal(format!("checkpoint target {}: {e}", spec.ckpt_url))
-        })?)
-    };
+    let l2 =
+        if spec.ckpt_url.is_empty() {
+            None
+        } else {
+            Some(node.s3.store(&spec.ckpt_url).await.map_err(|e| {
+                ApiError::Internal(format!("checkpoint target {}: {e}", spec.ckpt_url))
+            })?)
+        };
     // The commit tier holds manifests and LATEST.
     let l2_primary = l2.is_some() && (spec.ckpt_commit_tier != "l1" || l1.is_none());
     let primary: &dyn CheckpointStore = match (&l1, &l2) {

@@ -146,7 +146,9 @@ impl Node {
             let store = self.s3.store(&spec.ckpt_url).await?;
             Ok(Some(Arc::new(store)))
         } else if !spec.ckpt_dir.is_empty() {
-            Ok(Some(Arc::new(cumulus_ckpt::LocalStore::new(&spec.ckpt_dir))))
+            Ok(Some(Arc::new(cumulus_ckpt::LocalStore::new(
+                &spec.ckpt_dir,
+            ))))
         } else {
             Ok(None)
         }

@@ -212,7 +212,10 @@ impl S3Access {
             ("CUMULUS_S3_PATH_STYLE", "true".into()),
             ("CUMULUS_S3_ACCESS_KEY", self.access_key.clone()),
             ("CUMULUS_S3_SECRET_KEY", self.secret_key.clone()),
-            ("CUMULUS_S3_RETRY_DEADLINE_MS", self.retry_deadline_ms.to_string()),
+            (
+                "CUMULUS_S3_RETRY_DEADLINE_MS",
+                self.retry_deadline_ms.to_string(),
+            ),
             ("CUMULUS_S3_PART_SIZE_MIB", "5".into()),
         ]
     }
@@ -246,7 +249,9 @@ pub fn s3s_fs_binary() -> PathBuf {
     if let Some(path) = std::env::var_os("CUMULUS_S3S_FS") {
         return path.into();
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
     let cargo_bin = home.join(".cargo/bin/s3s-fs");
     if cargo_bin.exists() {
         return cargo_bin;

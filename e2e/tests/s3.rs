@@ -23,7 +23,14 @@ fn spec(w: &Workload, root: &Path, name: &str, ckpt_url: &str, step_sleep_ms: u3
         4,
         Path::new(""),
         &root.join(format!("out-{name}")),
-        &["--epochs", &epochs, "--ckpt-every", "20", "--step-sleep-ms", &sleep],
+        &[
+            "--epochs",
+            &epochs,
+            "--ckpt-every",
+            "20",
+            "--step-sleep-ms",
+            &sleep,
+        ],
     );
     s.name = name.into();
     s.ckpt_dir = String::new();
@@ -59,8 +66,14 @@ async fn s3_cluster(server: &S3Server, workers: usize) -> Cluster {
 async fn check_bucket(access: &S3Access, url: &str, job: &v1::Job) {
     let store = access.store(url).await.expect("store");
     let step = job.committed_step.expect("a committed checkpoint");
-    assert_eq!(store.read_latest(&job.id).await.expect("LATEST"), Some(step));
-    let manifest = store.verify_step(&job.id, step).await.expect("step verifies");
+    assert_eq!(
+        store.read_latest(&job.id).await.expect("LATEST"),
+        Some(step)
+    );
+    let manifest = store
+        .verify_step(&job.id, step)
+        .await
+        .expect("step verifies");
     assert_eq!(manifest.world_size, 4);
     for listed in store.list_steps(&job.id).await.expect("list") {
         if listed <= step {
@@ -83,7 +96,10 @@ async fn s3_checkpoint_job_commits_steps_manifests_and_latest_to_the_bucket() {
 
     // A missing bucket is refused at submit, with a clear error.
     let missing = cluster
-        .submit("missing", spec(&w, &root, "missing", "s3://no-such-bucket/x", 0))
+        .submit(
+            "missing",
+            spec(&w, &root, "missing", "s3://no-such-bucket/x", 0),
+        )
         .await
         .expect_err("missing bucket");
     assert!(
@@ -104,7 +120,11 @@ async fn s3_checkpoint_job_commits_steps_manifests_and_latest_to_the_bucket() {
     let out = cluster
         .cumulusctl(&["-o", "json", "ckpt", "ls", &job_id])
         .expect("cumulusctl");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let listed: v1::ListCheckpointsResponse = serde_json::from_slice(&out.stdout).expect("json");
     let step = job.committed_step.expect("committed");
     assert!(
@@ -115,7 +135,9 @@ async fn s3_checkpoint_job_commits_steps_manifests_and_latest_to_the_bucket() {
             && c.path.starts_with(&format!("s3://{BUCKET}/runs/{job_id}/"))),
         "{listed:?}"
     );
-    let table = cluster.cumulusctl(&["ckpt", "ls", &job_id]).expect("cumulusctl");
+    let table = cluster
+        .cumulusctl(&["ckpt", "ls", &job_id])
+        .expect("cumulusctl");
     assert!(String::from_utf8_lossy(&table.stdout).contains("TIERS"));
 }
 
@@ -135,7 +157,10 @@ async fn wrong_s3_credentials_are_a_clear_error_at_submit() {
     let root = cluster.dir.path().to_path_buf();
     let w = prepare_digits(&root, 4).expect("shards");
     let error = cluster
-        .submit("creds", spec(&w, &root, "creds", &format!("s3://{BUCKET}/x"), 0))
+        .submit(
+            "creds",
+            spec(&w, &root, "creds", &format!("s3://{BUCKET}/x"), 0),
+        )
         .await
         .expect_err("wrong credentials");
     let text = format!("{error:#}");
@@ -174,11 +199,16 @@ async fn rank_moved_to_another_worker_resumes_from_l2_to_identical_weights() {
         .expect("submit")
         .job_id;
     let job = cluster
-        .wait_job(&moved, "a committed step, ranks on both workers", LONG, |j| {
-            j.committed_step.is_some_and(|s| s >= 20)
-                && j.ranks.iter().all(|r| r.state == "running")
-                && j.ranks.iter().any(|r| r.worker_id == "worker-2")
-        })
+        .wait_job(
+            &moved,
+            "a committed step, ranks on both workers",
+            LONG,
+            |j| {
+                j.committed_step.is_some_and(|s| s >= 20)
+                    && j.ranks.iter().all(|r| r.state == "running")
+                    && j.ranks.iter().any(|r| r.worker_id == "worker-2")
+            },
+        )
         .await;
     let on_worker_2: Vec<u32> = job
         .ranks
@@ -193,7 +223,11 @@ async fn rank_moved_to_another_worker_resumes_from_l2_to_identical_weights() {
             j.restarts_used >= 1 && j.ranks.iter().all(|r| r.worker_id == "worker-1")
         })
         .await;
-    assert!(resumed.restarts[0].resume_step.is_some(), "{:?}", resumed.restarts);
+    assert!(
+        resumed.restarts[0].resume_step.is_some(),
+        "{:?}",
+        resumed.restarts
+    );
     let b = cluster.wait_finished(&moved, LONG).await;
     assert_eq!(b.state, "succeeded", "{b:?}");
     check_results(&cluster, &w, &root.join("out-moved"));
@@ -202,7 +236,10 @@ async fn rank_moved_to_another_worker_resumes_from_l2_to_identical_weights() {
             .expect("weights");
         let wb = std::fs::read(root.join(format!("out-moved/rank-{rank}/weights.bin")))
             .expect("weights");
-        assert!(wa == wb, "rank {rank}: resumed weights differ from the uninterrupted run");
+        assert!(
+            wa == wb,
+            "rank {rank}: resumed weights differ from the uninterrupted run"
+        );
     }
     // The moved ranks' parts came from L2: worker-1 restored them into its L1 and said so.
     let log = std::fs::read_to_string(&cluster.workers[0].log).expect("worker-1 log");
@@ -229,12 +266,16 @@ async fn s3_server_restart_mid_upload_loses_no_step_and_commits_no_partial_one()
         .job_id;
     let before = cluster
         .wait_job(&job_id, "a committed step", LONG, |j| {
-            j.committed_step.is_some_and(|s| s >= 20) && j.ranks.iter().all(|r| r.state == "running")
+            j.committed_step.is_some_and(|s| s >= 20)
+                && j.ranks.iter().all(|r| r.state == "running")
         })
         .await;
     server.proc.kill9();
     // The next checkpoint's uploads now fail and are retried (both workers' logs say so).
-    let logs = [cluster.workers[0].log.clone(), cluster.workers[1].log.clone()];
+    let logs = [
+        cluster.workers[0].log.clone(),
+        cluster.workers[1].log.clone(),
+    ];
     cumulus_e2e::wait_for("a retried upload", LONG, || {
         let logs = logs.clone();
         async move {

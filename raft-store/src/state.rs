@@ -226,7 +226,9 @@ impl JobSpec {
             ));
         }
         if self.ckpt_commit_tier == "l1" && (self.ckpt_url.is_empty() || self.ckpt_dir.is_empty()) {
-            return Err("ckpt_commit_tier l1 needs both ckpt_url (L2) and a shared ckpt_dir (L1)".into());
+            return Err(
+                "ckpt_commit_tier l1 needs both ckpt_url (L2) and a shared ckpt_dir (L1)".into(),
+            );
         }
         if self.ckpt_keep == 0 || self.ckpt_keep > MAX_CKPT_KEEP {
             return Err(format!("ckpt_keep must be between 1 and {MAX_CKPT_KEEP}"));
