@@ -885,6 +885,9 @@ impl View {
                 }
             }
         }
+    }
+}
+
 impl Drop for S3Server {
     fn drop(&mut self) {
         if std::thread::panicking()
