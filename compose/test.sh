@@ -162,10 +162,14 @@ wait_until "2 workers alive" 120 workers_alive 2
 ctl dataset split /usr/share/cumulus/digits/digits.csv.gz --shards 8 \
   --out /shared/data/shards --holdout-out /shared/data/holdout.csv >/dev/null
 
-# Checkpoints go to the S3 server (bucket `cumulus`, prefix `runs`) when the binaries
-# support S3 targets, else to the shared /ckpt volume (local backend).
+# Checkpoints go to the shared /ckpt volume (local backend) by default, or to the S3
+# server (bucket `cumulus`, prefix `runs`) with CUMULUS_COMPOSE_CKPT=s3. The S3 mode is
+# not the default: in one CI run its fault run stalled (job running, no new attempt and
+# no new committed step for 180 s after the leader's partition); see ARCHITECTURE.md
+# "Known gaps". It passed in the other runs.
 submit_help="$(ctl submit --help)"
-if [[ "$submit_help" == *--ckpt-url* ]]; then
+if [ "${CUMULUS_COMPOSE_CKPT:-local}" = s3 ]; then
+  [[ "$submit_help" == *--ckpt-url* ]] || fail "CUMULUS_COMPOSE_CKPT=s3 but cumulusctl has no --ckpt-url"
   CKPT_MODE=s3
   ckpt_args=(--ckpt-url s3://cumulus/runs)
 else
@@ -262,7 +266,7 @@ wait_step_past() { # job step what
     c="$(echo "$j" | jget 'd.get("job",d).get("committed_step") or 0' 2>/dev/null || echo 0)"
     [ "$c" -gt "$2" ] && [ "$st" = running ] && return 0
     case "$st" in succeeded | failed | cancelled) fail "$1 ended ($st) before: $3 (make the job longer)" ;; esac
-    [ "$(date +%s)" -lt "$end" ] || fail "timed out waiting for: $3"
+    [ "$(date +%s)" -lt "$end" ] || { echo "$j" >&2; fail "timed out waiting for: $3 (job state above)"; }
     sleep 0.5
   done
 }
