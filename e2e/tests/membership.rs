@@ -254,10 +254,23 @@ async fn lagging_coordinator_catches_up_by_snapshot_install() {
         })
         .await;
     let purged = s.purged_index.expect("purged");
+    // Every acknowledged submit is applied on the leader by now; the follower's
+    // non-linearizable list below must wait for all of them, not only for `purged`.
+    let li = cluster
+        .coordinators
+        .iter()
+        .position(|c| c.id == leader)
+        .expect("the leader");
+    let on_leader = cluster
+        .status_of(li)
+        .await
+        .and_then(|s| s.last_applied_index)
+        .unwrap_or(0);
+    let target = on_leader.max(purged);
     cluster.spawn_coordinator(i).expect("restart the follower");
     let caught = wait_for("the follower to catch up", LONG, || async {
         let s = cluster.status_of(i).await?;
-        (s.last_applied_index? >= purged).then_some(s)
+        (s.last_applied_index? >= target).then_some(s)
     })
     .await;
     assert!(
