@@ -18,6 +18,7 @@
 #   CUMULUS_S3S_FS          the s3s-fs binary (default: `command -v s3s-fs` or ~/.cargo/bin)
 #   CUMULUS_COMPOSE_CACHE   debootstrap cache (default: compose/.cache)
 #   CUMULUS_COMPOSE_KEEP=1  leave the cluster up on failure (for a look)
+#   CUMULUS_COMPOSE_CKPT    s3 (default: checkpoints in the bucket) or local (/ckpt volume)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -80,7 +81,7 @@ cleanup() {
   if [ "$rc" -ne 0 ] && [ "${CUMULUS_COMPOSE_KEEP:-0}" = 1 ]; then
     say "kept project $project (CUMULUS_COMPOSE_KEEP=1); remove with: cd compose && ${DC[*]} -p $project -f docker-compose.yml -f docker-compose.s3s.yml down -v"
   else
-    [ -n "$ctlbox" ] && docker rm -f "$ctlbox" >/dev/null 2>&1
+    [ -n "$ctlbox" ] && docker rm -f -v "$ctlbox" >/dev/null 2>&1
     dc down -v --remove-orphans >/dev/null 2>&1 || true
     for i in cumulus-coordinator cumulus-worker cumulusctl cumulus-s3s-fs; do
       docker rmi "$i:$CUMULUS_TAG" >/dev/null 2>&1 || true
@@ -162,13 +163,11 @@ wait_until "2 workers alive" 120 workers_alive 2
 ctl dataset split /usr/share/cumulus/digits/digits.csv.gz --shards 8 \
   --out /shared/data/shards --holdout-out /shared/data/holdout.csv >/dev/null
 
-# Checkpoints go to the shared /ckpt volume (local backend) by default, or to the S3
-# server (bucket `cumulus`, prefix `runs`) with CUMULUS_COMPOSE_CKPT=s3. The S3 mode is
-# not the default: in one CI run its fault run stalled (job running, no new attempt and
-# no new committed step for 180 s after the leader's partition); see ARCHITECTURE.md
-# "Known gaps". It passed in the other runs.
+# Checkpoints go to the S3 server (bucket `cumulus`, prefix `runs`; LATEST is read back
+# from the bucket) by default, or to the shared /ckpt volume (local backend) with
+# CUMULUS_COMPOSE_CKPT=local.
 submit_help="$(ctl submit --help)"
-if [ "${CUMULUS_COMPOSE_CKPT:-local}" = s3 ]; then
+if [ "${CUMULUS_COMPOSE_CKPT:-s3}" = s3 ]; then
   [[ "$submit_help" == *--ckpt-url* ]] || fail "CUMULUS_COMPOSE_CKPT=s3 but cumulusctl has no --ckpt-url"
   CKPT_MODE=s3
   ckpt_args=(--ckpt-url s3://cumulus/runs)
@@ -327,7 +326,7 @@ check_results faults
 check_latest "$job2"
 
 # ---- 3. down + up, same volumes ---------------------------------------------------------
-docker rm -f "$ctlbox" >/dev/null
+docker rm -f -v "$ctlbox" >/dev/null
 ctlbox=""
 dc down >/dev/null 2>&1
 up_and_wait "up again after down"
@@ -339,7 +338,7 @@ check_latest "$job2"
 say "test 3: both jobs and their checkpoints came back"
 
 # ---- 4. down -v ---------------------------------------------------------------------------
-docker rm -f "$ctlbox" >/dev/null
+docker rm -f -v "$ctlbox" >/dev/null
 ctlbox=""
 dc down -v --remove-orphans >/dev/null 2>&1
 left="$(docker ps -aq --filter "label=com.docker.compose.project=$project")

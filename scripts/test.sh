@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The project's test command: builds every binary (the end-to-end tests start the real
 # coordinator, worker, trainer and cumulusctl processes), then runs every test, then the
-# docker-compose test (compose/test.sh: real images and containers; it prints
+# checkpoint failpoint tests, then the docker-compose test (compose/test.sh: real images and containers; it prints
 # "COMPOSE TEST SKIPPED" and why when no Docker engine is reachable).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --workspace --bins
 cargo test --workspace "$@"
+# Crash and disk-full tests of the checkpoint commit protocol: they need the ckpt crate's
+# failpoints, compiled only here (the default build has none).
+cargo test -p cumulus-ckpt --features failpoints --test failpoints
 if [ "${CUMULUS_COMPOSE_TEST:-1}" = 0 ]; then
   echo "COMPOSE TEST SKIPPED: CUMULUS_COMPOSE_TEST=0"
 else

@@ -52,6 +52,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 mod dataset;
+pub mod failpoints;
 mod local;
 mod s3;
 mod tiered;

@@ -10,6 +10,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use crate::failpoints::{self, AtomicWritePoints, failpoint};
 use crate::{
     CheckpointStore, CkptError, FileEntry, LATEST_FILE, MANIFEST_FILE, MAX_LATEST_BYTES,
     MAX_MANIFEST_BYTES, MAX_PART_DEPTH, MAX_PART_FILES, Manifest, PartRecord, hash_reader,
@@ -176,8 +177,15 @@ fn check_dir_chain(base: &Path, rel: &str) -> Result<PathBuf, CkptError> {
 }
 
 /// Writes `bytes` to `dir/name` atomically and durably: temp file `name.tmp-<nonce>` in
-/// `dir`, write, fsync, rename over `name`, fsync `dir`.
-fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), CkptError> {
+/// `dir`, write, fsync, rename over `name`, fsync `dir`. `points` names the failpoints of
+/// the four steps (feature `failpoints`). On failure the temp file is removed (best effort).
+#[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
+fn write_atomic(
+    dir: &Path,
+    name: &str,
+    bytes: &[u8],
+    points: &AtomicWritePoints,
+) -> Result<(), CkptError> {
     let temp = dir.join(format!("{name}.tmp-{:016x}", rand::random::<u64>()));
     let target = dir.join(name);
     let write = || -> Result<(), CkptError> {
@@ -187,9 +195,15 @@ fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), CkptError> {
             .mode(0o644)
             .open(&temp)
             .map_err(io_err("create", &temp))?;
-        file.write_all(bytes).map_err(io_err("write", &temp))?;
+        // Two halves, so that a crash at the write failpoint leaves a torn temp file.
+        let (first, second) = bytes.split_at(bytes.len() / 2);
+        file.write_all(first).map_err(io_err("write", &temp))?;
+        failpoint!(points.write, "write", &temp);
+        file.write_all(second).map_err(io_err("write", &temp))?;
+        failpoint!(points.fsync, "fsync", &temp);
         file.sync_all().map_err(io_err("fsync", &temp))?;
         drop(file);
+        failpoint!(points.rename, "rename", &target);
         fs::rename(&temp, &target).map_err(io_err("rename", &target))
     };
     if let Err(error) = write() {
@@ -197,6 +211,7 @@ fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), CkptError> {
         let _ = fs::remove_file(&temp);
         return Err(error);
     }
+    failpoint!(points.fsync_dir, "fsync dir", dir);
     fsync_dir(dir)
 }
 
@@ -370,6 +385,35 @@ fn open_regular(path: &Path, missing_is_corrupt: bool) -> Result<File, CkptError
     Ok(file)
 }
 
+/// Why [`LocalStore::hash_sync_rename`] failed.
+enum RenameError {
+    /// The part directory already exists.
+    Already,
+    /// Any other failure.
+    Ckpt(CkptError),
+}
+
+impl From<CkptError> for RenameError {
+    fn from(error: CkptError) -> Self {
+        Self::Ckpt(error)
+    }
+}
+
+/// Empties `staging` after a part commit failed on an I/O error (best effort: removes it and creates it
+/// again empty; whatever remains is removed by the next failure or overwritten by the rank).
+fn clear_staging(staging: &Path) {
+    if let Err(error) = fs::remove_dir_all(staging)
+        && error.kind() != io::ErrorKind::NotFound
+    {
+        tracing::warn!(staging = %staging.display(), %error, "cannot clear the staging directory");
+    }
+    if fs::create_dir(staging).is_ok()
+        && let Some(parent) = staging.parent()
+    {
+        let _ = fsync_dir(parent);
+    }
+}
+
 impl LocalStore {
     fn prepare_staging_sync(
         &self,
@@ -436,48 +480,24 @@ impl LocalStore {
             }
         }
 
-        // 1. Hash and fsync every file, then fsync every directory (deepest first).
-        let tree = walk_staging(staging)?;
-        let mut files = Vec::with_capacity(tree.files.len());
-        for (rel, path) in &tree.files {
-            let mut file = open_regular(path, false)?;
-            let (size_bytes, sha256) = hash_reader(&mut file, path)?;
-            file.sync_all().map_err(io_err("fsync", path))?;
-            files.push(FileEntry {
-                path: rel.clone(),
-                size_bytes,
-                sha256,
-            });
-        }
-        for dir_path in tree.dirs.iter().rev() {
-            fsync_dir(dir_path)?;
-        }
-
-        // 2. Parents step-N/rank-r, durable.
-        let rank_dir = ensure_dirs(
-            &self.root,
-            &[job_id, &step_dir_name(step), &format!("rank-{rank}")],
-        )?;
-
-        // 3. The atomic step: staging becomes the part, never over an existing one.
-        match rename_no_replace(staging, &target) {
-            Ok(()) => {}
-            Err(error)
-                if matches!(
-                    error.kind(),
-                    io::ErrorKind::AlreadyExists | io::ErrorKind::DirectoryNotEmpty
-                ) =>
-            {
-                return Err(already());
+        // 1.–3. When the storage fails (an I/O error: a full disk, a failed fsync) the
+        // staging directory is emptied: the part is all or nothing (the rank writes it
+        // whole again for its next checkpoint) and a full disk gets its space back. A
+        // refused input (`Invalid`, e.g. a symlink) leaves it for the caller to fix.
+        let files = match self.hash_sync_rename(job_id, step, rank, staging, &target) {
+            Ok(files) => files,
+            Err(RenameError::Already) => return Err(already()),
+            Err(RenameError::Ckpt(error)) => {
+                if matches!(error, CkptError::Io { .. }) {
+                    clear_staging(staging);
+                }
+                return Err(error);
             }
-            Err(source) => {
-                return Err(CkptError::Io {
-                    op: "rename",
-                    path: target,
-                    source,
-                });
-            }
-        }
+        };
+        let rank_dir = job_dir
+            .join(step_dir_name(step))
+            .join(format!("rank-{rank}"));
+        failpoint!(failpoints::PART_FSYNC_PARENT, "fsync dir", &rank_dir);
         fsync_dir(&rank_dir)?;
         let staging_parent = staging.parent().ok_or_else(|| {
             CkptError::Invalid(format!("staging {} has no parent", staging.display()))
@@ -485,6 +505,11 @@ impl LocalStore {
         fsync_dir(staging_parent)?;
 
         // 4. An empty staging directory for the next checkpoint.
+        failpoint!(
+            failpoints::PART_RECREATE_STAGING,
+            "recreate staging",
+            staging
+        );
         match fs::create_dir(staging) {
             Ok(()) => {}
             Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
@@ -505,6 +530,63 @@ impl LocalStore {
             files,
             state,
         })
+    }
+
+    /// Steps 1–3 of [`Self::commit_part_sync`]: hash and fsync every staged file, fsync every
+    /// staged directory, create the durable parents `step-N/rank-r`, rename the staging
+    /// directory to `target` (never over an existing one). Returns the file entries.
+    fn hash_sync_rename(
+        &self,
+        job_id: &str,
+        step: u64,
+        rank: u32,
+        staging: &Path,
+        target: &Path,
+    ) -> Result<Vec<FileEntry>, RenameError> {
+        // 1. Hash and fsync every file, then fsync every directory (deepest first).
+        let tree = walk_staging(staging)?;
+        let mut files = Vec::with_capacity(tree.files.len());
+        for (rel, path) in &tree.files {
+            let mut file = open_regular(path, false)?;
+            let (size_bytes, sha256) = hash_reader(&mut file, path)?;
+            failpoint!(failpoints::PART_FSYNC_FILE, "fsync", path);
+            file.sync_all().map_err(io_err("fsync", path))?;
+            files.push(FileEntry {
+                path: rel.clone(),
+                size_bytes,
+                sha256,
+            });
+        }
+        failpoint!(failpoints::PART_FSYNC_DIRS, "fsync dir", staging);
+        for dir_path in tree.dirs.iter().rev() {
+            fsync_dir(dir_path)?;
+        }
+
+        // 2. Parents step-N/rank-r, durable.
+        failpoint!(failpoints::PART_MKDIR_PARENTS, "create dir", &self.root);
+        ensure_dirs(
+            &self.root,
+            &[job_id, &step_dir_name(step), &format!("rank-{rank}")],
+        )?;
+
+        // 3. The atomic step: staging becomes the part, never over an existing one.
+        failpoint!(failpoints::PART_RENAME, "rename", target);
+        match rename_no_replace(staging, target) {
+            Ok(()) => Ok(files),
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    io::ErrorKind::AlreadyExists | io::ErrorKind::DirectoryNotEmpty
+                ) =>
+            {
+                Err(RenameError::Already)
+            }
+            Err(source) => Err(RenameError::Ckpt(CkptError::Io {
+                op: "rename",
+                path: target.to_owned(),
+                source,
+            })),
+        }
     }
 
     fn verify_part_sync(&self, job_id: &str, part: &PartRecord) -> Result<(), CkptError> {
@@ -592,7 +674,7 @@ impl LocalStore {
                 bytes.len()
             )));
         }
-        write_atomic(&step_dir, MANIFEST_FILE, &bytes)
+        write_atomic(&step_dir, MANIFEST_FILE, &bytes, &failpoints::MANIFEST)
     }
 
     fn read_manifest_sync(&self, job_id: &str, step: u64) -> Result<Manifest, CkptError> {
@@ -676,6 +758,7 @@ impl LocalStore {
             &job_dir,
             LATEST_FILE,
             format!("{}\n", step_dir_name(step)).as_bytes(),
+            &failpoints::LATEST,
         )
     }
 

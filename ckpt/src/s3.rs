@@ -36,6 +36,7 @@ use aws_sdk_s3::config::{
     BehaviorVersion, Credentials, Region, RequestChecksumCalculation, ResponseChecksumValidation,
 };
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::operation::RequestId as _;
 use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use futures::{StreamExt, TryStreamExt};
@@ -391,6 +392,11 @@ impl std::fmt::Display for RemoteKind {
 }
 
 /// Classifies an SDK error: (kind, HTTP status if any, detail text).
+///
+/// The detail of an S3 error response is its status, code, message and request id
+/// (`HTTP 503 SlowDown: Please reduce your request rate. (request id …)`), not the SDK's
+/// debug dump of the whole raw response; transport and unparsable-response errors keep the
+/// SDK's full error chain.
 fn classify<E>(error: &SdkError<E, HttpResponse>) -> (RemoteKind, Option<u16>, String)
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
@@ -429,6 +435,17 @@ where
                 (_, s) if s >= 500 => RemoteKind::Server,
                 _ => RemoteKind::Other,
             };
+            let mut detail = match (code, ctx.err().message()) {
+                // A HEAD answer has no body, hence no error document.
+                ("", _) => format!("HTTP {status} (no S3 error code in the response)"),
+                (code, Some(message)) if !message.is_empty() => {
+                    format!("HTTP {status} {code}: {message}")
+                }
+                (code, _) => format!("HTTP {status} {code}"),
+            };
+            if let Some(id) = ctx.err().meta().request_id() {
+                detail.push_str(&format!(" (request id {id})"));
+            }
             (kind, Some(status), detail)
         }
         _ => (RemoteKind::Other, None, detail),
@@ -590,7 +607,9 @@ impl S3Store {
     }
 
     /// Runs `call` (one request) with a concurrency permit, retrying transient failures
-    /// with exponential backoff (100 ms doubling to 5 s) until the retry deadline.
+    /// with exponential backoff (100 ms doubling to 5 s) until the retry deadline (the
+    /// last attempt is made at the deadline). A transient failure given up on says how
+    /// many attempts were made over how long.
     async fn retry<T, E, F, Fut>(
         &self,
         op: &'static str,
@@ -602,10 +621,12 @@ impl S3Store {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, SdkError<E, HttpResponse>>>,
     {
-        let deadline =
-            tokio::time::Instant::now() + Duration::from_millis(self.settings.retry_deadline_ms);
+        let started = tokio::time::Instant::now();
+        let deadline = started + Duration::from_millis(self.settings.retry_deadline_ms);
         let mut delay = Duration::from_millis(100);
+        let mut attempts = 0u32;
         loop {
+            attempts += 1;
             let result = {
                 let _permit = self
                     .requests
@@ -623,11 +644,22 @@ impl S3Store {
                             what: format!("s3://{}/{key}", self.location.bucket),
                         });
                     }
-                    if !kind.is_transient() || tokio::time::Instant::now() + delay > deadline {
+                    if !kind.is_transient() {
                         return Err(self.remote_error(op, key, kind, detail));
                     }
-                    tracing::warn!(op, key, %kind, retry_in_ms = delay.as_millis() as u64, "transient S3 failure: {detail}");
-                    tokio::time::sleep(delay).await;
+                    let now = tokio::time::Instant::now();
+                    if now >= deadline {
+                        let detail = format!(
+                            "{detail}; gave up after {attempts} attempts in {} ms (retry deadline {} ms)",
+                            started.elapsed().as_millis(),
+                            self.settings.retry_deadline_ms
+                        );
+                        return Err(self.remote_error(op, key, kind, detail));
+                    }
+                    // The last attempt is made at the deadline, not one backoff before it.
+                    let pause = delay.min(deadline - now);
+                    tracing::warn!(op, key, %kind, retry_in_ms = pause.as_millis() as u64, "transient S3 failure: {detail}");
+                    tokio::time::sleep(pause).await;
                     delay = (delay * 2).min(Duration::from_secs(5));
                 }
             }

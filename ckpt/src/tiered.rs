@@ -11,9 +11,12 @@
 //!
 //! Manifests, `LATEST`, listing and step verification belong to the commit tier: L2 by
 //! default (the leader's view must not depend on one worker's disk); with `L1` the L1 root
-//! must be shared with the leader (as `ckpt_dir` is today), and L2 holds the parts only. A resume ([`CheckpointStore::resume_part_path`]) uses the
+//! must be shared with the leader (as `ckpt_dir` is today). A resume
+//! ([`CheckpointStore::resume_part_path`]) uses the
 //! L1 copy when it verifies and otherwise restores the part from L2 into L1, verifying every
-//! byte. Each rank keeps at most [`TieredStore::l1_keep_steps`] of its own parts in L1.
+//! byte. With [`CommitTier::L2`], each rank keeps at most [`TieredStore::l1_keep_steps`] of its
+//! own parts in L1; with [`CommitTier::L1`], L1 retention is the leader's (it prunes the shared
+//! L1 root to the kept committed steps) and the leader mirrors manifests and `LATEST` to L2.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -175,9 +178,11 @@ impl CheckpointStore for TieredStore {
                         return;
                     };
                     match store.l2.upload_part(&job_id, &upload, &local).await {
+                        // No per-rank L1 pruning here: L1 holds the committed steps (and
+                        // the leader prunes L1 to them), so deleting a rank's older parts
+                        // could break the committed step that LATEST names.
                         Ok(()) => {
-                            tracing::info!(job_id, part = %upload.dir, "part uploaded to L2");
-                            store.prune_l1_rank(&job_id, upload.rank).await;
+                            tracing::info!(job_id, part = %upload.dir, "part uploaded to L2")
                         }
                         Err(e) => {
                             tracing::error!(job_id, part = %upload.dir, "L2 upload failed: {e}")

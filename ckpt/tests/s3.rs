@@ -6,10 +6,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use axum::http::Method;
+
 use cumulus_ckpt::{
     CheckpointStore, CkptError, CommitTier, LocalStore, MANIFEST_FORMAT_VERSION, Manifest,
     RemoteKind, S3Location, S3Settings, S3Store, TieredStore,
 };
+
+mod support;
+use support::{FaultProxy, Rule};
 
 const KEY: &str = "cumulus-test-key";
 const SECRET: &str = "cumulus-test-secret";
@@ -82,7 +87,11 @@ fn settings(port: u16) -> S3Settings {
 }
 
 async fn store(server: &S3Server, bucket: &str, create: bool) -> S3Store {
-    let settings = settings(server.port);
+    store_at(settings(server.port), bucket, create).await
+}
+
+/// A store of `s3://<bucket>/runs/a` with `settings` (creating the bucket when `create`).
+async fn store_at(settings: S3Settings, bucket: &str, create: bool) -> S3Store {
     let client = settings.client().await.expect("client");
     if create {
         client
@@ -302,4 +311,401 @@ async fn clear_errors() {
         error.to_string().contains(&format!("127.0.0.1:{port}")),
         "{error}"
     );
+}
+
+/// The bytes [`write_staging`] writes to `opt/weights.bin` of a big part with `seed`.
+fn big_weights(seed: u8) -> Vec<u8> {
+    (0..12 * 1024 * 1024 + 17)
+        .map(|i| (i % 251) as u8 ^ seed)
+        .collect()
+}
+
+/// Request path (bucket included) of the part of `rank` at `step`, attempt `attempt`.
+fn part_path(job: &str, step: u64, rank: u32, attempt: u32) -> String {
+    format!("/ckpt-bucket/runs/a/{job}/step-{step:08}/rank-{rank}/attempt-{attempt}/")
+}
+
+/// Commits one part of `job` at `step` (rank 0) through `tiered`, staging `seed`'s files.
+async fn commit_one(
+    tiered: &TieredStore,
+    job: &str,
+    step: u64,
+    attempt: u32,
+    seed: u8,
+    big: bool,
+) -> Result<cumulus_ckpt::PartRecord, CkptError> {
+    let staging = tiered
+        .prepare_staging(job, 0, attempt)
+        .await
+        .expect("staging");
+    write_staging(&staging, seed, big);
+    tiered
+        .commit_part(
+            job,
+            step,
+            0,
+            attempt,
+            &staging,
+            serde_json::json!({"rank": 0}),
+        )
+        .await
+}
+
+/// 503 SlowDown in front of a real s3s-fs: a few are retried with backoff and the commit
+/// succeeds; throttling past the retry deadline is `Throttled`, names throttling, reports
+/// nothing committed and aborts a multipart upload it started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_down_is_retried_then_reported_as_throttling() {
+    let server = start_s3();
+    let proxy = FaultProxy::start(server.port).await;
+    let mut patient = settings(proxy.port());
+    patient.retry_deadline_ms = 120_000;
+    let l2 = store_at(patient, "ckpt-bucket", true).await;
+    let l1_dir = tempfile::tempdir().expect("tempdir");
+    let tiered = TieredStore::new(
+        LocalStore::new(l1_dir.path()),
+        l2.clone(),
+        CommitTier::L2,
+        8,
+    );
+    let job = "job-000001";
+
+    // The first 3 PUTs of step 1's part (multipart parts of weights.bin or state.json).
+    let step1 = part_path(job, 1, 0, 1);
+    proxy.add(Rule::slow_down(Method::PUT, &step1).times(3));
+    let manifest = commit_step(&tiered, job, 1, 1, true).await;
+    let puts = |status: u16| {
+        proxy.count(|s| {
+            s.method == Method::PUT && s.path_and_query.contains(&step1) && s.status == status
+        })
+    };
+    assert_eq!(puts(503), 3, "{:#?}", proxy.seen());
+    assert_eq!(proxy.count(|s| s.injected), 3, "only injected 503s");
+    // 3 multipart parts and state.json, each accepted once.
+    assert_eq!(puts(200), 4, "{:#?}", proxy.seen());
+    let part = &manifest.parts[0];
+    l2.verify_part(job, part).await.expect("the part verifies");
+    let other = tempfile::tempdir().expect("tempdir");
+    let fresh = TieredStore::new(LocalStore::new(other.path()), l2.clone(), CommitTier::L2, 2);
+    let restored = fresh.resume_part_path(job, part).await.expect("restored");
+    assert_eq!(
+        std::fs::read(restored.join("opt/weights.bin")).expect("read"),
+        big_weights(1)
+    );
+
+    // Throttled for longer than the retry deadline: a clear, typed error.
+    let mut impatient = settings(proxy.port());
+    impatient.retry_deadline_ms = 1_500;
+    let short = store_at(impatient, "ckpt-bucket", false).await;
+    let tiered = TieredStore::new(
+        LocalStore::new(l1_dir.path()),
+        short.clone(),
+        CommitTier::L2,
+        8,
+    );
+    let state = format!("{}state.json", part_path(job, 2, 0, 1));
+    proxy.add(Rule::slow_down(Method::PUT, &state));
+    let started = Instant::now();
+    let error = commit_one(&tiered, job, 2, 1, 2, false)
+        .await
+        .expect_err("throttled past the deadline");
+    assert!(
+        started.elapsed() >= Duration::from_millis(1_500),
+        "retried until the deadline, not less: {:?}",
+        started.elapsed()
+    );
+    match &error {
+        CkptError::Remote {
+            op: "put",
+            url,
+            kind: RemoteKind::Throttled,
+            ..
+        } => assert_eq!(url, &format!("s3:/{state}")),
+        other => panic!("{other:?}"),
+    }
+    let text = error.to_string();
+    assert!(
+        text.contains("throttled")
+            && text.contains("HTTP 503 SlowDown: Please reduce your request rate.")
+            && text.contains("gave up after")
+            && !text.contains("SdkBody"),
+        "{text}"
+    );
+    let throttled = proxy.count(|s| s.path_and_query.contains(&state) && s.status == 503);
+    assert!(throttled >= 3, "retried with backoff: {throttled} attempts");
+    assert!(
+        !short
+            .list_objects()
+            .await
+            .expect("list")
+            .iter()
+            .any(|k| state.ends_with(k.as_str())),
+        "a throttled object must not exist"
+    );
+
+    // A multipart upload throttled past the deadline is aborted.
+    let step3 = part_path(job, 3, 0, 1);
+    proxy.add(Rule::slow_down(
+        Method::PUT,
+        &format!("{step3}opt/weights.bin?"),
+    ));
+    let error = commit_one(&tiered, job, 3, 1, 3, true)
+        .await
+        .expect_err("throttled past the deadline");
+    assert!(
+        matches!(
+            error,
+            CkptError::Remote {
+                op: "upload part",
+                kind: RemoteKind::Throttled,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    assert_eq!(
+        proxy.count(|s| s.method == Method::DELETE
+            && s.path_and_query.contains(&step3)
+            && s.path_and_query.contains("uploadId=")
+            && s.status == 204),
+        1,
+        "the upload is aborted: {:#?}",
+        proxy.seen()
+    );
+
+    // Once the throttling ends, the rank's next attempt commits.
+    proxy.clear();
+    let part = commit_one(&tiered, job, 2, 2, 2, false)
+        .await
+        .expect("commits after throttling");
+    short.verify_part(job, &part).await.expect("verifies");
+}
+
+/// 403 AccessDenied in front of a real s3s-fs: permanent, returned at once (one request
+/// per attempt, no retries), naming access denied and the object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_denied_is_permanent_and_named() {
+    let server = start_s3();
+    let proxy = FaultProxy::start(server.port).await;
+    let mut patient = settings(proxy.port());
+    // A retry would be visible: nothing here may wait for this deadline.
+    patient.retry_deadline_ms = 120_000;
+    let l2 = store_at(patient, "ckpt-bucket", true).await;
+    let l1_dir = tempfile::tempdir().expect("tempdir");
+    let tiered = TieredStore::new(
+        LocalStore::new(l1_dir.path()),
+        l2.clone(),
+        CommitTier::L2,
+        8,
+    );
+    let job = "job-000001";
+
+    // A single PUT.
+    let state = format!("{}state.json", part_path(job, 1, 0, 1));
+    proxy.add(Rule::access_denied(Method::PUT, &state));
+    let started = Instant::now();
+    let error = commit_one(&tiered, job, 1, 1, 1, false)
+        .await
+        .expect_err("access denied");
+    match &error {
+        CkptError::Remote {
+            op: "put",
+            url,
+            kind: RemoteKind::AccessDenied,
+            ..
+        } => assert_eq!(url, &format!("s3:/{state}")),
+        other => panic!("{other:?}"),
+    }
+    let text = error.to_string();
+    assert!(
+        text.contains("access denied")
+            && text.contains("HTTP 403 AccessDenied: Access Denied")
+            && text.contains(&format!("s3:/{state}"))
+            && !text.contains("gave up")
+            && !text.contains("SdkBody"),
+        "{text}"
+    );
+    assert_eq!(
+        proxy.count(|s| s.path_and_query.contains(&state)),
+        1,
+        "no retry: {:#?}",
+        proxy.seen()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "returned at once, not after the retry deadline"
+    );
+
+    // Multipart: each denied part request is sent once, and the upload is aborted.
+    let weights = format!("{}opt/weights.bin", part_path(job, 2, 0, 1));
+    proxy.add(Rule::access_denied(Method::PUT, &format!("{weights}?")));
+    let error = commit_one(&tiered, job, 2, 1, 2, true)
+        .await
+        .expect_err("access denied");
+    assert!(
+        matches!(
+            error,
+            CkptError::Remote {
+                op: "upload part",
+                kind: RemoteKind::AccessDenied,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    let denied: Vec<_> = proxy
+        .seen()
+        .into_iter()
+        .filter(|s| s.method == Method::PUT && s.path_and_query.contains(&weights))
+        .collect();
+    assert!(!denied.is_empty());
+    for request in &denied {
+        assert_eq!(request.status, 403);
+        assert_eq!(
+            denied
+                .iter()
+                .filter(|s| s.path_and_query == request.path_and_query)
+                .count(),
+            1,
+            "no retry of {}",
+            request.path_and_query
+        );
+    }
+    assert_eq!(
+        proxy.count(|s| s.method == Method::DELETE
+            && s.path_and_query.contains(&weights)
+            && s.status == 204),
+        1,
+        "the upload is aborted: {:#?}",
+        proxy.seen()
+    );
+
+    // A HEAD (no error document, only the status): verify_part is denied, once.
+    proxy.clear();
+    let part = commit_one(&tiered, job, 3, 1, 3, false)
+        .await
+        .expect("commits");
+    let state = format!("{}state.json", part_path(job, 3, 0, 1));
+    let heads = || proxy.count(|s| s.method == Method::HEAD && s.path_and_query.contains(&state));
+    let heads_before = heads();
+    proxy.add(Rule::access_denied(Method::HEAD, &state).times(1));
+    let error = l2.verify_part(job, &part).await.expect_err("access denied");
+    assert!(
+        matches!(
+            error,
+            CkptError::Remote {
+                kind: RemoteKind::AccessDenied,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    assert!(
+        error.to_string().contains(&format!("s3:/{state}")),
+        "{error}"
+    );
+    assert_eq!(heads(), heads_before + 1, "no retry: {:#?}", proxy.seen());
+    l2.verify_part(job, &part)
+        .await
+        .expect("verifies once allowed");
+}
+
+/// An object that changed under us (a foreign overwrite) is refused by verify, verify_step
+/// and resume; a `LATEST` writer racing another one (a real 412 from s3s-fs on `If-Match`)
+/// re-reads, moves forward when it still may, and refuses to move `LATEST` backwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changed_objects_and_latest_races_are_refused() {
+    let server = start_s3();
+    let proxy = FaultProxy::start(server.port).await;
+    let l2 = store_at(settings(proxy.port()), "ckpt-bucket", true).await;
+    let l1_dir = tempfile::tempdir().expect("tempdir");
+    let tiered = TieredStore::new(
+        LocalStore::new(l1_dir.path()),
+        l2.clone(),
+        CommitTier::L2,
+        8,
+    );
+    let job = "job-000001";
+    let mut manifests = Vec::new();
+    for step in 1..=5 {
+        manifests.push(commit_step(&tiered, job, step, 1, false).await);
+    }
+    tiered.write_latest(job, 1).await.expect("latest 1");
+
+    // Someone else overwrites a file of step 1's part (other bytes, no SHA-256 metadata).
+    let key = format!("runs/a/{job}/step-00000001/rank-0/attempt-1/opt/weights.bin");
+    l2.client()
+        .put_object()
+        .bucket("ckpt-bucket")
+        .key(&key)
+        .body(b"not the checkpoint".to_vec().into())
+        .send()
+        .await
+        .expect("overwrite");
+    let part = &manifests[0].parts[0];
+    let refused = [
+        l2.verify_part(job, part).await.map(|_| ()),
+        l2.verify_step(job, 1).await.map(|_| ()),
+        {
+            let other = tempfile::tempdir().expect("tempdir");
+            let fresh =
+                TieredStore::new(LocalStore::new(other.path()), l2.clone(), CommitTier::L2, 2);
+            fresh.resume_part_path(job, part).await.map(|_| ())
+        },
+    ];
+    for result in refused {
+        match result {
+            Err(CkptError::Corrupt { path, .. }) => {
+                assert_eq!(path, PathBuf::from(format!("s3://ckpt-bucket/{key}")))
+            }
+            other => panic!("a changed object must be refused: {other:?}"),
+        }
+    }
+
+    // Race 1: A reads LATEST = 1 and sends its conditional PUT (held); B moves LATEST to 2;
+    // A's PUT gets 412, A re-reads 2 < 3 and moves LATEST forward to 3.
+    let (rule, gate) = Rule::hold(Method::PUT, &format!("/{job}/LATEST"));
+    proxy.add(rule);
+    let a = tokio::spawn({
+        let l2 = l2.clone();
+        async move { l2.write_latest(job, 3).await }
+    });
+    gate.wait_arrived(Duration::from_secs(60)).await;
+    l2.write_latest(job, 2).await.expect("B moves LATEST to 2");
+    gate.release();
+    a.await
+        .expect("task")
+        .expect("A re-reads and moves LATEST to 3");
+    assert_eq!(l2.read_latest(job).await.expect("read"), Some(3));
+    let precondition_failed =
+        || proxy.count(|s| s.path_and_query.contains("/LATEST?") && s.status == 412);
+    assert_eq!(precondition_failed(), 1, "{:#?}", proxy.seen());
+
+    // Race 2: A reads LATEST = 3 and sends its PUT for 4 (held); B moves LATEST to 5, which
+    // verifies; A's PUT gets 412 and A refuses to move LATEST back from 5 to 4.
+    let (rule, gate) = Rule::hold(Method::PUT, &format!("/{job}/LATEST"));
+    proxy.add(rule);
+    let a = tokio::spawn({
+        let l2 = l2.clone();
+        async move { l2.write_latest(job, 4).await }
+    });
+    gate.wait_arrived(Duration::from_secs(60)).await;
+    l2.write_latest(job, 5).await.expect("B moves LATEST to 5");
+    gate.release();
+    let refused = a.await.expect("task");
+    match &refused {
+        Err(
+            error @ CkptError::Remote {
+                op: "put LATEST",
+                kind: RemoteKind::Changed,
+                ..
+            },
+        ) => assert!(
+            error.to_string().contains("refusing to move it back"),
+            "{error}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(precondition_failed(), 2, "{:#?}", proxy.seen());
+    assert_eq!(l2.read_latest(job).await.expect("read"), Some(5));
 }

@@ -216,12 +216,18 @@ fn plan_running(
     // Failure detection on running attempts.
     let mut newly_failed = false;
     for r in &job.ranks {
-        if r.state != RankState::Running {
+        if !matches!(r.state, RankState::Running | RankState::Pending) {
             continue;
         }
         let key = (job.id.clone(), r.rank, r.attempt);
         let cause = if obs.lost.contains(&key) {
-            Some("lost: its worker no longer reports the process".to_string())
+            Some(if r.state == RankState::Pending {
+                "lost: its worker neither prepares nor runs it".to_string()
+            } else {
+                "lost: its worker no longer reports the process".to_string()
+            })
+        } else if r.state != RankState::Running {
+            None
         } else if job.spec.progress_timeout_ms > 0
             && obs
                 .progress_stall_ms
@@ -337,15 +343,114 @@ fn plan_running(
     });
 }
 
-/// The leader's memory between ticks (rebuilt on every election).
+/// Most checkpoint I/O tasks (finalize, the resume-step choice of a restart, LATEST
+/// repair, the L2 mirror of an L1-committed step) in flight at once; at most one per job.
+pub const MAX_IO_TASKS: usize = 32;
+/// Shortest time between two LATEST repairs or L2 mirror checks of one job.
+pub const IO_RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// What a finished checkpoint I/O task tells the loop to remember.
+#[derive(Debug)]
+enum IoOutcome {
+    /// Nothing to remember.
+    Done,
+    /// The step's parts failed verification (a permanent error): never finalize it.
+    BadStep(u64),
+    /// LATEST of the commit tier names this committed step.
+    LatestOk(u64),
+    /// The L2 (S3) copy of a job committed at L1 holds this step's manifest and LATEST.
+    MirroredToL2(u64),
+}
+
+/// Which kind of periodic I/O a retry time belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum IoKind {
+    /// [`ensure_latest`].
+    Latest,
+    /// [`mirror_to_l2`].
+    Mirror,
+}
+
+/// The leader's memory between ticks (rebuilt on every election; dropping it aborts the
+/// I/O tasks of the previous term).
 #[derive(Default)]
 struct LoopMemory {
     /// Steps whose parts failed verification: never finalized.
     bad_steps: HashSet<(String, u64)>,
     /// Jobs whose LATEST file is known to match the committed step.
     latest_ok: HashMap<String, u64>,
+    /// Jobs committed at L1 whose L2 copy (manifest + LATEST in S3) is at this step.
+    l2_mirrored: HashMap<String, u64>,
+    /// Earliest next try of a job's periodic I/O (LATEST repair, L2 mirror).
+    retry_at: HashMap<(String, IoKind), Instant>,
     /// Last prune of the soft progress map.
     last_progress_prune: Option<Instant>,
+    /// Checkpoint I/O runs in these tasks, off the loop, so that a slow disk or an S3
+    /// outage (retried up to the store's retry deadline) never delays failure detection,
+    /// placement or the other jobs. Each yields its job and what to remember.
+    io_tasks: tokio::task::JoinSet<(String, IoOutcome)>,
+    /// The job of every task in `io_tasks` (at most one task per job).
+    io_jobs: HashMap<tokio::task::Id, String>,
+}
+
+impl LoopMemory {
+    /// True when `job_id` has an I/O task in flight.
+    fn io_busy(&self, job_id: &str) -> bool {
+        self.io_jobs.values().any(|j| j == job_id)
+    }
+
+    /// Runs `io` for `job_id` in a task unless the job already has one or
+    /// [`MAX_IO_TASKS`] are in flight (the action is planned again on a later pass).
+    fn spawn_io<F>(&mut self, job_id: &str, io: F)
+    where
+        F: std::future::Future<Output = IoOutcome> + Send + 'static,
+    {
+        if self.io_jobs.len() >= MAX_IO_TASKS || self.io_busy(job_id) {
+            return;
+        }
+        let job = job_id.to_string();
+        let handle = self.io_tasks.spawn(async move { (job, io.await) });
+        self.io_jobs.insert(handle.id(), job_id.to_string());
+    }
+
+    /// Collects the finished I/O tasks and remembers their outcomes.
+    fn reap_io(&mut self) {
+        while let Some(done) = self.io_tasks.try_join_next_with_id() {
+            match done {
+                Ok((id, (job_id, outcome))) => {
+                    self.io_jobs.remove(&id);
+                    match outcome {
+                        IoOutcome::Done => {}
+                        IoOutcome::BadStep(step) => {
+                            self.bad_steps.insert((job_id, step));
+                        }
+                        IoOutcome::LatestOk(step) => {
+                            self.latest_ok.insert(job_id, step);
+                        }
+                        IoOutcome::MirroredToL2(step) => {
+                            self.l2_mirrored.insert(job_id, step);
+                        }
+                    }
+                }
+                Err(e) => {
+                    if let Some(job_id) = self.io_jobs.remove(&e.id()) {
+                        warn!(job = %job_id, error = %e, "checkpoint I/O task failed");
+                    }
+                }
+            }
+        }
+    }
+
+    /// True (and the next try scheduled) when `job_id`'s `kind` I/O may run now.
+    fn due(&mut self, job_id: &str, kind: IoKind) -> bool {
+        let now = Instant::now();
+        let key = (job_id.to_string(), kind);
+        if self.retry_at.get(&key).is_some_and(|at| *at > now) {
+            return false;
+        }
+        self.retry_at.insert(key, now + IO_RETRY_INTERVAL);
+        true
+    }
 }
 
 /// Runs the control loop until `cancel`; acts only while this node is the leader.
@@ -374,6 +479,7 @@ pub async fn run(node: Arc<Node>, cancel: CancellationToken) {
             memory = LoopMemory::default();
             continue;
         }
+        memory.reap_io();
         let obs = observe(&node);
         let actions = {
             let mut rng = rand::rng();
@@ -386,7 +492,8 @@ pub async fn run(node: Arc<Node>, cancel: CancellationToken) {
             }
             execute(&node, action, &mut memory).await;
         }
-        ensure_latest(&node, &mut memory).await;
+        ensure_latest(&node, &mut memory);
+        mirror_to_l2(&node, &mut memory);
         prune_progress(&node, &mut memory);
     }
 }
@@ -397,30 +504,41 @@ fn observe(node: &Node) -> Observations {
     let term = node.raft.metrics().borrow().current_term;
     let now = Instant::now();
     let now_wall = now_ms();
-    let (workers, running): (Vec<String>, Vec<(AttemptKey, String, u64)>) = node.read_state(|s| {
-        let workers = s
-            .workers
-            .values()
-            .filter(|w| w.state == WorkerState::Alive)
-            .map(|w| w.worker_id.clone())
-            .collect();
-        let running = s
-            .jobs
-            .values()
-            .filter(|j| j.state == JobState::Running)
-            .flat_map(|j| {
-                j.ranks
-                    .iter()
-                    .filter(|r| r.state == RankState::Running)
-                    .filter_map(|r| {
-                        r.worker_id
-                            .clone()
-                            .map(|w| ((j.id.clone(), r.rank, r.attempt), w, r.started_at_ms))
-                    })
-            })
-            .collect();
-        (workers, running)
-    });
+    // Running and pending (placed) attempts: (key, worker, started_at_ms, pending
+    // not_before_ms or None when running).
+    #[allow(clippy::type_complexity)]
+    let (workers, running): (Vec<String>, Vec<(AttemptKey, String, u64, Option<u64>)>) = node
+        .read_state(|s| {
+            let workers = s
+                .workers
+                .values()
+                .filter(|w| w.state == WorkerState::Alive)
+                .map(|w| w.worker_id.clone())
+                .collect();
+            let running = s
+                .jobs
+                .values()
+                .filter(|j| j.state == JobState::Running)
+                .flat_map(|j| {
+                    j.ranks
+                        .iter()
+                        .filter(|r| matches!(r.state, RankState::Running | RankState::Pending))
+                        .filter_map(|r| {
+                            let pending =
+                                (r.state == RankState::Pending).then_some(r.not_before_ms);
+                            r.worker_id.clone().map(|w| {
+                                (
+                                    (j.id.clone(), r.rank, r.attempt),
+                                    w,
+                                    r.started_at_ms,
+                                    pending,
+                                )
+                            })
+                        })
+                })
+                .collect();
+            (workers, running)
+        });
     let mut soft = node.soft();
     if soft.leader_term != Some(term) {
         info!(
@@ -445,7 +563,7 @@ fn observe(node: &Node) -> Observations {
         // A new leader has seen no heartbeat yet: a running attempt counts as seen now,
         // not at its start (else every attempt older than the lost threshold would be
         // declared lost on the first tick, and a failover would restart every job).
-        for (key, _, _) in &running {
+        for (key, _, _, _) in &running {
             soft.progress
                 .entry(key.clone())
                 .or_insert(crate::node::ProgressSoft {
@@ -465,7 +583,33 @@ fn observe(node: &Node) -> Observations {
         obs.worker_silence_ms.insert(w.clone(), silence);
     }
     let lost_after_ms = LOST_AFTER_HEARTBEATS * node.limits.heartbeat_interval_ms;
-    for (key, worker, started_at_ms) in running {
+    for (key, worker, started_at_ms, pending) in running {
+        if let Some(not_before_ms) = pending {
+            // A placed attempt: the clock starts when this leader first sees it pending (its
+            // worker reports it, pid 0, from the moment it starts preparing it), and not
+            // before its backoff ends. One that its reporting worker neither prepares nor
+            // runs past the lost threshold was lost on the way (a dropped desired set or
+            // start report) and would otherwise stay pending for ever.
+            let p = soft
+                .progress
+                .entry(key.clone())
+                .or_insert(crate::node::ProgressSoft {
+                    step: 0,
+                    total_steps: 0,
+                    changed_at: now,
+                    seen_at: now,
+                });
+            let unseen_ms = (now.duration_since(p.seen_at).as_millis() as u64)
+                .min(now_wall.saturating_sub(not_before_ms));
+            let worker_reporting = soft.workers.get(&worker).is_some_and(|w| {
+                now.duration_since(w.last_seen).as_millis()
+                    < u128::from(node.limits.heartbeat_interval_ms) * 2
+            });
+            if worker_reporting && unseen_ms > lost_after_ms {
+                obs.lost.insert(key);
+            }
+            continue;
+        }
         let progress = soft.progress.get(&key);
         if let Some(p) = progress {
             obs.progress_stall_ms.insert(
@@ -506,7 +650,7 @@ fn part_record(p: &PartInfo) -> PartRecord {
     }
 }
 
-async fn execute(node: &Node, action: Action, memory: &mut LoopMemory) {
+async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopMemory) {
     let now = now_ms();
     let describe = format!("{action:?}");
     let cmd = match action {
@@ -547,16 +691,25 @@ async fn execute(node: &Node, action: Action, memory: &mut LoopMemory) {
             delay_ms,
             cause,
         } => {
-            let resume_step = choose_resume_step(node, &job_id).await;
-            info!(job = %job_id, delay_ms, ?resume_step, %cause, "scheduling restart");
-            Command::ScheduleRestart {
-                job_id,
-                placements,
-                failed_at_ms,
-                delay_ms,
-                cause,
-                resume_step,
-            }
+            // Choosing the resume step reads (and verifies) checkpoints: off the loop.
+            let task_node = node.clone();
+            let task_job = job_id.clone();
+            memory.spawn_io(&job_id, async move {
+                let node = task_node;
+                let resume_step = choose_resume_step(&node, &task_job).await;
+                info!(job = %task_job, delay_ms, ?resume_step, %cause, "scheduling restart");
+                let cmd = Command::ScheduleRestart {
+                    job_id: task_job,
+                    placements,
+                    failed_at_ms,
+                    delay_ms,
+                    cause,
+                    resume_step,
+                };
+                commit_planned(&node, cmd, &describe).await;
+                IoOutcome::Done
+            });
+            return;
         }
         Action::FailJob { job_id, cause } => {
             warn!(job = %job_id, %cause, "job failed");
@@ -574,23 +727,36 @@ async fn execute(node: &Node, action: Action, memory: &mut LoopMemory) {
             if memory.bad_steps.contains(&(job_id.clone(), step)) {
                 return;
             }
-            match finalize(node, &job_id, step).await {
-                Ok(()) => return,
-                Err(e) => {
-                    // An S3 outage is retried on a later pass; anything else marks the step
-                    // bad (a later step commits instead).
-                    let transient = e.downcast_ref::<cumulus_ckpt::CkptError>().is_some_and(|c| {
-                        matches!(c, cumulus_ckpt::CkptError::Remote { kind, .. } if kind.is_transient())
-                    });
-                    warn!(job = %job_id, step, error = %e, transient, "checkpoint step not committed");
-                    if !transient {
-                        memory.bad_steps.insert((job_id, step));
+            let task_node = node.clone();
+            let task_job = job_id.clone();
+            memory.spawn_io(&job_id, async move {
+                match finalize(&task_node, &task_job, step).await {
+                    Ok(()) => IoOutcome::Done,
+                    Err(e) => {
+                        // An S3 outage is retried on a later pass; anything else marks the
+                        // step bad (a later step commits instead).
+                        let transient =
+                            e.downcast_ref::<cumulus_ckpt::CkptError>().is_some_and(|c| {
+                                matches!(c, cumulus_ckpt::CkptError::Remote { kind, .. } if kind.is_transient())
+                            });
+                        warn!(job = %task_job, step, error = %e, transient, "checkpoint step not committed");
+                        if transient {
+                            IoOutcome::Done
+                        } else {
+                            IoOutcome::BadStep(step)
+                        }
                     }
-                    return;
                 }
-            }
+            });
+            return;
         }
     };
+    commit_planned(node, cmd, &describe).await;
+}
+
+/// Commits the command of a planned action; a rejection (the state moved on) or a lost
+/// leadership is logged, and the next pass plans again.
+async fn commit_planned(node: &Node, cmd: Command, describe: &str) {
     match node.propose(cmd).await {
         Ok(cumulus_raft_store::Response::Rejected { reason }) => {
             tracing::debug!(action = %describe, %reason, "planned action rejected (state moved on)")
@@ -660,8 +826,19 @@ async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
         return Ok(());
     };
     let records: Vec<PartRecord> = parts.iter().map(part_record).collect();
-    for p in &records {
-        store.verify_part(job_id, p).await?;
+    // Parts are verified in parallel (each re-reads and hashes its files on the blocking
+    // pool), at most one per core at a time.
+    {
+        use futures::StreamExt;
+        let parallel = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 16));
+        let checks: Vec<_> = records
+            .iter()
+            .map(|p| store.verify_part(job_id, p))
+            .collect();
+        let mut verified = futures::stream::iter(checks).buffer_unordered(parallel);
+        while let Some(result) = verified.next().await {
+            result?;
+        }
     }
     let manifest = Manifest {
         format_version: cumulus_ckpt::MANIFEST_FORMAT_VERSION,
@@ -697,8 +874,9 @@ async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
 }
 
 /// Makes LATEST name the committed step of every job (a leader may have died between
-/// the Raft commit and the LATEST write).
-async fn ensure_latest(node: &Node, memory: &mut LoopMemory) {
+/// the Raft commit and the LATEST write). One I/O task per job, at most every
+/// [`IO_RETRY_INTERVAL`] until it succeeds.
+fn ensure_latest(node: &Arc<Node>, memory: &mut LoopMemory) {
     let jobs: Vec<(String, cumulus_raft_store::state::JobSpec, u64)> = node.read_state(|s| {
         s.jobs
             .values()
@@ -708,28 +886,122 @@ async fn ensure_latest(node: &Node, memory: &mut LoopMemory) {
             .collect()
     });
     for (job_id, spec, step) in jobs {
-        let store = match node.ckpt_store(&spec).await {
-            Ok(Some(store)) => store,
-            Ok(None) => continue,
-            Err(e) => {
-                warn!(job = %job_id, error = %e, "cannot open the checkpoint store");
-                continue;
-            }
-        };
-        match store.read_latest(&job_id).await {
-            Ok(Some(s)) if s == step => {
-                memory.latest_ok.insert(job_id, step);
-            }
-            _ => {
-                if store.verify_step(&job_id, step).await.is_ok()
-                    && store.write_latest(&job_id, step).await.is_ok()
-                {
-                    info!(job = %job_id, step, "LATEST repaired to the committed step");
-                    memory.latest_ok.insert(job_id, step);
+        if memory.io_busy(&job_id) || !memory.due(&job_id, IoKind::Latest) {
+            continue;
+        }
+        let node = node.clone();
+        let task_job = job_id.clone();
+        memory.spawn_io(&job_id, async move {
+            let job_id = task_job;
+            let store = match node.ckpt_store(&spec).await {
+                Ok(Some(store)) => store,
+                Ok(None) => return IoOutcome::Done,
+                Err(e) => {
+                    warn!(job = %job_id, error = %e, "cannot open the checkpoint store");
+                    return IoOutcome::Done;
+                }
+            };
+            match store.read_latest(&job_id).await {
+                Ok(Some(s)) if s == step => IoOutcome::LatestOk(step),
+                _ => {
+                    if store.verify_step(&job_id, step).await.is_ok()
+                        && store.write_latest(&job_id, step).await.is_ok()
+                    {
+                        info!(job = %job_id, step, "LATEST repaired to the committed step");
+                        IoOutcome::LatestOk(step)
+                    } else {
+                        IoOutcome::Done
+                    }
                 }
             }
-        }
+        });
     }
+}
+
+/// For jobs that commit at L1 with an S3 target (`--ckpt-commit-tier l1`): once every
+/// part of the committed step is in L2 (the agents upload them in the background),
+/// writes the manifests of the kept steps, then LATEST, to L2 and prunes L2 to them, so
+/// that the bucket alone is a complete, verifiable checkpoint (the same layout as an
+/// L2-committed job). Checked at most every [`IO_RETRY_INTERVAL`] per job.
+fn mirror_to_l2(node: &Arc<Node>, memory: &mut LoopMemory) {
+    let jobs: Vec<(String, cumulus_raft_store::state::JobSpec, u64, Vec<u64>)> =
+        node.read_state(|s| {
+            s.jobs
+                .values()
+                .filter(|j| !j.spec.ckpt_url.is_empty() && j.spec.ckpt_commit_tier == "l1")
+                .filter_map(|j| {
+                    j.committed_step.map(|c| {
+                        (
+                            j.id.clone(),
+                            j.spec.clone(),
+                            c,
+                            j.committed.keys().copied().collect(),
+                        )
+                    })
+                })
+                .filter(|(id, _, c, _)| memory.l2_mirrored.get(id).is_none_or(|m| m < c))
+                .collect()
+        });
+    for (job_id, spec, step, keep) in jobs {
+        if memory.io_busy(&job_id) || !memory.due(&job_id, IoKind::Mirror) {
+            continue;
+        }
+        let mirrored = memory.l2_mirrored.get(&job_id).copied();
+        let node = node.clone();
+        let task_job = job_id.clone();
+        memory.spawn_io(&job_id, async move {
+            let job_id = task_job;
+            match mirror_steps(&node, &spec, &job_id, mirrored, &keep).await {
+                Ok(Some(done)) => {
+                    info!(job = %job_id, step = done, committed = step, "L1-committed steps mirrored to L2 (manifests, LATEST)");
+                    IoOutcome::MirroredToL2(done)
+                }
+                Ok(None) => IoOutcome::Done, // parts still uploading
+                Err(e) => {
+                    warn!(job = %job_id, step, error = %e, "cannot mirror the step to L2 yet");
+                    IoOutcome::Done
+                }
+            }
+        });
+    }
+}
+
+/// One try of [`mirror_to_l2`]: writes the L2 manifest of every kept committed step
+/// after `mirrored` (oldest first) whose parts are all in L2, stopping at the first that
+/// is not complete yet, then moves L2's LATEST to the newest step written. Returns that
+/// step, or `None` when none was complete.
+async fn mirror_steps(
+    node: &Node,
+    spec: &cumulus_raft_store::state::JobSpec,
+    job_id: &str,
+    mirrored: Option<u64>,
+    keep: &[u64],
+) -> Result<Option<u64>, cumulus_ckpt::CkptError> {
+    use cumulus_ckpt::CheckpointStore;
+    let Some(l1) = node.ckpt_store(spec).await? else {
+        return Ok(None);
+    };
+    let l2 = node.s3.store(&spec.ckpt_url).await?;
+    let mut newest = None;
+    'steps: for &step in keep.iter().filter(|s| mirrored.is_none_or(|m| **s > m)) {
+        let manifest = l1.read_manifest(job_id, step).await?;
+        for part in &manifest.parts {
+            if let Err(e) = l2.verify_part(job_id, part).await {
+                tracing::debug!(job = %job_id, step, part = %part.dir, error = %e, "part not in L2 yet");
+                break 'steps;
+            }
+        }
+        l2.write_manifest(&manifest).await?;
+        newest = Some(step);
+    }
+    let Some(step) = newest else {
+        return Ok(None);
+    };
+    l2.write_latest(job_id, step).await?;
+    if let Err(e) = l2.prune(job_id, keep).await {
+        warn!(job = %job_id, error = %e, "pruning old L2 checkpoints failed");
+    }
+    Ok(Some(step))
 }
 
 /// Drops soft progress of attempts that are no longer current (bounded memory).
@@ -760,6 +1032,68 @@ mod tests {
     use super::*;
     use cumulus_raft_store::state::{JobSpec, RestartPolicy};
     use cumulus_raft_store::{Command, Response};
+
+    #[tokio::test]
+    async fn checkpoint_io_runs_one_task_per_job_off_the_loop_and_remembers_outcomes() {
+        let mut memory = LoopMemory::default();
+        let (release, gate) = tokio::sync::oneshot::channel::<()>();
+        // A slow task (an S3 outage being retried) for job a ...
+        memory.spawn_io("a", async move {
+            let _ = gate.await;
+            IoOutcome::BadStep(7)
+        });
+        assert!(memory.io_busy("a"));
+        // ... does not let a second task of job a start, nor block job b.
+        memory.spawn_io("a", async { IoOutcome::LatestOk(1) });
+        memory.spawn_io("b", async { IoOutcome::LatestOk(3) });
+        assert_eq!(memory.io_jobs.len(), 2);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while memory.io_busy("b") {
+            assert!(Instant::now() < deadline, "job b's task did not finish");
+            tokio::task::yield_now().await;
+            memory.reap_io();
+        }
+        assert_eq!(memory.latest_ok.get("b"), Some(&3));
+        assert!(memory.io_busy("a"), "job a's task is still waiting");
+        release.send(()).expect("task a waits");
+        while memory.io_busy("a") {
+            assert!(Instant::now() < deadline, "job a's task did not finish");
+            tokio::task::yield_now().await;
+            memory.reap_io();
+        }
+        assert!(memory.bad_steps.contains(&("a".to_string(), 7)));
+        assert!(
+            !memory.latest_ok.contains_key("a"),
+            "the refused task never ran"
+        );
+        // A panicking task frees its job.
+        memory.spawn_io("c", async { panic!("boom") });
+        while memory.io_busy("c") {
+            assert!(Instant::now() < deadline, "job c's task did not end");
+            tokio::task::yield_now().await;
+            memory.reap_io();
+        }
+        // The number of tasks in flight is bounded.
+        let mut gates = Vec::new();
+        for i in 0..MAX_IO_TASKS + 5 {
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            gates.push(tx);
+            memory.spawn_io(&format!("j{i}"), async move {
+                let _ = rx.await;
+                IoOutcome::Done
+            });
+        }
+        assert_eq!(memory.io_jobs.len(), MAX_IO_TASKS);
+    }
+
+    #[test]
+    fn periodic_io_is_due_at_most_once_per_interval() {
+        let mut memory = LoopMemory::default();
+        assert!(memory.due("a", IoKind::Latest));
+        assert!(!memory.due("a", IoKind::Latest));
+        assert!(memory.due("a", IoKind::Mirror), "kinds are independent");
+        assert!(memory.due("b", IoKind::Latest), "jobs are independent");
+    }
 
     fn state_with_running_job(world_size: u32, scope: RestartScope) -> (ClusterState, String) {
         let mut s = ClusterState::default();
@@ -976,6 +1310,26 @@ mod tests {
         );
         assert!(
             matches!(&actions[1], Action::FailRank { rank: 1, cause, .. } if cause.starts_with("lost"))
+        );
+    }
+
+    #[test]
+    fn a_lost_pending_attempt_fails_and_a_stalled_one_is_not_hung() {
+        let (mut s, job_id) = state_with_running_job(2, RestartScope::Rank);
+        for r in &mut s.jobs.get_mut(&job_id).expect("job").ranks {
+            r.state = RankState::Pending; // placed, not started yet
+        }
+        let mut zero = || 0.0;
+        let mut obs = Observations::default();
+        // Rank 0 prepares for long (no progress) and is reported: not hung, not lost.
+        obs.progress_stall_ms.insert((job_id.clone(), 0, 0), 60_000);
+        // Rank 1 is neither prepared nor run by its reporting worker.
+        obs.lost.insert((job_id.clone(), 1, 0));
+        let actions = plan(&s, &obs, 5_000, &mut zero);
+        assert_eq!(actions.len(), 1, "{actions:?}");
+        assert!(
+            matches!(&actions[0], Action::FailRank { rank: 1, attempt: 0, cause, .. } if cause == "lost: its worker neither prepares nor runs it"),
+            "{actions:?}"
         );
     }
 

@@ -9,6 +9,7 @@
 pub mod history;
 pub mod nemesis;
 pub mod net;
+pub mod ranks;
 
 use std::fs::File;
 use std::future::Future;

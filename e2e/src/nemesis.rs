@@ -4,13 +4,19 @@
 //! Faults: SIGKILL + restart of the leader, a follower, a worker agent or a rank;
 //! SIGSTOP/SIGCONT of a coordinator or a worker; partitions through the harness's TCP
 //! proxies (one coordinator isolated, the leader isolated, a worker cut from every
-//! coordinator for longer than its heartbeat timeout).
+//! coordinator for longer than its heartbeat timeout); a hung rank (a trainer rank
+//! SIGSTOPped: it neither exits nor progresses; the trainer job has a progress timeout
+//! and the leader must fail that attempt as hung and restart it).
 //!
 //! Checks: (1) every acknowledged submit exists exactly once; (2) observed job states
 //! follow the state machine, restart counts stay within the budget and delays at or
 //! above the policy's minimum; (3) linearizable reads are linearizable
 //! ([`crate::history::check_reads`]); (4) a trainer job that succeeded holds every
-//! record exactly once and weights byte-identical to a fault-free run.
+//! record exactly once and weights byte-identical to a fault-free run; (5) at the OS
+//! level, no two attempts of one rank make progress together for longer than it takes to
+//! stop one ([`crate::ranks`], `/proc` sampled every [`PROC_SAMPLE_MS`]); (6) a hung rank
+//! is failed as hung and restarted within its progress timeout plus
+//! [`HANG_DETECT_SLACK_MS`], and its process does not outlive the fault.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -38,6 +44,9 @@ pub struct RunOpts {
     pub clients: usize,
     /// Trainer epochs (the trainer job runs during the faults).
     pub epochs: u32,
+    /// Inject a hang-rank fault first, as soon as a trainer rank reports progress (so a
+    /// short run covers it; later faults are drawn at random, hang-rank among them).
+    pub hang_first: bool,
 }
 
 /// Counts of what one run did and found.
@@ -59,6 +68,16 @@ pub struct Report {
     pub trainer_restarts: u32,
     /// Connections the proxies cut.
     pub proxy_drops: u64,
+    /// `/proc` samples taken for the OS-level check of invariant 2.
+    pub proc_samples: u64,
+    /// Distinct rank processes those samples saw.
+    pub rank_processes_seen: u64,
+    /// Overlaps seen: two attempts of one rank progressing together (any length).
+    pub attempt_overlaps: u64,
+    /// Longest such overlap, in milliseconds (an anomaly past [`OVERLAP_LIMIT_MS`]).
+    pub attempt_overlap_longest_ms: u64,
+    /// Hung-rank faults: milliseconds from the SIGSTOP to the leader's restart, each.
+    pub hang_detect_ms: Vec<u64>,
     /// Everything the checks found (empty: the run passed).
     pub anomalies: Vec<String>,
     /// Wall time of the run, in milliseconds.
@@ -75,6 +94,21 @@ const SMALL_BACKOFF_MS: u64 = 100;
 const TRAINER_RESTARTS: u32 = 100;
 const TRAINER_BACKOFF_MS: u64 = 200;
 const TRAINER_WORLD: u32 = 2;
+/// Progress timeout of the trainer job, in milliseconds: longer than any fault that
+/// pauses progress innocently (a stopped worker: at most 2.5 s; a cut-off worker stops
+/// its ranks itself), so only the hung-rank fault trips it.
+pub const TRAINER_PROGRESS_TIMEOUT_MS: u64 = 6_000;
+/// How long past the progress timeout the leader may take to restart a hung rank, in
+/// milliseconds (failure-detector tick, backoff, a loaded machine).
+pub const HANG_DETECT_SLACK_MS: u64 = 20_000;
+/// The worker agents' stop grace (SIGTERM to SIGKILL), their default, in milliseconds.
+const STOP_GRACE_MS: u64 = 5_000;
+/// Longest two attempts of one rank may both progress (check 5), in milliseconds: the
+/// stop grace, plus a heartbeat timeout (a cut-off worker stops its ranks about when the
+/// leader places replacements), plus sampling slack.
+pub const OVERLAP_LIMIT_MS: u64 = STOP_GRACE_MS + HEARTBEAT_TIMEOUT_MS + 1_000;
+/// Interval of the `/proc` sampler, in milliseconds.
+pub const PROC_SAMPLE_MS: u64 = 100;
 
 #[derive(Default)]
 struct History {
@@ -91,6 +125,24 @@ impl History {
     fn us(&self) -> u64 {
         self.start.map_or(0, |s| s.elapsed().as_micros() as u64)
     }
+}
+
+fn terminal(state: &str) -> bool {
+    matches!(state, "succeeded" | "failed" | "cancelled")
+}
+
+/// `rank/attempt state@worker (not before, failure)` of every rank, for a report.
+fn describe_ranks(j: &v1::Job) -> String {
+    j.ranks
+        .iter()
+        .map(|r| {
+            format!(
+                "{}/{} {}@{} (pid {}, not_before_ms {}, exit {:?})",
+                r.rank, r.attempt, r.state, r.worker_id, r.pid, r.not_before_ms, r.exit_code
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn small_spec(rng: &mut StdRng) -> v1::JobSpec {
@@ -113,14 +165,15 @@ fn small_spec(rng: &mut StdRng) -> v1::JobSpec {
     }
 }
 
-fn trainer(w: &Workload, root: &Path, name: &str, epochs: u32) -> v1::JobSpec {
+/// The trainer job: `step_sleep_ms` paces it (it does not change the weights).
+fn trainer(w: &Workload, root: &Path, name: &str, epochs: u32, step_sleep_ms: u32) -> v1::JobSpec {
     let args = [
         "--epochs".to_string(),
         epochs.to_string(),
         "--ckpt-every".into(),
         "10".into(),
         "--step-sleep-ms".into(),
-        "5".into(),
+        step_sleep_ms.to_string(),
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut s = trainer_spec(
@@ -131,6 +184,7 @@ fn trainer(w: &Workload, root: &Path, name: &str, epochs: u32) -> v1::JobSpec {
         &args,
     );
     s.name = name.into();
+    s.progress_timeout_ms = TRAINER_PROGRESS_TIMEOUT_MS;
     s.restart = Some(v1::RestartPolicy {
         max_restarts: Some(TRAINER_RESTARTS),
         backoff_initial_ms: Some(TRAINER_BACKOFF_MS),
@@ -258,11 +312,111 @@ fn repair(cluster: &mut Cluster) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The start time of process `pid` (clock ticks after boot), `None` when it is gone.
+fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    crate::ranks::parse_stat(&stat).map(|(_, _, start)| start)
+}
+
+/// Whether `pid` is still the process that started at `start` (not gone, not reused).
+fn same_process(pid: u32, start: u64) -> bool {
+    start_ticks(pid) == Some(start)
+}
+
+/// The hung-rank fault: SIGSTOPs one running rank of the trainer job, waits for the
+/// leader to fail it as hung and restart it, then makes sure the stopped process is gone
+/// (SIGCONT lets it take the agent's pending SIGTERM; SIGKILL after the stop grace, with
+/// an anomaly, when the agent did not end it). `None` when no rank was running.
+async fn hang_rank(
+    cluster: &Cluster,
+    rng: &mut StdRng,
+    trainer_job: &str,
+    report: &mut Report,
+    anomalies: &mut Vec<Anomaly>,
+) -> Option<()> {
+    let job = cluster.job(trainer_job).await?;
+    let running: Vec<&v1::RankStatus> = job
+        .ranks
+        .iter()
+        // Only a rank that reported progress can stall (the leader measures a stall from
+        // the last progress it saw).
+        .filter(|r| r.state == "running" && r.pid > 0 && r.step > 0)
+        .collect();
+    if running.is_empty() {
+        return None;
+    }
+    let target = running[rng.random_range(0..running.len())];
+    let (pid, rank) = (target.pid, target.rank);
+    let Some(start) = start_ticks(pid) else {
+        eprintln!("nemesis: hang-rank: rank {rank}'s process {pid} is gone");
+        return None;
+    };
+    let restarts_before = job.restarts_used;
+    if kill(Pid::from_raw(pid as i32), Signal::SIGSTOP).is_err() {
+        return None;
+    }
+    eprintln!("nemesis: hang-rank: SIGSTOP rank {rank} (pid {pid})");
+    let stopped_at = Instant::now();
+    let deadline = Duration::from_millis(TRAINER_PROGRESS_TIMEOUT_MS + HANG_DETECT_SLACK_MS);
+    let mut outcome = None;
+    while stopped_at.elapsed() < deadline {
+        if let Some(j) = cluster.job(trainer_job).await {
+            let hung = j.restarts.iter().any(|r| {
+                r.number > restarts_before && r.cause.contains("hung") && r.ranks.contains(&rank)
+            });
+            if hung {
+                outcome = Some(Ok(stopped_at.elapsed().as_millis() as u64));
+                break;
+            }
+            if matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled") {
+                outcome = Some(Err(format!(
+                    "the job ended {} while rank {rank} hung",
+                    j.state
+                )));
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    match outcome {
+        Some(Ok(ms)) => report.hang_detect_ms.push(ms),
+        Some(Err(what)) => anomalies.push(Anomaly {
+            job_id: trainer_job.to_string(),
+            what,
+        }),
+        None => anomalies.push(Anomaly {
+            job_id: trainer_job.to_string(),
+            what: format!(
+                "rank {rank} (pid {pid}) SIGSTOPped: no restart for \"hung\" within {} ms",
+                deadline.as_millis()
+            ),
+        }),
+    }
+    // Nothing may leak: the stopped process must be gone once its agent stopped it.
+    if same_process(pid, start) {
+        let _ = kill(Pid::from_raw(pid as i32), Signal::SIGCONT);
+    }
+    let gone = Instant::now() + Duration::from_millis(STOP_GRACE_MS + 10_000);
+    while same_process(pid, start) && Instant::now() < gone {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if same_process(pid, start) {
+        let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+        anomalies.push(Anomaly {
+            job_id: trainer_job.to_string(),
+            what: format!("the hung rank {rank}'s process {pid} outlived its attempt"),
+        });
+    }
+    Some(())
+}
+
 /// Injects one random fault, holds it for a random while, then repairs.
 async fn one_fault(
     cluster: &mut Cluster,
     rng: &mut StdRng,
     trainer_job: &str,
+    report: &mut Report,
+    anomalies: &mut Vec<Anomaly>,
 ) -> anyhow::Result<&'static str> {
     let leader = cluster.status().await.and_then(|s| s.leader_id);
     let li = leader.and_then(|l| cluster.index_of(l));
@@ -270,7 +424,7 @@ async fn one_fault(
         .filter(|i| Some(*i) != li)
         .collect();
     let hold = Duration::from_millis(rng.random_range(500..2_500));
-    let kind = match rng.random_range(0..9u32) {
+    let kind = match rng.random_range(0..10u32) {
         0 => {
             let Some(i) = li else { return Ok("none") };
             cluster.coordinators[i].proc.kill9();
@@ -334,6 +488,15 @@ async fn one_fault(
             tokio::time::sleep(hold).await;
             "partition-leader"
         }
+        8 => {
+            if hang_rank(cluster, rng, trainer_job, report, anomalies)
+                .await
+                .is_none()
+            {
+                return Ok("none");
+            }
+            "hang-rank"
+        }
         _ => {
             // Longer than the heartbeat timeout: the worker must stop its own ranks
             // and the leader reschedules them.
@@ -380,7 +543,7 @@ async fn reference_weights(
     epochs: u32,
 ) -> anyhow::Result<Vec<Vec<u8>>> {
     let r = cluster
-        .submit("reference", trainer(w, root, "reference", epochs))
+        .submit("reference", trainer(w, root, "reference", epochs, 5))
         .await?;
     let job = cluster.wait_finished(&r.job_id, LONG).await;
     anyhow::ensure!(
@@ -412,6 +575,11 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
     })
     .await?;
     let root: PathBuf = cluster.dir.path().to_path_buf();
+    let sampler = crate::ranks::Sampler::start(
+        root.clone(),
+        Duration::from_millis(PROC_SAMPLE_MS),
+        OVERLAP_LIMIT_MS,
+    );
     let w = prepare_digits(&root, 4)?;
     let reference = reference_weights(&cluster, &w, &root, opts.epochs).await?;
 
@@ -419,7 +587,15 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
     let trainer_job = cluster
         .submit(
             "nemesis-trainer",
-            trainer(&w, &root, "nemesis", opts.epochs),
+            // With a hang to inject first, a slower pace: on a quiet machine the trainer
+            // can otherwise finish before the leader has seen its progress.
+            trainer(
+                &w,
+                &root,
+                "nemesis",
+                opts.epochs,
+                if opts.hang_first { 50 } else { 5 },
+            ),
         )
         .await?
         .job_id;
@@ -439,6 +615,33 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
         seed: opts.seed,
         ..Report::default()
     };
+    let mut anomalies: Vec<Anomaly> = Vec::new();
+    // The first fault (CI) hangs a trainer rank before the clients start: on a quiet
+    // cluster the trainer is placed at once and reports progress within a few heartbeats
+    // (with the clients' small jobs competing for slots first, it could finish unseen).
+    if opts.hang_first {
+        // As soon as a trainer rank reports progress (bounded by LONG).
+        let give_up = Instant::now() + LONG;
+        let kind = loop {
+            if hang_rank(
+                &cluster,
+                &mut rng,
+                &trainer_job,
+                &mut report,
+                &mut anomalies,
+            )
+            .await
+            .is_some()
+            {
+                break "hang-rank";
+            }
+            if Instant::now() > give_up {
+                break "none";
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        *report.faults.entry(kind.into()).or_default() += 1;
+    }
     let shared = Arc::new(cluster.view());
     let mut tasks = Vec::new();
     for id in 0..opts.clients {
@@ -452,7 +655,14 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
     }
     let deadline = Instant::now() + Duration::from_millis(opts.fault_ms);
     while Instant::now() < deadline {
-        let kind = one_fault(&mut cluster, &mut rng, &trainer_job).await?;
+        let kind = one_fault(
+            &mut cluster,
+            &mut rng,
+            &trainer_job,
+            &mut report,
+            &mut anomalies,
+        )
+        .await?;
         *report.faults.entry(kind.into()).or_default() += 1;
         let calm = rng.random_range(200..1_500);
         tokio::time::sleep(Duration::from_millis(calm)).await;
@@ -469,23 +679,48 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
     report.ops = h.ops.clone();
     report.acked_submits = h.acked.len() as u64;
     report.reads = h.reads.len() as u64;
-    let mut anomalies: Vec<Anomaly> = Vec::new();
 
-    // Everything finishes once the faults stop.
-    let trainer_final = cluster.wait_finished(&trainer_job, LONG).await;
-    let all = crate::wait_for("every job to finish", LONG, || async {
-        let mut c = cluster.leader_client().await.ok()?;
-        let list = c
-            .list_jobs(v1::ListJobsRequest { linearizable: true })
-            .await
-            .ok()?
-            .into_inner();
-        list.jobs
-            .iter()
-            .all(|j| matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled"))
-            .then_some(list)
-    })
-    .await;
+    // Everything finishes once the faults stop (liveness): a job still running after
+    // LONG is an anomaly, reported with its ranks, not a harness panic.
+    let started_wait = Instant::now();
+    let mut last: Option<v1::ListJobsResponse> = None;
+    loop {
+        if let Ok(mut c) = cluster.leader_client().await
+            && let Ok(list) = c
+                .list_jobs(v1::ListJobsRequest { linearizable: true })
+                .await
+        {
+            let list = list.into_inner();
+            let done = list.jobs.iter().all(|j| terminal(&j.state));
+            last = Some(list);
+            if done {
+                break;
+            }
+        }
+        if started_wait.elapsed() > LONG {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let all = last.context("no leader answered ListJobs after the faults")?;
+    for j in all.jobs.iter().filter(|j| !terminal(&j.state)) {
+        anomalies.push(Anomaly {
+            job_id: j.id.clone(),
+            what: format!(
+                "liveness: still {} {} s after the faults stopped: restarts used {}, ranks {}",
+                j.state,
+                LONG.as_secs(),
+                j.restarts_used,
+                describe_ranks(j)
+            ),
+        });
+    }
+    let trainer_final = all
+        .jobs
+        .iter()
+        .find(|j| j.id == trainer_job)
+        .cloned()
+        .context("the trainer job is missing from ListJobs")?;
 
     // 1. Acknowledged submits exactly once; nothing from nowhere.
     let mut by_rid: HashMap<&str, Vec<&v1::Job>> = HashMap::new();
@@ -569,6 +804,28 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
 
     // 3. Linearizable reads.
     anomalies.extend(check_reads(&h.reads));
+
+    // 5. At most one progressing attempt of a rank, from /proc (every job has finished).
+    let overlaps = sampler.finish();
+    report.proc_samples = overlaps.samples;
+    report.rank_processes_seen = overlaps.processes_seen();
+    report.attempt_overlaps = overlaps.overlaps;
+    report.attempt_overlap_longest_ms = overlaps.longest_ms;
+    for o in &overlaps.anomalies {
+        anomalies.push(Anomaly {
+            job_id: o.job_id.clone(),
+            what: format!(
+                "rank {}: attempts {} (pid {}) and {} (pid {}) both progressed for {} ms \
+                 (limit {OVERLAP_LIMIT_MS} ms)",
+                o.rank,
+                o.attempts[0].0,
+                o.attempts[0].1,
+                o.attempts[1].0,
+                o.attempts[1].1,
+                o.length_ms
+            ),
+        });
+    }
 
     // 4. The trainer: every record once, weights identical to the fault-free run.
     report.trainer_state = trainer_final.state.clone();

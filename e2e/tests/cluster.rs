@@ -525,57 +525,128 @@ async fn bad_input_gets_clear_errors_and_changes_nothing() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("job-999999"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn corrupted_checkpoint_part_falls_back_to_the_previous_good_step() {
+/// What `corrupt_newest_step_then_resume` damages in the newest committed step.
+#[derive(Clone, Copy, Debug)]
+enum Corruption {
+    /// One byte of rank 0's `weights.bin` flipped.
+    PartFile,
+    /// `MANIFEST.json` cut to half its length.
+    Manifest,
+}
+
+/// Runs a 4-rank trainer; once two steps are committed, freezes every rank (SIGSTOP, so
+/// no newer step can be committed), damages the newest committed step N, checks that
+/// `cumulusctl ckpt ls` shows N as not verified, kills rank 0 and checks that the restart
+/// resumes from the newest step that verifies (older than N), and that the job then
+/// succeeds with every record consumed exactly once.
+async fn corrupt_newest_step_then_resume(name: &str, corruption: Corruption) {
     let cluster = Cluster::start(ClusterOpts::default())
         .await
         .expect("cluster");
     let root = cluster.dir.path().to_path_buf();
     let w = prepare_digits(&root, 8).expect("shards");
-    let mut s = spec(&w, &root, "corrupt", 15);
+    let mut s = spec(&w, &root, name, 15);
     s.restart = Some(v1::RestartPolicy {
         backoff_initial_ms: Some(200),
         ..Default::default()
     });
-    let job_id = cluster.submit("corrupt", s).await.expect("submit").job_id;
+    let job_id = cluster.submit(name, s).await.expect("submit").job_id;
     let job = cluster
         .wait_job(&job_id, "two committed steps", LONG, |j| {
-            j.committed_step.is_some_and(|s| s >= 60) && j.ranks[0].state == "running"
+            j.committed_step.is_some_and(|s| s >= 60) && j.ranks.iter().all(|r| r.pid > 0)
         })
         .await;
-    let step = job.committed_step.expect("committed");
-    // Flip a byte of rank 0's weights in the newest committed step.
-    let step_dir = root
-        .join("ckpt-corrupt")
-        .join(&job_id)
-        .join(format!("step-{step:08}"))
-        .join("rank-0");
-    let part = wait_for("the part directory", Duration::from_secs(10), || async {
-        std::fs::read_dir(&step_dir)
-            .ok()?
-            .filter_map(|e| e.ok())
-            .map(|e| e.path())
-            .find(|p| p.is_dir())
-    })
-    .await;
-    let weights = part.join("weights.bin");
-    let mut bytes = std::fs::read(&weights).expect("weights");
-    bytes[0] ^= 0xff;
-    std::fs::write(&weights, &bytes).expect("corrupt");
-    kill_rank(&job, 0);
+    let pids: Vec<i32> = job.ranks.iter().map(|r| r.pid as i32).collect();
+    for pid in &pids {
+        kill(Pid::from_raw(*pid), Signal::SIGSTOP).expect("SIGSTOP a rank");
+    }
+    // The leader finishes the commit in flight: LATEST names the committed step.
+    let job_dir = root.join(format!("ckpt-{name}")).join(&job_id);
+    let step = cluster
+        .wait_job(&job_id, "LATEST to name the committed step", LONG, |j| {
+            let latest = std::fs::read_to_string(job_dir.join("LATEST")).unwrap_or_default();
+            j.committed_step
+                .is_some_and(|c| latest.trim() == format!("step-{c:08}"))
+        })
+        .await
+        .committed_step
+        .expect("committed");
+    let step_dir = job_dir.join(format!("step-{step:08}"));
+    match corruption {
+        Corruption::PartFile => {
+            let part = std::fs::read_dir(step_dir.join("rank-0"))
+                .expect("rank-0 of the step")
+                .filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .find(|p| p.is_dir())
+                .expect("the part directory");
+            let weights = part.join("weights.bin");
+            let mut bytes = std::fs::read(&weights).expect("weights");
+            bytes[0] ^= 0xff;
+            std::fs::write(&weights, &bytes).expect("corrupt");
+        }
+        Corruption::Manifest => {
+            let manifest = step_dir.join("MANIFEST.json");
+            let bytes = std::fs::read(&manifest).expect("manifest");
+            std::fs::write(&manifest, &bytes[..bytes.len() / 2]).expect("corrupt");
+        }
+    }
+
+    // `ckpt ls` shows the step as not verified; the newest verified step is older.
+    let out = cluster
+        .cumulusctl(&["ckpt", "ls", &job_id])
+        .expect("cumulusctl");
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{table}");
+    let row: Vec<String> = table
+        .lines()
+        .map(|l| {
+            l.split(|c: char| c.is_whitespace() || "|│┆".contains(c))
+                .filter(|t| !t.is_empty())
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .find(|t| t.first() == Some(&step.to_string()))
+        .unwrap_or_else(|| panic!("step {step} is listed:\n{table}"));
+    assert_eq!(row.get(1).map(String::as_str), Some("NO"), "{table}");
+    let out = cluster
+        .cumulusctl(&["ckpt", "ls", &job_id, "-o", "json"])
+        .expect("cumulusctl");
+    let listed: v1::ListCheckpointsResponse = serde_json::from_slice(&out.stdout).expect("ls json");
+    let good = listed
+        .checkpoints
+        .iter()
+        .filter(|c| c.verified)
+        .map(|c| c.step)
+        .max()
+        .expect("an older verified step");
+    assert!(good < step, "{listed:?}");
+
+    kill(Pid::from_raw(pids[0]), Signal::SIGKILL).expect("SIGKILL rank 0");
+    for pid in &pids[1..] {
+        let _ = kill(Pid::from_raw(*pid), Signal::SIGCONT);
+    }
     let restarted = cluster
         .wait_job(&job_id, "a restart", LONG, |j| j.restarts_used == 1)
         .await;
-    let resume = restarted.restarts[0].resume_step;
-    assert_ne!(
-        resume,
-        Some(step),
-        "a corrupt step must never be resumed from"
+    assert_eq!(
+        restarted.restarts[0].resume_step,
+        Some(good),
+        "{corruption:?}: a corrupt step is skipped for the previous good one"
     );
-    assert!(resume.is_some(), "the previous good step is used");
     let job = cluster.wait_finished(&job_id, LONG).await;
     assert_eq!(job.state, "succeeded", "{job:?}");
-    check_results(&cluster, &w, &root.join("out-corrupt"));
+    check_results(&cluster, &w, &root.join(format!("out-{name}")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_checkpoint_part_falls_back_to_the_previous_good_step() {
+    corrupt_newest_step_then_resume("corrupt", Corruption::PartFile).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_manifest_falls_back_to_the_previous_good_step() {
+    corrupt_newest_step_then_resume("corrupt-manifest", Corruption::Manifest).await;
 }
 
 /// Reads SSE `log` events from `url` until `end` or until `limit` events; returns

@@ -20,6 +20,7 @@ async fn short_nemesis_schedule_keeps_every_invariant() {
         fault_ms,
         clients: 3,
         epochs: 2,
+        hang_first: true,
     })
     .await
     .expect("the nemesis run completes");
@@ -29,6 +30,17 @@ async fn short_nemesis_schedule_keeps_every_invariant() {
     );
     assert!(report.acked_submits > 0, "{report:?}");
     assert!(report.reads > 0, "{report:?}");
+    assert_eq!(
+        report.hang_detect_ms.len() as u64,
+        report.faults.get("hang-rank").copied().unwrap_or(0),
+        "{report:?}"
+    );
+    assert!(
+        !report.hang_detect_ms.is_empty(),
+        "the hang-rank fault ran: {report:?}"
+    );
+    assert!(report.proc_samples > 0, "{report:?}");
+    assert!(report.rank_processes_seen > 0, "{report:?}");
     assert!(
         report.anomalies.is_empty(),
         "seed {seed}: {} anomalies: {:#?}",

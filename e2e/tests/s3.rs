@@ -7,7 +7,7 @@ use std::time::Duration;
 use cumulus_ckpt::CheckpointStore;
 use cumulus_e2e::{
     Cluster, ClusterOpts, S3Access, S3Server, Workload, expected_digest, prepare_digits,
-    read_result, trainer_spec,
+    read_result, trainer_spec, wait_for,
 };
 use cumulus_proto::v1;
 
@@ -368,4 +368,70 @@ async fn dataset_from_s3_is_cached_and_the_cache_is_hit_on_restart() {
     // The restarted group found every shard in its worker's cache: no new download.
     assert_eq!(count("dataset cache miss"), names.len());
     assert_eq!(count("dataset cache hit"), names.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l1_committed_steps_are_mirrored_to_the_bucket_with_manifest_and_latest() {
+    let server = S3Server::start().await.expect("s3s-fs");
+    server.create_bucket(BUCKET).await.expect("bucket");
+    let cluster = s3_cluster(&server, 2).await;
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 8).expect("shards");
+    let url = format!("s3://{BUCKET}/l1");
+    let mut s = spec(&w, &root, "l1", &url, 0);
+    s.ckpt_dir = root.join("ckpt").to_string_lossy().to_string();
+    s.ckpt_commit_tier = "l1".into();
+    let job_id = cluster.submit("l1", s).await.expect("submit").job_id;
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.state, "succeeded", "{job:?}");
+    check_results(&cluster, &w, &root.join("out-l1"));
+    let step = job.committed_step.expect("a committed checkpoint");
+
+    // The step committed at L1 (manifest and LATEST in ckpt_dir) ...
+    let l1 = cumulus_ckpt::LocalStore::new(root.join("ckpt"));
+    assert_eq!(
+        l1.read_latest(&job_id).await.expect("L1 LATEST"),
+        Some(step)
+    );
+    l1.verify_step(&job_id, step)
+        .await
+        .expect("L1 step verifies");
+    // ... reaches L2 once the agents' background uploads are done: manifest, then LATEST.
+    let store = server.access.store(&url).await.expect("store");
+    wait_for(
+        "LATEST in the bucket to reach the committed step",
+        LONG,
+        || async { (store.read_latest(&job_id).await.ok().flatten() == Some(step)).then_some(()) },
+    )
+    .await;
+    // LATEST's step verifies in the bucket, and so does every step that has a manifest
+    // there. (Parts of an older step whose background upload ended after the leader's
+    // L2 prune may remain without a manifest; a reader never trusts those.)
+    let manifest = store
+        .verify_step(&job_id, step)
+        .await
+        .expect("step verifies");
+    assert_eq!(manifest.world_size, 4);
+    for listed in store.list_steps(&job_id).await.expect("list") {
+        if store.read_manifest(&job_id, listed).await.is_ok() {
+            store
+                .verify_step(&job_id, listed)
+                .await
+                .unwrap_or_else(|e| {
+                    panic!("step {listed} has a manifest but does not verify: {e}")
+                });
+        }
+    }
+
+    let out = cluster
+        .cumulusctl(&["-o", "json", "ckpt", "ls", &job_id])
+        .expect("cumulusctl");
+    let listed: v1::ListCheckpointsResponse = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(
+        listed
+            .checkpoints
+            .iter()
+            .any(|c| c.step == step && c.verified && c.latest && c.tiers == ["L1", "L2"]),
+        "{listed:?}"
+    );
 }

@@ -80,7 +80,9 @@ impl ControlLoop {
     /// Registration and liveness stay with the heartbeat loop.
     async fn watch_desired(self, cancel: CancellationToken) {
         let timeout_ms = (2 * self.heartbeat_interval.as_millis() as u64).clamp(500, 4_000);
-        let policy = RetryPolicy::one_round(self.client.coordinator_count());
+        // The leader holds the watch up to timeout_ms: give each attempt 1 s more.
+        let policy = RetryPolicy::one_round(self.client.coordinator_count())
+            .with_attempt_timeout(Duration::from_millis(timeout_ms + 1_000));
         let mut known_digest = 0u64;
         let mut backoff = WATCH_INITIAL_BACKOFF;
         while !cancel.is_cancelled() {
@@ -178,7 +180,12 @@ impl ControlLoop {
         let mut ticker = tokio::time::interval(self.heartbeat_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut last_ack = Instant::now();
-        let policy = RetryPolicy::one_round(self.client.coordinator_count());
+        // A heartbeat is answered from memory: a coordinator that has not answered in two
+        // intervals (at least 1 s) is treated as down and the next one is tried, so that
+        // one dead or cut-off leader does not use up the worker's heartbeat timeout (which
+        // a new leader grants as grace from its takeover).
+        let policy = RetryPolicy::one_round(self.client.coordinator_count())
+            .with_attempt_timeout((2 * self.heartbeat_interval).max(Duration::from_secs(1)));
         loop {
             tokio::select! {
                 _ = ticker.tick() => {}

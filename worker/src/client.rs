@@ -4,9 +4,12 @@
 //! metadata `x-cumulus-leader-grpc` (a follower naming the leader) is retried against that
 //! address at once; other UNAVAILABLE answers and transport failures rotate to the next
 //! configured coordinator after a backoff. Every call makes at most
-//! [`RetryPolicy::max_attempts`] attempts, each bounded by the 5 s request timeout (and a
-//! 1 s connect timeout), so a call's worst case is
-//! `max_attempts × 5 s + Σ backoffs`, and is also cut short by the cancellation token.
+//! [`RetryPolicy::max_attempts`] attempts, each bounded by the policy's attempt timeout
+//! (≤ the 5 s request timeout; heartbeats use a shorter one, so that a dead or cut-off
+//! leader costs a worker less than its heartbeat timeout) and a 1 s connect timeout, so a
+//! call's worst case is `max_attempts × attempt_timeout + Σ backoffs`, and is also cut
+//! short by the cancellation token. HTTP/2 keep-alive pings drop a dead connection
+//! within [`KEEP_ALIVE_INTERVAL`] + [`KEEP_ALIVE_TIMEOUT`].
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -24,6 +27,13 @@ use tonic::{Code, Request, Response, Status};
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Timeout of one request.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Shortest per-attempt timeout a policy may set.
+pub const MIN_ATTEMPT_TIMEOUT: Duration = Duration::from_millis(200);
+/// HTTP/2 keep-alive ping interval of every channel: a connection to a coordinator that
+/// died or was cut off is noticed (and the next call reconnects) within interval + timeout.
+pub const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(1);
+/// How long a keep-alive ping may go unanswered before the connection is dropped.
+pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Channels to addresses other than the configured ones (learned leaders) kept cached.
 const MAX_EXTRA_CHANNELS: usize = 8;
 /// Longest leader address accepted from metadata.
@@ -38,6 +48,10 @@ pub struct RetryPolicy {
     pub initial_backoff: Duration,
     /// Upper bound of the wait.
     pub max_backoff: Duration,
+    /// Longest wait for one attempt's answer (≤ [`REQUEST_TIMEOUT`]); a coordinator that
+    /// does not answer in time (dead, cut off, paused) counts as a failed attempt and the
+    /// next attempt goes to another coordinator.
+    pub attempt_timeout: Duration,
 }
 
 impl RetryPolicy {
@@ -47,6 +61,7 @@ impl RetryPolicy {
         max_attempts: 8,
         initial_backoff: Duration::from_millis(100),
         max_backoff: Duration::from_secs(2),
+        attempt_timeout: REQUEST_TIMEOUT,
     };
 
     /// One attempt per configured coordinator plus one redirect, short backoff: for calls
@@ -58,7 +73,15 @@ impl RetryPolicy {
                 .saturating_add(1),
             initial_backoff: Duration::from_millis(50),
             max_backoff: Duration::from_millis(500),
+            attempt_timeout: REQUEST_TIMEOUT,
         }
+    }
+
+    /// This policy with each attempt bounded by `timeout` (clamped to
+    /// `[MIN_ATTEMPT_TIMEOUT, REQUEST_TIMEOUT]`).
+    pub fn with_attempt_timeout(mut self, timeout: Duration) -> RetryPolicy {
+        self.attempt_timeout = timeout.clamp(MIN_ATTEMPT_TIMEOUT, REQUEST_TIMEOUT);
+        self
     }
 }
 
@@ -159,6 +182,9 @@ fn endpoint(uri: &str) -> Result<Channel, String> {
     Ok(endpoint
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(REQUEST_TIMEOUT)
+        .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+        .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
         .connect_lazy())
 }
 
@@ -308,8 +334,15 @@ impl CoordinatorClient {
             request
                 .metadata_mut()
                 .insert("authorization", self.auth.clone());
+            let bounded = tokio::time::timeout(
+                policy.attempt_timeout,
+                rpc(WorkerServiceClient::new(channel), request),
+            );
             let result = tokio::select! {
-                r = rpc(WorkerServiceClient::new(channel), request) => r,
+                r = bounded => r.unwrap_or_else(|_| Err(Status::deadline_exceeded(format!(
+                    "no answer within {} ms",
+                    policy.attempt_timeout.as_millis()
+                )))),
                 _ = self.cancel.cancelled() => return Err(ClientError::Cancelled { call }),
             };
             let status = match result {
@@ -401,6 +434,7 @@ mod tests {
             max_attempts: 3,
             initial_backoff: Duration::from_millis(1),
             max_backoff: Duration::from_millis(2),
+            attempt_timeout: REQUEST_TIMEOUT,
         };
         let req = RegisterWorkerRequest::default();
         let err = client
@@ -415,6 +449,52 @@ mod tests {
         }
         // Each of the three failed attempts rotated: 0 -> 1 -> 0 -> 1.
         assert_eq!(client.current().0, "http://localhost:1");
+    }
+
+    #[tokio::test]
+    async fn a_silent_coordinator_costs_one_attempt_timeout_then_the_next_is_tried() {
+        // A coordinator that accepts connections and never answers (paused, or cut off
+        // after the handshake): held open by this listener until the test ends.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = silent.local_addr().expect("addr");
+        let held = tokio::spawn(async move {
+            let mut conns = Vec::new();
+            while let Ok((c, _)) = silent.accept().await {
+                conns.push(c);
+            }
+        });
+        let client = CoordinatorClient::new(
+            &[addr.to_string(), "127.0.0.1:1".into()],
+            "secret",
+            CancellationToken::new(),
+        )
+        .expect("client");
+        let policy = RetryPolicy::one_round(2).with_attempt_timeout(Duration::from_millis(300));
+        assert_eq!(policy.attempt_timeout, Duration::from_millis(300));
+        let err = client
+            .call(
+                "Heartbeat",
+                policy,
+                &cumulus_proto::HeartbeatRequest::default(),
+                |mut c, r| async move { c.heartbeat(r).await },
+            )
+            .await
+            .expect_err("nobody answers");
+        let ClientError::Exhausted { attempts, last, .. } = &err else {
+            panic!("unexpected {err}");
+        };
+        // silent (timed out) → refused → silent again (timed out): the last error is the
+        // attempt timeout's, not the channel's 5 s request timeout.
+        assert_eq!(*attempts, 3);
+        assert!(last.contains("no answer within 300 ms"), "{last}");
+        held.abort();
+        // Bounds of the setter.
+        let p = RetryPolicy::STANDARD.with_attempt_timeout(Duration::from_secs(60));
+        assert_eq!(p.attempt_timeout, REQUEST_TIMEOUT);
+        let p = RetryPolicy::STANDARD.with_attempt_timeout(Duration::ZERO);
+        assert_eq!(p.attempt_timeout, MIN_ATTEMPT_TIMEOUT);
     }
 
     #[tokio::test]

@@ -183,6 +183,9 @@ struct Table {
     entries: HashMap<AttemptKey, Entry>,
     tokens: HashMap<String, AttemptKey>,
     finished: FinishedSet,
+    /// Desired attempts that wait for an older attempt of the same rank to exit (as of
+    /// the last [`Supervisor::apply_desired`]); reported with pid 0 like preparing ones.
+    waiting: HashSet<AttemptKey>,
     /// Set by [`Supervisor::shutdown`]: nothing new starts.
     closed: bool,
 }
@@ -276,6 +279,19 @@ impl Supervisor {
             })
             .collect();
         let actions = reconcile(desired, &observed, &finished);
+        let waiting: HashSet<AttemptKey> = desired
+            .iter()
+            .map(AttemptKey::of)
+            .filter(|k| {
+                !table.entries.contains_key(k)
+                    && !finished.contains(k)
+                    && table
+                        .entries
+                        .keys()
+                        .any(|e| e.job_id == k.job_id && e.rank == k.rank)
+            })
+            .collect();
+        table.waiting = waiting;
         for action in &actions {
             match action {
                 Action::Stop(key) => {
@@ -336,15 +352,22 @@ impl Supervisor {
             .spawn(async move { this.run_attempt(key, desired, token, stop).await });
     }
 
-    /// Every live process (stopping ones included), with its latest progress, sorted by
-    /// attempt: the observed set of a heartbeat.
+    /// Every live process (stopping ones included), with its latest progress, and every
+    /// attempt still being prepared or waiting for an older attempt of its rank to exit
+    /// (pid 0), sorted by attempt: the observed set of a heartbeat.
     pub fn observed(&self) -> Vec<ObservedRank> {
         let table = self.table();
         let mut out: Vec<(&AttemptKey, ObservedRank)> = table
             .entries
             .iter()
             .filter_map(|(key, e)| {
-                let pid = e.pid?;
+                // An attempt still being prepared (no process yet) is reported with pid 0,
+                // so that the leader does not take it for lost; one being stopped is not.
+                let pid = match e.pid {
+                    Some(pid) => pid,
+                    None if !e.stopping => 0,
+                    None => return None,
+                };
                 let progress = e.progress.clone().unwrap_or_default();
                 Some((
                     key,
@@ -359,6 +382,25 @@ impl Supervisor {
                 ))
             })
             .collect();
+        out.extend(
+            table
+                .waiting
+                .iter()
+                .filter(|k| !table.entries.contains_key(*k))
+                .map(|key| {
+                    (
+                        key,
+                        ObservedRank {
+                            job_id: key.job_id.clone(),
+                            rank: key.rank,
+                            attempt: key.attempt,
+                            pid: 0,
+                            step: 0,
+                            total_steps: 0,
+                        },
+                    )
+                }),
+        );
         out.sort_by(|a, b| a.0.cmp(b.0));
         out.into_iter().map(|(_, o)| o).collect()
     }

@@ -50,19 +50,42 @@ async fn main() -> anyhow::Result<()> {
     let start = Instant::now();
     let mut n = 0u64;
     let mut failed = Vec::new();
+    let mut errors: Vec<(u64, String)> = Vec::new();
     let mut faults: BTreeMap<String, u64> = BTreeMap::new();
     let mut ops: BTreeMap<String, u64> = BTreeMap::new();
     let (mut acked, mut reads, mut restarts) = (0u64, 0u64, 0u64);
     while n < u64::from(args.runs) || start.elapsed().as_secs() < args.minutes * 60 {
         let seed = first + n;
         n += 1;
-        let report = run(&RunOpts {
+        let opts = RunOpts {
             seed,
             fault_ms: args.fault_secs * 1_000,
             clients: args.clients,
             epochs: args.epochs,
-        })
-        .await?;
+            hang_first: false,
+        };
+        // SIGINT/SIGTERM end the schedule: the run in flight is dropped (its cluster's
+        // processes are killed by the harness's Drop) and the summary of the completed
+        // runs is still printed.
+        let outcome = tokio::select! {
+            r = run(&opts) => Some(r),
+            _ = stop_signal() => None,
+        };
+        let Some(outcome) = outcome else {
+            eprintln!("seed {seed}: stopped by a signal; the run in flight is not counted");
+            n -= 1;
+            break;
+        };
+        let report = match outcome {
+            Ok(report) => report,
+            Err(e) => {
+                // The harness could not complete the run (e.g. a cluster that did not
+                // start): recorded and counted, and the schedule goes on.
+                eprintln!("seed {seed}: run error: {e:#}");
+                errors.push((seed, format!("{e:#}")));
+                continue;
+            }
+        };
         println!("{}", serde_json::to_string(&report)?);
         for (k, v) in &report.faults {
             *faults.entry(k.clone()).or_default() += v;
@@ -78,14 +101,39 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     eprintln!(
-        "summary: {n} runs in {} s, seeds {first}..{}; ops {ops:?}; acked submits {acked}; linearizable reads {reads}; faults {faults:?}; trainer restarts {restarts}; runs with anomalies {}",
+        "summary: {n} runs in {} s, seeds {first}..{}; ops {ops:?}; acked submits {acked}; linearizable reads {reads}; faults {faults:?}; trainer restarts {restarts}; runs with anomalies {}; runs the harness could not complete {}",
         start.elapsed().as_secs(),
         first + n - 1,
-        failed.len()
+        failed.len(),
+        errors.len()
     );
     for (seed, a) in &failed {
         eprintln!("seed {seed}: {a:#?}");
     }
+    for (seed, e) in &errors {
+        eprintln!("seed {seed}: run error: {e}");
+    }
     anyhow::ensure!(failed.is_empty(), "{} runs found anomalies", failed.len());
+    anyhow::ensure!(
+        errors.is_empty(),
+        "{} runs could not complete",
+        errors.len()
+    );
     Ok(())
+}
+
+/// Resolves on the first SIGINT or SIGTERM.
+async fn stop_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        // Without signal handlers the schedule simply cannot be stopped early.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => {}
+        _ = term.recv() => {}
+    }
 }

@@ -65,6 +65,7 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
                 max_attempts: 1,
                 initial_backoff: Duration::from_millis(1),
                 max_backoff: Duration::from_millis(1),
+                attempt_timeout: crate::client::REQUEST_TIMEOUT,
             },
             s3: None,
             dataset_cache: None,
@@ -348,6 +349,13 @@ async fn replacement_starts_only_after_its_predecessor_is_gone() {
     poll_until("ready", || log_text(&h.sup, &k0).contains("ready\n")).await;
     let actions = h.sup.apply_desired(std::slice::from_ref(&second));
     assert_eq!(actions, vec![Action::Stop(k0.clone())]);
+    // While attempt 0 is stopping, attempt 1 is reported as waiting (pid 0), so the
+    // leader does not take the placed attempt for lost.
+    let observed = h.sup.observed();
+    assert!(
+        observed.iter().any(|o| o.attempt == 1 && o.pid == 0),
+        "{observed:?}"
+    );
     poll_until("attempt 0 gone", || {
         h.sup.is_finished(&k0) && h.sup.live_count() == 0
     })
