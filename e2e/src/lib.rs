@@ -370,9 +370,30 @@ pub struct Cluster {
 
 static ONE_CLUSTER_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The message of the last panic in this test process, repeated after the log dump of a
+/// failing test (CI shows the tail of a failing test's output, and the dump buries the
+/// panic message above it).
+static LAST_PANIC: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// Installs (once per process) a panic hook that records the message in [`LAST_PANIC`]
+/// and then runs the default hook.
+fn record_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default_hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let thread = std::thread::current();
+            let message = format!("thread '{}' {info}", thread.name().unwrap_or("?"));
+            *LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()) = Some(message);
+            default_hook(info);
+        }));
+    });
+}
+
 impl Cluster {
     /// Starts the coordinators and workers and waits for a leader and every worker.
     pub async fn start(opts: ClusterOpts) -> anyhow::Result<Cluster> {
+        record_panics();
         let serial = ONE_CLUSTER_AT_A_TIME
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -904,6 +925,11 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.dump_logs();
+            if let Some(message) = LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                eprintln!(
+                    "===== the test failed (the panic, repeated after the logs) =====\n{message}"
+                );
+            }
         }
         for w in &mut self.workers {
             w.kill9();
