@@ -8,9 +8,15 @@
 //! s3://<bucket>/<prefix>/<job_id>/LATEST                                 last, conditional
 //! ```
 //! Every object of a part carries its SHA-256 as user metadata (`x-amz-meta-sha256`); an
-//! upload is verified before it counts: each request's `Content-MD5` is checked by the
-//! server, the returned ETag must equal our MD5 of the bytes (each part of a multipart
-//! upload), and a final `HEAD` must show the recorded size and SHA-256. A reader
+//! upload is verified before it counts: every request of part data is signed with
+//! SigV4 over the SHA-256 of its body (`x-amz-content-sha256`), which the server checks
+//! against the bytes it received before it stores them (AWS S3, MinIO and s3s all refuse a
+//! mismatch), and a final `HEAD` must show the recorded size and SHA-256. (Part data is
+//! not also sent with `Content-MD5`: the body's SHA-256 already covers it, and an MD5 of
+//! every byte cost the 2-core benchmark machine about a tenth of its CPU time; see
+//! BENCHMARKS.md `ckpt_s3`.) Small metadata objects (manifest, `LATEST`) carry
+//! `Content-MD5` and their ETag is checked, because `LATEST`'s conditional writes compare
+//! ETags anyway. A reader
 //! ([`S3Store::verify_part`]) checks size and SHA-256 metadata by `HEAD`; a restore
 //! ([`S3Store::restore_part`]) hashes every byte it downloads.
 //!
@@ -42,7 +48,7 @@ use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use futures::{StreamExt, TryStreamExt};
 use md5::{Digest as _, Md5};
 use sha2::Sha256;
-use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::Semaphore;
 
 use crate::{
@@ -697,24 +703,18 @@ impl S3Store {
         if file.size_bytes > self.settings.multipart_threshold_bytes {
             self.upload_multipart(key, path, file).await?;
         } else {
-            let bytes = read_range(path, 0, file.size_bytes).await?;
-            let md5 = Md5::digest(&bytes);
-            let content_md5 = base64_encode(&md5);
-            let bytes = bytes::Bytes::from(bytes);
-            let output = self
-                .retry("put", key, || {
-                    self.client
-                        .put_object()
-                        .bucket(&self.location.bucket)
-                        .key(key)
-                        .content_md5(&content_md5)
-                        .metadata(SHA256_METADATA_KEY, &file.sha256)
-                        .body(ByteStream::from(bytes.clone()))
-                        .send()
-                })
-                .await?;
-            check_etag(output.e_tag(), &md5)
-                .map_err(|why| self.remote_error("put", key, RemoteKind::Changed, why))?;
+            let bytes = bytes::Bytes::from(read_range(path, 0, file.size_bytes).await?);
+            // The SigV4 payload hash (signed, checked by the server) verifies the body.
+            self.retry("put", key, || {
+                self.client
+                    .put_object()
+                    .bucket(&self.location.bucket)
+                    .key(key)
+                    .metadata(SHA256_METADATA_KEY, &file.sha256)
+                    .body(ByteStream::from(bytes.clone()))
+                    .send()
+            })
+            .await?;
         }
         self.check_object(key, file, "verify upload").await
     }
@@ -751,39 +751,34 @@ impl S3Store {
             })?
             .to_owned();
         let count = file.size_bytes.div_ceil(part_size).max(1);
+        // Each part is its own task, so that reading, signing (SHA-256 of the body) and
+        // sending parts use every runtime thread rather than the one polling this
+        // future; at most `max_concurrent_requests` of this file's parts are alive at once
+        // (each holds its bytes), and the store's semaphore bounds requests across files.
+        // A dropped upload aborts its part tasks.
         let mut parts = Vec::new();
         for index in 0..count {
             let offset = index * part_size;
             let len = part_size.min(file.size_bytes - offset);
-            let upload_id = upload_id.as_str();
+            let store = self.clone();
+            let task_key = key.to_owned();
+            let upload_id = upload_id.clone();
+            let path = path.to_owned();
             parts.push(async move {
-                let bytes = read_range(path, offset, len).await?;
-                let md5 = Md5::digest(&bytes);
-                let content_md5 = base64_encode(&md5);
-                let bytes = bytes::Bytes::from(bytes);
-                let number = i32::try_from(index + 1).expect("part number ≤ 10,000");
-                let output = self
-                    .retry("upload part", key, || {
-                        self.client
-                            .upload_part()
-                            .bucket(&self.location.bucket)
-                            .key(key)
-                            .upload_id(upload_id)
-                            .part_number(number)
-                            .content_md5(&content_md5)
-                            .body(ByteStream::from(bytes.clone()))
-                            .send()
-                    })
-                    .await?;
-                check_etag(output.e_tag(), &md5).map_err(|why| {
-                    self.remote_error("upload part", key, RemoteKind::Changed, why)
-                })?;
-                Ok::<_, CkptError>(
-                    CompletedPart::builder()
-                        .part_number(number)
-                        .set_e_tag(output.e_tag().map(str::to_owned))
-                        .build(),
-                )
+                let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+                    store
+                        .upload_one_part(&task_key, &upload_id, &path, index, offset, len)
+                        .await
+                }));
+                match task.await {
+                    Ok(result) => result,
+                    Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                    Err(error) => Err(CkptError::Io {
+                        op: "upload part task",
+                        path: PathBuf::from(format!("s3://{}/{key}", self.location.bucket)),
+                        source: std::io::Error::other(error),
+                    }),
+                }
             });
         }
         let result: Result<Vec<CompletedPart>, CkptError> = futures::stream::iter(parts)
@@ -817,6 +812,37 @@ impl S3Store {
             return Err(error);
         }
         Ok(())
+    }
+
+    /// Uploads part `index` (bytes `offset..offset + len` of `path`) of a multipart upload.
+    /// The SigV4 payload hash (signed, checked by the server) verifies the body.
+    async fn upload_one_part(
+        &self,
+        key: &str,
+        upload_id: &str,
+        path: &Path,
+        index: u64,
+        offset: u64,
+        len: u64,
+    ) -> Result<CompletedPart, CkptError> {
+        let bytes = bytes::Bytes::from(read_range(path, offset, len).await?);
+        let number = i32::try_from(index + 1).expect("part number ≤ 10,000");
+        let output = self
+            .retry("upload part", key, || {
+                self.client
+                    .upload_part()
+                    .bucket(&self.location.bucket)
+                    .key(key)
+                    .upload_id(upload_id)
+                    .part_number(number)
+                    .body(ByteStream::from(bytes.clone()))
+                    .send()
+            })
+            .await?;
+        Ok(CompletedPart::builder()
+            .part_number(number)
+            .set_e_tag(output.e_tag().map(str::to_owned))
+            .build())
     }
 
     async fn abort_upload(&self, key: &str, upload_id: &str) {
@@ -1094,20 +1120,24 @@ impl S3Store {
     }
 }
 
-/// Reads `len` bytes at `offset` of `path`.
+/// Reads `len` bytes at `offset` of `path`: one blocking-pool task (open + one positioned
+/// read), not one round trip to the pool per 2 MiB as `tokio::fs` reads would take.
 async fn read_range(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>, CkptError> {
-    let io = |op: &'static str| {
-        let path = path.to_owned();
-        move |source| CkptError::Io { op, path, source }
-    };
-    let mut file = tokio::fs::File::open(path).await.map_err(io("open"))?;
-    file.seek(std::io::SeekFrom::Start(offset))
-        .await
-        .map_err(io("seek"))?;
+    use std::os::unix::fs::FileExt as _;
     let len = usize::try_from(len).map_err(|_| CkptError::Invalid("part too large".into()))?;
-    let mut buffer = vec![0u8; len];
-    file.read_exact(&mut buffer).await.map_err(io("read"))?;
-    Ok(buffer)
+    let path = path.to_owned();
+    crate::local::blocking(move || {
+        let io = |op: &'static str| {
+            let path = path.clone();
+            move |source| CkptError::Io { op, path, source }
+        };
+        let file = std::fs::File::open(&path).map_err(io("open"))?;
+        let mut buffer = vec![0u8; len];
+        file.read_exact_at(&mut buffer, offset)
+            .map_err(io("read"))?;
+        Ok(buffer)
+    })
+    .await
 }
 
 /// The ETag (quotes stripped) must be the hex MD5 of what we sent.
