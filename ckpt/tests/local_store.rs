@@ -817,3 +817,44 @@ async fn large_file_hashed_while_fsynced_round_trips() {
         large
     );
 }
+
+/// `hash_part` + `commit_hashed` commit what `commit_part` would (same record, readable
+/// through the open handles after the rename); a staging directory that gained a file in
+/// between is refused and nothing is committed.
+#[tokio::test]
+async fn hash_then_commit_matches_commit_part_and_refuses_a_changed_staging() {
+    use std::os::unix::fs::FileExt as _;
+    let root = tempfile::tempdir().expect("tempdir");
+    let store = LocalStore::new(root.path());
+    let staging = store.prepare_staging(JOB, 0, 1).await.expect("staging");
+    fs::write(staging.join("model.bin"), b"weights").expect("write");
+    let hashed = store
+        .hash_part(JOB, 3, 0, 1, &staging, json!({"step": 3}))
+        .await
+        .expect("hash");
+    assert_eq!(hashed.record().dir, part_dir_rel(3, 0, 1));
+    assert_eq!(hashed.record().files[0].sha256, sha_hex(b"weights"));
+    let open = hashed.open_files();
+    let part = store.commit_hashed(hashed).await.expect("commit");
+    assert_eq!(part.files[0].sha256, sha_hex(b"weights"));
+    store.verify_part(JOB, &part).await.expect("verifies");
+    let mut bytes = [0u8; 7];
+    open[0]
+        .1
+        .read_exact_at(&mut bytes, 0)
+        .expect("read after rename");
+    assert_eq!(&bytes, b"weights");
+
+    fs::write(staging.join("model.bin"), b"weights").expect("write");
+    let hashed = store
+        .hash_part(JOB, 4, 0, 1, &staging, json!({"step": 4}))
+        .await
+        .expect("hash");
+    fs::write(staging.join("late.bin"), b"late").expect("write");
+    let refused = store.commit_hashed(hashed).await;
+    assert!(
+        matches!(&refused, Err(CkptError::Invalid(why)) if why.contains("changed between hashing and commit")),
+        "{refused:?}"
+    );
+    assert!(!store.job_dir(JOB).join(part_dir_rel(4, 0, 1)).exists());
+}
