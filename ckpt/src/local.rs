@@ -638,6 +638,8 @@ impl LocalStore {
         Ok((job_dir, target))
     }
 
+    // The trait's six arguments plus the optional prehash of `commit_hashed`.
+    #[allow(clippy::too_many_arguments)]
     fn commit_part_sync(
         &self,
         job_id: &str,
