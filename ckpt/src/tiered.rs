@@ -160,20 +160,24 @@ impl CheckpointStore for TieredStore {
     ) -> Result<PartRecord, CkptError> {
         if self.commit_at == CommitTier::L2 {
             // Hash, then upload from the open files while L1 fsyncs and renames them: the
-            // disk's fsync and the upload overlap, and neither waits for the other. The
-            // part counts (is returned) only once both are done; the first error cancels
-            // the upload (its multipart upload is aborted, or swept by
-            // `abort_stale_uploads`).
+            // disk's fsync and the upload overlap. The part counts (is returned) only once
+            // both are done. The L1 commit always runs to its end before this returns (the
+            // caller may reuse the staging directory at once); an L1 failure cancels the
+            // upload (its multipart upload is left to `abort_stale_uploads`).
             let hashed = self
                 .l1
                 .hash_part(job_id, step, rank, attempt, staging, state)
                 .await?;
             let upload_record = hashed.record().clone();
             let open = hashed.open_files();
-            let (record, ()) = tokio::try_join!(
-                self.l1.commit_hashed(hashed),
-                self.l2.upload_part_from(job_id, &upload_record, open),
-            )?;
+            let l1 = self.l1.commit_hashed(hashed);
+            let l2 = self.l2.upload_part_from(job_id, &upload_record, open);
+            tokio::pin!(l1, l2);
+            let (record, uploaded) = tokio::select! {
+                committed = &mut l1 => (committed?, l2.await),
+                uploaded = &mut l2 => (l1.await?, uploaded),
+            };
+            uploaded?;
             self.prune_l1_rank(job_id, rank).await;
             return Ok(record);
         }

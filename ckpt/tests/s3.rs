@@ -351,11 +351,19 @@ async fn commit_one(
         .await
 }
 
-/// 503 SlowDown in front of a real s3s-fs: a few are retried with backoff and the commit
-/// succeeds; throttling past the retry deadline is `Throttled`, names throttling, reports
-/// nothing committed and aborts a multipart upload it started.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slow_down_is_retried_then_reported_as_throttling() {
+/// A real s3s-fs behind a [`FaultProxy`], an L2 store through the proxy (bucket
+/// `ckpt-bucket`, created) with a 120 s retry deadline so that any retry would be visible,
+/// and a tiered store committing at L2 over a fresh L1 directory.
+struct ProxiedTiers {
+    /// Kept for the test's lifetime (dropping it stops the server).
+    _server: S3Server,
+    proxy: FaultProxy,
+    l2: S3Store,
+    l1_dir: tempfile::TempDir,
+    tiered: TieredStore,
+}
+
+async fn proxied_tiers() -> ProxiedTiers {
     let server = start_s3();
     let proxy = FaultProxy::start(server.port).await;
     let mut patient = settings(proxy.port());
@@ -368,6 +376,27 @@ async fn slow_down_is_retried_then_reported_as_throttling() {
         CommitTier::L2,
         8,
     );
+    ProxiedTiers {
+        _server: server,
+        proxy,
+        l2,
+        l1_dir,
+        tiered,
+    }
+}
+
+/// 503 SlowDown in front of a real s3s-fs: a few are retried with backoff and the commit
+/// succeeds; throttling past the retry deadline is `Throttled`, names throttling, reports
+/// nothing committed and aborts a multipart upload it started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_down_is_retried_then_reported_as_throttling() {
+    let ProxiedTiers {
+        _server,
+        proxy,
+        l2,
+        l1_dir,
+        tiered,
+    } = proxied_tiers().await;
     let job = "job-000001";
 
     // The first 3 PUTs of step 1's part (multipart parts of weights.bin or state.json).
@@ -485,19 +514,14 @@ async fn slow_down_is_retried_then_reported_as_throttling() {
 /// per attempt, no retries), naming access denied and the object.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn access_denied_is_permanent_and_named() {
-    let server = start_s3();
-    let proxy = FaultProxy::start(server.port).await;
-    let mut patient = settings(proxy.port());
-    // A retry would be visible: nothing here may wait for this deadline.
-    patient.retry_deadline_ms = 120_000;
-    let l2 = store_at(patient, "ckpt-bucket", true).await;
-    let l1_dir = tempfile::tempdir().expect("tempdir");
-    let tiered = TieredStore::new(
-        LocalStore::new(l1_dir.path()),
-        l2.clone(),
-        CommitTier::L2,
-        8,
-    );
+    // A retry would be visible: nothing here may wait for the 120 s deadline.
+    let ProxiedTiers {
+        _server,
+        proxy,
+        l2,
+        l1_dir: _l1_dir,
+        tiered,
+    } = proxied_tiers().await;
     let job = "job-000001";
 
     // A single PUT.
@@ -615,16 +639,13 @@ async fn access_denied_is_permanent_and_named() {
 /// re-reads, moves forward when it still may, and refuses to move `LATEST` backwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changed_objects_and_latest_races_are_refused() {
-    let server = start_s3();
-    let proxy = FaultProxy::start(server.port).await;
-    let l2 = store_at(settings(proxy.port()), "ckpt-bucket", true).await;
-    let l1_dir = tempfile::tempdir().expect("tempdir");
-    let tiered = TieredStore::new(
-        LocalStore::new(l1_dir.path()),
-        l2.clone(),
-        CommitTier::L2,
-        8,
-    );
+    let ProxiedTiers {
+        _server,
+        proxy,
+        l2,
+        l1_dir: _l1_dir,
+        tiered,
+    } = proxied_tiers().await;
     let job = "job-000001";
     let mut manifests = Vec::new();
     for step in 1..=5 {
