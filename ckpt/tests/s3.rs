@@ -10,7 +10,7 @@ use axum::http::Method;
 
 use cumulus_ckpt::{
     CheckpointStore, CkptError, CommitTier, LocalStore, MANIFEST_FORMAT_VERSION, Manifest,
-    RemoteKind, S3Location, S3Settings, S3Store, TieredStore,
+    RemoteKind, S3Location, S3Settings, S3Store, TieredStore, part_dir_rel, staging_dir_rel,
 };
 
 mod support;
@@ -519,7 +519,7 @@ async fn access_denied_is_permanent_and_named() {
         _server,
         proxy,
         l2,
-        l1_dir: _l1_dir,
+        l1_dir,
         tiered,
     } = proxied_tiers().await;
     let job = "job-000001";
@@ -558,6 +558,20 @@ async fn access_denied_is_permanent_and_named() {
     assert!(
         started.elapsed() < Duration::from_secs(60),
         "returned at once, not after the retry deadline"
+    );
+    // The L1 commit that ran beside the upload had finished before the error came back:
+    // the part is in L1 and the staging directory is there again, empty, for the next try.
+    let l1 = LocalStore::new(l1_dir.path());
+    let part_dir = l1.job_dir(job).join(part_dir_rel(1, 0, 1));
+    assert!(
+        part_dir.join("state.json").is_file(),
+        "the L1 part is there"
+    );
+    let staging = l1.job_dir(job).join(staging_dir_rel(0, 1));
+    assert_eq!(
+        std::fs::read_dir(&staging).expect("staging exists").count(),
+        0,
+        "staging is empty"
     );
 
     // Multipart: each denied part request is sent once, and the upload is aborted.
