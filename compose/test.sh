@@ -72,6 +72,17 @@ chmod 0644 "$CUMULUS_TOKEN_SECRET_FILE"
 dc() { "${DC[@]}" -p "$project" -f docker-compose.yml -f docker-compose.s3s.yml "$@"; }
 
 ctlbox=""
+# Every volume a container of this run mounted (named or anonymous), noted before each
+# `down`: test 4 checks that none of them outlives `down -v` (an anonymous volume carries
+# no project label, so the label filter alone cannot see one left behind).
+note_volumes() {
+  local ids
+  ids="$(docker ps -aq --filter "label=com.docker.compose.project=$project")"
+  [ -z "$ids" ] && return 0
+  # shellcheck disable=SC2086 # one argument per container id
+  docker inspect --format '{{range .Mounts}}{{if eq .Type "volume"}}{{.Name}}{{"\n"}}{{end}}{{end}}' \
+    $ids >>"$work/volumes" 2>/dev/null || true
+}
 cleanup() {
   rc=$?
   if [ "$rc" -ne 0 ]; then
@@ -326,6 +337,7 @@ check_results faults
 check_latest "$job2"
 
 # ---- 3. down + up, same volumes ---------------------------------------------------------
+note_volumes
 docker rm -f -v "$ctlbox" >/dev/null
 ctlbox=""
 dc down >/dev/null 2>&1
@@ -338,6 +350,7 @@ check_latest "$job2"
 say "test 3: both jobs and their checkpoints came back"
 
 # ---- 4. down -v ---------------------------------------------------------------------------
+note_volumes
 docker rm -f -v "$ctlbox" >/dev/null
 ctlbox=""
 dc down -v --remove-orphans >/dev/null 2>&1
@@ -345,5 +358,14 @@ left="$(docker ps -aq --filter "label=com.docker.compose.project=$project")
 $(docker volume ls -q --filter "label=com.docker.compose.project=$project")
 $(docker network ls -q --filter "label=com.docker.compose.project=$project")"
 [ -z "${left//$'\n'/}" ] || fail "down -v left: $left"
-say "test 4: down -v left no container, volume or network of $project"
+mounted=0
+leaked=""
+while read -r volume; do
+  [ -n "$volume" ] || continue
+  mounted=$((mounted + 1))
+  docker volume inspect "$volume" >/dev/null 2>&1 && leaked="$leaked $volume"
+done < <(sort -u "$work/volumes")
+[ "$mounted" -gt 0 ] || fail "no volume of this run was noted (the check would prove nothing)"
+[ -z "$leaked" ] || fail "volumes mounted by this run's containers outlived down -v:$leaked"
+say "test 4: down -v left no container, volume or network of $project ($mounted volumes mounted during the run, none left)"
 say "compose test passed in $(($(date +%s) - t_start))s (first up to leader: see above)"
