@@ -58,7 +58,7 @@ mod s3;
 mod tiered;
 
 pub use dataset::{DatasetCache, Fetched};
-pub use local::{HashedPart, LocalStore};
+pub use local::LocalStore;
 pub use s3::{
     RemoteKind, S3Args, S3Connector, S3Location, S3Settings, S3Store, SHA256_METADATA_KEY,
     part_file_key,

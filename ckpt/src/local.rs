@@ -9,7 +9,6 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use crate::failpoints::{self, AtomicWritePoints, failpoint};
 use crate::{
@@ -52,45 +51,6 @@ impl LocalStore {
     fn checked_job_dir(&self, job_id: &str) -> Result<PathBuf, CkptError> {
         validate_job_id(job_id)?;
         Ok(self.job_dir(job_id))
-    }
-}
-
-/// A staged part whose files are hashed but not yet durable: made by
-/// [`LocalStore::hash_part`], committed by [`LocalStore::commit_hashed`]. In between, its
-/// open files can be read (e.g. uploaded to L2 while the L1 commit fsyncs and renames).
-#[derive(Debug)]
-pub struct HashedPart {
-    /// The job.
-    job_id: String,
-    /// The checkpoint step.
-    step: u64,
-    /// The rank.
-    rank: u32,
-    /// The attempt.
-    attempt: u32,
-    /// The staging directory the files were hashed in.
-    staging: PathBuf,
-    /// The record the commit will return (dir, entries in walk order, state).
-    record: PartRecord,
-    /// One open handle per entry of `record.files`, the one it was hashed from.
-    open: Vec<Arc<fs::File>>,
-}
-
-impl HashedPart {
-    /// The record the commit will return: part dir, every file's size and SHA-256, state.
-    pub fn record(&self) -> &PartRecord {
-        &self.record
-    }
-
-    /// Each file's staging path (for messages) and open handle, in `record().files` order;
-    /// reads through them stay valid after the commit renames the directory.
-    pub fn open_files(&self) -> Vec<(PathBuf, Arc<fs::File>)> {
-        self.record
-            .files
-            .iter()
-            .zip(&self.open)
-            .map(|(entry, file)| (self.staging.join(&entry.path), Arc::clone(file)))
-            .collect()
     }
 }
 
@@ -484,88 +444,6 @@ fn clear_staging(staging: &Path) {
 }
 
 impl LocalStore {
-    /// First half of [`CheckpointStore::commit_part`]: checks the part as `commit_part`
-    /// does (state, staging directory, part not committed yet) and hashes every staged
-    /// file, keeping it open. Nothing is durable or renamed yet; finish with
-    /// [`Self::commit_hashed`] (or drop the result: the staging directory is unchanged).
-    /// Errors: as `commit_part`.
-    pub async fn hash_part(
-        &self,
-        job_id: &str,
-        step: u64,
-        rank: u32,
-        attempt: u32,
-        staging: &Path,
-        state: serde_json::Value,
-    ) -> Result<HashedPart, CkptError> {
-        let store = self.clone();
-        let job_id = job_id.to_owned();
-        let staging = staging.to_owned();
-        blocking(move || {
-            store.check_part_target(&job_id, step, rank, attempt, &staging, &state)?;
-            let tree = walk_staging(&staging)?;
-            let mut files = Vec::with_capacity(tree.files.len());
-            let mut open = Vec::with_capacity(tree.files.len());
-            for (rel, path) in &tree.files {
-                let mut file = open_regular(path, false)?;
-                let (size_bytes, sha256) = hash_reader(&mut file, path)?;
-                files.push(FileEntry {
-                    path: rel.clone(),
-                    size_bytes,
-                    sha256,
-                });
-                open.push(Arc::new(file));
-            }
-            Ok(HashedPart {
-                record: PartRecord {
-                    rank,
-                    attempt,
-                    dir: part_dir_rel(step, rank, attempt),
-                    files,
-                    state,
-                },
-                job_id,
-                step,
-                rank,
-                attempt,
-                staging,
-                open,
-            })
-        })
-        .await
-    }
-
-    /// Second half: makes a part hashed by [`Self::hash_part`] durable and committed
-    /// exactly as [`CheckpointStore::commit_part`] does (fsync of every file and directory,
-    /// rename, fsync of the parents, a fresh staging directory), without hashing again.
-    /// Returns the record of `hash_part`. Errors: as `commit_part`, and
-    /// [`CkptError::Invalid`] when the staging directory no longer holds the same files.
-    pub async fn commit_hashed(&self, part: HashedPart) -> Result<PartRecord, CkptError> {
-        let store = self.clone();
-        blocking(move || {
-            let HashedPart {
-                job_id,
-                step,
-                rank,
-                attempt,
-                staging,
-                record,
-                open,
-            } = part;
-            let prehashed = record.files.iter().cloned().zip(open).collect();
-            store.commit_part_sync(
-                &job_id,
-                step,
-                rank,
-                attempt,
-                &staging,
-                record.state,
-                Some(prehashed),
-            )
-        })
-        .await
-    }
-
     fn prepare_staging_sync(
         &self,
         job_id: &str,
@@ -583,20 +461,17 @@ impl LocalStore {
         Ok(staging)
     }
 
-    /// The checks before a part commit: a valid job id and state, a real staging directory,
-    /// and no committed part of (step, rank, attempt) yet. Returns the job directory and
-    /// the part's target directory.
-    fn check_part_target(
+    fn commit_part_sync(
         &self,
         job_id: &str,
         step: u64,
         rank: u32,
         attempt: u32,
         staging: &Path,
-        state: &serde_json::Value,
-    ) -> Result<(PathBuf, PathBuf), CkptError> {
+        state: serde_json::Value,
+    ) -> Result<PartRecord, CkptError> {
         let job_dir = self.checked_job_dir(job_id)?;
-        validate_state(state)?;
+        validate_state(&state)?;
         match fs::symlink_metadata(staging) {
             Ok(metadata) if metadata.is_dir() => {}
             Ok(_) => {
@@ -620,12 +495,10 @@ impl LocalStore {
         }
         let dir = part_dir_rel(step, rank, attempt);
         let target = job_dir.join(&dir);
+        let already =
+            || CkptError::Invalid(format!("part {dir} of job {job_id} is already committed"));
         match fs::symlink_metadata(&target) {
-            Ok(_) => {
-                return Err(CkptError::Invalid(format!(
-                    "part {dir} of job {job_id} is already committed"
-                )));
-            }
+            Ok(_) => return Err(already()),
             Err(error) if error.kind() == io::ErrorKind::NotFound => {}
             Err(source) => {
                 return Err(CkptError::Io {
@@ -635,32 +508,12 @@ impl LocalStore {
                 });
             }
         }
-        Ok((job_dir, target))
-    }
-
-    // The trait's six arguments plus the optional prehash of `commit_hashed`.
-    #[allow(clippy::too_many_arguments)]
-    fn commit_part_sync(
-        &self,
-        job_id: &str,
-        step: u64,
-        rank: u32,
-        attempt: u32,
-        staging: &Path,
-        state: serde_json::Value,
-        prehashed: Option<Vec<(FileEntry, Arc<fs::File>)>>,
-    ) -> Result<PartRecord, CkptError> {
-        let (job_dir, target) =
-            self.check_part_target(job_id, step, rank, attempt, staging, &state)?;
-        let dir = part_dir_rel(step, rank, attempt);
-        let already =
-            || CkptError::Invalid(format!("part {dir} of job {job_id} is already committed"));
 
         // 1.–3. When the storage fails (an I/O error: a full disk, a failed fsync) the
         // staging directory is emptied: the part is all or nothing (the rank writes it
         // whole again for its next checkpoint) and a full disk gets its space back. A
         // refused input (`Invalid`, e.g. a symlink) leaves it for the caller to fix.
-        let files = match self.hash_sync_rename(job_id, step, rank, staging, &target, prehashed) {
+        let files = match self.hash_sync_rename(job_id, step, rank, staging, &target) {
             Ok(files) => files,
             Err(RenameError::Already) => return Err(already()),
             Err(RenameError::Ckpt(error)) => {
@@ -718,44 +571,18 @@ impl LocalStore {
         rank: u32,
         staging: &Path,
         target: &Path,
-        prehashed: Option<Vec<(FileEntry, Arc<fs::File>)>>,
     ) -> Result<Vec<FileEntry>, RenameError> {
-        // 1. Hash and fsync every file, then fsync every directory (deepest first). Files
-        // hashed already (`prehashed`, by `hash_part` from this staging directory) are only
-        // fsynced, through the handles they were hashed from; the walk must find the same
-        // files, so a staging directory changed in between is refused.
+        // 1. Hash and fsync every file, then fsync every directory (deepest first).
         let tree = walk_staging(staging)?;
         let mut files = Vec::with_capacity(tree.files.len());
-        match prehashed {
-            None => {
-                for (rel, path) in &tree.files {
-                    let file = open_regular(path, false)?;
-                    let (size_bytes, sha256) = hash_and_fsync(&file, path)?;
-                    files.push(FileEntry {
-                        path: rel.clone(),
-                        size_bytes,
-                        sha256,
-                    });
-                }
-            }
-            Some(hashed) => {
-                let same = hashed.len() == tree.files.len()
-                    && hashed
-                        .iter()
-                        .zip(&tree.files)
-                        .all(|((entry, _), (rel, _))| &entry.path == rel);
-                if !same {
-                    return Err(RenameError::Ckpt(CkptError::Invalid(format!(
-                        "staging {} changed between hashing and commit",
-                        staging.display()
-                    ))));
-                }
-                for ((entry, file), (_, path)) in hashed.into_iter().zip(&tree.files) {
-                    failpoint!(failpoints::PART_FSYNC_FILE, "fsync", path);
-                    file.sync_all().map_err(io_err("fsync", path))?;
-                    files.push(entry);
-                }
-            }
+        for (rel, path) in &tree.files {
+            let file = open_regular(path, false)?;
+            let (size_bytes, sha256) = hash_and_fsync(&file, path)?;
+            files.push(FileEntry {
+                path: rel.clone(),
+                size_bytes,
+                sha256,
+            });
         }
         failpoint!(failpoints::PART_FSYNC_DIRS, "fsync dir", staging);
         for dir_path in tree.dirs.iter().rev() {
@@ -1097,10 +924,8 @@ impl CheckpointStore for LocalStore {
         let store = self.clone();
         let job_id = job_id.to_owned();
         let staging = staging.to_owned();
-        blocking(move || {
-            store.commit_part_sync(&job_id, step, rank, attempt, &staging, state, None)
-        })
-        .await
+        blocking(move || store.commit_part_sync(&job_id, step, rank, attempt, &staging, state))
+            .await
     }
 
     async fn verify_part(&self, job_id: &str, part: &PartRecord) -> Result<(), CkptError> {

@@ -673,60 +673,22 @@ impl S3Store {
     }
 
     /// Uploads the files of an already committed local part (directory `local_dir`, files
-    /// as in `record`) to `<job>/<record.dir>/…`, verifying each object (the server checks
-    /// every request's signed payload hash, then a `HEAD` checks size + SHA-256 metadata)
-    /// before returning. Re-uploading the same part is harmless (same keys, same bytes).
+    /// as in `record`) to `<job>/<record.dir>/…`, verifying each object (Content-MD5, ETag =
+    /// MD5, then `HEAD` size + SHA-256 metadata) before returning. Re-uploading the same
+    /// part is harmless (same keys, same bytes).
     pub async fn upload_part(
         &self,
         job_id: &str,
         record: &PartRecord,
         local_dir: &Path,
     ) -> Result<(), CkptError> {
-        let sources = record
-            .files
-            .iter()
-            .map(|file| PartSource::Path(local_dir.join(&file.path)))
-            .collect();
-        self.upload_sources(job_id, record, sources).await
-    }
-
-    /// Like [`Self::upload_part`], reading each file of `record` from the open file at the
-    /// same index of `open` (e.g. a staged part that is being made durable and renamed
-    /// meanwhile: see [`crate::HashedPart`]). Errors as `upload_part`, and
-    /// [`CkptError::Invalid`] when `open` and `record.files` differ in length.
-    pub async fn upload_part_from(
-        &self,
-        job_id: &str,
-        record: &PartRecord,
-        open: Vec<(PathBuf, Arc<std::fs::File>)>,
-    ) -> Result<(), CkptError> {
-        if open.len() != record.files.len() {
-            return Err(CkptError::Invalid(format!(
-                "{} open files for the {} files of part {}",
-                open.len(),
-                record.files.len(),
-                record.dir
-            )));
-        }
-        let sources = open
-            .into_iter()
-            .map(|(path, file)| PartSource::Open { path, file })
-            .collect();
-        self.upload_sources(job_id, record, sources).await
-    }
-
-    async fn upload_sources(
-        &self,
-        job_id: &str,
-        record: &PartRecord,
-        sources: Vec<PartSource>,
-    ) -> Result<(), CkptError> {
         validate_job_id(job_id)?;
         record.validate()?;
         let mut uploads = Vec::with_capacity(record.files.len());
-        for (file, source) in record.files.iter().zip(sources) {
+        for file in &record.files {
             let key = self.job_key(job_id, &format!("{}/{}", record.dir, file.path));
-            uploads.push(async move { self.upload_file(&key, source, file).await });
+            let path = local_dir.join(&file.path);
+            uploads.push(async move { self.upload_file(&key, &path, file).await });
         }
         // Files go up a few at a time; parts of large files are bounded by the semaphore.
         futures::stream::iter(uploads)
@@ -737,16 +699,11 @@ impl S3Store {
     }
 
     /// Uploads one file (single PUT or multipart) and verifies the object.
-    async fn upload_file(
-        &self,
-        key: &str,
-        source: PartSource,
-        file: &FileEntry,
-    ) -> Result<(), CkptError> {
+    async fn upload_file(&self, key: &str, path: &Path, file: &FileEntry) -> Result<(), CkptError> {
         if file.size_bytes > self.settings.multipart_threshold_bytes {
-            self.upload_multipart(key, source, file).await?;
+            self.upload_multipart(key, path, file).await?;
         } else {
-            let bytes = bytes::Bytes::from(source.read_range(0, file.size_bytes).await?);
+            let bytes = bytes::Bytes::from(read_range(path, 0, file.size_bytes).await?);
             // The SigV4 payload hash (signed, checked by the server) verifies the body.
             self.retry("put", key, || {
                 self.client
@@ -765,7 +722,7 @@ impl S3Store {
     async fn upload_multipart(
         &self,
         key: &str,
-        source: PartSource,
+        path: &Path,
         file: &FileEntry,
     ) -> Result<(), CkptError> {
         let part_size = self
@@ -806,11 +763,11 @@ impl S3Store {
             let store = self.clone();
             let task_key = key.to_owned();
             let upload_id = upload_id.clone();
-            let source = source.clone();
+            let path = path.to_owned();
             parts.push(async move {
                 let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
                     store
-                        .upload_one_part(&task_key, &upload_id, &source, index, offset, len)
+                        .upload_one_part(&task_key, &upload_id, &path, index, offset, len)
                         .await
                 }));
                 match task.await {
@@ -857,18 +814,18 @@ impl S3Store {
         Ok(())
     }
 
-    /// Uploads part `index` (bytes `offset..offset + len` of `source`) of a multipart
-    /// upload. The SigV4 payload hash (signed, checked by the server) verifies the body.
+    /// Uploads part `index` (bytes `offset..offset + len` of `path`) of a multipart upload.
+    /// The SigV4 payload hash (signed, checked by the server) verifies the body.
     async fn upload_one_part(
         &self,
         key: &str,
         upload_id: &str,
-        source: &PartSource,
+        path: &Path,
         index: u64,
         offset: u64,
         len: u64,
     ) -> Result<CompletedPart, CkptError> {
-        let bytes = bytes::Bytes::from(source.read_range(offset, len).await?);
+        let bytes = bytes::Bytes::from(read_range(path, offset, len).await?);
         let number = i32::try_from(index + 1).expect("part number ≤ 10,000");
         let output = self
             .retry("upload part", key, || {
@@ -1163,56 +1120,24 @@ impl S3Store {
     }
 }
 
-/// Where the bytes of one file of a part are read from for an upload.
-#[derive(Clone, Debug)]
-enum PartSource {
-    /// A file opened per read by its path (a committed L1 part).
-    Path(PathBuf),
-    /// A file opened once; `path` is where it was opened (for error messages only; the
-    /// file may have been renamed since).
-    Open {
-        /// Path at open time.
-        path: PathBuf,
-        /// The open file, read by position.
-        file: Arc<std::fs::File>,
-    },
-}
-
-impl PartSource {
-    /// Reads `len` bytes at `offset`: one blocking-pool task (open when needed + one
-    /// positioned read), not one round trip to the pool per 2 MiB as `tokio::fs` takes.
-    async fn read_range(&self, offset: u64, len: u64) -> Result<Vec<u8>, CkptError> {
-        use std::os::unix::fs::FileExt as _;
-        let len = usize::try_from(len).map_err(|_| CkptError::Invalid("part too large".into()))?;
-        let source = self.clone();
-        crate::local::blocking(move || {
-            let (path, opened);
-            let file = match &source {
-                PartSource::Path(p) => {
-                    path = p;
-                    opened = std::fs::File::open(p).map_err(|e| io_error("open", p, e))?;
-                    &opened
-                }
-                PartSource::Open { path: p, file } => {
-                    path = p;
-                    &**file
-                }
-            };
-            let mut buffer = vec![0u8; len];
-            file.read_exact_at(&mut buffer, offset)
-                .map_err(|e| io_error("read", path, e))?;
-            Ok(buffer)
-        })
-        .await
-    }
-}
-
-fn io_error(op: &'static str, path: &Path, source: std::io::Error) -> CkptError {
-    CkptError::Io {
-        op,
-        path: path.to_owned(),
-        source,
-    }
+/// Reads `len` bytes at `offset` of `path`: one blocking-pool task (open + one positioned
+/// read), not one round trip to the pool per 2 MiB as `tokio::fs` reads would take.
+async fn read_range(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>, CkptError> {
+    use std::os::unix::fs::FileExt as _;
+    let len = usize::try_from(len).map_err(|_| CkptError::Invalid("part too large".into()))?;
+    let path = path.to_owned();
+    crate::local::blocking(move || {
+        let io = |op: &'static str| {
+            let path = path.clone();
+            move |source| CkptError::Io { op, path, source }
+        };
+        let file = std::fs::File::open(&path).map_err(io("open"))?;
+        let mut buffer = vec![0u8; len];
+        file.read_exact_at(&mut buffer, offset)
+            .map_err(io("read"))?;
+        Ok(buffer)
+    })
+    .await
 }
 
 /// The ETag (quotes stripped) must be the hex MD5 of what we sent.

@@ -1,12 +1,10 @@
 //! Two checkpoint tiers: L1 on the worker's local disk ([`LocalStore`]) and L2 in S3
 //! ([`S3Store`]).
 //!
-//! A part is always committed to L1 (fsync + rename: fast, local). Then:
+//! A part is always committed to L1 first (fsync + rename: fast, local). Then:
 //! - [`CommitTier::L2`] (the default with an S3 target): the part is uploaded and verified in
 //!   L2 before [`CheckpointStore::commit_part`] returns, so the leader only ever sees parts
-//!   that survive the loss of the machine. The upload starts once the files are hashed
-//!   and reads them through the handles they were hashed from, while L1 fsyncs and
-//!   renames them ([`LocalStore::hash_part`], [`LocalStore::commit_hashed`]);
+//!   that survive the loss of the machine;
 //! - [`CommitTier::L1`]: `commit_part` returns at once and the upload runs in the background
 //!   (bounded concurrency; the S3 store retries transient errors with backoff until its
 //!   deadline, permanent ones are logged and surfaced by the L2 check of the step).
@@ -158,29 +156,6 @@ impl CheckpointStore for TieredStore {
         staging: &Path,
         state: serde_json::Value,
     ) -> Result<PartRecord, CkptError> {
-        if self.commit_at == CommitTier::L2 {
-            // Hash, then upload from the open files while L1 fsyncs and renames them: the
-            // disk's fsync and the upload overlap. The part counts (is returned) only once
-            // both are done. The L1 commit always runs to its end before this returns (the
-            // caller may reuse the staging directory at once); an L1 failure cancels the
-            // upload (its multipart upload is left to `abort_stale_uploads`).
-            let hashed = self
-                .l1
-                .hash_part(job_id, step, rank, attempt, staging, state)
-                .await?;
-            let upload_record = hashed.record().clone();
-            let open = hashed.open_files();
-            let l1 = self.l1.commit_hashed(hashed);
-            let l2 = self.l2.upload_part_from(job_id, &upload_record, open);
-            tokio::pin!(l1, l2);
-            let (record, uploaded) = tokio::select! {
-                committed = &mut l1 => (committed?, l2.await),
-                uploaded = &mut l2 => (l1.await?, uploaded),
-            };
-            uploaded?;
-            self.prune_l1_rank(job_id, rank).await;
-            return Ok(record);
-        }
         let record = self
             .l1
             .commit_part(job_id, step, rank, attempt, staging, state)
@@ -189,22 +164,33 @@ impl CheckpointStore for TieredStore {
             .l1
             .local_part_path(job_id, &record.dir)
             .ok_or_else(|| CkptError::Invalid(format!("part dir {:?} is invalid", record.dir)))?;
-        // CommitTier::L1: the part counts now; the upload follows in the background.
-        let store = self.clone();
-        let job_id = job_id.to_owned();
-        let upload = record.clone();
-        tokio::spawn(async move {
-            let Ok(_permit) = store.background.acquire().await else {
-                return;
-            };
-            match store.l2.upload_part(&job_id, &upload, &local).await {
-                // No per-rank L1 pruning here: L1 holds the committed steps (and the leader
-                // prunes L1 to them), so deleting a rank's older parts could break the
-                // committed step that LATEST names.
-                Ok(()) => tracing::info!(job_id, part = %upload.dir, "part uploaded to L2"),
-                Err(e) => tracing::error!(job_id, part = %upload.dir, "L2 upload failed: {e}"),
+        match self.commit_at {
+            CommitTier::L2 => {
+                self.l2.upload_part(job_id, &record, &local).await?;
+                self.prune_l1_rank(job_id, rank).await;
             }
-        });
+            CommitTier::L1 => {
+                let store = self.clone();
+                let job_id = job_id.to_owned();
+                let upload = record.clone();
+                tokio::spawn(async move {
+                    let Ok(_permit) = store.background.acquire().await else {
+                        return;
+                    };
+                    match store.l2.upload_part(&job_id, &upload, &local).await {
+                        // No per-rank L1 pruning here: L1 holds the committed steps (and
+                        // the leader prunes L1 to them), so deleting a rank's older parts
+                        // could break the committed step that LATEST names.
+                        Ok(()) => {
+                            tracing::info!(job_id, part = %upload.dir, "part uploaded to L2")
+                        }
+                        Err(e) => {
+                            tracing::error!(job_id, part = %upload.dir, "L2 upload failed: {e}")
+                        }
+                    }
+                });
+            }
+        }
         Ok(record)
     }
 
