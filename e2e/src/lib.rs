@@ -1012,6 +1012,34 @@ pub fn read_result(out_dir: &Path, rank: u32) -> anyhow::Result<serde_json::Valu
     Ok(serde_json::from_str(&text)?)
 }
 
+/// Asserts (panics otherwise) that every rank of a `world_size`-rank trainer job whose
+/// outputs are under `out` consumed each record of its shards exactly once per epoch (its
+/// reported digest equals [`expected_digest`]) and, when `min_accuracy` is given, reached
+/// at least that holdout accuracy (a fraction in 0..=1).
+pub fn assert_trainer_results(
+    cluster: &Cluster,
+    w: &Workload,
+    out: &Path,
+    world_size: u32,
+    epochs: u32,
+    min_accuracy: Option<f64>,
+) {
+    for rank in 0..world_size {
+        let r = read_result(out, rank).expect("result.json");
+        let want = expected_digest(w, world_size, rank, epochs, cluster.dir.path())
+            .expect("expected digest");
+        assert_eq!(
+            r["digest"].as_str(),
+            Some(want.as_str()),
+            "rank {rank}: every record exactly once"
+        );
+        if let Some(min) = min_accuracy {
+            let acc = r["accuracy"].as_f64().expect("accuracy");
+            assert!(acc >= min, "rank {rank} accuracy {acc} < {min}");
+        }
+    }
+}
+
 /// The digest the trainer must report for `rank` when it consumed each record of its
 /// shards exactly once per epoch, computed by `cumulus-trainer digest` from the shard
 /// files read directly.

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cumulus_e2e::{
-    Cluster, ClusterOpts, TOKEN, Workload, expected_digest, prepare_digits, read_result,
+    Cluster, ClusterOpts, TOKEN, Workload, assert_trainer_results, prepare_digits, read_result,
     trainer_spec, wait_for,
 };
 use cumulus_proto::v1;
@@ -42,18 +42,7 @@ fn spec(w: &Workload, root: &Path, name: &str, step_sleep_ms: u32) -> v1::JobSpe
 }
 
 fn check_results(cluster: &Cluster, w: &Workload, out: &Path) {
-    for rank in 0..4 {
-        let r = read_result(out, rank).expect("result.json");
-        let want =
-            expected_digest(w, 4, rank, EPOCHS, cluster.dir.path()).expect("expected digest");
-        assert_eq!(
-            r["digest"].as_str(),
-            Some(want.as_str()),
-            "rank {rank}: every record exactly once"
-        );
-        let acc = r["accuracy"].as_f64().expect("accuracy");
-        assert!(acc >= 0.90, "rank {rank} accuracy {acc} < 0.90");
-    }
+    assert_trainer_results(cluster, w, out, 4, EPOCHS, Some(0.90));
 }
 
 fn kill_rank(job: &v1::Job, rank: u32) -> u32 {

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use cumulus_ckpt::CheckpointStore;
 use cumulus_e2e::{
-    Cluster, ClusterOpts, S3Access, S3Server, Workload, expected_digest, prepare_digits,
-    read_result, trainer_spec, wait_for,
+    Cluster, ClusterOpts, S3Access, S3Server, Workload, assert_trainer_results, prepare_digits,
+    trainer_spec, wait_for,
 };
 use cumulus_proto::v1;
 
@@ -39,16 +39,7 @@ fn spec(w: &Workload, root: &Path, name: &str, ckpt_url: &str, step_sleep_ms: u3
 }
 
 fn check_results(cluster: &Cluster, w: &Workload, out: &Path) {
-    for rank in 0..4 {
-        let r = read_result(out, rank).expect("result.json");
-        let want =
-            expected_digest(w, 4, rank, EPOCHS, cluster.dir.path()).expect("expected digest");
-        assert_eq!(
-            r["digest"].as_str(),
-            Some(want.as_str()),
-            "rank {rank}: every record exactly once"
-        );
-    }
+    assert_trainer_results(cluster, w, out, 4, EPOCHS, None);
 }
 
 async fn s3_cluster(server: &S3Server, workers: usize) -> Cluster {
