@@ -64,23 +64,22 @@ const OVERLAP_FSYNC_MIN_BYTES: u64 = 4 << 20;
 /// the committing agent, and nothing writes to it during the commit.
 fn hash_and_fsync(file: &fs::File, path: &Path) -> Result<(u64, String), CkptError> {
     let len = file.metadata().map_err(io_err("stat", path))?.len();
-    if len < OVERLAP_FSYNC_MIN_BYTES {
-        let (size_bytes, sha256) = hash_reader(&mut &*file, path)?;
-        failpoint!(failpoints::PART_FSYNC_FILE, "fsync", path);
-        file.sync_all().map_err(io_err("fsync", path))?;
-        return Ok((size_bytes, sha256));
-    }
     failpoint!(failpoints::PART_FSYNC_FILE, "fsync", path);
-    let (hashed, synced) = std::thread::scope(|scope| {
-        let syncer = scope.spawn(|| file.sync_all());
-        let hashed = hash_reader(&mut &*file, path);
-        (hashed, syncer.join())
-    });
-    match synced {
-        Ok(result) => result.map_err(io_err("fsync", path))?,
-        Err(panic) => std::panic::resume_unwind(panic),
-    }
-    hashed
+    let (hashed, synced) = if len < OVERLAP_FSYNC_MIN_BYTES {
+        (hash_reader(&mut &*file, path), file.sync_all())
+    } else {
+        std::thread::scope(|scope| {
+            let syncer = scope.spawn(|| file.sync_all());
+            let hashed = hash_reader(&mut &*file, path);
+            let synced = syncer
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (hashed, synced)
+        })
+    };
+    let (size_bytes, sha256) = hashed?;
+    synced.map_err(io_err("fsync", path))?;
+    Ok((size_bytes, sha256))
 }
 
 /// Runs blocking file system work off the async runtime; a panic in it is re-raised here.

@@ -566,12 +566,7 @@ fn observe(node: &Node) -> Observations {
         for (key, _, _, _) in &running {
             soft.progress
                 .entry(key.clone())
-                .or_insert(crate::node::ProgressSoft {
-                    step: 0,
-                    total_steps: 0,
-                    changed_at: now,
-                    seen_at: now,
-                });
+                .or_insert(crate::node::ProgressSoft::observed_at(now, 0, 0));
         }
     }
     let mut obs = Observations::default();
@@ -584,7 +579,12 @@ fn observe(node: &Node) -> Observations {
     }
     let lost_after_ms = LOST_AFTER_HEARTBEATS * node.limits.heartbeat_interval_ms;
     for (key, worker, started_at_ms, pending) in running {
-        if let Some(not_before_ms) = pending {
+        // Only a worker that is heartbeating can tell that it no longer has the attempt.
+        let worker_reporting = soft.workers.get(&worker).is_some_and(|w| {
+            now.duration_since(w.last_seen).as_millis()
+                < u128::from(node.limits.heartbeat_interval_ms) * 2
+        });
+        let unseen_ms = if let Some(not_before_ms) = pending {
             // A placed attempt: the clock starts when this leader first sees it pending (its
             // worker reports it, pid 0, from the moment it starts preparing it), and not
             // before its backoff ends. One that its reporting worker neither prepares nor
@@ -593,38 +593,22 @@ fn observe(node: &Node) -> Observations {
             let p = soft
                 .progress
                 .entry(key.clone())
-                .or_insert(crate::node::ProgressSoft {
-                    step: 0,
-                    total_steps: 0,
-                    changed_at: now,
-                    seen_at: now,
-                });
-            let unseen_ms = (now.duration_since(p.seen_at).as_millis() as u64)
-                .min(now_wall.saturating_sub(not_before_ms));
-            let worker_reporting = soft.workers.get(&worker).is_some_and(|w| {
-                now.duration_since(w.last_seen).as_millis()
-                    < u128::from(node.limits.heartbeat_interval_ms) * 2
-            });
-            if worker_reporting && unseen_ms > lost_after_ms {
-                obs.lost.insert(key);
+                .or_insert(crate::node::ProgressSoft::observed_at(now, 0, 0));
+            (now.duration_since(p.seen_at).as_millis() as u64)
+                .min(now_wall.saturating_sub(not_before_ms))
+        } else {
+            let progress = soft.progress.get(&key);
+            if let Some(p) = progress {
+                obs.progress_stall_ms.insert(
+                    key.clone(),
+                    now.duration_since(p.changed_at).as_millis() as u64,
+                );
             }
-            continue;
-        }
-        let progress = soft.progress.get(&key);
-        if let Some(p) = progress {
-            obs.progress_stall_ms.insert(
-                key.clone(),
-                now.duration_since(p.changed_at).as_millis() as u64,
-            );
-        }
-        let unseen_ms = match progress {
-            Some(p) => now.duration_since(p.seen_at).as_millis() as u64,
-            None => now_wall.saturating_sub(started_at_ms),
+            match progress {
+                Some(p) => now.duration_since(p.seen_at).as_millis() as u64,
+                None => now_wall.saturating_sub(started_at_ms),
+            }
         };
-        let worker_reporting = soft.workers.get(&worker).is_some_and(|w| {
-            now.duration_since(w.last_seen).as_millis()
-                < u128::from(node.limits.heartbeat_interval_ms) * 2
-        });
         if worker_reporting && unseen_ms > lost_after_ms {
             obs.lost.insert(key);
         }

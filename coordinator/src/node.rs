@@ -91,6 +91,18 @@ pub struct ProgressSoft {
     pub seen_at: Instant,
 }
 
+impl ProgressSoft {
+    /// An attempt first observed at `now` at `step` of `total_steps`.
+    pub fn observed_at(now: Instant, step: u64, total_steps: u64) -> Self {
+        Self {
+            step,
+            total_steps,
+            changed_at: now,
+            seen_at: now,
+        }
+    }
+}
+
 /// Key of a rank attempt: (job id, rank, attempt).
 pub type AttemptKey = (String, u32, u32);
 

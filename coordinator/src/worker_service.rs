@@ -140,12 +140,10 @@ impl WorkerService for WorkerSvc {
             let mut soft = self.node.soft();
             for o in &r.observed {
                 let key = (o.job_id.clone(), o.rank, o.attempt);
-                let p = soft.progress.entry(key).or_insert(ProgressSoft {
-                    step: o.step,
-                    total_steps: o.total_steps,
-                    changed_at: at,
-                    seen_at: at,
-                });
+                let p = soft
+                    .progress
+                    .entry(key)
+                    .or_insert(ProgressSoft::observed_at(at, o.step, o.total_steps));
                 if p.step != o.step {
                     p.changed_at = at;
                 }
