@@ -5,9 +5,10 @@
 //! bucket. 4 ranks each have 256 MiB (smoke: 6 MiB) of pseudo-random bytes in their staging
 //! directory (written before the clock starts). **Cumulus**: the 4 ranks commit their part
 //! in parallel ([`CheckpointStore::commit_part`] of a [`TieredStore`] committing at L2:
-//! SHA-256 overlapped with fsync, rename into L1, then a multipart upload whose parts are
+//! BLAKE3 overlapped with fsync, rename into L1, then a multipart upload whose parts are
 //! verified by the server against their signed SigV4 payload hash, then a `HEAD` of size
-//! and SHA-256 metadata), then the leader verifies every part by `HEAD`,
+//! and digest metadata), then the leader checks every part by `HEAD`
+//! ([`CheckpointStore::check_part`], as the coordinator's finalize does),
 //! writes the manifest and moves `LATEST` with a conditional PUT. **Raw**: the same 4 files
 //! uploaded in parallel by plain multipart PUTs (same part size, same bound on requests in
 //! flight, same client settings), nothing else. Ratio = raw time / Cumulus time (target
@@ -241,7 +242,7 @@ async fn cumulus_step(
     parts.sort_by_key(|p| p.rank);
     let finish_start = Instant::now();
     for part in &parts {
-        store.verify_part(JOB, part).await?;
+        store.check_part(JOB, part).await?;
     }
     let manifest = Manifest {
         format_version: MANIFEST_FORMAT_VERSION,

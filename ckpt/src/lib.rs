@@ -22,18 +22,20 @@
 //!
 //! 1. A rank writes its files into its staging directory ([`CheckpointStore::prepare_staging`]).
 //! 2. The worker agent commits them ([`CheckpointStore::commit_part`]): every file is hashed
-//!    (SHA-256) and fsynced, every directory fsynced, the parents `step-N/rank-r` created and
+//!    (BLAKE3, see [`digest`]) and fsynced, every directory fsynced, the parents `step-N/rank-r` created and
 //!    fsynced, the staging directory renamed to `step-N/rank-r/attempt-a` (never over an
 //!    existing one) and both parents fsynced. The result is a [`PartRecord`] (files, sizes,
 //!    hashes, the rank's resume state) that the agent reports to the leader.
-//! 3. When every rank's part is in the Raft log, the leader verifies every part
-//!    ([`CheckpointStore::verify_part`]), writes `MANIFEST.json`
+//! 3. When every rank's part is in the Raft log, the leader checks every part's files and
+//!    sizes ([`CheckpointStore::check_part`]: no content is re-read; the digests are the
+//!    agent's, computed over the very bytes it fsynced), writes `MANIFEST.json`
 //!    ([`CheckpointStore::write_manifest`], temp + fsync + rename + fsync dir), commits the
 //!    step in Raft, writes `LATEST` the same way ([`CheckpointStore::write_latest`]) and
 //!    prunes old steps ([`CheckpointStore::prune`]).
-//! 4. A resume picks the newest step whose manifest and files verify
-//!    ([`newest_valid_step`]): a torn step (no manifest) or a corrupt one (bad size or hash,
-//!    missing file, unreadable manifest) is skipped for the previous good one.
+//! 4. A resume picks the newest step whose manifest and files verify, every byte hashed
+//!    ([`newest_valid_step`], [`CheckpointStore::verify_part`]): a torn step (no manifest) or
+//!    a corrupt one (bad size or digest, missing file, unreadable manifest) is skipped for
+//!    the previous good one.
 //!
 //! Nothing read back from disk is trusted: manifests, `LATEST` and part files are size
 //! limited, parsed strictly and validated (paths may not escape a part directory, symlinks
@@ -45,23 +47,23 @@
 
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 mod dataset;
+pub mod digest;
 pub mod failpoints;
 mod local;
 mod s3;
 mod tiered;
 
 pub use dataset::{DatasetCache, Fetched};
+pub use digest::{DigestAlgorithm, HASH_BUFFER_BYTES, WRITE_ALGORITHM, parse_digest};
 pub use local::LocalStore;
 pub use s3::{
-    RemoteKind, S3Args, S3Connector, S3Location, S3Settings, S3Store, SHA256_METADATA_KEY,
-    part_file_key,
+    DIGEST_METADATA_KEY, LEGACY_SHA256_METADATA_KEY, RemoteKind, S3Args, S3Connector, S3Location,
+    S3Settings, S3Store, part_file_key,
 };
 pub use tiered::{CommitTier, TieredStore};
 
@@ -73,8 +75,11 @@ pub const LATEST_FILE: &str = "LATEST";
 pub const MAX_PART_FILES: usize = 4096;
 /// Largest serialized per-rank resume state, in bytes (compact JSON).
 pub const MAX_STATE_JSON_BYTES: usize = 64 * 1024;
-/// The manifest format this crate writes and accepts.
-pub const MANIFEST_FORMAT_VERSION: u32 = 1;
+/// The manifest format this crate writes. Format 2 records each file's `digest` as
+/// `<algorithm>:<hex>` ([`digest`]); format 1 (still read) recorded a bare hex `sha256`.
+pub const MANIFEST_FORMAT_VERSION: u32 = 2;
+/// The oldest manifest format still read and verified.
+pub const MIN_MANIFEST_FORMAT_VERSION: u32 = 1;
 /// Largest `MANIFEST.json` written or read back, in bytes (16 MiB).
 pub const MAX_MANIFEST_BYTES: u64 = 16 * 1024 * 1024;
 /// Largest `LATEST` file read back, in bytes.
@@ -87,8 +92,6 @@ pub const MAX_REL_PATH_BYTES: usize = 4096;
 pub const MAX_PATH_COMPONENT_BYTES: usize = 255;
 /// Deepest directory nesting inside a part (number of path components of a file).
 pub const MAX_PART_DEPTH: usize = 64;
-/// Read buffer of [`hash_file`], in bytes (1 MiB).
-pub const HASH_BUFFER_BYTES: usize = 1024 * 1024;
 
 /// Name of the directory of `step`: `step-` + the step zero-padded to 8 digits (longer when
 /// the step needs more digits), e.g. `step-00000100`.
@@ -144,15 +147,50 @@ fn parse_canonical_u32(text: &str) -> Option<u32> {
 }
 
 /// One file of a committed part.
+///
+/// Serialized as `{"path", "size_bytes", "digest"}`; a format-1 entry
+/// `{"path", "size_bytes", "sha256": "<hex>"}` is read as digest `sha256:<hex>`.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(try_from = "FileEntryWire")]
 pub struct FileEntry {
     /// Path relative to the part directory, `/`-separated, no empty, `.` or `..` component,
     /// not absolute (see [`validate_rel_path`]).
     pub path: String,
     /// File size in bytes.
     pub size_bytes: u64,
-    /// SHA-256 of the content, 64 lowercase hex digits.
-    pub sha256: String,
+    /// Digest of the content, `<algorithm>:<64 lowercase hex digits>` ([`parse_digest`]).
+    pub digest: String,
+}
+
+/// [`FileEntry`] as read: exactly one of `digest` (format 2) or `sha256` (format 1).
+#[derive(Deserialize)]
+struct FileEntryWire {
+    path: String,
+    size_bytes: u64,
+    #[serde(default)]
+    digest: Option<String>,
+    #[serde(default)]
+    sha256: Option<String>,
+}
+
+impl TryFrom<FileEntryWire> for FileEntry {
+    type Error = String;
+
+    fn try_from(wire: FileEntryWire) -> Result<Self, Self::Error> {
+        let digest = match (wire.digest, wire.sha256) {
+            (Some(digest), None) => digest,
+            (None, Some(hex)) => format!("sha256:{hex}"),
+            (Some(_), Some(_)) => {
+                return Err(format!("file {:?} has both digest and sha256", wire.path));
+            }
+            (None, None) => return Err(format!("file {:?} has no digest", wire.path)),
+        };
+        Ok(Self {
+            path: wire.path,
+            size_bytes: wire.size_bytes,
+            digest,
+        })
+    }
 }
 
 /// One rank's committed part of a step.
@@ -324,17 +362,10 @@ pub fn validate_state(state: &serde_json::Value) -> Result<(), CkptError> {
     Ok(())
 }
 
-fn is_sha256_hex(text: &str) -> bool {
-    text.len() == 64
-        && text
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-}
-
 impl PartRecord {
     /// Checks the record on its own: `dir` is a canonical part directory of this record's
     /// rank and attempt, at most [`MAX_PART_FILES`] files with valid, distinct paths and
-    /// lowercase hex SHA-256, and a valid state ([`validate_state`]). Returns the step named
+    /// valid digests ([`parse_digest`]), and a valid state ([`validate_state`]). Returns the step named
     /// by `dir`.
     pub fn validate(&self) -> Result<u64, CkptError> {
         let (step, rank, attempt) = parse_part_dir_rel(&self.dir).ok_or_else(|| {
@@ -365,12 +396,12 @@ impl PartRecord {
                     self.dir, file.path
                 )));
             }
-            if !is_sha256_hex(&file.sha256) {
-                return Err(CkptError::Invalid(format!(
-                    "sha256 {:?} of {:?} is not 64 lowercase hex digits",
-                    file.sha256, file.path
-                )));
-            }
+            parse_digest(&file.digest).map_err(|error| {
+                CkptError::Invalid(format!(
+                    "file {:?} of part {:?}: {error}",
+                    file.path, self.dir
+                ))
+            })?;
         }
         validate_state(&self.state)?;
         Ok(step)
@@ -389,9 +420,9 @@ impl Manifest {
     /// rank `0..world_size` sorted by rank, each part valid ([`PartRecord::validate`]) and of
     /// this manifest's step.
     pub fn validate(&self) -> Result<(), CkptError> {
-        if self.format_version != MANIFEST_FORMAT_VERSION {
+        if !(MIN_MANIFEST_FORMAT_VERSION..=MANIFEST_FORMAT_VERSION).contains(&self.format_version) {
             return Err(CkptError::Invalid(format!(
-                "manifest format version {} is not {MANIFEST_FORMAT_VERSION}",
+                "manifest format version {} is not in {MIN_MANIFEST_FORMAT_VERSION}..={MANIFEST_FORMAT_VERSION}",
                 self.format_version
             )));
         }
@@ -464,9 +495,19 @@ pub trait CheckpointStore: Send + Sync + 'static {
     ) -> Result<PartRecord, CkptError>;
 
     /// Checks that every file of the part exists as a regular file inside the part directory
-    /// (no symlink on the way) with the recorded size and SHA-256. [`CkptError::Corrupt`]
-    /// names the first mismatch; [`CkptError::Invalid`] when the record itself is invalid.
+    /// (no symlink on the way) with the recorded size and digest, reading every byte (an
+    /// object store may check the digest its upload recorded instead, see [`S3Store`]).
+    /// [`CkptError::Corrupt`] names the first mismatch; [`CkptError::Invalid`] when the
+    /// record itself is invalid.
     async fn verify_part(&self, job_id: &str, part: &PartRecord) -> Result<(), CkptError>;
+
+    /// The cheap check of the leader's finalize: like [`CheckpointStore::verify_part`] but
+    /// without reading content: every file is present, regular, inside the part, and of the
+    /// recorded size. Content digests are verified where the bytes are used (a resume). The
+    /// default is the full [`CheckpointStore::verify_part`].
+    async fn check_part(&self, job_id: &str, part: &PartRecord) -> Result<(), CkptError> {
+        self.verify_part(job_id, part).await
+    }
 
     /// Validates `manifest` and writes it as `step-N/MANIFEST.json` atomically (replacing an
     /// older one). [`CkptError::NotFound`] when the step has no directory (no part).
@@ -547,8 +588,8 @@ pub async fn newest_valid_step(
     Ok(None)
 }
 
-/// SHA-256 (lowercase hex) and size in bytes of the regular file at `path`, read in
-/// [`HASH_BUFFER_BYTES`] chunks.
+/// Size in bytes and digest ([`WRITE_ALGORITHM`], `<algorithm>:<hex>`) of the regular file
+/// at `path`, read in [`HASH_BUFFER_BYTES`] chunks.
 pub fn hash_file(path: &Path) -> Result<(u64, String), CkptError> {
     let mut file = File::open(path).map_err(|source| CkptError::Io {
         op: "open",
@@ -566,31 +607,7 @@ pub fn hash_file(path: &Path) -> Result<(u64, String), CkptError> {
             path.display()
         )));
     }
-    hash_reader(&mut file, path)
-}
-
-/// Hashes everything `reader` yields; `path` names it in errors.
-fn hash_reader(reader: &mut impl Read, path: &Path) -> Result<(u64, String), CkptError> {
-    let mut hasher = Sha256::new();
-    let mut buffer = vec![0u8; HASH_BUFFER_BYTES];
-    let mut size_bytes = 0u64;
-    loop {
-        let read = match reader.read(&mut buffer) {
-            Ok(0) => break,
-            Ok(read) => read,
-            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(source) => {
-                return Err(CkptError::Io {
-                    op: "read",
-                    path: path.to_owned(),
-                    source,
-                });
-            }
-        };
-        hasher.update(&buffer[..read]);
-        size_bytes += u64::try_from(read).expect("a read length fits in u64");
-    }
-    Ok((size_bytes, hex::encode(hasher.finalize())))
+    digest::hash_reader(&mut file, path, WRITE_ALGORITHM)
 }
 
 #[cfg(test)]
@@ -605,7 +622,7 @@ mod tests {
             files: vec![FileEntry {
                 path: "model.bin".into(),
                 size_bytes: 3,
-                sha256: "a".repeat(64),
+                digest: format!("blake3:{}", "a".repeat(64)),
             }],
             state: serde_json::json!({"shard": 0}),
         }
@@ -733,7 +750,7 @@ mod tests {
         assert!(bad.validate().is_err(), "path traversal");
 
         let mut bad = good.clone();
-        bad.parts[0].files[0].sha256 = "A".repeat(64);
+        bad.parts[0].files[0].digest = format!("blake3:{}", "A".repeat(64));
         assert!(bad.validate().is_err(), "uppercase hash");
 
         let mut bad = good.clone();
@@ -749,9 +766,11 @@ mod tests {
         bad.parts[0].state = serde_json::json!({"blob": "x".repeat(MAX_STATE_JSON_BYTES)});
         assert!(bad.validate().is_err(), "state too large");
 
-        let mut bad = good.clone();
-        bad.format_version = 2;
-        assert!(bad.validate().is_err(), "format version");
+        for version in [0, MANIFEST_FORMAT_VERSION + 1] {
+            let mut bad = good.clone();
+            bad.format_version = version;
+            assert!(bad.validate().is_err(), "format version {version}");
+        }
 
         let mut bad = manifest(1);
         bad.world_size = 0;
@@ -764,15 +783,47 @@ mod tests {
     }
 
     #[test]
+    fn a_format_1_manifest_reads_as_sha256_digests_and_serializes_as_format_2_fields() {
+        let hex = "ab".repeat(32);
+        let text = format!(
+            r#"{{"format_version":1,"job_id":"j1","step":1,"world_size":1,"committed_at_ms":5,
+            "parts":[{{"rank":0,"attempt":1,"dir":"step-00000001/rank-0/attempt-1",
+            "files":[{{"path":"w.bin","size_bytes":3,"sha256":"{hex}"}}],"state":{{}}}}]}}"#
+        );
+        let manifest: Manifest = serde_json::from_str(&text).expect("format 1 parses");
+        manifest.validate().expect("format 1 is valid");
+        assert_eq!(manifest.parts[0].files[0].digest, format!("sha256:{hex}"));
+        let written = serde_json::to_string(&manifest.parts[0].files[0]).expect("serialize");
+        assert_eq!(
+            written,
+            format!(r#"{{"path":"w.bin","size_bytes":3,"digest":"sha256:{hex}"}}"#)
+        );
+
+        let both = text.replace(
+            r#""sha256":"#,
+            &format!(r#""digest":"sha256:{hex}","sha256":"#),
+        );
+        assert!(
+            serde_json::from_str::<Manifest>(&both).is_err(),
+            "two digests"
+        );
+        let none = text.replace(&format!(r#","sha256":"{hex}""#), "");
+        assert!(
+            serde_json::from_str::<Manifest>(&none).is_err(),
+            "no digest"
+        );
+    }
+
+    #[test]
     fn hash_of_known_content() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("abc");
         std::fs::write(&path, b"abc").expect("write");
-        let (size, sha) = hash_file(&path).expect("hash");
+        let (size, digest) = hash_file(&path).expect("hash");
         assert_eq!(size, 3);
         assert_eq!(
-            sha,
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+            digest,
+            "blake3:6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"
         );
         assert!(matches!(hash_file(dir.path()), Err(CkptError::Invalid(_))));
         assert!(matches!(

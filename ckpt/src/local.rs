@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use crate::failpoints::{self, AtomicWritePoints, failpoint};
 use crate::{
     CheckpointStore, CkptError, FileEntry, LATEST_FILE, MANIFEST_FILE, MAX_LATEST_BYTES,
-    MAX_MANIFEST_BYTES, MAX_PART_DEPTH, MAX_PART_FILES, Manifest, PartRecord, hash_reader,
-    parse_part_dir_rel, parse_step_dir_name, part_dir_rel, staging_dir_rel, step_dir_name,
-    validate_job_id, validate_rel_path, validate_state,
+    MAX_MANIFEST_BYTES, MAX_PART_DEPTH, MAX_PART_FILES, Manifest, PartRecord, WRITE_ALGORITHM,
+    digest::hash_reader, parse_digest, parse_part_dir_rel, parse_step_dir_name, part_dir_rel,
+    staging_dir_rel, step_dir_name, validate_job_id, validate_rel_path, validate_state,
 };
 
 /// Checkpoint store on a local (or locally mounted) file system, rooted at one directory.
@@ -59,27 +59,30 @@ impl LocalStore {
 /// thread would cost more than it saves.
 const OVERLAP_FSYNC_MIN_BYTES: u64 = 4 << 20;
 
-/// SHA-256 and size of a staged file, and the file fsynced: the two overlap for large
+/// Size and digest ([`WRITE_ALGORITHM`]) of a staged file, and the file fsynced: the two overlap for large
 /// files. The bytes hashed are the bytes made durable: the staging directory belongs to
 /// the committing agent, and nothing writes to it during the commit.
 fn hash_and_fsync(file: &fs::File, path: &Path) -> Result<(u64, String), CkptError> {
     let len = file.metadata().map_err(io_err("stat", path))?.len();
     failpoint!(failpoints::PART_FSYNC_FILE, "fsync", path);
     let (hashed, synced) = if len < OVERLAP_FSYNC_MIN_BYTES {
-        (hash_reader(&mut &*file, path), file.sync_all())
+        (
+            hash_reader(&mut &*file, path, WRITE_ALGORITHM),
+            file.sync_all(),
+        )
     } else {
         std::thread::scope(|scope| {
             let syncer = scope.spawn(|| file.sync_all());
-            let hashed = hash_reader(&mut &*file, path);
+            let hashed = hash_reader(&mut &*file, path, WRITE_ALGORITHM);
             let synced = syncer
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             (hashed, synced)
         })
     };
-    let (size_bytes, sha256) = hashed?;
+    let (size_bytes, digest) = hashed?;
     synced.map_err(io_err("fsync", path))?;
-    Ok((size_bytes, sha256))
+    Ok((size_bytes, digest))
 }
 
 /// Runs blocking file system work off the async runtime; a panic in it is re-raised here.
@@ -576,11 +579,11 @@ impl LocalStore {
         let mut files = Vec::with_capacity(tree.files.len());
         for (rel, path) in &tree.files {
             let file = open_regular(path, false)?;
-            let (size_bytes, sha256) = hash_and_fsync(&file, path)?;
+            let (size_bytes, digest) = hash_and_fsync(&file, path)?;
             files.push(FileEntry {
                 path: rel.clone(),
                 size_bytes,
-                sha256,
+                digest,
             });
         }
         failpoint!(failpoints::PART_FSYNC_DIRS, "fsync dir", staging);
@@ -615,7 +618,14 @@ impl LocalStore {
         }
     }
 
-    fn verify_part_sync(&self, job_id: &str, part: &PartRecord) -> Result<(), CkptError> {
+    /// [`CheckpointStore::verify_part`] when `read_content`, else
+    /// [`CheckpointStore::check_part`] (layout and sizes only).
+    fn verify_part_sync(
+        &self,
+        job_id: &str,
+        part: &PartRecord,
+        read_content: bool,
+    ) -> Result<(), CkptError> {
         let job_dir = self.checked_job_dir(job_id)?;
         part.validate()?;
         let part_dir = check_dir_chain(&job_dir, &part.dir)?;
@@ -640,7 +650,11 @@ impl LocalStore {
                     ),
                 ));
             }
-            let (size_bytes, sha256) = hash_reader(&mut file, &path)?;
+            if !read_content {
+                continue;
+            }
+            let algorithm = parse_digest(&entry.digest)?;
+            let (size_bytes, digest) = hash_reader(&mut file, &path, algorithm)?;
             if size_bytes != entry.size_bytes {
                 return Err(corrupt(
                     &path,
@@ -650,10 +664,10 @@ impl LocalStore {
                     ),
                 ));
             }
-            if sha256 != entry.sha256 {
+            if digest != entry.digest {
                 return Err(corrupt(
                     &path,
-                    format!("SHA-256 is {sha256}, the record says {}", entry.sha256),
+                    format!("digest is {digest}, the record says {}", entry.digest),
                 ));
             }
         }
@@ -751,7 +765,7 @@ impl LocalStore {
     fn verify_step_sync(&self, job_id: &str, step: u64) -> Result<Manifest, CkptError> {
         let manifest = self.read_manifest_sync(job_id, step)?;
         for part in &manifest.parts {
-            self.verify_part_sync(job_id, part)?;
+            self.verify_part_sync(job_id, part, true)?;
         }
         Ok(manifest)
     }
@@ -931,7 +945,14 @@ impl CheckpointStore for LocalStore {
         let store = self.clone();
         let job_id = job_id.to_owned();
         let part = part.clone();
-        blocking(move || store.verify_part_sync(&job_id, &part)).await
+        blocking(move || store.verify_part_sync(&job_id, &part, true)).await
+    }
+
+    async fn check_part(&self, job_id: &str, part: &PartRecord) -> Result<(), CkptError> {
+        let store = self.clone();
+        let job_id = job_id.to_owned();
+        let part = part.clone();
+        blocking(move || store.verify_part_sync(&job_id, &part, false)).await
     }
 
     async fn write_manifest(&self, manifest: &Manifest) -> Result<(), CkptError> {

@@ -7,17 +7,18 @@
 //! s3://<bucket>/<prefix>/<job_id>/step-00000100/MANIFEST.json            after every part
 //! s3://<bucket>/<prefix>/<job_id>/LATEST                                 last, conditional
 //! ```
-//! Every object of a part carries its SHA-256 as user metadata (`x-amz-meta-sha256`); an
+//! Every object of a part carries its digest (`blake3:<hex>`, [`crate::digest`]) as user
+//! metadata (`x-amz-meta-digest`; parts of format-1 manifests carry `x-amz-meta-sha256`); an
 //! upload is verified before it counts: every request of part data is signed with
 //! SigV4 over the SHA-256 of its body (`x-amz-content-sha256`), which the server checks
 //! against the bytes it received before it stores them (AWS S3, MinIO and s3s all refuse a
-//! mismatch), and a final `HEAD` must show the recorded size and SHA-256. (Part data is
+//! mismatch), and a final `HEAD` must show the recorded size and digest. (Part data is
 //! not also sent with `Content-MD5`: the body's SHA-256 already covers it, and an MD5 of
 //! every byte cost the 2-core benchmark machine about a tenth of its CPU time; see
 //! BENCHMARKS.md `ckpt_s3`.) Small metadata objects (manifest, `LATEST`) carry
 //! `Content-MD5` and their ETag is checked, because `LATEST`'s conditional writes compare
 //! ETags anyway. A reader
-//! ([`S3Store::verify_part`]) checks size and SHA-256 metadata by `HEAD`; a restore
+//! ([`S3Store::verify_part`]) checks size and digest metadata by `HEAD`; a restore
 //! ([`S3Store::restore_part`]) hashes every byte it downloads.
 //!
 //! `LATEST` moves with conditional writes (`If-Match` on the ETag read, `If-None-Match: *`
@@ -47,18 +48,21 @@ use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use futures::{StreamExt, TryStreamExt};
 use md5::{Digest as _, Md5};
-use sha2::Sha256;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Semaphore;
 
 use crate::{
     CheckpointStore, CkptError, FileEntry, LATEST_FILE, MANIFEST_FILE, MAX_LATEST_BYTES,
-    MAX_MANIFEST_BYTES, Manifest, PartRecord, parse_step_dir_name, part_dir_rel, step_dir_name,
-    validate_job_id,
+    MAX_MANIFEST_BYTES, Manifest, PartRecord, parse_digest, parse_step_dir_name, part_dir_rel,
+    step_dir_name, validate_job_id,
 };
 
-/// User-metadata key holding an object's SHA-256 (lowercase hex); sent as `x-amz-meta-sha256`.
-pub const SHA256_METADATA_KEY: &str = "sha256";
+/// User-metadata key holding a part object's digest (`<algorithm>:<hex>`, as in its
+/// [`FileEntry`]); sent as `x-amz-meta-digest`.
+pub const DIGEST_METADATA_KEY: &str = "digest";
+/// User-metadata key of the bare hex SHA-256 of objects uploaded for format-1 manifests
+/// (`x-amz-meta-sha256`); still accepted for `sha256:` digests.
+pub const LEGACY_SHA256_METADATA_KEY: &str = "sha256";
 /// Most objects listed under one job prefix (pagination stops there).
 pub const MAX_LISTED_OBJECTS: usize = 1_000_000;
 /// Most attempts of one conditional `LATEST` update before giving up (412 races).
@@ -710,7 +714,7 @@ impl S3Store {
                     .put_object()
                     .bucket(&self.location.bucket)
                     .key(key)
-                    .metadata(SHA256_METADATA_KEY, &file.sha256)
+                    .metadata(DIGEST_METADATA_KEY, &file.digest)
                     .body(ByteStream::from(bytes.clone()))
                     .send()
             })
@@ -735,7 +739,7 @@ impl S3Store {
                     .create_multipart_upload()
                     .bucket(&self.location.bucket)
                     .key(key)
-                    .metadata(SHA256_METADATA_KEY, &file.sha256)
+                    .metadata(DIGEST_METADATA_KEY, &file.digest)
                     .send()
             })
             .await?;
@@ -891,16 +895,21 @@ impl S3Store {
             Err(e) => return Err(e),
         };
         let size = head.content_length().and_then(|l| u64::try_from(l).ok());
-        let sha = head
-            .metadata()
-            .and_then(|m| m.get(SHA256_METADATA_KEY))
-            .map(String::as_str);
-        if size != Some(file.size_bytes) || sha != Some(file.sha256.as_str()) {
+        let metadata = head.metadata();
+        let digest = metadata
+            .and_then(|m| m.get(DIGEST_METADATA_KEY))
+            .cloned()
+            .or_else(|| {
+                metadata
+                    .and_then(|m| m.get(LEGACY_SHA256_METADATA_KEY))
+                    .map(|hex| format!("sha256:{hex}"))
+            });
+        if size != Some(file.size_bytes) || digest.as_deref() != Some(file.digest.as_str()) {
             return Err(CkptError::Corrupt {
                 path: PathBuf::from(format!("s3://{}/{key}", self.location.bucket)),
                 reason: format!(
-                    "has size {size:?} and sha256 {sha:?}, the record says {} and {}",
-                    file.size_bytes, file.sha256
+                    "has size {size:?} and digest {digest:?}, the record says {} and {}",
+                    file.size_bytes, file.digest
                 ),
             });
         }
@@ -908,7 +917,7 @@ impl S3Store {
     }
 
     /// Downloads `part` into `dest` (created; must not exist yet), hashing every byte: each
-    /// file must have the recorded size and SHA-256 ([`CkptError::Corrupt`] otherwise). The
+    /// file must have the recorded size and digest ([`CkptError::Corrupt`] otherwise). The
     /// files are fsynced; on error `dest` may hold a partial copy the caller removes.
     pub async fn restore_part(
         &self,
@@ -953,7 +962,7 @@ impl S3Store {
                 .await
                 .map_err(io("create", &target))?;
             let mut body = output.body;
-            let mut hasher = Sha256::new();
+            let mut hasher = parse_digest(&file.digest)?.hasher();
             let mut size = 0u64;
             while let Some(chunk) = body.try_next().await.map_err(|e| {
                 self.remote_error("get", &key, RemoteKind::Unreachable, e.to_string())
@@ -962,17 +971,17 @@ impl S3Store {
                 if size > file.size_bytes {
                     break;
                 }
-                sha2::Digest::update(&mut hasher, &chunk);
+                hasher.update(&chunk);
                 out.write_all(&chunk).await.map_err(io("write", &target))?;
             }
             out.sync_all().await.map_err(io("fsync", &target))?;
-            let sha = hex::encode(sha2::Digest::finalize(hasher));
-            if size != file.size_bytes || sha != file.sha256 {
+            let digest = hasher.finalize();
+            if size != file.size_bytes || digest != file.digest {
                 return Err(CkptError::Corrupt {
                     path: PathBuf::from(format!("s3://{}/{key}", self.location.bucket)),
                     reason: format!(
-                        "downloaded {size} bytes with sha256 {sha}; the manifest says {} bytes, {}",
-                        file.size_bytes, file.sha256
+                        "downloaded {size} bytes with digest {digest}; the manifest says {} bytes, {}",
+                        file.size_bytes, file.digest
                     ),
                 });
             }

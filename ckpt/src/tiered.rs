@@ -198,6 +198,10 @@ impl CheckpointStore for TieredStore {
         self.meta().verify_part(job_id, part).await
     }
 
+    async fn check_part(&self, job_id: &str, part: &PartRecord) -> Result<(), CkptError> {
+        self.meta().check_part(job_id, part).await
+    }
+
     async fn write_manifest(&self, manifest: &Manifest) -> Result<(), CkptError> {
         self.meta().write_manifest(manifest).await
     }

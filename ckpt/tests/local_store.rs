@@ -4,9 +4,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use cumulus_ckpt::{
-    CheckpointStore, CkptError, LATEST_FILE, LocalStore, MANIFEST_FILE, MANIFEST_FORMAT_VERSION,
-    MAX_PART_FILES, MAX_STATE_JSON_BYTES, Manifest, PartRecord, hash_file, newest_valid_step,
-    parse_step_dir_name, part_dir_rel, staging_dir_rel, step_dir_name,
+    CheckpointStore, CkptError, DigestAlgorithm, LATEST_FILE, LocalStore, MANIFEST_FILE,
+    MANIFEST_FORMAT_VERSION, MAX_PART_FILES, MAX_STATE_JSON_BYTES, Manifest, PartRecord, hash_file,
+    newest_valid_step, parse_step_dir_name, part_dir_rel, staging_dir_rel, step_dir_name,
 };
 use proptest::prelude::*;
 use serde_json::json;
@@ -14,8 +14,16 @@ use sha2::{Digest, Sha256};
 
 const JOB: &str = "job-000001";
 
-fn sha_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
+/// The digest agents write: `blake3:<hex>`.
+fn digest_of(bytes: &[u8]) -> String {
+    let mut hasher = DigestAlgorithm::Blake3.hasher();
+    hasher.update(bytes);
+    hasher.finalize()
+}
+
+/// A format-1 digest: `sha256:<hex>`.
+fn sha256_of(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
 fn read_dir_names(dir: &Path) -> Vec<String> {
@@ -121,14 +129,14 @@ async fn commit_and_verify_round_trip() {
     let listed: Vec<(&str, u64, String)> = part
         .files
         .iter()
-        .map(|f| (f.path.as_str(), f.size_bytes, f.sha256.clone()))
+        .map(|f| (f.path.as_str(), f.size_bytes, f.digest.clone()))
         .collect();
     assert_eq!(
         listed,
         vec![
-            ("empty", 0, sha_hex(b"")),
-            ("model.bin", 7, sha_hex(b"weights")),
-            ("sub/deeper/x.json", 2, sha_hex(b"{}")),
+            ("empty", 0, digest_of(b"")),
+            ("model.bin", 7, digest_of(b"weights")),
+            ("sub/deeper/x.json", 2, digest_of(b"{}")),
         ]
     );
     // The staging dir is back, empty; the part holds the files.
@@ -141,9 +149,36 @@ async fn commit_and_verify_round_trip() {
     );
     assert_eq!(
         hash_file(&part_path.join("model.bin")).expect("hash"),
-        (7, sha_hex(b"weights"))
+        (7, digest_of(b"weights"))
     );
     store.verify_part(JOB, &part).await.expect("verify part");
+    store.check_part(JOB, &part).await.expect("check part");
+
+    // A record of manifest format 1 (SHA-256 digests) still verifies, and a wrong one fails.
+    let mut legacy = part.clone();
+    for (file, content) in legacy
+        .files
+        .iter_mut()
+        .zip([&b""[..], &b"weights"[..], &b"{}"[..]])
+    {
+        file.digest = sha256_of(content);
+    }
+    store
+        .verify_part(JOB, &legacy)
+        .await
+        .expect("format-1 record verifies");
+    legacy.files[1].digest = sha256_of(b"weighty");
+    assert!(matches!(
+        store.verify_part(JOB, &legacy).await,
+        Err(CkptError::Corrupt { .. })
+    ));
+    // The finalize check reads no content: it passes a wrong digest, and fails a wrong size.
+    store.check_part(JOB, &legacy).await.expect("sizes match");
+    legacy.files[1].size_bytes += 1;
+    assert!(matches!(
+        store.check_part(JOB, &legacy).await,
+        Err(CkptError::Corrupt { .. })
+    ));
 
     let manifest = Manifest {
         format_version: MANIFEST_FORMAT_VERSION,
@@ -346,7 +381,7 @@ async fn tampered_hash_in_manifest_is_detected() {
             let path = store.job_dir(JOB).join("step-00000002").join(MANIFEST_FILE);
             let mut manifest: Manifest =
                 serde_json::from_slice(&fs::read(&path).expect("read")).expect("parse");
-            manifest.parts[0].files[0].sha256 = sha_hex(b"something else");
+            manifest.parts[0].files[0].digest = digest_of(b"something else");
             fs::write(&path, serde_json::to_vec(&manifest).expect("json")).expect("write");
         },
         false,
@@ -802,13 +837,13 @@ async fn large_file_hashed_while_fsynced_round_trips() {
     let listed: Vec<(&str, u64, String)> = part
         .files
         .iter()
-        .map(|f| (f.path.as_str(), f.size_bytes, f.sha256.clone()))
+        .map(|f| (f.path.as_str(), f.size_bytes, f.digest.clone()))
         .collect();
     assert_eq!(
         listed,
         vec![
-            ("large.bin", large.len() as u64, sha_hex(&large)),
-            ("small.bin", 1, sha_hex(b"x")),
+            ("large.bin", large.len() as u64, digest_of(&large)),
+            ("small.bin", 1, digest_of(b"x")),
         ]
     );
     store.verify_part(JOB, &part).await.expect("verifies");

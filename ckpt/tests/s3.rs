@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use axum::http::Method;
 
 use cumulus_ckpt::{
-    CheckpointStore, CkptError, CommitTier, LocalStore, MANIFEST_FORMAT_VERSION, Manifest,
-    RemoteKind, S3Location, S3Settings, S3Store, TieredStore, part_dir_rel, staging_dir_rel,
+    CheckpointStore, CkptError, CommitTier, FileEntry, LEGACY_SHA256_METADATA_KEY, LocalStore,
+    MANIFEST_FORMAT_VERSION, Manifest, PartRecord, RemoteKind, S3Location, S3Settings, S3Store,
+    TieredStore, part_dir_rel, staging_dir_rel,
 };
 
 mod support;
@@ -247,6 +248,46 @@ async fn commit_verify_latest_restore_prune() {
     assert!(matches!(
         l2.read_manifest(job, 2).await,
         Err(CkptError::NotFound { .. })
+    ));
+
+    // An object uploaded for a format-1 manifest (bare hex SHA-256 in `x-amz-meta-sha256`)
+    // still verifies by HEAD and restores, checked against its `sha256:` digest.
+    let body = b"weights of a format-1 step".to_vec();
+    let hex = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&body));
+    let legacy = PartRecord {
+        rank: 0,
+        attempt: 1,
+        dir: part_dir_rel(9, 0, 1),
+        files: vec![FileEntry {
+            path: "w.bin".into(),
+            size_bytes: body.len() as u64,
+            digest: format!("sha256:{hex}"),
+        }],
+        state: serde_json::json!({}),
+    };
+    l2.client()
+        .put_object()
+        .bucket("ckpt-bucket")
+        .key(format!("runs/a/{job}/{}/w.bin", legacy.dir))
+        .metadata(LEGACY_SHA256_METADATA_KEY, &hex)
+        .body(body.clone().into())
+        .send()
+        .await
+        .expect("put a format-1 object");
+    l2.verify_part(job, &legacy)
+        .await
+        .expect("format-1 object verifies");
+    let restored = tempfile::tempdir().expect("tempdir");
+    let dest = restored.path().join("part");
+    l2.restore_part(job, &legacy, &dest)
+        .await
+        .expect("format-1 object restores");
+    assert_eq!(std::fs::read(dest.join("w.bin")).expect("read"), body);
+    let mut wrong = legacy.clone();
+    wrong.files[0].digest = format!("sha256:{}", "0".repeat(64));
+    assert!(matches!(
+        l2.verify_part(job, &wrong).await,
+        Err(CkptError::Corrupt { .. })
     ));
 }
 
@@ -667,7 +708,7 @@ async fn changed_objects_and_latest_races_are_refused() {
     }
     tiered.write_latest(job, 1).await.expect("latest 1");
 
-    // Someone else overwrites a file of step 1's part (other bytes, no SHA-256 metadata).
+    // Someone else overwrites a file of step 1's part (other bytes, no digest metadata).
     let key = format!("runs/a/{job}/step-00000001/rank-0/attempt-1/opt/weights.bin");
     l2.client()
         .put_object()

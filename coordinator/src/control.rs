@@ -627,7 +627,7 @@ fn part_record(p: &PartInfo) -> PartRecord {
             .map(|f| FileEntry {
                 path: f.path.clone(),
                 size_bytes: f.size_bytes,
-                sha256: f.sha256.clone(),
+                digest: f.digest.clone(),
             })
             .collect(),
         state: serde_json::from_str(&p.state_json).unwrap_or(serde_json::Value::Null),
@@ -810,14 +810,16 @@ async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
         return Ok(());
     };
     let records: Vec<PartRecord> = parts.iter().map(part_record).collect();
-    // Parts are verified in parallel (each re-reads and hashes its files on the blocking
-    // pool), at most one per core at a time.
+    // Every part is checked (files present, regular, of the recorded sizes; for S3 the
+    // size and digest metadata by HEAD) without re-reading content: each digest was computed
+    // by the agent over the bytes it fsynced before the rename, and every resume hashes every
+    // byte again (ARCHITECTURE.md, invariant 3). In parallel, at most one per core.
     {
         use futures::StreamExt;
         let parallel = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 16));
         let checks: Vec<_> = records
             .iter()
-            .map(|p| store.verify_part(job_id, p))
+            .map(|p| store.check_part(job_id, p))
             .collect();
         let mut verified = futures::stream::iter(checks).buffer_unordered(parallel);
         while let Some(result) = verified.next().await {

@@ -286,10 +286,15 @@ impl WorkerService for WorkerSvc {
             let bad_path = f.path.is_empty()
                 || f.path.starts_with('/')
                 || f.path.split('/').any(|c| c == ".." || c.is_empty());
-            let bad_sum = f.sha256.len() != 64 || !f.sha256.bytes().all(|b| b.is_ascii_hexdigit());
-            if bad_path || bad_sum {
+            if bad_path {
                 return Err(Status::invalid_argument(format!(
-                    "invalid checkpoint file entry {:?}",
+                    "invalid checkpoint file path {:?}",
+                    f.path
+                )));
+            }
+            if let Err(e) = cumulus_ckpt::parse_digest(&f.digest) {
+                return Err(Status::invalid_argument(format!(
+                    "checkpoint file {:?}: {e}",
                     f.path
                 )));
             }
@@ -317,7 +322,7 @@ impl WorkerService for WorkerSvc {
                 .map(|f| PartFile {
                     path: f.path,
                     size_bytes: f.size_bytes,
-                    sha256: f.sha256.to_ascii_lowercase(),
+                    digest: f.digest,
                 })
                 .collect(),
             state_json: r.state_json,

@@ -368,14 +368,47 @@ pub struct RestartRecord {
 }
 
 /// One file of a checkpoint part (mirrors `cumulus_ckpt::FileEntry`).
+///
+/// Log entries and snapshots written before manifest format 2 hold a bare hex `sha256`
+/// field instead of `digest`; it is read as digest `sha256:<hex>`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "PartFileWire")]
 pub struct PartFile {
     /// Path relative to the part directory.
     pub path: String,
     /// Size in bytes.
     pub size_bytes: u64,
-    /// Lowercase hex SHA-256.
-    pub sha256: String,
+    /// Content digest, `<algorithm>:<64 lowercase hex digits>` (validated by the worker
+    /// service with `cumulus_ckpt::parse_digest` before it is proposed).
+    pub digest: String,
+}
+
+/// [`PartFile`] as read: exactly one of `digest` or the older `sha256`.
+#[derive(Deserialize)]
+struct PartFileWire {
+    path: String,
+    size_bytes: u64,
+    #[serde(default)]
+    digest: Option<String>,
+    #[serde(default)]
+    sha256: Option<String>,
+}
+
+impl TryFrom<PartFileWire> for PartFile {
+    type Error = String;
+
+    fn try_from(wire: PartFileWire) -> Result<Self, Self::Error> {
+        let digest = match (wire.digest, wire.sha256) {
+            (Some(digest), None) => digest,
+            (None, Some(hex)) => format!("sha256:{hex}"),
+            _ => return Err(format!("file {:?} needs exactly one digest", wire.path)),
+        };
+        Ok(Self {
+            path: wire.path,
+            size_bytes: wire.size_bytes,
+            digest,
+        })
+    }
 }
 
 /// A checkpoint part accepted from a rank attempt.
@@ -1370,6 +1403,26 @@ fn assign_placements(job: &mut Job, placements: &[(u32, String)], not_before_ms:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_part_file_of_an_older_log_entry_reads_its_sha256_as_a_digest() {
+        let hex = "0f".repeat(32);
+        let old: PartFile = serde_json::from_str(&format!(
+            r#"{{"path":"a","size_bytes":1,"sha256":"{hex}"}}"#
+        ))
+        .expect("older entry");
+        assert_eq!(old.digest, format!("sha256:{hex}"));
+        let text = serde_json::to_string(&old).expect("serialize");
+        assert_eq!(
+            serde_json::from_str::<PartFile>(&text).expect("round trip"),
+            old
+        );
+        assert!(text.contains(r#""digest":"sha256:"#), "{text}");
+        assert!(
+            serde_json::from_str::<PartFile>(r#"{"path":"a","size_bytes":1}"#).is_err(),
+            "no digest"
+        );
+    }
 
     fn spec(world_size: u32) -> JobSpec {
         JobSpec {

@@ -507,7 +507,7 @@ impl Supervisor {
                 .map(|f| CheckpointFile {
                     path: f.path.clone(),
                     size_bytes: f.size_bytes,
-                    sha256: f.sha256.clone(),
+                    digest: f.digest.clone(),
                 })
                 .collect(),
             state_json,
