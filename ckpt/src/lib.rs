@@ -60,7 +60,7 @@ mod tiered;
 
 pub use dataset::{DatasetCache, Fetched};
 pub use digest::{DigestAlgorithm, HASH_BUFFER_BYTES, WRITE_ALGORITHM, parse_digest};
-pub use local::LocalStore;
+pub use local::{Durability, LocalStore};
 pub use s3::{
     DIGEST_METADATA_KEY, LEGACY_SHA256_METADATA_KEY, RemoteKind, S3Args, S3Connector, S3Location,
     S3Settings, S3Store, part_file_key,

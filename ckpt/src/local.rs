@@ -28,12 +28,39 @@ use crate::{
 pub struct LocalStore {
     /// Root directory holding one directory per job.
     root: PathBuf,
+    /// What [`CheckpointStore::commit_part`] makes durable ([`Durability::Durable`] unless
+    /// set with [`LocalStore::with_durability`]).
+    durability: Durability,
+}
+
+/// Whether a part commit makes the part durable before it returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// The protocol of the crate documentation: every file, directory and parent fsynced.
+    /// A committed part survives a machine crash.
+    Durable,
+    /// Hash and rename, no fsync: the part is atomic against a process crash, and the
+    /// kernel writes it back later. For a copy whose loss or tearing in a machine crash
+    /// costs nothing but a download: the L1 copy of a part that counts as committed only
+    /// in L2 ([`crate::TieredStore`] with [`crate::CommitTier::L2`]); a resume re-hashes
+    /// every byte of it and restores it from L2 when it does not verify.
+    Cache,
 }
 
 impl LocalStore {
     /// A store rooted at `root` (created on first use when absent).
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        Self { root: root.into() }
+        Self {
+            root: root.into(),
+            durability: Durability::Durable,
+        }
+    }
+
+    /// The same store with part commits of `durability` (see [`Durability::Cache`] for
+    /// when skipping the fsyncs is right). Manifests and `LATEST` are always durable.
+    pub fn with_durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
+        self
     }
 
     /// The root directory.
@@ -62,7 +89,14 @@ const OVERLAP_FSYNC_MIN_BYTES: u64 = 4 << 20;
 /// Size and digest ([`WRITE_ALGORITHM`]) of a staged file, and the file fsynced: the two overlap for large
 /// files. The bytes hashed are the bytes made durable: the staging directory belongs to
 /// the committing agent, and nothing writes to it during the commit.
-fn hash_and_fsync(file: &fs::File, path: &Path) -> Result<(u64, String), CkptError> {
+fn hash_and_fsync(
+    file: &fs::File,
+    path: &Path,
+    durability: Durability,
+) -> Result<(u64, String), CkptError> {
+    if durability == Durability::Cache {
+        return hash_reader(&mut &*file, path, WRITE_ALGORITHM);
+    }
     let len = file.metadata().map_err(io_err("stat", path))?.len();
     failpoint!(failpoints::PART_FSYNC_FILE, "fsync", path);
     let (hashed, synced) = if len < OVERLAP_FSYNC_MIN_BYTES {
@@ -472,6 +506,7 @@ impl LocalStore {
         staging: &Path,
         state: serde_json::Value,
     ) -> Result<PartRecord, CkptError> {
+        let durability = self.durability;
         let job_dir = self.checked_job_dir(job_id)?;
         validate_state(&state)?;
         match fs::symlink_metadata(staging) {
@@ -515,7 +550,7 @@ impl LocalStore {
         // staging directory is emptied: the part is all or nothing (the rank writes it
         // whole again for its next checkpoint) and a full disk gets its space back. A
         // refused input (`Invalid`, e.g. a symlink) leaves it for the caller to fix.
-        let files = match self.hash_sync_rename(job_id, step, rank, staging, &target) {
+        let files = match self.hash_sync_rename(job_id, step, rank, staging, &target, durability) {
             Ok(files) => files,
             Err(RenameError::Already) => return Err(already()),
             Err(RenameError::Ckpt(error)) => {
@@ -528,12 +563,15 @@ impl LocalStore {
         let rank_dir = job_dir
             .join(step_dir_name(step))
             .join(format!("rank-{rank}"));
-        failpoint!(failpoints::PART_FSYNC_PARENT, "fsync dir", &rank_dir);
-        fsync_dir(&rank_dir)?;
         let staging_parent = staging.parent().ok_or_else(|| {
             CkptError::Invalid(format!("staging {} has no parent", staging.display()))
         })?;
-        fsync_dir(staging_parent)?;
+        let durable = durability == Durability::Durable;
+        if durable {
+            failpoint!(failpoints::PART_FSYNC_PARENT, "fsync dir", &rank_dir);
+            fsync_dir(&rank_dir)?;
+            fsync_dir(staging_parent)?;
+        }
 
         // 4. An empty staging directory for the next checkpoint.
         failpoint!(
@@ -552,7 +590,9 @@ impl LocalStore {
                 });
             }
         }
-        fsync_dir(staging_parent)?;
+        if durable {
+            fsync_dir(staging_parent)?;
+        }
 
         Ok(PartRecord {
             rank,
@@ -565,7 +605,8 @@ impl LocalStore {
 
     /// Steps 1–3 of [`Self::commit_part_sync`]: hash and fsync every staged file, fsync every
     /// staged directory, create the durable parents `step-N/rank-r`, rename the staging
-    /// directory to `target` (never over an existing one). Returns the file entries.
+    /// directory to `target` (never over an existing one). Returns the file entries. With
+    /// [`Durability::Cache`] the staged files and directories are hashed but not fsynced.
     fn hash_sync_rename(
         &self,
         job_id: &str,
@@ -573,22 +614,25 @@ impl LocalStore {
         rank: u32,
         staging: &Path,
         target: &Path,
+        durability: Durability,
     ) -> Result<Vec<FileEntry>, RenameError> {
         // 1. Hash and fsync every file, then fsync every directory (deepest first).
         let tree = walk_staging(staging)?;
         let mut files = Vec::with_capacity(tree.files.len());
         for (rel, path) in &tree.files {
             let file = open_regular(path, false)?;
-            let (size_bytes, digest) = hash_and_fsync(&file, path)?;
+            let (size_bytes, digest) = hash_and_fsync(&file, path, durability)?;
             files.push(FileEntry {
                 path: rel.clone(),
                 size_bytes,
                 digest,
             });
         }
-        failpoint!(failpoints::PART_FSYNC_DIRS, "fsync dir", staging);
-        for dir_path in tree.dirs.iter().rev() {
-            fsync_dir(dir_path)?;
+        if durability == Durability::Durable {
+            failpoint!(failpoints::PART_FSYNC_DIRS, "fsync dir", staging);
+            for dir_path in tree.dirs.iter().rev() {
+                fsync_dir(dir_path)?;
+            }
         }
 
         // 2. Parents step-N/rank-r, durable.

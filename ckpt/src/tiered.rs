@@ -1,11 +1,15 @@
 //! Two checkpoint tiers: L1 on the worker's local disk ([`LocalStore`]) and L2 in S3
 //! ([`S3Store`]).
 //!
-//! A part is always committed to L1 first (fsync + rename: fast, local). Then:
+//! A part is always committed to L1 first (hash + rename: fast, local). Then:
 //! - [`CommitTier::L2`] (the default with an S3 target): the part is uploaded and verified in
 //!   L2 before [`CheckpointStore::commit_part`] returns, so the leader only ever sees parts
-//!   that survive the loss of the machine;
-//! - [`CommitTier::L1`]: `commit_part` returns at once and the upload runs in the background
+//!   that survive the loss of the machine. The L1 copy is then a cache and is not fsynced
+//!   ([`Durability::Cache`]): a machine crash can tear it, and a resume, which re-hashes
+//!   every byte of an L1 copy, then restores it from L2. (Fsyncing it wrote every byte to
+//!   the local disk before the upload could start; BENCHMARKS.md, session 5.)
+//! - [`CommitTier::L1`]: the L1 commit is durable (every fsync of the local protocol),
+//!   `commit_part` returns at once and the upload runs in the background
 //!   (bounded concurrency; the S3 store retries transient errors with backoff until its
 //!   deadline, permanent ones are logged and surfaced by the L2 check of the step).
 //!
@@ -24,8 +28,8 @@ use std::sync::Arc;
 use tokio::sync::Semaphore;
 
 use crate::{
-    CheckpointStore, CkptError, LocalStore, Manifest, PartRecord, S3Store, parse_part_dir_rel,
-    parse_step_dir_name,
+    CheckpointStore, CkptError, Durability, LocalStore, Manifest, PartRecord, S3Store,
+    parse_part_dir_rel, parse_step_dir_name,
 };
 
 /// Where a step counts as committed.
@@ -156,8 +160,14 @@ impl CheckpointStore for TieredStore {
         staging: &Path,
         state: serde_json::Value,
     ) -> Result<PartRecord, CkptError> {
+        let durability = match self.commit_at {
+            CommitTier::L2 => Durability::Cache,
+            CommitTier::L1 => Durability::Durable,
+        };
         let record = self
             .l1
+            .clone()
+            .with_durability(durability)
             .commit_part(job_id, step, rank, attempt, staging, state)
             .await?;
         let local = self

@@ -4,9 +4,10 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use cumulus_ckpt::{
-    CheckpointStore, CkptError, DigestAlgorithm, LATEST_FILE, LocalStore, MANIFEST_FILE,
-    MANIFEST_FORMAT_VERSION, MAX_PART_FILES, MAX_STATE_JSON_BYTES, Manifest, PartRecord, hash_file,
-    newest_valid_step, parse_step_dir_name, part_dir_rel, staging_dir_rel, step_dir_name,
+    CheckpointStore, CkptError, DigestAlgorithm, Durability, LATEST_FILE, LocalStore,
+    MANIFEST_FILE, MANIFEST_FORMAT_VERSION, MAX_PART_FILES, MAX_STATE_JSON_BYTES, Manifest,
+    PartRecord, hash_file, newest_valid_step, parse_step_dir_name, part_dir_rel, staging_dir_rel,
+    step_dir_name,
 };
 use proptest::prelude::*;
 use serde_json::json;
@@ -211,6 +212,36 @@ async fn commit_and_verify_round_trip() {
             .map(|m| m.step),
         Some(100)
     );
+}
+
+#[tokio::test]
+async fn a_cache_commit_records_the_same_part_as_a_durable_one() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let store = LocalStore::new(root.path());
+    let mut records = Vec::new();
+    for (attempt, durability) in [(1, Durability::Durable), (2, Durability::Cache)] {
+        let staging = store
+            .prepare_staging(JOB, 0, attempt)
+            .await
+            .expect("staging");
+        fs::write(staging.join("model.bin"), vec![9u8; 5 << 20]).expect("write");
+        fs::create_dir_all(staging.join("opt")).expect("mkdir");
+        fs::write(staging.join("opt/state.json"), b"{}").expect("write");
+        let part = store
+            .clone()
+            .with_durability(durability)
+            .commit_part(JOB, 1, 0, attempt, &staging, json!({}))
+            .await
+            .expect("commit");
+        assert!(
+            read_dir_names(&staging).is_empty(),
+            "staging is back, empty"
+        );
+        store.verify_part(JOB, &part).await.expect("verifies");
+        records.push(part.files);
+    }
+    assert_eq!(records[0], records[1]);
+    assert_eq!(records[1][0].digest, digest_of(&vec![9u8; 5 << 20]));
 }
 
 #[tokio::test]
