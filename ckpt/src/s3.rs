@@ -916,6 +916,48 @@ impl S3Store {
         Ok(())
     }
 
+    /// For a part uploaded in the background (commit tier `l1`): deletes the part's objects
+    /// when its step can no longer be mirrored to L2, and returns whether it did. That is
+    /// the case when L2's `LATEST` names a newer step and the step has no L2 manifest: the
+    /// leader mirrors kept steps oldest first and stops at the first whose parts are not
+    /// all in L2, so a step it went past without writing its manifest had already left the
+    /// kept set (for good: the kept set only loses old steps), and L2's prune may have run
+    /// before this upload ended. Without this, such a late part would stay in the bucket
+    /// with no manifest after the job's last prune.
+    ///
+    /// # Errors
+    /// An invalid record, or a storage error reading `LATEST` or the manifest or deleting
+    /// (nothing is deleted unless both reads succeeded).
+    pub async fn discard_part_if_superseded(
+        &self,
+        job_id: &str,
+        part: &PartRecord,
+    ) -> Result<bool, CkptError> {
+        validate_job_id(job_id)?;
+        let step = part.validate()?;
+        match self.read_latest(job_id).await? {
+            Some(latest) if latest > step => {}
+            _ => return Ok(false),
+        }
+        match self.read_manifest(job_id, step).await {
+            Err(CkptError::NotFound { .. }) => {}
+            Ok(_) | Err(CkptError::Corrupt { .. }) => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        let prefix = self.job_key(job_id, &format!("{}/", part.dir));
+        for key in self.list_keys(&prefix).await? {
+            self.retry("delete", &key, || {
+                self.client
+                    .delete_object()
+                    .bucket(&self.location.bucket)
+                    .key(&key)
+                    .send()
+            })
+            .await?;
+        }
+        Ok(true)
+    }
+
     /// Downloads `part` into `dest` (created; must not exist yet), hashing every byte: each
     /// file must have the recorded size and digest ([`CkptError::Corrupt`] otherwise). The
     /// files are fsynced; on error `dest` may hold a partial copy the caller removes.

@@ -187,16 +187,28 @@ impl CheckpointStore for TieredStore {
                     let Ok(_permit) = store.background.acquire().await else {
                         return;
                     };
-                    match store.l2.upload_part(&job_id, &upload, &local).await {
-                        // No per-rank L1 pruning here: L1 holds the committed steps (and
-                        // the leader prunes L1 to them), so deleting a rank's older parts
-                        // could break the committed step that LATEST names.
-                        Ok(()) => {
+                    if let Err(e) = store.l2.upload_part(&job_id, &upload, &local).await {
+                        tracing::error!(job_id, part = %upload.dir, "L2 upload failed: {e}");
+                        return;
+                    }
+                    // No per-rank L1 pruning here: L1 holds the committed steps (and the
+                    // leader prunes L1 to them), so deleting a rank's older parts could
+                    // break the committed step that LATEST names. In L2, a part that
+                    // arrived after its step was passed over is deleted again.
+                    match store.l2.discard_part_if_superseded(&job_id, &upload).await {
+                        Ok(false) => {
                             tracing::info!(job_id, part = %upload.dir, "part uploaded to L2")
                         }
-                        Err(e) => {
-                            tracing::error!(job_id, part = %upload.dir, "L2 upload failed: {e}")
-                        }
+                        Ok(true) => tracing::info!(
+                            job_id,
+                            part = %upload.dir,
+                            "part uploaded after L2 moved past its step; deleted from L2"
+                        ),
+                        Err(e) => tracing::warn!(
+                            job_id,
+                            part = %upload.dir,
+                            "cannot check whether the uploaded part is still wanted: {e}"
+                        ),
                     }
                 });
             }

@@ -354,6 +354,51 @@ async fn clear_errors() {
     );
 }
 
+/// A part uploaded in the background after L2 moved past its step (commit tier `l1`) is
+/// deleted again; parts of steps that may still be mirrored, or were, are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_part_uploaded_after_l2_moved_past_its_step_is_discarded() {
+    let server = start_s3();
+    let l2 = store(&server, "ckpt-bucket", true).await;
+    let l1_dir = tempfile::tempdir().expect("tempdir");
+    let tiered = TieredStore::new(
+        LocalStore::new(l1_dir.path()),
+        l2.clone(),
+        CommitTier::L2,
+        4,
+    );
+    let job = "job-000001";
+    let first = commit_step(&tiered, job, 1, 1, false).await;
+    tiered.write_latest(job, 1).await.expect("latest 1");
+    // Step 2: a part in L2, no manifest (its upload is the straggler).
+    let late = commit_one(&tiered, job, 2, 1, 7, false)
+        .await
+        .expect("part of step 2");
+    assert!(
+        !l2.discard_part_if_superseded(job, &late)
+            .await
+            .expect("check"),
+        "LATEST is older: step 2 may still be mirrored"
+    );
+    commit_step(&tiered, job, 3, 1, false).await;
+    tiered.write_latest(job, 3).await.expect("latest 3");
+    assert!(
+        !l2.discard_part_if_superseded(job, &first.parts[0])
+            .await
+            .expect("check"),
+        "step 1 has a manifest"
+    );
+    assert!(
+        l2.discard_part_if_superseded(job, &late)
+            .await
+            .expect("check"),
+        "step 2 was passed over"
+    );
+    assert_eq!(l2.list_steps(job).await.expect("list"), vec![1, 3]);
+    l2.verify_step(job, 1).await.expect("step 1 intact");
+    l2.verify_step(job, 3).await.expect("step 3 intact");
+}
+
 /// The bytes [`write_staging`] writes to `opt/weights.bin` of a big part with `seed`.
 fn big_weights(seed: u8) -> Vec<u8> {
     (0..12 * 1024 * 1024 + 17)
