@@ -7,8 +7,16 @@
 //! object is downloaded with `If-Match: <etag>` (an object changed during the download is
 //! an error, not a mix), its MD5 checked against a plain (non-multipart) ETag, fsynced,
 //! renamed into place, and older entries evicted until the cache fits.
+//!
+//! An entry handed to a rank is pinned ([`DatasetCache::fetch_pinned`], [`ShardPin`]) until
+//! the rank's attempt ends: eviction never removes a pinned entry, so a shard cannot vanish
+//! between the fetch and the rank opening it. When the unpinned entries cannot make room,
+//! the fetch fails with a clear error (the cache is smaller than the shards of the ranks
+//! running at once) instead of exceeding its bound.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use md5::{Digest as _, Md5};
@@ -46,10 +54,43 @@ pub struct Fetched {
 /// A size-bounded, LRU, verified local cache of S3 objects. One fetch at a time.
 #[derive(Debug)]
 pub struct DatasetCache {
+    /// Directory holding one subdirectory per entry.
     dir: PathBuf,
+    /// Most bytes of entry data kept.
     max_bytes: u64,
+    /// Builds the S3 store of an object's bucket.
     connector: S3Connector,
+    /// Serializes fetches (and so evictions).
     lock: tokio::sync::Mutex<()>,
+    /// Pin count per entry directory; pinned entries are never evicted. At most one key per
+    /// entry, so bounded by the entries on disk.
+    pins: Mutex<HashMap<PathBuf, usize>>,
+}
+
+/// Keeps one cache entry from eviction while it lives (a rank's attempt holds the pins of
+/// its shards). Dropping it unpins the entry.
+#[derive(Debug)]
+pub struct ShardPin {
+    /// The cache the entry is in.
+    cache: Arc<DatasetCache>,
+    /// The entry directory.
+    entry: PathBuf,
+}
+
+impl Drop for ShardPin {
+    fn drop(&mut self) {
+        let mut pins = self
+            .cache
+            .pins
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(count) = pins.get_mut(&self.entry) {
+            *count -= 1;
+            if *count == 0 {
+                pins.remove(&self.entry);
+            }
+        }
+    }
 }
 
 impl DatasetCache {
@@ -60,14 +101,64 @@ impl DatasetCache {
             max_bytes,
             connector,
             lock: tokio::sync::Mutex::new(()),
+            pins: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// [`DatasetCache::fetch`], and the entry pinned until the returned [`ShardPin`] is
+    /// dropped (taken before another fetch can evict). Errors as `fetch`.
+    pub async fn fetch_pinned(
+        self: &Arc<Self>,
+        url: &str,
+    ) -> Result<(Fetched, ShardPin), CkptError> {
+        let mut pinned = None;
+        let fetched = self.fetch_inner(url, Some(&mut pinned)).await?;
+        let entry = pinned.expect("a successful fetch pins its entry when asked");
+        Ok((
+            fetched,
+            ShardPin {
+                cache: Arc::clone(self),
+                entry,
+            },
+        ))
+    }
+
+    /// Entry directories pinned now.
+    fn pinned_entries(&self) -> Vec<PathBuf> {
+        self.pins
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    /// Pins `entry` once more (called with the fetch lock held).
+    fn pin(&self, entry: &Path) {
+        *self
+            .pins
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .entry(entry.to_owned())
+            .or_insert(0) += 1;
     }
 
     /// A verified local copy of `url` (`s3://bucket/key`). Errors: [`CkptError::Invalid`]
     /// for a bad URL or an object larger than the cache, [`CkptError::NotFound`] for a
     /// missing object, [`CkptError::Remote`] for S3 failures (`Changed` when the object
-    /// changed during the download), [`CkptError::Corrupt`] when the bytes do not match.
+    /// changed during the download), [`CkptError::Corrupt`] when the bytes do not match;
+    /// [`CkptError::Invalid`] also when the entries pinned by running ranks leave no room.
     pub async fn fetch(&self, url: &str) -> Result<Fetched, CkptError> {
+        self.fetch_inner(url, None).await
+    }
+
+    /// The fetch; with `pin`, the entry is pinned (under the fetch lock) and its directory
+    /// stored there.
+    async fn fetch_inner(
+        &self,
+        url: &str,
+        pin: Option<&mut Option<PathBuf>>,
+    ) -> Result<Fetched, CkptError> {
         let (bucket_url, key) = split_object_url(url)?;
         let store = self.connector.store(&bucket_url).await?;
         let head = store.head(&key).await?;
@@ -121,6 +212,10 @@ impl DatasetCache {
                 .map_err(io("open", &data))?;
             file.set_modified(SystemTime::now())
                 .map_err(io("touch", &data))?;
+            if let Some(pin) = pin {
+                self.pin(&entry);
+                *pin = Some(entry);
+            }
             return Ok(Fetched {
                 path: data,
                 hit: true,
@@ -173,6 +268,10 @@ impl DatasetCache {
         tokio::fs::write(&meta_path, meta)
             .await
             .map_err(io("write", &meta_path))?;
+        if let Some(pin) = pin {
+            self.pin(&entry);
+            *pin = Some(entry);
+        }
         Ok(Fetched {
             path: data,
             hit: false,
@@ -181,14 +280,17 @@ impl DatasetCache {
     }
 
     /// Removes least recently used entries until `incoming` more bytes fit under the
-    /// bound; the entry `keep` is never removed.
+    /// bound; the entry `keep` and pinned entries are never removed. [`CkptError::Invalid`]
+    /// when the pinned entries leave no room.
     async fn evict(&self, incoming: u64, keep: &Path) -> Result<(), CkptError> {
         let dir = self.dir.clone();
         let keep = keep.to_owned();
         let max = self.max_bytes;
-        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+        let pinned = self.pinned_entries();
+        let outcome = tokio::task::spawn_blocking(move || -> std::io::Result<(u64, u64)> {
             let mut entries = Vec::new();
             let mut total = 0u64;
+            let mut pinned_bytes = 0u64;
             for entry in std::fs::read_dir(&dir)? {
                 let entry_dir = entry?.path();
                 if entry_dir == keep || !entry_dir.is_dir() {
@@ -207,6 +309,10 @@ impl DatasetCache {
                     modified = modified.max(meta.modified()?);
                 }
                 total += size;
+                if pinned.contains(&entry_dir) {
+                    pinned_bytes += size;
+                    continue;
+                }
                 entries.push((modified, size, entry_dir));
             }
             entries.sort();
@@ -217,7 +323,7 @@ impl DatasetCache {
                 std::fs::remove_dir_all(&entry_dir)?;
                 total -= size;
             }
-            Ok(())
+            Ok((total, pinned_bytes))
         })
         .await
         .map_err(|e| CkptError::Invalid(format!("eviction task failed: {e}")))?
@@ -225,7 +331,16 @@ impl DatasetCache {
             op: "evict",
             path: self.dir.clone(),
             source,
-        })
+        })?;
+        let (total, pinned_bytes) = outcome;
+        if total + incoming > max {
+            return Err(CkptError::Invalid(format!(
+                "the dataset cache ({max} bytes) has no room for {incoming} more bytes: \
+                 {pinned_bytes} bytes are shards of running ranks (pinned); size the cache \
+                 above the shards of the ranks run at once"
+            )));
+        }
+        Ok(())
     }
 }
 

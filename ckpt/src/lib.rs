@@ -58,7 +58,7 @@ mod local;
 mod s3;
 mod tiered;
 
-pub use dataset::{DatasetCache, Fetched};
+pub use dataset::{DatasetCache, Fetched, ShardPin};
 pub use digest::{DigestAlgorithm, HASH_BUFFER_BYTES, WRITE_ALGORITHM, parse_digest};
 pub use local::{Durability, LocalStore};
 pub use s3::{

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use axum::http::Method;
 
 use cumulus_ckpt::{
-    CheckpointStore, CkptError, CommitTier, FileEntry, LEGACY_SHA256_METADATA_KEY, LocalStore,
-    MANIFEST_FORMAT_VERSION, Manifest, PartRecord, RemoteKind, S3Location, S3Settings, S3Store,
-    TieredStore, part_dir_rel, staging_dir_rel,
+    CheckpointStore, CkptError, CommitTier, DatasetCache, FileEntry, LEGACY_SHA256_METADATA_KEY,
+    LocalStore, MANIFEST_FORMAT_VERSION, Manifest, PartRecord, RemoteKind, S3Connector, S3Location,
+    S3Settings, S3Store, TieredStore, part_dir_rel, staging_dir_rel,
 };
 
 mod support;
@@ -397,6 +397,47 @@ async fn a_part_uploaded_after_l2_moved_past_its_step_is_discarded() {
     assert_eq!(l2.list_steps(job).await.expect("list"), vec![1, 3]);
     l2.verify_step(job, 1).await.expect("step 1 intact");
     l2.verify_step(job, 3).await.expect("step 3 intact");
+}
+
+/// The dataset cache never evicts a shard a running rank holds (pinned); when the pinned
+/// shards leave no room, a fetch fails with a clear error instead of exceeding the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pinned_dataset_shards_are_never_evicted() {
+    let server = start_s3();
+    let l2 = store(&server, "data-bucket", true).await;
+    for name in ["a", "b", "c"] {
+        l2.client()
+            .put_object()
+            .bucket("data-bucket")
+            .key(format!("shards/{name}.txt"))
+            .body(vec![name.as_bytes()[0]; 1000].into())
+            .send()
+            .await
+            .expect("put shard");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let connector = S3Connector::new(settings(server.port)).expect("connector");
+    // Room for two shards.
+    let cache = std::sync::Arc::new(DatasetCache::new(dir.path(), 2_500, connector));
+    let url = |name: &str| format!("s3://data-bucket/shards/{name}.txt");
+    let (a, pin_a) = cache.fetch_pinned(&url("a")).await.expect("a");
+    let (b, pin_b) = cache.fetch_pinned(&url("b")).await.expect("b");
+    assert!(!a.hit && !b.hit);
+    let refused = cache.fetch_pinned(&url("c")).await;
+    assert!(
+        matches!(&refused, Err(CkptError::Invalid(m)) if m.contains("pinned")),
+        "{refused:?}"
+    );
+    assert!(a.path.is_file() && b.path.is_file(), "pinned shards stay");
+    // Once a is unpinned it is the one evicted for c; b, still pinned, stays.
+    drop(pin_a);
+    let (c, _pin_c) = cache.fetch_pinned(&url("c")).await.expect("c");
+    assert!(!c.hit && c.path.is_file());
+    assert!(!a.path.exists(), "unpinned a was evicted");
+    assert!(b.path.is_file());
+    let (b_again, _pin_b2) = cache.fetch_pinned(&url("b")).await.expect("b again");
+    assert!(b_again.hit, "b was never evicted");
+    drop(pin_b);
 }
 
 /// The bytes [`write_staging`] writes to `opt/weights.bin` of a big part with `seed`.

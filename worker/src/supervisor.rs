@@ -157,6 +157,8 @@ struct Entry {
     ckpt_enabled: bool,
     ckpt: Option<CkptTarget>,
     commit_lock: Arc<tokio::sync::Mutex<Option<UnackedPart>>>,
+    /// Dataset-cache pins of this attempt's S3 shards: none is evicted while it runs.
+    shard_pins: Vec<cumulus_ckpt::ShardPin>,
 }
 
 #[derive(Default)]
@@ -342,6 +344,7 @@ impl Supervisor {
                 ckpt_enabled: !desired.ckpt_dir.is_empty() || !desired.ckpt_url.is_empty(),
                 ckpt: None,
                 commit_lock: Arc::new(tokio::sync::Mutex::new(None)),
+                shard_pins: Vec::new(),
             },
         );
         tracing::info!(attempt = %key, "starting rank attempt");
@@ -878,15 +881,19 @@ impl Supervisor {
 
 impl Supervisor {
     /// Local path of an `s3://` shard from the dataset cache (downloaded and verified on a
-    /// miss).
+    /// miss), pinned in the cache for as long as the attempt's entry exists.
     async fn fetch_shard(&self, key: &AttemptKey, url: &str) -> Result<String, String> {
         let cache = self.inner.settings.dataset_cache.as_ref().ok_or_else(|| {
             format!("shard {url} is in S3 but this worker has no S3 settings (--s3-endpoint, ...)")
         })?;
-        let fetched = cache
-            .fetch(url)
+        let (fetched, pin) = cache
+            .fetch_pinned(url)
             .await
             .map_err(|e| format!("cannot fetch dataset shard {url}: {e}"))?;
+        match self.table().entries.get_mut(key) {
+            Some(entry) => entry.shard_pins.push(pin),
+            None => return Err(format!("attempt {key} ended while its shards were fetched")),
+        }
         if fetched.hit {
             tracing::info!(attempt = %key, shard = url, "dataset cache hit");
         } else {
