@@ -282,7 +282,16 @@ impl WorkerService for WorkerSvc {
         {
             return Err(Status::invalid_argument("state_json must be a JSON object"));
         }
-        for f in &r.files {
+        let files: Vec<PartFile> = r
+            .files
+            .into_iter()
+            .map(|f| PartFile {
+                path: f.path,
+                size_bytes: f.size_bytes,
+                digest: reported_digest(f.digest),
+            })
+            .collect();
+        for f in &files {
             let bad_path = f.path.is_empty()
                 || f.path.starts_with('/')
                 || f.path.split('/').any(|c| c == ".." || c.is_empty());
@@ -316,15 +325,7 @@ impl WorkerService for WorkerSvc {
             rank: r.rank,
             attempt: r.attempt,
             dir: r.dir,
-            files: r
-                .files
-                .into_iter()
-                .map(|f| PartFile {
-                    path: f.path,
-                    size_bytes: f.size_bytes,
-                    digest: f.digest,
-                })
-                .collect(),
+            files,
             state_json: r.state_json,
         };
         self.node
@@ -336,5 +337,33 @@ impl WorkerService for WorkerSvc {
             .await
             .map_err(to_status)?;
         Ok(Response::new(v1::Ack {}))
+    }
+}
+
+/// A reported file digest in the `<algorithm>:<hex>` form: agents from before manifest
+/// format 2 send a bare SHA-256 in hex (in the same proto field), which becomes
+/// `sha256:<lowercase hex>`; anything else is returned as is (and validated by the caller).
+fn reported_digest(digest: String) -> String {
+    if digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+        format!("sha256:{}", digest.to_ascii_lowercase())
+    } else {
+        digest
+    }
+}
+
+#[cfg(test)]
+mod digest_tests {
+    use super::reported_digest;
+
+    #[test]
+    fn a_bare_sha256_from_an_older_agent_gets_its_algorithm() {
+        let hex = "AB".repeat(32);
+        assert_eq!(
+            reported_digest(hex.clone()),
+            format!("sha256:{}", hex.to_ascii_lowercase())
+        );
+        let b3 = format!("blake3:{}", "0".repeat(64));
+        assert_eq!(reported_digest(b3.clone()), b3);
+        assert_eq!(reported_digest("xyz".into()), "xyz");
     }
 }
