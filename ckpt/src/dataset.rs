@@ -40,7 +40,7 @@ struct EntryMeta {
     etag: String,
 }
 
-/// Result of [`DatasetCache::fetch`].
+/// Result of [`DatasetCache::fetch_pinned`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fetched {
     /// Local path of the verified copy.
@@ -105,15 +105,19 @@ impl DatasetCache {
         }
     }
 
-    /// [`DatasetCache::fetch`], and the entry pinned until the returned [`ShardPin`] is
-    /// dropped (taken before another fetch can evict). Errors as `fetch`.
+    /// A verified local copy of `url` (`s3://bucket/key`), pinned until the returned
+    /// [`ShardPin`] is dropped (the pin is taken before another fetch can evict).
+    ///
+    /// # Errors
+    /// [`CkptError::Invalid`] for a bad URL, an object larger than the cache, or when the
+    /// entries pinned by running ranks leave no room; [`CkptError::NotFound`] for a missing
+    /// object; [`CkptError::Remote`] for S3 failures (`Changed` when the object changed
+    /// during the download); [`CkptError::Corrupt`] when the bytes do not match.
     pub async fn fetch_pinned(
         self: &Arc<Self>,
         url: &str,
     ) -> Result<(Fetched, ShardPin), CkptError> {
-        let mut pinned = None;
-        let fetched = self.fetch_inner(url, Some(&mut pinned)).await?;
-        let entry = pinned.expect("a successful fetch pins its entry when asked");
+        let (fetched, entry) = self.fetch_and_pin(url).await?;
         Ok((
             fetched,
             ShardPin {
@@ -143,22 +147,9 @@ impl DatasetCache {
             .or_insert(0) += 1;
     }
 
-    /// A verified local copy of `url` (`s3://bucket/key`). Errors: [`CkptError::Invalid`]
-    /// for a bad URL or an object larger than the cache, [`CkptError::NotFound`] for a
-    /// missing object, [`CkptError::Remote`] for S3 failures (`Changed` when the object
-    /// changed during the download), [`CkptError::Corrupt`] when the bytes do not match;
-    /// [`CkptError::Invalid`] also when the entries pinned by running ranks leave no room.
-    pub async fn fetch(&self, url: &str) -> Result<Fetched, CkptError> {
-        self.fetch_inner(url, None).await
-    }
-
-    /// The fetch; with `pin`, the entry is pinned (under the fetch lock) and its directory
-    /// stored there.
-    async fn fetch_inner(
-        &self,
-        url: &str,
-        pin: Option<&mut Option<PathBuf>>,
-    ) -> Result<Fetched, CkptError> {
+    /// The fetch of [`DatasetCache::fetch_pinned`]: the entry is pinned under the fetch
+    /// lock, and its directory returned for the [`ShardPin`].
+    async fn fetch_and_pin(&self, url: &str) -> Result<(Fetched, PathBuf), CkptError> {
         let (bucket_url, key) = split_object_url(url)?;
         let store = self.connector.store(&bucket_url).await?;
         let head = store.head(&key).await?;
@@ -212,15 +203,15 @@ impl DatasetCache {
                 .map_err(io("open", &data))?;
             file.set_modified(SystemTime::now())
                 .map_err(io("touch", &data))?;
-            if let Some(pin) = pin {
-                self.pin(&entry);
-                *pin = Some(entry);
-            }
-            return Ok(Fetched {
-                path: data,
-                hit: true,
-                size_bytes,
-            });
+            self.pin(&entry);
+            return Ok((
+                Fetched {
+                    path: data,
+                    hit: true,
+                    size_bytes,
+                },
+                entry,
+            ));
         }
         let _ = tokio::fs::remove_file(&meta_path).await;
         let _ = tokio::fs::remove_file(&data).await;
@@ -268,15 +259,15 @@ impl DatasetCache {
         tokio::fs::write(&meta_path, meta)
             .await
             .map_err(io("write", &meta_path))?;
-        if let Some(pin) = pin {
-            self.pin(&entry);
-            *pin = Some(entry);
-        }
-        Ok(Fetched {
-            path: data,
-            hit: false,
-            size_bytes,
-        })
+        self.pin(&entry);
+        Ok((
+            Fetched {
+                path: data,
+                hit: false,
+                size_bytes,
+            },
+            entry,
+        ))
     }
 
     /// Removes least recently used entries until `incoming` more bytes fit under the

@@ -179,11 +179,11 @@ mod tests {
     fn parse_accepts_both_algorithms_and_refuses_malformed_digests() {
         let hex = "0123456789abcdef".repeat(4);
         assert_eq!(
-            parse_digest(&format!("blake3:{hex}")).unwrap(),
+            parse_digest(&format!("blake3:{hex}")).expect("a valid blake3 digest"),
             DigestAlgorithm::Blake3
         );
         assert_eq!(
-            parse_digest(&format!("sha256:{hex}")).unwrap(),
+            parse_digest(&format!("sha256:{hex}")).expect("a valid sha256 digest"),
             DigestAlgorithm::Sha256
         );
         for bad in [
@@ -202,8 +202,8 @@ mod tests {
     #[test]
     fn hash_reader_counts_bytes_across_buffers() {
         let data = vec![5u8; HASH_BUFFER_BYTES * 2 + 3];
-        let (size, digest) =
-            hash_reader(&mut &data[..], Path::new("mem"), DigestAlgorithm::Blake3).unwrap();
+        let (size, digest) = hash_reader(&mut &data[..], Path::new("mem"), DigestAlgorithm::Blake3)
+            .expect("reading memory cannot fail");
         assert_eq!(size, data.len() as u64);
         assert_eq!(digest, format!("blake3:{}", blake3::hash(&data).to_hex()));
     }

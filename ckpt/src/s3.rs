@@ -945,7 +945,13 @@ impl S3Store {
             Err(e) => return Err(e),
         }
         let prefix = self.job_key(job_id, &format!("{}/", part.dir));
-        for key in self.list_keys(&prefix).await? {
+        self.delete_keys(self.list_keys(&prefix).await?).await?;
+        Ok(true)
+    }
+
+    /// Deletes `keys` in order (each with retries); stops at the first failure.
+    async fn delete_keys(&self, keys: Vec<String>) -> Result<(), CkptError> {
+        for key in keys {
             self.retry("delete", &key, || {
                 self.client
                     .delete_object()
@@ -955,7 +961,7 @@ impl S3Store {
             })
             .await?;
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Downloads `part` into `dest` (created; must not exist yet), hashing every byte: each
@@ -1444,16 +1450,7 @@ impl CheckpointStore for S3Store {
             let manifest = format!("{prefix}{MANIFEST_FILE}");
             let mut keys = self.list_keys(&prefix).await?;
             keys.sort_by_key(|k| *k != manifest);
-            for key in keys {
-                self.retry("delete", &key, || {
-                    self.client
-                        .delete_object()
-                        .bucket(&self.location.bucket)
-                        .key(&key)
-                        .send()
-                })
-                .await?;
-            }
+            self.delete_keys(keys).await?;
             deleted.push(step);
         }
         Ok(deleted)

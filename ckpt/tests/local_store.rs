@@ -27,6 +27,14 @@ fn sha256_of(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
+/// (path, size, digest) of every file of `part`, in the record's order.
+fn listed_files(part: &PartRecord) -> Vec<(&str, u64, String)> {
+    part.files
+        .iter()
+        .map(|f| (f.path.as_str(), f.size_bytes, f.digest.clone()))
+        .collect()
+}
+
 fn read_dir_names(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = fs::read_dir(dir)
         .expect("read dir")
@@ -127,11 +135,7 @@ async fn commit_and_verify_round_trip() {
     assert_eq!(part.rank, 0);
     assert_eq!(part.attempt, 1);
     assert_eq!(part.state, json!({"shard": 2, "record": 17}));
-    let listed: Vec<(&str, u64, String)> = part
-        .files
-        .iter()
-        .map(|f| (f.path.as_str(), f.size_bytes, f.digest.clone()))
-        .collect();
+    let listed = listed_files(&part);
     assert_eq!(
         listed,
         vec![
@@ -865,11 +869,7 @@ async fn large_file_hashed_while_fsynced_round_trips() {
     )
     .await
     .expect("commit");
-    let listed: Vec<(&str, u64, String)> = part
-        .files
-        .iter()
-        .map(|f| (f.path.as_str(), f.size_bytes, f.digest.clone()))
-        .collect();
+    let listed = listed_files(&part);
     assert_eq!(
         listed,
         vec![

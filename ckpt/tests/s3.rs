@@ -159,12 +159,7 @@ async fn commit_verify_latest_restore_prune() {
     let l2 = store(&server, "ckpt-bucket", true).await;
     l2.check_access().await.expect("bucket is reachable");
     let l1_dir = tempfile::tempdir().expect("tempdir");
-    let tiered = TieredStore::new(
-        LocalStore::new(l1_dir.path()),
-        l2.clone(),
-        CommitTier::L2,
-        2,
-    );
+    let tiered = l2_tiered(&l2, l1_dir.path(), 2);
     let job = "job-000001";
 
     // Step 1 with a multipart file (12 MiB over 5 MiB parts), steps 2..4 small.
@@ -234,7 +229,7 @@ async fn commit_verify_latest_restore_prune() {
         .await
         .expect("overwrite");
     let other = tempfile::tempdir().expect("tempdir");
-    let fresh = TieredStore::new(LocalStore::new(other.path()), l2.clone(), CommitTier::L2, 2);
+    let fresh = l2_tiered(&l2, other.path(), 2);
     let damaged = fresh.resume_part_path(job, &first.parts[0]).await;
     assert!(
         matches!(damaged, Err(CkptError::Corrupt { .. })),
@@ -361,12 +356,7 @@ async fn a_part_uploaded_after_l2_moved_past_its_step_is_discarded() {
     let server = start_s3();
     let l2 = store(&server, "ckpt-bucket", true).await;
     let l1_dir = tempfile::tempdir().expect("tempdir");
-    let tiered = TieredStore::new(
-        LocalStore::new(l1_dir.path()),
-        l2.clone(),
-        CommitTier::L2,
-        4,
-    );
+    let tiered = l2_tiered(&l2, l1_dir.path(), 4);
     let job = "job-000001";
     let first = commit_step(&tiered, job, 1, 1, false).await;
     tiered.write_latest(job, 1).await.expect("latest 1");
@@ -440,6 +430,17 @@ async fn pinned_dataset_shards_are_never_evicted() {
     drop(pin_b);
 }
 
+/// A tiered store committing at L2 on `l2`, with L1 under `l1_root` keeping
+/// `l1_keep_steps` parts per rank.
+fn l2_tiered(l2: &S3Store, l1_root: &Path, l1_keep_steps: usize) -> TieredStore {
+    TieredStore::new(
+        LocalStore::new(l1_root),
+        l2.clone(),
+        CommitTier::L2,
+        l1_keep_steps,
+    )
+}
+
 /// The bytes [`write_staging`] writes to `opt/weights.bin` of a big part with `seed`.
 fn big_weights(seed: u8) -> Vec<u8> {
     (0..12 * 1024 * 1024 + 17)
@@ -497,12 +498,7 @@ async fn proxied_tiers() -> ProxiedTiers {
     patient.retry_deadline_ms = 120_000;
     let l2 = store_at(patient, "ckpt-bucket", true).await;
     let l1_dir = tempfile::tempdir().expect("tempdir");
-    let tiered = TieredStore::new(
-        LocalStore::new(l1_dir.path()),
-        l2.clone(),
-        CommitTier::L2,
-        8,
-    );
+    let tiered = l2_tiered(&l2, l1_dir.path(), 8);
     ProxiedTiers {
         _server: server,
         proxy,
@@ -542,7 +538,7 @@ async fn slow_down_is_retried_then_reported_as_throttling() {
     let part = &manifest.parts[0];
     l2.verify_part(job, part).await.expect("the part verifies");
     let other = tempfile::tempdir().expect("tempdir");
-    let fresh = TieredStore::new(LocalStore::new(other.path()), l2.clone(), CommitTier::L2, 2);
+    let fresh = l2_tiered(&l2, other.path(), 2);
     let restored = fresh.resume_part_path(job, part).await.expect("restored");
     assert_eq!(
         std::fs::read(restored.join("opt/weights.bin")).expect("read"),
@@ -553,12 +549,7 @@ async fn slow_down_is_retried_then_reported_as_throttling() {
     let mut impatient = settings(proxy.port());
     impatient.retry_deadline_ms = 1_500;
     let short = store_at(impatient, "ckpt-bucket", false).await;
-    let tiered = TieredStore::new(
-        LocalStore::new(l1_dir.path()),
-        short.clone(),
-        CommitTier::L2,
-        8,
-    );
+    let tiered = l2_tiered(&short, l1_dir.path(), 8);
     let state = format!("{}state.json", part_path(job, 2, 0, 1));
     proxy.add(Rule::slow_down(Method::PUT, &state));
     let started = Instant::now();
@@ -810,8 +801,7 @@ async fn changed_objects_and_latest_races_are_refused() {
         l2.verify_step(job, 1).await.map(|_| ()),
         {
             let other = tempfile::tempdir().expect("tempdir");
-            let fresh =
-                TieredStore::new(LocalStore::new(other.path()), l2.clone(), CommitTier::L2, 2);
+            let fresh = l2_tiered(&l2, other.path(), 2);
             fresh.resume_part_path(job, part).await.map(|_| ())
         },
     ];
