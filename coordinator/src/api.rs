@@ -160,7 +160,9 @@ pub async fn submit(
     match node.propose(cmd).await? {
         Response::JobSubmitted { job_id, created } => Ok(v1::SubmitJobResponse { job_id, created }),
         Response::Rejected { reason } => Err(ApiError::InvalidArgument(reason)),
-        Response::Ok => Err(ApiError::Internal("submit produced no job".into())),
+        Response::Ok | Response::Batch { .. } => {
+            Err(ApiError::Internal("submit produced no job".into()))
+        }
     }
 }
 

@@ -165,20 +165,37 @@ pub fn plan(
             .collect()
     };
 
-    for job in state.jobs.values() {
+    // An upper bound on the free slots left: placements below only lower it (restarts
+    // in `plan_running` may use slots it still counts, which costs an exact check, never
+    // a wrong plan). Most pending jobs wait for capacity that is not there, and this
+    // turns each of them into one comparison instead of a walk over every worker.
+    let mut free_upper_bound: u64 = free_slots(&used)
+        .iter()
+        .map(|w| u64::from(w.free_slots))
+        .sum();
+    // Running jobs always; pending ones only when some capacity may be free (it only
+    // shrinks during a pass). Both in id order, which is submission order.
+    let index = state.job_index();
+    let no_pending = BTreeSet::new();
+    let pending = if free_upper_bound > 0 {
+        &index.pending
+    } else {
+        &no_pending
+    };
+    for job in index
+        .running
+        .union(pending)
+        .filter_map(|id| state.jobs.get(id))
+    {
         match job.state {
             JobState::Pending => {
-                // Cheap test first: most pending jobs wait for capacity that is not there.
-                let free_total: u64 = free_slots(&used)
-                    .iter()
-                    .map(|w| u64::from(w.free_slots))
-                    .sum();
-                if free_total < u64::from(job.spec.world_size) {
+                if free_upper_bound < u64::from(job.spec.world_size) {
                     continue;
                 }
                 let ranks: Vec<u32> = (0..job.spec.world_size).collect();
                 if let Ok(Some(placements)) = shard_planner::place_ranks(&ranks, &free_slots(&used))
                 {
+                    free_upper_bound -= placements.len() as u64;
                     for (_, w) in &placements {
                         *used.entry(w.clone()).or_insert(0) += 1;
                     }
@@ -516,8 +533,10 @@ fn observe(node: &Node) -> Observations {
                 .map(|w| w.worker_id.clone())
                 .collect();
             let running = s
-                .jobs
-                .values()
+                .job_index()
+                .running
+                .iter()
+                .filter_map(|id| s.jobs.get(id))
                 .filter(|j| j.state == JobState::Running)
                 .flat_map(|j| {
                     j.ranks

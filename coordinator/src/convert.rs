@@ -175,7 +175,8 @@ pub fn desired_for_worker(
     now_ms: u64,
 ) -> Vec<v1::DesiredRank> {
     let mut out = Vec::new();
-    for job in state.jobs.values() {
+    let running = state.job_index().running.iter();
+    for job in running.filter_map(|id| state.jobs.get(id)) {
         if job.state != JobState::Running {
             continue;
         }

@@ -8,14 +8,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use cumulus_proto::v1;
+pub use cumulus_raft_store::Raft;
 use cumulus_raft_store::state::ClusterState;
-use cumulus_raft_store::{Command, CumulusNode, NodeId, Raft, Response, SharedState};
-use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
+use cumulus_raft_store::{Command, CumulusNode, NodeId, Response, SharedState};
+use openraft::error::{CheckIsLeaderError, RaftError};
 use tokio::sync::Semaphore;
 
 /// Errors of the coordinator's APIs, mapped to gRPC codes and HTTP statuses by the
 /// service adapters.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum ApiError {
     /// This node is not the leader; `leader` is the leader when known.
     #[error("this coordinator is not the leader{}", leader_hint(.leader))]
@@ -140,6 +141,15 @@ pub struct Node {
     pub log_streams: Arc<Semaphore>,
     /// S3 client factory for jobs with an S3 checkpoint target.
     pub s3: cumulus_ckpt::S3Connector,
+    /// Group commit of this node's Raft writes (see [`crate::proposer`]).
+    pub proposer: crate::proposer::Proposer,
+}
+
+/// The leader's addresses from `raft`'s view of the membership, when a leader is known.
+pub fn leader_node(raft: &Raft) -> Option<CumulusNode> {
+    let m = raft.metrics().borrow().clone();
+    let leader = m.current_leader?;
+    m.membership_config.membership().get_node(&leader).cloned()
 }
 
 impl Node {
@@ -183,9 +193,7 @@ impl Node {
 
     /// The leader's addresses from this node's view of the membership.
     pub fn leader_node(&self) -> Option<CumulusNode> {
-        let m = self.raft.metrics().borrow().clone();
-        let leader = m.current_leader?;
-        m.membership_config.membership().get_node(&leader).cloned()
+        leader_node(&self.raft)
     }
 
     /// Fails with [`ApiError::NotLeader`] unless this node is the leader.
@@ -199,21 +207,15 @@ impl Node {
         }
     }
 
-    /// Commits `cmd` through Raft and returns its response (which may be `Rejected`).
+    /// Commits `cmd` through Raft, possibly in one entry with other writes queued at the
+    /// same time ([`crate::proposer`]), and returns its own response (which may be
+    /// `Rejected`).
     ///
     /// # Errors
     /// `NotLeader` on a follower; `Unavailable` when Raft cannot commit now.
     pub async fn propose(&self, cmd: Command) -> Result<Response, ApiError> {
-        match self.raft.client_write(cmd).await {
-            // The control loop wakes on the applied-state change itself.
-            Ok(resp) => Ok(resp.data),
-            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
-                Err(ApiError::NotLeader {
-                    leader: f.leader_node.clone().or_else(|| self.leader_node()),
-                })
-            }
-            Err(e) => Err(ApiError::Unavailable(format!("raft could not commit: {e}"))),
-        }
+        // The control loop wakes on the applied-state change itself.
+        self.proposer.propose(cmd).await
     }
 
     /// Like [`Node::propose`], but maps `Rejected` to `FailedPrecondition`.

@@ -824,3 +824,91 @@ async fn restarted_coordinator_rejoins_with_its_state() {
     })
     .await;
 }
+
+/// Many submits in flight at once on the leader (the proposal batcher groups them into
+/// shared Raft entries): every one is answered, each request id creates exactly one job
+/// even when it is sent twice at the same time, and every coordinator applies the same
+/// jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_submits_are_each_committed_exactly_once() {
+    const DISTINCT: usize = 64;
+    const DUPLICATED: usize = 32;
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 0,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let client = cluster.leader_client().await.expect("client");
+    let before = cluster.status().await.expect("status");
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in (0..DISTINCT).chain(0..DUPLICATED) {
+        let mut c = client.clone();
+        tasks.spawn(async move {
+            let request_id = format!("concurrent-{i:03}");
+            let r = c
+                .submit_job(v1::SubmitJobRequest {
+                    request_id: request_id.clone(),
+                    spec: Some(v1::JobSpec {
+                        name: format!("c{i}"),
+                        world_size: 2,
+                        command: vec!["true".into()],
+                        ..Default::default()
+                    }),
+                })
+                .await
+                .expect("every concurrent submit is committed")
+                .into_inner();
+            (request_id, r)
+        });
+    }
+    let mut by_request: std::collections::BTreeMap<String, Vec<v1::SubmitJobResponse>> =
+        Default::default();
+    while let Some(joined) = tasks.join_next().await {
+        let (request_id, r) = joined.expect("submit task");
+        by_request.entry(request_id).or_default().push(r);
+    }
+    assert_eq!(by_request.len(), DISTINCT);
+    let mut job_ids = std::collections::BTreeSet::new();
+    for (request_id, answers) in &by_request {
+        let created = answers.iter().filter(|r| r.created).count();
+        assert_eq!(created, 1, "{request_id}: {answers:?}");
+        assert!(
+            answers.iter().all(|r| r.job_id == answers[0].job_id),
+            "{request_id} got two jobs: {answers:?}"
+        );
+        assert!(job_ids.insert(answers[0].job_id.clone()), "a job id twice");
+    }
+
+    let after = cluster.status().await.expect("status");
+    let entries = after
+        .commit_index
+        .unwrap_or(0)
+        .saturating_sub(before.commit_index.unwrap_or(0));
+    eprintln!(
+        "{} submits committed in {entries} Raft entries",
+        DISTINCT + DUPLICATED
+    );
+    // Every coordinator applies the same jobs.
+    for i in 0..cluster.coordinators.len() {
+        let c = cluster.client_of(i).await.expect("client");
+        wait_for(&format!("coordinator {i} to apply every job"), LONG, || {
+            let mut c = c.clone();
+            let job_ids = &job_ids;
+            async move {
+                let jobs = c
+                    .list_jobs(v1::ListJobsRequest {
+                        linearizable: false,
+                    })
+                    .await
+                    .ok()?
+                    .into_inner()
+                    .jobs;
+                let ids: std::collections::BTreeSet<String> =
+                    jobs.into_iter().map(|j| j.id).collect();
+                (&ids == job_ids).then_some(())
+            }
+        })
+        .await;
+    }
+}

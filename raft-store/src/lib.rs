@@ -2,11 +2,15 @@
 //!
 //! - [`state`]: the state ([`ClusterState`]), the commands ([`Command`]) and their pure,
 //!   deterministic `apply` (DESIGN.md "The replicated state").
-//! - [`store`]: openraft's `RaftLogStorage` and `RaftStateMachine` (storage-v2 API)
-//!   persisted in sled, with snapshots; checked by openraft's own storage test suite.
+//! - [`store`]: openraft's `RaftLogStorage` and `RaftStateMachine` (storage-v2 API):
+//!   log entries in [`wal`], everything else (vote, state machine, snapshots) in sled;
+//!   checked by openraft's own storage test suite.
+//! - [`wal`]: the write-ahead log of Raft entries (preallocated segments, CRC-checked
+//!   records, one `fdatasync` per append).
 
 pub mod state;
 pub mod store;
+pub mod wal;
 
 use std::fmt;
 

@@ -502,7 +502,12 @@ pub struct WorkerRecord {
 }
 
 /// The whole replicated state.
+///
+/// Besides the replicated data it carries a derived [`JobIndex`], never serialized:
+/// [`ClusterState::apply`] keeps it current, deserialization rebuilds it, and code that
+/// fills `jobs` by hand must call [`ClusterState::rebuild_index`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "ClusterStateData")]
 pub struct ClusterState {
     /// Sequence number of the next job id.
     pub next_job_seq: u64,
@@ -512,6 +517,64 @@ pub struct ClusterState {
     pub request_ids: BTreeMap<String, String>,
     /// Workers by id.
     pub workers: BTreeMap<String, WorkerRecord>,
+    /// Job ids by lifecycle class (derived from `jobs`).
+    #[serde(skip)]
+    index: JobIndex,
+}
+
+/// The serialized fields of [`ClusterState`]; deserializing goes through it so that the
+/// derived index is always rebuilt.
+#[derive(Deserialize)]
+struct ClusterStateData {
+    next_job_seq: u64,
+    jobs: BTreeMap<String, Job>,
+    request_ids: BTreeMap<String, String>,
+    workers: BTreeMap<String, WorkerRecord>,
+}
+
+impl From<ClusterStateData> for ClusterState {
+    fn from(d: ClusterStateData) -> ClusterState {
+        let mut state = ClusterState {
+            next_job_seq: d.next_job_seq,
+            jobs: d.jobs,
+            request_ids: d.request_ids,
+            workers: d.workers,
+            index: JobIndex::default(),
+        };
+        state.rebuild_index();
+        state
+    }
+}
+
+/// Job ids by lifecycle class, in id order (which is submission order: ids are
+/// zero-padded sequence numbers). Derived from [`ClusterState::jobs`]: it lets the
+/// leader's planner visit only the jobs that can change (pending ones only while there
+/// is capacity) and the bounded-state eviction find the oldest terminal jobs without a
+/// scan of every retained job, which cost O(jobs) per submit and per planner pass.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JobIndex {
+    /// Pending jobs (waiting for a placement).
+    pub pending: BTreeSet<String>,
+    /// Running jobs (placed).
+    pub running: BTreeSet<String>,
+    /// Succeeded, failed or cancelled jobs.
+    pub terminal: BTreeSet<String>,
+}
+
+impl JobIndex {
+    /// Files `job_id` under the class of `state` (`None`: the job is gone).
+    fn update(&mut self, job_id: &str, state: Option<JobState>) {
+        self.pending.remove(job_id);
+        self.running.remove(job_id);
+        self.terminal.remove(job_id);
+        let class = match state {
+            None => return,
+            Some(JobState::Pending) => &mut self.pending,
+            Some(JobState::Running) => &mut self.running,
+            Some(_) => &mut self.terminal,
+        };
+        class.insert(job_id.to_string());
+    }
 }
 
 /// A state change, proposed by a coordinator and applied by every replica.
@@ -660,6 +723,77 @@ pub enum Command {
         /// Leader time.
         at_ms: u64,
     },
+    /// Several commands proposed together by the leader's proposal batcher (group
+    /// commit: one Raft entry, one log flush, for many client writes). Applied in order,
+    /// each exactly as if it were an entry of its own; the response is
+    /// [`Response::Batch`] with one response per command, in the same order. At most
+    /// [`MAX_BATCH_COMMANDS`] commands, none of them a batch; a batch breaking either
+    /// rule is rejected whole and changes nothing.
+    Batch {
+        /// The commands, in proposal order.
+        commands: Vec<Command>,
+    },
+}
+
+/// Most commands in one [`Command::Batch`].
+pub const MAX_BATCH_COMMANDS: usize = 256;
+
+/// Fixed allowance, in bytes, for one command's encoding besides its strings (field
+/// names, numbers, punctuation); see [`Command::approx_encoded_bytes`].
+const COMMAND_OVERHEAD_BYTES: usize = 512;
+
+impl Command {
+    /// An estimate of the command's encoded size in a log entry, in bytes: the lengths
+    /// of its variable-size strings plus a fixed allowance per command and per string.
+    /// It bounds the JSON size for text without characters JSON escapes (tested);
+    /// escaped control characters can make the JSON larger. Cheap (no encoding); used to
+    /// bound the size of a batch.
+    pub fn approx_encoded_bytes(&self) -> usize {
+        const PER_STRING: usize = 8;
+        let strings = |v: &[String]| v.iter().map(|s| s.len() + PER_STRING).sum::<usize>();
+        match self {
+            Command::SubmitJob {
+                request_id,
+                spec,
+                shards,
+                ..
+            } => {
+                COMMAND_OVERHEAD_BYTES
+                    + request_id.len()
+                    + spec.name.len()
+                    + strings(&spec.command)
+                    + spec
+                        .env
+                        .iter()
+                        .map(|(k, v)| k.len() + v.len() + 2 * PER_STRING)
+                        .sum::<usize>()
+                    + spec.dataset.len()
+                    + spec.ckpt_dir.len()
+                    + spec.working_dir.len()
+                    + spec.ckpt_url.len()
+                    + spec.ckpt_commit_tier.len()
+                    + strings(shards)
+            }
+            Command::PlaceJob { placements, .. } | Command::ScheduleRestart { placements, .. } => {
+                COMMAND_OVERHEAD_BYTES
+                    + placements
+                        .iter()
+                        .map(|(_, w)| w.len() + 2 * PER_STRING)
+                        .sum::<usize>()
+            }
+            Command::CheckpointPartCommitted { part, .. } => {
+                COMMAND_OVERHEAD_BYTES + serde_json::to_vec(part).map_or(0, |v| v.len())
+            }
+            Command::Batch { commands } => {
+                COMMAND_OVERHEAD_BYTES
+                    + commands
+                        .iter()
+                        .map(Command::approx_encoded_bytes)
+                        .sum::<usize>()
+            }
+            _ => 2 * COMMAND_OVERHEAD_BYTES,
+        }
+    }
 }
 
 /// What applying a command produced.
@@ -679,6 +813,11 @@ pub enum Response {
     Rejected {
         /// Why.
         reason: String,
+    },
+    /// The responses to the commands of a [`Command::Batch`], in its order.
+    Batch {
+        /// One response per command.
+        responses: Vec<Response>,
     },
 }
 
@@ -713,9 +852,40 @@ pub fn valid_id(id: &str) -> bool {
 }
 
 impl ClusterState {
+    /// Job ids by lifecycle class.
+    pub fn job_index(&self) -> &JobIndex {
+        &self.index
+    }
+
+    /// Rebuilds the job index from `jobs` (after filling `jobs` other than by `apply`).
+    pub fn rebuild_index(&mut self) {
+        let mut index = JobIndex::default();
+        for (id, job) in &self.jobs {
+            index.update(id, Some(job.state));
+        }
+        self.index = index;
+    }
+
     /// Applies one command; returns the response and records touched keys in `dirty`.
     /// Deterministic: the same state and command give the same result on every replica.
     pub fn apply(&mut self, cmd: &Command, dirty: &mut BTreeSet<DirtyKey>) -> Response {
+        if matches!(cmd, Command::Batch { .. }) {
+            // Each command of the batch updates the index itself.
+            return self.apply_one(cmd, dirty);
+        }
+        let mut touched = BTreeSet::new();
+        let response = self.apply_one(cmd, &mut touched);
+        for key in &touched {
+            if let DirtyKey::Job(id) = key {
+                let state = self.jobs.get(id).map(|j| j.state);
+                self.index.update(id, state);
+            }
+        }
+        dirty.append(&mut touched);
+        response
+    }
+
+    fn apply_one(&mut self, cmd: &Command, dirty: &mut BTreeSet<DirtyKey>) -> Response {
         match cmd {
             Command::SubmitJob {
                 request_id,
@@ -905,6 +1075,20 @@ impl ClusterState {
                 job.finished_at_ms = *at_ms;
                 Response::Ok
             }),
+            Command::Batch { commands } => {
+                if commands.len() > MAX_BATCH_COMMANDS {
+                    return reject(format!(
+                        "a batch of {} commands is above the limit of {MAX_BATCH_COMMANDS}",
+                        commands.len()
+                    ));
+                }
+                if commands.iter().any(|c| matches!(c, Command::Batch { .. })) {
+                    return reject("a batch must not contain a batch");
+                }
+                Response::Batch {
+                    responses: commands.iter().map(|c| self.apply(c, dirty)).collect(),
+                }
+            }
         }
     }
 
@@ -1005,10 +1189,11 @@ impl ClusterState {
         }
         let excess = self.jobs.len() - MAX_JOBS_RETAINED;
         let victims: Vec<(String, String)> = self
-            .jobs
-            .values()
-            .filter(|j| j.state.is_terminal())
+            .index
+            .terminal
+            .iter()
             .take(excess)
+            .filter_map(|id| self.jobs.get(id))
             .map(|j| (j.id.clone(), j.request_id.clone()))
             .collect();
         for (job_id, request_id) in victims {
@@ -1146,14 +1331,13 @@ impl ClusterState {
         Ok(())
     }
 
-    /// Slots in use per worker by ranks of non-terminal jobs that are placed and not
-    /// ended, leaving out the ranks named in `except` (which are being re-placed).
+    /// Slots in use per worker by ranks of running jobs that are placed and not ended,
+    /// leaving out the ranks named in `except` (which are being re-placed). Visits only
+    /// running jobs ([`JobIndex::running`]).
     pub fn slots_used(&self, except: Option<(&str, &BTreeSet<u32>)>) -> BTreeMap<String, u32> {
         let mut used = BTreeMap::new();
-        for job in self.jobs.values() {
-            if job.state.is_terminal() {
-                continue;
-            }
+        // Only running jobs are placed (a job gets its workers when it leaves pending).
+        for job in self.index.running.iter().filter_map(|id| self.jobs.get(id)) {
             for r in &job.ranks {
                 if let Some((j, ranks)) = except
                     && j == job.id
@@ -1506,6 +1690,183 @@ mod tests {
             signal: None,
             spawn_error: String::new(),
             at_ms: 100,
+        }
+    }
+
+    #[test]
+    fn a_batch_applies_each_command_in_order_as_if_alone() {
+        let submit = |req: &str| Command::SubmitJob {
+            request_id: req.into(),
+            spec: spec(2),
+            shards: vec![],
+            submitted_at_ms: 2,
+        };
+        // The same commands applied one by one and as one batch give the same state and
+        // the same responses, a rejected member included.
+        let commands = vec![
+            submit("a"),
+            submit("b"),
+            Command::CancelJob {
+                job_id: "no-such-job".into(),
+                at_ms: 3,
+            },
+            submit("a"),
+        ];
+        let mut alone = ClusterState::default();
+        let mut alone_dirty = BTreeSet::new();
+        let expected: Vec<Response> = commands
+            .iter()
+            .map(|c| alone.apply(c, &mut alone_dirty))
+            .collect();
+        assert!(matches!(expected[2], Response::Rejected { .. }));
+        let mut batched = ClusterState::default();
+        let mut batched_dirty = BTreeSet::new();
+        let r = batched.apply(
+            &Command::Batch {
+                commands: commands.clone(),
+            },
+            &mut batched_dirty,
+        );
+        assert_eq!(
+            r,
+            Response::Batch {
+                responses: expected
+            }
+        );
+        assert_eq!(batched, alone);
+        assert_eq!(batched_dirty, alone_dirty);
+
+        // A nested batch or one over the limit is rejected whole and changes nothing.
+        for bad in [
+            vec![submit("c"), Command::Batch { commands: vec![] }],
+            vec![submit("d"); MAX_BATCH_COMMANDS + 1],
+        ] {
+            let before = batched.clone();
+            let r = apply(&mut batched, Command::Batch { commands: bad });
+            assert!(matches!(r, Response::Rejected { .. }), "{r:?}");
+            assert_eq!(batched, before);
+        }
+    }
+
+    /// The index kept by `apply` equals one rebuilt from scratch.
+    fn assert_index_current(s: &ClusterState) {
+        let mut rebuilt = s.clone();
+        rebuilt.rebuild_index();
+        assert_eq!(s.job_index(), rebuilt.job_index());
+    }
+
+    #[test]
+    fn the_job_index_follows_every_state_change_and_survives_serialization() {
+        let (mut s, placed) = cluster_with_job(2);
+        assert_index_current(&s);
+        assert!(s.job_index().running.contains(&placed));
+        let submit = |req: String| Command::SubmitJob {
+            request_id: req,
+            spec: spec(1),
+            shards: vec![],
+            submitted_at_ms: 5,
+        };
+        let r = apply(
+            &mut s,
+            Command::Batch {
+                commands: (0..3).map(|i| submit(format!("b{i}"))).collect(),
+            },
+        );
+        assert!(matches!(r, Response::Batch { .. }));
+        assert_eq!(s.job_index().pending.len(), 3);
+        assert_index_current(&s);
+        let pending: Vec<String> = s.job_index().pending.iter().cloned().collect();
+        apply(
+            &mut s,
+            Command::CancelJob {
+                job_id: pending[0].clone(),
+                at_ms: 6,
+            },
+        );
+        apply(
+            &mut s,
+            Command::FailJob {
+                job_id: placed.clone(),
+                cause: "test".into(),
+                at_ms: 7,
+            },
+        );
+        assert_index_current(&s);
+        assert!(s.job_index().terminal.contains(&pending[0]));
+        assert!(s.job_index().terminal.contains(&placed));
+        assert_eq!(s.job_index().running.len(), 0);
+        // A deserialized state (snapshot, Raft state transfer) carries a rebuilt index.
+        let json = serde_json::to_vec(&s).expect("encode");
+        let back: ClusterState = serde_json::from_slice(&json).expect("decode");
+        assert_eq!(back, s);
+        assert_eq!(back.job_index().pending.len(), 2);
+    }
+
+    #[test]
+    fn past_the_retention_limit_the_oldest_terminal_jobs_are_evicted() {
+        let mut s = ClusterState::default();
+        let submit = |i: usize| Command::SubmitJob {
+            request_id: format!("r{i}"),
+            spec: spec(1),
+            shards: vec![],
+            submitted_at_ms: 1,
+        };
+        for i in 0..MAX_JOBS_RETAINED {
+            apply(&mut s, submit(i));
+        }
+        let oldest: Vec<String> = s.jobs.keys().take(3).cloned().collect();
+        for id in &oldest {
+            apply(
+                &mut s,
+                Command::CancelJob {
+                    job_id: id.clone(),
+                    at_ms: 2,
+                },
+            );
+        }
+        let mut dirty = BTreeSet::new();
+        s.apply(&submit(MAX_JOBS_RETAINED), &mut dirty);
+        s.apply(&submit(MAX_JOBS_RETAINED + 1), &mut dirty);
+        assert_eq!(s.jobs.len(), MAX_JOBS_RETAINED);
+        assert!(!s.jobs.contains_key(&oldest[0]) && !s.jobs.contains_key(&oldest[1]));
+        assert!(s.jobs.contains_key(&oldest[2]), "only as many as needed go");
+        assert!(!s.request_ids.contains_key("r0") && !s.request_ids.contains_key("r1"));
+        assert!(dirty.contains(&DirtyKey::Job(oldest[0].clone())));
+        assert_index_current(&s);
+        // Pending jobs are never evicted: with no terminal job left, the state grows.
+        let before = s.jobs.len();
+        apply(&mut s, submit(MAX_JOBS_RETAINED + 2));
+        apply(&mut s, submit(MAX_JOBS_RETAINED + 3));
+        assert_eq!(s.jobs.len(), before + 1);
+        assert_index_current(&s);
+    }
+
+    #[test]
+    fn the_size_estimate_of_a_submit_bounds_its_json_encoding() {
+        let mut big = spec(4);
+        big.command = vec!["x".repeat(4_000); 20];
+        big.env = (0..50)
+            .map(|i| (format!("K{i}"), "v".repeat(100)))
+            .collect();
+        for (s, shards) in [
+            (spec(1), vec![]),
+            (
+                big,
+                (0..1_000)
+                    .map(|i| format!("/data/shard-{i:05}.bin"))
+                    .collect(),
+            ),
+        ] {
+            let cmd = Command::SubmitJob {
+                request_id: "r".repeat(24),
+                spec: s,
+                shards,
+                submitted_at_ms: 1,
+            };
+            let json = serde_json::to_vec(&cmd).expect("encode").len();
+            let estimate = cmd.approx_encoded_bytes();
+            assert!(estimate >= json, "estimate {estimate} < encoded {json}");
+            assert!(estimate <= 2 * json + 1_024, "estimate {estimate} ≫ {json}");
         }
     }
 

@@ -1,9 +1,10 @@
-//! openraft storage (v2 API) on sled: the Raft log and vote ([`LogStore`]) and the
-//! state machine with its snapshots ([`StateMachineStore`]).
+//! openraft storage (v2 API): the Raft log ([`LogStore`]: entries in the write-ahead log
+//! of [`crate::wal`], the vote and the purge point in sled) and the state machine with
+//! its snapshots ([`StateMachineStore`], in sled).
 //!
-//! Durability: an append, a truncation, a purge and a vote are flushed to disk before
-//! they are reported done (openraft's contract; its 0.9 rocksdb example skips the
-//! flush, we do not). The state machine is written per touched key in one atomic sled
+//! Durability: an append, a truncation, a purge and a vote are on disk (`fdatasync` or
+//! sled flush) before they are reported done (openraft's contract; its 0.9 rocksdb
+//! example skips the flush, we do not). The state machine is written per touched key in one atomic sled
 //! batch per applied batch of entries, without a flush: after a crash it may be
 //! behind the log, and openraft re-applies the committed entries (we persist the
 //! committed log id), or, when it is behind the last snapshot, it is restored from the
@@ -31,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use crate::state::{ClusterState, Command, DirtyKey, Response};
+use crate::wal::{Wal, WalError};
 use crate::{CumulusNode, NodeId, TypeConfig};
 
 /// Errors opening the store.
@@ -45,6 +47,9 @@ pub enum OpenError {
         #[source]
         source: sled::Error,
     },
+    /// The write-ahead log of entries could not be opened, or is corrupt.
+    #[error("cannot open the raft log: {0}")]
+    Wal(#[from] WalError),
     /// A record in the database does not parse or is inconsistent.
     #[error(
         "the data directory {path} holds corrupt Raft state ({what}); refusing to start with wrong state: {reason}"
@@ -59,7 +64,10 @@ pub enum OpenError {
     },
 }
 
-const LOGS_TREE: &str = "raft_logs";
+/// Log entries of data dirs written before the write-ahead log (moved into it on open).
+const LEGACY_LOGS_TREE: &str = "raft_logs";
+/// Directory of the write-ahead log, inside the store's directory.
+const WAL_DIR: &str = "wal";
 const META_TREE: &str = "raft_meta";
 const SM_TREE: &str = "state_machine";
 const SNAPSHOT_TREE: &str = "snapshot";
@@ -92,15 +100,12 @@ fn sm_err(verb: ErrorVerb, e: impl std::error::Error + 'static) -> StorageError<
     io_err(ErrorSubject::StateMachine, verb, e)
 }
 
-fn index_key(index: u64) -> [u8; 8] {
-    index.to_be_bytes()
-}
-
-/// Opens (creating if needed) the sled database under `dir` and returns the log store
-/// and the state machine store of one node.
+/// Opens (creating if needed) the sled database under `dir` and the write-ahead log in
+/// `dir/wal`, and returns the log store and the state machine store of one node. Log
+/// entries of a data dir from before the write-ahead log are moved into it.
 ///
 /// # Errors
-/// [`OpenError`] when sled fails or a stored record is corrupt.
+/// [`OpenError`] when sled or the write-ahead log fails, or a stored record is corrupt.
 pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
     let path = dir.display().to_string();
     let sled_err = |source| OpenError::Sled {
@@ -108,7 +113,7 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         source,
     };
     let db = sled::Config::new().path(dir).open().map_err(sled_err)?;
-    let logs = db.open_tree(LOGS_TREE).map_err(sled_err)?;
+    let legacy_logs = db.open_tree(LEGACY_LOGS_TREE).map_err(sled_err)?;
     let meta = db.open_tree(META_TREE).map_err(sled_err)?;
     let sm_tree = db.open_tree(SM_TREE).map_err(sled_err)?;
     let snap_tree = db.open_tree(SNAPSHOT_TREE).map_err(sled_err)?;
@@ -118,28 +123,20 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         reason,
     };
 
-    // Validate the log: every key is 8 bytes, every value parses, indexes match keys.
-    for item in logs.iter() {
-        let (k, v) = item.map_err(sled_err)?;
-        let key: [u8; 8] = k
-            .as_ref()
-            .try_into()
-            .map_err(|_| corrupt("raft log key", format!("key of {} bytes", k.len())))?;
-        let entry: Entry<TypeConfig> =
-            serde_json::from_slice(&v).map_err(|e| corrupt("raft log entry", e.to_string()))?;
-        if entry.log_id.index != u64::from_be_bytes(key) {
-            return Err(corrupt(
-                "raft log entry",
-                "index does not match its key".into(),
-            ));
-        }
-    }
     for key in [KEY_VOTE, KEY_COMMITTED, KEY_LAST_PURGED] {
         if let Some(v) = meta.get(key).map_err(sled_err)? {
             serde_json::from_slice::<serde_json::Value>(&v)
                 .map_err(|e| corrupt(&String::from_utf8_lossy(key), e.to_string()))?;
         }
     }
+
+    let last_purged: Option<LogId<NodeId>> = match meta.get(KEY_LAST_PURGED).map_err(sled_err)? {
+        Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt("last_purged", e.to_string()))?,
+        None => None,
+    };
+    let wal = Wal::open(&dir.join(WAL_DIR), last_purged.map(|l| l.index))?;
+    migrate_legacy_log(&db, &legacy_logs, &wal, last_purged.map(|l| l.index))
+        .map_err(|(what, reason)| corrupt(&what, reason))?;
 
     let snapshot = match snap_tree.get(KEY_SNAPSHOT).map_err(sled_err)? {
         Some(v) => Some(
@@ -171,8 +168,8 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
     Ok((
         LogStore {
             db: db.clone(),
-            logs,
             meta,
+            wal,
         },
         StateMachineStore {
             db,
@@ -184,13 +181,66 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
     ))
 }
 
-/// The Raft log and vote, in sled trees `raft_logs` (key: big-endian index, value: JSON
-/// entry) and `raft_meta`. Cheap to clone (sled handles are reference-counted).
+/// Moves the entries of a data dir written before the write-ahead log (sled tree
+/// `raft_logs`, key: big-endian index, value: JSON entry) into the WAL, then clears the
+/// tree. Every entry is validated first. A crash between the two steps leaves the WAL
+/// holding the entries, and the next open only clears the tree.
+fn migrate_legacy_log(
+    db: &sled::Db,
+    legacy: &sled::Tree,
+    wal: &Wal,
+    last_purged: Option<u64>,
+) -> Result<(), LoadError> {
+    if legacy.is_empty() {
+        return Ok(());
+    }
+    let mut entries = Vec::new();
+    for item in legacy.iter() {
+        let (k, v) = item.map_err(|e| ("raft log".to_string(), e.to_string()))?;
+        let key: [u8; 8] = k.as_ref().try_into().map_err(|_| {
+            (
+                "raft log key".to_string(),
+                format!("key of {} bytes", k.len()),
+            )
+        })?;
+        let entry: Entry<TypeConfig> = serde_json::from_slice(&v)
+            .map_err(|e| ("raft log entry".to_string(), e.to_string()))?;
+        if entry.log_id.index != u64::from_be_bytes(key) {
+            return Err((
+                "raft log entry".into(),
+                "index does not match its key".into(),
+            ));
+        }
+        if last_purged.is_none_or(|p| entry.log_id.index > p) {
+            entries.push(entry);
+        }
+    }
+    let wal_empty = wal
+        .last()
+        .map_err(|e| ("raft log".to_string(), e.to_string()))?
+        .is_none();
+    if wal_empty && !entries.is_empty() {
+        let count = entries.len();
+        wal.append(entries)
+            .map_err(|e| ("raft log migration".to_string(), e.to_string()))?;
+        tracing::info!(
+            count,
+            "moved the raft log from sled into the write-ahead log"
+        );
+    }
+    legacy
+        .clear()
+        .and_then(|()| db.flush().map(|_| ()))
+        .map_err(|e| ("raft log migration".to_string(), e.to_string()))
+}
+
+/// The Raft log: entries in the write-ahead log ([`Wal`]), the vote, the committed log
+/// id and the purge point in the sled tree `raft_meta`. Cheap to clone (shared handles).
 #[derive(Clone)]
 pub struct LogStore {
     db: sled::Db,
-    logs: sled::Tree,
     meta: sled::Tree,
+    wal: Wal,
 }
 
 impl LogStore {
@@ -233,17 +283,12 @@ impl RaftLogReader<TypeConfig> for LogStore {
             Bound::Excluded(i) => i.saturating_add(1),
             Bound::Unbounded => 0,
         };
-        let iter = match range.end_bound() {
-            Bound::Included(i) => self.logs.range(index_key(start)..=index_key(*i)),
-            Bound::Excluded(i) => self.logs.range(index_key(start)..index_key(*i)),
-            Bound::Unbounded => self.logs.range(index_key(start)..),
+        let end = match range.end_bound() {
+            Bound::Included(i) => i.saturating_add(1),
+            Bound::Excluded(i) => *i,
+            Bound::Unbounded => u64::MAX,
         };
-        let mut out = Vec::new();
-        for item in iter {
-            let (_, v) = item.map_err(read_logs_err)?;
-            out.push(serde_json::from_slice(&v).map_err(read_logs_err)?);
-        }
-        Ok(out)
+        self.wal.read(start, end).map_err(read_logs_err)
     }
 }
 
@@ -252,14 +297,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
         let last_purged_log_id: Option<LogId<NodeId>> = self.get_meta(KEY_LAST_PURGED)?;
-        let last = match self.logs.last().map_err(read_logs_err)? {
-            Some((_, v)) => Some(
-                serde_json::from_slice::<Entry<TypeConfig>>(&v)
-                    .map_err(read_logs_err)?
-                    .log_id,
-            ),
-            None => None,
-        };
+        let last = self.wal.last().map_err(read_logs_err)?;
         Ok(LogState {
             last_purged_log_id,
             last_log_id: last.or(last_purged_log_id),
@@ -305,52 +343,43 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let mut batch = sled::Batch::default();
-        for entry in entries {
-            let bytes = serde_json::to_vec(&entry).map_err(write_logs_err)?;
-            batch.insert(&index_key(entry.log_id.index), bytes);
-        }
-        self.logs.apply_batch(batch).map_err(write_logs_err)?;
-        // Durable before acknowledged.
-        let flushed = self
-            .db
-            .flush_async()
+        let entries: Vec<Entry<TypeConfig>> = entries.into_iter().collect();
+        let wal = self.wal.clone();
+        // One positioned write and one fdatasync, off the async runtime's threads.
+        let written = tokio::task::spawn_blocking(move || wal.append(entries))
             .await
-            .map(|_| ())
-            .map_err(std::io::Error::other);
-        let ok = flushed.is_ok();
-        callback.log_io_completed(flushed);
-        if !ok {
-            return Err(write_logs_err(std::io::Error::other(
-                "flush of appended entries failed",
-            )));
+            .map_err(std::io::Error::other)
+            .and_then(|r| r.map_err(std::io::Error::other));
+        match written {
+            Ok(()) => {
+                callback.log_io_completed(Ok(()));
+                Ok(())
+            }
+            Err(e) => {
+                let message = e.to_string();
+                callback.log_io_completed(Err(e));
+                Err(write_logs_err(std::io::Error::other(message)))
+            }
         }
-        Ok(())
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
-        let mut batch = sled::Batch::default();
-        for item in self.logs.range(index_key(log_id.index)..) {
-            let (k, _) = item.map_err(write_logs_err)?;
-            batch.remove(k);
-        }
-        self.logs.apply_batch(batch).map_err(write_logs_err)?;
-        self.db.flush_async().await.map_err(write_logs_err)?;
-        Ok(())
+        let wal = self.wal.clone();
+        tokio::task::spawn_blocking(move || wal.truncate(log_id.index))
+            .await
+            .map_err(write_logs_err)?
+            .map_err(write_logs_err)
     }
 
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
         // Record the purge point first, so a crash in between never loses track of it.
         self.put_meta(KEY_LAST_PURGED, &log_id, ErrorSubject::Logs)
             .await?;
-        let mut batch = sled::Batch::default();
-        for item in self.logs.range(..=index_key(log_id.index)) {
-            let (k, _) = item.map_err(write_logs_err)?;
-            batch.remove(k);
-        }
-        self.logs.apply_batch(batch).map_err(write_logs_err)?;
-        self.db.flush_async().await.map_err(write_logs_err)?;
-        Ok(())
+        let wal = self.wal.clone();
+        tokio::task::spawn_blocking(move || wal.purge(log_id.index))
+            .await
+            .map_err(write_logs_err)?
+            .map_err(write_logs_err)
     }
 }
 
@@ -451,6 +480,7 @@ fn load_sm(tree: &sled::Tree) -> Result<SmData, LoadError> {
             return Err((key, "unknown key in the state machine".into()));
         }
     }
+    data.state.rebuild_index();
     Ok(data)
 }
 

@@ -1,4 +1,5 @@
-//! The sled store keeps its state across a reopen, and refuses corrupt files.
+//! The store (sled and the write-ahead log) keeps its state across a reopen, and refuses
+//! corrupt files.
 
 use std::collections::BTreeMap;
 

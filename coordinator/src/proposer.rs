@@ -1,0 +1,173 @@
+//! Group commit of the leader's writes: every proposal (client submits and cancels, worker
+//! reports, the control loop's plans) queues here, and one task turns what queued while
+//! the previous batches were committing into one Raft entry ([`Command::Batch`]).
+//!
+//! Why: openraft 0.9's core appends one entry per `client_write` and waits for that
+//! append's flush before it takes the next request, so without batching the leader does
+//! one log flush per write and its write rate is bounded by the flush latency whatever
+//! the number of clients (measured in BENCHMARKS.md, issue 3). etcd batches proposals
+//! the same way (one Raft `Ready` carries every proposal queued since the last one).
+//!
+//! The batcher never waits for more proposals to arrive: a lone proposal is committed at
+//! once as the plain command (the same entry as without the batcher), so a single client
+//! pays no extra latency. Batches form only while [`MAX_INFLIGHT_BATCHES`] are already
+//! committing. Limits: [`MAX_QUEUED_PROPOSALS`] waiting (then `propose` waits),
+//! [`MAX_BATCH_COMMANDS`] commands and [`MAX_BATCH_BYTES`] (estimated) per batch.
+
+use std::sync::Arc;
+
+use cumulus_raft_store::state::{Command, MAX_BATCH_COMMANDS, Response};
+use openraft::error::{ClientWriteError, RaftError};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::node::{ApiError, Raft, leader_node};
+
+/// Proposals waiting for a batch, at most; past it [`Proposer::propose`] waits.
+pub const MAX_QUEUED_PROPOSALS: usize = 4_096;
+/// Batches being committed at once. While this many are in flight, new proposals queue
+/// and then go out together.
+pub const MAX_INFLIGHT_BATCHES: usize = 2;
+/// Largest estimated encoded size of one batch, in bytes
+/// ([`Command::approx_encoded_bytes`]); a proposal larger than this goes alone.
+pub const MAX_BATCH_BYTES: usize = 1 << 20;
+
+/// One queued write and where its result goes.
+struct Proposal {
+    /// The command to commit.
+    command: Command,
+    /// Receives the command's own response (never a [`Response::Batch`]).
+    reply: oneshot::Sender<Result<Response, ApiError>>,
+}
+
+/// The handle writers use; cheap to clone. The batching task ends when `shutdown` is
+/// cancelled or every handle is dropped.
+#[derive(Clone)]
+pub struct Proposer {
+    /// The queue of the batching task.
+    queue: mpsc::Sender<Proposal>,
+}
+
+impl Proposer {
+    /// Starts the batching task for `raft` on the current tokio runtime.
+    pub fn start(raft: Raft, shutdown: CancellationToken) -> Proposer {
+        let (queue, rx) = mpsc::channel(MAX_QUEUED_PROPOSALS);
+        tokio::spawn(batch_loop(raft, rx, shutdown));
+        Proposer { queue }
+    }
+
+    /// Commits `command` through Raft (alone or in a batch) and returns its response,
+    /// which may be `Rejected`.
+    ///
+    /// # Errors
+    /// `NotLeader` on a follower; `Unavailable` when Raft cannot commit now or the node
+    /// is shutting down.
+    pub async fn propose(&self, command: Command) -> Result<Response, ApiError> {
+        let (reply, result) = oneshot::channel();
+        let stopping = || ApiError::Unavailable("this coordinator is shutting down".into());
+        self.queue
+            .send(Proposal { command, reply })
+            .await
+            .map_err(|_| stopping())?;
+        result.await.map_err(|_| stopping())?
+    }
+}
+
+/// Takes queued proposals in order and commits them in batches, at most
+/// [`MAX_INFLIGHT_BATCHES`] at a time.
+async fn batch_loop(raft: Raft, mut rx: mpsc::Receiver<Proposal>, shutdown: CancellationToken) {
+    let inflight = Arc::new(Semaphore::new(MAX_INFLIGHT_BATCHES));
+    // A proposal taken from the queue that did not fit the previous batch.
+    let mut carried: Option<Proposal> = None;
+    loop {
+        let permit = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            p = inflight.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => return,
+            },
+        };
+        let first = match carried.take() {
+            Some(p) => p,
+            None => tokio::select! {
+                _ = shutdown.cancelled() => return,
+                p = rx.recv() => match p {
+                    Some(p) => p,
+                    None => return,
+                },
+            },
+        };
+        let mut bytes = first.command.approx_encoded_bytes();
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH_COMMANDS && bytes < MAX_BATCH_BYTES {
+            let Ok(next) = rx.try_recv() else { break };
+            let size = next.command.approx_encoded_bytes();
+            if bytes + size > MAX_BATCH_BYTES {
+                carried = Some(next);
+                break;
+            }
+            bytes += size;
+            batch.push(next);
+        }
+        let raft = raft.clone();
+        tokio::spawn(async move {
+            commit(&raft, batch).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Commits one batch and answers every proposal in it.
+async fn commit(raft: &Raft, mut batch: Vec<Proposal>) {
+    if batch.len() == 1 {
+        let p = batch.pop().expect("one proposal");
+        let result = write(raft, p.command).await;
+        // The proposer may have given up waiting (its request was cancelled): nothing to do.
+        let _ = p.reply.send(result);
+        return;
+    }
+    let (commands, replies): (Vec<Command>, Vec<_>) =
+        batch.into_iter().map(|p| (p.command, p.reply)).unzip();
+    let n = commands.len();
+    match write(raft, Command::Batch { commands }).await {
+        Ok(Response::Batch { responses }) if responses.len() == n => {
+            for (reply, response) in replies.into_iter().zip(responses) {
+                let _ = reply.send(Ok(response));
+            }
+        }
+        Ok(Response::Rejected { reason }) => {
+            tracing::error!(%reason, "a batch of proposals was rejected whole");
+            for reply in replies {
+                let _ = reply.send(Err(ApiError::Internal(format!(
+                    "the batch holding this write was rejected: {reason}"
+                ))));
+            }
+        }
+        Ok(other) => {
+            tracing::error!(response = ?other, commands = n, "unexpected response to a batch");
+            for reply in replies {
+                let _ = reply.send(Err(ApiError::Internal(
+                    "the batch holding this write got an unexpected response".into(),
+                )));
+            }
+        }
+        Err(e) => {
+            for reply in replies {
+                let _ = reply.send(Err(e.clone()));
+            }
+        }
+    }
+}
+
+/// One `client_write`, its errors mapped to [`ApiError`].
+async fn write(raft: &Raft, command: Command) -> Result<Response, ApiError> {
+    match raft.client_write(command).await {
+        Ok(resp) => Ok(resp.data),
+        Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
+            Err(ApiError::NotLeader {
+                leader: f.leader_node.clone().or_else(|| leader_node(raft)),
+            })
+        }
+        Err(e) => Err(ApiError::Unavailable(format!("raft could not commit: {e}"))),
+    }
+}

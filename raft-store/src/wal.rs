@@ -1,0 +1,748 @@
+//! The Raft log's entries in a write-ahead log of preallocated segment files: one
+//! positioned write and one `fdatasync` per append.
+//!
+//! Why not sled (which still holds the vote, the state machine and snapshots): openraft
+//! 0.9 waits for each append's flush before it takes the next request, so the flush
+//! latency bounds the write path. A sled flush of a small append cost ~1 ms here; an
+//! `fdatasync` of a write inside an already allocated file costs ~0.2 ms, and one that
+//! extends the file ~0.7 ms (BENCHMARKS.md, session 6). So segments are allocated up
+//! front (`fallocate`, etcd preallocates its WAL segments the same way) and written in
+//! place.
+//!
+//! # Layout
+//! `<dir>/<first index, 20 digits>.wal`, each [`SEGMENT_BYTES`] long (or one record's
+//! size when larger). A segment holds records back to back from offset 0, then zeros:
+//!
+//! ```text
+//! record = len: u32 LE | crc32: u32 LE | index: u64 LE | payload: len bytes (JSON entry)
+//! crc32  = CRC-32 (IEEE, crc32fast) of the index bytes and the payload
+//! ```
+//!
+//! A header with `len == 0` ends a segment's records. Indexes are consecutive across
+//! records and segments, except that records at or below the last purged index (kept in
+//! sled) are skipped on open.
+//!
+//! # Crash safety
+//! - Append: records are written after the last valid one, then `fdatasync`ed; only then
+//!   is the append reported. A crash can tear only the unacknowledged tail of the newest
+//!   segment: on open the first record there that does not check (bad length or CRC)
+//!   or a zero header ends the log, and any non-zero bytes after that point are zeroed
+//!   (logged as a warning), so no record of a torn batch can resurface behind later
+//!   appends. A bad record in any older segment is corruption: open fails.
+//! - Truncate: later segments are deleted newest first, then the tail is zeroed, so a
+//!   crash at any point leaves a prefix of the log. Zeroing matters: an old record left
+//!   after a shorter new one could otherwise read as valid on the next open.
+//! - Purge: whole segments below the purge point are deleted oldest first.
+//! - A new segment's directory entry is made durable (directory `fsync`) before any
+//!   record in it is reported.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use openraft::Entry;
+
+use crate::TypeConfig;
+
+/// Size of a new segment file, in bytes (a record larger than this gets a segment of its
+/// own size).
+pub const SEGMENT_BYTES: u64 = 16 * 1024 * 1024;
+/// Bytes of decoded recent entries kept in memory for reads (replication, apply); older
+/// entries are read back from their segment and decoded on demand.
+pub const CACHE_BYTES: usize = 32 * 1024 * 1024;
+/// Size of a record header, in bytes.
+const HEADER_BYTES: u64 = 16;
+/// Largest record payload accepted when reading back, in bytes (a larger length field is
+/// damage, not data).
+const MAX_PAYLOAD_BYTES: u64 = 1 << 30;
+/// File name extension of segments.
+const SEGMENT_EXT: &str = "wal";
+
+/// Errors of the WAL.
+#[derive(Debug, thiserror::Error)]
+pub enum WalError {
+    /// An I/O error on a segment or the directory.
+    #[error("raft log {path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: String,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// Damage that is not a torn tail: refuse to use the log.
+    #[error("raft log {path} is corrupt: {reason}")]
+    Corrupt {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An entry could not be encoded.
+    #[error("cannot encode raft log entry {index}: {source}")]
+    Encode {
+        /// Its index.
+        index: u64,
+        /// Cause.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+fn io_error(path: &Path) -> impl FnOnce(io::Error) -> WalError + '_ {
+    move |source| WalError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// One segment file.
+struct Segment {
+    /// Path of the file.
+    path: PathBuf,
+    /// The open file (read and written positionally).
+    file: Arc<File>,
+    /// Allocated size, in bytes.
+    capacity_bytes: u64,
+    /// End of its last valid record, in bytes.
+    written_bytes: u64,
+    /// Index of its last live record (`None`: it holds none).
+    last_index: Option<u64>,
+}
+
+/// Where one record lives.
+#[derive(Clone, Copy)]
+struct Loc {
+    /// First index of its segment (key of `segments`).
+    segment: u64,
+    /// Offset of its header, in bytes.
+    offset: u64,
+    /// Payload length, in bytes.
+    len: u32,
+}
+
+/// The log in memory: where every live record is, and a cache of the newest entries.
+///
+/// openraft only appends consecutive entries after the last one (after truncating a
+/// conflicting suffix), but its storage test suite also uses the log as a sparse map
+/// (an entry below the purge point, an index skipped); both are accepted. Records in
+/// the segments are always in increasing index order: an append at or below the last
+/// index first truncates from there.
+struct Inner {
+    /// Segments by first index, oldest first; the last one is written.
+    segments: BTreeMap<u64, Segment>,
+    /// Locations of the live records, by index.
+    locs: BTreeMap<u64, Loc>,
+    /// Decoded newest entries and their payload sizes, by index.
+    cache: BTreeMap<u64, (Entry<TypeConfig>, usize)>,
+    /// Sum of the payload sizes in `cache`, in bytes.
+    cache_bytes: usize,
+}
+
+impl Inner {
+    /// Index after the last live record (0 for an empty log).
+    fn next_index(&self) -> u64 {
+        self.locs.last_key_value().map_or(0, |(i, _)| i + 1)
+    }
+
+    fn push_cache(&mut self, entry: Entry<TypeConfig>, bytes: usize) {
+        if let Some((_, old)) = self.cache.insert(entry.log_id.index, (entry, bytes)) {
+            self.cache_bytes -= old;
+        }
+        self.cache_bytes += bytes;
+        while self.cache_bytes > CACHE_BYTES && self.cache.len() > 1 {
+            if let Some((_, (_, b))) = self.cache.pop_first() {
+                self.cache_bytes -= b;
+            }
+        }
+    }
+
+    /// Forgets the cached entries with index ≥ `since`.
+    fn drop_cache_from(&mut self, since: u64) {
+        for (_, (_, b)) in self.cache.split_off(&since) {
+            self.cache_bytes -= b;
+        }
+    }
+}
+
+/// The write-ahead log. Cheap to clone; clones share the log. Appends, truncations and
+/// purges must not run concurrently (openraft calls them from its core task, one at a
+/// time); reads may run at any time.
+#[derive(Clone)]
+pub struct Wal {
+    /// Directory of the segments.
+    dir: PathBuf,
+    /// Shared state (never held across I/O on the write path, nor across an `.await`).
+    inner: Arc<Mutex<Inner>>,
+}
+
+/// A record's bytes: header and payload.
+fn encode_record(entry: &Entry<TypeConfig>) -> Result<Vec<u8>, WalError> {
+    let index = entry.log_id.index;
+    let payload = serde_json::to_vec(entry).map_err(|source| WalError::Encode { index, source })?;
+    let len = u32::try_from(payload.len()).map_err(|_| WalError::Encode {
+        index,
+        source: serde::ser::Error::custom("an entry larger than 4 GiB"),
+    })?;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&index.to_le_bytes());
+    crc.update(&payload);
+    let mut out = Vec::with_capacity(HEADER_BYTES as usize + payload.len());
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&crc.finalize().to_le_bytes());
+    out.extend_from_slice(&index.to_le_bytes());
+    out.extend_from_slice(&payload);
+    Ok(out)
+}
+
+/// What reading a record at an offset found.
+enum Read {
+    /// A valid record: its index, payload, and the offset after it.
+    Record(u64, Vec<u8>, u64),
+    /// A zero header or the end of the segment: no more records.
+    End,
+    /// A record that does not check.
+    Bad(String),
+}
+
+fn read_record(file: &File, capacity_bytes: u64, offset: u64) -> io::Result<Read> {
+    if offset + HEADER_BYTES > capacity_bytes {
+        return Ok(Read::End);
+    }
+    let mut header = [0u8; HEADER_BYTES as usize];
+    file.read_exact_at(&mut header, offset)?;
+    let len = u64::from(u32::from_le_bytes(
+        header[0..4].try_into().expect("4 bytes"),
+    ));
+    let crc = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes"));
+    let index = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
+    if len == 0 {
+        return Ok(if header.iter().all(|b| *b == 0) {
+            Read::End
+        } else {
+            Read::Bad(format!("a header at offset {offset} with length 0"))
+        });
+    }
+    let end = offset + HEADER_BYTES + len;
+    if len > MAX_PAYLOAD_BYTES || end > capacity_bytes {
+        return Ok(Read::Bad(format!(
+            "a record at offset {offset} of {len} bytes runs past the segment"
+        )));
+    }
+    let mut payload = vec![0u8; len as usize];
+    file.read_exact_at(&mut payload, offset + HEADER_BYTES)?;
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&index.to_le_bytes());
+    hasher.update(&payload);
+    if hasher.finalize() != crc {
+        return Ok(Read::Bad(format!(
+            "the record at offset {offset} (index {index}) fails its CRC"
+        )));
+    }
+    Ok(Read::Record(index, payload, end))
+}
+
+fn decode(path: &Path, index: u64, payload: &[u8]) -> Result<Entry<TypeConfig>, WalError> {
+    let entry: Entry<TypeConfig> =
+        serde_json::from_slice(payload).map_err(|e| WalError::Corrupt {
+            path: path.display().to_string(),
+            reason: format!("entry {index} does not decode: {e}"),
+        })?;
+    if entry.log_id.index != index {
+        return Err(WalError::Corrupt {
+            path: path.display().to_string(),
+            reason: format!(
+                "the record of index {index} holds entry {}",
+                entry.log_id.index
+            ),
+        });
+    }
+    Ok(entry)
+}
+
+fn segment_path(dir: &Path, first_index: u64) -> PathBuf {
+    dir.join(format!("{first_index:020}.{SEGMENT_EXT}"))
+}
+
+fn sync_dir(dir: &Path) -> Result<(), WalError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_error(dir))
+}
+
+/// Allocates `bytes` for a file without writing them, so that later in-place writes do
+/// not change its size (cheaper `fdatasync`). Falls back to writing zeros where the file
+/// system cannot allocate.
+fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<(), WalError> {
+    let len = i64::try_from(bytes).map_err(|_| WalError::Corrupt {
+        path: path.display().to_string(),
+        reason: format!("a segment of {bytes} bytes"),
+    })?;
+    match nix::fcntl::fallocate(file, nix::fcntl::FallocateFlags::empty(), 0, len) {
+        Ok(()) => Ok(()),
+        Err(_) => {
+            let zeros = vec![0u8; 1 << 20];
+            let mut at = 0;
+            while at < bytes {
+                let n = (bytes - at).min(zeros.len() as u64) as usize;
+                file.write_all_at(&zeros[..n], at).map_err(io_error(path))?;
+                at += n as u64;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn create_segment(dir: &Path, first_index: u64, bytes: u64) -> Result<Segment, WalError> {
+    let path = segment_path(dir, first_index);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .map_err(io_error(&path))?;
+    preallocate(&file, &path, bytes)?;
+    file.sync_all().map_err(io_error(&path))?;
+    sync_dir(dir)?;
+    Ok(Segment {
+        path,
+        file: Arc::new(file),
+        capacity_bytes: bytes,
+        written_bytes: 0,
+        last_index: None,
+    })
+}
+
+/// True when `[from, to)` of `file` holds only zeros.
+fn all_zero(file: &File, from: u64, to: u64) -> io::Result<bool> {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = from;
+    while at < to {
+        let n = (to - at).min(buf.len() as u64) as usize;
+        file.read_exact_at(&mut buf[..n], at)?;
+        if buf[..n].iter().any(|b| *b != 0) {
+            return Ok(false);
+        }
+        at += n as u64;
+    }
+    Ok(true)
+}
+
+/// Writes zeros over `[from, to)` of `file`.
+fn zero_range(file: &File, path: &Path, from: u64, to: u64) -> Result<(), WalError> {
+    let zeros = vec![0u8; 1 << 20];
+    let mut at = from;
+    while at < to {
+        let n = (to - at).min(zeros.len() as u64) as usize;
+        file.write_all_at(&zeros[..n], at).map_err(io_error(path))?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+impl Wal {
+    /// Opens (creating if needed) the log in `dir`, checking every record; records at or
+    /// below `last_purged` are skipped.
+    ///
+    /// # Errors
+    /// [`WalError::Corrupt`] for damage other than a torn tail of the newest segment
+    /// (then nothing is changed on disk), [`WalError::Io`] on I/O failure.
+    pub fn open(dir: &Path, last_purged: Option<u64>) -> Result<Wal, WalError> {
+        std::fs::create_dir_all(dir).map_err(io_error(dir))?;
+        let mut firsts = Vec::new();
+        for item in std::fs::read_dir(dir).map_err(io_error(dir))? {
+            let item = item.map_err(io_error(dir))?;
+            let name = item.file_name().to_string_lossy().to_string();
+            let parsed = name
+                .strip_suffix(&format!(".{SEGMENT_EXT}"))
+                .filter(|n| n.len() == 20)
+                .and_then(|n| n.parse::<u64>().ok());
+            match parsed {
+                Some(first) => firsts.push(first),
+                None => {
+                    return Err(WalError::Corrupt {
+                        path: item.path().display().to_string(),
+                        reason: "an unknown file in the raft log directory".into(),
+                    });
+                }
+            }
+        }
+        firsts.sort_unstable();
+
+        let mut inner = Inner {
+            segments: BTreeMap::new(),
+            locs: BTreeMap::new(),
+            cache: BTreeMap::new(),
+            cache_bytes: 0,
+        };
+        let count = firsts.len();
+        for (i, first) in firsts.into_iter().enumerate() {
+            let newest = i + 1 == count;
+            let path = segment_path(dir, first);
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(io_error(&path))?;
+            let capacity_bytes = file.metadata().map_err(io_error(&path))?.len();
+            let mut offset = 0;
+            let mut last_index = None;
+            loop {
+                match read_record(&file, capacity_bytes, offset).map_err(io_error(&path))? {
+                    Read::End if newest => {
+                        // A torn write can also leave a zero header followed by written
+                        // bytes; they must not read as records once the log goes on here.
+                        if !all_zero(&file, offset, capacity_bytes).map_err(io_error(&path))? {
+                            tracing::warn!(
+                                path = %path.display(),
+                                offset,
+                                "bytes after the end of the newest raft log segment \
+                                 (a torn write) are zeroed"
+                            );
+                            zero_range(&file, &path, offset, capacity_bytes)?;
+                            file.sync_data().map_err(io_error(&path))?;
+                        }
+                        break;
+                    }
+                    Read::End => break,
+                    Read::Bad(reason) if newest => {
+                        tracing::warn!(
+                            path = %path.display(),
+                            %reason,
+                            discarded_bytes = capacity_bytes - offset,
+                            "the newest raft log segment ends in a torn write; its \
+                             unacknowledged tail is discarded"
+                        );
+                        zero_range(&file, &path, offset, capacity_bytes)?;
+                        file.sync_data().map_err(io_error(&path))?;
+                        break;
+                    }
+                    Read::Bad(reason) => {
+                        return Err(WalError::Corrupt {
+                            path: path.display().to_string(),
+                            reason,
+                        });
+                    }
+                    Read::Record(index, payload, end) => {
+                        let skip = last_purged.is_some_and(|p| index <= p);
+                        if !skip {
+                            if !inner.locs.is_empty() && index < inner.next_index() {
+                                return Err(WalError::Corrupt {
+                                    path: path.display().to_string(),
+                                    reason: format!(
+                                        "entry {index} follows entry {} (indexes must increase)",
+                                        inner.next_index() - 1
+                                    ),
+                                });
+                            }
+                            let entry = decode(&path, index, &payload)?;
+                            inner.locs.insert(
+                                index,
+                                Loc {
+                                    segment: first,
+                                    offset,
+                                    len: payload.len() as u32,
+                                },
+                            );
+                            inner.push_cache(entry, payload.len());
+                            last_index = Some(index);
+                        }
+                        offset = end;
+                    }
+                }
+            }
+            inner.segments.insert(
+                first,
+                Segment {
+                    path,
+                    file: Arc::new(file),
+                    capacity_bytes,
+                    written_bytes: offset,
+                    last_index,
+                },
+            );
+        }
+        if inner.segments.is_empty() {
+            let first = last_purged.map_or(0, |p| p + 1);
+            inner
+                .segments
+                .insert(first, create_segment(dir, first, SEGMENT_BYTES)?);
+        }
+        Ok(Wal {
+            dir: dir.to_path_buf(),
+            inner: Arc::new(Mutex::new(inner)),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The last entry's log id, if any entry is live.
+    ///
+    /// # Errors
+    /// I/O errors or damage reading it back (when it is not cached).
+    pub fn last(&self) -> Result<Option<openraft::LogId<crate::NodeId>>, WalError> {
+        let last = {
+            let inner = self.lock();
+            let Some((last, _)) = inner.locs.last_key_value() else {
+                return Ok(None);
+            };
+            if let Some((e, _)) = inner.cache.get(last) {
+                return Ok(Some(e.log_id));
+            }
+            *last
+        };
+        Ok(self.read(last, last + 1)?.pop().map(|e| e.log_id))
+    }
+
+    /// Live entries with indexes in `[start, end)`, in order (those outside the live log
+    /// are left out).
+    ///
+    /// # Errors
+    /// I/O errors or damage found while reading an uncached entry back.
+    pub fn read(&self, start: u64, end: u64) -> Result<Vec<Entry<TypeConfig>>, WalError> {
+        // Cached entries are cloned under the lock; the rest are read back after it.
+        let wanted: Vec<(u64, Result<Entry<TypeConfig>, (Loc, Arc<File>, PathBuf)>)> = {
+            let inner = self.lock();
+            if start >= end {
+                return Ok(Vec::new());
+            }
+            inner
+                .locs
+                .range(start..end)
+                .map(|(index, loc)| {
+                    let item = match inner.cache.get(index) {
+                        Some((e, _)) => Ok(e.clone()),
+                        None => {
+                            let seg = &inner.segments[&loc.segment];
+                            Err((*loc, seg.file.clone(), seg.path.clone()))
+                        }
+                    };
+                    (*index, item)
+                })
+                .collect()
+        };
+        let mut out = Vec::with_capacity(wanted.len());
+        for (index, item) in wanted {
+            match item {
+                Ok(entry) => out.push(entry),
+                Err((loc, file, path)) => {
+                    let mut payload = vec![0u8; loc.len as usize];
+                    file.read_exact_at(&mut payload, loc.offset + HEADER_BYTES)
+                        .map_err(io_error(&path))?;
+                    out.push(decode(&path, index, &payload)?);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Appends `entries` (consecutive, starting at the next index) and makes them durable.
+    ///
+    /// # Errors
+    /// Encoding or I/O errors; on error nothing new is readable.
+    pub fn append(&self, entries: Vec<Entry<TypeConfig>>) -> Result<(), WalError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let records: Vec<Vec<u8>> = entries
+            .iter()
+            .map(encode_record)
+            .collect::<Result<_, _>>()?;
+        let first_index = entries[0].log_id.index;
+        if let Some((i, e)) = entries
+            .iter()
+            .enumerate()
+            .find(|(i, e)| e.log_id.index != first_index + *i as u64)
+        {
+            return Err(WalError::Corrupt {
+                path: self.dir.display().to_string(),
+                reason: format!(
+                    "an append whose entry {} is not consecutive (expected {})",
+                    e.log_id.index,
+                    first_index + i as u64
+                ),
+            });
+        }
+        // Records stay in increasing index order: appending at or below the last index
+        // replaces the log from there.
+        if first_index < self.lock().next_index() {
+            self.truncate(first_index)?;
+        }
+        let (mut segment_first, mut file, mut path, mut capacity, mut offset) = {
+            let inner = self.lock();
+            let (first, seg) = inner
+                .segments
+                .last_key_value()
+                .expect("the log always has a segment to write");
+            (
+                *first,
+                seg.file.clone(),
+                seg.path.clone(),
+                seg.capacity_bytes,
+                seg.written_bytes,
+            )
+        };
+        // Write the records, starting new segments as needed; nothing is published yet.
+        let mut new_segments = Vec::new();
+        // `(segment, end of its records)` of segments filled by this append.
+        let mut filled = Vec::new();
+        let mut placed = Vec::with_capacity(records.len());
+        let mut run: Vec<u8> = Vec::new();
+        let mut run_offset = offset;
+        for (entry, record) in entries.iter().zip(&records) {
+            let size = record.len() as u64;
+            if offset + size > capacity {
+                file.write_all_at(&run, run_offset)
+                    .map_err(io_error(&path))?;
+                file.sync_data().map_err(io_error(&path))?;
+                run.clear();
+                filled.push((segment_first, offset));
+                // Segment names increase with the file order, whatever the index.
+                let name = entry.log_id.index.max(segment_first + 1);
+                let seg = create_segment(&self.dir, name, SEGMENT_BYTES.max(size + HEADER_BYTES))?;
+                segment_first = name;
+                file = seg.file.clone();
+                path = seg.path.clone();
+                capacity = seg.capacity_bytes;
+                offset = 0;
+                run_offset = 0;
+                new_segments.push((segment_first, seg));
+            }
+            placed.push(Loc {
+                segment: segment_first,
+                offset,
+                len: (size - HEADER_BYTES) as u32,
+            });
+            run.extend_from_slice(record);
+            offset += size;
+        }
+        file.write_all_at(&run, run_offset)
+            .map_err(io_error(&path))?;
+        file.sync_data().map_err(io_error(&path))?;
+
+        let mut inner = self.lock();
+        for (first, seg) in new_segments {
+            inner.segments.insert(first, seg);
+        }
+        filled.push((segment_first, offset));
+        for (first, end) in filled {
+            if let Some(seg) = inner.segments.get_mut(&first) {
+                seg.written_bytes = end;
+            }
+        }
+        for ((entry, loc), record) in entries.into_iter().zip(placed).zip(&records) {
+            if let Some(seg) = inner.segments.get_mut(&loc.segment) {
+                seg.last_index = Some(entry.log_id.index);
+            }
+            inner.locs.insert(entry.log_id.index, loc);
+            inner.push_cache(entry, record.len() - HEADER_BYTES as usize);
+        }
+        Ok(())
+    }
+
+    /// Removes every entry with index ≥ `since`, durably.
+    ///
+    /// # Errors
+    /// I/O errors.
+    pub fn truncate(&self, since: u64) -> Result<(), WalError> {
+        let (doomed, keep) = {
+            let mut inner = self.lock();
+            let Some(cut) = inner.locs.range(since..).next().map(|(_, l)| *l) else {
+                return Ok(()); // nothing at or after `since`
+            };
+            inner.locs.split_off(&since);
+            inner.drop_cache_from(since);
+            // Segments after the one holding `since` go (newest first); that one is cut
+            // at the record's offset.
+            let later: Vec<u64> = inner
+                .segments
+                .range(cut.segment.saturating_add(1)..)
+                .map(|(f, _)| *f)
+                .collect();
+            let doomed: Vec<Segment> = later
+                .into_iter()
+                .rev()
+                .filter_map(|f| inner.segments.remove(&f))
+                .collect();
+            let last_kept = inner
+                .locs
+                .iter()
+                .next_back()
+                .filter(|(_, l)| l.segment == cut.segment)
+                .map(|(i, _)| *i);
+            let keep = inner.segments.get_mut(&cut.segment).map(|seg| {
+                let old_end = seg.written_bytes;
+                seg.written_bytes = cut.offset;
+                seg.last_index = last_kept;
+                (seg.file.clone(), seg.path.clone(), cut.offset, old_end)
+            });
+            (doomed, keep)
+        };
+        for seg in &doomed {
+            std::fs::remove_file(&seg.path).map_err(io_error(&seg.path))?;
+        }
+        if !doomed.is_empty() {
+            sync_dir(&self.dir)?;
+        }
+        if let Some((file, path, from, to)) = keep
+            && from < to
+        {
+            zero_range(&file, &path, from, to)?;
+            file.sync_data().map_err(io_error(&path))?;
+        }
+        Ok(())
+    }
+
+    /// Forgets every entry with index ≤ `upto` and deletes the segments holding only such
+    /// entries (the newest segment is always kept). The caller records the purge point
+    /// durably first.
+    ///
+    /// # Errors
+    /// I/O errors deleting segments.
+    pub fn purge(&self, upto: u64) -> Result<(), WalError> {
+        let doomed: Vec<Segment> = {
+            let mut inner = self.lock();
+            let live = inner.locs.split_off(&(upto.saturating_add(1)));
+            inner.locs = live;
+            let cached = inner.cache.split_off(&(upto.saturating_add(1)));
+            let dropped: usize = inner.cache.values().map(|(_, b)| *b).sum();
+            inner.cache = cached;
+            inner.cache_bytes -= dropped;
+            // A segment goes when it holds no live record; the newest always stays.
+            let newest = *inner
+                .segments
+                .last_key_value()
+                .expect("the log always has a segment")
+                .0;
+            let gone: Vec<u64> = inner
+                .segments
+                .iter()
+                .take_while(|(first, seg)| {
+                    **first != newest && seg.last_index.is_none_or(|l| l <= upto)
+                })
+                .map(|(first, _)| *first)
+                .collect();
+            gone.into_iter()
+                .filter_map(|f| inner.segments.remove(&f))
+                .collect()
+        };
+        for seg in &doomed {
+            std::fs::remove_file(&seg.path).map_err(io_error(&seg.path))?;
+        }
+        if !doomed.is_empty() {
+            sync_dir(&self.dir)?;
+        }
+        Ok(())
+    }
+
+    /// Number of segment files (for tests and metrics).
+    pub fn segment_count(&self) -> usize {
+        self.lock().segments.len()
+    }
+}

@@ -1,0 +1,287 @@
+//! The write-ahead log of Raft entries: entries survive a reopen across segments; a torn
+//! tail is cut and zeroed, damage elsewhere refuses to open; a truncation never lets an
+//! old record reappear; a purge deletes old segments; a data dir written before the WAL
+//! (entries in sled) is migrated.
+
+use std::collections::BTreeMap;
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use cumulus_raft_store::state::{Command, JobSpec, RestartPolicy};
+use cumulus_raft_store::wal::{SEGMENT_BYTES, Wal};
+use cumulus_raft_store::{TypeConfig, open};
+use openraft::storage::RaftLogStorage;
+use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, RaftLogReader};
+
+fn spec(name: &str) -> JobSpec {
+    JobSpec {
+        name: name.into(),
+        world_size: 2,
+        command: vec!["true".into()],
+        env: BTreeMap::new(),
+        dataset: String::new(),
+        ckpt_dir: String::new(),
+        ckpt_keep: 3,
+        restart: RestartPolicy::default(),
+        progress_timeout_ms: 0,
+        working_dir: String::new(),
+        ckpt_url: String::new(),
+        ckpt_commit_tier: String::new(),
+    }
+}
+
+/// An entry of `term` at `index` whose payload is about `shard_bytes` long.
+fn entry(term: u64, index: u64, shard_bytes: usize) -> Entry<TypeConfig> {
+    Entry {
+        log_id: LogId::new(CommittedLeaderId::new(term, 1), index),
+        payload: EntryPayload::Normal(Command::SubmitJob {
+            request_id: format!("r{term}-{index}"),
+            spec: spec(&format!("t{term}")),
+            shards: vec!["s".repeat(shard_bytes)],
+            submitted_at_ms: index,
+        }),
+    }
+}
+
+fn entries(term: u64, from: u64, to: u64, shard_bytes: usize) -> Vec<Entry<TypeConfig>> {
+    (from..to).map(|i| entry(term, i, shard_bytes)).collect()
+}
+
+fn segments(dir: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("read dir")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn entries_survive_reopen_across_segments() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // 1 MiB entries: 40 of them span three 16 MiB segments.
+    let big = 1 << 20;
+    let written = entries(1, 1, 41, big);
+    {
+        let wal = Wal::open(dir.path(), None).expect("open");
+        for chunk in written.chunks(7) {
+            wal.append(chunk.to_vec()).expect("append");
+        }
+        assert_eq!(wal.read(0, 100).expect("read"), written);
+        assert!(wal.segment_count() >= 3, "{}", wal.segment_count());
+    }
+    let wal = Wal::open(dir.path(), None).expect("reopen");
+    assert_eq!(wal.read(1, 41).expect("read"), written);
+    assert_eq!(wal.read(10, 12).expect("read"), written[9..11].to_vec());
+    assert_eq!(wal.last().expect("last"), Some(written[39].log_id));
+    assert!(segments(dir.path()).len() >= 3);
+    assert!(SEGMENT_BYTES < 40 * big as u64);
+}
+
+#[test]
+fn a_torn_tail_is_cut_and_the_log_goes_on() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let written = entries(1, 1, 11, 100);
+    let tail_offset = {
+        let wal = Wal::open(dir.path(), None).expect("open");
+        wal.append(written.clone()).expect("append");
+        // Where the next record would go: after the 10 records.
+        let seg = &segments(dir.path())[0];
+        let data = std::fs::read(seg).expect("read segment");
+        data.iter().rposition(|b| *b != 0).expect("records") as u64 + 1
+    };
+    // A torn write: the header of an 11th record that claims more bytes than were written.
+    let seg = segments(dir.path())[0].clone();
+    let file = OpenOptions::new().write(true).open(&seg).expect("open");
+    let mut torn = Vec::new();
+    torn.extend_from_slice(&500u32.to_le_bytes());
+    torn.extend_from_slice(&0xdead_beef_u32.to_le_bytes());
+    torn.extend_from_slice(&11u64.to_le_bytes());
+    torn.extend_from_slice(b"{\"log_id\":");
+    file.write_all_at(&torn, tail_offset).expect("tear");
+    file.sync_all().expect("sync");
+
+    let wal = Wal::open(dir.path(), None).expect("a torn tail opens");
+    assert_eq!(wal.read(0, 100).expect("read"), written);
+    // The torn bytes are gone, and the log takes new entries where it ended.
+    let data = std::fs::read(&seg).expect("read segment");
+    assert!(
+        data[tail_offset as usize..].iter().all(|b| *b == 0),
+        "the torn tail is zeroed"
+    );
+    let more = entries(2, 11, 13, 100);
+    wal.append(more.clone()).expect("append after the tear");
+    drop(wal);
+    let wal = Wal::open(dir.path(), None).expect("reopen");
+    let mut all = written;
+    all.extend(more);
+    assert_eq!(wal.read(0, 100).expect("read"), all);
+}
+
+#[test]
+fn bytes_after_a_zero_header_are_zeroed_on_open() {
+    // A torn batch whose first page never reached the disk but a later one did: the log
+    // ends at the zero header, and the later bytes must not survive to be read as
+    // records once new entries are written over the start.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let written = entries(1, 1, 4, 100);
+    {
+        let wal = Wal::open(dir.path(), None).expect("open");
+        wal.append(written.clone()).expect("append");
+    }
+    let seg = segments(dir.path())[0].clone();
+    let end = std::fs::read(&seg)
+        .expect("read")
+        .iter()
+        .rposition(|b| *b != 0)
+        .expect("records") as u64
+        + 1;
+    let file = OpenOptions::new().write(true).open(&seg).expect("open");
+    file.write_all_at(b"stale bytes of a torn batch", end + 4_096)
+        .expect("write");
+    file.sync_all().expect("sync");
+    let wal = Wal::open(dir.path(), None).expect("reopen");
+    assert_eq!(wal.read(0, 10).expect("read"), written);
+    let data = std::fs::read(&seg).expect("read");
+    assert!(data[end as usize..].iter().all(|b| *b == 0));
+}
+
+#[test]
+fn damage_in_an_older_segment_refuses_to_open() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    {
+        let wal = Wal::open(dir.path(), None).expect("open");
+        wal.append(entries(1, 1, 21, 1 << 20)).expect("append");
+    }
+    let first = segments(dir.path())[0].clone();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&first)
+        .expect("open");
+    // Flip a byte inside the payload of the second record.
+    let mut byte = [0u8; 1];
+    let at = (1 << 20) + 5_000;
+    file.read_exact_at(&mut byte, at).expect("read");
+    byte[0] ^= 0xff;
+    file.write_all_at(&byte, at).expect("write");
+    file.sync_all().expect("sync");
+    let err = match Wal::open(dir.path(), None) {
+        Ok(_) => panic!("a damaged older segment must not open"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("corrupt") && err.contains("CRC"), "{err}");
+}
+
+#[test]
+fn a_truncated_suffix_never_reappears() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let wal = Wal::open(dir.path(), None).expect("open");
+    // Entries 1..=30 of term 1, spanning segments; then a new leader's shorter entries
+    // replace 5..: none of the old records may read as valid after a reopen.
+    wal.append(entries(1, 1, 31, 1 << 20)).expect("append");
+    let segments_before = wal.segment_count();
+    wal.truncate(5).expect("truncate");
+    assert!(wal.segment_count() < segments_before);
+    assert_eq!(wal.read(0, 100).expect("read"), entries(1, 1, 5, 1 << 20));
+    let replacement = entries(2, 5, 8, 10);
+    wal.append(replacement.clone()).expect("append");
+    drop(wal);
+    let wal = Wal::open(dir.path(), None).expect("reopen");
+    let mut expected = entries(1, 1, 5, 1 << 20);
+    expected.extend(replacement);
+    assert_eq!(wal.read(0, 100).expect("read"), expected);
+    assert_eq!(wal.last().expect("last"), Some(expected[6].log_id));
+    // Truncating everything leaves an empty log that takes entries again.
+    wal.truncate(1).expect("truncate all");
+    assert_eq!(wal.last().expect("last"), None);
+    wal.append(entries(3, 1, 3, 10)).expect("append");
+    drop(wal);
+    let wal = Wal::open(dir.path(), None).expect("reopen");
+    assert_eq!(wal.read(0, 100).expect("read"), entries(3, 1, 3, 10));
+}
+
+#[test]
+fn purge_deletes_old_segments_and_reopen_skips_purged_records() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let wal = Wal::open(dir.path(), None).expect("open");
+    wal.append(entries(1, 1, 41, 1 << 20)).expect("append");
+    let before = segments(dir.path()).len();
+    wal.purge(35).expect("purge");
+    assert!(segments(dir.path()).len() < before);
+    assert_eq!(wal.read(0, 100).expect("read"), entries(1, 36, 41, 1 << 20));
+    drop(wal);
+    let wal = Wal::open(dir.path(), Some(35)).expect("reopen");
+    assert_eq!(wal.read(0, 100).expect("read"), entries(1, 36, 41, 1 << 20));
+    // Purging past the end (a snapshot installed ahead of the log) empties it; the next
+    // entries start after the purge point.
+    wal.purge(100).expect("purge all");
+    assert_eq!(wal.last().expect("last"), None);
+    wal.append(entries(2, 101, 103, 10)).expect("append");
+    drop(wal);
+    let wal = Wal::open(dir.path(), Some(100)).expect("reopen");
+    assert_eq!(wal.read(0, 200).expect("read"), entries(2, 101, 103, 10));
+}
+
+#[test]
+fn an_append_at_or_below_the_last_index_replaces_the_log_from_there() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let wal = Wal::open(dir.path(), None).expect("open");
+    wal.append(entries(1, 1, 6, 10)).expect("append");
+    wal.append(entries(2, 3, 4, 10)).expect("append over 3");
+    let mut expected = entries(1, 1, 3, 10);
+    expected.extend(entries(2, 3, 4, 10));
+    assert_eq!(wal.read(0, 10).expect("read"), expected);
+    drop(wal);
+    let wal = Wal::open(dir.path(), None).expect("reopen");
+    assert_eq!(wal.read(0, 10).expect("read"), expected);
+    // Entries of one append must be consecutive.
+    let mut broken = entries(2, 4, 6, 10);
+    broken.swap(0, 1);
+    assert!(wal.append(broken).is_err());
+    assert_eq!(wal.read(0, 10).expect("read"), expected);
+}
+
+#[test]
+fn an_unknown_file_in_the_log_directory_refuses_to_open() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("notes.txt"), b"x").expect("write");
+    assert!(Wal::open(dir.path(), None).is_err());
+}
+
+#[tokio::test]
+async fn a_log_written_by_the_sled_store_is_moved_into_the_wal() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let old = entries(1, 1, 6, 50);
+    {
+        // The layout before the WAL: entries as JSON in the sled tree `raft_logs`.
+        let db = sled::open(dir.path()).expect("sled");
+        let tree = db.open_tree("raft_logs").expect("tree");
+        for e in &old {
+            tree.insert(
+                e.log_id.index.to_be_bytes(),
+                serde_json::to_vec(e).expect("json"),
+            )
+            .expect("insert");
+        }
+        db.flush().expect("flush");
+    }
+    {
+        let (mut log, _sm) = open(dir.path()).expect("open migrates");
+        assert_eq!(log.try_get_log_entries(0..10).await.expect("read"), old);
+        let state = log.get_log_state().await.expect("state");
+        assert_eq!(state.last_log_id, Some(old[4].log_id));
+        log.purge(old[1].log_id).await.expect("purge");
+    }
+    {
+        let db = sled::open(dir.path()).expect("sled");
+        let tree = db.open_tree("raft_logs").expect("tree");
+        assert!(tree.is_empty(), "the sled copy is cleared after the move");
+    }
+    let (mut log, _sm) = open(dir.path()).expect("reopen");
+    assert_eq!(
+        log.try_get_log_entries(0..10).await.expect("read"),
+        old[2..].to_vec()
+    );
+}
