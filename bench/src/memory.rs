@@ -162,7 +162,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         let data = leader.data_dir.join("raft");
         rows.push(Row::new(
             "memory",
-            &format!("leader sled dir after {entries} entries"),
+            &format!("leader raft dir (sled + WAL segments) after {entries} entries"),
             mb(dir_size(&data)),
             "MB",
             1,

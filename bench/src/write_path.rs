@@ -18,7 +18,7 @@
 //!   than etcd: it validates the spec, lists the dataset directory and replicates the shard
 //!   list inside the Raft entry.
 //! - Same durability: a write is acknowledged by both only once its log entry is fsynced on
-//!   a quorum (Cumulus: the sled Raft log store flushes every append before acknowledging;
+//!   a quorum (Cumulus: the Raft log store fdatasyncs every append before acknowledging;
 //!   etcd: default settings, the WAL is fsynced on every member before it votes/commits).
 //! - Same concurrency and the same client stack: tonic 0.14 for both (the etcd client is
 //!   `etcd-client` 0.21 on tonic 0.14), one HTTP/2 connection per 16 clients for both

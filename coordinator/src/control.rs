@@ -878,13 +878,22 @@ async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Jobs that were ever placed (running or terminal), in id order: only they can have
+/// committed checkpoints. Leaves out pending jobs, however many are queued.
+fn placed_jobs(s: &ClusterState) -> impl Iterator<Item = &Job> {
+    let index = s.job_index();
+    index
+        .running
+        .union(&index.terminal)
+        .filter_map(|id| s.jobs.get(id))
+}
+
 /// Makes LATEST name the committed step of every job (a leader may have died between
 /// the Raft commit and the LATEST write). One I/O task per job, at most every
 /// [`IO_RETRY_INTERVAL`] until it succeeds.
 fn ensure_latest(node: &Arc<Node>, memory: &mut LoopMemory) {
     let jobs: Vec<(String, cumulus_raft_store::state::JobSpec, u64)> = node.read_state(|s| {
-        s.jobs
-            .values()
+        placed_jobs(s)
             .filter(|j| j.spec.ckpt_enabled())
             .filter_map(|j| j.committed_step.map(|c| (j.id.clone(), j.spec.clone(), c)))
             .filter(|(id, _, c)| memory.latest_ok.get(id) != Some(c))
@@ -931,8 +940,7 @@ fn ensure_latest(node: &Arc<Node>, memory: &mut LoopMemory) {
 fn mirror_to_l2(node: &Arc<Node>, memory: &mut LoopMemory) {
     let jobs: Vec<(String, cumulus_raft_store::state::JobSpec, u64, Vec<u64>)> =
         node.read_state(|s| {
-            s.jobs
-                .values()
+            placed_jobs(s)
                 .filter(|j| !j.spec.ckpt_url.is_empty() && j.spec.ckpt_commit_tier == "l1")
                 .filter_map(|j| {
                     j.committed_step.map(|c| {
@@ -1018,10 +1026,12 @@ fn prune_progress(node: &Node, memory: &mut LoopMemory) {
         return;
     }
     memory.last_progress_prune = Some(Instant::now());
+    // Progress is only reported by attempts of running jobs.
     let current: HashSet<AttemptKey> = node.read_state(|s| {
-        s.jobs
-            .values()
-            .filter(|j| !j.state.is_terminal())
+        s.job_index()
+            .running
+            .iter()
+            .filter_map(|id| s.jobs.get(id))
             .flat_map(|j| j.ranks.iter().map(|r| (j.id.clone(), r.rank, r.attempt)))
             .collect()
     });

@@ -282,8 +282,10 @@ pub fn desired_digest(desired: &[v1::DesiredRank]) -> u64 {
 /// placed on `worker_id`: when its desired set changes without a new command.
 pub fn next_backoff_end_ms(state: &ClusterState, worker_id: &str, now_ms: u64) -> Option<u64> {
     state
-        .jobs
-        .values()
+        .job_index()
+        .running
+        .iter()
+        .filter_map(|id| state.jobs.get(id))
         .filter(|j| j.state == JobState::Running)
         .flat_map(|j| j.ranks.iter())
         .filter(|r| {

@@ -27,7 +27,7 @@ use crate::node::{ApiError, Raft, leader_node};
 pub const MAX_QUEUED_PROPOSALS: usize = 4_096;
 /// Batches being committed at once. While this many are in flight, new proposals queue
 /// and then go out together.
-pub const MAX_INFLIGHT_BATCHES: usize = 2;
+pub const MAX_INFLIGHT_BATCHES: usize = 1;
 /// Largest estimated encoded size of one batch, in bytes
 /// ([`Command::approx_encoded_bytes`]); a proposal larger than this goes alone.
 pub const MAX_BATCH_BYTES: usize = 1 << 20;

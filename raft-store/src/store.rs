@@ -1,14 +1,13 @@
 //! openraft storage (v2 API): the Raft log ([`LogStore`]: entries in the write-ahead log
-//! of [`crate::wal`], the vote and the purge point in sled) and the state machine with
-//! its snapshots ([`StateMachineStore`], in sled).
+//! of [`crate::wal`], the vote and the purge point in sled) and the state machine
+//! ([`StateMachineStore`]: in memory, its snapshots in sled).
 //!
-//! Durability: an append, a truncation, a purge and a vote are on disk (`fdatasync` or
-//! sled flush) before they are reported done (openraft's contract; its 0.9 rocksdb
-//! example skips the flush, we do not). The state machine is written per touched key in one atomic sled
-//! batch per applied batch of entries, without a flush: after a crash it may be
-//! behind the log, and openraft re-applies the committed entries (we persist the
-//! committed log id), or, when it is behind the last snapshot, it is restored from the
-//! snapshot on open.
+//! Durability: an append, a truncation, a purge, a vote and a snapshot are on disk
+//! (`fdatasync` or sled flush) before they are reported done (openraft's contract; its
+//! 0.9 rocksdb example skips the flush, we do not). The applied state is not written per
+//! entry: on open it is restored from the newest snapshot, and openraft re-applies the
+//! committed entries after it from the log (we save the committed log id; the log is
+//! purged only behind a snapshot).
 //!
 //! Everything read back from sled is parsed and validated; a corrupt record is an
 //! error, never silently wrong state.
@@ -69,15 +68,11 @@ const LEGACY_LOGS_TREE: &str = "raft_logs";
 /// Directory of the write-ahead log, inside the store's directory.
 const WAL_DIR: &str = "wal";
 const META_TREE: &str = "raft_meta";
-const SM_TREE: &str = "state_machine";
 const SNAPSHOT_TREE: &str = "snapshot";
 
 const KEY_VOTE: &[u8] = b"vote";
 const KEY_COMMITTED: &[u8] = b"committed";
 const KEY_LAST_PURGED: &[u8] = b"last_purged";
-const KEY_LAST_APPLIED: &[u8] = b"meta/last_applied";
-const KEY_LAST_MEMBERSHIP: &[u8] = b"meta/last_membership";
-const KEY_NEXT_JOB_SEQ: &[u8] = b"meta/next_job_seq";
 const KEY_SNAPSHOT: &[u8] = b"current";
 
 fn io_err(
@@ -115,7 +110,6 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
     let db = sled::Config::new().path(dir).open().map_err(sled_err)?;
     let legacy_logs = db.open_tree(LEGACY_LOGS_TREE).map_err(sled_err)?;
     let meta = db.open_tree(META_TREE).map_err(sled_err)?;
-    let sm_tree = db.open_tree(SM_TREE).map_err(sled_err)?;
     let snap_tree = db.open_tree(SNAPSHOT_TREE).map_err(sled_err)?;
     let corrupt = |what: &str, reason: String| OpenError::Corrupt {
         path: path.clone(),
@@ -145,21 +139,20 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         ),
         None => None,
     };
-    let mut data = load_sm(&sm_tree).map_err(|(what, reason)| corrupt(&what, reason))?;
-    if let Some(snap) = &snapshot
-        && snap.meta.last_log_id > data.last_applied
-    {
-        // The state machine lost unflushed writes older than the snapshot: restore it.
-        let restored: SnapshotPayload = serde_json::from_slice(&snap.data)
-            .map_err(|e| corrupt("snapshot data", e.to_string()))?;
-        data = SmData {
-            last_applied: snap.meta.last_log_id,
-            last_membership: snap.meta.last_membership.clone(),
-            state: restored.state,
-        };
-        write_full_sm(&sm_tree, &data)
-            .map_err(|e| corrupt("state machine rewrite", e.to_string()))?;
-    }
+    // The applied state lives in memory: it starts from the newest snapshot, and openraft
+    // re-applies the committed entries after it from the log on start.
+    let data = match &snapshot {
+        Some(snap) => {
+            let restored: SnapshotPayload = serde_json::from_slice(&snap.data)
+                .map_err(|e| corrupt("snapshot data", e.to_string()))?;
+            SmData {
+                last_applied: snap.meta.last_log_id,
+                last_membership: snap.meta.last_membership.clone(),
+                state: restored.state,
+            }
+        }
+        None => SmData::default(),
+    };
     let (changes, _) = watch::channel(0);
     let shared = Arc::new(SharedState {
         data: RwLock::new(data),
@@ -173,7 +166,6 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         },
         StateMachineStore {
             db,
-            sm_tree,
             snap_tree,
             shared,
             snapshot_seq: 0,
@@ -427,11 +419,14 @@ struct SnapshotPayload {
     state: ClusterState,
 }
 
-/// The state machine: [`ClusterState`] in memory, persisted per key in the sled tree
-/// `state_machine`, with the current snapshot in the tree `snapshot`.
+/// The state machine: [`ClusterState`] in memory; what is durable is the current
+/// snapshot (sled tree `snapshot`) plus the log after it, which openraft re-applies on
+/// start (the committed log id is saved with the log). Nothing is written per applied
+/// entry: persisting every touched key in sled took ~28% of the leader's CPU on the write
+/// path (BENCHMARKS.md, session 6). The sled tree `state_machine` of older data dirs is
+/// no longer read.
 pub struct StateMachineStore {
     db: sled::Db,
-    sm_tree: sled::Tree,
     snap_tree: sled::Tree,
     shared: Arc<SharedState>,
     snapshot_seq: u64,
@@ -445,90 +440,6 @@ impl StateMachineStore {
 }
 
 type LoadError = (String, String);
-
-fn load_sm(tree: &sled::Tree) -> Result<SmData, LoadError> {
-    let mut data = SmData::default();
-    for item in tree.iter() {
-        let (k, v) = item.map_err(|e| ("state machine".to_string(), e.to_string()))?;
-        let key = String::from_utf8_lossy(&k).to_string();
-        let bad = |e: serde_json::Error| (key.clone(), e.to_string());
-        if k.as_ref() == KEY_LAST_APPLIED {
-            data.last_applied = serde_json::from_slice(&v).map_err(bad)?;
-        } else if k.as_ref() == KEY_LAST_MEMBERSHIP {
-            data.last_membership = serde_json::from_slice(&v).map_err(bad)?;
-        } else if k.as_ref() == KEY_NEXT_JOB_SEQ {
-            data.state.next_job_seq = serde_json::from_slice(&v).map_err(bad)?;
-        } else if let Some(id) = key.strip_prefix("job/") {
-            let job: crate::state::Job = serde_json::from_slice(&v).map_err(bad)?;
-            if job.id != id || job.ranks.len() != job.spec.world_size as usize {
-                return Err((
-                    key,
-                    "job record does not match its key or world size".into(),
-                ));
-            }
-            data.state.jobs.insert(id.to_string(), job);
-        } else if let Some(id) = key.strip_prefix("worker/") {
-            let w: crate::state::WorkerRecord = serde_json::from_slice(&v).map_err(bad)?;
-            if w.worker_id != id {
-                return Err((key, "worker record does not match its key".into()));
-            }
-            data.state.workers.insert(id.to_string(), w);
-        } else if let Some(id) = key.strip_prefix("req/") {
-            let job_id: String = serde_json::from_slice(&v).map_err(bad)?;
-            data.state.request_ids.insert(id.to_string(), job_id);
-        } else {
-            return Err((key, "unknown key in the state machine".into()));
-        }
-    }
-    data.state.rebuild_index();
-    Ok(data)
-}
-
-fn enc<T: Serialize>(value: &T) -> Vec<u8> {
-    serde_json::to_vec(value).expect("state records are plain data and always serialize")
-}
-
-fn key_value(state: &ClusterState, key: &DirtyKey) -> (Vec<u8>, Option<Vec<u8>>) {
-    match key {
-        DirtyKey::Job(id) => (
-            format!("job/{id}").into_bytes(),
-            state.jobs.get(id).map(enc),
-        ),
-        DirtyKey::Worker(id) => (
-            format!("worker/{id}").into_bytes(),
-            state.workers.get(id).map(enc),
-        ),
-        DirtyKey::RequestId(id) => (
-            format!("req/{id}").into_bytes(),
-            state.request_ids.get(id).map(enc),
-        ),
-        DirtyKey::Meta => (KEY_NEXT_JOB_SEQ.to_vec(), Some(enc(&state.next_job_seq))),
-    }
-}
-
-fn write_full_sm(tree: &sled::Tree, data: &SmData) -> Result<(), sled::Error> {
-    tree.clear()?;
-    let mut batch = sled::Batch::default();
-    let state = &data.state;
-    let mut keys: Vec<DirtyKey> = vec![DirtyKey::Meta];
-    keys.extend(state.jobs.keys().cloned().map(DirtyKey::Job));
-    keys.extend(state.workers.keys().cloned().map(DirtyKey::Worker));
-    keys.extend(state.request_ids.keys().cloned().map(DirtyKey::RequestId));
-    for key in &keys {
-        if let (k, Some(v)) = key_value(state, key) {
-            batch.insert(k, v);
-        }
-    }
-    batch.insert(
-        KEY_LAST_APPLIED,
-        serde_json::to_vec(&data.last_applied).expect("log ids serialize"),
-    );
-    batch.insert(
-        KEY_LAST_MEMBERSHIP,
-        serde_json::to_vec(&data.last_membership).expect("memberships serialize"),
-    );
-    tree.apply_batch(batch)
-}
 
 impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
@@ -592,7 +503,6 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     {
         let mut responses = Vec::new();
         let mut dirty = BTreeSet::new();
-        let mut batch = sled::Batch::default();
         {
             let mut guard = self.shared.data.write().unwrap_or_else(|p| p.into_inner());
             let data = &mut *guard;
@@ -608,25 +518,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 };
                 responses.push(resp);
             }
-            for key in &dirty {
-                match key_value(&data.state, key) {
-                    (k, Some(v)) => batch.insert(k, v),
-                    (k, None) => batch.remove(k),
-                }
-            }
-            batch.insert(
-                KEY_LAST_APPLIED,
-                serde_json::to_vec(&data.last_applied).map_err(|e| sm_err(ErrorVerb::Write, e))?,
-            );
-            batch.insert(
-                KEY_LAST_MEMBERSHIP,
-                serde_json::to_vec(&data.last_membership)
-                    .map_err(|e| sm_err(ErrorVerb::Write, e))?,
-            );
         }
-        self.sm_tree
-            .apply_batch(batch)
-            .map_err(|e| sm_err(ErrorVerb::Write, e))?;
         self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
         Ok(responses)
     }
@@ -634,7 +526,6 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         StateMachineStore {
             db: self.db.clone(),
-            sm_tree: self.sm_tree.clone(),
             snap_tree: self.snap_tree.clone(),
             shared: self.shared.clone(),
             snapshot_seq: self.snapshot_seq + 1_000_000,
@@ -666,7 +557,6 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             last_membership: meta.last_membership.clone(),
             state: payload.state,
         };
-        write_full_sm(&self.sm_tree, &data).map_err(|e| sm_err(ErrorVerb::Write, e))?;
         let stored = StoredSnapshot {
             meta: meta.clone(),
             data: bytes,
