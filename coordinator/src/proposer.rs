@@ -26,7 +26,9 @@ use crate::node::{ApiError, Raft, leader_node};
 /// Proposals waiting for a batch, at most; past it [`Proposer::propose`] waits.
 pub const MAX_QUEUED_PROPOSALS: usize = 4_096;
 /// Batches being committed at once. While this many are in flight, new proposals queue
-/// and then go out together.
+/// and then go out together. 1 measured best on the write-path benchmark (1, 2 and 8
+/// tried, BENCHMARKS.md session 6): openraft's core flushes each entry on its own anyway,
+/// so a second entry in flight only splits what would have been one larger batch.
 pub const MAX_INFLIGHT_BATCHES: usize = 1;
 /// Largest estimated encoded size of one batch, in bytes
 /// ([`Command::approx_encoded_bytes`]); a proposal larger than this goes alone.

@@ -168,6 +168,17 @@ impl Inner {
     }
 }
 
+/// An entry a read wants: cloned from the cache, or to be read back from its segment.
+// Short-lived (one per entry of a read, moved into the result); boxing the large variant
+// would add an allocation per cached entry on the replication path.
+#[allow(clippy::large_enum_variant)]
+enum Wanted {
+    /// A decoded entry from the cache.
+    Cached(Entry<TypeConfig>),
+    /// Where the record is: its location, the segment's file and path.
+    OnDisk(Loc, Arc<File>, PathBuf),
+}
+
 /// The write-ahead log. Cheap to clone; clones share the log. Appends, truncations and
 /// purges must not run concurrently (openraft calls them from its core task, one at a
 /// time); reads may run at any time.
@@ -507,7 +518,7 @@ impl Wal {
     /// I/O errors or damage found while reading an uncached entry back.
     pub fn read(&self, start: u64, end: u64) -> Result<Vec<Entry<TypeConfig>>, WalError> {
         // Cached entries are cloned under the lock; the rest are read back after it.
-        let wanted: Vec<(u64, Result<Entry<TypeConfig>, (Loc, Arc<File>, PathBuf)>)> = {
+        let wanted: Vec<(u64, Wanted)> = {
             let inner = self.lock();
             if start >= end {
                 return Ok(Vec::new());
@@ -517,10 +528,10 @@ impl Wal {
                 .range(start..end)
                 .map(|(index, loc)| {
                     let item = match inner.cache.get(index) {
-                        Some((e, _)) => Ok(e.clone()),
+                        Some((e, _)) => Wanted::Cached(e.clone()),
                         None => {
                             let seg = &inner.segments[&loc.segment];
-                            Err((*loc, seg.file.clone(), seg.path.clone()))
+                            Wanted::OnDisk(*loc, seg.file.clone(), seg.path.clone())
                         }
                     };
                     (*index, item)
@@ -530,8 +541,8 @@ impl Wal {
         let mut out = Vec::with_capacity(wanted.len());
         for (index, item) in wanted {
             match item {
-                Ok(entry) => out.push(entry),
-                Err((loc, file, path)) => {
+                Wanted::Cached(entry) => out.push(entry),
+                Wanted::OnDisk(loc, file, path) => {
                     let mut payload = vec![0u8; loc.len as usize];
                     file.read_exact_at(&mut payload, loc.offset + HEADER_BYTES)
                         .map_err(io_error(&path))?;
