@@ -782,7 +782,15 @@ impl Command {
                         .sum::<usize>()
             }
             Command::CheckpointPartCommitted { part, .. } => {
-                COMMAND_OVERHEAD_BYTES + serde_json::to_vec(part).map_or(0, |v| v.len())
+                COMMAND_OVERHEAD_BYTES
+                    + part.dir.len()
+                    // JSON text inside a JSON string: its quotes get escaped.
+                    + 2 * part.state_json.len()
+                    + part
+                        .files
+                        .iter()
+                        .map(|f| f.path.len() + f.digest.len() + 4 * PER_STRING)
+                        .sum::<usize>()
             }
             Command::Batch { commands } => {
                 COMMAND_OVERHEAD_BYTES
@@ -827,7 +835,7 @@ fn reject(reason: impl Into<String>) -> Response {
     }
 }
 
-/// A key of the state that a command touched, for incremental persistence.
+/// A key of the state that a command touched (it keeps the derived [`JobIndex`] current).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum DirtyKey {
     /// A job (or its removal).

@@ -166,6 +166,14 @@ impl Inner {
             self.cache_bytes -= b;
         }
     }
+
+    /// Forgets the cached entries with index ≤ `upto`.
+    fn drop_cache_through(&mut self, upto: u64) {
+        let kept = self.cache.split_off(&upto.saturating_add(1));
+        for (_, (_, b)) in std::mem::replace(&mut self.cache, kept) {
+            self.cache_bytes -= b;
+        }
+    }
 }
 
 /// An entry a read wants: cloned from the cache, or to be read back from its segment.
@@ -719,12 +727,8 @@ impl Wal {
     pub fn purge(&self, upto: u64) -> Result<(), WalError> {
         let doomed: Vec<Segment> = {
             let mut inner = self.lock();
-            let live = inner.locs.split_off(&(upto.saturating_add(1)));
-            inner.locs = live;
-            let cached = inner.cache.split_off(&(upto.saturating_add(1)));
-            let dropped: usize = inner.cache.values().map(|(_, b)| *b).sum();
-            inner.cache = cached;
-            inner.cache_bytes -= dropped;
+            inner.locs = inner.locs.split_off(&upto.saturating_add(1));
+            inner.drop_cache_through(upto);
             // A segment goes when it holds no live record; the newest always stays.
             let newest = *inner
                 .segments

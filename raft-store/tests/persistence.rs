@@ -1,51 +1,30 @@
 //! The store (sled and the write-ahead log) keeps its state across a reopen, and refuses
 //! corrupt files.
 
-use std::collections::BTreeMap;
+mod common;
 
-use cumulus_raft_store::state::{Command, JobSpec, RestartPolicy};
-use cumulus_raft_store::{CumulusNode, Response, TypeConfig, open};
+use cumulus_raft_store::state::Command;
+use cumulus_raft_store::{CumulusNode, Response, open};
 use openraft::RaftSnapshotBuilder;
 use openraft::storage::{RaftLogStorage, RaftStateMachine};
-use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, RaftLogReader, Vote};
-
-fn spec() -> JobSpec {
-    JobSpec {
-        name: "t".into(),
-        world_size: 2,
-        command: vec!["true".into()],
-        env: BTreeMap::new(),
-        dataset: String::new(),
-        ckpt_dir: String::new(),
-        ckpt_keep: 3,
-        restart: RestartPolicy::default(),
-        progress_timeout_ms: 0,
-        working_dir: String::new(),
-        ckpt_url: String::new(),
-        ckpt_commit_tier: String::new(),
-    }
-}
-
-fn entry(index: u64, cmd: Command) -> Entry<TypeConfig> {
-    Entry {
-        log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-        payload: EntryPayload::Normal(cmd),
-    }
-}
+use openraft::{RaftLogReader, Vote};
 
 #[tokio::test]
 async fn the_vote_and_the_snapshotted_state_survive_reopen() {
     let dir = tempfile::tempdir().expect("temp dir");
     let submit = |req: &str| Command::SubmitJob {
         request_id: req.into(),
-        spec: spec(),
+        spec: common::spec("t"),
         shards: vec!["/d/a".into(), "/d/b".into(), "/d/c".into()],
         submitted_at_ms: 10,
     };
     {
         let (mut log, mut sm) = open(dir.path()).expect("open");
         log.save_vote(&Vote::new(3, 1)).await.expect("vote");
-        let out = sm.apply(vec![entry(1, submit("r1"))]).await.expect("apply");
+        let out = sm
+            .apply(vec![common::entry(1, 1, submit("r1"))])
+            .await
+            .expect("apply");
         assert_eq!(
             out,
             vec![Response::JobSubmitted {
@@ -57,7 +36,9 @@ async fn the_vote_and_the_snapshotted_state_survive_reopen() {
         builder.build_snapshot().await.expect("snapshot");
         // Applied after the snapshot: not written anywhere by the state machine (openraft
         // re-applies it from the log on start).
-        sm.apply(vec![entry(2, submit("r2"))]).await.expect("apply");
+        sm.apply(vec![common::entry(1, 2, submit("r2"))])
+            .await
+            .expect("apply");
     }
     let (mut log, mut sm) = open(dir.path()).expect("reopen");
     assert_eq!(

@@ -3,45 +3,30 @@
 //! old record reappear; a purge deletes old segments; a data dir written before the WAL
 //! (entries in sled) is migrated.
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use cumulus_raft_store::state::{Command, JobSpec, RestartPolicy};
+use cumulus_raft_store::state::Command;
 use cumulus_raft_store::wal::{SEGMENT_BYTES, Wal};
 use cumulus_raft_store::{TypeConfig, open};
 use openraft::storage::RaftLogStorage;
-use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, RaftLogReader};
-
-fn spec(name: &str) -> JobSpec {
-    JobSpec {
-        name: name.into(),
-        world_size: 2,
-        command: vec!["true".into()],
-        env: BTreeMap::new(),
-        dataset: String::new(),
-        ckpt_dir: String::new(),
-        ckpt_keep: 3,
-        restart: RestartPolicy::default(),
-        progress_timeout_ms: 0,
-        working_dir: String::new(),
-        ckpt_url: String::new(),
-        ckpt_commit_tier: String::new(),
-    }
-}
+use openraft::{Entry, RaftLogReader};
 
 /// An entry of `term` at `index` whose payload is about `shard_bytes` long.
 fn entry(term: u64, index: u64, shard_bytes: usize) -> Entry<TypeConfig> {
-    Entry {
-        log_id: LogId::new(CommittedLeaderId::new(term, 1), index),
-        payload: EntryPayload::Normal(Command::SubmitJob {
+    common::entry(
+        term,
+        index,
+        Command::SubmitJob {
             request_id: format!("r{term}-{index}"),
-            spec: spec(&format!("t{term}")),
+            spec: common::spec(&format!("t{term}")),
             shards: vec!["s".repeat(shard_bytes)],
             submitted_at_ms: index,
-        }),
-    }
+        },
+    )
 }
 
 fn entries(term: u64, from: u64, to: u64, shard_bytes: usize) -> Vec<Entry<TypeConfig>> {

@@ -1,0 +1,33 @@
+//! Helpers shared by the raft-store integration tests.
+
+use std::collections::BTreeMap;
+
+use cumulus_raft_store::TypeConfig;
+use cumulus_raft_store::state::{Command, JobSpec, RestartPolicy};
+use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
+
+/// A valid 2-rank spec named `name`.
+pub fn spec(name: &str) -> JobSpec {
+    JobSpec {
+        name: name.into(),
+        world_size: 2,
+        command: vec!["true".into()],
+        env: BTreeMap::new(),
+        dataset: String::new(),
+        ckpt_dir: String::new(),
+        ckpt_keep: 3,
+        restart: RestartPolicy::default(),
+        progress_timeout_ms: 0,
+        working_dir: String::new(),
+        ckpt_url: String::new(),
+        ckpt_commit_tier: String::new(),
+    }
+}
+
+/// A normal entry of `term` (leader node 1) at `index` carrying `cmd`.
+pub fn entry(term: u64, index: u64, cmd: Command) -> Entry<TypeConfig> {
+    Entry {
+        log_id: LogId::new(CommittedLeaderId::new(term, 1), index),
+        payload: EntryPayload::Normal(cmd),
+    }
+}
