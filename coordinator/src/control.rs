@@ -885,7 +885,7 @@ fn placed_jobs(s: &ClusterState) -> impl Iterator<Item = &Job> {
     index
         .running
         .union(&index.terminal)
-        .filter_map(|id| s.jobs.get(id))
+        .filter_map(|id| s.jobs.get(id).map(|j| &**j))
 }
 
 /// Makes LATEST name the committed step of every job (a leader may have died between
@@ -1331,7 +1331,7 @@ mod tests {
     #[test]
     fn a_lost_pending_attempt_fails_and_a_stalled_one_is_not_hung() {
         let (mut s, job_id) = state_with_running_job(2, RestartScope::Rank);
-        for r in &mut s.jobs.get_mut(&job_id).expect("job").ranks {
+        for r in &mut Arc::make_mut(s.jobs.get_mut(&job_id).expect("job")).ranks {
             r.state = RankState::Pending; // placed, not started yet
         }
         let mut zero = || 0.0;

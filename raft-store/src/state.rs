@@ -8,6 +8,7 @@
 //! [`Response::Rejected`].
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -511,8 +512,10 @@ pub struct WorkerRecord {
 pub struct ClusterState {
     /// Sequence number of the next job id.
     pub next_job_seq: u64,
-    /// Jobs by id.
-    pub jobs: BTreeMap<String, Job>,
+    /// Jobs by id. Each job is shared (`Arc`, changed through `Arc::make_mut`) so that
+    /// cloning the state for a snapshot copies pointers, not every job: a deep clone of
+    /// 30,000 jobs held the apply lock for over a second (BENCHMARKS.md, session 7).
+    pub jobs: BTreeMap<String, Arc<Job>>,
     /// Submit idempotency: request id → job id.
     pub request_ids: BTreeMap<String, String>,
     /// Workers by id.
@@ -527,7 +530,7 @@ pub struct ClusterState {
 #[derive(Deserialize)]
 struct ClusterStateData {
     next_job_seq: u64,
-    jobs: BTreeMap<String, Job>,
+    jobs: BTreeMap<String, Arc<Job>>,
     request_ids: BTreeMap<String, String>,
     workers: BTreeMap<String, WorkerRecord>,
 }
@@ -1178,7 +1181,7 @@ impl ClusterState {
             committed: BTreeMap::new(),
             committed_step: None,
         };
-        self.jobs.insert(job_id.clone(), job);
+        self.jobs.insert(job_id.clone(), Arc::new(job));
         self.request_ids
             .insert(request_id.to_string(), job_id.clone());
         dirty.insert(DirtyKey::Job(job_id.clone()));
@@ -1224,9 +1227,11 @@ impl ClusterState {
         if job.state.is_terminal() {
             return reject(format!("job {job_id} is already {}", job.state.as_str()));
         }
-        let before = job.clone();
-        let resp = f(job);
-        if *job != before {
+        // A pointer to the job as it was: `make_mut` copies the job only while a snapshot
+        // (or this comparison) still shares it.
+        let before = Arc::clone(job);
+        let resp = f(Arc::make_mut(job));
+        if **job != *before {
             dirty.insert(DirtyKey::Job(job_id.to_string()));
         }
         resp
@@ -1283,9 +1288,15 @@ impl ClusterState {
         w.expired_at_ms = at_ms;
         dirty.insert(DirtyKey::Worker(worker_id.to_string()));
         for job in self.jobs.values_mut() {
-            if job.state != JobState::Running {
+            let holds_live_rank = job.state == JobState::Running
+                && job.ranks.iter().any(|r| {
+                    r.worker_id.as_deref() == Some(worker_id)
+                        && matches!(r.state, RankState::Pending | RankState::Running)
+                });
+            if !holds_live_rank {
                 continue;
             }
+            let job = Arc::make_mut(job);
             let mut touched = false;
             for r in &mut job.ranks {
                 if r.worker_id.as_deref() == Some(worker_id)
@@ -1381,7 +1392,7 @@ impl ClusterState {
         if let Err(e) = self.check_placements(job_id, &all, placements) {
             return reject(e);
         }
-        let job = self.jobs.get_mut(job_id).expect("checked above");
+        let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
         job.state = JobState::Running;
         assign_placements(job, placements, 0);
         dirty.insert(DirtyKey::Job(job_id.to_string()));
@@ -1446,7 +1457,7 @@ impl ClusterState {
         if let Err(e) = self.check_placements(job_id, &ranks, placements) {
             return reject(e);
         }
-        let job = self.jobs.get_mut(job_id).expect("checked above");
+        let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
         job.restarts_used = number;
         // Resuming from an older step than the newest committed one means the newer
         // steps failed verification: forget them, so the step can be committed again.
@@ -1528,10 +1539,11 @@ impl ClusterState {
             Response::Ok
         })
         .and_then_ok(|| {
-            let job = self
-                .jobs
-                .get_mut(job_id)
-                .expect("checked by with_current_rank");
+            let job = Arc::make_mut(
+                self.jobs
+                    .get_mut(job_id)
+                    .expect("checked by with_current_rank"),
+            );
             job.pending_parts
                 .entry(step)
                 .or_default()

@@ -21,6 +21,7 @@ use std::io::Cursor;
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
 use std::sync::{Arc, RwLock};
+use std::time::Instant;
 
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
 use openraft::{
@@ -91,10 +92,6 @@ fn write_logs_err(e: impl std::error::Error + 'static) -> StorageError<NodeId> {
     io_err(ErrorSubject::Logs, ErrorVerb::Write, e)
 }
 
-fn sm_err(verb: ErrorVerb, e: impl std::error::Error + 'static) -> StorageError<NodeId> {
-    io_err(ErrorSubject::StateMachine, verb, e)
-}
-
 /// Opens (creating if needed) the sled database under `dir` and the write-ahead log in
 /// `dir/wal`, and returns the log store and the state machine store of one node. Log
 /// entries of a data dir from before the write-ahead log are moved into it.
@@ -133,10 +130,7 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         .map_err(|(what, reason)| corrupt(&what, reason))?;
 
     let snapshot = match snap_tree.get(KEY_SNAPSHOT).map_err(sled_err)? {
-        Some(v) => Some(
-            serde_json::from_slice::<StoredSnapshot>(&v)
-                .map_err(|e| corrupt("snapshot", e.to_string()))?,
-        ),
+        Some(v) => Some(StoredSnapshot::decode(&v).map_err(|reason| corrupt("snapshot", reason))?),
         None => None,
     };
     // The applied state lives in memory: it starts from the newest snapshot, and openraft
@@ -408,12 +402,97 @@ impl SharedState {
     }
 }
 
-#[derive(Serialize, Deserialize)]
+/// First bytes of a snapshot record in format 2 (the sled value under `current` in tree
+/// `snapshot`).
+const SNAPSHOT_MAGIC: &[u8] = b"cumulus-snapshot-2\n";
+/// Bytes of a format-2 header: the magic, then the meta length and the CRC-32 (u32 LE each).
+const SNAPSHOT_HEADER_BYTES: usize = SNAPSHOT_MAGIC.len() + 8;
+
+/// A snapshot as stored: its meta and the snapshot data (the JSON of [`SnapshotPayload`]).
+///
+/// Format 2 (written since session 7):
+/// ```text
+/// magic "cumulus-snapshot-2\n" | meta_len: u32 LE | crc32: u32 LE | meta (JSON) | data
+/// crc32 = CRC-32 (IEEE, crc32fast) of meta and data
+/// ```
+/// Format 1 (earlier versions, still read) was this struct as one JSON object, its data a
+/// JSON array of numbers: about 4 bytes stored per byte of data, all of it encoded and
+/// parsed as JSON once more.
+#[derive(Deserialize)]
 struct StoredSnapshot {
     meta: SnapshotMeta<NodeId, CumulusNode>,
     data: Vec<u8>,
 }
 
+impl StoredSnapshot {
+    /// Encodes `meta` and `data` in format 2.
+    ///
+    /// # Errors
+    /// The meta does not serialize, or is larger than 4 GiB.
+    fn encode(
+        meta: &SnapshotMeta<NodeId, CumulusNode>,
+        data: &[u8],
+    ) -> Result<Vec<u8>, std::io::Error> {
+        let meta_json = serde_json::to_vec(meta)?;
+        let meta_len = u32::try_from(meta_json.len())
+            .map_err(|_| std::io::Error::other("snapshot meta larger than 4 GiB"))?;
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&meta_json);
+        crc.update(data);
+        let mut out = Vec::with_capacity(SNAPSHOT_HEADER_BYTES + meta_json.len() + data.len());
+        out.extend_from_slice(SNAPSHOT_MAGIC);
+        out.extend_from_slice(&meta_len.to_le_bytes());
+        out.extend_from_slice(&crc.finalize().to_le_bytes());
+        out.extend_from_slice(&meta_json);
+        out.extend_from_slice(data);
+        Ok(out)
+    }
+
+    /// Decodes a stored snapshot of format 2, or of format 1.
+    ///
+    /// # Errors
+    /// A description of what does not check: a short record, a meta length past the end,
+    /// a CRC mismatch, meta or format-1 JSON that does not parse.
+    fn decode(bytes: &[u8]) -> Result<StoredSnapshot, String> {
+        let Some(rest) = bytes.strip_prefix(SNAPSHOT_MAGIC) else {
+            return serde_json::from_slice(bytes)
+                .map_err(|e| format!("not a format-2 snapshot, nor format-1 JSON: {e}"));
+        };
+        if rest.len() < 8 {
+            return Err(format!(
+                "a format-2 snapshot of {} bytes has no complete header",
+                bytes.len()
+            ));
+        }
+        let meta_len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+        let crc = u32::from_le_bytes([rest[4], rest[5], rest[6], rest[7]]);
+        let body = &rest[8..];
+        if meta_len > body.len() {
+            return Err(format!(
+                "snapshot meta of {meta_len} bytes runs past the record's end ({} bytes left)",
+                body.len()
+            ));
+        }
+        let (meta_json, data) = body.split_at(meta_len);
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(meta_json);
+        hasher.update(data);
+        let actual = hasher.finalize();
+        if actual != crc {
+            return Err(format!(
+                "snapshot CRC-32 mismatch: stored {crc:08x}, computed {actual:08x}"
+            ));
+        }
+        let meta = serde_json::from_slice(meta_json)
+            .map_err(|e| format!("snapshot meta does not parse: {e}"))?;
+        Ok(StoredSnapshot {
+            meta,
+            data: data.to_vec(),
+        })
+    }
+}
+
+/// The snapshot data: the applied state, as JSON.
 #[derive(Serialize, Deserialize)]
 struct SnapshotPayload {
     state: ClusterState,
@@ -442,18 +521,16 @@ impl StateMachineStore {
 type LoadError = (String, String);
 
 impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
+    /// Clones the applied state under the read lock (apply waits only for the clone), then
+    /// encodes it and writes it to sled on a blocking thread: encoding tens of MB of JSON
+    /// under the lock, on a runtime thread, had stalled apply and every reader for seconds
+    /// and cost leadership under load (BENCHMARKS.md, session 7).
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
-        let (bytes, last_applied, last_membership) = self.shared.read(|d| {
-            let payload = SnapshotPayload {
-                state: d.state.clone(),
-            };
-            (
-                serde_json::to_vec(&payload),
-                d.last_applied,
-                d.last_membership.clone(),
-            )
-        });
-        let bytes = bytes.map_err(|e| sm_err(ErrorVerb::Read, e))?;
+        let started = Instant::now();
+        let (state, last_applied, last_membership) = self
+            .shared
+            .read(|d| (d.state.clone(), d.last_applied, d.last_membership.clone()));
+        let clone_ms = started.elapsed().as_millis();
         self.snapshot_seq += 1;
         let snapshot_id = match last_applied {
             Some(l) => format!("{}-{}-{}", l.leader_id, l.index, self.snapshot_seq),
@@ -464,19 +541,28 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
             last_membership,
             snapshot_id,
         };
-        let stored = StoredSnapshot {
-            meta: meta.clone(),
-            data: bytes.clone(),
-        };
-        let enc = serde_json::to_vec(&stored)
-            .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
-        self.snap_tree
-            .insert(KEY_SNAPSHOT, enc)
-            .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
-        self.db
-            .flush_async()
-            .await
-            .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
+        let db = self.db.clone();
+        let tree = self.snap_tree.clone();
+        let stored_meta = meta.clone();
+        let write_err =
+            |e: std::io::Error| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Write, e);
+        let bytes = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, std::io::Error> {
+            let bytes = serde_json::to_vec(&SnapshotPayload { state })?;
+            tree.insert(KEY_SNAPSHOT, StoredSnapshot::encode(&stored_meta, &bytes)?)
+                .map_err(std::io::Error::other)?;
+            db.flush().map_err(std::io::Error::other)?;
+            Ok(bytes)
+        })
+        .await
+        .map_err(|e| write_err(std::io::Error::other(e)))?
+        .map_err(write_err)?;
+        tracing::info!(
+            last_log_index = meta.last_log_id.map(|l| l.index),
+            bytes = bytes.len(),
+            clone_ms,
+            total_ms = started.elapsed().as_millis(),
+            "built a snapshot"
+        );
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(bytes)),
@@ -538,34 +624,41 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         Ok(Box::new(Cursor::new(Vec::new())))
     }
 
+    /// Decodes the received state and writes it to sled on a blocking thread, then swaps
+    /// it in under the write lock.
     async fn install_snapshot(
         &mut self,
         meta: &SnapshotMeta<NodeId, CumulusNode>,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError<NodeId>> {
         let bytes = snapshot.into_inner();
-        let snap_err = |e: &dyn std::error::Error| {
+        let len_bytes = bytes.len();
+        let db = self.db.clone();
+        let tree = self.snap_tree.clone();
+        let stored_meta = meta.clone();
+        let decoded =
+            tokio::task::spawn_blocking(move || -> Result<ClusterState, std::io::Error> {
+                let payload: SnapshotPayload = serde_json::from_slice(&bytes)?;
+                tree.insert(KEY_SNAPSHOT, StoredSnapshot::encode(&stored_meta, &bytes)?)
+                    .map_err(std::io::Error::other)?;
+                db.flush().map_err(std::io::Error::other)?;
+                Ok(payload.state)
+            })
+            .await
+            .map_err(std::io::Error::other)
+            .and_then(|r| r);
+        let state = decoded.map_err(|e| {
             StorageError::from(StorageIOError::new(
                 ErrorSubject::Snapshot(Some(meta.signature())),
                 ErrorVerb::Read,
                 AnyError::error(e.to_string()),
             ))
-        };
-        let payload: SnapshotPayload = serde_json::from_slice(&bytes).map_err(|e| snap_err(&e))?;
+        })?;
         let data = SmData {
             last_applied: meta.last_log_id,
             last_membership: meta.last_membership.clone(),
-            state: payload.state,
+            state,
         };
-        let stored = StoredSnapshot {
-            meta: meta.clone(),
-            data: bytes,
-        };
-        let enc = serde_json::to_vec(&stored).map_err(|e| snap_err(&e))?;
-        self.snap_tree
-            .insert(KEY_SNAPSHOT, enc)
-            .map_err(|e| snap_err(&e))?;
-        self.db.flush_async().await.map_err(|e| snap_err(&e))?;
         {
             let mut guard = self.shared.data.write().unwrap_or_else(|p| p.into_inner());
             *guard = data;
@@ -573,7 +666,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
         tracing::info!(
             last_log_index = meta.last_log_id.map(|l| l.index),
-            bytes = stored.data.len(),
+            bytes = len_bytes,
             "installed a snapshot received from the leader"
         );
         Ok(())
@@ -589,8 +682,13 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         else {
             return Ok(None);
         };
-        let stored: StoredSnapshot = serde_json::from_slice(&v)
-            .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Read, e))?;
+        let stored = StoredSnapshot::decode(&v).map_err(|reason| {
+            io_err(
+                ErrorSubject::Snapshot(None),
+                ErrorVerb::Read,
+                std::io::Error::other(reason),
+            )
+        })?;
         Ok(Some(Snapshot {
             meta: stored.meta,
             snapshot: Box::new(Cursor::new(stored.data)),

@@ -72,6 +72,83 @@ async fn the_vote_and_the_snapshotted_state_survive_reopen() {
     let _node = CumulusNode::default();
 }
 
+/// Applies one submit and builds a snapshot in `dir`, returning the snapshot's data.
+async fn snapshot_one_job(dir: &std::path::Path) -> Vec<u8> {
+    let (_log, mut sm) = open(dir).expect("open");
+    sm.apply(vec![common::entry(
+        1,
+        1,
+        Command::SubmitJob {
+            request_id: "r1".into(),
+            spec: common::spec("t"),
+            shards: vec!["/d/a".into()],
+            submitted_at_ms: 10,
+        },
+    )])
+    .await
+    .expect("apply");
+    let mut builder = sm.get_snapshot_builder().await;
+    let snap = builder.build_snapshot().await.expect("snapshot");
+    snap.snapshot.into_inner()
+}
+
+#[tokio::test]
+async fn a_snapshot_whose_bytes_changed_refuses_to_open() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    snapshot_one_job(dir.path()).await;
+    {
+        let db = sled::open(dir.path()).expect("sled");
+        let tree = db.open_tree("snapshot").expect("tree");
+        let mut stored = tree
+            .get(b"current")
+            .expect("get")
+            .expect("a snapshot")
+            .to_vec();
+        assert!(stored.starts_with(b"cumulus-snapshot-2\n"), "format 2");
+        // One byte of the state, near the end: still valid JSON shape, wrong content.
+        let at = stored.len() - 3;
+        stored[at] ^= 0x01;
+        tree.insert(b"current", stored).expect("insert");
+        db.flush().expect("flush");
+    }
+    let err = match open(dir.path()) {
+        Ok(_) => panic!("a snapshot with a changed byte must not open"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("CRC-32 mismatch"), "{err}");
+}
+
+#[tokio::test]
+async fn a_format_1_snapshot_of_an_older_version_still_opens() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = snapshot_one_job(dir.path()).await;
+    {
+        // Rewrite the record as versions before format 2 stored it: one JSON object, the
+        // data a JSON array of numbers.
+        let db = sled::open(dir.path()).expect("sled");
+        let tree = db.open_tree("snapshot").expect("tree");
+        let stored = tree.get(b"current").expect("get").expect("a snapshot");
+        let meta_len = u32::from_le_bytes(stored[19..23].try_into().expect("4 bytes")) as usize;
+        let meta: serde_json::Value =
+            serde_json::from_slice(&stored[27..27 + meta_len]).expect("meta");
+        let legacy = serde_json::json!({ "meta": meta, "data": data });
+        tree.insert(b"current", serde_json::to_vec(&legacy).expect("json"))
+            .expect("insert");
+        db.flush().expect("flush");
+    }
+    let (_log, mut sm) = open(dir.path()).expect("a format-1 snapshot opens");
+    let (applied, _) = sm.applied_state().await.expect("applied");
+    assert_eq!(applied.map(|l| l.index), Some(1));
+    sm.shared()
+        .read(|d| assert_eq!(d.state.request_ids["r1"], "job-000001"));
+    let current = sm
+        .get_current_snapshot()
+        .await
+        .expect("read")
+        .expect("a snapshot");
+    assert_eq!(current.snapshot.into_inner(), data, "the same data back");
+}
+
 #[test]
 fn a_corrupt_snapshot_refuses_to_open() {
     let dir = tempfile::tempdir().expect("temp dir");
