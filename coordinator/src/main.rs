@@ -9,6 +9,8 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "info,openraft=warn,sled=warn".into()),
         )
+        // Colour codes only on a terminal: logs redirected to a file stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     let config = cumulus_coordinator::Config::parse();
     cumulus_coordinator::run(config, shutdown_signal()).await

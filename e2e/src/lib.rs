@@ -799,7 +799,11 @@ impl Cluster {
         }
     }
 
-    /// Prints the tail of every process log (called when a test fails).
+    /// Prints, for every process, its Cumulus errors and lifecycle events (rank exits,
+    /// restarts, expiries, elections; openraft's per-RPC noise left out) and the tail of
+    /// its log (without the errors of RPCs to an unreachable peer), without colour codes
+    /// and with repeated lines folded (called when a test
+    /// fails; CI shows only an excerpt of a failing test's output, so it is kept short).
     pub fn dump_logs(&self) {
         let procs = self
             .coordinators
@@ -808,14 +812,20 @@ impl Cluster {
             .chain(self.workers.iter());
         for p in procs {
             let text = std::fs::read_to_string(&p.log).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            let errors: Vec<&str> = lines
+            let lines: Vec<String> = text.lines().map(strip_ansi).collect();
+            let events: Vec<&str> = lines
                 .iter()
-                .copied()
-                .filter(|l| l.contains("panicked") || l.starts_with("Error") || l.contains("ERROR"))
-                .take(20)
+                .map(String::as_str)
+                .filter(|l| !l.contains("openraft::") && is_notable(l))
+                .take(30)
                 .collect();
-            let tail = &lines[lines.len().saturating_sub(40)..];
+            // Unreachable-peer errors of a killed coordinator would fill the tail.
+            let kept: Vec<String> = lines
+                .iter()
+                .filter(|l| !l.contains("Unreachable node"))
+                .cloned()
+                .collect();
+            let tail = fold_repeats(&kept[kept.len().saturating_sub(25)..]);
             let exit = p
                 .child
                 .as_ref()
@@ -823,14 +833,73 @@ impl Cluster {
                     format!("pid {}", c.id())
                 });
             eprintln!(
-                "===== {} ({}, {exit}) =====\n--- errors ---\n{}\n--- tail ---\n{}",
+                "===== {} ({}, {exit}) =====\n--- errors and events ---\n{}\n--- tail ---\n{}",
                 p.name,
                 p.log.display(),
-                errors.join("\n"),
+                events.join("\n"),
                 tail.join("\n")
             );
         }
     }
+}
+
+/// `line` without ANSI escape sequences (`ESC [ ... letter`).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Whether a log line is worth showing in a failure dump: an error or panic, or a
+/// lifecycle event of a job, rank, worker or leader.
+fn is_notable(line: &str) -> bool {
+    const WORDS: [&str; 12] = [
+        "panicked",
+        "ERROR",
+        "WARN",
+        "exited",
+        "restart",
+        "lost",
+        "expired",
+        "failed",
+        "acting as leader",
+        "starting rank attempt",
+        "stopping",
+        "job succeeded",
+    ];
+    line.starts_with("Error") || WORDS.iter().any(|w| line.contains(w))
+}
+
+/// `lines` with each run of lines that differ only in their timestamp (the first
+/// whitespace-separated word) folded into its first line and a count.
+fn fold_repeats(lines: &[String]) -> Vec<String> {
+    let body = |l: &str| l.split_once(' ').map_or(l, |(_, rest)| rest).to_string();
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let b = body(&lines[i]);
+        let mut j = i + 1;
+        while j < lines.len() && body(&lines[j]) == b {
+            j += 1;
+        }
+        out.push(lines[i].clone());
+        if j - i > 1 {
+            out.push(format!("  (the line above {} times in all)", j - i));
+        }
+        i = j;
+    }
+    out
 }
 
 /// The coordinators' advertised gRPC addresses, for clients (see [`Cluster::view`]).
@@ -924,8 +993,12 @@ impl Drop for S3Server {
 impl Drop for Cluster {
     fn drop(&mut self) {
         if std::thread::panicking() {
+            let message = LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(message) = &message {
+                eprintln!("===== the test failed =====\n{message}");
+            }
             self.dump_logs();
-            if let Some(message) = LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            if let Some(message) = &message {
                 eprintln!(
                     "===== the test failed (the panic, repeated after the logs) =====\n{message}"
                 );
@@ -1082,4 +1155,38 @@ pub fn expected_digest(
         .context("digest output is empty")?
         .to_string();
     Ok(digest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dump_line_loses_its_colour_codes() {
+        let line = "\u{1b}[2m2026-11-24T15:16:24Z\u{1b}[0m \u{1b}[32m INFO\u{1b}[0m job succeeded";
+        assert_eq!(strip_ansi(line), "2026-11-24T15:16:24Z  INFO job succeeded");
+    }
+
+    #[test]
+    fn lines_that_differ_only_in_their_timestamp_are_folded() {
+        let lines: Vec<String> = [
+            "t1 ERROR x",
+            "t2 ERROR x",
+            "t3 ERROR x",
+            "t4 INFO y",
+            "t5 ERROR x",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        assert_eq!(
+            fold_repeats(&lines),
+            vec![
+                "t1 ERROR x".to_string(),
+                "  (the line above 3 times in all)".to_string(),
+                "t4 INFO y".to_string(),
+                "t5 ERROR x".to_string(),
+            ]
+        );
+    }
 }
