@@ -1522,11 +1522,20 @@ impl ClusterState {
     ) -> Response {
         let rank = part.rank;
         let attempt = part.attempt;
-        let step_ok = self
-            .jobs
-            .get(job_id)
-            .map(|j| j.committed_step.is_none_or(|c| step > c));
-        if step_ok == Some(false) {
+        if let Some(job) = self.jobs.get(job_id)
+            && job.committed_step.is_some_and(|c| step <= c)
+        {
+            // The same part again, already in its committed step: a retry whose first
+            // try was committed but not acknowledged (the leader died before replying).
+            // It succeeds and changes nothing; rejecting it would tell the agent that
+            // its attempt is stale and end a healthy rank.
+            if job
+                .committed
+                .get(&step)
+                .is_some_and(|parts| parts.contains(part))
+            {
+                return Response::Ok;
+            }
             return reject(format!("step {step} is not after the committed step"));
         }
         if part.files.len() > 4096 || part.state_json.len() > 64 * 1024 || part.dir.is_empty() {
@@ -2181,13 +2190,31 @@ mod tests {
             job.committed.keys().copied().collect::<Vec<_>>(),
             vec![20, 30]
         );
-        // A part for an already committed step is rejected; a stale attempt's part too.
-        let old = Command::CheckpointPartCommitted {
+        // A retry of a part already committed with its step (its first reply lost in a
+        // failover) succeeds and changes nothing; any other part for a committed step is
+        // rejected; a stale attempt's part too.
+        let before = s.jobs[&job_id].clone();
+        let retry = Command::CheckpointPartCommitted {
             job_id: job_id.clone(),
             step: 30,
             part: part(0, 0, 30),
         };
+        assert_eq!(apply(&mut s, retry), Response::Ok);
+        assert_eq!(s.jobs[&job_id], before);
+        let mut other = part(0, 0, 30);
+        other.dir.push_str("-other");
+        let old = Command::CheckpointPartCommitted {
+            job_id: job_id.clone(),
+            step: 30,
+            part: other,
+        };
         assert!(matches!(apply(&mut s, old), Response::Rejected { .. }));
+        let older = Command::CheckpointPartCommitted {
+            job_id: job_id.clone(),
+            step: 20,
+            part: part(0, 0, 30),
+        };
+        assert!(matches!(apply(&mut s, older), Response::Rejected { .. }));
         let stale = Command::CheckpointPartCommitted {
             job_id: job_id.clone(),
             step: 40,
