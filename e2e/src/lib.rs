@@ -126,6 +126,10 @@ impl tonic::service::Interceptor for Auth {
 /// An authenticated client of one coordinator.
 pub type Client = ClientServiceClient<InterceptedService<Channel, Auth>>;
 
+/// An authenticated worker-API client of one coordinator (tests that play an agent).
+pub type WorkerClient =
+    v1::worker_service_client::WorkerServiceClient<InterceptedService<Channel, Auth>>;
+
 /// One spawned process.
 pub struct Proc {
     /// Name for messages ("coord-1", "worker-2").

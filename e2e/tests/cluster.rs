@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cumulus_e2e::{
-    Cluster, ClusterOpts, TOKEN, Workload, assert_trainer_results, prepare_digits, read_result,
-    trainer_spec, wait_for,
+    Auth, Cluster, ClusterOpts, TOKEN, WorkerClient, Workload, assert_trainer_results,
+    prepare_digits, read_result, trainer_spec, wait_for,
 };
 use cumulus_proto::v1;
 use nix::sys::signal::{Signal, kill};
@@ -911,4 +911,245 @@ async fn concurrent_submits_are_each_committed_exactly_once() {
         })
         .await;
     }
+}
+
+/// A worker agent played by the test over the real worker API, so that it can send a
+/// checkpoint part exactly as an agent whose first try was committed but never
+/// acknowledged would send it again.
+struct FakeAgent {
+    /// gRPC addresses of every coordinator.
+    addrs: Vec<String>,
+    /// The agent's worker id.
+    worker_id: String,
+}
+
+impl FakeAgent {
+    /// A worker client of the first coordinator in `addrs` that answers `call` with
+    /// something other than UNAVAILABLE (followers answer UNAVAILABLE: not the leader).
+    async fn call<T, F, Fut>(&self, mut call: F) -> Result<T, tonic::Status>
+    where
+        F: FnMut(WorkerClient) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let mut last = tonic::Status::unavailable("no coordinator answered");
+        for addr in &self.addrs {
+            let Ok(endpoint) = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            else {
+                continue;
+            };
+            let Ok(channel) = endpoint
+                .connect_timeout(Duration::from_secs(1))
+                .timeout(Duration::from_secs(10))
+                .connect()
+                .await
+            else {
+                continue;
+            };
+            let client = v1::worker_service_client::WorkerServiceClient::with_interceptor(
+                channel,
+                Auth::new(TOKEN),
+            );
+            match call(client).await {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) if s.code() == tonic::Code::Unavailable => last = s,
+                Err(s) => return Err(s),
+            }
+        }
+        Err(last)
+    }
+
+    /// One heartbeat reporting `observed`, answered by whichever coordinator leads.
+    async fn heartbeat(
+        &self,
+        observed: Vec<v1::ObservedRank>,
+    ) -> Result<v1::HeartbeatResponse, tonic::Status> {
+        self.call(|mut c| {
+            let req = v1::HeartbeatRequest {
+                worker_id: self.worker_id.clone(),
+                observed: observed.clone(),
+                resources: None,
+            };
+            async move { c.heartbeat(req).await }
+        })
+        .await
+    }
+}
+
+/// A part whose entry was committed but whose reply was lost with the leader is sent
+/// again by its agent to the new leader. That retry must succeed and change nothing;
+/// before, it was rejected as "not after the committed step" (FAILED_PRECONDITION, which
+/// an agent reads as a stale attempt) and a healthy rank was ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoint_part_retried_at_a_new_leader_after_its_step_committed_is_acknowledged() {
+    let mut cluster = Cluster::start(ClusterOpts {
+        workers: 0,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let ckpt_root = root.join("ckpt-retry");
+    let agent = std::sync::Arc::new(FakeAgent {
+        addrs: cluster
+            .coordinators
+            .iter()
+            .map(|c| c.grpc.clone())
+            .collect(),
+        worker_id: "fake-agent".into(),
+    });
+    agent
+        .call(|mut c| async move {
+            c.register(v1::RegisterWorkerRequest {
+                worker_id: "fake-agent".into(),
+                host: "127.0.0.1".into(),
+                http_addr: "127.0.0.1:9".into(),
+                slots: 1,
+            })
+            .await
+        })
+        .await
+        .expect("register");
+    let job_id = cluster
+        .submit(
+            "part-retry",
+            v1::JobSpec {
+                world_size: 1,
+                command: vec!["true".into()],
+                ckpt_dir: ckpt_root.to_string_lossy().to_string(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("submit")
+        .job_id;
+    let desired = wait_for("rank 0 placed on the fake agent", LONG, || async {
+        let reply = agent.heartbeat(Vec::new()).await.ok()?;
+        reply.desired.into_iter().find(|d| d.job_id == job_id)
+    })
+    .await;
+    let attempt = desired.attempt;
+    let pid = std::process::id();
+    let observed = vec![v1::ObservedRank {
+        job_id: job_id.clone(),
+        rank: 0,
+        attempt,
+        pid,
+        step: 10,
+        total_steps: 100,
+    }];
+    agent
+        .call(|mut c| {
+            let req = v1::RankStartedRequest {
+                worker_id: "fake-agent".into(),
+                job_id: job_id.clone(),
+                rank: 0,
+                attempt,
+                pid,
+            };
+            async move { c.rank_started(req).await }
+        })
+        .await
+        .expect("rank started");
+    // Heartbeats keep the attempt alive at whichever coordinator leads.
+    let beating = tokio_util::sync::CancellationToken::new();
+    let heartbeats = {
+        let agent = agent.clone();
+        let observed = observed.clone();
+        let beating = beating.clone();
+        tokio::spawn(async move {
+            while !beating.is_cancelled() {
+                let _ = agent.heartbeat(observed.clone()).await;
+                tokio::select! {
+                    _ = beating.cancelled() => {}
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                }
+            }
+        })
+    };
+    // The part, committed to the local store as the agent does it.
+    use cumulus_ckpt::CheckpointStore;
+    let store = cumulus_ckpt::LocalStore::new(&ckpt_root);
+    let staging = store
+        .prepare_staging(&job_id, 0, attempt)
+        .await
+        .expect("staging");
+    std::fs::write(staging.join("weights.bin"), vec![7u8; 4096]).expect("write weights");
+    let part = store
+        .commit_part(
+            &job_id,
+            10,
+            0,
+            attempt,
+            &staging,
+            serde_json::json!({"step": 10}),
+        )
+        .await
+        .expect("commit part");
+    let request = |part: &cumulus_ckpt::PartRecord| v1::CommitCheckpointPartRequest {
+        worker_id: "fake-agent".into(),
+        job_id: job_id.clone(),
+        rank: 0,
+        attempt,
+        step: 10,
+        dir: part.dir.clone(),
+        files: part
+            .files
+            .iter()
+            .map(|f| v1::CheckpointFile {
+                path: f.path.clone(),
+                size_bytes: f.size_bytes,
+                digest: f.digest.clone(),
+            })
+            .collect(),
+        state_json: serde_json::to_string(&part.state).expect("json"),
+    };
+    let send = |req: v1::CommitCheckpointPartRequest| {
+        let agent = agent.clone();
+        async move {
+            agent
+                .call(|mut c| {
+                    let req = req.clone();
+                    async move { c.commit_checkpoint_part(req).await }
+                })
+                .await
+        }
+    };
+    send(request(&part)).await.expect("first try");
+    cluster
+        .wait_job(&job_id, "step 10 committed", LONG, |j| {
+            j.committed_step == Some(10)
+        })
+        .await;
+    // The leader that committed it dies; the retry goes to its successor.
+    let old = cluster.wait_leader(LONG).await;
+    let i = cluster.index_of(old).expect("leader index");
+    cluster.coordinators[i].proc.kill9();
+    let new = cluster.wait_leader(LONG).await;
+    assert_ne!(new, old);
+    let retried = wait_for("the retry answered by the new leader", LONG, || async {
+        match send(request(&part)).await {
+            Err(s) if s.code() == tonic::Code::Unavailable => None,
+            other => Some(other),
+        }
+    })
+    .await;
+    assert!(
+        retried.is_ok(),
+        "an identical part of the committed step is acknowledged: {retried:?}"
+    );
+    // A different part for the committed step is still refused as stale.
+    let mut other = part.clone();
+    other.files[0].size_bytes += 1;
+    let refused = send(request(&other)).await.expect_err("a different part");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    let job = cluster.job(&job_id).await.expect("job");
+    assert_eq!(job.committed_step, Some(10));
+    assert_eq!(job.restarts_used, 0, "{:?}", job.restarts);
+    assert_eq!(job.ranks[0].state, "running", "{:?}", job.ranks[0]);
+    beating.cancel();
+    heartbeats.await.expect("heartbeat task");
 }
