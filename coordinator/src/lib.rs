@@ -15,6 +15,7 @@ pub mod network;
 pub mod node;
 pub mod proposer;
 pub mod raft_service;
+pub mod snapshots;
 pub mod worker_service;
 
 use std::collections::BTreeMap;
@@ -115,9 +116,15 @@ pub struct Config {
     /// Upper bound of the Raft election timeout, in milliseconds.
     #[arg(long, default_value_t = 400)]
     pub election_timeout_max_ms: u64,
-    /// Build a snapshot (and compact the log) every this many applied entries.
+    /// Fewest applied entries between two snapshots (each compacts the log). Between
+    /// this and `--snapshot-max-entries`, the interval is the number of jobs and workers
+    /// in the state (see `snapshots`).
     #[arg(long, default_value_t = 5_000)]
     pub snapshot_every_entries: u64,
+    /// Most applied entries between two snapshots, which bounds what a restart
+    /// re-applies.
+    #[arg(long, default_value_t = 100_000)]
+    pub snapshot_max_entries: u64,
     /// Log entries kept behind each snapshot (a follower lagging by more than this
     /// catches up by a snapshot install instead of log entries).
     #[arg(long, default_value_t = 1_000)]
@@ -157,6 +164,11 @@ impl Config {
         {
             bail!("need raft heartbeat < election timeout min < election timeout max");
         }
+        if self.snapshot_every_entries == 0
+            || self.snapshot_max_entries < self.snapshot_every_entries
+        {
+            bail!("need 1 <= --snapshot-every-entries <= --snapshot-max-entries");
+        }
         Ok(me)
     }
 }
@@ -182,7 +194,9 @@ pub async fn run(
         heartbeat_interval: config.raft_heartbeat_ms,
         election_timeout_min: config.election_timeout_min_ms,
         election_timeout_max: config.election_timeout_max_ms,
-        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(config.snapshot_every_entries),
+        // Snapshots are triggered by `snapshots::run`, at an interval that grows with the
+        // state.
+        snapshot_policy: openraft::SnapshotPolicy::Never,
         max_in_snapshot_log_to_keep: config.keep_log_entries,
         ..Default::default()
     };
@@ -284,6 +298,15 @@ pub async fn run(
         .into_future(),
     );
     let control_task = tokio::spawn(control::run(node.clone(), cancel.clone()));
+    let snapshot_task = tokio::spawn(snapshots::run(
+        raft.clone(),
+        node.shared.clone(),
+        snapshots::SnapshotInterval {
+            min_entries: config.snapshot_every_entries,
+            max_entries: config.snapshot_max_entries,
+        },
+        cancel.clone(),
+    ));
 
     let mut grpc_task = grpc_task;
     let mut http_task = http_task;
@@ -295,6 +318,7 @@ pub async fn run(
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
         let _ = control_task.await;
+        let _ = snapshot_task.await;
         let _ = grpc_task.await;
         let _ = http_task.await;
     })

@@ -185,7 +185,8 @@ pub struct ClusterOpts {
     pub slots: u32,
     /// Worker expiry timeout, in milliseconds.
     pub heartbeat_timeout_ms: u64,
-    /// Coordinators' `--snapshot-every-entries` (None: the coordinator's default).
+    /// Coordinators' `--snapshot-every-entries` and `--snapshot-max-entries`: a snapshot
+    /// every this many entries (None: the coordinator's defaults).
     pub snapshot_every_entries: Option<u64>,
     /// Coordinators' `--keep-log-entries` (None: the coordinator's default).
     pub keep_log_entries: Option<u64>,
@@ -492,7 +493,9 @@ impl Cluster {
             extra.push("--join".into());
         }
         if let Some(n) = self.opts.snapshot_every_entries {
+            // A fixed interval: the test counts on a snapshot every n entries.
             extra.extend(["--snapshot-every-entries".into(), n.to_string()]);
+            extra.extend(["--snapshot-max-entries".into(), n.to_string()]);
         }
         if let Some(n) = self.opts.keep_log_entries {
             extra.extend(["--keep-log-entries".into(), n.to_string()]);
