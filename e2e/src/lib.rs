@@ -130,6 +130,21 @@ pub type Client = ClientServiceClient<InterceptedService<Channel, Auth>>;
 pub type WorkerClient =
     v1::worker_service_client::WorkerServiceClient<InterceptedService<Channel, Auth>>;
 
+/// A channel to the coordinator at `grpc_addr` (host:port): 1 s to connect, 10 s per call.
+pub async fn coordinator_channel(grpc_addr: &str) -> anyhow::Result<Channel> {
+    Ok(Endpoint::from_shared(format!("http://{grpc_addr}"))?
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(10))
+        .connect()
+        .await?)
+}
+
+/// A worker-API client of the coordinator at `grpc_addr`.
+pub async fn worker_client(grpc_addr: &str) -> anyhow::Result<WorkerClient> {
+    let ch = coordinator_channel(grpc_addr).await?;
+    Ok(v1::worker_service_client::WorkerServiceClient::with_interceptor(ch, Auth::new(TOKEN)))
+}
+
 /// One spawned process.
 pub struct Proc {
     /// Name for messages ("coord-1", "worker-2").
@@ -650,11 +665,7 @@ impl Cluster {
 
     /// A client of coordinator `i`.
     pub async fn client_of(&self, i: usize) -> anyhow::Result<Client> {
-        let ch = Endpoint::from_shared(format!("http://{}", self.coordinators[i].grpc))?
-            .connect_timeout(Duration::from_secs(1))
-            .timeout(Duration::from_secs(10))
-            .connect()
-            .await?;
+        let ch = coordinator_channel(&self.coordinators[i].grpc).await?;
         Ok(ClientServiceClient::with_interceptor(ch, Auth::new(TOKEN)))
     }
 

@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cumulus_e2e::{
-    Auth, Cluster, ClusterOpts, TOKEN, WorkerClient, Workload, assert_trainer_results,
-    prepare_digits, read_result, trainer_spec, wait_for,
+    Cluster, ClusterOpts, TOKEN, WorkerClient, Workload, assert_trainer_results, prepare_digits,
+    read_result, trainer_spec, wait_for, worker_client,
 };
 use cumulus_proto::v1;
 use nix::sys::signal::{Signal, kill};
@@ -933,22 +933,9 @@ impl FakeAgent {
     {
         let mut last = tonic::Status::unavailable("no coordinator answered");
         for addr in &self.addrs {
-            let Ok(endpoint) = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            else {
+            let Ok(client) = worker_client(addr).await else {
                 continue;
             };
-            let Ok(channel) = endpoint
-                .connect_timeout(Duration::from_secs(1))
-                .timeout(Duration::from_secs(10))
-                .connect()
-                .await
-            else {
-                continue;
-            };
-            let client = v1::worker_service_client::WorkerServiceClient::with_interceptor(
-                channel,
-                Auth::new(TOKEN),
-            );
             match call(client).await {
                 Ok(r) => return Ok(r.into_inner()),
                 Err(s) if s.code() == tonic::Code::Unavailable => last = s,
@@ -1057,11 +1044,14 @@ async fn checkpoint_part_retried_at_a_new_leader_after_its_step_committed_is_ack
         let observed = observed.clone();
         let beating = beating.clone();
         tokio::spawn(async move {
-            while !beating.is_cancelled() {
-                let _ = agent.heartbeat(observed.clone()).await;
+            // The agent's heartbeat period, not a wait for a condition.
+            let mut period = tokio::time::interval(Duration::from_millis(200));
+            loop {
                 tokio::select! {
-                    _ = beating.cancelled() => {}
-                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    _ = beating.cancelled() => return,
+                    _ = period.tick() => {
+                        let _ = agent.heartbeat(observed.clone()).await;
+                    }
                 }
             }
         })
