@@ -18,6 +18,7 @@ mod procstat;
 mod report;
 mod training;
 mod write_path;
+mod write_stages;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -37,8 +38,8 @@ struct Args {
     /// Small sizes and few repetitions: checks that every scenario runs, measures little.
     #[arg(long)]
     smoke: bool,
-    /// Comma-separated scenarios to run (default: all): write_path, failover, rank_restart,
-    /// worker_expiry, heartbeat_scale, ckpt_commit, ckpt_s3, training, memory.
+    /// Comma-separated scenarios to run (default: all): write_path, write_stages, failover,
+    /// rank_restart, worker_expiry, heartbeat_scale, ckpt_commit, ckpt_s3, training, memory.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Directory for the JSON results (created).
@@ -64,6 +65,7 @@ impl Ctx {
 /// Every scenario, in the order they run.
 pub const SCENARIOS: &[&str] = &[
     "write_path",
+    "write_stages",
     "failover",
     "rank_restart",
     "worker_expiry",
@@ -77,6 +79,7 @@ pub const SCENARIOS: &[&str] = &[
 async fn run_one(name: &str, ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     match name {
         "write_path" => write_path::run(ctx).await,
+        "write_stages" => write_stages::run(ctx).await,
         "failover" => cluster_ops::failover(ctx).await,
         "rank_restart" => cluster_ops::rank_restart(ctx).await,
         "worker_expiry" => cluster_ops::worker_expiry(ctx).await,

@@ -53,7 +53,7 @@ const SCENARIO: &str = "write_path";
 /// Concurrent clients measured, in order.
 const CONCURRENCY: [usize; 3] = [1, 16, 64];
 /// Clients sharing one gRPC connection (both systems).
-const CLIENTS_PER_CHANNEL: usize = 16;
+pub(crate) const CLIENTS_PER_CHANNEL: usize = 16;
 /// Upper bound on writes of one client in one measurement (bounds memory for latencies).
 const MAX_WRITES_PER_CLIENT: u64 = 200_000;
 /// Timeout of one write, and of each connection attempt.
@@ -212,7 +212,7 @@ fn find_etcd() -> anyhow::Result<PathBuf> {
 /// The payload, built once: the request, and its JSON with a placeholder request id of
 /// [`REQUEST_ID_LEN`] bytes at a known offset (patched per write, so the JSON is not
 /// re-serialized on the client's hot path).
-struct Template {
+pub(crate) struct Template {
     /// The request (its `request_id` is replaced on every write).
     request: v1::SubmitJobRequest,
     /// JSON of `request`, with the placeholder id at `id_offset`.
@@ -224,7 +224,7 @@ struct Template {
 impl Template {
     /// Builds the job spec of a 4-rank trainer job whose dataset (8 small shard files) and
     /// checkpoint directory live under `dir`.
-    fn new(dir: &Path) -> anyhow::Result<Template> {
+    pub(crate) fn new(dir: &Path) -> anyhow::Result<Template> {
         let dataset = dir.join("dataset");
         std::fs::create_dir_all(&dataset)
             .with_context(|| format!("creating {}", dataset.display()))?;
@@ -309,7 +309,7 @@ fn request_id(system: &str, c: usize, task: usize, seq: u64) -> String {
 }
 
 /// One client's connection to the system under test.
-enum Target {
+pub(crate) enum Target {
     /// A Cumulus client of the leader.
     Cumulus(Client),
     /// An etcd KV client of the etcd leader.
@@ -348,9 +348,9 @@ impl Target {
 }
 
 /// What one measurement of one system at one concurrency produced.
-struct Measurement {
+pub(crate) struct Measurement {
     /// Latency of every acknowledged write started in the measured window, in ms.
-    latencies_ms: Vec<f64>,
+    pub(crate) latencies_ms: Vec<f64>,
     /// Failed writes started in the measured window.
     errors: u64,
     /// From the start of the measured window until the last client stopped.
@@ -366,7 +366,7 @@ impl Measurement {
 
 /// Runs `c` clients (client `i` on `make(i)`), each writing back-to-back for `warmup`
 /// (not recorded) then for `measure` (recorded).
-async fn measure_system(
+pub(crate) async fn measure_system(
     c: usize,
     warmup: Duration,
     measure: Duration,

@@ -7,6 +7,7 @@ use cumulus_ckpt::CheckpointStore;
 use cumulus_proto::v1;
 use cumulus_raft_store::Command;
 use cumulus_raft_store::Response;
+use cumulus_raft_store::stage;
 use std::collections::BTreeSet;
 
 use cumulus_raft_store::CumulusNode;
@@ -101,6 +102,28 @@ pub async fn submit(
     node: &Node,
     req: v1::SubmitJobRequest,
 ) -> Result<v1::SubmitJobResponse, ApiError> {
+    let start_ns = stage::now_ns();
+    let mut proposed_ns = None;
+    let result = submit_checked(node, req, &mut proposed_ns).await;
+    if let Some(proposed_ns) = proposed_ns {
+        tracing::trace!(
+            target: stage::TARGET,
+            stage = "submit",
+            start_ns,
+            proposed_ns,
+            end_ns = stage::now_ns(),
+        );
+    }
+    result
+}
+
+/// [`submit`]'s checks and proposal; sets `proposed_ns` ([`stage::now_ns`]) when the
+/// command goes to Raft.
+async fn submit_checked(
+    node: &Node,
+    req: v1::SubmitJobRequest,
+    proposed_ns: &mut Option<u64>,
+) -> Result<v1::SubmitJobResponse, ApiError> {
     node.require_leader()?;
     if req.request_id.is_empty() || req.request_id.len() > 128 {
         return Err(ApiError::InvalidArgument(
@@ -157,6 +180,7 @@ pub async fn submit(
         shards,
         submitted_at_ms: now_ms(),
     };
+    *proposed_ns = Some(stage::now_ns());
     match node.propose(cmd).await? {
         Response::JobSubmitted { job_id, created } => Ok(v1::SubmitJobResponse { job_id, created }),
         Response::Rejected { reason } => Err(ApiError::InvalidArgument(reason)),

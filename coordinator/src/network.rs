@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use cumulus_proto::v1::RaftPayload;
 use cumulus_proto::v1::raft_service_client::RaftServiceClient;
-use cumulus_raft_store::{CumulusNode, NodeId, TypeConfig};
+use cumulus_raft_store::{CumulusNode, NodeId, TypeConfig, stage};
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
 };
@@ -120,7 +120,20 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, CumulusNode, RaftError<NodeId>>>
     {
-        self.call(Rpc::Append, &rpc, &option).await
+        let start_ns = stage::now_ns();
+        let last_index = rpc.entries.last().map(|e| e.log_id.index);
+        let result = self.call(Rpc::Append, &rpc, &option).await;
+        if let Some(last_index) = last_index {
+            tracing::trace!(
+                target: stage::TARGET,
+                stage = "replicate",
+                last_index,
+                target = self.target,
+                start_ns,
+                end_ns = stage::now_ns(),
+            );
+        }
+        result
     }
 
     async fn install_snapshot(

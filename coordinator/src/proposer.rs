@@ -16,6 +16,7 @@
 
 use std::sync::Arc;
 
+use cumulus_raft_store::stage;
 use cumulus_raft_store::state::{Command, MAX_BATCH_COMMANDS, Response};
 use openraft::error::{ClientWriteError, RaftError};
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -163,8 +164,18 @@ async fn commit(raft: &Raft, mut batch: Vec<Proposal>) {
 
 /// One `client_write`, its errors mapped to [`ApiError`].
 async fn write(raft: &Raft, command: Command) -> Result<Response, ApiError> {
+    let start_ns = stage::now_ns();
     match raft.client_write(command).await {
-        Ok(resp) => Ok(resp.data),
+        Ok(resp) => {
+            tracing::trace!(
+                target: stage::TARGET,
+                stage = "client_write",
+                index = resp.log_id.index,
+                start_ns,
+                end_ns = stage::now_ns(),
+            );
+            Ok(resp.data)
+        }
         Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
             Err(ApiError::NotLeader {
                 leader: f.leader_node.clone().or_else(|| leader_node(raft)),

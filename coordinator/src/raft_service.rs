@@ -4,6 +4,8 @@ use std::sync::Arc;
 
 use cumulus_proto::v1::RaftPayload;
 use cumulus_proto::v1::raft_service_server::RaftService;
+use cumulus_raft_store::{TypeConfig, stage};
+use openraft::raft::AppendEntriesRequest;
 use serde::Serialize;
 use tonic::{Request, Response, Status};
 
@@ -32,8 +34,25 @@ impl RaftService for RaftSvc {
         &self,
         req: Request<RaftPayload>,
     ) -> Result<Response<RaftPayload>, Status> {
-        let rpc = decode(req)?;
-        encode(&self.node.raft.append_entries(rpc).await)
+        let received_ns = stage::now_ns();
+        let rpc: AppendEntriesRequest<TypeConfig> = decode(req)?;
+        let last_index = rpc.entries.last().map(|e| e.log_id.index);
+        let decoded_ns = stage::now_ns();
+        let result = self.node.raft.append_entries(rpc).await;
+        let raft_done_ns = stage::now_ns();
+        let reply = encode(&result);
+        if let Some(last_index) = last_index {
+            tracing::trace!(
+                target: stage::TARGET,
+                stage = "append_entries_served",
+                last_index,
+                received_ns,
+                decoded_ns,
+                raft_done_ns,
+                end_ns = stage::now_ns(),
+            );
+        }
+        reply
     }
 
     async fn vote(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {

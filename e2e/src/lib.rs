@@ -189,6 +189,14 @@ pub struct Coordinator {
     pub join: bool,
 }
 
+/// `RUST_LOG` of a test coordinator: `info,openraft=warn`, then `extra` if any.
+fn coordinator_log_filter(extra: Option<&str>) -> String {
+    match extra {
+        Some(extra) => format!("info,openraft=warn,{extra}"),
+        None => "info,openraft=warn".into(),
+    }
+}
+
 /// Options of a test cluster.
 #[derive(Clone, Debug)]
 pub struct ClusterOpts {
@@ -210,6 +218,9 @@ pub struct ClusterOpts {
     pub proxied: bool,
     /// S3 settings given to every coordinator and worker (`CUMULUS_S3_*`); `None` = none.
     pub s3: Option<S3Access>,
+    /// Extra `RUST_LOG` directives of the coordinators, appended to the default
+    /// `info,openraft=warn` (e.g. `cumulus_stage=trace`); `None` = the default only.
+    pub coordinator_log: Option<String>,
 }
 
 /// How coordinators and workers reach a test S3 server.
@@ -364,6 +375,7 @@ impl Default for ClusterOpts {
             keep_log_entries: None,
             proxied: false,
             s3: None,
+            coordinator_log: None,
         }
     }
 }
@@ -535,7 +547,10 @@ impl Cluster {
             .arg(self.opts.heartbeat_timeout_ms.to_string())
             .args(&extra)
             .envs(self.opts.s3.iter().flat_map(S3Access::env))
-            .env("RUST_LOG", "info,openraft=warn")
+            .env(
+                "RUST_LOG",
+                coordinator_log_filter(self.opts.coordinator_log.as_deref()),
+            )
             .env("RUST_BACKTRACE", "0")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)

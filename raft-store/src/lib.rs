@@ -7,7 +7,9 @@
 //!   checked by openraft's own storage test suite.
 //! - [`wal`]: the write-ahead log of Raft entries (preallocated segments, CRC-checked
 //!   records, one `fdatasync` per append).
+//! - [`stage`]: trace events that time each stage of a write (for the benchmarks).
 
+pub mod stage;
 pub mod state;
 pub mod store;
 pub mod wal;

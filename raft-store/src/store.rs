@@ -33,7 +33,7 @@ use tokio::sync::watch;
 
 use crate::state::{ClusterState, Command, DirtyKey, Response};
 use crate::wal::{Wal, WalError};
-use crate::{CumulusNode, NodeId, TypeConfig};
+use crate::{CumulusNode, NodeId, TypeConfig, stage};
 
 /// Errors opening the store.
 #[derive(Debug, thiserror::Error)]
@@ -330,12 +330,31 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I::IntoIter: OptionalSend,
     {
         let entries: Vec<Entry<TypeConfig>> = entries.into_iter().collect();
+        let called_ns = stage::now_ns();
+        let count = entries.len();
+        let last_index = entries.last().map_or(0, |e| e.log_id.index);
         let wal = self.wal.clone();
         // One positioned write and one fdatasync, off the async runtime's threads.
-        let written = tokio::task::spawn_blocking(move || wal.append(entries))
-            .await
-            .map_err(std::io::Error::other)
-            .and_then(|r| r.map_err(std::io::Error::other));
+        let written = tokio::task::spawn_blocking(move || {
+            let io_start_ns = stage::now_ns();
+            let r = wal.append(entries);
+            (io_start_ns, stage::now_ns(), r)
+        })
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|(io_start_ns, io_end_ns, r)| {
+            tracing::trace!(
+                target: stage::TARGET,
+                stage = "log_append",
+                last_index,
+                entries = count,
+                called_ns,
+                io_start_ns,
+                io_end_ns,
+                done_ns = stage::now_ns(),
+            );
+            r.map_err(std::io::Error::other)
+        });
         match written {
             Ok(()) => {
                 callback.log_io_completed(Ok(()));
@@ -587,13 +606,16 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
+        let start_ns = stage::now_ns();
         let mut responses = Vec::new();
         let mut dirty = BTreeSet::new();
+        let mut last_index = 0;
         {
             let mut guard = self.shared.data.write().unwrap_or_else(|p| p.into_inner());
             let data = &mut *guard;
             for entry in entries {
                 data.last_applied = Some(entry.log_id);
+                last_index = entry.log_id.index;
                 let resp = match &entry.payload {
                     EntryPayload::Blank => Response::Ok,
                     EntryPayload::Normal(cmd) => apply_command(&mut data.state, cmd, &mut dirty),
@@ -606,6 +628,14 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             }
         }
         self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
+        tracing::trace!(
+            target: stage::TARGET,
+            stage = "apply",
+            last_index,
+            entries = responses.len(),
+            start_ns,
+            end_ns = stage::now_ns(),
+        );
         Ok(responses)
     }
 
