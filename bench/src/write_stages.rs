@@ -241,7 +241,9 @@ fn stage_rows(c: usize, logs: &[Vec<Event>]) -> anyhow::Result<Vec<Row>> {
             .map(|&i| l[i].get("start_ns"))
             .min()
             .unwrap_or(0);
-        push(S_TO_REPLICATE, us(a.get("done_ns"), first_sent));
+        // Since openraft 0.10 the leader replicates once its append has written the
+        // entries (`written_ns`), while its own fdatasync runs.
+        push(S_TO_REPLICATE, us(a.get("written_ns"), first_sent));
         let rtt = us(first.get("start_ns"), first.get("end_ns"));
         let served_us = us(served.get("received_ns"), served.get("end_ns"));
         push(S_RTT, rtt);
@@ -316,18 +318,18 @@ const S_PROPOSED: &str = "submit: proposed -> answered";
 const S_CW: &str = "entry: client_write total";
 const S_CYCLE: &str = "entry: start to next entry's start";
 const S_CW_TO_APPEND: &str = "leader: client_write -> log append";
-const S_L_HANDOFF: &str = "leader: append hand-off to I/O thread";
-const S_L_IO: &str = "leader: WAL write + fdatasync";
-const S_L_BACK: &str = "leader: back on Raft's task";
-const S_TO_REPLICATE: &str = "leader: append done -> AppendEntries sent";
+const S_L_HANDOFF: &str = "leader: append (write) -> fdatasync starts";
+const S_L_IO: &str = "leader: fdatasync (sync thread)";
+const S_L_BACK: &str = "leader: fdatasync -> flush reported";
+const S_TO_REPLICATE: &str = "leader: append written -> AppendEntries sent";
 const S_RTT: &str = "AppendEntries round trip (first answer)";
 const S_TRANSPORT: &str = "  of it: transport and encode (not on follower)";
 const S_F_DECODE: &str = "  follower: decode";
 const S_F_TO_APPEND: &str = "  follower: decoded -> log append";
-const S_F_HANDOFF: &str = "  follower: append hand-off to I/O thread";
-const S_F_IO: &str = "  follower: WAL write + fdatasync";
-const S_F_BACK: &str = "  follower: back on Raft's task";
-const S_F_REPLY: &str = "  follower: append done -> reply encoded";
+const S_F_HANDOFF: &str = "  follower: append (write) -> fdatasync starts";
+const S_F_IO: &str = "  follower: fdatasync (sync thread)";
+const S_F_BACK: &str = "  follower: fdatasync -> flush reported";
+const S_F_REPLY: &str = "  follower: flush reported -> reply encoded";
 const S_TO_APPLY: &str = "leader: answer -> apply starts";
 const S_APPLY: &str = "leader: apply";
 const S_ANSWERED: &str = "leader: applied -> client_write returns";

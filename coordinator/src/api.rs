@@ -1,6 +1,7 @@
 //! The client API's operations, shared by the gRPC `ClientService` and the REST mirror:
 //! submit, get, list, cancel, cluster status, checkpoints.
 
+use openraft::async_runtime::watch::WatchReceiver;
 use std::path::Path;
 
 use cumulus_ckpt::CheckpointStore;
@@ -11,7 +12,7 @@ use cumulus_raft_store::stage;
 use std::collections::BTreeSet;
 
 use cumulus_raft_store::CumulusNode;
-use cumulus_raft_store::NodeId;
+use cumulus_raft_store::TypeConfig;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::{ChangeMembers, ServerState};
 
@@ -258,7 +259,7 @@ pub async fn cancel(node: &Node, job_id: &str) -> Result<v1::JobResponse, ApiErr
 
 /// The cluster as this node sees it.
 pub fn cluster_status(node: &Node) -> v1::ClusterStatusResponse {
-    let m = node.raft.metrics().borrow().clone();
+    let m = node.raft.metrics().borrow_watched().clone();
     let membership = m.membership_config.membership();
     let voters: Vec<u64> = membership.voter_ids().collect();
     let members = membership
@@ -290,27 +291,9 @@ pub fn cluster_status(node: &Node) -> v1::ClusterStatusResponse {
         .collect();
     let soft_workers = node.soft().workers.clone();
     let workers = node.read_state(|s| workers_to_proto(s, &soft_workers));
-    // openraft 0.9 metrics carry no commit index: on the leader the committed index is
-    // the quorum-acknowledged log index; elsewhere we show what was applied.
-    let commit_index = if m.current_leader == Some(node.id) {
-        m.replication.as_ref().and_then(|rep| {
-            let mut acked: Vec<u64> = voters
-                .iter()
-                .map(|id| {
-                    if *id == node.id {
-                        m.last_log_index.unwrap_or(0)
-                    } else {
-                        rep.get(id).and_then(|l| l.map(|l| l.index)).unwrap_or(0)
-                    }
-                })
-                .collect();
-            acked.sort_unstable();
-            let quorum = voters.len() / 2 + 1;
-            acked.len().checked_sub(quorum).map(|i| acked[i])
-        })
-    } else {
-        None
-    };
+    // openraft's committed log id as this node knows it: on the leader, acknowledged by
+    // a quorum; on a follower, what the leader last told it.
+    let commit_index = m.cluster_committed.or(m.local_committed).map(|l| l.index);
     v1::ClusterStatusResponse {
         node_id: node.id,
         leader_id: m.current_leader,
@@ -347,7 +330,7 @@ fn validate_member_addr(what: &str, addr: &str) -> Result<(), ApiError> {
 
 fn membership_error(
     node: &Node,
-    e: RaftError<NodeId, ClientWriteError<NodeId, CumulusNode>>,
+    e: RaftError<TypeConfig, ClientWriteError<TypeConfig>>,
 ) -> ApiError {
     match e {
         RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => ApiError::NotLeader {
@@ -385,7 +368,7 @@ pub async fn add_learner(
     let existing = node
         .raft
         .metrics()
-        .borrow()
+        .borrow_watched()
         .membership_config
         .membership()
         .get_node(&req.node_id)
@@ -424,7 +407,7 @@ pub async fn promote_member(
 ) -> Result<v1::ClusterStatusResponse, ApiError> {
     node.require_leader()?;
     let (is_member, is_voter) = {
-        let m = node.raft.metrics().borrow().clone();
+        let m = node.raft.metrics().borrow_watched().clone();
         let ms = m.membership_config.membership();
         (
             ms.get_node(&node_id).is_some(),
@@ -458,7 +441,7 @@ pub async fn remove_member(
 ) -> Result<v1::ClusterStatusResponse, ApiError> {
     node.require_leader()?;
     let (is_member, voters) = {
-        let m = node.raft.metrics().borrow().clone();
+        let m = node.raft.metrics().borrow_watched().clone();
         let ms = m.membership_config.membership();
         (
             ms.get_node(&node_id).is_some(),

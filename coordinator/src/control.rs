@@ -7,6 +7,7 @@
 //! through Raft. `apply` validates every command again, so an action planned on a
 //! state that moved on is rejected harmlessly and re-planned on the next tick.
 
+use openraft::async_runtime::watch::WatchReceiver;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -518,7 +519,7 @@ pub async fn run(node: Arc<Node>, cancel: CancellationToken) {
 /// Builds the planner's observations from the soft state; on the first tick of a new
 /// term, grants every worker a full heartbeat timeout of grace (as Nomad does).
 fn observe(node: &Node) -> Observations {
-    let term = node.raft.metrics().borrow().current_term;
+    let term = node.raft.metrics().borrow_watched().current_term;
     let now = Instant::now();
     let now_wall = now_ms();
     // Running and pending (placed) attempts: (key, worker, started_at_ms, pending

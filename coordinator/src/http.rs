@@ -2,6 +2,7 @@
 //! under `/v1/jobs…`, and the SSE log stream (see [`crate::logs`]). Everything but
 //! `/health` requires the cluster bearer token.
 
+use openraft::async_runtime::watch::WatchReceiver;
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, Request, State};
@@ -88,7 +89,7 @@ async fn require_token(State(node): State<Arc<Node>>, req: Request, next: Next) 
 }
 
 async fn health(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
-    let m = node.raft.metrics().borrow().clone();
+    let m = node.raft.metrics().borrow_watched().clone();
     Json(json!({ "node_id": node.id, "leader_id": m.current_leader, "term": m.current_term }))
 }
 

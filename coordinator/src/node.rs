@@ -11,7 +11,9 @@ use cumulus_proto::v1;
 pub use cumulus_raft_store::Raft;
 use cumulus_raft_store::state::ClusterState;
 use cumulus_raft_store::{Command, CumulusNode, NodeId, Response, SharedState};
-use openraft::error::{CheckIsLeaderError, RaftError};
+use openraft::ReadPolicy;
+use openraft::async_runtime::watch::WatchReceiver;
+use openraft::error::{LinearizableReadError, RaftError};
 use tokio::sync::Semaphore;
 
 /// Errors of the coordinator's APIs, mapped to gRPC codes and HTTP statuses by the
@@ -147,7 +149,8 @@ pub struct Node {
 
 /// The leader's addresses from `raft`'s view of the membership, when a leader is known.
 pub fn leader_node(raft: &Raft) -> Option<CumulusNode> {
-    let m = raft.metrics().borrow().clone();
+    let m = raft.metrics();
+    let m = m.borrow_watched();
     let leader = m.current_leader?;
     m.membership_config.membership().get_node(&leader).cloned()
 }
@@ -188,7 +191,7 @@ impl Node {
 
     /// True when this node currently believes it is the leader.
     pub fn is_leader(&self) -> bool {
-        self.raft.metrics().borrow().current_leader == Some(self.id)
+        self.raft.metrics().borrow_watched().current_leader == Some(self.id)
     }
 
     /// The leader's addresses from this node's view of the membership.
@@ -227,14 +230,15 @@ impl Node {
     }
 
     /// Waits until this node's state reflects everything committed before the call, as
-    /// confirmed by a quorum (openraft's read index). Only the leader can do this.
+    /// confirmed by a quorum (openraft's read index, `ReadPolicy::ReadIndex`: no lease,
+    /// so no assumption about clock drift). Only the leader can do this.
     ///
     /// # Errors
     /// `NotLeader` on a follower; `Unavailable` without a quorum.
     pub async fn linearizable_barrier(&self) -> Result<(), ApiError> {
-        match self.raft.ensure_linearizable().await {
+        match self.raft.ensure_linearizable(ReadPolicy::ReadIndex).await {
             Ok(_) => Ok(()),
-            Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(f))) => {
+            Err(RaftError::APIError(LinearizableReadError::ForwardToLeader(f))) => {
                 Err(ApiError::NotLeader {
                     leader: f.leader_node.clone().or_else(|| self.leader_node()),
                 })

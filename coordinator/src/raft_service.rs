@@ -2,13 +2,14 @@
 
 use std::sync::Arc;
 
-use cumulus_proto::v1::RaftPayload;
 use cumulus_proto::v1::raft_service_server::RaftService;
-use cumulus_raft_store::{TypeConfig, stage};
+use cumulus_proto::v1::{RaftPayload, SnapshotChunk};
+use cumulus_raft_store::{Snapshot, TypeConfig, stage};
 use openraft::raft::AppendEntriesRequest;
 use serde::Serialize;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
+use crate::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader};
 use crate::node::Node;
 
 /// Serves Raft RPCs for one node.
@@ -60,11 +61,50 @@ impl RaftService for RaftSvc {
         encode(&self.node.raft.vote(rpc).await)
     }
 
+    /// Receives a snapshot in chunks (the first carries the header), bounded by
+    /// [`MAX_SNAPSHOT_BYTES`], and installs it.
     async fn install_snapshot(
         &self,
-        req: Request<RaftPayload>,
+        req: Request<Streaming<SnapshotChunk>>,
     ) -> Result<Response<RaftPayload>, Status> {
-        let rpc = decode(req)?;
-        encode(&self.node.raft.install_snapshot(rpc).await)
+        let mut chunks = req.into_inner();
+        let mut header: Option<SnapshotHeader> = None;
+        let mut data: Vec<u8> = Vec::new();
+        while let Some(chunk) = chunks.message().await? {
+            if !chunk.header_json.is_empty() {
+                if header.is_some() {
+                    return Err(Status::invalid_argument(
+                        "a snapshot stream carries its header twice",
+                    ));
+                }
+                header = Some(serde_json::from_slice(&chunk.header_json).map_err(|e| {
+                    Status::invalid_argument(format!("undecodable snapshot header: {e}"))
+                })?);
+            } else if header.is_none() {
+                return Err(Status::invalid_argument(
+                    "a snapshot stream must start with its header",
+                ));
+            }
+            if data.len().saturating_add(chunk.data.len()) > MAX_SNAPSHOT_BYTES {
+                return Err(Status::resource_exhausted(format!(
+                    "snapshot larger than {MAX_SNAPSHOT_BYTES} bytes"
+                )));
+            }
+            data.extend_from_slice(&chunk.data);
+        }
+        let Some(header) = header else {
+            return Err(Status::invalid_argument("an empty snapshot stream"));
+        };
+        let snapshot = Snapshot {
+            meta: header.meta,
+            snapshot: std::io::Cursor::new(data),
+        };
+        encode(
+            &self
+                .node
+                .raft
+                .install_full_snapshot(header.vote, snapshot)
+                .await,
+        )
     }
 }

@@ -18,7 +18,8 @@
 
 use std::sync::Arc;
 
-use cumulus_raft_store::{SharedState, TypeConfig};
+use cumulus_raft_store::{Raft, SharedState};
+use openraft::async_runtime::watch::WatchReceiver;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -45,7 +46,7 @@ impl SnapshotInterval {
 /// [`SnapshotInterval::due`] says so. Trigger failures (the node shutting down) are
 /// logged and end the loop.
 pub async fn run(
-    raft: openraft::Raft<TypeConfig>,
+    raft: Raft,
     shared: Arc<SharedState>,
     interval: SnapshotInterval,
     cancel: CancellationToken,

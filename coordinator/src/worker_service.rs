@@ -1,6 +1,7 @@
 //! The gRPC `WorkerService`: registration, heartbeats (soft state, answered with the
 //! desired rank attempts), and the rank events and checkpoint parts the leader commits.
 
+use openraft::async_runtime::watch::WatchReceiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,7 +24,7 @@ pub const MAX_WATCH_MS: u64 = 30_000;
 /// applied log index and the leader's clock (read under one lock), and the earliest
 /// backoff end among its pending attempts.
 fn desired_reply(node: &Node, worker_id: &str) -> (v1::HeartbeatResponse, Option<u64>) {
-    let term = node.raft.metrics().borrow().current_term;
+    let term = node.raft.metrics().borrow_watched().current_term;
     let now = now_ms();
     node.shared.read(|d| {
         let registered = d

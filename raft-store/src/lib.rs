@@ -2,13 +2,15 @@
 //!
 //! - [`state`]: the state ([`ClusterState`]), the commands ([`Command`]) and their pure,
 //!   deterministic `apply` (DESIGN.md "The replicated state").
-//! - [`store`]: openraft's `RaftLogStorage` and `RaftStateMachine` (storage-v2 API):
+//! - [`store`]: openraft's `RaftLogStorage` and `RaftStateMachine` (openraft 0.10):
 //!   log entries in [`wal`], everything else (vote, state machine, snapshots) in sled;
 //!   checked by openraft's own storage test suite.
 //! - [`wal`]: the write-ahead log of Raft entries (preallocated segments, CRC-checked
-//!   records, one `fdatasync` per append).
+//!   records; an append returns once written and is reported
+//!   flushed by its sync thread after `fdatasync`).
 //! - [`stage`]: trace events that time each stage of a write (for the benchmarks).
 
+pub mod flusher;
 pub mod stage;
 pub mod state;
 pub mod store;
@@ -40,17 +42,35 @@ impl fmt::Display for CumulusNode {
 }
 
 openraft::declare_raft_types!(
-    /// openraft type configuration of Cumulus: commands in, responses out, u64 node ids,
-    /// snapshots as in-memory JSON bytes.
+    /// openraft type configuration of Cumulus: commands in, responses out, u64 node ids
+    /// and terms, openraft's default leader id (term and node id, so several leaders
+    /// per term are not allowed to commit), tokio.
     pub TypeConfig:
         D = Command,
         R = Response,
         NodeId = NodeId,
         Node = CumulusNode,
-        Entry = openraft::Entry<TypeConfig>,
-        SnapshotData = std::io::Cursor<Vec<u8>>,
         AsyncRuntime = openraft::TokioRuntime,
 );
 
+/// A leader id: `{term, node_id}` (openraft's default, "advanced" leader id).
+pub type LeaderId = openraft::type_config::alias::LeaderIdOf<TypeConfig>;
+/// A Raft log id (`{leader_id: {term, node_id}, index}` in JSON, as in openraft 0.9).
+pub type LogId = openraft::type_config::alias::LogIdOf<TypeConfig>;
+/// A vote (`{leader_id: {term, node_id}, committed}` in JSON).
+pub type Vote = openraft::type_config::alias::VoteOf<TypeConfig>;
+/// A Raft log entry.
+pub type Entry = openraft::type_config::alias::EntryOf<TypeConfig>;
+/// The payload of a log entry (blank, a [`Command`] or a membership).
+pub type EntryPayload = openraft::type_config::alias::EntryPayloadOf<TypeConfig>;
+/// A membership with the log id where it was proposed.
+pub type StoredMembership = openraft::type_config::alias::StoredMembershipOf<TypeConfig>;
+/// What a snapshot covers: its last log id, membership and id.
+pub type SnapshotMeta = openraft::type_config::alias::SnapshotMetaOf<TypeConfig>;
+/// The bytes of a snapshot (the JSON of the applied state), in memory.
+pub type SnapshotData = std::io::Cursor<Vec<u8>>;
+/// A snapshot: its meta and its data.
+pub type Snapshot = openraft::type_config::alias::SnapshotOf<TypeConfig, SnapshotData>;
+
 /// The openraft handle of a Cumulus coordinator.
-pub type Raft = openraft::Raft<TypeConfig>;
+pub type Raft = openraft::Raft<TypeConfig, StateMachineStore>;

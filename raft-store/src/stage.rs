@@ -12,7 +12,7 @@
 //! |---|---|---|
 //! | `submit` | coordinator, SubmitJob handler | `start_ns`, `proposed_ns` (validation done), `end_ns` |
 //! | `client_write` | coordinator, one Raft entry proposed by the leader | `index`, `start_ns`, `end_ns` (applied and answered) |
-//! | `log_append` | raft-store, every log append (leader and follower) | `last_index`, `entries`, `called_ns`, `io_start_ns`, `io_end_ns` (write + fdatasync done), `done_ns` (back on the caller's task) |
+//! | `log_append` | raft-store sync thread, every log append (leader and follower) | `last_index`, `entries`, `called_ns` (`append` called), `written_ns` (written and readable; `append` returns), `io_start_ns`, `io_end_ns` (the group's fdatasync), `done_ns` (flush reported to openraft) |
 //! | `replicate` | coordinator, one AppendEntries RPC sent by the leader | `last_index`, `target`, `start_ns`, `end_ns` (reply decoded) |
 //! | `append_entries_served` | coordinator, one AppendEntries RPC served by a follower | `last_index`, `received_ns`, `decoded_ns`, `raft_done_ns`, `end_ns` (reply encoded) |
 //! | `apply` | raft-store, one call of the state machine's apply | `last_index`, `entries`, `start_ns`, `end_ns` |

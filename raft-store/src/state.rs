@@ -738,6 +738,30 @@ pub enum Command {
     },
 }
 
+impl std::fmt::Display for Command {
+    /// The command's name (and a batch's size): what openraft prints of a log entry's
+    /// payload in its own logs, without the payload itself.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            Command::SubmitJob { .. } => "SubmitJob",
+            Command::CancelJob { .. } => "CancelJob",
+            Command::RegisterWorker { .. } => "RegisterWorker",
+            Command::ExpireWorker { .. } => "ExpireWorker",
+            Command::PlaceJob { .. } => "PlaceJob",
+            Command::RankStarted { .. } => "RankStarted",
+            Command::RankExited { .. } => "RankExited",
+            Command::RankFailed { .. } => "RankFailed",
+            Command::ScheduleRestart { .. } => "ScheduleRestart",
+            Command::FailJob { .. } => "FailJob",
+            Command::CheckpointPartCommitted { .. } => "CheckpointPartCommitted",
+            Command::CheckpointCommitted { .. } => "CheckpointCommitted",
+            Command::JobSucceeded { .. } => "JobSucceeded",
+            Command::Batch { commands } => return write!(f, "Batch({})", commands.len()),
+        };
+        f.write_str(name)
+    }
+}
+
 /// Most commands in one [`Command::Batch`].
 pub const MAX_BATCH_COMMANDS: usize = 256;
 

@@ -1,10 +1,12 @@
-//! openraft storage (v2 API): the Raft log ([`LogStore`]: entries in the write-ahead log
+//! openraft storage (openraft 0.10): the Raft log ([`LogStore`]: entries in the write-ahead log
 //! of [`crate::wal`], the vote and the purge point in sled) and the state machine
 //! ([`StateMachineStore`]: in memory, its snapshots in sled).
 //!
-//! Durability: an append, a truncation, a purge, a vote and a snapshot are on disk
-//! (`fdatasync` or sled flush) before they are reported done (openraft's contract; its
-//! 0.9 rocksdb example skips the flush, we do not). The applied state is not written per
+//! Durability: an append is reported flushed (its `IOFlushed` callback) only after the
+//! sync thread's `fdatasync` ([`crate::flusher`]); a truncation, a purge, a vote and a
+//! snapshot are on disk (`fdatasync` or sled flush) before they return, and wait for
+//! every flush submitted before them (openraft's contract; its rocksdb example skips
+//! the flush, we do not). The applied state is not written per
 //! entry: on open it is restored from the newest snapshot, and openraft re-applies the
 //! committed entries after it from the log (we save the committed log id; the log is
 //! purged only behind a snapshot).
@@ -12,28 +14,27 @@
 //! Everything read back from sled is parsed and validated; a corrupt record is an
 //! error, never silently wrong state.
 
-// openraft fixes the error type of every storage method (`StorageError`, ~224 bytes).
-#![allow(clippy::result_large_err)]
-
 use std::collections::BTreeSet;
 use std::fmt::Debug;
-use std::io::Cursor;
+use std::io::{self, Cursor};
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
-use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
-use openraft::{
-    AnyError, Entry, EntryPayload, ErrorSubject, ErrorVerb, LogId, OptionalSend, RaftLogReader,
-    RaftSnapshotBuilder, SnapshotMeta, StorageError, StorageIOError, StoredMembership, Vote,
-};
+use futures::{Stream, TryStreamExt};
+use openraft::storage::{EntryResponder, IOFlushed, LogState, RaftLogStorage, RaftStateMachine};
+use openraft::{OptionalSend, RaftLogReader, RaftSnapshotBuilder};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use crate::flusher::{Flusher, Job};
 use crate::state::{ClusterState, Command, DirtyKey, Response};
 use crate::wal::{Wal, WalError};
-use crate::{CumulusNode, NodeId, TypeConfig, stage};
+use crate::{
+    Entry, EntryPayload, LogId, Snapshot, SnapshotData, SnapshotMeta, StoredMembership, TypeConfig,
+    Vote, stage,
+};
 
 /// Errors opening the store.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +51,9 @@ pub enum OpenError {
     /// The write-ahead log of entries could not be opened, or is corrupt.
     #[error("cannot open the raft log: {0}")]
     Wal(#[from] WalError),
+    /// The log's sync thread could not be started.
+    #[error("cannot start the raft log's sync thread: {0}")]
+    Flusher(#[source] io::Error),
     /// A record in the database does not parse or is inconsistent.
     #[error(
         "the data directory {path} holds corrupt Raft state ({what}); refusing to start with wrong state: {reason}"
@@ -76,20 +80,9 @@ const KEY_COMMITTED: &[u8] = b"committed";
 const KEY_LAST_PURGED: &[u8] = b"last_purged";
 const KEY_SNAPSHOT: &[u8] = b"current";
 
-fn io_err(
-    subject: ErrorSubject<NodeId>,
-    verb: ErrorVerb,
-    e: impl std::error::Error + 'static,
-) -> StorageError<NodeId> {
-    StorageIOError::new(subject, verb, AnyError::new(&e)).into()
-}
-
-fn read_logs_err(e: impl std::error::Error + 'static) -> StorageError<NodeId> {
-    io_err(ErrorSubject::Logs, ErrorVerb::Read, e)
-}
-
-fn write_logs_err(e: impl std::error::Error + 'static) -> StorageError<NodeId> {
-    io_err(ErrorSubject::Logs, ErrorVerb::Write, e)
+/// An `io::Error` (what openraft 0.10's storage methods return) saying what failed.
+fn io_err(what: &str, e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(format!("{what}: {e}"))
 }
 
 /// Opens (creating if needed) the sled database under `dir` and the write-ahead log in
@@ -121,7 +114,11 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         }
     }
 
-    let last_purged: Option<LogId<NodeId>> = match meta.get(KEY_LAST_PURGED).map_err(sled_err)? {
+    let vote: Option<Vote> = match meta.get(KEY_VOTE).map_err(sled_err)? {
+        Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt("vote", e.to_string()))?,
+        None => None,
+    };
+    let last_purged: Option<LogId> = match meta.get(KEY_LAST_PURGED).map_err(sled_err)? {
         Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt("last_purged", e.to_string()))?,
         None => None,
     };
@@ -152,17 +149,19 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         data: RwLock::new(data),
         changes,
     });
+    let flusher = Flusher::start().map_err(OpenError::Flusher)?;
     Ok((
         LogStore {
             db: db.clone(),
             meta,
             wal,
+            vote: Arc::new(Mutex::new(vote)),
+            flusher,
         },
         StateMachineStore {
             db,
             snap_tree,
             shared,
-            snapshot_seq: 0,
         },
     ))
 }
@@ -189,7 +188,7 @@ fn migrate_legacy_log(
                 format!("key of {} bytes", k.len()),
             )
         })?;
-        let entry: Entry<TypeConfig> = serde_json::from_slice(&v)
+        let entry: Entry = serde_json::from_slice(&v)
             .map_err(|e| ("raft log entry".to_string(), e.to_string()))?;
         if entry.log_id.index != u64::from_be_bytes(key) {
             return Err((
@@ -220,42 +219,45 @@ fn migrate_legacy_log(
         .map_err(|e| ("raft log migration".to_string(), e.to_string()))
 }
 
-/// The Raft log: entries in the write-ahead log ([`Wal`]), the vote, the committed log
-/// id and the purge point in the sled tree `raft_meta`. Cheap to clone (shared handles).
+/// The Raft log: entries in the write-ahead log ([`Wal`]), made durable by the sync thread
+/// ([`Flusher`]); the vote, the committed log id and the purge point in the sled tree
+/// `raft_meta`. Cheap to clone (shared handles).
 #[derive(Clone)]
 pub struct LogStore {
+    /// The sled database (flushed after a vote or a purge point is saved).
     db: sled::Db,
+    /// Tree `raft_meta`: vote, committed log id, purge point (JSON values).
     meta: sled::Tree,
+    /// The entries.
     wal: Wal,
+    /// The saved vote, cached: openraft reads it twice per replication read.
+    vote: Arc<Mutex<Option<Vote>>>,
+    /// The sync thread of appends.
+    flusher: Flusher,
 }
 
 impl LogStore {
-    fn get_meta<T: for<'de> Deserialize<'de>>(
-        &self,
-        key: &[u8],
-    ) -> Result<Option<T>, StorageError<NodeId>> {
-        match self.meta.get(key).map_err(read_logs_err)? {
-            Some(v) => serde_json::from_slice(&v).map(Some).map_err(read_logs_err),
+    fn get_meta<T: for<'de> Deserialize<'de>>(&self, key: &[u8]) -> Result<Option<T>, io::Error> {
+        let what = String::from_utf8_lossy(key);
+        match self.meta.get(key).map_err(|e| io_err(&what, e))? {
+            Some(v) => serde_json::from_slice(&v)
+                .map(Some)
+                .map_err(|e| io_err(&what, e)),
             None => Ok(None),
         }
     }
 
-    async fn put_meta<T: Serialize>(
-        &self,
-        key: &[u8],
-        value: &T,
-        subject: ErrorSubject<NodeId>,
-    ) -> Result<(), StorageError<NodeId>> {
-        let bytes =
-            serde_json::to_vec(value).map_err(|e| io_err(subject.clone(), ErrorVerb::Write, e))?;
-        self.meta
-            .insert(key, bytes)
-            .map_err(|e| io_err(subject.clone(), ErrorVerb::Write, e))?;
-        self.db
-            .flush_async()
-            .await
-            .map_err(|e| io_err(subject, ErrorVerb::Write, e))?;
+    async fn put_meta<T: Serialize>(&self, key: &[u8], value: &T) -> Result<(), io::Error> {
+        let what = String::from_utf8_lossy(key).into_owned();
+        let bytes = serde_json::to_vec(value).map_err(|e| io_err(&what, e))?;
+        self.meta.insert(key, bytes).map_err(|e| io_err(&what, e))?;
+        self.db.flush_async().await.map_err(|e| io_err(&what, e))?;
         Ok(())
+    }
+
+    /// Waits for every append flush submitted so far.
+    async fn barrier(&self) -> Result<(), io::Error> {
+        self.flusher.barrier().await.map_err(io::Error::other)
     }
 }
 
@@ -263,7 +265,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
         range: RB,
-    ) -> Result<Vec<Entry<TypeConfig>>, StorageError<NodeId>> {
+    ) -> Result<Vec<Entry>, io::Error> {
         let start = match range.start_bound() {
             Bound::Included(i) => *i,
             Bound::Excluded(i) => i.saturating_add(1),
@@ -274,16 +276,20 @@ impl RaftLogReader<TypeConfig> for LogStore {
             Bound::Excluded(i) => *i,
             Bound::Unbounded => u64::MAX,
         };
-        self.wal.read(start, end).map_err(read_logs_err)
+        self.wal.read(start, end).map_err(io::Error::other)
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote>, io::Error> {
+        Ok(*self.vote.lock().unwrap_or_else(|p| p.into_inner()))
     }
 }
 
 impl RaftLogStorage<TypeConfig> for LogStore {
     type LogReader = LogStore;
 
-    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
-        let last_purged_log_id: Option<LogId<NodeId>> = self.get_meta(KEY_LAST_PURGED)?;
-        let last = self.wal.last().map_err(read_logs_err)?;
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, io::Error> {
+        let last_purged_log_id: Option<LogId> = self.get_meta(KEY_LAST_PURGED)?;
+        let last = self.wal.last().map_err(io::Error::other)?;
         Ok(LogState {
             last_purged_log_id,
             last_log_id: last.or(last_purged_log_id),
@@ -294,97 +300,88 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.clone()
     }
 
-    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError<NodeId>> {
-        self.put_meta(KEY_VOTE, vote, ErrorSubject::Vote).await
-    }
-
-    async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
-        self.get_meta(KEY_VOTE)
-    }
-
-    async fn save_committed(
-        &mut self,
-        committed: Option<LogId<NodeId>>,
-    ) -> Result<(), StorageError<NodeId>> {
-        // No flush: a lost committed index is re-learned from the leader.
-        let bytes = serde_json::to_vec(&committed).map_err(write_logs_err)?;
-        self.meta
-            .insert(KEY_COMMITTED, bytes)
-            .map_err(write_logs_err)?;
+    /// Saves the vote durably (sled flush) after every pending append flush.
+    async fn save_vote(&mut self, vote: &Vote) -> Result<(), io::Error> {
+        self.barrier().await?;
+        self.put_meta(KEY_VOTE, vote).await?;
+        *self.vote.lock().unwrap_or_else(|p| p.into_inner()) = Some(*vote);
         Ok(())
     }
 
-    async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
-        Ok(self
-            .get_meta::<Option<LogId<NodeId>>>(KEY_COMMITTED)?
-            .flatten())
+    async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), io::Error> {
+        // No flush: a lost committed index is re-learned from the leader.
+        let bytes = serde_json::to_vec(&committed).map_err(|e| io_err("committed", e))?;
+        self.meta
+            .insert(KEY_COMMITTED, bytes)
+            .map_err(|e| io_err("committed", e))?;
+        Ok(())
     }
 
+    async fn read_committed(&mut self) -> Result<Option<LogId>, io::Error> {
+        Ok(self.get_meta::<Option<LogId>>(KEY_COMMITTED)?.flatten())
+    }
+
+    /// Writes the entries (readable when this returns) and hands their `fdatasync` and
+    /// `callback` to the sync thread. The write is a positioned write into the page cache
+    /// (a few µs for a submit-sized batch), done on the caller's task; a batch that fills
+    /// a segment also syncs it and allocates the next one here (once per 16 MiB).
     async fn append<I>(
         &mut self,
         entries: I,
-        callback: LogFlushed<TypeConfig>,
-    ) -> Result<(), StorageError<NodeId>>
+        callback: IOFlushed<TypeConfig>,
+    ) -> Result<(), io::Error>
     where
-        I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
+        I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let entries: Vec<Entry<TypeConfig>> = entries.into_iter().collect();
+        let entries: Vec<Entry> = entries.into_iter().collect();
         let called_ns = stage::now_ns();
         let count = entries.len();
         let last_index = entries.last().map_or(0, |e| e.log_id.index);
-        let wal = self.wal.clone();
-        // One positioned write and one fdatasync, off the async runtime's threads.
-        let written = tokio::task::spawn_blocking(move || {
-            let io_start_ns = stage::now_ns();
-            let r = wal.append(entries);
-            (io_start_ns, stage::now_ns(), r)
-        })
-        .await
-        .map_err(std::io::Error::other)
-        .and_then(|(io_start_ns, io_end_ns, r)| {
-            tracing::trace!(
-                target: stage::TARGET,
-                stage = "log_append",
-                last_index,
-                entries = count,
-                called_ns,
-                io_start_ns,
-                io_end_ns,
-                done_ns = stage::now_ns(),
-            );
-            r.map_err(std::io::Error::other)
-        });
-        match written {
-            Ok(()) => {
-                callback.log_io_completed(Ok(()));
-                Ok(())
-            }
+        let written = match self.wal.write(entries) {
+            Ok(w) => w,
             Err(e) => {
                 let message = e.to_string();
-                callback.log_io_completed(Err(e));
-                Err(write_logs_err(std::io::Error::other(message)))
+                callback.io_completed(Err(io::Error::other(message.clone())));
+                return Err(io_err("raft log append", message));
             }
-        }
+        };
+        let Some(unsynced) = written else {
+            callback.io_completed(Ok(()));
+            return Ok(());
+        };
+        let job = Job::Sync {
+            unsynced,
+            callback,
+            last_index,
+            entries: count,
+            called_ns,
+            written_ns: stage::now_ns(),
+        };
+        self.flusher.submit(job).map_err(io::Error::other)
     }
 
-    async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+    /// Removes the entries after `last_log_id` durably, after every pending flush.
+    async fn truncate_after(&mut self, last_log_id: Option<LogId>) -> Result<(), io::Error> {
+        self.barrier().await?;
+        let since = last_log_id.map_or(0, |l| l.index + 1);
         let wal = self.wal.clone();
-        tokio::task::spawn_blocking(move || wal.truncate(log_id.index))
+        tokio::task::spawn_blocking(move || wal.truncate(since))
             .await
-            .map_err(write_logs_err)?
-            .map_err(write_logs_err)
+            .map_err(io::Error::other)?
+            .map_err(io::Error::other)
     }
 
-    async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+    /// Records the purge point durably, then forgets the entries up to it.
+    async fn purge(&mut self, log_id: LogId) -> Result<(), io::Error> {
+        self.barrier().await?;
         // Record the purge point first, so a crash in between never loses track of it.
-        self.put_meta(KEY_LAST_PURGED, &log_id, ErrorSubject::Logs)
-            .await?;
+        self.put_meta(KEY_LAST_PURGED, &log_id).await?;
         let wal = self.wal.clone();
         tokio::task::spawn_blocking(move || wal.purge(log_id.index))
             .await
-            .map_err(write_logs_err)?
-            .map_err(write_logs_err)
+            .map_err(io::Error::other)?
+            .map_err(io::Error::other)
     }
 }
 
@@ -393,9 +390,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 #[derive(Debug, Default)]
 pub struct SmData {
     /// Last applied log id.
-    pub last_applied: Option<LogId<NodeId>>,
+    pub last_applied: Option<LogId>,
     /// Last applied membership.
-    pub last_membership: StoredMembership<NodeId, CumulusNode>,
+    pub last_membership: StoredMembership,
     /// The Cumulus state.
     pub state: ClusterState,
 }
@@ -439,7 +436,7 @@ const SNAPSHOT_HEADER_BYTES: usize = SNAPSHOT_MAGIC.len() + 8;
 /// parsed as JSON once more.
 #[derive(Deserialize)]
 struct StoredSnapshot {
-    meta: SnapshotMeta<NodeId, CumulusNode>,
+    meta: SnapshotMeta,
     data: Vec<u8>,
 }
 
@@ -448,10 +445,7 @@ impl StoredSnapshot {
     ///
     /// # Errors
     /// The meta does not serialize, or is larger than 4 GiB.
-    fn encode(
-        meta: &SnapshotMeta<NodeId, CumulusNode>,
-        data: &[u8],
-    ) -> Result<Vec<u8>, std::io::Error> {
+    fn encode(meta: &SnapshotMeta, data: &[u8]) -> Result<Vec<u8>, std::io::Error> {
         let meta_json = serde_json::to_vec(meta)?;
         let meta_len = u32::try_from(meta_json.len())
             .map_err(|_| std::io::Error::other("snapshot meta larger than 4 GiB"))?;
@@ -527,7 +521,6 @@ pub struct StateMachineStore {
     db: sled::Db,
     snap_tree: sled::Tree,
     shared: Arc<SharedState>,
-    snapshot_seq: u64,
 }
 
 impl StateMachineStore {
@@ -540,31 +533,26 @@ impl StateMachineStore {
 type LoadError = (String, String);
 
 impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
+    type SnapshotData = SnapshotData;
+
     /// Clones the applied state under the read lock (apply waits only for the clone), then
     /// encodes it and writes it to sled on a blocking thread: encoding tens of MB of JSON
     /// under the lock, on a runtime thread, had stalled apply and every reader for seconds
     /// and cost leadership under load (BENCHMARKS.md, session 7).
-    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
+    async fn build_snapshot(&mut self) -> Result<Snapshot, io::Error> {
         let started = Instant::now();
         let (state, last_applied, last_membership) = self
             .shared
             .read(|d| (d.state.clone(), d.last_applied, d.last_membership.clone()));
         let clone_ms = started.elapsed().as_millis();
-        self.snapshot_seq += 1;
-        let snapshot_id = match last_applied {
-            Some(l) => format!("{}-{}-{}", l.leader_id, l.index, self.snapshot_seq),
-            None => format!("none-{}", self.snapshot_seq),
-        };
         let meta = SnapshotMeta {
             last_log_id: last_applied,
             last_membership,
-            snapshot_id,
         };
         let db = self.db.clone();
         let tree = self.snap_tree.clone();
         let stored_meta = meta.clone();
-        let write_err =
-            |e: std::io::Error| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Write, e);
+        let write_err = |e: std::io::Error| io_err("writing a snapshot", e);
         let bytes = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, std::io::Error> {
             let bytes = serde_json::to_vec(&SnapshotPayload { state })?;
             tree.insert(KEY_SNAPSHOT, StoredSnapshot::encode(&stored_meta, &bytes)?)
@@ -584,36 +572,39 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
         );
         Ok(Snapshot {
             meta,
-            snapshot: Box::new(Cursor::new(bytes)),
+            snapshot: Cursor::new(bytes),
         })
     }
 }
 
 impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotData = SnapshotData;
     type SnapshotBuilder = StateMachineStore;
 
-    async fn applied_state(
-        &mut self,
-    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, CumulusNode>), StorageError<NodeId>>
-    {
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), io::Error> {
         Ok(self
             .shared
             .read(|d| (d.last_applied, d.last_membership.clone())))
     }
 
-    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Response>, StorageError<NodeId>>
+    /// Takes the entries openraft offers, applies them under the write lock (nothing is
+    /// awaited under it), bumps the change counter, then answers each waiting client.
+    async fn apply<Strm>(&mut self, mut entries: Strm) -> Result<(), io::Error>
     where
-        I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
-        I::IntoIter: OptionalSend,
+        Strm: Stream<Item = Result<EntryResponder<TypeConfig>, io::Error>> + Unpin + OptionalSend,
     {
         let start_ns = stage::now_ns();
-        let mut responses = Vec::new();
+        let mut batch = Vec::new();
+        while let Some(item) = entries.try_next().await? {
+            batch.push(item);
+        }
+        let mut answers = Vec::with_capacity(batch.len());
         let mut dirty = BTreeSet::new();
         let mut last_index = 0;
         {
             let mut guard = self.shared.data.write().unwrap_or_else(|p| p.into_inner());
             let data = &mut *guard;
-            for entry in entries {
+            for (entry, responder) in batch {
                 data.last_applied = Some(entry.log_id);
                 last_index = entry.log_id.index;
                 let resp = match &entry.payload {
@@ -624,19 +615,25 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         Response::Ok
                     }
                 };
-                responses.push(resp);
+                answers.push((responder, resp));
             }
         }
         self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
+        let count = answers.len();
+        for (responder, resp) in answers {
+            if let Some(responder) = responder {
+                responder.send(resp);
+            }
+        }
         tracing::trace!(
             target: stage::TARGET,
             stage = "apply",
             last_index,
-            entries = responses.len(),
+            entries = count,
             start_ns,
             end_ns = stage::now_ns(),
         );
-        Ok(responses)
+        Ok(())
     }
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
@@ -644,23 +641,16 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             db: self.db.clone(),
             snap_tree: self.snap_tree.clone(),
             shared: self.shared.clone(),
-            snapshot_seq: self.snapshot_seq + 1_000_000,
         }
-    }
-
-    async fn begin_receiving_snapshot(
-        &mut self,
-    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<NodeId>> {
-        Ok(Box::new(Cursor::new(Vec::new())))
     }
 
     /// Decodes the received state and writes it to sled on a blocking thread, then swaps
     /// it in under the write lock.
     async fn install_snapshot(
         &mut self,
-        meta: &SnapshotMeta<NodeId, CumulusNode>,
-        snapshot: Box<Cursor<Vec<u8>>>,
-    ) -> Result<(), StorageError<NodeId>> {
+        meta: &SnapshotMeta,
+        snapshot: SnapshotData,
+    ) -> Result<(), io::Error> {
         let bytes = snapshot.into_inner();
         let len_bytes = bytes.len();
         let db = self.db.clone();
@@ -678,11 +668,13 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             .map_err(std::io::Error::other)
             .and_then(|r| r);
         let state = decoded.map_err(|e| {
-            StorageError::from(StorageIOError::new(
-                ErrorSubject::Snapshot(Some(meta.signature())),
-                ErrorVerb::Read,
-                AnyError::error(e.to_string()),
-            ))
+            io_err(
+                &format!(
+                    "installing the snapshot up to {:?}",
+                    meta.last_log_id.map(|l| l.index)
+                ),
+                e,
+            )
         })?;
         let data = SmData {
             last_applied: meta.last_log_id,
@@ -702,26 +694,19 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         Ok(())
     }
 
-    async fn get_current_snapshot(
-        &mut self,
-    ) -> Result<Option<Snapshot<TypeConfig>>, StorageError<NodeId>> {
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot>, io::Error> {
         let Some(v) = self
             .snap_tree
             .get(KEY_SNAPSHOT)
-            .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Read, e))?
+            .map_err(|e| io_err("reading the snapshot", e))?
         else {
             return Ok(None);
         };
-        let stored = StoredSnapshot::decode(&v).map_err(|reason| {
-            io_err(
-                ErrorSubject::Snapshot(None),
-                ErrorVerb::Read,
-                std::io::Error::other(reason),
-            )
-        })?;
+        let stored =
+            StoredSnapshot::decode(&v).map_err(|reason| io_err("reading the snapshot", reason))?;
         Ok(Some(Snapshot {
             meta: stored.meta,
-            snapshot: Box::new(Cursor::new(stored.data)),
+            snapshot: Cursor::new(stored.data),
         }))
     }
 }

@@ -1,9 +1,9 @@
 //! The Raft log's entries in a write-ahead log of preallocated segment files: one
-//! positioned write and one `fdatasync` per append.
+//! positioned write per append, one `fdatasync` per append or group of appends.
 //!
-//! Why not sled (which still holds the vote, the state machine and snapshots): openraft
-//! 0.9 waits for each append's flush before it takes the next request, so the flush
-//! latency bounds the write path. A sled flush of a small append cost ~1 ms here; an
+//! Why not sled (which still holds the vote, the state machine and snapshots): the flush
+//! latency bounds the write path (openraft 0.9 waited for each append's flush before it
+//! took the next request; 0.10 replicates while it runs, but a write still waits for it). A sled flush of a small append cost ~1 ms here; an
 //! `fdatasync` of a write inside an already allocated file costs ~0.2 ms, and one that
 //! extends the file ~0.7 ms (BENCHMARKS.md, session 6). So segments are allocated up
 //! front (`fallocate`, etcd preallocates its WAL segments the same way) and written in
@@ -23,8 +23,9 @@
 //! sled) are skipped on open.
 //!
 //! # Crash safety
-//! - Append: records are written after the last valid one, then `fdatasync`ed; only then
-//!   is the append reported. A crash can tear only the unacknowledged tail of the newest
+//! - Append: records are written after the last valid one and become readable
+//!   ([`Wal::write`]); the append is reported durable only after an `fdatasync` of the
+//!   segment ([`Unsynced::sync`], run by the store's sync thread). A crash can tear only the unacknowledged tail of the newest
 //!   segment: on open the first record there that does not check (bad length or CRC)
 //!   or a zero header ends the log, and any non-zero bytes after that point are zeroed
 //!   (logged as a warning), so no record of a torn batch can resurface behind later
@@ -43,9 +44,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use openraft::Entry;
-
-use crate::TypeConfig;
+use crate::Entry;
 
 /// Size of a new segment file, in bytes (a record larger than this gets a segment of its
 /// own size).
@@ -137,7 +136,7 @@ struct Inner {
     /// Locations of the live records, by index.
     locs: BTreeMap<u64, Loc>,
     /// Decoded newest entries and their payload sizes, by index.
-    cache: BTreeMap<u64, (Entry<TypeConfig>, usize)>,
+    cache: BTreeMap<u64, (Entry, usize)>,
     /// Sum of the payload sizes in `cache`, in bytes.
     cache_bytes: usize,
 }
@@ -148,7 +147,7 @@ impl Inner {
         self.locs.last_key_value().map_or(0, |(i, _)| i + 1)
     }
 
-    fn push_cache(&mut self, entry: Entry<TypeConfig>, bytes: usize) {
+    fn push_cache(&mut self, entry: Entry, bytes: usize) {
         if let Some((_, old)) = self.cache.insert(entry.log_id.index, (entry, bytes)) {
             self.cache_bytes -= old;
         }
@@ -182,9 +181,34 @@ impl Inner {
 #[allow(clippy::large_enum_variant)]
 enum Wanted {
     /// A decoded entry from the cache.
-    Cached(Entry<TypeConfig>),
+    Cached(Entry),
     /// Where the record is: its location, the segment's file and path.
     OnDisk(Loc, Arc<File>, PathBuf),
+}
+
+/// Records written by [`Wal::write`] whose segment still needs an `fdatasync` before they
+/// are durable.
+pub struct Unsynced {
+    /// The segment the last records went to.
+    file: Arc<File>,
+    /// Its path (for errors).
+    path: PathBuf,
+}
+
+impl Unsynced {
+    /// `fdatasync`s the segment: every record written to it so far is durable after.
+    ///
+    /// # Errors
+    /// The `fdatasync` fails (the records may not be durable).
+    pub fn sync(&self) -> Result<(), WalError> {
+        self.file.sync_data().map_err(io_error(&self.path))
+    }
+
+    /// Whether `self` and `other` are writes to the same segment (one `fdatasync` covers
+    /// both).
+    pub fn same_segment(&self, other: &Unsynced) -> bool {
+        Arc::ptr_eq(&self.file, &other.file)
+    }
 }
 
 /// The write-ahead log. Cheap to clone; clones share the log. Appends, truncations and
@@ -199,7 +223,7 @@ pub struct Wal {
 }
 
 /// A record's bytes: header and payload.
-fn encode_record(entry: &Entry<TypeConfig>) -> Result<Vec<u8>, WalError> {
+fn encode_record(entry: &Entry) -> Result<Vec<u8>, WalError> {
     let index = entry.log_id.index;
     let payload = serde_json::to_vec(entry).map_err(|source| WalError::Encode { index, source })?;
     let len = u32::try_from(payload.len()).map_err(|_| WalError::Encode {
@@ -264,12 +288,11 @@ fn read_record(file: &File, capacity_bytes: u64, offset: u64) -> io::Result<Read
     Ok(Read::Record(index, payload, end))
 }
 
-fn decode(path: &Path, index: u64, payload: &[u8]) -> Result<Entry<TypeConfig>, WalError> {
-    let entry: Entry<TypeConfig> =
-        serde_json::from_slice(payload).map_err(|e| WalError::Corrupt {
-            path: path.display().to_string(),
-            reason: format!("entry {index} does not decode: {e}"),
-        })?;
+fn decode(path: &Path, index: u64, payload: &[u8]) -> Result<Entry, WalError> {
+    let entry: Entry = serde_json::from_slice(payload).map_err(|e| WalError::Corrupt {
+        path: path.display().to_string(),
+        reason: format!("entry {index} does not decode: {e}"),
+    })?;
     if entry.log_id.index != index {
         return Err(WalError::Corrupt {
             path: path.display().to_string(),
@@ -505,7 +528,7 @@ impl Wal {
     ///
     /// # Errors
     /// I/O errors or damage reading it back (when it is not cached).
-    pub fn last(&self) -> Result<Option<openraft::LogId<crate::NodeId>>, WalError> {
+    pub fn last(&self) -> Result<Option<crate::LogId>, WalError> {
         let last = {
             let inner = self.lock();
             let Some((last, _)) = inner.locs.last_key_value() else {
@@ -524,7 +547,7 @@ impl Wal {
     ///
     /// # Errors
     /// I/O errors or damage found while reading an uncached entry back.
-    pub fn read(&self, start: u64, end: u64) -> Result<Vec<Entry<TypeConfig>>, WalError> {
+    pub fn read(&self, start: u64, end: u64) -> Result<Vec<Entry>, WalError> {
         // Cached entries are cloned under the lock; the rest are read back after it.
         let wanted: Vec<(u64, Wanted)> = {
             let inner = self.lock();
@@ -561,13 +584,30 @@ impl Wal {
         Ok(out)
     }
 
-    /// Appends `entries` (consecutive, starting at the next index) and makes them durable.
+    /// Appends `entries` (consecutive, starting at the next index) and makes them durable
+    /// ([`Wal::write`], then [`Unsynced::sync`]).
     ///
     /// # Errors
     /// Encoding or I/O errors; on error nothing new is readable.
-    pub fn append(&self, entries: Vec<Entry<TypeConfig>>) -> Result<(), WalError> {
+    pub fn append(&self, entries: Vec<Entry>) -> Result<(), WalError> {
+        match self.write(entries)? {
+            Some(unsynced) => unsynced.sync(),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes `entries` (consecutive, starting at the next index) after the last record
+    /// and makes them readable, without the final `fdatasync`: the caller makes them
+    /// durable with the returned [`Unsynced`] (`None` when `entries` is empty) before it
+    /// reports them durable. Segments this append filled are synced here. openraft 0.10
+    /// wants exactly this split: an append returns once its entries are readable (the
+    /// leader replicates them while its own flush runs) and reports the flush later.
+    ///
+    /// # Errors
+    /// Encoding or I/O errors; on error nothing new is readable.
+    pub fn write(&self, entries: Vec<Entry>) -> Result<Option<Unsynced>, WalError> {
         if entries.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let records: Vec<Vec<u8>> = entries
             .iter()
@@ -643,7 +683,6 @@ impl Wal {
         }
         file.write_all_at(&run, run_offset)
             .map_err(io_error(&path))?;
-        file.sync_data().map_err(io_error(&path))?;
 
         let mut inner = self.lock();
         for (first, seg) in new_segments {
@@ -662,7 +701,7 @@ impl Wal {
             inner.locs.insert(entry.log_id.index, loc);
             inner.push_cache(entry, record.len() - HEADER_BYTES as usize);
         }
-        Ok(())
+        Ok(Some(Unsynced { file, path }))
     }
 
     /// Removes every entry with index ≥ `since`, durably.

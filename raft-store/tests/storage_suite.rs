@@ -1,21 +1,23 @@
-//! openraft's storage conformance suite (`openraft::testing::Suite`) run against our
-//! sled log store and state machine, each test on a fresh sled database in a temp dir.
+//! openraft's storage conformance suite (`openraft::testing::log::Suite`) run against our
+//! log store (write-ahead log + sled) and state machine, each test on a fresh directory.
 
-use cumulus_raft_store::{LogStore, NodeId, StateMachineStore, TypeConfig, open};
-use openraft::testing::{StoreBuilder, Suite};
-use openraft::{AnyError, ErrorSubject, ErrorVerb, StorageError, StorageIOError};
+use cumulus_raft_store::{LogStore, StateMachineStore, TypeConfig, open};
+use openraft::testing::log::{StoreBuilder, Suite};
+use openraft::{ErrorSubject, ErrorVerb, StorageError};
 use tempfile::TempDir;
 
-struct SledBuilder;
+struct StoreDirBuilder;
 
-impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, TempDir> for SledBuilder {
-    async fn build(&self) -> Result<(TempDir, LogStore, StateMachineStore), StorageError<NodeId>> {
+impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, TempDir> for StoreDirBuilder {
+    async fn build(
+        &self,
+    ) -> Result<(TempDir, LogStore, StateMachineStore), StorageError<TypeConfig>> {
         let err = |e: &dyn std::error::Error| {
-            StorageError::from(StorageIOError::new(
+            StorageError::from_io_error(
                 ErrorSubject::Store,
                 ErrorVerb::Write,
-                AnyError::error(e.to_string()),
-            ))
+                std::io::Error::other(e.to_string()),
+            )
         };
         let dir = tempfile::tempdir().map_err(|e| err(&e))?;
         let (log, sm) = open(dir.path()).map_err(|e| err(&e))?;
@@ -23,9 +25,9 @@ impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, TempDir> for SledBuil
     }
 }
 
-#[test]
-fn openraft_storage_suite_passes_on_sled_store() {
-    if let Err(e) = Suite::test_all(SledBuilder) {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openraft_storage_suite_passes_on_our_store() {
+    if let Err(e) = Suite::test_all(StoreDirBuilder).await {
         panic!("openraft storage suite failed: {e}");
     }
 }

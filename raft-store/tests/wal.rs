@@ -9,14 +9,15 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use cumulus_raft_store::Entry;
 use cumulus_raft_store::state::Command;
 use cumulus_raft_store::wal::{SEGMENT_BYTES, Wal};
 use cumulus_raft_store::{TypeConfig, open};
+use openraft::RaftLogReader;
 use openraft::storage::RaftLogStorage;
-use openraft::{Entry, RaftLogReader};
 
 /// An entry of `term` at `index` whose payload is about `shard_bytes` long.
-fn entry(term: u64, index: u64, shard_bytes: usize) -> Entry<TypeConfig> {
+fn entry(term: u64, index: u64, shard_bytes: usize) -> Entry {
     common::entry(
         term,
         index,
@@ -29,7 +30,7 @@ fn entry(term: u64, index: u64, shard_bytes: usize) -> Entry<TypeConfig> {
     )
 }
 
-fn entries(term: u64, from: u64, to: u64, shard_bytes: usize) -> Vec<Entry<TypeConfig>> {
+fn entries(term: u64, from: u64, to: u64, shard_bytes: usize) -> Vec<Entry> {
     (from..to).map(|i| entry(term, i, shard_bytes)).collect()
 }
 

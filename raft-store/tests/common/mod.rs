@@ -2,9 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use cumulus_raft_store::TypeConfig;
 use cumulus_raft_store::state::{Command, JobSpec, RestartPolicy};
-use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
+use cumulus_raft_store::{Entry, EntryPayload, LeaderId, LogId, TypeConfig};
+use openraft::storage::EntryResponder;
 
 /// A valid 2-rank spec named `name`.
 pub fn spec(name: &str) -> JobSpec {
@@ -25,9 +25,18 @@ pub fn spec(name: &str) -> JobSpec {
 }
 
 /// A normal entry of `term` (leader node 1) at `index` carrying `cmd`.
-pub fn entry(term: u64, index: u64, cmd: Command) -> Entry<TypeConfig> {
+pub fn entry(term: u64, index: u64, cmd: Command) -> Entry {
     Entry {
-        log_id: LogId::new(CommittedLeaderId::new(term, 1), index),
+        log_id: LogId::new(LeaderId { term, node_id: 1 }, index),
         payload: EntryPayload::Normal(cmd),
     }
+}
+
+/// `entries` as the stream openraft hands to `RaftStateMachine::apply` (no client waits).
+pub fn to_apply(
+    entries: Vec<Entry>,
+) -> futures::stream::Iter<std::vec::IntoIter<Result<EntryResponder<TypeConfig>, std::io::Error>>> {
+    let items: Vec<Result<EntryResponder<TypeConfig>, std::io::Error>> =
+        entries.into_iter().map(|e| Ok((e, None))).collect();
+    futures::stream::iter(items)
 }

@@ -1,0 +1,198 @@
+//! The log's sync thread: makes written appends durable in order and reports them to
+//! openraft.
+//!
+//! openraft 0.10 calls [`RaftLogStorage::append`](openraft::storage::RaftLogStorage) and
+//! expects it to return once the entries are readable, then to hear through the append's
+//! [`IOFlushed`] callback when they are on disk. A leader replicates the entries while its
+//! own `fdatasync` runs (etcd's leader does the same: Raft thesis §10.2.1), instead of
+//! paying the two `fdatasync`s in series (BENCHMARKS.md, sessions 9–11).
+//!
+//! One thread per log store takes [`Job`]s in submission order. It groups the syncs
+//! waiting at once: one `fdatasync` per segment covers all of them, then their callbacks
+//! run in order. A [`Job::Barrier`] completes only after every sync submitted before it,
+//! so a vote, a truncation or a purge never overtakes a pending flush.
+//!
+//! Of the `IOFlushed::Notify` callbacks of one group only the last is called: openraft
+//! keeps the newest flushed IO id in a watch channel, so the earlier ones add nothing, and
+//! each extra send in a burst makes openraft's forwarder (`io_completion_forwarder`,
+//! which batches notifications 1 µs apart) sleep until the next 1 ms timer tick.
+
+use std::sync::mpsc;
+
+use openraft::storage::IOFlushed;
+
+use crate::wal::Unsynced;
+use crate::{TypeConfig, stage};
+
+/// Most jobs waiting in the queue; `submit` blocks its caller beyond this (back-pressure
+/// on openraft's core; the sync thread never waits on the async runtime, so this cannot
+/// deadlock).
+pub const QUEUE_JOBS: usize = 4096;
+/// Most syncs grouped under one `fdatasync` pass.
+pub const GROUP_JOBS: usize = 1024;
+
+/// Work for the sync thread.
+pub enum Job {
+    /// Make a written append durable, then call its callback.
+    Sync {
+        /// What to `fdatasync`.
+        unsynced: Unsynced,
+        /// openraft's completion callback.
+        callback: IOFlushed<TypeConfig>,
+        /// Index of the append's last entry (stage timing).
+        last_index: u64,
+        /// Entries in the append (stage timing).
+        entries: usize,
+        /// When `append` was called, ns since the Unix epoch (stage timing).
+        called_ns: u64,
+        /// When `append` had written the entries and returned, ns (stage timing).
+        written_ns: u64,
+    },
+    /// Completes once every sync submitted before it is done (successfully or not).
+    Barrier(tokio::sync::oneshot::Sender<()>),
+}
+
+/// Handle on a log store's sync thread. Cheap to clone; the thread ends when every handle
+/// is dropped and its queue is drained.
+#[derive(Clone)]
+pub struct Flusher {
+    /// Queue of the thread.
+    tx: mpsc::SyncSender<Job>,
+}
+
+/// The sync thread is gone (it panicked); the store cannot make appends durable.
+#[derive(Debug, thiserror::Error)]
+#[error("the raft log's sync thread has stopped")]
+pub struct FlusherGone;
+
+impl Flusher {
+    /// Starts the sync thread.
+    ///
+    /// # Errors
+    /// The thread cannot be spawned.
+    pub fn start() -> std::io::Result<Flusher> {
+        let (tx, rx) = mpsc::sync_channel(QUEUE_JOBS);
+        std::thread::Builder::new()
+            .name("raft-log-sync".into())
+            .spawn(move || run(&rx))?;
+        Ok(Flusher { tx })
+    }
+
+    /// Queues `job`, blocking while the queue is full.
+    ///
+    /// # Errors
+    /// [`FlusherGone`] if the thread has stopped; the job (and its callback) is dropped.
+    pub fn submit(&self, job: Job) -> Result<(), FlusherGone> {
+        self.tx.send(job).map_err(|_| FlusherGone)
+    }
+
+    /// Waits until every sync submitted before this call has completed.
+    ///
+    /// # Errors
+    /// [`FlusherGone`] if the thread has stopped.
+    pub async fn barrier(&self) -> Result<(), FlusherGone> {
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        self.submit(Job::Barrier(done_tx))?;
+        done_rx.await.map_err(|_| FlusherGone)
+    }
+}
+
+/// A sync taken from the queue, waiting for its group's `fdatasync`.
+struct Pending {
+    unsynced: Unsynced,
+    callback: IOFlushed<TypeConfig>,
+    last_index: u64,
+    entries: usize,
+    called_ns: u64,
+    written_ns: u64,
+}
+
+/// The thread's loop: take the first job (blocking), then whatever else is queued, and run
+/// them in order.
+fn run(rx: &mpsc::Receiver<Job>) {
+    let mut pending: Vec<Pending> = Vec::new();
+    while let Ok(first) = rx.recv() {
+        let mut next = Some(first);
+        while let Some(job) = next {
+            match job {
+                Job::Sync {
+                    unsynced,
+                    callback,
+                    last_index,
+                    entries,
+                    called_ns,
+                    written_ns,
+                } => pending.push(Pending {
+                    unsynced,
+                    callback,
+                    last_index,
+                    entries,
+                    called_ns,
+                    written_ns,
+                }),
+                Job::Barrier(done) => {
+                    sync_group(&mut pending);
+                    // The waiter may have given up; nothing to do then.
+                    let _ = done.send(());
+                }
+            }
+            next = if pending.len() < GROUP_JOBS {
+                rx.try_recv().ok()
+            } else {
+                None
+            };
+        }
+        sync_group(&mut pending);
+    }
+}
+
+/// `fdatasync`s each distinct segment of `pending` once, then calls the callbacks in order
+/// (the last `Notify` one only; every one on error) and empties `pending`.
+fn sync_group(pending: &mut Vec<Pending>) {
+    if pending.is_empty() {
+        return;
+    }
+    let io_start_ns = stage::now_ns();
+    let mut synced: Vec<&Unsynced> = Vec::new();
+    let mut failure: Option<String> = None;
+    for p in pending.iter() {
+        if synced.iter().any(|s| s.same_segment(&p.unsynced)) {
+            continue;
+        }
+        if let Err(e) = p.unsynced.sync() {
+            failure = Some(e.to_string());
+            break;
+        }
+        synced.push(&p.unsynced);
+    }
+    let io_end_ns = stage::now_ns();
+    let last_notify = pending
+        .iter()
+        .rposition(|p| matches!(p.callback, IOFlushed::Notify(_)));
+    for (i, p) in pending.drain(..).enumerate() {
+        match &failure {
+            Some(message) => {
+                tracing::error!(last_index = p.last_index, error = %message, "raft log fdatasync failed");
+                p.callback
+                    .io_completed(Err(std::io::Error::other(message.clone())));
+            }
+            None => {
+                let is_notify = matches!(p.callback, IOFlushed::Notify(_));
+                if !is_notify || Some(i) == last_notify {
+                    p.callback.io_completed(Ok(()));
+                }
+            }
+        }
+        tracing::trace!(
+            target: stage::TARGET,
+            stage = "log_append",
+            last_index = p.last_index,
+            entries = p.entries,
+            called_ns = p.called_ns,
+            written_ns = p.written_ns,
+            io_start_ns,
+            io_end_ns,
+            done_ns = stage::now_ns(),
+        );
+    }
+}
