@@ -1,18 +1,23 @@
 //! openraft's network over tonic: one lazily connected gRPC channel per peer; requests
 //! and results travel as serde_json inside `RaftPayload`.
 
+use std::collections::VecDeque;
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cumulus_proto::v1::raft_service_client::RaftServiceClient;
 use cumulus_proto::v1::{RaftPayload, SnapshotChunk};
 use cumulus_raft_store::{CumulusNode, NodeId, Snapshot, SnapshotData, TypeConfig, Vote, stage};
+use futures::StreamExt;
+use openraft::base::{BoxFuture, BoxStream};
 use openraft::error::{
     Fatal, NetworkError, RPCError, RaftError, ReplicationClosed, StreamingError, Unreachable,
 };
 use openraft::network::{RPCOption, RaftNetworkFactory, RaftNetworkV2};
 use openraft::raft::{
-    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse,
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, StreamAppendResult, VoteRequest,
+    VoteResponse,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -27,6 +32,11 @@ pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 pub const SNAPSHOT_CHUNK_BYTES: usize = 4 * 1024 * 1024;
 /// Largest snapshot a follower accepts, in bytes (its data is held in memory).
 pub const MAX_SNAPSHOT_BYTES: usize = 2 * 1024 * 1024 * 1024;
+
+/// HTTP/2 PING interval on a peer connection, in milliseconds.
+pub const KEEPALIVE_INTERVAL_MS: u64 = 1_000;
+/// How long a PING may go unanswered before the connection is closed, in milliseconds.
+pub const KEEPALIVE_TIMEOUT_MS: u64 = 2_000;
 
 /// The first [`SnapshotChunk`]'s header: who sends the snapshot and what it covers.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -48,9 +58,15 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
 
     async fn new_client(&mut self, target: NodeId, node: &CumulusNode) -> PeerClient {
+        // HTTP/2 keepalive: a replication stream waits for answers without a deadline, so
+        // a peer that stops answering (stopped process, dropped packets) must break the
+        // connection, which ends the stream with an error.
         let endpoint = Endpoint::from_shared(format!("http://{}", node.grpc_addr)).map(|e| {
             e.connect_timeout(Duration::from_millis(500))
                 .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_millis(KEEPALIVE_INTERVAL_MS))
+                .keep_alive_timeout(Duration::from_millis(KEEPALIVE_TIMEOUT_MS))
+                .keep_alive_while_idle(true)
         });
         let client = endpoint.ok().map(|e| {
             RaftServiceClient::with_interceptor(e.connect_lazy(), self.auth.clone())
@@ -109,6 +125,16 @@ impl CallError {
     }
 }
 
+/// A failed call's status: unreachable when the peer cannot be reached or refuses our
+/// token, a network error otherwise.
+fn status_error(target: NodeId, addr: &str, status: &tonic::Status) -> CallError {
+    let err = Msg(format!("peer {target} at {addr}: {status}"));
+    match status.code() {
+        tonic::Code::Unavailable | tonic::Code::Unauthenticated => CallError::Unreachable(err),
+        _ => CallError::Network(err),
+    }
+}
+
 impl PeerClient {
     fn client(
         &mut self,
@@ -123,11 +149,7 @@ impl PeerClient {
     }
 
     fn status_error(&self, status: &tonic::Status) -> CallError {
-        let err = Msg(format!("peer {} at {}: {status}", self.target, self.addr));
-        match status.code() {
-            tonic::Code::Unavailable | tonic::Code::Unauthenticated => CallError::Unreachable(err),
-            _ => CallError::Network(err),
-        }
+        status_error(self.target, &self.addr, status)
     }
 
     /// Decodes a peer's `Result<Resp, E>` reply.
@@ -220,8 +242,104 @@ impl PeerClient {
     }
 }
 
+/// Requests sent on a replication stream and not answered yet: `(last index, sent at ns)`,
+/// for the `replicate` stage events.
+type SentQueue = Arc<Mutex<VecDeque<(Option<u64>, u64)>>>;
+
+/// The result of one request on a replication stream, as a peer sends it.
+type StreamReply = Result<StreamAppendResult<TypeConfig>, Fatal<TypeConfig>>;
+
 impl RaftNetworkV2<TypeConfig> for PeerClient {
     type SnapshotData = SnapshotData;
+
+    /// Replication as a pipeline over one gRPC bidirectional stream (`AppendStream`):
+    /// requests go out as openraft produces them, without waiting for the previous answer
+    /// (openraft's default sends one request at a time); answers come back in order. Only
+    /// opening the stream has a deadline (`option`); after that a peer that stops
+    /// answering is detected by HTTP/2 keepalive ([`KEEPALIVE_TIMEOUT_MS`]), and openraft
+    /// drops the stream whenever it changes what it replicates.
+    fn stream_append<'s, S>(
+        &'s mut self,
+        input: S,
+        option: RPCOption,
+    ) -> BoxFuture<
+        's,
+        Result<
+            BoxStream<'s, Result<StreamAppendResult<TypeConfig>, RPCError<TypeConfig>>>,
+            RPCError<TypeConfig>,
+        >,
+    >
+    where
+        S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
+    {
+        Box::pin(async move {
+            let mut client = self.client().map_err(CallError::into_rpc)?.clone();
+            let target = self.target;
+            let sent: SentQueue = Arc::default();
+            let sent_out = sent.clone();
+            // An encoding failure ends the outgoing stream (openraft then starts another).
+            let outbound = futures::stream::unfold(input, move |mut input| {
+                let sent = sent_out.clone();
+                async move {
+                    let req = input.next().await?;
+                    let last_index = req.entries.last().map(|e| e.log_id.index);
+                    let json = match serde_json::to_vec(&req) {
+                        Ok(json) => json,
+                        Err(e) => {
+                            tracing::warn!(target, error = %e, "cannot encode an AppendEntries request; ending the replication stream");
+                            return None;
+                        }
+                    };
+                    sent.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push_back((last_index, stage::now_ns()));
+                    Some((RaftPayload { json }, input))
+                }
+            });
+            let opened = tokio::time::timeout(
+                option.hard_ttl(),
+                client.append_stream(tonic::Request::new(outbound)),
+            )
+            .await;
+            let inbound = match opened {
+                Ok(Ok(response)) => response.into_inner(),
+                Ok(Err(status)) => return Err(self.status_error(&status).into_rpc()),
+                Err(_) => {
+                    return Err(CallError::Network(Msg(format!(
+                        "peer {target} at {}: no answer to opening a replication stream within {:?}",
+                        self.addr,
+                        option.hard_ttl()
+                    )))
+                    .into_rpc());
+                }
+            };
+            let addr = self.addr.clone();
+            let answers = inbound.map(move |item| {
+                let sent_at = sent.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                if let Some((Some(last_index), start_ns)) = sent_at {
+                    tracing::trace!(
+                        target: stage::TARGET,
+                        stage = "replicate",
+                        last_index,
+                        target,
+                        start_ns,
+                        end_ns = stage::now_ns(),
+                    );
+                }
+                let payload =
+                    item.map_err(|status| status_error(target, &addr, &status).into_rpc())?;
+                let reply: StreamReply = serde_json::from_slice(&payload.json).map_err(|e| {
+                    CallError::Network(Msg(format!(
+                        "peer {target} sent an undecodable replication answer: {e}"
+                    )))
+                    .into_rpc()
+                })?;
+                reply.map_err(|fatal| CallError::Remote(fatal).into_rpc())
+            });
+            let answers: BoxStream<'s, _> = Box::pin(answers);
+            Ok(answers)
+        })
+    }
 
     async fn append_entries(
         &mut self,

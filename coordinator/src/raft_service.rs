@@ -1,10 +1,13 @@
 //! The gRPC `RaftService`: peers' Raft RPCs, decoded and handed to openraft.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 
 use cumulus_proto::v1::raft_service_server::RaftService;
 use cumulus_proto::v1::{RaftPayload, SnapshotChunk};
 use cumulus_raft_store::{Snapshot, TypeConfig, stage};
+use futures::{Stream, StreamExt};
 use openraft::raft::AppendEntriesRequest;
 use serde::Serialize;
 use tonic::{Request, Response, Status, Streaming};
@@ -29,8 +32,78 @@ fn encode<T: Serialize>(value: &T) -> Result<Response<RaftPayload>, Status> {
         .map_err(|e| Status::internal(format!("cannot encode raft reply: {e}")))
 }
 
+/// Requests taken from a replication stream and not answered yet: `(last index,
+/// received at ns, decoded at ns)`, for the `append_entries_served` stage events.
+type ServedQueue = Arc<Mutex<VecDeque<(Option<u64>, u64, u64)>>>;
+
+/// Answers of one replication stream.
+type AnswerStream = Pin<Box<dyn Stream<Item = Result<RaftPayload, Status>> + Send + 'static>>;
+
 #[tonic::async_trait]
 impl RaftService for RaftSvc {
+    type AppendStreamStream = AnswerStream;
+
+    /// Feeds the leader's AppendEntries requests to openraft's pipelined `stream_append`
+    /// as they arrive and sends one answer per request, in order. An undecodable request
+    /// or a broken stream ends the input; openraft then answers what it took and the
+    /// stream ends (the leader opens a new one).
+    async fn append_stream(
+        &self,
+        req: Request<Streaming<RaftPayload>>,
+    ) -> Result<Response<AnswerStream>, Status> {
+        let served: ServedQueue = Arc::default();
+        let served_in = served.clone();
+        let requests = futures::stream::unfold(req.into_inner(), move |mut inbound| {
+            let served = served_in.clone();
+            async move {
+                let payload = match inbound.message().await {
+                    Ok(Some(p)) => p,
+                    Ok(None) => return None,
+                    Err(status) => {
+                        tracing::debug!(%status, "replication stream from the leader broke");
+                        return None;
+                    }
+                };
+                let received_ns = stage::now_ns();
+                match serde_json::from_slice::<AppendEntriesRequest<TypeConfig>>(&payload.json) {
+                    Ok(rpc) => {
+                        let last_index = rpc.entries.last().map(|e| e.log_id.index);
+                        served.lock().unwrap_or_else(|p| p.into_inner()).push_back((
+                            last_index,
+                            received_ns,
+                            stage::now_ns(),
+                        ));
+                        Some((rpc, inbound))
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "undecodable AppendEntries request; ending the replication stream");
+                        None
+                    }
+                }
+            }
+        });
+        let answers = self.node.raft.stream_append(requests).map(move |result| {
+            let raft_done_ns = stage::now_ns();
+            let reply = serde_json::to_vec(&result)
+                .map(|json| RaftPayload { json })
+                .map_err(|e| Status::internal(format!("cannot encode a replication answer: {e}")));
+            let taken = served.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+            if let Some((Some(last_index), received_ns, decoded_ns)) = taken {
+                tracing::trace!(
+                    target: stage::TARGET,
+                    stage = "append_entries_served",
+                    last_index,
+                    received_ns,
+                    decoded_ns,
+                    raft_done_ns,
+                    end_ns = stage::now_ns(),
+                );
+            }
+            reply
+        });
+        Ok(Response::new(Box::pin(answers)))
+    }
+
     async fn append_entries(
         &self,
         req: Request<RaftPayload>,

@@ -10,9 +10,9 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use cumulus_raft_store::Entry;
+use cumulus_raft_store::open;
 use cumulus_raft_store::state::Command;
 use cumulus_raft_store::wal::{SEGMENT_BYTES, Wal};
-use cumulus_raft_store::{TypeConfig, open};
 use openraft::RaftLogReader;
 use openraft::storage::RaftLogStorage;
 

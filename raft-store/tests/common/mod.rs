@@ -33,6 +33,7 @@ pub fn entry(term: u64, index: u64, cmd: Command) -> Entry {
 }
 
 /// `entries` as the stream openraft hands to `RaftStateMachine::apply` (no client waits).
+#[allow(dead_code)] // not every test crate that includes this module applies entries
 pub fn to_apply(
     entries: Vec<Entry>,
 ) -> futures::stream::Iter<std::vec::IntoIter<Result<EntryResponder<TypeConfig>, std::io::Error>>> {
