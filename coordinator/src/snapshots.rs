@@ -12,7 +12,7 @@
 //! `auto-aof-rewrite-percentage 100` (rewrite once the log has grown by the size of the
 //! state); etcd 3.4 instead snapshots every 100,000 entries (`--snapshot-count`).
 //!
-//! openraft 0.9 runs with `SnapshotPolicy::Never`; [`run`] asks for each snapshot with
+//! openraft runs with `SnapshotPolicy::Never`; [`run`] asks for each snapshot with
 //! `Raft::trigger().snapshot()`, which openraft ignores while one is being built. Log
 //! purging after a snapshot is openraft's (`max_in_snapshot_log_to_keep`).
 
