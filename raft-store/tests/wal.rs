@@ -271,3 +271,53 @@ async fn a_log_written_by_the_sled_store_is_moved_into_the_wal() {
         old[2..].to_vec()
     );
 }
+
+/// The store's append contract under openraft 0.10: entries are readable when `append`
+/// returns; each flush is reported through its callback; a vote (like a truncation or a
+/// purge) returns only after every flush submitted before it was reported; and what was
+/// reported survives a reopen.
+#[tokio::test]
+async fn appends_are_readable_at_once_and_flushes_are_reported_before_a_later_vote() {
+    use cumulus_raft_store::{TypeConfig, Vote};
+    use futures::FutureExt;
+    use openraft::async_runtime::oneshot::Oneshot;
+    use openraft::storage::IOFlushed;
+    use openraft::type_config::alias::OneshotOf;
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let all = entries(1, 1, 31, 100);
+    {
+        let (mut log, _sm) = open(dir.path()).expect("open");
+        let mut flushed = Vec::new();
+        for chunk in all.chunks(3) {
+            let (tx, rx) = OneshotOf::<TypeConfig>::channel();
+            log.append(chunk.to_vec(), IOFlushed::signal(tx))
+                .await
+                .expect("append");
+            let last = chunk.last().expect("non-empty").log_id.index;
+            assert_eq!(
+                log.try_get_log_entries(last..last + 1)
+                    .await
+                    .expect("read")
+                    .len(),
+                1,
+                "entry {last} is readable when append returns"
+            );
+            flushed.push(rx);
+        }
+        log.save_vote(&Vote::new(2u64, 1u64)).await.expect("vote");
+        for (i, rx) in flushed.into_iter().enumerate() {
+            match rx.now_or_never() {
+                Some(Ok(Ok(()))) => {}
+                Some(other) => panic!("append {i} reported {other:?}"),
+                None => panic!("append {i} not reported flushed before the vote returned"),
+            }
+        }
+    }
+    let (mut log, _sm) = open(dir.path()).expect("reopen");
+    assert_eq!(log.try_get_log_entries(0..100).await.expect("read"), all);
+    assert_eq!(
+        log.read_vote().await.expect("vote"),
+        Some(Vote::new(2u64, 1u64))
+    );
+}
