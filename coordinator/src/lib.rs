@@ -265,8 +265,12 @@ pub async fn run(
     let interceptor = AuthInterceptor {
         token: token.clone(),
     };
+    // HTTP/2 and TCP keepalive: a replication stream from a leader that vanished (host
+    // down, network cut) ends instead of holding its task and openraft's behind it.
     let grpc = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(256)
+        .http2_keepalive_interval(Some(Duration::from_millis(network::KEEPALIVE_INTERVAL_MS)))
+        .http2_keepalive_timeout(Some(Duration::from_millis(network::KEEPALIVE_TIMEOUT_MS)))
         .add_service(tonic::service::interceptor::InterceptedService::new(
             RaftServiceServer::new(raft_service::RaftSvc { node: node.clone() })
                 .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
@@ -285,10 +289,14 @@ pub async fn run(
     // TCP_NODELAY on every accepted connection: with Nagle's algorithm a small gRPC
     // reply (an AppendEntries ack, a submit's answer) written behind unacknowledged
     // bytes waits for the peer's delayed ACK (~40 ms on Linux).
-    let grpc_task = tokio::spawn(grpc.serve_with_incoming_shutdown(
-        tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-        async move { grpc_cancel.cancelled().await },
-    ));
+    let grpc_task = tokio::spawn(
+        grpc.serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(grpc_listener)
+                .with_nodelay(Some(true))
+                .with_keepalive(Some(Duration::from_secs(10))),
+            async move { grpc_cancel.cancelled().await },
+        ),
+    );
     let http_cancel = cancel.clone();
     let http_task = tokio::spawn(
         axum::serve(

@@ -32,6 +32,22 @@ pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 pub const SNAPSHOT_CHUNK_BYTES: usize = 4 * 1024 * 1024;
 /// Largest snapshot a follower accepts, in bytes (its data is held in memory).
 pub const MAX_SNAPSHOT_BYTES: usize = 2 * 1024 * 1024 * 1024;
+/// Deadline of sending a snapshot, before the allowance for its size, in milliseconds.
+/// openraft offers `install_snapshot_timeout` (200 ms by default), meant for one chunk;
+/// our call carries the whole snapshot and its install.
+pub const SNAPSHOT_BASE_TIMEOUT_MS: u64 = 10_000;
+/// Slowest transfer and install rate the snapshot deadline allows for, in bytes per
+/// second (the deadline grows by one second per this many bytes).
+pub const SNAPSHOT_MIN_BYTES_PER_S: u64 = 8 * 1024 * 1024;
+
+/// Deadline of sending a snapshot of `bytes`: [`SNAPSHOT_BASE_TIMEOUT_MS`] plus one second
+/// per [`SNAPSHOT_MIN_BYTES_PER_S`], and never less than openraft's `offered`.
+pub fn snapshot_deadline(bytes: usize, offered: Duration) -> Duration {
+    let allowance_ms = (bytes as u64).saturating_mul(1_000) / SNAPSHOT_MIN_BYTES_PER_S;
+    offered.max(Duration::from_millis(
+        SNAPSHOT_BASE_TIMEOUT_MS.saturating_add(allowance_ms),
+    ))
+}
 
 /// HTTP/2 PING interval on a peer connection, in milliseconds.
 pub const KEEPALIVE_INTERVAL_MS: u64 = 1_000;
@@ -215,6 +231,7 @@ impl PeerClient {
         })
         .map_err(|e| CallError::Network(Msg(format!("cannot encode a snapshot header: {e}"))))?;
         let data = snapshot.snapshot.into_inner();
+        let deadline = snapshot_deadline(data.len(), option.hard_ttl());
         let mut chunks: Vec<SnapshotChunk> = data
             .chunks(SNAPSHOT_CHUNK_BYTES)
             .map(|piece| SnapshotChunk {
@@ -230,7 +247,7 @@ impl PeerClient {
             }),
         }
         let mut request = tonic::Request::new(futures::stream::iter(chunks));
-        request.set_timeout(option.hard_ttl());
+        request.set_timeout(deadline);
         let result = self.client()?.install_snapshot(request).await;
         match result {
             Ok(r) => self.decode_reply::<SnapshotResponse<TypeConfig>, Fatal<TypeConfig>>(
@@ -277,6 +294,11 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
             let target = self.target;
             let sent: SentQueue = Arc::default();
             let sent_out = sent.clone();
+            // Ends the outgoing requests when openraft drops the answers: hyper keeps
+            // sending a request body after its response body is dropped, and a request
+            // taken from openraft's replication state for a stream nobody reads would
+            // be lost to the next one.
+            let (answers_alive, answers_dropped) = tokio::sync::oneshot::channel::<()>();
             // An encoding failure ends the outgoing stream (openraft then starts another).
             let outbound = futures::stream::unfold(input, move |mut input| {
                 let sent = sent_out.clone();
@@ -295,7 +317,8 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
                         .push_back((last_index, stage::now_ns()));
                     Some((RaftPayload { json }, input))
                 }
-            });
+            })
+            .take_until(answers_dropped);
             let opened = tokio::time::timeout(
                 option.hard_ttl(),
                 client.append_stream(tonic::Request::new(outbound)),
@@ -315,6 +338,8 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
             };
             let addr = self.addr.clone();
             let answers = inbound.map(move |item| {
+                // Owned by this closure: dropped, and the requests end, with the answers.
+                let _alive = &answers_alive;
                 let sent_at = sent.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
                 if let Some((Some(last_index), start_ns)) = sent_at {
                     tracing::trace!(
@@ -388,5 +413,26 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
                 sent.map_err(CallError::into_streaming)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_deadline_grows_with_its_size_and_never_undercuts_openraft() {
+        let offered = Duration::from_millis(200);
+        assert_eq!(snapshot_deadline(0, offered), Duration::from_secs(10));
+        assert_eq!(
+            snapshot_deadline(80 * 1024 * 1024, offered),
+            Duration::from_secs(20)
+        );
+        assert_eq!(
+            snapshot_deadline(MAX_SNAPSHOT_BYTES, offered),
+            Duration::from_secs(10 + 256)
+        );
+        let long = Duration::from_secs(3_600);
+        assert_eq!(snapshot_deadline(1, long), long);
     }
 }

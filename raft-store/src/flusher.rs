@@ -48,8 +48,9 @@ pub enum Job {
         /// When `append` had written the entries and returned, ns (stage timing).
         written_ns: u64,
     },
-    /// Completes once every sync submitted before it is done (successfully or not).
-    Barrier(tokio::sync::oneshot::Sender<()>),
+    /// Completes once every sync submitted before it is done: `Ok` if every `fdatasync`
+    /// so far succeeded, else the first failure.
+    Barrier(tokio::sync::oneshot::Sender<Result<(), String>>),
 }
 
 /// Handle on a log store's sync thread. Cheap to clone; the thread ends when every handle
@@ -60,10 +61,17 @@ pub struct Flusher {
     tx: mpsc::SyncSender<Job>,
 }
 
-/// The sync thread is gone (it panicked); the store cannot make appends durable.
+/// The store cannot make appends durable.
 #[derive(Debug, thiserror::Error)]
-#[error("the raft log's sync thread has stopped")]
-pub struct FlusherGone;
+pub enum FlushError {
+    /// The sync thread is gone (it panicked).
+    #[error("the raft log's sync thread has stopped")]
+    Gone,
+    /// An `fdatasync` of the log failed; the log stays failed (a later `fdatasync` may
+    /// succeed after the kernel dropped the dirty pages, so it proves nothing).
+    #[error("an fdatasync of the raft log failed earlier: {0}")]
+    Failed(String),
+}
 
 impl Flusher {
     /// Starts the sync thread.
@@ -81,19 +89,24 @@ impl Flusher {
     /// Queues `job`, blocking while the queue is full.
     ///
     /// # Errors
-    /// [`FlusherGone`] if the thread has stopped; the job (and its callback) is dropped.
-    pub fn submit(&self, job: Job) -> Result<(), FlusherGone> {
-        self.tx.send(job).map_err(|_| FlusherGone)
+    /// [`FlushError::Gone`] if the thread has stopped; the job (and its callback) is
+    /// dropped.
+    pub fn submit(&self, job: Job) -> Result<(), FlushError> {
+        self.tx.send(job).map_err(|_| FlushError::Gone)
     }
 
     /// Waits until every sync submitted before this call has completed.
     ///
     /// # Errors
-    /// [`FlusherGone`] if the thread has stopped.
-    pub async fn barrier(&self) -> Result<(), FlusherGone> {
+    /// [`FlushError::Gone`] if the thread has stopped; [`FlushError::Failed`] if any
+    /// `fdatasync` of the log has failed.
+    pub async fn barrier(&self) -> Result<(), FlushError> {
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         self.submit(Job::Barrier(done_tx))?;
-        done_rx.await.map_err(|_| FlusherGone)
+        done_rx
+            .await
+            .map_err(|_| FlushError::Gone)?
+            .map_err(FlushError::Failed)
     }
 }
 
@@ -111,6 +124,8 @@ struct Pending {
 /// them in order.
 fn run(rx: &mpsc::Receiver<Job>) {
     let mut pending: Vec<Pending> = Vec::new();
+    // The first `fdatasync` failure: every later sync and barrier reports it.
+    let mut failed: Option<String> = None;
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
         while let Some(job) = next {
@@ -131,9 +146,9 @@ fn run(rx: &mpsc::Receiver<Job>) {
                     written_ns,
                 }),
                 Job::Barrier(done) => {
-                    sync_group(&mut pending);
+                    sync_group(&mut pending, &mut failed);
                     // The waiter may have given up; nothing to do then.
-                    let _ = done.send(());
+                    let _ = done.send(failed.clone().map_or(Ok(()), Err));
                 }
             }
             next = if pending.len() < GROUP_JOBS {
@@ -142,29 +157,33 @@ fn run(rx: &mpsc::Receiver<Job>) {
                 None
             };
         }
-        sync_group(&mut pending);
+        sync_group(&mut pending, &mut failed);
     }
 }
 
 /// `fdatasync`s each distinct segment of `pending` once, then calls the callbacks in order
-/// (the last `Notify` one only; every one on error) and empties `pending`.
-fn sync_group(pending: &mut Vec<Pending>) {
+/// (the last `Notify` one only; every one on error) and empties `pending`. After a
+/// failure (`failed`, kept for the thread's life) nothing is synced and every callback
+/// gets the error.
+fn sync_group(pending: &mut Vec<Pending>, failed: &mut Option<String>) {
     if pending.is_empty() {
         return;
     }
     let io_start_ns = stage::now_ns();
-    let mut synced: Vec<&Unsynced> = Vec::new();
-    let mut failure: Option<String> = None;
-    for p in pending.iter() {
-        if synced.iter().any(|s| s.same_segment(&p.unsynced)) {
-            continue;
+    if failed.is_none() {
+        let mut synced: Vec<&Unsynced> = Vec::new();
+        for p in pending.iter() {
+            if synced.iter().any(|s| s.same_segment(&p.unsynced)) {
+                continue;
+            }
+            if let Err(e) = p.unsynced.sync() {
+                *failed = Some(e.to_string());
+                break;
+            }
+            synced.push(&p.unsynced);
         }
-        if let Err(e) = p.unsynced.sync() {
-            failure = Some(e.to_string());
-            break;
-        }
-        synced.push(&p.unsynced);
     }
+    let failure = failed.clone();
     let io_end_ns = stage::now_ns();
     let last_notify = pending
         .iter()

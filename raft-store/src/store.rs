@@ -317,8 +317,30 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         Ok(())
     }
 
+    /// The saved committed log id, capped at the last entry in the log: the committed id
+    /// is saved without a flush, and with openraft 0.10 it may name entries whose own
+    /// flush had not completed (a follower learns the commit index before its flush; a
+    /// leader can commit on its followers' flushes alone), so after a crash it can lie
+    /// past the durable log. Every entry of the log up to the saved index was accepted
+    /// from the leader, so the capped id is committed too.
     async fn read_committed(&mut self) -> Result<Option<LogId>, io::Error> {
-        Ok(self.get_meta::<Option<LogId>>(KEY_COMMITTED)?.flatten())
+        let Some(saved) = self.get_meta::<Option<LogId>>(KEY_COMMITTED)?.flatten() else {
+            return Ok(None);
+        };
+        let last_purged: Option<LogId> = self.get_meta(KEY_LAST_PURGED)?;
+        let last = self.wal.last().map_err(io::Error::other)?.or(last_purged);
+        Ok(match last {
+            Some(last) if last.index < saved.index => {
+                tracing::warn!(
+                    saved_committed = saved.index,
+                    last_log_index = last.index,
+                    "the saved committed index lies past the durable log; using the log's end"
+                );
+                Some(last)
+            }
+            Some(_) => Some(saved),
+            None => None,
+        })
     }
 
     /// Writes the entries (readable when this returns) and hands their `fdatasync` and

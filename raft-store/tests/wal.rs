@@ -321,3 +321,33 @@ async fn appends_are_readable_at_once_and_flushes_are_reported_before_a_later_vo
         Some(Vote::new(2u64, 1u64))
     );
 }
+
+/// A committed log id saved past the durable log (openraft 0.10 may save it before the
+/// entries' own flush; a crash then loses those entries) reads back capped at the log's
+/// end; one inside the log reads back as saved.
+#[tokio::test]
+async fn a_saved_committed_index_past_the_log_reads_back_at_the_log_end() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let written = entries(1, 1, 6, 10);
+    {
+        let (mut log, _sm) = open(dir.path()).expect("open");
+        log.append(written.clone(), openraft::storage::IOFlushed::noop())
+            .await
+            .expect("append");
+        // The leader's commit index, ahead of what this node's log holds.
+        let ahead = entries(1, 9, 10, 10)[0].log_id;
+        log.save_committed(Some(ahead)).await.expect("save");
+        assert_eq!(
+            log.read_committed().await.expect("read"),
+            Some(written[4].log_id)
+        );
+        log.save_committed(Some(written[2].log_id))
+            .await
+            .expect("save");
+    }
+    let (mut log, _sm) = open(dir.path()).expect("reopen");
+    assert_eq!(
+        log.read_committed().await.expect("read"),
+        Some(written[2].log_id)
+    );
+}
