@@ -32,6 +32,22 @@ fn encode<T: Serialize>(value: &T) -> Result<Response<RaftPayload>, Status> {
         .map_err(|e| Status::internal(format!("cannot encode raft reply: {e}")))
 }
 
+/// Emits the `append_entries_served` stage event of one AppendEntries request that
+/// carried entries (`last_index`); timestamps in ns since the Unix epoch, the end is now.
+fn trace_served(last_index: Option<u64>, received_ns: u64, decoded_ns: u64, raft_done_ns: u64) {
+    if let Some(last_index) = last_index {
+        tracing::trace!(
+            target: stage::TARGET,
+            stage = "append_entries_served",
+            last_index,
+            received_ns,
+            decoded_ns,
+            raft_done_ns,
+            end_ns = stage::now_ns(),
+        );
+    }
+}
+
 /// Requests taken from a replication stream and not answered yet: `(last index,
 /// received at ns, decoded at ns)`, for the `append_entries_served` stage events.
 type ServedQueue = Arc<Mutex<VecDeque<(Option<u64>, u64, u64)>>>;
@@ -88,16 +104,8 @@ impl RaftService for RaftSvc {
                 .map(|json| RaftPayload { json })
                 .map_err(|e| Status::internal(format!("cannot encode a replication answer: {e}")));
             let taken = served.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
-            if let Some((Some(last_index), received_ns, decoded_ns)) = taken {
-                tracing::trace!(
-                    target: stage::TARGET,
-                    stage = "append_entries_served",
-                    last_index,
-                    received_ns,
-                    decoded_ns,
-                    raft_done_ns,
-                    end_ns = stage::now_ns(),
-                );
+            if let Some((last_index, received_ns, decoded_ns)) = taken {
+                trace_served(last_index, received_ns, decoded_ns, raft_done_ns);
             }
             reply
         });
@@ -115,17 +123,7 @@ impl RaftService for RaftSvc {
         let result = self.node.raft.append_entries(rpc).await;
         let raft_done_ns = stage::now_ns();
         let reply = encode(&result);
-        if let Some(last_index) = last_index {
-            tracing::trace!(
-                target: stage::TARGET,
-                stage = "append_entries_served",
-                last_index,
-                received_ns,
-                decoded_ns,
-                raft_done_ns,
-                end_ns = stage::now_ns(),
-            );
-        }
+        trace_served(last_index, received_ns, decoded_ns, raft_done_ns);
         reply
     }
 

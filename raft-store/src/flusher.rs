@@ -31,23 +31,26 @@ pub const QUEUE_JOBS: usize = 4096;
 /// Most syncs grouped under one `fdatasync` pass.
 pub const GROUP_JOBS: usize = 1024;
 
+/// A written append to make durable, then report through its callback.
+pub struct SyncJob {
+    /// What to `fdatasync`.
+    pub unsynced: Unsynced,
+    /// openraft's completion callback.
+    pub callback: IOFlushed<TypeConfig>,
+    /// Index of the append's last entry (stage timing).
+    pub last_index: u64,
+    /// Entries in the append (stage timing).
+    pub entries: usize,
+    /// When `append` was called, ns since the Unix epoch (stage timing).
+    pub called_ns: u64,
+    /// When `append` had written the entries and returned, ns (stage timing).
+    pub written_ns: u64,
+}
+
 /// Work for the sync thread.
 pub enum Job {
     /// Make a written append durable, then call its callback.
-    Sync {
-        /// What to `fdatasync`.
-        unsynced: Unsynced,
-        /// openraft's completion callback.
-        callback: IOFlushed<TypeConfig>,
-        /// Index of the append's last entry (stage timing).
-        last_index: u64,
-        /// Entries in the append (stage timing).
-        entries: usize,
-        /// When `append` was called, ns since the Unix epoch (stage timing).
-        called_ns: u64,
-        /// When `append` had written the entries and returned, ns (stage timing).
-        written_ns: u64,
-    },
+    Sync(SyncJob),
     /// Completes once every sync submitted before it is done: `Ok` if every `fdatasync`
     /// so far succeeded, else the first failure.
     Barrier(tokio::sync::oneshot::Sender<Result<(), String>>),
@@ -110,41 +113,18 @@ impl Flusher {
     }
 }
 
-/// A sync taken from the queue, waiting for its group's `fdatasync`.
-struct Pending {
-    unsynced: Unsynced,
-    callback: IOFlushed<TypeConfig>,
-    last_index: u64,
-    entries: usize,
-    called_ns: u64,
-    written_ns: u64,
-}
-
 /// The thread's loop: take the first job (blocking), then whatever else is queued, and run
 /// them in order.
 fn run(rx: &mpsc::Receiver<Job>) {
-    let mut pending: Vec<Pending> = Vec::new();
+    // Syncs taken from the queue, waiting for their group's `fdatasync`.
+    let mut pending: Vec<SyncJob> = Vec::new();
     // The first `fdatasync` failure: every later sync and barrier reports it.
     let mut failed: Option<String> = None;
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
         while let Some(job) = next {
             match job {
-                Job::Sync {
-                    unsynced,
-                    callback,
-                    last_index,
-                    entries,
-                    called_ns,
-                    written_ns,
-                } => pending.push(Pending {
-                    unsynced,
-                    callback,
-                    last_index,
-                    entries,
-                    called_ns,
-                    written_ns,
-                }),
+                Job::Sync(sync) => pending.push(sync),
                 Job::Barrier(done) => {
                     sync_group(&mut pending, &mut failed);
                     // The waiter may have given up; nothing to do then.
@@ -165,7 +145,7 @@ fn run(rx: &mpsc::Receiver<Job>) {
 /// (the last `Notify` one only; every one on error) and empties `pending`. After a
 /// failure (`failed`, kept for the thread's life) nothing is synced and every callback
 /// gets the error.
-fn sync_group(pending: &mut Vec<Pending>, failed: &mut Option<String>) {
+fn sync_group(pending: &mut Vec<SyncJob>, failed: &mut Option<String>) {
     if pending.is_empty() {
         return;
     }

@@ -28,7 +28,7 @@ use openraft::{OptionalSend, RaftLogReader, RaftSnapshotBuilder};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::flusher::{Flusher, Job};
+use crate::flusher::{Flusher, Job, SyncJob};
 use crate::state::{ClusterState, Command, DirtyKey, Response};
 use crate::wal::{Wal, WalError};
 use crate::{
@@ -372,14 +372,14 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             callback.io_completed(Ok(()));
             return Ok(());
         };
-        let job = Job::Sync {
+        let job = Job::Sync(SyncJob {
             unsynced,
             callback,
             last_index,
             entries: count,
             called_ns,
             written_ns: stage::now_ns(),
-        };
+        });
         self.flusher.submit(job).map_err(io::Error::other)
     }
 
