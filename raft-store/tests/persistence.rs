@@ -38,7 +38,7 @@ async fn the_vote_and_the_snapshotted_state_survive_reopen() {
             .await
             .expect("apply");
     }
-    let (mut log, mut sm) = open(dir.path()).expect("reopen");
+    let (mut log, mut sm) = common::retry_locked(|| open(dir.path())).expect("reopen");
     assert_eq!(
         log.read_vote().await.expect("read vote"),
         Some(Vote::new(3u64, 1u64))
@@ -95,7 +95,7 @@ async fn a_snapshot_whose_bytes_changed_refuses_to_open() {
     let dir = tempfile::tempdir().expect("temp dir");
     snapshot_one_job(dir.path()).await;
     {
-        let db = sled::open(dir.path()).expect("sled");
+        let db = common::retry_locked(|| sled::open(dir.path())).expect("sled");
         let tree = db.open_tree("snapshot").expect("tree");
         let mut stored = tree
             .get(b"current")
@@ -109,7 +109,7 @@ async fn a_snapshot_whose_bytes_changed_refuses_to_open() {
         tree.insert(b"current", stored).expect("insert");
         db.flush().expect("flush");
     }
-    let err = match open(dir.path()) {
+    let err = match common::retry_locked(|| open(dir.path())) {
         Ok(_) => panic!("a snapshot with a changed byte must not open"),
         Err(e) => e.to_string(),
     };
@@ -123,7 +123,7 @@ async fn a_format_1_snapshot_of_an_older_version_still_opens() {
     {
         // Rewrite the record as versions before format 2 stored it: one JSON object, the
         // data a JSON array of numbers.
-        let db = sled::open(dir.path()).expect("sled");
+        let db = common::retry_locked(|| sled::open(dir.path())).expect("sled");
         let tree = db.open_tree("snapshot").expect("tree");
         let stored = tree.get(b"current").expect("get").expect("a snapshot");
         let meta_len = u32::from_le_bytes(stored[19..23].try_into().expect("4 bytes")) as usize;
@@ -134,7 +134,8 @@ async fn a_format_1_snapshot_of_an_older_version_still_opens() {
             .expect("insert");
         db.flush().expect("flush");
     }
-    let (_log, mut sm) = open(dir.path()).expect("a format-1 snapshot opens");
+    let (_log, mut sm) =
+        common::retry_locked(|| open(dir.path())).expect("a format-1 snapshot opens");
     let (applied, _) = sm.applied_state().await.expect("applied");
     assert_eq!(applied.map(|l| l.index), Some(1));
     sm.shared()
@@ -151,12 +152,12 @@ async fn a_format_1_snapshot_of_an_older_version_still_opens() {
 fn a_corrupt_snapshot_refuses_to_open() {
     let dir = tempfile::tempdir().expect("temp dir");
     {
-        let db = sled::open(dir.path()).expect("sled");
+        let db = common::retry_locked(|| sled::open(dir.path())).expect("sled");
         let tree = db.open_tree("snapshot").expect("tree");
         tree.insert(b"current", &b"{not json"[..]).expect("insert");
         db.flush().expect("flush");
     }
-    let err = match open(dir.path()) {
+    let err = match common::retry_locked(|| open(dir.path())) {
         Ok(_) => panic!("a corrupt snapshot must not open"),
         Err(e) => e.to_string(),
     };
@@ -168,11 +169,11 @@ fn a_corrupt_snapshot_refuses_to_open() {
 fn corrupt_log_entry_refuses_to_open() {
     let dir = tempfile::tempdir().expect("temp dir");
     {
-        let db = sled::open(dir.path()).expect("sled");
+        let db = common::retry_locked(|| sled::open(dir.path())).expect("sled");
         let tree = db.open_tree("raft_logs").expect("tree");
         tree.insert(5u64.to_be_bytes(), &b"garbage"[..])
             .expect("insert");
         db.flush().expect("flush");
     }
-    assert!(open(dir.path()).is_err());
+    assert!(common::retry_locked(|| open(dir.path())).is_err());
 }

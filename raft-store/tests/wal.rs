@@ -242,7 +242,7 @@ async fn a_log_written_by_the_sled_store_is_moved_into_the_wal() {
     let old = entries(1, 1, 6, 50);
     {
         // The layout before the WAL: entries as JSON in the sled tree `raft_logs`.
-        let db = sled::open(dir.path()).expect("sled");
+        let db = common::retry_locked(|| sled::open(dir.path())).expect("sled");
         let tree = db.open_tree("raft_logs").expect("tree");
         for e in &old {
             tree.insert(
@@ -254,18 +254,18 @@ async fn a_log_written_by_the_sled_store_is_moved_into_the_wal() {
         db.flush().expect("flush");
     }
     {
-        let (mut log, _sm) = open(dir.path()).expect("open migrates");
+        let (mut log, _sm) = common::retry_locked(|| open(dir.path())).expect("open migrates");
         assert_eq!(log.try_get_log_entries(0..10).await.expect("read"), old);
         let state = log.get_log_state().await.expect("state");
         assert_eq!(state.last_log_id, Some(old[4].log_id));
         log.purge(old[1].log_id).await.expect("purge");
     }
     {
-        let db = sled::open(dir.path()).expect("sled");
+        let db = common::retry_locked(|| sled::open(dir.path())).expect("sled");
         let tree = db.open_tree("raft_logs").expect("tree");
         assert!(tree.is_empty(), "the sled copy is cleared after the move");
     }
-    let (mut log, _sm) = open(dir.path()).expect("reopen");
+    let (mut log, _sm) = common::retry_locked(|| open(dir.path())).expect("reopen");
     assert_eq!(
         log.try_get_log_entries(0..10).await.expect("read"),
         old[2..].to_vec()
@@ -314,7 +314,7 @@ async fn appends_are_readable_at_once_and_flushes_are_reported_before_a_later_vo
             }
         }
     }
-    let (mut log, _sm) = open(dir.path()).expect("reopen");
+    let (mut log, _sm) = common::retry_locked(|| open(dir.path())).expect("reopen");
     assert_eq!(log.try_get_log_entries(0..100).await.expect("read"), all);
     assert_eq!(
         log.read_vote().await.expect("vote"),
@@ -345,7 +345,7 @@ async fn a_saved_committed_index_past_the_log_reads_back_at_the_log_end() {
             .await
             .expect("save");
     }
-    let (mut log, _sm) = open(dir.path()).expect("reopen");
+    let (mut log, _sm) = common::retry_locked(|| open(dir.path())).expect("reopen");
     assert_eq!(
         log.read_committed().await.expect("read"),
         Some(written[2].log_id)

@@ -41,3 +41,25 @@ pub fn to_apply(
         entries.into_iter().map(|e| Ok((e, None))).collect();
     futures::stream::iter(items)
 }
+
+/// Runs `open` (of the store or of its sled database) again while it fails because the
+/// database's file lock is still held, up to 10 s: sled's background flush thread can
+/// keep the lock for a moment after the last handle of a reopened directory was dropped.
+/// Any other outcome is returned at once.
+#[allow(dead_code)] // not every test crate that includes this module reopens a store
+pub fn retry_locked<T, E: std::fmt::Display>(
+    mut open: impl FnMut() -> Result<T, E>,
+) -> Result<T, E> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match open() {
+            Err(e)
+                if e.to_string().contains("could not acquire lock")
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
