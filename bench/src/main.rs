@@ -45,6 +45,10 @@ struct Args {
     /// Directory for the JSON results (created).
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
+    /// Concurrent clients measured by `write_path` (comma-separated, each 1..=999;
+    /// default 1,16,64), e.g. `--write-clients 1` for a quick look at one client.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..=999))]
+    write_clients: Vec<u16>,
 }
 
 /// What every scenario gets.
@@ -53,6 +57,8 @@ pub struct Ctx {
     pub smoke: bool,
     /// Scratch directory for this run (removed at the end).
     pub work_dir: PathBuf,
+    /// Concurrent clients `write_path` measures, in order.
+    pub write_clients: Vec<usize>,
 }
 
 impl Ctx {
@@ -110,6 +116,11 @@ async fn main() -> anyhow::Result<()> {
     let ctx = Ctx {
         smoke: args.smoke,
         work_dir: work.path().to_path_buf(),
+        write_clients: if args.write_clients.is_empty() {
+            write_path::CONCURRENCY.to_vec()
+        } else {
+            args.write_clients.iter().map(|&c| usize::from(c)).collect()
+        },
     };
     let mut rows = Vec::new();
     let mut failures = Vec::new();

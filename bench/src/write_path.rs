@@ -29,8 +29,11 @@
 //!   neither pays a forwarding hop.
 //! - Same starting point: for every concurrency a fresh Cumulus cluster and a fresh etcd
 //!   cluster are started (empty state), both run on this machine at the same time, and the
-//!   systems are measured alternately (Cumulus then etcd), so background load on the host
-//!   falls on both; the idle cluster costs only its Raft heartbeats.
+//!   systems are measured alternately in [`ROUNDS`] rounds (Cumulus, etcd, Cumulus, …;
+//!   each round a fifth of the measured time), so a change of background load on the
+//!   shared host falls on both, not on whichever system ran in that stretch; the idle
+//!   cluster costs only its Raft heartbeats. Throughput is all acknowledged writes of a
+//!   system over the sum of its rounds' windows.
 //!
 //! etcd is looked up on `PATH` (then `/usr/bin/etcd`); its members are SIGKILLed by the
 //! PIDs started here when the scenario ends, also on error (a guard with `Drop`).
@@ -50,10 +53,15 @@ use crate::report::{Row, ms, percentile};
 
 /// Scenario name in every row.
 const SCENARIO: &str = "write_path";
-/// Concurrent clients measured, in order.
-const CONCURRENCY: [usize; 3] = [1, 16, 64];
+/// Concurrent clients measured, in order, unless `--write-clients` says otherwise.
+pub(crate) const CONCURRENCY: [usize; 3] = [1, 16, 64];
 /// Clients sharing one gRPC connection (both systems).
 pub(crate) const CLIENTS_PER_CHANNEL: usize = 16;
+/// Measured windows per system at each concurrency, alternating between the systems.
+const ROUNDS: u64 = 5;
+/// Warm-up before every round after the first (the first has the full warm-up): the
+/// clients restart, the connections stay.
+const ROUND_WARMUP: Duration = Duration::from_millis(200);
 /// Upper bound on writes of one client in one measurement (bounds memory for latencies).
 const MAX_WRITES_PER_CLIENT: u64 = 200_000;
 /// Timeout of one write, and of each connection attempt.
@@ -86,7 +94,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         1,
     )];
 
-    for c in CONCURRENCY {
+    for &c in &ctx.write_clients {
         // Fresh clusters for every concurrency: each measurement starts from an empty state,
         // independent of how many writes the previous ones made.
         let cluster = Cluster::start(ClusterOpts {
@@ -110,19 +118,6 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
                     .context("connecting to the Cumulus leader")?,
             );
         }
-        let cumulus = measure_system(
-            c,
-            warmup,
-            measure,
-            |task| {
-                let client = cumulus_clients[task / CLIENTS_PER_CHANNEL].clone();
-                Target::Cumulus(client)
-            },
-            &template,
-            "cumulus",
-        )
-        .await?;
-
         let mut etcd_clients = Vec::with_capacity(channels);
         for _ in 0..channels {
             etcd_clients.push(
@@ -131,18 +126,37 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
                     .kv_client(),
             );
         }
-        let etcd_run = measure_system(
-            c,
-            warmup,
-            measure,
-            |task| {
-                let client = etcd_clients[task / CLIENTS_PER_CHANNEL].clone();
-                Target::Etcd(client)
-            },
-            &template,
-            "etcd",
-        )
-        .await?;
+        let rounds = ctx.pick(ROUNDS, 1);
+        let mut cumulus = Measurement::default();
+        let mut etcd_run = Measurement::default();
+        for round in 0..rounds {
+            let warmup = if round == 0 { warmup } else { ROUND_WARMUP };
+            let window = measure / rounds as u32;
+            cumulus.add(
+                measure_system(
+                    c,
+                    round,
+                    warmup,
+                    window,
+                    |task| Target::Cumulus(cumulus_clients[task / CLIENTS_PER_CHANNEL].clone()),
+                    &template,
+                    "cumulus",
+                )
+                .await?,
+            );
+            etcd_run.add(
+                measure_system(
+                    c,
+                    round,
+                    warmup,
+                    window,
+                    |task| Target::Etcd(etcd_clients[task / CLIENTS_PER_CHANNEL].clone()),
+                    &template,
+                    "etcd",
+                )
+                .await?,
+            );
+        }
 
         for (system, m) in [("cumulus", &cumulus), ("etcd", &etcd_run)] {
             let n = m.latencies_ms.len();
@@ -300,7 +314,8 @@ impl Template {
     }
 }
 
-/// A unique request id of exactly [`REQUEST_ID_LEN`] bytes.
+/// A unique request id of exactly [`REQUEST_ID_LEN`] bytes (`seq` < 10^10, `c` and `task`
+/// < 1,000).
 fn request_id(system: &str, c: usize, task: usize, seq: u64) -> String {
     let tag = if system == "cumulus" { 'c' } else { 'e' };
     let id = format!("wp{tag}-c{c:03}-t{task:03}-{seq:010}");
@@ -347,13 +362,16 @@ impl Target {
     }
 }
 
-/// What one measurement of one system at one concurrency produced.
+/// What one measurement of one system at one concurrency produced (or several rounds of
+/// it, [`Measurement::add`]ed).
+#[derive(Default)]
 pub(crate) struct Measurement {
     /// Latency of every acknowledged write started in the measured window, in ms.
     pub(crate) latencies_ms: Vec<f64>,
     /// Failed writes started in the measured window.
     errors: u64,
-    /// From the start of the measured window until the last client stopped.
+    /// From the start of the measured window until the last client stopped (summed over
+    /// rounds).
     elapsed: Duration,
 }
 
@@ -362,12 +380,25 @@ impl Measurement {
     fn throughput(&self) -> f64 {
         self.latencies_ms.len() as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
+
+    /// Adds another round of the same system and concurrency.
+    fn add(&mut self, mut round: Measurement) {
+        self.latencies_ms.append(&mut round.latencies_ms);
+        self.errors += round.errors;
+        self.elapsed += round.elapsed;
+    }
 }
 
+/// Request ids of one round start at `round × ROUND_SEQ_STRIDE`, so every round's ids are
+/// new (a client writes at most [`MAX_WRITES_PER_CLIENT`] per round).
+const ROUND_SEQ_STRIDE: u64 = 100_000_000;
+
 /// Runs `c` clients (client `i` on `make(i)`), each writing back-to-back for `warmup`
-/// (not recorded) then for `measure` (recorded).
+/// (not recorded) then for `measure` (recorded). `round` (< 100) keeps the request ids of
+/// several measurements against one cluster apart.
 pub(crate) async fn measure_system(
     c: usize,
+    round: u64,
     warmup: Duration,
     measure: Duration,
     make: impl Fn(usize) -> Target,
@@ -385,8 +416,9 @@ pub(crate) async fn measure_system(
             let mut latencies_ms = Vec::new();
             let mut errors = 0u64;
             let mut last_error = None;
-            let mut seq = 0u64;
-            while seq < MAX_WRITES_PER_CLIENT {
+            let first_seq = round * ROUND_SEQ_STRIDE;
+            let mut seq = first_seq;
+            while seq - first_seq < MAX_WRITES_PER_CLIENT {
                 let began = Instant::now();
                 if began >= window_end {
                     break;

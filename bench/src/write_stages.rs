@@ -70,6 +70,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         }
         let m = measure_system(
             c,
+            0,
             warmup,
             measure,
             |task| Target::Cumulus(clients[task / CLIENTS_PER_CHANNEL].clone()),

@@ -46,10 +46,13 @@ pub fn list_dataset(dir: &str) -> Result<Vec<String>, ApiError> {
         if name.starts_with('.') {
             continue;
         }
-        let meta = entry
-            .metadata()
+        // The type comes with the directory entry (`d_type`): no `stat` per shard on the
+        // write path (std falls back to `lstat` where the filesystem leaves it unknown).
+        // Like `lstat`, a symlink is not a file here.
+        let file_type = entry
+            .file_type()
             .map_err(|e| ApiError::InvalidArgument(format!("dataset {dir}/{name}: {e}")))?;
-        if meta.is_file() {
+        if file_type.is_file() {
             shards.push(path.join(name).to_string_lossy().to_string());
         }
         if shards.len() > MAX_DATASET_FILES {
@@ -167,7 +170,9 @@ async fn submit_checked(
             ))
         })?;
     }
-    if !spec.ckpt_dir.is_empty() && existing.is_none() {
+    // One `stat` when the directory exists (the common case: every job of a user shares
+    // a root), instead of `create_dir_all`'s failing `mkdir` then `stat`.
+    if !spec.ckpt_dir.is_empty() && existing.is_none() && !Path::new(&spec.ckpt_dir).is_dir() {
         std::fs::create_dir_all(&spec.ckpt_dir).map_err(|e| {
             ApiError::InvalidArgument(format!(
                 "checkpoint dir {} cannot be created: {e}",

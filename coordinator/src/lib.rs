@@ -134,6 +134,15 @@ pub struct Config {
     /// was created, and for a node whose data dir was wiped (after `cluster remove`).
     #[arg(long)]
     pub join: bool,
+    /// Threads of the async runtime (Raft, gRPC, HTTP, control loop); blocking work
+    /// (snapshots, checkpoint verification, log truncation) has its own pool. One by
+    /// default: a write crosses a dozen tasks, and on a thread of its own each hop is a
+    /// function call, not a wake-up of another thread (BENCHMARKS.md, session 12: 1 thread
+    /// gave 0.98 of etcd's rate at one client vs 0.92 with 2, on 2 cores). Raise it when
+    /// one core no longer keeps up (many thousands of workers or clients).
+    #[arg(long, env = "CUMULUS_WORKER_THREADS", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub worker_threads: u16,
     /// Most concurrent SSE log streams served by this node.
     #[arg(long, default_value_t = 256)]
     pub max_log_streams: usize,
@@ -186,7 +195,8 @@ pub async fn run(
     let token = auth::load_token(config.token_file.as_deref(), config.token.as_deref())?;
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating the data dir {}", config.data_dir.display()))?;
-    let (log_store, sm_store) = cumulus_raft_store::open(&config.data_dir.join("raft"))?;
+    let (mut log_store, sm_store) = cumulus_raft_store::open(&config.data_dir.join("raft"))?;
+    log_store.set_local_node(config.node_id);
     let shared = sm_store.shared();
 
     let raft_config = openraft::Config {

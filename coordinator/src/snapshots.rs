@@ -42,22 +42,32 @@ impl SnapshotInterval {
     }
 }
 
-/// Watches the Raft metrics until `cancel` and triggers a snapshot whenever
-/// [`SnapshotInterval::due`] says so. Trigger failures (the node shutting down) are
-/// logged and end the loop.
+/// How often [`run`] reads the Raft metrics, in ms. A tick, not a watch on every metrics
+/// change: openraft publishes new metrics several times per write (append, flush, commit,
+/// apply), and each wake of this task is a task switch, often a wake of the other worker
+/// thread, on the write path (BENCHMARKS.md, session 12). A snapshot is due every ≥ 5,000
+/// entries by default, so being up to 100 ms late changes nothing.
+pub const SNAPSHOT_CHECK_INTERVAL_MS: u64 = 100;
+
+/// Reads the Raft metrics every [`SNAPSHOT_CHECK_INTERVAL_MS`] until `cancel` and
+/// triggers a snapshot whenever [`SnapshotInterval::due`] says so. Trigger failures (the
+/// node shutting down) are logged and end the loop.
 pub async fn run(
     raft: Raft,
     shared: Arc<SharedState>,
     interval: SnapshotInterval,
     cancel: CancellationToken,
 ) {
-    let mut metrics = raft.metrics();
+    let metrics = raft.metrics();
+    let mut tick =
+        tokio::time::interval(std::time::Duration::from_millis(SNAPSHOT_CHECK_INTERVAL_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The last applied index a snapshot was asked for: one trigger per due point, not one
     // per metrics change while the snapshot is being built.
     let mut triggered_at: Option<u64> = None;
     loop {
         let (applied, snapshot) = {
-            let m = metrics.borrow_and_update();
+            let m = metrics.borrow_watched();
             (m.last_applied.map(|l| l.index), m.snapshot.map(|l| l.index))
         };
         if let Some(applied) = applied {
@@ -82,11 +92,7 @@ pub async fn run(
         }
         tokio::select! {
             _ = cancel.cancelled() => return,
-            changed = metrics.changed() => {
-                if changed.is_err() {
-                    return;
-                }
-            }
+            _ = tick.tick() => {}
         }
     }
 }

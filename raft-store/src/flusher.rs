@@ -17,7 +17,8 @@
 //! each extra send in a burst makes openraft's forwarder (`io_completion_forwarder`,
 //! which batches notifications 1 µs apart) sleep until the next 1 ms timer tick.
 
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
 
 use openraft::storage::IOFlushed;
 
@@ -62,6 +63,23 @@ pub enum Job {
 pub struct Flusher {
     /// Queue of the thread.
     tx: mpsc::SyncSender<Job>,
+    /// What the thread and [`Flusher::sync_inline`] share.
+    shared: Arc<Shared>,
+}
+
+/// State shared by the sync thread and the callers of [`Flusher::sync_inline`].
+#[derive(Default)]
+struct Shared {
+    /// Jobs submitted and not yet completed (callbacks called, barrier answered).
+    queued: AtomicUsize,
+    /// The first `fdatasync` failure: every later sync and barrier reports it.
+    failed: Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn failed(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        self.failed.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// The store cannot make appends durable.
@@ -83,10 +101,12 @@ impl Flusher {
     /// The thread cannot be spawned.
     pub fn start() -> std::io::Result<Flusher> {
         let (tx, rx) = mpsc::sync_channel(QUEUE_JOBS);
+        let shared = Arc::new(Shared::default());
+        let thread_shared = Arc::clone(&shared);
         std::thread::Builder::new()
             .name("raft-log-sync".into())
-            .spawn(move || run(&rx))?;
-        Ok(Flusher { tx })
+            .spawn(move || run(&rx, &thread_shared))?;
+        Ok(Flusher { tx, shared })
     }
 
     /// Queues `job`, blocking while the queue is full.
@@ -95,7 +115,26 @@ impl Flusher {
     /// [`FlushError::Gone`] if the thread has stopped; the job (and its callback) is
     /// dropped.
     pub fn submit(&self, job: Job) -> Result<(), FlushError> {
-        self.tx.send(job).map_err(|_| FlushError::Gone)
+        self.shared.queued.fetch_add(1, Ordering::AcqRel);
+        self.tx.send(job).map_err(|_| {
+            self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+            FlushError::Gone
+        })
+    }
+
+    /// Makes `job` durable and calls its callback on the caller's thread (one blocking
+    /// `fdatasync`), when nothing submitted earlier is still pending, so callbacks stay in
+    /// submission order; otherwise hands `job` back for [`Flusher::submit`]. Callers must
+    /// not submit concurrently with this call (openraft calls a log store from one task).
+    ///
+    /// For a follower: its answer to the leader waits for this flush anyway, and syncing
+    /// here saves two thread wake-ups on that path (the sync thread's and the answer's).
+    pub fn sync_inline(&self, job: SyncJob) -> Result<(), SyncJob> {
+        if self.shared.queued.load(Ordering::Acquire) != 0 {
+            return Err(job);
+        }
+        sync_group(&mut vec![job], &self.shared, false);
+        Ok(())
     }
 
     /// Waits until every sync submitted before this call has completed.
@@ -115,20 +154,19 @@ impl Flusher {
 
 /// The thread's loop: take the first job (blocking), then whatever else is queued, and run
 /// them in order.
-fn run(rx: &mpsc::Receiver<Job>) {
+fn run(rx: &mpsc::Receiver<Job>, shared: &Shared) {
     // Syncs taken from the queue, waiting for their group's `fdatasync`.
     let mut pending: Vec<SyncJob> = Vec::new();
-    // The first `fdatasync` failure: every later sync and barrier reports it.
-    let mut failed: Option<String> = None;
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
         while let Some(job) = next {
             match job {
                 Job::Sync(sync) => pending.push(sync),
                 Job::Barrier(done) => {
-                    sync_group(&mut pending, &mut failed);
+                    sync_group(&mut pending, shared, true);
                     // The waiter may have given up; nothing to do then.
-                    let _ = done.send(failed.clone().map_or(Ok(()), Err));
+                    let _ = done.send(shared.failed().clone().map_or(Ok(()), Err));
+                    shared.queued.fetch_sub(1, Ordering::AcqRel);
                 }
             }
             next = if pending.len() < GROUP_JOBS {
@@ -137,19 +175,21 @@ fn run(rx: &mpsc::Receiver<Job>) {
                 None
             };
         }
-        sync_group(&mut pending, &mut failed);
+        sync_group(&mut pending, shared, true);
     }
 }
 
 /// `fdatasync`s each distinct segment of `pending` once, then calls the callbacks in order
 /// (the last `Notify` one only; every one on error) and empties `pending`. After a
-/// failure (`failed`, kept for the thread's life) nothing is synced and every callback
-/// gets the error.
-fn sync_group(pending: &mut Vec<SyncJob>, failed: &mut Option<String>) {
+/// failure (kept in `shared` for the store's life) nothing is synced and every callback
+/// gets the error. With `queued` (jobs that came through the queue) each completed job
+/// leaves `shared.queued`.
+fn sync_group(pending: &mut Vec<SyncJob>, shared: &Shared, queued: bool) {
     if pending.is_empty() {
         return;
     }
     let io_start_ns = stage::now_ns();
+    let mut failed = shared.failed();
     if failed.is_none() {
         let mut synced: Vec<&Unsynced> = Vec::new();
         for p in pending.iter() {
@@ -164,6 +204,7 @@ fn sync_group(pending: &mut Vec<SyncJob>, failed: &mut Option<String>) {
         }
     }
     let failure = failed.clone();
+    drop(failed);
     let io_end_ns = stage::now_ns();
     let last_notify = pending
         .iter()
@@ -193,5 +234,8 @@ fn sync_group(pending: &mut Vec<SyncJob>, failed: &mut Option<String>) {
             io_end_ns,
             done_ns = stage::now_ns(),
         );
+        if queued {
+            shared.queued.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }

@@ -157,6 +157,7 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
             wal,
             vote: Arc::new(Mutex::new(vote)),
             flusher,
+            local_node: None,
         },
         StateMachineStore {
             db,
@@ -234,9 +235,22 @@ pub struct LogStore {
     vote: Arc<Mutex<Option<Vote>>>,
     /// The sync thread of appends.
     flusher: Flusher,
+    /// This node's id, once known ([`LogStore::set_local_node`]): appends of entries
+    /// proposed by another node (this node is a follower) are synced inline.
+    local_node: Option<crate::NodeId>,
 }
 
 impl LogStore {
+    /// Tells the store this node's id. From then on an append of entries another node
+    /// proposed (this node is a follower: its answer to the leader waits for the flush)
+    /// is `fdatasync`ed on the calling task when no earlier flush is pending, instead of
+    /// on the sync thread, saving two thread wake-ups per append on the replication
+    /// round trip. A leader's own appends keep the sync thread: it replicates while its
+    /// `fdatasync` runs.
+    pub fn set_local_node(&mut self, id: crate::NodeId) {
+        self.local_node = Some(id);
+    }
+
     fn get_meta<T: for<'de> Deserialize<'de>>(&self, key: &[u8]) -> Result<Option<T>, io::Error> {
         let what = String::from_utf8_lossy(key);
         match self.meta.get(key).map_err(|e| io_err(&what, e))? {
@@ -358,6 +372,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     {
         let entries: Vec<Entry> = entries.into_iter().collect();
         let called_ns = stage::now_ns();
+        let proposer = entries.first().map(|e| e.log_id.leader_id.node_id);
         let count = entries.len();
         let last_index = entries.last().map_or(0, |e| e.log_id.index);
         let written = match self.wal.write(entries) {
@@ -372,15 +387,25 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             callback.io_completed(Ok(()));
             return Ok(());
         };
-        let job = Job::Sync(SyncJob {
+        let job = SyncJob {
             unsynced,
             callback,
             last_index,
             entries: count,
             called_ns,
             written_ns: stage::now_ns(),
-        });
-        self.flusher.submit(job).map_err(io::Error::other)
+        };
+        let job = if self.local_node.is_some_and(|id| proposer != Some(id)) {
+            match self.flusher.sync_inline(job) {
+                Ok(()) => return Ok(()),
+                Err(job) => job,
+            }
+        } else {
+            job
+        };
+        self.flusher
+            .submit(Job::Sync(job))
+            .map_err(io::Error::other)
     }
 
     /// Removes the entries after `last_log_id` durably, after every pending flush.
