@@ -322,6 +322,55 @@ async fn appends_are_readable_at_once_and_flushes_are_reported_before_a_later_vo
     );
 }
 
+/// On a follower (the entries name another node as their leader) an append is flushed
+/// and reported before `append` returns (the inline path); it survives a reopen. On the
+/// proposing node itself the same appends go through the sync thread and are reported
+/// by the next barrier at the latest.
+#[tokio::test]
+async fn a_followers_append_is_reported_flushed_when_append_returns() {
+    use cumulus_raft_store::{TypeConfig, Vote};
+    use futures::FutureExt;
+    use openraft::async_runtime::oneshot::Oneshot;
+    use openraft::storage::IOFlushed;
+    use openraft::type_config::alias::OneshotOf;
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    // `common::entry` names node 1 as the leader.
+    let all = entries(1, 1, 21, 100);
+    {
+        let (mut log, _sm) = open(dir.path()).expect("open");
+        log.set_local_node(2);
+        for chunk in all[..10].chunks(2) {
+            let (tx, rx) = OneshotOf::<TypeConfig>::channel();
+            log.append(chunk.to_vec(), IOFlushed::signal(tx))
+                .await
+                .expect("append");
+            match rx.now_or_never() {
+                Some(Ok(Ok(()))) => {}
+                other => panic!("a follower's append was not reported flushed: {other:?}"),
+            }
+        }
+        log.set_local_node(1);
+        let mut flushed = Vec::new();
+        for chunk in all[10..].chunks(2) {
+            let (tx, rx) = OneshotOf::<TypeConfig>::channel();
+            log.append(chunk.to_vec(), IOFlushed::signal(tx))
+                .await
+                .expect("append");
+            flushed.push(rx);
+        }
+        log.save_vote(&Vote::new(2u64, 1u64)).await.expect("vote");
+        for (i, rx) in flushed.into_iter().enumerate() {
+            assert!(
+                matches!(rx.now_or_never(), Some(Ok(Ok(())))),
+                "the leader's append {i} was not reported flushed before the vote returned"
+            );
+        }
+    }
+    let (mut log, _sm) = common::retry_locked(|| open(dir.path())).expect("reopen");
+    assert_eq!(log.try_get_log_entries(0..100).await.expect("read"), all);
+}
+
 /// A committed log id saved past the durable log (openraft 0.10 may save it before the
 /// entries' own flush; a crash then loses those entries) reads back capped at the log's
 /// end; one inside the log reads back as saved.
