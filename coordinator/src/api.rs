@@ -23,7 +23,7 @@ use crate::node::{ApiError, Node, now_ms};
 pub const MAX_DATASET_FILES: usize = cumulus_raft_store::state::MAX_SHARDS;
 
 /// Lists a dataset directory's regular files (not hidden), sorted by name, as
-/// absolute paths.
+/// absolute paths. Blocking; call it off the runtime thread.
 ///
 /// # Errors
 /// `InvalidArgument` when the directory is missing, unreadable, empty or too large.
@@ -68,6 +68,21 @@ pub fn list_dataset(dir: &str) -> Result<Vec<String>, ApiError> {
     }
     shards.sort();
     Ok(shards)
+}
+
+/// Creates the checkpoint root `dir` unless it is already a directory: one `stat` in the
+/// common case (every job of a user shares a root) instead of `create_dir_all`'s failing
+/// `mkdir` then `stat`. Blocking; call it off the runtime thread.
+///
+/// # Errors
+/// [`ApiError::InvalidArgument`] naming `dir` when it cannot be created.
+fn ensure_ckpt_dir(dir: &str) -> Result<(), ApiError> {
+    if Path::new(dir).is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| {
+        ApiError::InvalidArgument(format!("checkpoint dir {dir} cannot be created: {e}"))
+    })
 }
 
 /// The objects under an S3 dataset prefix, as `s3://bucket/key` shard URLs (sorted).
@@ -142,7 +157,7 @@ async fn submit_checked(
     // A retried request id returns its job before any validation against today's disk.
     let existing = node.read_state(|s| s.request_ids.get(&req.request_id).cloned());
     let spec = spec_from_proto(spec, node.limits.max_world_size)?;
-    let shards = if existing.is_some() || spec.dataset.is_empty() {
+    let mut shards = if existing.is_some() || spec.dataset.is_empty() {
         node.read_state(|s| {
             existing
                 .as_ref()
@@ -153,10 +168,9 @@ async fn submit_checked(
     } else if spec.dataset.starts_with("s3://") {
         list_s3_dataset(node, &spec.dataset).await?
     } else {
-        list_dataset(&spec.dataset)?
+        // A local dataset is listed below, with the checkpoint dir check.
+        Vec::new()
     };
-    let mut shards = shards;
-    shards.sort();
     if !spec.ckpt_url.is_empty() && existing.is_none() {
         // Fail the submit, not the first commit, on a bad target: unreachable endpoint, bad
         // credentials, missing bucket, access denied.
@@ -170,16 +184,33 @@ async fn submit_checked(
             ))
         })?;
     }
-    // One `stat` when the directory exists (the common case: every job of a user shares
-    // a root), instead of `create_dir_all`'s failing `mkdir` then `stat`.
-    if !spec.ckpt_dir.is_empty() && existing.is_none() && !Path::new(&spec.ckpt_dir).is_dir() {
-        std::fs::create_dir_all(&spec.ckpt_dir).map_err(|e| {
-            ApiError::InvalidArgument(format!(
-                "checkpoint dir {} cannot be created: {e}",
-                spec.ckpt_dir
-            ))
-        })?;
+    // The user's directories may sit on a slow or hung network mount: list and check them
+    // on the blocking pool (one hand-off for both), never on the runtime thread, which
+    // also runs Raft's heartbeats (one thread by default).
+    let list_local =
+        existing.is_none() && !spec.dataset.is_empty() && !spec.dataset.starts_with("s3://");
+    let check_ckpt_dir = existing.is_none() && !spec.ckpt_dir.is_empty();
+    if list_local || check_ckpt_dir {
+        let dataset = spec.dataset.clone();
+        let ckpt_dir = spec.ckpt_dir.clone();
+        let listed = tokio::task::spawn_blocking(move || {
+            let listed = if list_local {
+                Some(list_dataset(&dataset)?)
+            } else {
+                None
+            };
+            if check_ckpt_dir {
+                ensure_ckpt_dir(&ckpt_dir)?;
+            }
+            Ok::<_, ApiError>(listed)
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("the dataset listing task failed: {e}")))??;
+        if let Some(listed) = listed {
+            shards = listed;
+        }
     }
+    shards.sort();
     let cmd = Command::SubmitJob {
         request_id: req.request_id.clone(),
         spec,

@@ -358,9 +358,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     /// Writes the entries (readable when this returns) and hands their `fdatasync` and
-    /// `callback` to the sync thread. The write is a positioned write into the page cache
-    /// (a few µs for a submit-sized batch), done on the caller's task; a batch that fills
-    /// a segment also syncs it and allocates the next one here (once per 16 MiB).
+    /// `callback` to the sync thread, or, for a follower's append with no earlier flush
+    /// pending, `fdatasync`s and calls `callback` here ([`LogStore::set_local_node`]).
+    /// The write is a positioned write into the page cache (a few µs for a submit-sized
+    /// batch), done on the caller's task; a batch that fills a segment also syncs it and
+    /// allocates the next one here (once per 16 MiB).
     async fn append<I>(
         &mut self,
         entries: I,
