@@ -127,35 +127,34 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
             );
         }
         let rounds = ctx.pick(ROUNDS, 1);
+        // Client `task` of `system` shares its connection with 15 others.
+        let target = |system: &str, task: usize| {
+            let channel = task / CLIENTS_PER_CHANNEL;
+            if system == "cumulus" {
+                Target::Cumulus(cumulus_clients[channel].clone())
+            } else {
+                Target::Etcd(etcd_clients[channel].clone())
+            }
+        };
         let mut cumulus = Measurement::default();
         let mut etcd_run = Measurement::default();
         for round in 0..rounds {
             let warmup = if round == 0 { warmup } else { ROUND_WARMUP };
             let window = measure / rounds as u32;
-            cumulus.add(
-                measure_system(
-                    c,
-                    round,
-                    warmup,
-                    window,
-                    |task| Target::Cumulus(cumulus_clients[task / CLIENTS_PER_CHANNEL].clone()),
-                    &template,
-                    "cumulus",
-                )
-                .await?,
-            );
-            etcd_run.add(
-                measure_system(
-                    c,
-                    round,
-                    warmup,
-                    window,
-                    |task| Target::Etcd(etcd_clients[task / CLIENTS_PER_CHANNEL].clone()),
-                    &template,
-                    "etcd",
-                )
-                .await?,
-            );
+            for (system, total) in [("cumulus", &mut cumulus), ("etcd", &mut etcd_run)] {
+                total.add(
+                    measure_system(
+                        c,
+                        round,
+                        warmup,
+                        window,
+                        |task| target(system, task),
+                        &template,
+                        system,
+                    )
+                    .await?,
+                );
+            }
         }
 
         for (system, m) in [("cumulus", &cumulus), ("etcd", &etcd_run)] {
