@@ -11,7 +11,7 @@
 //! `LATEST`. The baseline writes the same bytes to 4 plain files in the same file system and
 //! `sync_all`s each, 4 in parallel. Ratio = raw time / Cumulus time (target ≥ 0.9). The two
 //! runs alternate which goes first; everything is removed (and `sync`ed) between runs so
-//! that neither inherits the other's dirty pages. 5 counted rounds (median of the per-round
+//! that neither inherits the other's dirty pages. 9 counted rounds (median of the per-round
 //! ratios) follow one uncounted warm-up round of both arms.
 //!
 //! The phases are timed separately so that a miss is explained by measurement, not by
@@ -65,7 +65,9 @@ const TARGET_RATIO: f64 = 0.9;
 /// Runs the scenario.
 pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let per_rank_bytes: u64 = ctx.pick(256 << 20, 4 << 20);
-    let reps: usize = ctx.pick(5, 1);
+    // 9 counted rounds (5 until session 13, whose per-round ratios ranged 0.68–1.75 within
+    // one run: the host's disk and page cache, not either arm).
+    let reps: usize = ctx.pick(9, 1);
     // One uncounted round of both arms first: the first large write of a process ran
     // 2–4× slower than later ones on this machine for whichever arm went first (session 5,
     // three runs), which is the host warming up, not either arm.

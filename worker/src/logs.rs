@@ -1,4 +1,4 @@
-//! Attempt logs: capture of a rank's stdout and stderr into one capped file, the exit
+//! Attempt logs: capture of a rank's output (stdout and stderr share one pipe) into one capped
 //! record that marks a log complete, and paged reads for the agent's HTTP API.
 //!
 //! Layout under the agent's data dir:
@@ -7,17 +7,20 @@
 //! <data-dir>/logs/<job>/rank-<r>/attempt-<a>.exit   {"exit_code": .., "signal": ..}
 //! ```
 //! The exit record is written (temp file, fsync, rename, fsync of the directory) only after
-//! the process exited and its pipes were drained into the log, so its presence means the
+//! the process exited and its output pipe was drained into the log, so its presence means the
 //! log is complete and will never change again.
 
-use std::io;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 use crate::reconcile::AttemptKey;
@@ -28,8 +31,15 @@ pub const MAX_READ_BYTES: u64 = 1 << 20;
 /// A line longer than this is written in pieces of this size (bounds the memory a rank
 /// that writes without newlines can make the agent hold).
 pub const LINE_PIECE_MAX_BYTES: usize = 64 * 1024;
-/// Bytes read from a pipe at a time.
-const PIPE_READ_BYTES: usize = 8 * 1024;
+/// Bytes read from a pipe at a time (Linux's default pipe buffer is 64 KiB).
+const PIPE_READ_BYTES: usize = 64 * 1024;
+/// How long a pipe pump waits before its next read after a read that drained the pipe,
+/// in milliseconds (see [`pump_lines`]).
+pub const LOG_COALESCE_MS: u64 = LOG_COALESCE_MS_U16 as u64;
+/// [`LOG_COALESCE_MS`] in the type `poll` takes.
+const LOG_COALESCE_MS_U16: u16 = 5;
+/// Stack of a pump thread (its buffers are on the heap).
+const PUMP_STACK_BYTES: usize = 128 * 1024;
 /// Largest exit record accepted when reading one back.
 const MAX_EXIT_RECORD_BYTES: u64 = 64 * 1024;
 
@@ -207,13 +217,21 @@ impl LogWriter {
         })
     }
 
-    /// Appends one chunk (normally one line), or the marker if the cap is reached.
-    /// Call [`LogWriter::flush`] to make appended bytes visible to readers.
+    /// Appends one chunk (whole lines, or a piece of a long line); when the chunk does not
+    /// fit under the cap, its whole lines that do fit and then the marker (nothing after
+    /// it). Call [`LogWriter::flush`] to make appended bytes visible to readers.
     pub async fn append(&mut self, chunk: &[u8]) -> io::Result<()> {
         if self.truncated || chunk.is_empty() {
             return Ok(());
         }
         if self.size_bytes + chunk.len() as u64 > self.max_bytes {
+            let room = usize::try_from(self.max_bytes.saturating_sub(self.size_bytes))
+                .unwrap_or(usize::MAX)
+                .min(chunk.len());
+            if let Some(last_newline) = chunk[..room].iter().rposition(|&b| b == b'\n') {
+                self.pending.extend_from_slice(&chunk[..=last_newline]);
+                self.size_bytes += last_newline as u64 + 1;
+            }
             let marker = truncation_marker(self.size_bytes);
             self.pending.extend_from_slice(marker.as_bytes());
             self.size_bytes += marker.len() as u64;
@@ -253,49 +271,141 @@ impl LogWriter {
     }
 }
 
-/// Reads `reader` (a pipe) to its end and sends its content line by line on `tx`.
+/// How a [`pump_lines`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PumpEnd {
+    /// The pipe reached its end (every writer closed it); everything read was sent.
+    Eof,
+    /// `cancel` fired first; what was still in the pipe is left unread.
+    Cancelled,
+}
+
+/// Reads `pipe` (a rank's stdout or stderr) to its end on the calling thread and sends its
+/// content on `tx` in chunks of whole lines. Meant for a thread of its own
+/// ([`spawn_pump`]); blocks.
 ///
-/// A line longer than [`LINE_PIECE_MAX_BYTES`] is sent in pieces of that size; an
-/// unterminated last line gets a `\n`. When the receiver is gone the pipe is still read to
-/// its end (and the data dropped), so the writer on the other end never blocks or gets
-/// `EPIPE` because the agent stopped listening.
-pub async fn pump_lines<R: AsyncRead + Unpin>(
-    mut reader: R,
-    tx: mpsc::Sender<Vec<u8>>,
-) -> io::Result<()> {
+/// Each chunk is one or more complete lines, at most [`LINE_PIECE_MAX_BYTES`] long; a line
+/// longer than that is sent in pieces of that size; an unterminated last line gets a
+/// `\n`. (Whole lines are what a log page is cut at: see [`read_log`].)
+///
+/// **Wake-ups.** The pipe is read with blocking `poll`/`read` calls, never registered with
+/// the async runtime's epoll: Linux wakes every epoll waiter of a pipe on *every* write
+/// into it (`pipe_write`'s `poll_usage`), so a rank printing thousands of lines per second
+/// would cost a runtime wake-up per line in the agent and an inter-processor wake-up per
+/// line in the rank (issue 3, measurement 7). Here, after a read that drained the pipe
+/// (returned less than a full buffer) the thread waits [`LOG_COALESCE_MS`] before reading
+/// again, and a write into a pipe that nobody waits on wakes no one: a busy rank costs one
+/// wake-up and one chunk per interval, and a live tail sees a line at most that much later.
+/// The rank never waits for the pump while the pipe's buffer (64 KiB by default) has room;
+/// a read that fills the whole buffer is followed by the next read at once.
+///
+/// **Cancellation.** `cancel` is the read end of a pipe (or any fd) that becomes readable
+/// or hangs up when the pump must stop (the agent gave up draining: [`PumpEnd::Cancelled`]).
+/// When `tx`'s receiver is gone the pipe is still read to its end (and the data dropped),
+/// so the rank never blocks or gets `EPIPE` because the agent stopped listening.
+///
+/// Errors: a failed `poll` or `read` of `pipe` (what was read before is sent).
+pub fn pump_lines(
+    pipe: impl Read + AsFd,
+    tx: &mpsc::Sender<Vec<u8>>,
+    cancel: BorrowedFd<'_>,
+) -> io::Result<PumpEnd> {
+    let mut pipe = pipe;
     let mut buf = vec![0u8; PIPE_READ_BYTES];
     let mut pending: Vec<u8> = Vec::with_capacity(PIPE_READ_BYTES);
     let mut receiver_alive = true;
     loop {
-        let n = reader.read(&mut buf).await?;
+        // Wait until the pipe has data (or its writers are gone) or we are cancelled.
+        let mut fds = [
+            PollFd::new(pipe.as_fd(), PollFlags::POLLIN),
+            PollFd::new(cancel, PollFlags::POLLIN),
+        ];
+        poll_retrying(&mut fds, PollTimeout::NONE)?;
+        if fds[1].any().unwrap_or(true) {
+            return Ok(PumpEnd::Cancelled);
+        }
+        let n = loop {
+            match pipe.read(&mut buf) {
+                Ok(n) => break n,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                Err(error) => return Err(error),
+            }
+        };
         if n == 0 {
             break;
         }
-        if !receiver_alive {
-            continue;
+        if receiver_alive {
+            pending.extend_from_slice(&buf[..n]);
+            while let Some(cut) = chunk_cut(&pending) {
+                let chunk: Vec<u8> = pending.drain(..cut).collect();
+                if tx.blocking_send(chunk).is_err() {
+                    receiver_alive = false;
+                    pending = Vec::new();
+                    break;
+                }
+            }
         }
-        pending.extend_from_slice(&buf[..n]);
-        loop {
-            let cut = match pending.iter().position(|&b| b == b'\n') {
-                Some(i) if i < LINE_PIECE_MAX_BYTES => i + 1,
-                _ if pending.len() >= LINE_PIECE_MAX_BYTES => LINE_PIECE_MAX_BYTES,
-                _ => break,
-            };
-            let rest = pending.split_off(cut);
-            let line = std::mem::replace(&mut pending, rest);
-            if tx.send(line).await.is_err() {
-                receiver_alive = false;
-                pending.clear();
-                break;
+        if n < buf.len() {
+            // Coalescing wait; ends early only when cancelled.
+            let mut cancel_only = [PollFd::new(cancel, PollFlags::POLLIN)];
+            poll_retrying(&mut cancel_only, PollTimeout::from(LOG_COALESCE_MS_U16))?;
+            if cancel_only[0].any().unwrap_or(true) {
+                return Ok(PumpEnd::Cancelled);
             }
         }
     }
     if receiver_alive && !pending.is_empty() {
         pending.push(b'\n');
         // The receiver may be gone by now; the data then has nowhere to go.
-        let _ = tx.send(pending).await;
+        let _ = tx.blocking_send(pending);
     }
-    Ok(())
+    Ok(PumpEnd::Eof)
+}
+
+/// `poll`, retried on `EINTR`.
+fn poll_retrying(fds: &mut [PollFd<'_>], timeout: PollTimeout) -> io::Result<()> {
+    loop {
+        match nix::poll::poll(fds, timeout) {
+            Ok(_) => return Ok(()),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(errno) => return Err(io::Error::from(errno)),
+        }
+    }
+}
+
+/// Starts [`pump_lines`] on a thread of its own named `name`, for a rank's output `pipe`
+/// (blocking mode, never registered with the async runtime); it ends at the pipe's end or when
+/// `cancel` fires, dropping its `tx` (so the receiver sees the end once every pump ended).
+/// A read error is logged once, here, and ends the pump like the pipe's end.
+///
+/// Errors: the thread cannot be created.
+pub fn spawn_pump(
+    name: String,
+    pipe: OwnedFd,
+    tx: mpsc::Sender<Vec<u8>>,
+    cancel: OwnedFd,
+) -> io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name)
+        .stack_size(PUMP_STACK_BYTES)
+        .spawn(move || {
+            let pipe = std::fs::File::from(pipe);
+            if let Err(error) = pump_lines(&pipe, &tx, cancel.as_fd()) {
+                tracing::warn!(%error, "reading a rank's output failed; capture of that pipe ends");
+            }
+        })
+}
+
+/// Where the next chunk of `pending` ends: after its last `\n` within the first
+/// [`LINE_PIECE_MAX_BYTES`], or at that length when no line ends within it (a piece of a
+/// long line); `None` while `pending` holds less than that and no complete line.
+fn chunk_cut(pending: &[u8]) -> Option<usize> {
+    let window = &pending[..pending.len().min(LINE_PIECE_MAX_BYTES)];
+    match window.iter().rposition(|&b| b == b'\n') {
+        Some(i) => Some(i + 1),
+        None if pending.len() >= LINE_PIECE_MAX_BYTES => Some(LINE_PIECE_MAX_BYTES),
+        None => None,
+    }
 }
 
 /// One page of a log.
@@ -411,34 +521,135 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn pump_splits_lines_and_long_pieces() {
-        let (tx, mut rx) = mpsc::channel(16);
-        let long = vec![b'x'; LINE_PIECE_MAX_BYTES + 10];
-        let mut input = b"one\ntwo\n".to_vec();
-        input.extend_from_slice(&long);
-        input.extend_from_slice(b"\nlast");
-        let task = tokio::spawn(pump_lines(std::io::Cursor::new(input), tx));
-        let mut got = Vec::new();
-        while let Some(chunk) = rx.recv().await {
-            got.push(chunk);
-        }
-        task.await.expect("join").expect("pump");
-        assert_eq!(got[0], b"one\n");
-        assert_eq!(got[1], b"two\n");
-        assert_eq!(got[2].len(), LINE_PIECE_MAX_BYTES);
-        assert_eq!(got[3], b"xxxxxxxxxx\n");
-        assert_eq!(got[4], b"last\n");
-        assert_eq!(got.len(), 5);
+    async fn writer_keeps_the_whole_lines_of_a_chunk_that_fit_under_the_cap() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = paths(dir.path());
+        let mut w = LogWriter::create(&p.log, 12).await.expect("create");
+        w.append(b"ab\ncd\nef\ngh\nij\n").await.expect("append");
+        assert!(w.truncated());
+        w.append(b"kl\n").await.expect("append");
+        let size = w.finish().await.expect("finish");
+        let text = std::fs::read_to_string(&p.log).expect("read");
+        assert_eq!(text, format!("ab\ncd\nef\ngh\n{}", truncation_marker(12)));
+        assert_eq!(size, text.len() as u64);
     }
 
-    #[tokio::test]
-    async fn pump_keeps_draining_without_receiver() {
+    #[test]
+    fn chunk_cut_ends_at_the_last_line_or_a_full_piece() {
+        assert_eq!(chunk_cut(b""), None);
+        assert_eq!(chunk_cut(b"partial"), None);
+        assert_eq!(chunk_cut(b"one\ntwo\nthr"), Some(8));
+        let mut long = b"one\n".to_vec();
+        long.extend(std::iter::repeat_n(b'x', LINE_PIECE_MAX_BYTES));
+        long.extend_from_slice(b"\n");
+        // The last newline within the first piece, not the one beyond it.
+        assert_eq!(chunk_cut(&long), Some(4));
+        assert_eq!(chunk_cut(&long[4..]), Some(LINE_PIECE_MAX_BYTES));
+        assert_eq!(chunk_cut(&long[4 + LINE_PIECE_MAX_BYTES..]), Some(1));
+    }
+
+    /// A pump on its own thread over a real pipe, and a writer thread that writes `input`
+    /// in writes of varying size; returns the chunks received and how the pump ended.
+    fn pump_through_pipe(input: Vec<u8>, capacity: usize) -> (Vec<Vec<u8>>, PumpEnd) {
+        let (read_end, mut write_end) = std::io::pipe().expect("pipe");
+        let (cancel_read, _cancel_write) = std::io::pipe().expect("pipe");
+        let writer = std::thread::spawn(move || {
+            use std::io::Write;
+            let mut at = 0;
+            let mut size = 1;
+            while at < input.len() {
+                let end = (at + size).min(input.len());
+                write_end.write_all(&input[at..end]).expect("write");
+                at = end;
+                size = size * 7 % 100_003;
+            }
+        });
+        let (tx, mut rx) = mpsc::channel(capacity);
+        let pump = std::thread::spawn(move || {
+            pump_lines(&read_end, &tx, cancel_read.as_fd()).expect("pump")
+        });
+        let mut got = Vec::new();
+        while let Some(chunk) = rx.blocking_recv() {
+            got.push(chunk);
+        }
+        writer.join().expect("writer");
+        (got, pump.join().expect("pump thread"))
+    }
+
+    /// Whatever the pipe delivers, the chunks concatenate to exactly the input (plus the
+    /// final `\n`), each ends a line or is a full piece, none is longer than a piece.
+    #[test]
+    fn pump_chunks_are_whole_lines_and_lose_nothing() {
+        // Lines of 0..200 000 bytes from a fixed xorshift sequence.
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut input = Vec::new();
+        for i in 0..400u64 {
+            let len = if i % 50 == 7 {
+                (next() % 200_000) as usize
+            } else {
+                (next() % 120) as usize
+            };
+            input.extend((0..len).map(|j| b'a' + ((i as usize + j) % 26) as u8));
+            input.push(b'\n');
+        }
+        input.extend_from_slice(b"unterminated");
+        let (got, end) = pump_through_pipe(input.clone(), 4);
+        assert_eq!(end, PumpEnd::Eof);
+        for chunk in &got {
+            assert!(!chunk.is_empty());
+            assert!(
+                chunk.len() <= LINE_PIECE_MAX_BYTES,
+                "chunk of {}",
+                chunk.len()
+            );
+            assert!(
+                chunk.ends_with(b"\n") || chunk.len() == LINE_PIECE_MAX_BYTES,
+                "a chunk of {} bytes ends mid-line",
+                chunk.len()
+            );
+        }
+        input.push(b'\n');
+        let joined = got.concat();
+        assert_eq!(joined.len(), input.len());
+        assert!(joined == input, "the chunks differ from the input");
+        // Many short lines travel together, not one chunk per line.
+        assert!(got.len() < 400, "{} chunks for 401 lines", got.len());
+    }
+
+    #[test]
+    fn pump_keeps_draining_without_receiver() {
+        let (read_end, mut write_end) = std::io::pipe().expect("pipe");
+        let (cancel_read, _cancel_write) = std::io::pipe().expect("pipe");
         let (tx, rx) = mpsc::channel(1);
         drop(rx);
-        let input = vec![b'y'; 1 << 20];
-        pump_lines(std::io::Cursor::new(input), tx)
-            .await
-            .expect("drains to the end");
+        let writer = std::thread::spawn(move || {
+            use std::io::Write;
+            // 16 pipe buffers: the writer finishes only if the pump keeps reading.
+            write_end.write_all(&vec![b'y'; 1 << 20]).expect("write");
+        });
+        let end = pump_lines(&read_end, &tx, cancel_read.as_fd()).expect("drains to the end");
+        assert_eq!(end, PumpEnd::Eof);
+        writer.join().expect("writer");
+    }
+
+    #[test]
+    fn pump_stops_when_cancelled_while_the_pipe_stays_open() {
+        let (read_end, write_end) = std::io::pipe().expect("pipe");
+        let (cancel_read, cancel_write) = std::io::pipe().expect("pipe");
+        let (tx, _rx) = mpsc::channel(1);
+        let pump = std::thread::spawn(move || {
+            pump_lines(&read_end, &tx, cancel_read.as_fd()).expect("pump")
+        });
+        // The rank's end stays open (an escaped background process holds it).
+        drop(cancel_write);
+        assert_eq!(pump.join().expect("pump thread"), PumpEnd::Cancelled);
+        drop(write_end);
     }
 
     #[tokio::test]

@@ -1,7 +1,9 @@
 //! Spawning rank processes from one long-lived thread, and signalling their process groups.
 //!
 //! Every rank runs in its own process group (`process_group(0)`, so its pgid is its pid)
-//! with stdin from `/dev/null` and stdout/stderr piped to the agent. Each child also sets
+//! with stdin from `/dev/null` and stdout and stderr both into one pipe read by the agent
+//! (as `2>&1`, or Slurm's default of one output file: the two streams stay in the order the
+//! rank wrote them, and one reader serves both). Each child also sets
 //! `PR_SET_PDEATHSIG = SIGKILL` before `exec`, so that it dies when the agent dies, even
 //! when the agent is killed with SIGKILL and cannot clean up.
 //!
@@ -52,8 +54,12 @@ pub struct SpawnRequest {
 /// A process the spawner started.
 #[derive(Debug)]
 pub struct SpawnedChild {
-    /// The child; its stdout and stderr are piped (take them with `child.stdout.take()`).
+    /// The child (its `stdout`/`stderr` handles are `None`: see `output`).
     pub child: tokio::process::Child,
+    /// Read end of the one pipe the child's stdout and stderr both write into (blocking,
+    /// close-on-exec; the agent holds no write end, so it reads EOF once every process
+    /// holding the write end has exited or closed it).
+    pub output: io::PipeReader,
     /// Its pid, which is also its process group id.
     pub pid: u32,
 }
@@ -137,9 +143,15 @@ fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
     if let Some(dir) = &request.working_dir {
         cmd.current_dir(dir);
     }
+    let io_err = |source: io::Error| SpawnError::Io {
+        program: request.program.to_string_lossy().into_owned(),
+        source,
+    };
+    let (output, output_writer) = io::pipe().map_err(io_err)?;
+    let stderr_writer = output_writer.try_clone().map_err(io_err)?;
     cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stdout(Stdio::from(output_writer))
+        .stderr(Stdio::from(stderr_writer))
         .process_group(0);
     let agent_pid = nix::unistd::getpid();
     // SAFETY: the closure runs in the forked child before exec and only calls
@@ -167,7 +179,7 @@ fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
         program: request.program.to_string_lossy().into_owned(),
         source: io::Error::other("the child exited before its pid could be read"),
     })?;
-    Ok(SpawnedChild { child, pid })
+    Ok(SpawnedChild { child, pid, output })
 }
 
 /// Sends `signal` to the process group whose id is `pgid` (a rank's pid). A group that no

@@ -5,13 +5,14 @@
 //! Limits: at most [`MAX_LIVE_ATTEMPTS`] attempts live at once (more are refused with a
 //! spawn error); at most [`MAX_FINISHED_REMEMBERED`] finished attempts are remembered in
 //! memory (older ones are recognised by their `attempt-<a>.exit` file on disk); a rank's
-//! pipes are drained for at most [`DRAIN_TIMEOUT`] after its process exited; each
+//! output pipe is drained for at most [`DRAIN_TIMEOUT`] after its process exited; each
 //! attempt's log buffers at most [`LOG_CHANNEL_CAPACITY`] chunks of at most
-//! [`crate::logs::LINE_PIECE_MAX_BYTES`] (plus one pipe read) in memory.
+//! [`crate::logs::LINE_PIECE_MAX_BYTES`] (plus one pipe read) in memory; one thread per live attempt reads its output ([`logs::spawn_pump`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::ffi::OsString;
 use std::io;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
@@ -26,7 +27,6 @@ use nix::sys::signal::Signal;
 use thiserror::Error;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -42,10 +42,11 @@ use crate::spawn::{SpawnRequest, SpawnedChild, Spawner, signal_group};
 pub const MAX_LIVE_ATTEMPTS: usize = 1024;
 /// Most finished attempts remembered in memory (the exit files on disk remember the rest).
 pub const MAX_FINISHED_REMEMBERED: usize = 4096;
-/// How long a rank's pipes are still read after its process exited (a background process
-/// that escaped the rank's process group may hold them open).
+/// How long a rank's output pipe is still read after its process exited (a background process
+/// that escaped the rank's process group may hold it open).
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
-/// Chunks (lines) buffered between a rank's pipe readers and its log writer.
+/// Chunks (whole lines, at most [`crate::logs::LINE_PIECE_MAX_BYTES`] each) buffered between a
+/// rank's pipe readers and its log writer.
 pub const LOG_CHANNEL_CAPACITY: usize = 32;
 /// Chunks written between two flushes of the log.
 const LOG_BATCH_CHUNKS: usize = 64;
@@ -1020,7 +1021,7 @@ async fn write_file_atomic(path: &Path, content: &[u8]) -> io::Result<()> {
 
 /// Waits for the process while copying its output to the log and applying a stop request
 /// (SIGTERM to the group, SIGKILL after `grace`). After the process exited, whatever is
-/// left of its group is killed and the pipes are drained for at most [`DRAIN_TIMEOUT`].
+/// left of its group is killed and the output pipe is drained for at most [`DRAIN_TIMEOUT`].
 async fn supervise(
     key: &AttemptKey,
     spawned: SpawnedChild,
@@ -1028,14 +1029,29 @@ async fn supervise(
     grace: Duration,
     log: &mut LogWriter,
 ) -> io::Result<ExitStatus> {
-    let SpawnedChild { mut child, pid } = spawned;
+    let SpawnedChild {
+        mut child,
+        pid,
+        output,
+    } = spawned;
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(LOG_CHANNEL_CAPACITY);
-    let mut readers = JoinSet::new();
-    if let Some(out) = child.stdout.take() {
-        readers.spawn(logs::pump_lines(out, tx.clone()));
-    }
-    if let Some(err) = child.stderr.take() {
-        readers.spawn(logs::pump_lines(err, tx.clone()));
+    // The pump stops when `stop_pump` is dropped: on the drain timeout, or when this
+    // function returns or its future is dropped.
+    let (cancel_pump, stop_pump) = std::io::pipe()?;
+    let mut stop_pump = Some(stop_pump);
+    if let Err(error) = logs::spawn_pump(
+        format!("log-{}", key.rank),
+        OwnedFd::from(output),
+        tx.clone(),
+        OwnedFd::from(cancel_pump),
+    ) {
+        // Without its pump the rank would block on a full pipe: end it now, and report
+        // why (the attempt fails and is restarted under the job's policy).
+        let _ = signal_group(pid, Signal::SIGKILL);
+        let _ = child.wait().await;
+        return Err(io::Error::other(format!(
+            "cannot start capturing the rank's output: {error}"
+        )));
     }
     drop(tx);
 
@@ -1100,8 +1116,8 @@ async fn supervise(
                 }
             }
             _ = tokio::time::sleep_until(drain_until.unwrap_or(far)), if drain_until.is_some() => {
-                tracing::warn!(attempt = %key, "output pipes still open {} s after exit: capture stopped", DRAIN_TIMEOUT.as_secs());
-                readers.abort_all();
+                tracing::warn!(attempt = %key, "output pipe still open {} s after exit: capture stopped", DRAIN_TIMEOUT.as_secs());
+                drop(stop_pump.take());
                 if log_ok {
                     let marker = format!(
                         "[cumulus: output still open {} s after the process exited; capture stopped]\n",
