@@ -17,6 +17,7 @@ use openraft::error::{ClientWriteError, RaftError};
 use openraft::{ChangeMembers, ServerState};
 
 use crate::convert::{job_to_proto, spec_from_proto, workers_to_proto};
+use crate::localfs;
 use crate::node::{ApiError, Node, now_ms};
 
 /// Most regular files a dataset directory may hold (shards).
@@ -186,10 +187,29 @@ async fn submit_checked(
     }
     // The user's directories may sit on a slow or hung network mount: list and check them
     // on the blocking pool (one hand-off for both), never on the runtime thread, which
-    // also runs Raft's heartbeats (one thread by default).
-    let list_local =
+    // also runs Raft's heartbeats (one thread by default) — unless the fast path of
+    // `localfs` can confirm both on local file systems without blocking.
+    let mut list_local =
         existing.is_none() && !spec.dataset.is_empty() && !spec.dataset.starts_with("s3://");
-    let check_ckpt_dir = existing.is_none() && !spec.ckpt_dir.is_empty();
+    let mut check_ckpt_dir = existing.is_none() && !spec.ckpt_dir.is_empty();
+    if (list_local || check_ckpt_dir)
+        && let Some(table) = node.local_fs.fresh_table()
+    {
+        let listed = if list_local {
+            localfs::list_dataset_inline(&table, &spec.dataset)
+        } else {
+            None
+        };
+        let ckpt_ok = check_ckpt_dir && localfs::ckpt_dir_exists_inline(&table, &spec.ckpt_dir);
+        // Both confirmed, or neither is used: a half-confirmed pair still takes one hand-off.
+        if (!list_local || listed.is_some()) && (!check_ckpt_dir || ckpt_ok) {
+            if let Some(listed) = listed {
+                shards = listed;
+            }
+            list_local = false;
+            check_ckpt_dir = false;
+        }
+    }
     if list_local || check_ckpt_dir {
         let dataset = spec.dataset.clone();
         let ckpt_dir = spec.ckpt_dir.clone();

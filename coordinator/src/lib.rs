@@ -10,6 +10,7 @@ pub mod client_service;
 pub mod control;
 pub mod convert;
 pub mod http;
+pub mod localfs;
 pub mod logs;
 pub mod network;
 pub mod node;
@@ -244,6 +245,7 @@ pub async fn run(
         http,
         log_streams: Arc::new(Semaphore::new(config.max_log_streams)),
         s3: cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?,
+        local_fs: Arc::default(),
     });
 
     // The lowest-id member bootstraps a pristine cluster with the configured membership;

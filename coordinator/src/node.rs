@@ -145,6 +145,9 @@ pub struct Node {
     pub s3: cumulus_ckpt::S3Connector,
     /// Group commit of this node's Raft writes (see [`crate::proposer`]).
     pub proposer: crate::proposer::Proposer,
+    /// The cached mount table that lets SubmitJob check local directories on the runtime
+    /// thread (see [`crate::localfs`]).
+    pub local_fs: Arc<crate::localfs::LocalFs>,
 }
 
 /// The leader's addresses from `raft`'s view of the membership, when a leader is known.
