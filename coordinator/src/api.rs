@@ -195,14 +195,16 @@ async fn submit_checked(
     if (list_local || check_ckpt_dir)
         && let Some(table) = node.local_fs.fresh_table()
     {
-        let listed = if list_local {
+        // The cheap check first: a checkpoint dir that must be created sends both checks to
+        // the blocking pool, so the dataset is not listed twice.
+        let ckpt_ok = !check_ckpt_dir || localfs::ckpt_dir_exists_inline(&table, &spec.ckpt_dir);
+        let listed = if ckpt_ok && list_local {
             localfs::list_dataset_inline(&table, &spec.dataset)
         } else {
             None
         };
-        let ckpt_ok = check_ckpt_dir && localfs::ckpt_dir_exists_inline(&table, &spec.ckpt_dir);
         // Both confirmed, or neither is used: a half-confirmed pair still takes one hand-off.
-        if (!list_local || listed.is_some()) && (!check_ckpt_dir || ckpt_ok) {
+        if ckpt_ok && (!list_local || listed.is_some()) {
             if let Some(listed) = listed {
                 shards = listed;
             }

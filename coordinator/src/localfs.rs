@@ -12,18 +12,24 @@
 //! When is a check safe on the runtime thread? When every lookup it makes stays on local
 //! file systems, which answer from memory or a local disk. [`MountTable::all_local`] says
 //! so for a path when every mount whose mount point is a prefix of the (absolute, `..`-free)
-//! path has a local file-system type ([`LOCAL_FS_TYPES`]); the path is then opened with
-//! `openat2(RESOLVE_NO_SYMLINKS)`, so that no symlink can lead the lookup elsewhere. The
-//! listing itself reads one directory through that descriptor, and only when the directory
-//! is small ([`INLINE_DIR_MAX_BYTES`]): a large listing is CPU the runtime thread must not
-//! spend. Anything else (a remote or unknown file system, a symlink, a missing directory, an
+//! path has a local file-system type ([`LOCAL_FS_TYPES`]) on a device that is not a loop,
+//! NBD or RBD device (those may sit on the network); the path is then opened with
+//! `openat2(RESOLVE_NO_SYMLINKS | RESOLVE_CACHED)`: no symlink can lead the lookup
+//! elsewhere, and the lookup fails with `EAGAIN` instead of doing any I/O unless every
+//! component is in the kernel's dentry cache (openat2(2): "a fast-path open that can be
+//! performed without resorting to thread offload"). The listing itself reads one directory
+//! through that descriptor, and only a small one ([`INLINE_DIR_MAX_BYTES`],
+//! [`INLINE_DIR_MAX_ENTRIES`]): a large listing is CPU the runtime thread must not spend.
+//! What is left that can wait on a device is reading a directory whose blocks are not
+//! cached, from a local disk (the same disk class the coordinator's own log `fdatasync`s
+//! on). Anything else (a remote or unknown file system, a symlink, a missing directory, an
 //! entry whose type the file system does not report, a stale mount table) makes the fast
 //! path answer `None`, and the caller runs the ordinary checks on the blocking pool, which
 //! also produce every error message: the fast path only ever confirms success.
 //!
 //! The mount table is read from `/proc/self/mountinfo` on the blocking pool and used for at
-//! most [`MOUNT_TABLE_TTL_MS`]; a submit that finds it older starts a refresh and takes the
-//! blocking pool itself. A network file system mounted over a local path less than that
+//! most [`MOUNT_TABLE_TTL_MS`] (a failed read is remembered as long); a submit that finds it
+//! older starts a refresh and takes the blocking pool itself. A network file system mounted over a local path less than that
 //! long ago is the window in which a check could still block the runtime thread.
 
 use std::ffi::OsString;
@@ -39,9 +45,17 @@ use nix::fcntl::{AT_FDCWD, OFlag, OpenHow, ResolveFlag, openat2};
 /// File-system types whose lookups never wait on a network peer or a user-space daemon
 /// (`mountinfo`'s type field; a `fuse.*`, `nfs*`, `cifs`, `autofs` or any other type is
 /// treated as possibly remote).
+/// (`overlay` is not listed: its layers may sit on any file system.)
 pub const LOCAL_FS_TYPES: &[&str] = &[
-    "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "tmpfs", "ramfs", "overlay",
+    "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "tmpfs", "ramfs",
 ];
+/// Mount sources (devices) that may be backed by the network even under a local file-system
+/// type: a loop device (its file may be on NFS), a network block device, a Ceph RBD.
+const REMOTE_BACKED_SOURCES: &[&str] = &["/dev/loop", "/dev/nbd", "/dev/rbd"];
+/// Most directory entries (of any type) read on the runtime thread; a larger directory is
+/// listed on the blocking pool (some file systems, ZFS for one, report a directory's
+/// `st_size` as its entry count, so the size alone does not bound the entries).
+pub const INLINE_DIR_MAX_ENTRIES: usize = 4096;
 /// Largest directory (its `st_size`, in bytes) listed on the runtime thread: ~1,000 entries
 /// on ext4 (4 KiB blocks of ~100 entries), ~3,000 on tmpfs (20 bytes per entry); a listing of
 /// that size takes well under a millisecond.
@@ -75,23 +89,35 @@ impl MountTable {
     /// # Errors
     /// A line without a mount point or a ` - ` separator and type, or more than
     /// [`MAX_MOUNTS`] lines.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &[u8]) -> Result<Self, String> {
         let mut mounts = Vec::new();
-        for (number, line) in text.lines().enumerate().filter(|(_, l)| !l.is_empty()) {
+        for (number, line) in text
+            .split(|&b| b == b'\n')
+            .enumerate()
+            .filter(|(_, l)| !l.is_empty())
+        {
             if mounts.len() >= MAX_MOUNTS {
                 return Err(format!("more than {MAX_MOUNTS} mounts"));
             }
-            let bad = || format!("mountinfo line {}: {line:?}", number + 1);
-            let point = line.split(' ').nth(4).ok_or_else(bad)?;
-            let (_, after) = line.split_once(" - ").ok_or_else(bad)?;
-            let fstype = after
-                .split(' ')
-                .next()
-                .filter(|t| !t.is_empty())
-                .ok_or_else(bad)?;
+            let bad = || {
+                format!(
+                    "mountinfo line {}: {:?}",
+                    number + 1,
+                    String::from_utf8_lossy(line)
+                )
+            };
+            let point = line.split(|&b| b == b' ').nth(4).ok_or_else(bad)?;
+            let separator = line.windows(3).position(|w| w == b" - ").ok_or_else(bad)?;
+            let mut after = line[separator + 3..].split(|&b| b == b' ');
+            let fstype = after.next().filter(|t| !t.is_empty()).ok_or_else(bad)?;
+            let source = after.next().unwrap_or_default();
+            let local_type = LOCAL_FS_TYPES.iter().any(|t| t.as_bytes() == fstype);
+            let remote_backed = REMOTE_BACKED_SOURCES
+                .iter()
+                .any(|prefix| source.starts_with(prefix.as_bytes()));
             mounts.push(Mount {
                 point: PathBuf::from(OsString::from_vec(unescape_octal(point))),
-                local: LOCAL_FS_TYPES.contains(&fstype),
+                local: local_type && !remote_backed,
             });
         }
         Ok(Self { mounts })
@@ -102,7 +128,7 @@ impl MountTable {
     /// # Errors
     /// The file cannot be read or parsed.
     pub fn read() -> Result<Self, String> {
-        let text = std::fs::read_to_string("/proc/self/mountinfo")
+        let text = std::fs::read("/proc/self/mountinfo")
             .map_err(|e| format!("/proc/self/mountinfo: {e}"))?;
         Self::parse(&text)
     }
@@ -132,8 +158,7 @@ impl MountTable {
 }
 
 /// Decodes mountinfo's `\ooo` octal escapes (space, tab, newline and backslash).
-fn unescape_octal(field: &str) -> Vec<u8> {
-    let bytes = field.as_bytes();
+fn unescape_octal(bytes: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
@@ -158,12 +183,17 @@ fn unescape_octal(field: &str) -> Vec<u8> {
     out
 }
 
-/// Opens `path` as a directory with `openat2(RESOLVE_NO_SYMLINKS)`, or `None` when it is
-/// not one, a component is a symlink, or the kernel has no `openat2` (before Linux 5.6).
-fn open_dir_no_symlinks(path: &Path, flags: OFlag) -> Option<std::os::fd::OwnedFd> {
+/// Opens `path` as a directory with `openat2(RESOLVE_NO_SYMLINKS | RESOLVE_CACHED)`, or
+/// `None` when it is not one, a component is a symlink, a component is not in the dentry
+/// cache (`EAGAIN`: the lookup would need I/O), or the kernel lacks either flag
+/// (`RESOLVE_CACHED` is Linux 5.12+).
+fn open_dir_cached_no_symlinks(path: &Path, flags: OFlag) -> Option<std::os::fd::OwnedFd> {
     let how = OpenHow::new()
         .flags(flags | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
-        .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS);
+        .resolve(
+            ResolveFlag::RESOLVE_NO_SYMLINKS
+                | ResolveFlag::from_bits_retain(nix::libc::RESOLVE_CACHED),
+        );
     openat2(AT_FDCWD, path, how).ok()
 }
 
@@ -175,14 +205,17 @@ pub fn list_dataset_inline(table: &MountTable, dir: &str) -> Option<Vec<String>>
     if !table.all_local(path) {
         return None;
     }
-    let fd = open_dir_no_symlinks(path, OFlag::O_RDONLY)?;
+    let fd = open_dir_cached_no_symlinks(path, OFlag::O_RDONLY)?;
     let size_bytes = nix::sys::stat::fstat(&fd).ok()?.st_size;
     if size_bytes > INLINE_DIR_MAX_BYTES {
         return None;
     }
     let mut listing = Dir::from_fd(fd).ok()?;
     let mut shards = Vec::new();
-    for entry in listing.iter() {
+    for (read, entry) in listing.iter().enumerate() {
+        if read >= INLINE_DIR_MAX_ENTRIES {
+            return None;
+        }
         let entry = entry.ok()?;
         let name = std::str::from_utf8(entry.file_name().to_bytes()).ok()?;
         if name.starts_with('.') {
@@ -208,22 +241,32 @@ pub fn list_dataset_inline(table: &MountTable, dir: &str) -> Option<Vec<String>>
 /// creates a missing directory, on the blocking pool).
 pub fn ckpt_dir_exists_inline(table: &MountTable, dir: &str) -> bool {
     let path = Path::new(dir);
-    table.all_local(path) && open_dir_no_symlinks(path, OFlag::O_PATH).is_some()
+    table.all_local(path) && open_dir_cached_no_symlinks(path, OFlag::O_PATH).is_some()
 }
 
 /// The coordinator's cached mount table (one per process).
 #[derive(Debug, Default)]
 pub struct LocalFs {
-    /// The table and when it was read.
-    cache: Mutex<Option<(Instant, Arc<MountTable>)>>,
+    /// When the table was last read, and the table (`None`: that read failed).
+    cache: Mutex<Option<(Instant, Option<Arc<MountTable>>)>>,
     /// True while a refresh runs on the blocking pool (one at a time).
     refreshing: Arc<AtomicBool>,
+}
+
+/// Clears [`LocalFs::refreshing`] when the refresh ends, also by panic or cancellation.
+struct RefreshDone(Arc<AtomicBool>);
+
+impl Drop for RefreshDone {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 impl LocalFs {
     /// The mount table when it was read less than [`MOUNT_TABLE_TTL_MS`] ago; otherwise
     /// `None`, after starting a refresh on the blocking pool (unless one runs) that stores a
-    /// fresh table for later calls. Must be called inside a tokio runtime.
+    /// fresh table (or the failure, logged once per refresh) for later calls. Must be called
+    /// inside a tokio runtime.
     pub fn fresh_table(self: &Arc<Self>) -> Option<Arc<MountTable>> {
         let ttl = Duration::from_millis(MOUNT_TABLE_TTL_MS);
         {
@@ -231,23 +274,23 @@ impl LocalFs {
             if let Some((read_at, table)) = cache.as_ref()
                 && read_at.elapsed() < ttl
             {
-                return Some(Arc::clone(table));
+                return table.clone();
             }
         }
         if !self.refreshing.swap(true, Ordering::AcqRel) {
             let this = Arc::clone(self);
+            let done = RefreshDone(Arc::clone(&self.refreshing));
             tokio::task::spawn_blocking(move || {
+                let _done = done;
                 let read_at = Instant::now();
-                match MountTable::read() {
-                    Ok(table) => {
-                        *this.cache.lock().unwrap_or_else(|p| p.into_inner()) =
-                            Some((read_at, Arc::new(table)));
-                    }
+                let table = match MountTable::read() {
+                    Ok(table) => Some(Arc::new(table)),
                     Err(error) => {
                         tracing::warn!(%error, "cannot read the mount table; SubmitJob's directory checks stay on the blocking pool");
+                        None
                     }
-                }
-                this.refreshing.store(false, Ordering::Release);
+                };
+                *this.cache.lock().unwrap_or_else(|p| p.into_inner()) = Some((read_at, table));
             });
         }
         None
@@ -260,8 +303,22 @@ mod tests {
 
     /// A table where `/` is local (so the fast path runs for real under any temp dir).
     fn all_local_root() -> MountTable {
-        MountTable::parse("22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n")
+        MountTable::parse(b"22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n")
             .expect("parses")
+    }
+
+    /// A temp dir and its path without symlinks (`TMPDIR` may hold one), or `None` where this
+    /// kernel or sandbox refuses `openat2` with `RESOLVE_CACHED` (before Linux 5.12, or a
+    /// seccomp profile that blocks the call): the fast path then always declines, which the
+    /// other tests cover.
+    fn temp_dir_with_fast_path() -> Option<(tempfile::TempDir, PathBuf)> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let base = dir.path().canonicalize().expect("canonicalize");
+        if open_dir_cached_no_symlinks(&base, OFlag::O_PATH).is_none() {
+            eprintln!("openat2(RESOLVE_CACHED) unavailable here: fast path not exercised");
+            return None;
+        }
+        Some((dir, base))
     }
 
     #[test]
@@ -271,8 +328,10 @@ mod tests {
 40 22 0:35 / /mnt/nfs rw,relatime shared:20 master:3 - nfs4 host:/export rw,vers=4.2
 41 40 8:2 / /mnt/nfs/scratch rw - xfs /dev/sdb1 rw
 42 22 0:40 / /mnt/with\\040space rw - tmpfs tmpfs rw
+43 22 7:0 / /mnt/image rw - ext4 /dev/loop0 rw
+44 22 0:50 / /var/lib/docker/x rw - overlay overlay rw,lowerdir=/a,upperdir=/b
 ";
-        let table = MountTable::parse(text).expect("parses");
+        let table = MountTable::parse(text.as_bytes()).expect("parses");
         assert_eq!(
             table.mounts,
             vec![
@@ -292,7 +351,24 @@ mod tests {
                     point: "/mnt/with space".into(),
                     local: true
                 },
+                Mount {
+                    point: "/mnt/image".into(),
+                    local: false
+                },
+                Mount {
+                    point: "/var/lib/docker/x".into(),
+                    local: false
+                },
             ]
+        );
+        // A mount point that is not UTF-8 is kept as bytes.
+        let raw = MountTable::parse(
+            b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n45 22 0:1 / /mnt/\xff rw - nfs h:/e rw\n",
+        )
+        .expect("parses");
+        assert_eq!(
+            raw.mounts[1].point,
+            PathBuf::from(OsString::from_vec(b"/mnt/\xff".to_vec()))
         );
         assert!(table.all_local(Path::new("/data/dataset")));
         assert!(
@@ -311,9 +387,9 @@ mod tests {
 
     #[test]
     fn refuses_malformed_mountinfo() {
-        assert!(MountTable::parse("22 1 8:1 / / rw shared:1 ext4 /dev/sda1 rw\n").is_err());
-        assert!(MountTable::parse("22 1\n").is_err());
-        assert!(MountTable::parse("22 1 8:1 / / rw - \n").is_err());
+        assert!(MountTable::parse(b"22 1 8:1 / / rw shared:1 ext4 /dev/sda1 rw\n").is_err());
+        assert!(MountTable::parse(b"22 1\n").is_err());
+        assert!(MountTable::parse(b"22 1 8:1 / / rw - \n").is_err());
     }
 
     #[test]
@@ -324,8 +400,10 @@ mod tests {
 
     #[test]
     fn inline_listing_equals_the_blocking_one_and_declines_what_it_cannot_confirm() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let data = dir.path().join("data");
+        let Some((_dir, base)) = temp_dir_with_fast_path() else {
+            return;
+        };
+        let data = base.join("data");
         std::fs::create_dir(&data).expect("mkdir");
         for name in ["shard-2.csv", "shard-0.csv", "shard-1.csv", ".hidden"] {
             std::fs::write(data.join(name), b"x\n").expect("write");
@@ -341,60 +419,81 @@ mod tests {
         assert_eq!(inline.len(), 3);
 
         // Declined: a symlink in the path, a missing or empty dir, a remote mount.
-        let link = dir.path().join("via-link");
+        let link = base.join("via-link");
         std::os::unix::fs::symlink(&data, &link).expect("symlink");
         assert_eq!(
             list_dataset_inline(&table, link.to_str().expect("utf-8")),
             None
         );
-        let missing = dir.path().join("missing");
+        let missing = base.join("missing");
         assert_eq!(
             list_dataset_inline(&table, missing.to_str().expect("utf-8")),
             None
         );
-        let empty = dir.path().join("empty");
+        let empty = base.join("empty");
         std::fs::create_dir(&empty).expect("mkdir");
         assert_eq!(
             list_dataset_inline(&table, empty.to_str().expect("utf-8")),
             None
         );
-        let remote = MountTable::parse(&format!(
-            "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n40 22 0:35 / {} rw - nfs4 h:/e rw\n",
-            dir.path().display()
-        ))
+        let remote = MountTable::parse(
+            format!(
+                "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n40 22 0:35 / {} rw - nfs4 h:/e rw\n",
+                base.display()
+            )
+            .as_bytes(),
+        )
         .expect("parses");
         assert_eq!(list_dataset_inline(&remote, data_str), None);
     }
 
     #[test]
     fn a_large_directory_is_left_to_the_blocking_pool() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        // 5,000 entries: over INLINE_DIR_MAX_BYTES on ext4, xfs, btrfs and tmpfs alike.
-        for i in 0..5_000 {
-            std::fs::write(dir.path().join(format!("shard-{i:08}.bin")), b"").expect("write");
+        let Some((_dir, base)) = temp_dir_with_fast_path() else {
+            return;
+        };
+        // Just under the entry cap (and the size cap on ext4, xfs, btrfs and tmpfs, whose
+        // directories of 2,000 short names stay under 64 KiB): listed inline.
+        for i in 0..2_000 {
+            std::fs::write(base.join(format!("s{i:05}")), b"").expect("write");
         }
-        let size = std::fs::metadata(dir.path()).expect("stat").len();
-        assert!(size > INLINE_DIR_MAX_BYTES as u64, "directory size {size}");
-        let path = dir.path().to_str().expect("utf-8");
+        let path = base.to_str().expect("utf-8");
+        let small = std::fs::metadata(&base).expect("stat").len();
+        if small <= INLINE_DIR_MAX_BYTES as u64 {
+            assert_eq!(
+                list_dataset_inline(&all_local_root(), path).map(|l| l.len()),
+                Some(2_000)
+            );
+        }
+        // Past the entry cap (whatever the file system reports as the directory's size).
+        for i in 2_000..(INLINE_DIR_MAX_ENTRIES + 10) {
+            std::fs::write(base.join(format!("s{i:05}")), b"").expect("write");
+        }
         assert_eq!(list_dataset_inline(&all_local_root(), path), None);
+        assert_eq!(
+            crate::api::list_dataset(path).expect("lists").len(),
+            INLINE_DIR_MAX_ENTRIES + 10
+        );
     }
 
     #[test]
     fn ckpt_dir_is_confirmed_only_when_it_is_a_directory_reached_without_symlinks() {
-        let dir = tempfile::tempdir().expect("tempdir");
+        let Some((_dir, base)) = temp_dir_with_fast_path() else {
+            return;
+        };
         let table = all_local_root();
-        let ckpt = dir.path().join("ckpt");
+        let ckpt = base.join("ckpt");
         let ckpt_str = ckpt.to_str().expect("utf-8").to_string();
         assert!(!ckpt_dir_exists_inline(&table, &ckpt_str), "missing");
         std::fs::create_dir(&ckpt).expect("mkdir");
         assert!(ckpt_dir_exists_inline(&table, &ckpt_str));
-        let link = dir.path().join("link");
+        let link = base.join("link");
         std::os::unix::fs::symlink(&ckpt, &link).expect("symlink");
         assert!(!ckpt_dir_exists_inline(
             &table,
             link.to_str().expect("utf-8")
         ));
-        let file = dir.path().join("file");
+        let file = base.join("file");
         std::fs::write(&file, b"").expect("write");
         assert!(!ckpt_dir_exists_inline(
             &table,

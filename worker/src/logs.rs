@@ -185,9 +185,9 @@ pub async fn read_exit_record(path: &Path) -> Result<Option<ExitRecord>, ExitRec
 
 /// Appends an attempt's output to its log file, up to a cap.
 ///
-/// Chunks are written whole: a chunk that would take the file past `max_bytes` is replaced
-/// by one [`truncation_marker`] line and every later chunk is dropped, so the file never
-/// exceeds `max_bytes` plus the marker line.
+/// A chunk that would take the file past `max_bytes` is cut after its last whole line that
+/// fits; one [`truncation_marker`] line follows and every later chunk is dropped, so the
+/// file never exceeds `max_bytes` plus the marker line.
 #[derive(Debug)]
 pub struct LogWriter {
     file: tokio::fs::File,
@@ -280,7 +280,8 @@ pub enum PumpEnd {
     Cancelled,
 }
 
-/// Reads `pipe` (a rank's stdout or stderr) to its end on the calling thread and sends its
+/// Reads `pipe` (a rank's output: its stdout and stderr share it) to its end on the calling
+/// thread and sends its
 /// content on `tx` in chunks of whole lines. Meant for a thread of its own
 /// ([`spawn_pump`]); blocks.
 ///
@@ -292,12 +293,13 @@ pub enum PumpEnd {
 /// the async runtime's epoll: Linux wakes every epoll waiter of a pipe on *every* write
 /// into it (`pipe_write`'s `poll_usage`), so a rank printing thousands of lines per second
 /// would cost a runtime wake-up per line in the agent and an inter-processor wake-up per
-/// line in the rank (issue 3, measurement 7). Here, after a read that drained the pipe
-/// (returned less than a full buffer) the thread waits [`LOG_COALESCE_MS`] before reading
-/// again, and a write into a pipe that nobody waits on wakes no one: a busy rank costs one
-/// wake-up and one chunk per interval, and a live tail sees a line at most that much later.
-/// The rank never waits for the pump while the pipe's buffer (64 KiB by default) has room;
-/// a read that fills the whole buffer is followed by the next read at once.
+/// line in the rank (issue 3, measurement 7). Here, after a small read (less than a quarter
+/// of the pipe's capacity, `F_GETPIPE_SZ`: 16 KiB of Linux's default 64 KiB) the thread
+/// waits [`LOG_COALESCE_MS`] before reading again, and a write into a pipe that nobody
+/// waits on wakes no one: a rank printing lines costs one wake-up and one chunk per
+/// interval, and a live tail sees a line at most that much later. The wait never makes the
+/// rank block: it happens only while the rank writes less than a quarter of the pipe per
+/// interval; a faster writer fills reads past that and is read without waits.
 ///
 /// **Cancellation.** `cancel` is the read end of a pipe (or any fd) that becomes readable
 /// or hangs up when the pump must stop (the agent gave up draining: [`PumpEnd::Cancelled`]).
@@ -311,6 +313,11 @@ pub fn pump_lines(
     cancel: BorrowedFd<'_>,
 ) -> io::Result<PumpEnd> {
     let mut pipe = pipe;
+    let capacity_bytes = nix::fcntl::fcntl(pipe.as_fd(), nix::fcntl::FcntlArg::F_GETPIPE_SZ)
+        .ok()
+        .and_then(|c| usize::try_from(c).ok())
+        .unwrap_or(PIPE_READ_BYTES);
+    let coalesce_below_bytes = (capacity_bytes / 4).max(1);
     let mut buf = vec![0u8; PIPE_READ_BYTES];
     let mut pending: Vec<u8> = Vec::with_capacity(PIPE_READ_BYTES);
     let mut receiver_alive = true;
@@ -345,7 +352,7 @@ pub fn pump_lines(
                 }
             }
         }
-        if n < buf.len() {
+        if n < coalesce_below_bytes {
             // Coalescing wait; ends early only when cancelled.
             let mut cancel_only = [PollFd::new(cancel, PollFlags::POLLIN)];
             poll_retrying(&mut cancel_only, PollTimeout::from(LOG_COALESCE_MS_U16))?;
@@ -371,6 +378,20 @@ fn poll_retrying(fds: &mut [PollFd<'_>], timeout: PollTimeout) -> io::Result<()>
             Err(errno) => return Err(io::Error::from(errno)),
         }
     }
+}
+
+/// A pipe to stop pumps with: `(read end for `cancel`, write end)`; dropping the write end
+/// cancels every pump polling the read end. Both ends are close-on-exec, and the pipe is
+/// shrunk to one page (it never carries data), so it counts little against the user's
+/// pipe-buffer quota (`/proc/sys/fs/pipe-user-pages-soft`).
+///
+/// Errors: the pipe cannot be created.
+pub fn cancel_pipe() -> io::Result<(OwnedFd, io::PipeWriter)> {
+    let (read_end, write_end) = io::pipe()?;
+    let page_bytes = 4096;
+    // Best effort: a pipe that keeps its default size works the same.
+    let _ = nix::fcntl::fcntl(&write_end, nix::fcntl::FcntlArg::F_SETPIPE_SZ(page_bytes));
+    Ok((OwnedFd::from(read_end), write_end))
 }
 
 /// Starts [`pump_lines`] on a thread of its own named `name`, for a rank's output `pipe`

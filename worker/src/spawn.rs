@@ -95,7 +95,8 @@ pub struct Spawner {
 
 impl Spawner {
     /// Starts the `cumulus-spawner` thread. Children it spawns are registered with the
-    /// runtime of `runtime` (their pipes and exit status are awaited there).
+    /// runtime of `runtime` (their exit status is awaited there; their output pipe is read
+    /// by the supervisor's pump thread, outside the runtime).
     pub fn start(runtime: tokio::runtime::Handle) -> io::Result<Spawner> {
         let (tx, mut rx) = mpsc::channel::<SpawnJob>(SPAWN_QUEUE_CAPACITY);
         std::thread::Builder::new()

@@ -1037,22 +1037,27 @@ async fn supervise(
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(LOG_CHANNEL_CAPACITY);
     // The pump stops when `stop_pump` is dropped: on the drain timeout, or when this
     // function returns or its future is dropped.
-    let (cancel_pump, stop_pump) = std::io::pipe()?;
-    let mut stop_pump = Some(stop_pump);
-    if let Err(error) = logs::spawn_pump(
-        format!("log-{}", key.rank),
-        OwnedFd::from(output),
-        tx.clone(),
-        OwnedFd::from(cancel_pump),
-    ) {
-        // Without its pump the rank would block on a full pipe: end it now, and report
-        // why (the attempt fails and is restarted under the job's policy).
-        let _ = signal_group(pid, Signal::SIGKILL);
-        let _ = child.wait().await;
-        return Err(io::Error::other(format!(
-            "cannot start capturing the rank's output: {error}"
-        )));
-    }
+    let started = logs::cancel_pipe().and_then(|(cancel_pump, stop_pump)| {
+        logs::spawn_pump(
+            format!("log-{}", key.rank),
+            OwnedFd::from(output),
+            tx.clone(),
+            cancel_pump,
+        )?;
+        Ok(stop_pump)
+    });
+    let mut stop_pump = match started {
+        Ok(stop_pump) => Some(stop_pump),
+        Err(error) => {
+            // Without its pump the rank would block on a full pipe: end it now, and report
+            // why (the attempt fails and is restarted under the job's policy).
+            let _ = signal_group(pid, Signal::SIGKILL);
+            let _ = child.wait().await;
+            return Err(io::Error::other(format!(
+                "cannot start capturing the rank's output: {error}"
+            )));
+        }
+    };
     drop(tx);
 
     let far = Instant::now() + Duration::from_secs(86400 * 365);
