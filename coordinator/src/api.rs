@@ -189,45 +189,34 @@ async fn submit_checked(
     // on the blocking pool (one hand-off for both), never on the runtime thread, which
     // also runs Raft's heartbeats (one thread by default) — unless the fast path of
     // `localfs` can confirm both on local file systems without blocking.
-    let mut list_local =
+    let list_local =
         existing.is_none() && !spec.dataset.is_empty() && !spec.dataset.starts_with("s3://");
-    let mut check_ckpt_dir = existing.is_none() && !spec.ckpt_dir.is_empty();
-    if (list_local || check_ckpt_dir)
-        && let Some(table) = node.local_fs.fresh_table()
-    {
-        // The cheap check first: a checkpoint dir that must be created sends both checks to
-        // the blocking pool, so the dataset is not listed twice.
-        let ckpt_ok = !check_ckpt_dir || localfs::ckpt_dir_exists_inline(&table, &spec.ckpt_dir);
-        let listed = if ckpt_ok && list_local {
-            localfs::list_dataset_inline(&table, &spec.dataset)
-        } else {
-            None
-        };
-        // Both confirmed, or neither is used: a half-confirmed pair still takes one hand-off.
-        if ckpt_ok && (!list_local || listed.is_some()) {
-            if let Some(listed) = listed {
-                shards = listed;
-            }
-            list_local = false;
-            check_ckpt_dir = false;
-        }
-    }
+    let check_ckpt_dir = existing.is_none() && !spec.ckpt_dir.is_empty();
     if list_local || check_ckpt_dir {
-        let dataset = spec.dataset.clone();
-        let ckpt_dir = spec.ckpt_dir.clone();
-        let listed = tokio::task::spawn_blocking(move || {
-            let listed = if list_local {
-                Some(list_dataset(&dataset)?)
-            } else {
-                None
-            };
-            if check_ckpt_dir {
-                ensure_ckpt_dir(&ckpt_dir)?;
+        let dataset = list_local.then_some(spec.dataset.as_str());
+        let ckpt_dir = check_ckpt_dir.then_some(spec.ckpt_dir.as_str());
+        let inline = node
+            .local_fs
+            .fresh_table()
+            .and_then(|table| localfs::checks_inline(&table, dataset, ckpt_dir));
+        let listed = match inline {
+            Some(listed) => listed,
+            None => {
+                let dataset = dataset.map(str::to_owned);
+                let ckpt_dir = ckpt_dir.map(str::to_owned);
+                tokio::task::spawn_blocking(move || {
+                    let listed = dataset.as_deref().map(list_dataset).transpose()?;
+                    if let Some(ckpt_dir) = &ckpt_dir {
+                        ensure_ckpt_dir(ckpt_dir)?;
+                    }
+                    Ok::<_, ApiError>(listed)
+                })
+                .await
+                .map_err(|e| {
+                    ApiError::Internal(format!("the dataset listing task failed: {e}"))
+                })??
             }
-            Ok::<_, ApiError>(listed)
-        })
-        .await
-        .map_err(|e| ApiError::Internal(format!("the dataset listing task failed: {e}")))??;
+        };
         if let Some(listed) = listed {
             shards = listed;
         }

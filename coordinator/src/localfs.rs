@@ -244,6 +244,27 @@ pub fn ckpt_dir_exists_inline(table: &MountTable, dir: &str) -> bool {
     table.all_local(path) && open_dir_cached_no_symlinks(path, OFlag::O_PATH).is_some()
 }
 
+/// SubmitJob's two directory checks on the calling thread: `Some(listing)` (the listing of
+/// `dataset`, or `None` when there is none to list) when every check asked for is confirmed
+/// here ([`list_dataset_inline`], [`ckpt_dir_exists_inline`]), else `None`: the caller runs
+/// both on the blocking pool. The checkpoint dir goes first (the cheap check): one that must
+/// be created sends both to the blocking pool without listing the dataset twice.
+pub fn checks_inline(
+    table: &MountTable,
+    dataset: Option<&str>,
+    ckpt_dir: Option<&str>,
+) -> Option<Option<Vec<String>>> {
+    if let Some(ckpt_dir) = ckpt_dir
+        && !ckpt_dir_exists_inline(table, ckpt_dir)
+    {
+        return None;
+    }
+    match dataset {
+        Some(dataset) => list_dataset_inline(table, dataset).map(Some),
+        None => Some(None),
+    }
+}
+
 /// The coordinator's cached mount table (one per process).
 #[derive(Debug, Default)]
 pub struct LocalFs {
@@ -502,6 +523,32 @@ mod tests {
         assert!(!ckpt_dir_exists_inline(&MountTable::default(), &ckpt_str));
     }
 
+    #[test]
+    fn both_checks_are_confirmed_inline_or_neither() {
+        let Some((_dir, base)) = temp_dir_with_fast_path() else {
+            return;
+        };
+        let table = all_local_root();
+        let data = base.join("data");
+        std::fs::create_dir(&data).expect("mkdir");
+        std::fs::write(data.join("shard-0"), b"x\n").expect("write");
+        let data = data.to_str().expect("utf-8");
+        let ckpt = base.join("ckpt");
+        let ckpt = ckpt.to_str().expect("utf-8");
+        // A checkpoint dir still to be created: both go to the blocking pool.
+        assert_eq!(checks_inline(&table, Some(data), Some(ckpt)), None);
+        std::fs::create_dir(ckpt).expect("mkdir");
+        let listing = checks_inline(&table, Some(data), Some(ckpt))
+            .expect("confirmed")
+            .expect("listed");
+        assert_eq!(listing, crate::api::list_dataset(data).expect("lists"));
+        assert_eq!(checks_inline(&table, None, Some(ckpt)), Some(None));
+        assert_eq!(
+            checks_inline(&MountTable::default(), Some(data), None),
+            None
+        );
+    }
+
     #[tokio::test]
     async fn the_cached_table_is_refreshed_off_the_runtime_thread() {
         let local_fs = Arc::new(LocalFs::default());
@@ -513,8 +560,10 @@ mod tests {
                 break;
             }
             assert!(Instant::now() < deadline, "no table within 30 s");
-            tokio::task::yield_now().await;
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            // One trip through the blocking pool per look: the refresh runs there.
+            tokio::task::spawn_blocking(|| ())
+                .await
+                .expect("blocking pool");
         }
     }
 }

@@ -33,11 +33,9 @@ pub const MAX_READ_BYTES: u64 = 1 << 20;
 pub const LINE_PIECE_MAX_BYTES: usize = 64 * 1024;
 /// Bytes read from a pipe at a time (Linux's default pipe buffer is 64 KiB).
 const PIPE_READ_BYTES: usize = 64 * 1024;
-/// How long a pipe pump waits before its next read after a read that drained the pipe,
-/// in milliseconds (see [`pump_lines`]).
-pub const LOG_COALESCE_MS: u64 = LOG_COALESCE_MS_U16 as u64;
-/// [`LOG_COALESCE_MS`] in the type `poll` takes.
-const LOG_COALESCE_MS_U16: u16 = 5;
+/// How long a pipe pump waits before its next read after a small read, in milliseconds
+/// (see [`pump_lines`]).
+pub const LOG_COALESCE_MS: u16 = 5;
 /// Stack of a pump thread (its buffers are on the heap).
 const PUMP_STACK_BYTES: usize = 128 * 1024;
 /// Largest exit record accepted when reading one back.
@@ -281,9 +279,8 @@ pub enum PumpEnd {
 }
 
 /// Reads `pipe` (a rank's output: its stdout and stderr share it) to its end on the calling
-/// thread and sends its
-/// content on `tx` in chunks of whole lines. Meant for a thread of its own
-/// ([`spawn_pump`]); blocks.
+/// thread and sends its content on `tx` in chunks of whole lines. Meant for a thread of its
+/// own ([`spawn_pump`]); blocks.
 ///
 /// Each chunk is one or more complete lines, at most [`LINE_PIECE_MAX_BYTES`] long; a line
 /// longer than that is sent in pieces of that size; an unterminated last line gets a
@@ -355,7 +352,7 @@ pub fn pump_lines(
         if n < coalesce_below_bytes {
             // Coalescing wait; ends early only when cancelled.
             let mut cancel_only = [PollFd::new(cancel, PollFlags::POLLIN)];
-            poll_retrying(&mut cancel_only, PollTimeout::from(LOG_COALESCE_MS_U16))?;
+            poll_retrying(&mut cancel_only, PollTimeout::from(LOG_COALESCE_MS))?;
             if cancel_only[0].any().unwrap_or(true) {
                 return Ok(PumpEnd::Cancelled);
             }
@@ -405,7 +402,7 @@ pub fn spawn_pump(
     pipe: OwnedFd,
     tx: mpsc::Sender<Vec<u8>>,
     cancel: OwnedFd,
-) -> io::Result<std::thread::JoinHandle<()>> {
+) -> io::Result<()> {
     std::thread::Builder::new()
         .name(name)
         .stack_size(PUMP_STACK_BYTES)
@@ -415,6 +412,7 @@ pub fn spawn_pump(
                 tracing::warn!(%error, "reading a rank's output failed; capture of that pipe ends");
             }
         })
+        .map(drop)
 }
 
 /// Where the next chunk of `pending` ends: after its last `\n` within the first
