@@ -284,7 +284,7 @@ pub async fn run(
         .http2_keepalive_interval(Some(Duration::from_millis(network::KEEPALIVE_INTERVAL_MS)))
         .http2_keepalive_timeout(Some(Duration::from_millis(network::KEEPALIVE_TIMEOUT_MS)))
         .add_service(tonic::service::interceptor::InterceptedService::new(
-            RaftServiceServer::new(raft_service::RaftSvc { node: node.clone() })
+            RaftServiceServer::new(raft_service::RaftSvc::new(node.clone()))
                 .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
             interceptor.clone(),

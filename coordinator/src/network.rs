@@ -61,6 +61,11 @@ pub struct SnapshotHeader {
     pub vote: Vote,
     /// The snapshot's meta.
     pub meta: cumulus_raft_store::SnapshotMeta,
+    /// Bytes of snapshot data the stream carries, so the receiver can refuse an
+    /// oversized snapshot before it arrives and allocate its buffer once. Absent from
+    /// senders that predate it (rolling upgrade).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_bytes: Option<u64>,
 }
 
 /// Creates a [`PeerClient`] per target node.
@@ -225,12 +230,25 @@ impl PeerClient {
         snapshot: Snapshot,
         option: &RPCOption,
     ) -> Result<SnapshotResponse<TypeConfig>, CallError> {
+        let data = snapshot.snapshot.into_inner();
+        if data.len() > MAX_SNAPSHOT_BYTES {
+            // Sending it would move up to 2 GiB only to be refused, on every retry.
+            let err = Msg(format!(
+                "peer {}: the snapshot up to index {:?} is {} bytes, more than a follower \
+                 accepts ({MAX_SNAPSHOT_BYTES} bytes); it cannot catch up by snapshot",
+                self.target,
+                snapshot.meta.last_log_id.map(|l| l.index),
+                data.len()
+            ));
+            tracing::error!(%err, "not sending an oversized snapshot");
+            return Err(CallError::Network(err));
+        }
         let header_json = serde_json::to_vec(&SnapshotHeader {
             vote,
             meta: snapshot.meta,
+            data_bytes: Some(data.len() as u64),
         })
         .map_err(|e| CallError::Network(Msg(format!("cannot encode a snapshot header: {e}"))))?;
-        let data = snapshot.snapshot.into_inner();
         let deadline = snapshot_deadline(data.len(), option.hard_ttl());
         let mut chunks: Vec<SnapshotChunk> = data
             .chunks(SNAPSHOT_CHUNK_BYTES)

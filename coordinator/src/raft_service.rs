@@ -6,9 +6,11 @@ use std::sync::{Arc, Mutex};
 
 use cumulus_proto::v1::raft_service_server::RaftService;
 use cumulus_proto::v1::{RaftPayload, SnapshotChunk};
-use cumulus_raft_store::{Snapshot, TypeConfig, stage};
+use cumulus_raft_store::{Snapshot, TypeConfig, Vote, stage};
 use futures::{Stream, StreamExt};
-use openraft::raft::AppendEntriesRequest;
+use openraft::async_runtime::watch::WatchReceiver;
+use openraft::error::Fatal;
+use openraft::raft::{AppendEntriesRequest, SnapshotResponse};
 use serde::Serialize;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -19,6 +21,54 @@ use crate::node::Node;
 pub struct RaftSvc {
     /// The node.
     pub node: Arc<Node>,
+    /// One permit: snapshots are received one at a time (each may hold up to
+    /// [`MAX_SNAPSHOT_BYTES`] in memory).
+    pub snapshot_slot: tokio::sync::Semaphore,
+}
+
+impl RaftSvc {
+    /// The service of `node`, receiving no snapshot yet.
+    pub fn new(node: Arc<Node>) -> Self {
+        RaftSvc {
+            node,
+            snapshot_slot: tokio::sync::Semaphore::new(1),
+        }
+    }
+}
+
+/// The answer to a snapshot whose sender's `vote` this node's `current` vote has passed
+/// (`!(vote >= current)`, openraft's own rule for accepting a vote: votes are only
+/// partially ordered), or `None` when openraft must decide. `current` may lag the node's
+/// vote but never leads it, and votes only grow, so a snapshot refused here would be
+/// refused by openraft too.
+pub fn stale_snapshot_reply(vote: &Vote, current: &Vote) -> Option<SnapshotResponse<TypeConfig>> {
+    if vote >= current {
+        None
+    } else {
+        Some(SnapshotResponse::new(*current))
+    }
+}
+
+/// An empty buffer with room for a snapshot of the announced size (`data_bytes`, absent
+/// from senders that predate it), refused when it exceeds [`MAX_SNAPSHOT_BYTES`].
+///
+/// # Errors
+/// `resource_exhausted` for an announced size over the limit or one the allocator
+/// refuses.
+pub fn snapshot_buffer(data_bytes: Option<u64>) -> Result<Vec<u8>, Status> {
+    match data_bytes {
+        None => Ok(Vec::new()),
+        Some(n) if n > MAX_SNAPSHOT_BYTES as u64 => Err(Status::resource_exhausted(format!(
+            "a snapshot of {n} bytes is larger than this node accepts ({MAX_SNAPSHOT_BYTES} bytes)"
+        ))),
+        Some(n) => {
+            let mut data = Vec::new();
+            data.try_reserve_exact(n as usize).map_err(|e| {
+                Status::resource_exhausted(format!("cannot allocate {n} bytes for a snapshot: {e}"))
+            })?;
+            Ok(data)
+        }
+    }
 }
 
 fn decode<T: serde::de::DeserializeOwned>(req: Request<RaftPayload>) -> Result<T, Status> {
@@ -133,39 +183,67 @@ impl RaftService for RaftSvc {
     }
 
     /// Receives a snapshot in chunks (the first carries the header), bounded by
-    /// [`MAX_SNAPSHOT_BYTES`], and installs it.
+    /// [`MAX_SNAPSHOT_BYTES`], and installs it. One snapshot is received at a time (a
+    /// second stream gets `resource_exhausted`; the leader retries). A header whose vote
+    /// this node has already passed is answered at once with this node's vote, before
+    /// the data arrives, as openraft would answer it after: a deposed leader learns it is
+    /// stale without the follower buffering its snapshot.
     async fn install_snapshot(
         &self,
         req: Request<Streaming<SnapshotChunk>>,
     ) -> Result<Response<RaftPayload>, Status> {
+        let Ok(_receiving) = self.snapshot_slot.try_acquire() else {
+            return Err(Status::resource_exhausted(
+                "another snapshot is being received; retry when it is installed",
+            ));
+        };
         let mut chunks = req.into_inner();
-        let mut header: Option<SnapshotHeader> = None;
-        let mut data: Vec<u8> = Vec::new();
-        while let Some(chunk) = chunks.message().await? {
-            if !chunk.header_json.is_empty() {
-                if header.is_some() {
-                    return Err(Status::invalid_argument(
-                        "a snapshot stream carries its header twice",
-                    ));
-                }
-                header = Some(serde_json::from_slice(&chunk.header_json).map_err(|e| {
-                    Status::invalid_argument(format!("undecodable snapshot header: {e}"))
-                })?);
-            } else if header.is_none() {
-                return Err(Status::invalid_argument(
-                    "a snapshot stream must start with its header",
-                ));
-            }
+        let Some(first) = chunks.message().await? else {
+            return Err(Status::invalid_argument("an empty snapshot stream"));
+        };
+        if first.header_json.is_empty() {
+            return Err(Status::invalid_argument(
+                "a snapshot stream must start with its header",
+            ));
+        }
+        let header: SnapshotHeader = serde_json::from_slice(&first.header_json)
+            .map_err(|e| Status::invalid_argument(format!("undecodable snapshot header: {e}")))?;
+        let current = self.node.raft.metrics().borrow_watched().vote;
+        if let Some(reply) = stale_snapshot_reply(&header.vote, &current) {
+            tracing::info!(
+                sender_vote = %header.vote,
+                vote = %current,
+                "refused a snapshot from a leader this node's vote has passed"
+            );
+            return encode(&Ok::<_, Fatal<TypeConfig>>(reply));
+        }
+        let mut data = snapshot_buffer(header.data_bytes)?;
+        let mut chunk = first;
+        loop {
             if data.len().saturating_add(chunk.data.len()) > MAX_SNAPSHOT_BYTES {
                 return Err(Status::resource_exhausted(format!(
                     "snapshot larger than {MAX_SNAPSHOT_BYTES} bytes"
                 )));
             }
             data.extend_from_slice(&chunk.data);
+            chunk = match chunks.message().await? {
+                Some(next) if next.header_json.is_empty() => next,
+                Some(_) => {
+                    return Err(Status::invalid_argument(
+                        "a snapshot stream carries its header twice",
+                    ));
+                }
+                None => break,
+            };
         }
-        let Some(header) = header else {
-            return Err(Status::invalid_argument("an empty snapshot stream"));
-        };
+        if let Some(announced) = header.data_bytes
+            && announced != data.len() as u64
+        {
+            return Err(Status::invalid_argument(format!(
+                "the snapshot header announced {announced} bytes, the stream carried {}",
+                data.len()
+            )));
+        }
         let snapshot = Snapshot {
             meta: header.meta,
             snapshot: std::io::Cursor::new(data),
@@ -177,5 +255,36 @@ impl RaftService for RaftSvc {
                 .install_full_snapshot(header.vote, snapshot)
                 .await,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_from_a_passed_vote_is_answered_with_the_current_vote() {
+        let current = Vote::new_committed(5, 2);
+        assert_eq!(
+            stale_snapshot_reply(&Vote::new_committed(4, 2), &current).map(|r| r.vote),
+            Some(current)
+        );
+        assert_eq!(
+            stale_snapshot_reply(&Vote::new(4, 3), &current).map(|r| r.vote),
+            Some(current)
+        );
+        // Equal or later votes are openraft's to decide.
+        assert!(stale_snapshot_reply(&current, &current).is_none());
+        assert!(stale_snapshot_reply(&Vote::new_committed(6, 1), &current).is_none());
+        assert!(stale_snapshot_reply(&Vote::new(6, 1), &current).is_none());
+    }
+
+    #[test]
+    fn the_announced_snapshot_size_is_checked_and_allocated_once() {
+        assert_eq!(snapshot_buffer(None).expect("no size").capacity(), 0);
+        assert!(snapshot_buffer(Some(1 << 20)).expect("1 MiB").capacity() >= 1 << 20);
+        let err = snapshot_buffer(Some(MAX_SNAPSHOT_BYTES as u64 + 1)).expect_err("too big");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(snapshot_buffer(Some(u64::MAX)).is_err());
     }
 }

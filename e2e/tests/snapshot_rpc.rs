@@ -1,0 +1,162 @@
+//! A follower's `InstallSnapshot` RPC against stale, oversized and concurrent senders,
+//! over real gRPC to a follower of a real 3-node cluster. Every sender keeps its request
+//! stream open (no data, no end), so an answer proves the follower decided on the header
+//! alone, without buffering a snapshot; every wait has a generous deadline.
+
+use std::time::Duration;
+
+use cumulus_coordinator::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader};
+use cumulus_e2e::{Auth, Cluster, ClusterOpts, TOKEN, wait_for};
+use cumulus_proto::v1::SnapshotChunk;
+use cumulus_proto::v1::raft_service_client::RaftServiceClient;
+use cumulus_raft_store::{SnapshotMeta, TypeConfig, Vote};
+use futures::channel::mpsc;
+use openraft::error::Fatal;
+use openraft::raft::SnapshotResponse;
+use tokio::task::JoinHandle;
+use tonic::transport::Endpoint;
+
+const LONG: Duration = Duration::from_secs(120);
+
+type Reply = Result<SnapshotResponse<TypeConfig>, Fatal<TypeConfig>>;
+
+/// A sender that has sent its header chunk and holds its stream open: `_open` keeps the
+/// request stream from ending; `call` resolves when the follower answers or fails.
+struct OpenSend {
+    _open: mpsc::UnboundedSender<SnapshotChunk>,
+    call: JoinHandle<Result<Reply, tonic::Status>>,
+}
+
+/// Opens an `InstallSnapshot` call to `grpc_addr` and sends only the header chunk.
+async fn open_send(grpc_addr: &str, vote: Vote, data_bytes: Option<u64>) -> OpenSend {
+    let channel = Endpoint::from_shared(format!("http://{grpc_addr}"))
+        .expect("endpoint")
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .expect("connect to the follower");
+    let mut client = RaftServiceClient::with_interceptor(channel, Auth::new(TOKEN));
+    let header_json = serde_json::to_vec(&SnapshotHeader {
+        vote,
+        meta: SnapshotMeta::default(),
+        data_bytes,
+    })
+    .expect("header JSON");
+    let (tx, rx) = mpsc::unbounded();
+    tx.unbounded_send(SnapshotChunk {
+        header_json,
+        data: vec![0; 1024],
+    })
+    .expect("queue the header chunk");
+    let call = tokio::spawn(async move {
+        let reply = client.install_snapshot(rx).await?.into_inner();
+        Ok(serde_json::from_slice::<Reply>(&reply.json).expect("a decodable reply"))
+    });
+    OpenSend { _open: tx, call }
+}
+
+/// Waits for `send` to be answered, within [`LONG`].
+async fn answer(send: OpenSend) -> Result<Reply, tonic::Status> {
+    tokio::time::timeout(LONG, send.call)
+        .await
+        .expect("the follower answers while the stream is still open")
+        .expect("the call task")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn install_snapshot_decides_on_the_header_for_stale_oversized_and_concurrent_senders() {
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 0,
+        ..Default::default()
+    })
+    .await
+    .expect("cluster");
+    let leader = cluster.wait_leader(LONG).await;
+    let status = cluster.status().await.expect("status");
+    let follower = cluster
+        .coordinators
+        .iter()
+        .find(|c| c.id != leader)
+        .expect("a follower");
+    let addr = follower.grpc.clone();
+    let follower_id = follower.id;
+    let applied_before = cluster
+        .status_of(cluster.index_of(follower_id).expect("follower index"))
+        .await
+        .expect("the follower answers")
+        .last_applied_index;
+    let current = Vote::new_committed(status.term, leader);
+    let stale = Vote::new_committed(status.term - 1, leader);
+
+    // A size over the limit is refused from the header.
+    let big = open_send(&addr, current, Some(MAX_SNAPSHOT_BYTES as u64 + 1)).await;
+    let status_code = answer(big)
+        .await
+        .expect_err("an oversized snapshot is refused");
+    assert_eq!(
+        status_code.code(),
+        tonic::Code::ResourceExhausted,
+        "{status_code}"
+    );
+
+    // A deposed leader's snapshot is answered with the follower's vote at once.
+    let old = open_send(&addr, stale, Some(1 << 30)).await;
+    let reply = answer(old)
+        .await
+        .expect("a stale sender gets an answer")
+        .expect("not fatal");
+    assert!(
+        reply.vote >= current,
+        "the follower answers with its own vote ({}), not below {current}",
+        reply.vote
+    );
+
+    // Two senders of the current term: the second to arrive is refused while the first
+    // holds the only receive slot (its stream open, no data yet).
+    let a = open_send(&addr, current, Some(1 << 20)).await;
+    let b = open_send(&addr, current, Some(1 << 20)).await;
+    let (refused, held) = tokio::time::timeout(LONG, async {
+        loop {
+            if a.call.is_finished() {
+                break (a, b);
+            }
+            if b.call.is_finished() {
+                break (b, a);
+            }
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("one of two concurrent senders is refused");
+    let status_code = answer(refused)
+        .await
+        .expect_err("the second sender is refused");
+    assert_eq!(
+        status_code.code(),
+        tonic::Code::ResourceExhausted,
+        "{status_code}"
+    );
+    assert!(
+        !held.call.is_finished(),
+        "the first sender is still being received"
+    );
+
+    // Cancelling the held call frees the slot: a later sender is answered again.
+    held.call.abort();
+    drop(held._open);
+    wait_for("the receive slot to be free again", LONG, || async {
+        let old = open_send(&addr, stale, Some(1 << 20)).await;
+        match answer(old).await {
+            Ok(Ok(reply)) if reply.vote >= current => Some(()),
+            _ => None,
+        }
+    })
+    .await;
+
+    // The follower still follows a leader and lost no applied entry.
+    let i = cluster.index_of(follower_id).expect("follower index");
+    let after = cluster.status_of(i).await.expect("the follower answers");
+    assert!(after.leader_id.is_some(), "{after:?}");
+    assert!(after.last_applied_index >= applied_before, "{after:?}");
+}
