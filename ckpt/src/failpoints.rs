@@ -13,7 +13,7 @@
 //! The points, in protocol order. A part commit by the worker agent:
 //! [`PART_FSYNC_FILE`] (before each file's fsync), [`PART_FSYNC_DIRS`],
 //! [`PART_MKDIR_PARENTS`] (`step-N/rank-r`), [`PART_RENAME`] (staging → part directory),
-//! [`PART_FSYNC_PARENT`] (after the rename), [`PART_RECREATE_STAGING`]. The leader's
+//! [`PART_RECREATE_STAGING`], [`PART_FSYNC_PARENT`] (the changed directories). The leader's
 //! `MANIFEST.json` and `LATEST` writes (temp file, fsync, rename, directory fsync):
 //! [`MANIFEST_WRITE`] (after half of the temp file is written), [`MANIFEST_FSYNC`],
 //! [`MANIFEST_RENAME`], [`MANIFEST_FSYNC_DIR`], and the same four for `LATEST`. The Raft
@@ -25,14 +25,16 @@
 pub const PART_FSYNC_FILE: &str = "ckpt-part-fsync-file";
 /// Before fsyncing the staging directories.
 pub const PART_FSYNC_DIRS: &str = "ckpt-part-fsync-dirs";
-/// Before creating (and fsyncing) the parents `step-N/rank-r` of the part.
+/// Before creating the parents `step-N/rank-r` of the part (fsynced at
+/// [`PART_FSYNC_PARENT`]).
 pub const PART_MKDIR_PARENTS: &str = "ckpt-part-mkdir-parents";
 /// Before renaming the staging directory to `step-N/rank-r/attempt-a`.
 pub const PART_RENAME: &str = "ckpt-part-rename";
-/// After the rename, before fsyncing the parents.
-pub const PART_FSYNC_PARENT: &str = "ckpt-part-fsync-parent";
-/// Before recreating the empty staging directory.
+/// After the rename, before recreating the empty staging directory.
 pub const PART_RECREATE_STAGING: &str = "ckpt-part-recreate-staging";
+/// After the staging directory is recreated, before fsyncing every directory whose
+/// entries changed (the parents' parents, the rank directory, the staging parent).
+pub const PART_FSYNC_PARENT: &str = "ckpt-part-fsync-parent";
 /// After half of `MANIFEST.json`'s temp file is written.
 pub const MANIFEST_WRITE: &str = "ckpt-manifest-write";
 /// Before fsyncing `MANIFEST.json`'s temp file.
@@ -56,8 +58,8 @@ pub const PART_POINTS: &[&str] = &[
     PART_FSYNC_DIRS,
     PART_MKDIR_PARENTS,
     PART_RENAME,
-    PART_FSYNC_PARENT,
     PART_RECREATE_STAGING,
+    PART_FSYNC_PARENT,
 ];
 /// Every failpoint of the manifest and `LATEST` writes, in protocol order.
 pub const FINALIZE_POINTS: &[&str] = &[

@@ -22,10 +22,13 @@
 //!
 //! 1. A rank writes its files into its staging directory ([`CheckpointStore::prepare_staging`]).
 //! 2. The worker agent commits them ([`CheckpointStore::commit_part`]): every file is hashed
-//!    (BLAKE3, see [`digest`]) and fsynced, every directory fsynced, the parents `step-N/rank-r` created and
-//!    fsynced, the staging directory renamed to `step-N/rank-r/attempt-a` (never over an
-//!    existing one) and both parents fsynced. The result is a [`PartRecord`] (files, sizes,
-//!    hashes, the rank's resume state) that the agent reports to the leader.
+//!    (BLAKE3, see [`digest`]) and fsynced, every directory fsynced, the parents
+//!    `step-N/rank-r` created, the staging directory renamed to `step-N/rank-r/attempt-a`
+//!    (never over an existing one) and created again empty, then every directory whose
+//!    entries changed fsynced (those the parents were created in, the rank directory, the
+//!    staging parent): all before the commit returns, and the data's fsync before the
+//!    rename. The result is a [`PartRecord`] (files, sizes, hashes, the rank's resume
+//!    state) that the agent reports to the leader.
 //! 3. When every rank's part is in the Raft log, the leader checks every part's files and
 //!    sizes ([`CheckpointStore::check_part`]: no content is re-read; the digests are the
 //!    agent's, computed over the very bytes it fsynced), writes `MANIFEST.json`
