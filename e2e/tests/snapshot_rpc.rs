@@ -55,6 +55,16 @@ async fn open_send(grpc_addr: &str, vote: Vote, data_bytes: Option<u64>) -> Open
     OpenSend { _open: tx, call }
 }
 
+/// Asserts that `what` was refused with `resource_exhausted`.
+fn assert_exhausted(answer: Result<Reply, tonic::Status>, what: &str) {
+    let status = answer.expect_err(&format!("{what} is refused"));
+    assert_eq!(
+        status.code(),
+        tonic::Code::ResourceExhausted,
+        "{what}: {status}"
+    );
+}
+
 /// Waits for `send` to be answered, within [`LONG`].
 async fn answer(send: OpenSend) -> Result<Reply, tonic::Status> {
     tokio::time::timeout(LONG, send.call)
@@ -80,24 +90,20 @@ async fn install_snapshot_decides_on_the_header_for_stale_oversized_and_concurre
         .expect("a follower");
     let addr = follower.grpc.clone();
     let follower_id = follower.id;
-    let applied_before = cluster
-        .status_of(cluster.index_of(follower_id).expect("follower index"))
-        .await
-        .expect("the follower answers")
-        .last_applied_index;
+    // The follower must have taken the leader's vote: until then its own vote (term 0,
+    // itself) is not comparable with a term-0 sender's and refuses it as well.
+    let i = cluster.index_of(follower_id).expect("follower index");
+    let applied_before = wait_for("the follower to follow the leader", LONG, || async {
+        let own = cluster.status_of(i).await?;
+        (own.leader_id == Some(leader) && own.term == status.term).then_some(own.last_applied_index)
+    })
+    .await;
     let current = Vote::new_committed(status.term, leader);
     let stale = Vote::new_committed(status.term - 1, leader);
 
     // A size over the limit is refused from the header.
     let big = open_send(&addr, current, Some(MAX_SNAPSHOT_BYTES as u64 + 1)).await;
-    let status_code = answer(big)
-        .await
-        .expect_err("an oversized snapshot is refused");
-    assert_eq!(
-        status_code.code(),
-        tonic::Code::ResourceExhausted,
-        "{status_code}"
-    );
+    assert_exhausted(answer(big).await, "an oversized snapshot");
 
     // A deposed leader's snapshot is answered with the follower's vote at once.
     let old = open_send(&addr, stale, Some(1 << 30)).await;
@@ -113,29 +119,20 @@ async fn install_snapshot_decides_on_the_header_for_stale_oversized_and_concurre
 
     // Two senders of the current term: the second to arrive is refused while the first
     // holds the only receive slot (its stream open, no data yet).
-    let a = open_send(&addr, current, Some(1 << 20)).await;
-    let b = open_send(&addr, current, Some(1 << 20)).await;
-    let (refused, held) = tokio::time::timeout(LONG, async {
-        loop {
-            if a.call.is_finished() {
-                break (a, b);
-            }
-            if b.call.is_finished() {
-                break (b, a);
-            }
-            tokio::task::yield_now().await;
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut a = open_send(&addr, current, Some(1 << 20)).await;
+    let mut b = open_send(&addr, current, Some(1 << 20)).await;
+    let (first_answer, b_answered) = tokio::time::timeout(LONG, async {
+        tokio::select! {
+            answered = &mut a.call => (answered, false),
+            answered = &mut b.call => (answered, true),
         }
     })
     .await
     .expect("one of two concurrent senders is refused");
-    let status_code = answer(refused)
-        .await
-        .expect_err("the second sender is refused");
-    assert_eq!(
-        status_code.code(),
-        tonic::Code::ResourceExhausted,
-        "{status_code}"
+    let held = if b_answered { a } else { b };
+    assert_exhausted(
+        first_answer.expect("the call task"),
+        "the second of two concurrent senders",
     );
     assert!(
         !held.call.is_finished(),
@@ -155,7 +152,6 @@ async fn install_snapshot_decides_on_the_header_for_stale_oversized_and_concurre
     .await;
 
     // The follower still follows a leader and lost no applied entry.
-    let i = cluster.index_of(follower_id).expect("follower index");
     let after = cluster.status_of(i).await.expect("the follower answers");
     assert!(after.leader_id.is_some(), "{after:?}");
     assert!(after.last_applied_index >= applied_before, "{after:?}");
