@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use cumulus_proto::v1::raft_service_client::RaftServiceClient;
 use cumulus_proto::v1::{RaftPayload, SnapshotChunk};
-use cumulus_raft_store::{CumulusNode, NodeId, Snapshot, SnapshotData, TypeConfig, Vote, stage};
+use cumulus_raft_store::{
+    CumulusNode, EntryPayload, NodeId, Snapshot, SnapshotData, TypeConfig, Vote, stage,
+};
 use futures::StreamExt;
 use openraft::base::{BoxFuture, BoxStream};
 use openraft::error::{
@@ -66,6 +68,42 @@ pub struct SnapshotHeader {
     /// senders that predate it (rolling upgrade).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_bytes: Option<u64>,
+}
+
+/// Most bytes of JSON in one replication request: [`MAX_RAFT_MESSAGE_BYTES`] less room
+/// for the protobuf field's tag and length.
+pub const MAX_APPEND_JSON_BYTES: usize = MAX_RAFT_MESSAGE_BYTES - 64;
+
+/// Requests whose entries are estimated above this many bytes are encoded on the
+/// blocking pool, not on a runtime thread that also runs heartbeats and elections.
+pub const ENCODE_INLINE_MAX_BYTES: usize = 1 << 20;
+
+/// Room for a request's fields besides its entries, in bytes.
+const REQUEST_ENVELOPE_BYTES: usize = 64 * 1024;
+
+// Every replication request fits one Raft message: the log reader gives a request at
+// most `REPLICATION_BATCH_BYTES` of entries, or one entry, and the leader admits no
+// entry above `MAX_ENTRY_BYTES`.
+const _: () = assert!(
+    cumulus_raft_store::store::REPLICATION_BATCH_BYTES
+        + crate::proposer::MAX_ENTRY_BYTES
+        + REQUEST_ENVELOPE_BYTES
+        <= MAX_APPEND_JSON_BYTES
+);
+
+/// Estimated encoded bytes of an entry that carries no command (blank or membership).
+const OTHER_ENTRY_BYTES: usize = 1_024;
+
+/// Estimated JSON bytes of `req`'s entries (each command's
+/// `Command::approx_encoded_bytes`), without encoding them.
+pub fn approx_append_bytes(req: &AppendEntriesRequest<TypeConfig>) -> usize {
+    req.entries
+        .iter()
+        .map(|e| match &e.payload {
+            EntryPayload::Normal(cmd) => cmd.approx_encoded_bytes(),
+            _ => OTHER_ENTRY_BYTES,
+        })
+        .sum()
 }
 
 /// Creates a [`PeerClient`] per target node.
@@ -323,8 +361,25 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
                 async move {
                     let req = input.next().await?;
                     let last_index = req.entries.last().map(|e| e.log_id.index);
-                    let json = match serde_json::to_vec(&req) {
-                        Ok(json) => json,
+                    // A large request is encoded off the runtime threads, which also run
+                    // heartbeats and elections.
+                    let encoded = if approx_append_bytes(&req) <= ENCODE_INLINE_MAX_BYTES {
+                        serde_json::to_vec(&req).map_err(|e| e.to_string())
+                    } else {
+                        tokio::task::spawn_blocking(move || {
+                            serde_json::to_vec(&req).map_err(|e| e.to_string())
+                        })
+                        .await
+                        .unwrap_or_else(|e| Err(format!("the encoding task failed: {e}")))
+                    };
+                    let json = match encoded {
+                        Ok(json) if json.len() <= MAX_APPEND_JSON_BYTES => json,
+                        Ok(json) => {
+                            // Cannot happen: the log reader bounds a request's entries
+                            // (`REPLICATION_BATCH_BYTES`) and the leader each entry's size.
+                            tracing::error!(target, bytes = json.len(), "an AppendEntries request is larger than a Raft message may be; ending the replication stream");
+                            return None;
+                        }
                         Err(e) => {
                             tracing::warn!(target, error = %e, "cannot encode an AppendEntries request; ending the replication stream");
                             return None;

@@ -34,6 +34,63 @@ pub const MAX_INFLIGHT_BATCHES: usize = 1;
 /// Largest estimated encoded size of one batch, in bytes
 /// ([`Command::approx_encoded_bytes`]); a proposal larger than this goes alone.
 pub const MAX_BATCH_BYTES: usize = 1 << 20;
+/// Largest encoded (serde_json) size of one proposed command, in bytes; a larger one is
+/// refused before it reaches the log. Every entry must fit one replication request
+/// ([`crate::network::MAX_APPEND_JSON_BYTES`], 64 MiB) on its own: an entry that does not
+/// can never reach a follower, and the log behind it stops. etcd's default limit for a
+/// request is 1.5 MiB; ours is set by the largest submit (a spec of up to
+/// [`cumulus_raft_store::state::MAX_SHARDS`] shard paths).
+pub const MAX_ENTRY_BYTES: usize = 16 << 20;
+/// How many times its [`Command::approx_encoded_bytes`] a command's JSON can be at most:
+/// a string's byte becomes at most 6 (`\u001f`), and the estimate counts each string's
+/// quotes. Commands whose estimate is below [`MAX_ENTRY_BYTES`] / this are admitted
+/// without encoding them.
+const MAX_JSON_EXPANSION: usize = 8;
+
+/// Counts the bytes written to it.
+struct ByteCounter(usize);
+
+impl std::io::Write for ByteCounter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Checks that `command` fits one Raft entry ([`MAX_ENTRY_BYTES`]). Only a command whose
+/// estimate could exceed it is encoded (into a byte counter, nothing is kept).
+///
+/// # Errors
+/// [`ApiError::InvalidArgument`] with the encoded size, the limit and, for a submit, its
+/// number of shards.
+pub fn check_entry_bytes(command: &Command) -> Result<(), ApiError> {
+    if command.approx_encoded_bytes() <= MAX_ENTRY_BYTES / MAX_JSON_EXPANSION {
+        return Ok(());
+    }
+    let mut counter = ByteCounter(0);
+    serde_json::to_writer(&mut counter, command)
+        .map_err(|e| ApiError::Internal(format!("cannot encode a command: {e}")))?;
+    let bytes = counter.0;
+    if bytes <= MAX_ENTRY_BYTES {
+        return Ok(());
+    }
+    Err(ApiError::InvalidArgument(match command {
+        Command::SubmitJob { shards, .. } => format!(
+            "the job's spec and its {} shard paths encode to {bytes} bytes, more than the \
+             {MAX_ENTRY_BYTES} bytes one Raft entry may carry: use fewer shard files or \
+             shorter paths",
+            shards.len()
+        ),
+        _ => format!(
+            "the command encodes to {bytes} bytes, more than the {MAX_ENTRY_BYTES} bytes \
+             one Raft entry may carry"
+        ),
+    }))
+}
 
 /// One queued write and where its result goes.
 struct Proposal {
@@ -73,9 +130,10 @@ impl Proposer {
     /// which may be `Rejected`.
     ///
     /// # Errors
-    /// `NotLeader` on a follower; `Unavailable` when Raft cannot commit now or the node
-    /// is shutting down.
+    /// `InvalidArgument` for a command larger than [`MAX_ENTRY_BYTES`]; `NotLeader` on a
+    /// follower; `Unavailable` when Raft cannot commit now or the node is shutting down.
     pub async fn propose(&self, command: Command) -> Result<Response, ApiError> {
+        check_entry_bytes(&command)?;
         // Direct path: with nothing queued and a batch slot free, this proposal would be a
         // batch of one anyway; committing it from the caller's task saves two task
         // switches (to the batching task and to its commit task) and one back. tokio's
@@ -210,5 +268,70 @@ async fn write(raft: &Raft, command: Command) -> Result<Response, ApiError> {
             })
         }
         Err(e) => Err(ApiError::Unavailable(format!("raft could not commit: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cumulus_raft_store::state::{JobSpec, RestartPolicy};
+
+    use super::*;
+
+    fn submit(shards: Vec<String>) -> Command {
+        Command::SubmitJob {
+            request_id: "r".into(),
+            spec: JobSpec {
+                name: String::new(),
+                world_size: 1,
+                command: vec!["true".into()],
+                env: Default::default(),
+                dataset: "/data".into(),
+                ckpt_dir: String::new(),
+                ckpt_keep: 3,
+                restart: RestartPolicy::default(),
+                progress_timeout_ms: 0,
+                working_dir: String::new(),
+                ckpt_url: String::new(),
+                ckpt_commit_tier: String::new(),
+            },
+            shards,
+            submitted_at_ms: 1,
+        }
+    }
+
+    fn json_bytes(command: &Command) -> usize {
+        serde_json::to_vec(command).expect("encode").len()
+    }
+
+    #[test]
+    fn a_command_that_fits_one_entry_is_admitted() {
+        assert!(check_entry_bytes(&submit(vec!["/data/a".into()])).is_ok());
+        // Encoded exactly (its estimate is past the shortcut), and just under the limit.
+        let big = submit(vec!["s".repeat(MAX_ENTRY_BYTES - 1_000)]);
+        assert!(json_bytes(&big) <= MAX_ENTRY_BYTES);
+        assert!(check_entry_bytes(&big).is_ok());
+    }
+
+    #[test]
+    fn a_larger_command_is_refused_with_its_size_and_shard_count() {
+        let shards: Vec<String> = (0..20)
+            .map(|i| format!("{i}{}", "s".repeat(1 << 20)))
+            .collect();
+        let err = check_entry_bytes(&submit(shards)).expect_err("too large");
+        let ApiError::InvalidArgument(msg) = err else {
+            panic!("{err:?}");
+        };
+        assert!(msg.contains("20 shard paths"), "{msg}");
+        assert!(msg.contains(&MAX_ENTRY_BYTES.to_string()), "{msg}");
+    }
+
+    #[test]
+    fn escaping_that_multiplies_a_small_estimate_is_counted() {
+        // 3 MiB of control characters: each is encoded as `\u0001`, six bytes.
+        let shards = vec!["\u{1}".repeat(3 << 20)];
+        let command = submit(shards);
+        assert!(command.approx_encoded_bytes() < MAX_ENTRY_BYTES);
+        assert!(json_bytes(&command) > MAX_ENTRY_BYTES);
+        assert!(check_entry_bytes(&command).is_err());
     }
 }

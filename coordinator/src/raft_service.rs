@@ -17,6 +17,11 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader};
 use crate::node::Node;
 
+/// Replication requests larger than this many bytes of JSON are decoded on the blocking
+/// pool (a request carries up to
+/// [`REPLICATION_BATCH_BYTES`](cumulus_raft_store::store::REPLICATION_BATCH_BYTES)).
+pub const DECODE_INLINE_MAX_BYTES: usize = 1 << 20;
+
 /// Serves Raft RPCs for one node.
 pub struct RaftSvc {
     /// The node.
@@ -131,7 +136,20 @@ impl RaftService for RaftSvc {
                     }
                 };
                 let received_ns = stage::now_ns();
-                match serde_json::from_slice::<AppendEntriesRequest<TypeConfig>>(&payload.json) {
+                // A large request is decoded off the runtime threads, which also run
+                // heartbeats and elections.
+                let decoded = if payload.json.len() <= DECODE_INLINE_MAX_BYTES {
+                    serde_json::from_slice::<AppendEntriesRequest<TypeConfig>>(&payload.json)
+                        .map_err(|e| e.to_string())
+                } else {
+                    tokio::task::spawn_blocking(move || {
+                        serde_json::from_slice::<AppendEntriesRequest<TypeConfig>>(&payload.json)
+                            .map_err(|e| e.to_string())
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(format!("the decoding task failed: {e}")))
+                };
+                match decoded {
                     Ok(rpc) => {
                         let last_index = rpc.entries.last().map(|e| e.log_id.index);
                         served.lock().unwrap_or_else(|p| p.into_inner()).push_back((

@@ -68,6 +68,12 @@ pub enum OpenError {
     },
 }
 
+/// Most bytes of encoded entries (their JSON) in one replication request, unless its one
+/// entry is larger ([`LogStore`]'s `limited_get_log_entries`). Bounds what a leader and
+/// a follower hold and encode or decode per request (serde_json runs at a few hundred
+/// MB/s in a release build) and keeps a request below the Raft message limit.
+pub const REPLICATION_BATCH_BYTES: usize = 8 << 20;
+
 /// Log entries of data dirs written before the write-ahead log (moved into it on open).
 const LEGACY_LOGS_TREE: &str = "raft_logs";
 /// Directory of the write-ahead log, inside the store's directory.
@@ -291,6 +297,21 @@ impl RaftLogReader<TypeConfig> for LogStore {
             Bound::Unbounded => u64::MAX,
         };
         self.wal.read(start, end).map_err(io::Error::other)
+    }
+
+    /// The entries openraft replicates in one `AppendEntries` request: from `start`, at
+    /// most [`REPLICATION_BATCH_BYTES`] of them (at least one). openraft 0.10 bounds a
+    /// request only by its count of entries (`max_payload_entries`, 300), and a follower
+    /// that lags behind large entries would be sent a request larger than a Raft message
+    /// may be, refused on every retry: it would never catch up.
+    async fn limited_get_log_entries(
+        &mut self,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<Entry>, io::Error> {
+        self.wal
+            .read_limited(start, end, REPLICATION_BATCH_BYTES)
+            .map_err(io::Error::other)
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote>, io::Error> {

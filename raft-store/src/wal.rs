@@ -548,15 +548,36 @@ impl Wal {
     /// # Errors
     /// I/O errors or damage found while reading an uncached entry back.
     pub fn read(&self, start: u64, end: u64) -> Result<Vec<Entry>, WalError> {
+        self.read_limited(start, end, usize::MAX)
+    }
+
+    /// Like [`Wal::read`], but stops before the entry that would bring the entries' encoded
+    /// size (their records' payloads, the entries' JSON) past `max_bytes`; the first entry
+    /// is returned whatever its size.
+    ///
+    /// # Errors
+    /// I/O errors or damage found while reading an uncached entry back.
+    pub fn read_limited(
+        &self,
+        start: u64,
+        end: u64,
+        max_bytes: usize,
+    ) -> Result<Vec<Entry>, WalError> {
         // Cached entries are cloned under the lock; the rest are read back after it.
         let wanted: Vec<(u64, Wanted)> = {
             let inner = self.lock();
             if start >= end {
                 return Ok(Vec::new());
             }
+            let mut total_bytes = 0usize;
             inner
                 .locs
                 .range(start..end)
+                .take_while(|(_, loc)| {
+                    let first = total_bytes == 0;
+                    total_bytes = total_bytes.saturating_add(loc.len as usize);
+                    first || total_bytes <= max_bytes
+                })
                 .map(|(index, loc)| {
                     let item = match inner.cache.get(index) {
                         Some((e, _)) => Wanted::Cached(e.clone()),

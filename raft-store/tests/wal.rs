@@ -65,6 +65,54 @@ fn entries_survive_reopen_across_segments() {
     assert!(SEGMENT_BYTES < 40 * big as u64);
 }
 
+/// The first entries of `written` whose JSON adds up to at most `max_bytes` (at least one).
+fn prefix_within(written: &[Entry], max_bytes: usize) -> Vec<Entry> {
+    let mut total = 0;
+    let mut out = Vec::new();
+    for e in written {
+        total += serde_json::to_vec(e).expect("encode").len();
+        if !out.is_empty() && total > max_bytes {
+            break;
+        }
+        out.push(e.clone());
+    }
+    out
+}
+
+#[test]
+fn a_limited_read_stops_at_the_byte_limit_but_returns_at_least_one_entry() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut written = entries(1, 1, 21, 1_000);
+    written[7] = entry(1, 8, 20_000);
+    let check = |wal: &Wal| {
+        let first = wal.read_limited(1, 21, 5_000).expect("read");
+        assert_eq!(first, prefix_within(&written, 5_000));
+        assert_eq!(
+            first.len(),
+            3,
+            "three ~1.3 KB entries fit 5,000 bytes, a fourth does not"
+        );
+        // An entry larger than the limit comes alone.
+        assert_eq!(
+            wal.read_limited(8, 21, 5_000).expect("read"),
+            written[7..8].to_vec()
+        );
+        assert_eq!(
+            wal.read_limited(5, 21, 5_000).expect("read"),
+            written[4..7].to_vec()
+        );
+        assert_eq!(wal.read_limited(1, 21, usize::MAX).expect("read"), written);
+        assert!(wal.read_limited(21, 30, 5_000).expect("read").is_empty());
+    };
+    {
+        let wal = Wal::open(dir.path(), None).expect("open");
+        wal.append(written.clone()).expect("append");
+        check(&wal);
+    }
+    // Read back from disk (nothing cached).
+    check(&Wal::open(dir.path(), None).expect("reopen"));
+}
+
 #[test]
 fn a_torn_tail_is_cut_and_the_log_goes_on() {
     let dir = tempfile::tempdir().expect("temp dir");
