@@ -39,7 +39,8 @@ struct Args {
     #[arg(long)]
     smoke: bool,
     /// Comma-separated scenarios to run (default: all): write_path, write_stages, failover,
-    /// rank_restart, worker_expiry, heartbeat_scale, ckpt_commit, ckpt_s3, training, memory.
+    /// follower_catchup, rank_restart, worker_expiry, heartbeat_scale, ckpt_commit,
+    /// ckpt_s3, training, memory.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Directory for the JSON results (created).
@@ -73,6 +74,7 @@ pub const SCENARIOS: &[&str] = &[
     "write_path",
     "write_stages",
     "failover",
+    "follower_catchup",
     "rank_restart",
     "worker_expiry",
     "heartbeat_scale",
@@ -87,6 +89,7 @@ async fn run_one(name: &str, ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         "write_path" => write_path::run(ctx).await,
         "write_stages" => write_stages::run(ctx).await,
         "failover" => cluster_ops::failover(ctx).await,
+        "follower_catchup" => cluster_ops::follower_catchup(ctx).await,
         "rank_restart" => cluster_ops::rank_restart(ctx).await,
         "worker_expiry" => cluster_ops::worker_expiry(ctx).await,
         "heartbeat_scale" => heartbeat_scale::run(ctx).await,

@@ -9,6 +9,7 @@ use cumulus_proto::v1;
 use cumulus_raft_store::Command;
 use cumulus_raft_store::Response;
 use cumulus_raft_store::stage;
+use cumulus_raft_store::state::submit_bytes;
 use std::collections::BTreeSet;
 
 use cumulus_raft_store::CumulusNode;
@@ -117,7 +118,8 @@ async fn list_s3_dataset(node: &Node, url: &str) -> Result<Vec<String>, ApiError
 /// Submits a job (idempotent by request id).
 ///
 /// # Errors
-/// `InvalidArgument` for a bad spec or dataset; `NotLeader`/`Unavailable` from Raft.
+/// `InvalidArgument` for a bad spec or dataset; `ResourceExhausted` past the state's
+/// byte budget ([`Node::reserve_state_bytes`]); `NotLeader`/`Unavailable` from Raft.
 pub async fn submit(
     node: &Node,
     req: v1::SubmitJobRequest,
@@ -222,6 +224,12 @@ async fn submit_checked(
         }
     }
     shards.sort();
+    // A new job must fit the state's byte budget; a retried request id adds nothing.
+    let _reservation = if existing.is_none() {
+        Some(node.reserve_state_bytes(submit_bytes(&spec, &shards))?)
+    } else {
+        None
+    };
     let cmd = Command::SubmitJob {
         request_id: req.request_id.clone(),
         spec,

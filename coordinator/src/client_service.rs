@@ -31,6 +31,7 @@ pub fn to_status(e: ApiError) -> Status {
         ApiError::NotFound(_) => Status::not_found(msg),
         ApiError::FailedPrecondition(_) => Status::failed_precondition(msg),
         ApiError::Unavailable(_) => Status::unavailable(msg),
+        ApiError::ResourceExhausted(_) => Status::resource_exhausted(msg),
         ApiError::Internal(_) => Status::internal(msg),
     }
 }

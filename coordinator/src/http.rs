@@ -36,6 +36,7 @@ impl IntoResponse for HttpError {
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, None),
             ApiError::FailedPrecondition(_) => (StatusCode::CONFLICT, None),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, None),
+            ApiError::ResourceExhausted(_) => (StatusCode::TOO_MANY_REQUESTS, None),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, None),
         };
         let mut resp = (status, Json(json!({ "error": msg }))).into_response();

@@ -108,6 +108,11 @@ pub struct Config {
     /// Largest world size a job may ask for.
     #[arg(long, default_value_t = 1_024)]
     pub max_world_size: u32,
+    /// Most bytes of state (estimated encoded size) the pending and running jobs may
+    /// hold; a submit past it is refused with RESOURCE_EXHAUSTED. At least 1 MiB, at
+    /// most the default (half the 2 GiB snapshot a follower accepts).
+    #[arg(long, default_value_t = cumulus_raft_store::state::MAX_STATE_BYTES)]
+    pub max_state_bytes: u64,
     /// Raft heartbeat interval between coordinators, in milliseconds.
     #[arg(long, default_value_t = 50)]
     pub raft_heartbeat_ms: u64,
@@ -179,9 +184,16 @@ impl Config {
         {
             bail!("need 1 <= --snapshot-every-entries <= --snapshot-max-entries");
         }
+        let max_state = cumulus_raft_store::state::MAX_STATE_BYTES;
+        if !(MIN_STATE_BYTES..=max_state).contains(&self.max_state_bytes) {
+            bail!("need {MIN_STATE_BYTES} <= --max-state-bytes <= {max_state}");
+        }
         Ok(me)
     }
 }
+
+/// Smallest `--max-state-bytes`, in bytes.
+pub const MIN_STATE_BYTES: u64 = 1 << 20;
 
 /// Runs the coordinator until `shutdown` completes, then stops its servers, its loops
 /// and its Raft node.
@@ -240,12 +252,14 @@ pub async fn run(
             heartbeat_interval_ms: config.heartbeat_interval_ms,
             heartbeat_timeout_ms: config.heartbeat_timeout_ms,
             max_world_size: config.max_world_size,
+            max_state_bytes: config.max_state_bytes,
         },
         token: token.clone(),
         http,
         log_streams: Arc::new(Semaphore::new(config.max_log_streams)),
         s3: cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?,
         local_fs: Arc::default(),
+        state_reserved_bytes: Default::default(),
     });
 
     // The lowest-id member bootstraps a pristine cluster with the configured membership;
@@ -366,6 +380,36 @@ mod tests {
         assert_eq!(p.node.http_addr, "127.0.0.1:8002");
         for bad in ["", "1", "x=a:1@b:2", "0=a:1@b:2", "1=a:1", "1=a@b:2"] {
             assert!(parse_peer(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_state_byte_budget_is_bounded_both_ways() {
+        use clap::Parser;
+        let config = |bytes: u64| {
+            Config::try_parse_from([
+                "cumulus-coordinator",
+                "--node-id",
+                "1",
+                "--grpc-listen",
+                "127.0.0.1:7001",
+                "--http-listen",
+                "127.0.0.1:8001",
+                "--peer",
+                "1=127.0.0.1:7001@127.0.0.1:8001",
+                "--data-dir",
+                "/tmp/unused",
+                "--max-state-bytes",
+                &bytes.to_string(),
+            ])
+            .expect("parses")
+        };
+        let max = cumulus_raft_store::state::MAX_STATE_BYTES;
+        assert!(config(max).validate().is_ok());
+        assert!(config(MIN_STATE_BYTES).validate().is_ok());
+        for bad in [MIN_STATE_BYTES - 1, max + 1] {
+            let err = config(bad).validate().expect_err("out of range");
+            assert!(err.to_string().contains("--max-state-bytes"), "{err}");
         }
     }
 }

@@ -38,6 +38,9 @@ pub enum ApiError {
     /// Raft could not serve the request now (no quorum, shutting down); retry later.
     #[error("{0}")]
     Unavailable(String),
+    /// A cluster-wide limit is reached (the state's byte budget); retry once jobs finish.
+    #[error("{0}")]
+    ResourceExhausted(String),
     /// A bug or an I/O failure on this node.
     #[error("{0}")]
     Internal(String),
@@ -68,6 +71,9 @@ pub struct NodeLimits {
     pub heartbeat_timeout_ms: u64,
     /// Largest accepted world size.
     pub max_world_size: u32,
+    /// Most estimated bytes the unfinished jobs may hold before submits are refused
+    /// (`--max-state-bytes`, at most [`cumulus_raft_store::state::MAX_STATE_BYTES`]).
+    pub max_state_bytes: u64,
 }
 
 /// What the leader knows of a worker from its heartbeats (not replicated).
@@ -148,6 +154,26 @@ pub struct Node {
     /// The cached mount table that lets SubmitJob check local directories on the runtime
     /// thread (see [`crate::localfs`]).
     pub local_fs: Arc<crate::localfs::LocalFs>,
+    /// Estimated bytes of the submits admitted and not yet applied, in bytes (see
+    /// [`Node::reserve_state_bytes`]).
+    pub state_reserved_bytes: std::sync::atomic::AtomicU64,
+}
+
+/// Estimated state bytes held for one admitted submit until it is applied or fails;
+/// released on drop.
+pub struct StateReservation<'a> {
+    /// Whose reservation it is.
+    node: &'a Node,
+    /// Estimated bytes held.
+    bytes: u64,
+}
+
+impl Drop for StateReservation<'_> {
+    fn drop(&mut self) {
+        self.node
+            .state_reserved_bytes
+            .fetch_sub(self.bytes, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// The leader's addresses from `raft`'s view of the membership, when a leader is known.
@@ -159,6 +185,43 @@ pub fn leader_node(raft: &Raft) -> Option<CumulusNode> {
 }
 
 impl Node {
+    /// Admits a submit that adds an estimated `bytes` to the state
+    /// ([`cumulus_raft_store::state::submit_bytes`]) when the unfinished jobs' estimated
+    /// size, the submits admitted and not applied yet, and `bytes` stay within
+    /// `--max-state-bytes`, like Slurm's `MaxJobCount`, which refuses submits rather than
+    /// grow without bound. Finished jobs do not count: `apply` drops the oldest of them to
+    /// stay within [`cumulus_raft_store::state::MAX_STATE_BYTES`]. The returned reservation
+    /// holds `bytes` until it is dropped (after the proposal is applied, or failed).
+    ///
+    /// # Errors
+    /// [`ApiError::ResourceExhausted`] naming the sizes and the limit.
+    pub fn reserve_state_bytes(&self, bytes: u64) -> Result<StateReservation<'_>, ApiError> {
+        use std::sync::atomic::Ordering;
+        let unfinished = self.read_state(|s| s.job_index().unfinished_bytes());
+        let max = self.limits.max_state_bytes;
+        let mut reserved = self.state_reserved_bytes.load(Ordering::Acquire);
+        loop {
+            let after = unfinished.saturating_add(reserved).saturating_add(bytes);
+            if after > max {
+                return Err(ApiError::ResourceExhausted(format!(
+                    "the cluster's unfinished jobs hold ~{unfinished} bytes of state \
+                     (estimated; {reserved} more being submitted), and this job would add \
+                     ~{bytes}: above the {max} bytes allowed (--max-state-bytes); retry \
+                     once jobs finish, or cancel some"
+                )));
+            }
+            match self.state_reserved_bytes.compare_exchange_weak(
+                reserved,
+                reserved + bytes,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(StateReservation { node: self, bytes }),
+                Err(now) => reserved = now,
+            }
+        }
+    }
+
     /// The store where the leader verifies parts and writes manifests and LATEST for a job:
     /// the S3 target (L2) when the job has `ckpt_url` and commits at L2 (the default), else
     /// [`cumulus_ckpt::LocalStore`] on the shared `ckpt_dir` (commit tier `l1`, or no S3).

@@ -221,6 +221,8 @@ pub struct ClusterOpts {
     /// Extra `RUST_LOG` directives of the coordinators, appended to the default
     /// `info,openraft=warn` (e.g. `cumulus_stage=trace`); `None` = the default only.
     pub coordinator_log: Option<String>,
+    /// The coordinators' `--max-state-bytes` (`None`: their default).
+    pub max_state_bytes: Option<u64>,
 }
 
 /// How coordinators and workers reach a test S3 server.
@@ -376,6 +378,7 @@ impl Default for ClusterOpts {
             proxied: false,
             s3: None,
             coordinator_log: None,
+            max_state_bytes: None,
         }
     }
 }
@@ -526,6 +529,9 @@ impl Cluster {
         }
         if let Some(n) = self.opts.keep_log_entries {
             extra.extend(["--keep-log-entries".into(), n.to_string()]);
+        }
+        if let Some(n) = self.opts.max_state_bytes {
+            extra.extend(["--max-state-bytes".into(), n.to_string()]);
         }
         let log = File::options()
             .create(true)
@@ -1052,6 +1058,18 @@ pub struct Workload {
     pub shards_dir: PathBuf,
     /// Holdout CSV.
     pub holdout: PathBuf,
+}
+
+/// Creates `files` empty files in `dir` (created) whose names are `name_bytes` long
+/// (at least 9): a dataset whose shard list is large without its shards taking space.
+pub fn make_named_files(dir: &Path, files: usize, name_bytes: usize) -> anyhow::Result<()> {
+    anyhow::ensure!(name_bytes >= 9, "names need at least 9 bytes");
+    std::fs::create_dir_all(dir)?;
+    for i in 0..files {
+        let name = format!("{i:08}-{}", "s".repeat(name_bytes - 9));
+        std::fs::File::create(dir.join(name))?;
+    }
+    Ok(())
 }
 
 /// Splits the bundled digits data with `cumulusctl dataset split` into `shards` shards

@@ -7,13 +7,20 @@
 //! or malformed command that reaches the log changes nothing and is answered with
 //! [`Response::Rejected`].
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 /// Upper bound on jobs kept in the state; the oldest finished jobs are dropped first.
 pub const MAX_JOBS_RETAINED: usize = 10_000;
+/// Upper bound on the jobs' estimated encoded size ([`Job::approx_encoded_bytes`]), in
+/// bytes: past it `apply` drops the oldest finished jobs (as past
+/// [`MAX_JOBS_RETAINED`]), and the leader refuses submits once the unfinished jobs
+/// alone would pass it (coordinator `--max-state-bytes`, at most this). Half the 2 GiB
+/// snapshot a follower accepts: the state is what a snapshot carries, and a follower
+/// that needs a snapshot it cannot receive never catches up.
+pub const MAX_STATE_BYTES: u64 = 1 << 30;
 /// Upper bound on uncommitted checkpoint steps tracked per job (oldest dropped first).
 pub const MAX_PENDING_CKPT_STEPS: usize = 64;
 /// Upper bound on the number of shards of one job.
@@ -137,6 +144,27 @@ pub struct JobSpec {
 }
 
 impl JobSpec {
+    /// The bytes of the spec's variable-size strings, each with a per-string allowance
+    /// (quotes, comma): the part of its encoded size that varies.
+    pub fn approx_string_bytes(&self) -> usize {
+        self.name.len()
+            + self
+                .command
+                .iter()
+                .map(|a| a.len() + PER_STRING_BYTES)
+                .sum::<usize>()
+            + self
+                .env
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 2 * PER_STRING_BYTES)
+                .sum::<usize>()
+            + self.dataset.len()
+            + self.ckpt_dir.len()
+            + self.working_dir.len()
+            + self.ckpt_url.len()
+            + self.ckpt_commit_tier.len()
+    }
+
     /// True when the job checkpoints (a local root, an S3 target, or both).
     pub fn ckpt_enabled(&self) -> bool {
         !self.ckpt_dir.is_empty() || !self.ckpt_url.is_empty()
@@ -471,6 +499,90 @@ impl Job {
     pub fn all_ranks_succeeded(&self) -> bool {
         self.ranks.iter().all(|r| r.state == RankState::Exited)
     }
+
+    /// An estimate of the job's serde_json size, in bytes: [`Job::approx_static_bytes`]
+    /// plus [`Job::approx_dynamic_bytes`]. Meant to be at least the real size for text
+    /// without characters JSON escapes and at most a few times it (tested against real
+    /// encodings); the state's byte budget ([`MAX_STATE_BYTES`]) counts it.
+    pub fn approx_encoded_bytes(&self) -> u64 {
+        self.approx_static_bytes() + self.approx_dynamic_bytes()
+    }
+
+    /// The part of [`Job::approx_encoded_bytes`] fixed at submit: the spec, the shard
+    /// plan and a fixed allowance for the scalar fields.
+    pub fn approx_static_bytes(&self) -> u64 {
+        submit_static_bytes(&self.spec, self.shard_plan.iter().flatten())
+            + (self.id.len() + self.request_id.len()) as u64
+    }
+
+    /// The part of [`Job::approx_encoded_bytes`] that changes as the job runs: ranks,
+    /// restarts, checkpoint parts, failure cause. O(ranks + restarts + parts).
+    pub fn approx_dynamic_bytes(&self) -> u64 {
+        let ranks: usize = self
+            .ranks
+            .iter()
+            .map(|r| {
+                RANK_BYTES
+                    + r.worker_id.as_ref().map_or(0, String::len)
+                    + r.failure.as_ref().map_or(0, String::len)
+                    + r.resume_dir.len()
+                    + r.attempt_workers
+                        .iter()
+                        .map(|(_, w)| w.len() + 2 * PER_STRING_BYTES)
+                        .sum::<usize>()
+            })
+            .sum();
+        let restarts: usize = self
+            .restarts
+            .iter()
+            .map(|r| RESTART_BYTES + r.cause.len() + 11 * r.ranks.len())
+            .sum();
+        let parts: usize = self
+            .pending_parts
+            .values()
+            .flat_map(BTreeMap::values)
+            .chain(self.committed.values().flatten())
+            .map(|p| {
+                PART_BYTES
+                    + p.dir.len()
+                    // JSON text inside a JSON string: its quotes get escaped.
+                    + 2 * p.state_json.len()
+                    + p.files
+                        .iter()
+                        .map(|f| PART_FILE_BYTES + f.path.len() + f.digest.len())
+                        .sum::<usize>()
+            })
+            .sum();
+        (ranks + restarts + parts + self.failure_cause.as_ref().map_or(0, String::len)) as u64
+    }
+}
+
+/// Allowance per string of the estimates (quotes, comma, escapes of ordinary text), in
+/// bytes.
+const PER_STRING_BYTES: usize = 8;
+/// Allowance for a job's field names and scalar fields, and its spec's, in bytes.
+const JOB_BYTES: usize = 2_048;
+/// Allowance for one rank record's field names and scalar fields, in bytes.
+const RANK_BYTES: usize = 512;
+/// Allowance for one restart record's field names and scalar fields, in bytes.
+const RESTART_BYTES: usize = 256;
+/// Allowance for one checkpoint part's field names and scalar fields, in bytes.
+const PART_BYTES: usize = 256;
+/// Allowance for one checkpoint part file's field names and size, in bytes.
+const PART_FILE_BYTES: usize = 64;
+
+/// The estimated encoded size of a job submitted with `spec` and `shards` before it
+/// runs ([`Job::approx_static_bytes`] without its ids), in bytes; the leader checks a
+/// submit against the state's byte budget with it.
+pub fn submit_static_bytes<'a>(spec: &JobSpec, shards: impl Iterator<Item = &'a String>) -> u64 {
+    let shard_bytes: usize = shards.map(|s| s.len() + PER_STRING_BYTES).sum();
+    (JOB_BYTES + spec.approx_string_bytes() + shard_bytes) as u64
+}
+
+/// The estimated size of a job that has not run yet, in bytes: what a submit adds to
+/// the state ([`submit_static_bytes`] plus its unplaced ranks).
+pub fn submit_bytes(spec: &JobSpec, shards: &[String]) -> u64 {
+    submit_static_bytes(spec, shards.iter()) + RANK_BYTES as u64 * u64::from(spec.world_size)
 }
 
 /// Whether a worker is heartbeating.
@@ -562,21 +674,71 @@ pub struct JobIndex {
     pub running: BTreeSet<String>,
     /// Succeeded, failed or cancelled jobs.
     pub terminal: BTreeSet<String>,
+    /// Each job's estimated encoded size ([`Job::approx_encoded_bytes`]), as of the last
+    /// command that touched it.
+    bytes: HashMap<String, JobBytes>,
+    /// Sum of `bytes`, in bytes.
+    total_bytes: u64,
+    /// Sum of `bytes` over terminal jobs, in bytes.
+    terminal_bytes: u64,
+}
+
+/// One job's estimated encoded size, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct JobBytes {
+    /// [`Job::approx_static_bytes`], computed once: it cannot change.
+    fixed: u64,
+    /// Fixed plus [`Job::approx_dynamic_bytes`].
+    total: u64,
 }
 
 impl JobIndex {
-    /// Files `job_id` under the class of `state` (`None`: the job is gone).
-    fn update(&mut self, job_id: &str, state: Option<JobState>) {
+    /// Files `job_id` under the class of its state and records its estimated size
+    /// (`None`: the job is gone).
+    fn update(&mut self, job_id: &str, job: Option<&Job>) {
         self.pending.remove(job_id);
         self.running.remove(job_id);
-        self.terminal.remove(job_id);
-        let class = match state {
-            None => return,
-            Some(JobState::Pending) => &mut self.pending,
-            Some(JobState::Running) => &mut self.running,
-            Some(_) => &mut self.terminal,
+        let was_terminal = self.terminal.remove(job_id);
+        let old = self.bytes.get(job_id).copied();
+        if let Some(old) = old {
+            self.total_bytes -= old.total;
+            if was_terminal {
+                self.terminal_bytes -= old.total;
+            }
+        }
+        let Some(job) = job else {
+            self.bytes.remove(job_id);
+            return;
+        };
+        let fixed = old.map_or_else(|| job.approx_static_bytes(), |o| o.fixed);
+        let total = fixed + job.approx_dynamic_bytes();
+        self.bytes
+            .insert(job_id.to_string(), JobBytes { fixed, total });
+        self.total_bytes += total;
+        let class = match job.state {
+            JobState::Pending => &mut self.pending,
+            JobState::Running => &mut self.running,
+            _ => {
+                self.terminal_bytes += total;
+                &mut self.terminal
+            }
         };
         class.insert(job_id.to_string());
+    }
+
+    /// Estimated encoded size of every job, in bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// Estimated encoded size of the pending and running jobs, in bytes.
+    pub fn unfinished_bytes(&self) -> u64 {
+        self.total_bytes - self.terminal_bytes
+    }
+
+    /// Estimated encoded size of `job_id` (0 for an unknown job), in bytes.
+    pub fn job_bytes(&self, job_id: &str) -> u64 {
+        self.bytes.get(job_id).map_or(0, |b| b.total)
     }
 }
 
@@ -776,7 +938,7 @@ impl Command {
     /// escaped control characters can make the JSON larger. Cheap (no encoding); used to
     /// bound the size of a batch.
     pub fn approx_encoded_bytes(&self) -> usize {
-        const PER_STRING: usize = 8;
+        const PER_STRING: usize = PER_STRING_BYTES;
         let strings = |v: &[String]| v.iter().map(|s| s.len() + PER_STRING).sum::<usize>();
         match self {
             Command::SubmitJob {
@@ -787,18 +949,7 @@ impl Command {
             } => {
                 COMMAND_OVERHEAD_BYTES
                     + request_id.len()
-                    + spec.name.len()
-                    + strings(&spec.command)
-                    + spec
-                        .env
-                        .iter()
-                        .map(|(k, v)| k.len() + v.len() + 2 * PER_STRING)
-                        .sum::<usize>()
-                    + spec.dataset.len()
-                    + spec.ckpt_dir.len()
-                    + spec.working_dir.len()
-                    + spec.ckpt_url.len()
-                    + spec.ckpt_commit_tier.len()
+                    + spec.approx_string_bytes()
                     + strings(shards)
             }
             Command::PlaceJob { placements, .. } | Command::ScheduleRestart { placements, .. } => {
@@ -896,7 +1047,7 @@ impl ClusterState {
     pub fn rebuild_index(&mut self) {
         let mut index = JobIndex::default();
         for (id, job) in &self.jobs {
-            index.update(id, Some(job.state));
+            index.update(id, Some(job));
         }
         self.index = index;
     }
@@ -912,8 +1063,7 @@ impl ClusterState {
         let response = self.apply_one(cmd, &mut touched);
         for key in &touched {
             if let DirtyKey::Job(id) = key {
-                let state = self.jobs.get(id).map(|j| j.state);
-                self.index.update(id, state);
+                self.index.update(id, self.jobs.get(id).map(|j| &**j));
             }
         }
         dirty.append(&mut touched);
@@ -1205,32 +1355,47 @@ impl ClusterState {
             committed: BTreeMap::new(),
             committed_step: None,
         };
+        let job_bytes = job.approx_encoded_bytes();
         self.jobs.insert(job_id.clone(), Arc::new(job));
         self.request_ids
             .insert(request_id.to_string(), job_id.clone());
         dirty.insert(DirtyKey::Job(job_id.clone()));
         dirty.insert(DirtyKey::RequestId(request_id.to_string()));
-        self.evict_old_jobs(dirty);
+        self.evict_old_jobs(MAX_JOBS_RETAINED, MAX_STATE_BYTES, job_bytes, dirty);
         Response::JobSubmitted {
             job_id,
             created: true,
         }
     }
 
-    /// Drops the oldest terminal jobs beyond [`MAX_JOBS_RETAINED`] (bounded state).
-    fn evict_old_jobs(&mut self, dirty: &mut BTreeSet<DirtyKey>) {
-        if self.jobs.len() <= MAX_JOBS_RETAINED {
+    /// Drops the oldest terminal jobs while more than `max_jobs` are kept or their
+    /// estimated size ([`JobIndex::total_bytes`] plus `incoming_bytes`, a job just
+    /// inserted that the index does not count yet) is above `max_bytes`: the bounded
+    /// state ([`MAX_JOBS_RETAINED`], [`MAX_STATE_BYTES`]). Pending and running jobs are
+    /// never dropped (the leader refuses submits instead).
+    fn evict_old_jobs(
+        &mut self,
+        max_jobs: usize,
+        max_bytes: u64,
+        incoming_bytes: u64,
+        dirty: &mut BTreeSet<DirtyKey>,
+    ) {
+        let excess = self.jobs.len().saturating_sub(max_jobs);
+        let mut bytes = self.index.total_bytes() + incoming_bytes;
+        if excess == 0 && bytes <= max_bytes {
             return;
         }
-        let excess = self.jobs.len() - MAX_JOBS_RETAINED;
-        let victims: Vec<(String, String)> = self
-            .index
-            .terminal
-            .iter()
-            .take(excess)
-            .filter_map(|id| self.jobs.get(id))
-            .map(|j| (j.id.clone(), j.request_id.clone()))
-            .collect();
+        let mut victims: Vec<(String, String)> = Vec::new();
+        for id in &self.index.terminal {
+            if victims.len() >= excess && bytes <= max_bytes {
+                break;
+            }
+            let Some(job) = self.jobs.get(id) else {
+                continue;
+            };
+            bytes = bytes.saturating_sub(self.index.job_bytes(id));
+            victims.push((job.id.clone(), job.request_id.clone()));
+        }
         for (job_id, request_id) in victims {
             self.jobs.remove(&job_id);
             self.request_ids.remove(&request_id);
@@ -2334,5 +2499,142 @@ mod tests {
             part: part(0, 1, 20),
         };
         assert_eq!(apply(&mut s, c), Response::Ok);
+    }
+
+    /// A job's size estimate is at least its real encoding and at most a few times it,
+    /// as it runs: placed, with checkpoint parts, restarted; and with a large shard list.
+    #[test]
+    fn a_jobs_size_estimate_covers_its_encoding() {
+        let check = |job: &Job, what: &str| {
+            let real = serde_json::to_vec(job).expect("encode").len() as u64;
+            let estimate = job.approx_encoded_bytes();
+            assert!(
+                real <= estimate && estimate <= 4 * real,
+                "{what}: estimate {estimate}, real {real}"
+            );
+        };
+        let (mut s, job_id) = cluster_with_job(2);
+        check(&s.jobs[&job_id], "placed");
+        for step in [10, 20, 30] {
+            for rank in 0..2 {
+                let mut p = part(rank, 0, step);
+                p.files = (0..20)
+                    .map(|i| PartFile {
+                        path: format!("shard-{i:04}.bin"),
+                        size_bytes: 1 << 20,
+                        digest: "b".repeat(64),
+                    })
+                    .collect();
+                p.state_json = format!(r#"{{"epoch":3,"order":"{}"}}"#, "7".repeat(500));
+                let c = Command::CheckpointPartCommitted {
+                    job_id: job_id.clone(),
+                    step,
+                    part: p,
+                };
+                assert_eq!(apply(&mut s, c), Response::Ok);
+            }
+            let commit = Command::CheckpointCommitted {
+                job_id: job_id.clone(),
+                step,
+                at_ms: 1,
+            };
+            assert_eq!(apply(&mut s, commit), Response::Ok);
+        }
+        check(&s.jobs[&job_id], "with checkpoints");
+        assert_eq!(apply(&mut s, exit(&job_id, 1, 0, "w2", 1)), Response::Ok);
+        let restart = Command::ScheduleRestart {
+            job_id: job_id.clone(),
+            placements: vec![(0, "w1".to_string()), (1, "w2".to_string())],
+            failed_at_ms: 100,
+            delay_ms: 500,
+            cause: "rank 1 exited with code 1".into(),
+            resume_step: Some(30),
+        };
+        assert_eq!(apply(&mut s, restart), Response::Ok);
+        check(&s.jobs[&job_id], "restarted");
+        assert_index_current(&s);
+        let shards: Vec<String> = (0..1_000)
+            .map(|i| format!("/data/imagenet/train/shard-{i:06}.tar"))
+            .collect();
+        let r = apply(
+            &mut s,
+            Command::SubmitJob {
+                request_id: "many-shards".into(),
+                spec: spec(64),
+                shards: shards.clone(),
+                submitted_at_ms: 3,
+            },
+        );
+        let Response::JobSubmitted { job_id: big, .. } = r else {
+            panic!("{r:?}");
+        };
+        check(&s.jobs[&big], "1,000 shards, 64 ranks");
+        assert_eq!(
+            s.jobs[&big].approx_encoded_bytes(),
+            submit_bytes(&spec(64), &shards) + (big.len() + "many-shards".len()) as u64,
+            "what the leader admits a submit by is what it adds"
+        );
+        assert_eq!(
+            s.job_index().total_bytes(),
+            s.jobs
+                .values()
+                .map(|j| j.approx_encoded_bytes())
+                .sum::<u64>()
+        );
+    }
+
+    /// Past the byte budget, the oldest finished jobs are dropped until the estimate
+    /// fits; unfinished jobs never are.
+    #[test]
+    fn finished_jobs_are_dropped_to_stay_within_the_byte_budget() {
+        let mut s = ClusterState::default();
+        let mut ids = Vec::new();
+        for i in 0..6 {
+            let r = apply(
+                &mut s,
+                Command::SubmitJob {
+                    request_id: format!("r{i}"),
+                    spec: spec(1),
+                    shards: (0..10)
+                        .map(|k| format!("{k}{}", "s".repeat(1_000)))
+                        .collect(),
+                    submitted_at_ms: 1,
+                },
+            );
+            let Response::JobSubmitted { job_id, .. } = r else {
+                panic!("{r:?}");
+            };
+            ids.push(job_id);
+        }
+        for id in &ids[..4] {
+            let cancel = Command::CancelJob {
+                job_id: id.clone(),
+                at_ms: 2,
+            };
+            assert_eq!(apply(&mut s, cancel), Response::Ok);
+        }
+        let evict = |s: &mut ClusterState, max_bytes: u64| {
+            let mut dirty = BTreeSet::new();
+            s.evict_old_jobs(MAX_JOBS_RETAINED, max_bytes, 0, &mut dirty);
+            for key in &dirty {
+                if let DirtyKey::Job(id) = key {
+                    let job = s.jobs.get(id).cloned();
+                    s.index.update(id, job.as_deref());
+                }
+            }
+            assert_index_current(s);
+        };
+        let index = s.job_index();
+        let fits = index.total_bytes() - index.job_bytes(&ids[0]) - index.job_bytes(&ids[1]);
+        assert!(index.unfinished_bytes() < fits);
+        evict(&mut s, fits);
+        assert!(!s.jobs.contains_key(&ids[0]) && !s.jobs.contains_key(&ids[1]));
+        assert!(!s.request_ids.contains_key("r0") && !s.request_ids.contains_key("r1"));
+        assert!(s.jobs.contains_key(&ids[2]), "only as many as needed go");
+        assert_eq!(s.job_index().total_bytes(), fits);
+        // Unfinished jobs stay, whatever the budget.
+        evict(&mut s, 1);
+        let kept: Vec<&String> = s.jobs.keys().collect();
+        assert_eq!(kept, vec![&ids[4], &ids[5]]);
     }
 }

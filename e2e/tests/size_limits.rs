@@ -1,28 +1,20 @@
-//! Large Raft entries: a follower that comes back behind several of them catches up
-//! even when together they exceed one Raft message (`MAX_RAFT_MESSAGE_BYTES`, 64 MiB),
-//! which openraft alone would send as one `AppendEntries` request of up to 300 entries,
-//! and without an election; a submit whose entry alone would be too large is refused
-//! before it reaches the log.
+//! Size limits of the replicated state and its log: a follower that comes back behind
+//! large entries catches up even when together they exceed one Raft message
+//! (`MAX_RAFT_MESSAGE_BYTES`, 64 MiB), which openraft alone would send as one
+//! `AppendEntries` request of up to 300 entries, and without an election; a submit whose
+//! entry alone would be too large is refused before it reaches the log; submits past the
+//! state's byte budget are refused until jobs finish.
 
 use std::path::Path;
 use std::time::Duration;
 
-use cumulus_e2e::{Cluster, ClusterOpts, wait_for};
+use cumulus_e2e::{Cluster, ClusterOpts, make_named_files, wait_for};
 use cumulus_proto::v1;
 
 const LONG: Duration = Duration::from_secs(300);
 
 /// Large submits made while a follower is down.
 const SUBMITS: usize = 35;
-
-/// Creates `files` empty shard files in `dir` whose names are `name_bytes` long.
-fn make_dataset(dir: &Path, files: usize, name_bytes: usize) {
-    std::fs::create_dir_all(dir).expect("dataset dir");
-    for i in 0..files {
-        let name = format!("{i:08}-{}", "s".repeat(name_bytes - 9));
-        std::fs::File::create(dir.join(name)).expect("shard file");
-    }
-}
 
 /// 35 submits of ~2 MB each (7,000 shards with ~290-byte paths) while one follower is
 /// down: its catch-up is ~70 MB of entries. Before the log reader bounded a request's
@@ -38,7 +30,7 @@ async fn follower_catches_up_over_entries_larger_than_one_replication_message() 
     .await
     .expect("cluster");
     let dataset = cluster.dir.path().join("dataset");
-    make_dataset(&dataset, 7_000, 250);
+    make_named_files(&dataset, 7_000, 250).expect("dataset");
     let leader = cluster.wait_leader(LONG).await;
     let i = cluster
         .coordinators
@@ -120,7 +112,7 @@ async fn a_submit_larger_than_one_raft_entry_is_refused_and_changes_nothing() {
         .fold(cluster.dir.path().to_path_buf(), |dir, c| {
             dir.join(c.repeat(200))
         });
-    make_dataset(&deep, 20_000, 250);
+    make_named_files(&deep, 20_000, 250).expect("dataset");
     let spec = |dataset: &Path| v1::JobSpec {
         world_size: 1,
         command: vec!["true".into()],
@@ -156,7 +148,80 @@ async fn a_submit_larger_than_one_raft_entry_is_refused_and_changes_nothing() {
         "the refused submit changed the state"
     );
     let small = cluster.dir.path().join("small");
-    make_dataset(&small, 10, 20);
+    make_named_files(&small, 10, 20).expect("dataset");
     let ok = cluster.submit("small", spec(&small)).await.expect("submit");
     assert!(ok.created);
+}
+
+/// The state's byte budget (`--max-state-bytes`, here its 1 MiB minimum): submits of
+/// ~300 KB jobs (1,000 shards with ~290-byte paths) are admitted until the unfinished
+/// jobs would pass it, then refused with RESOURCE_EXHAUSTED, changing nothing; once a
+/// job is cancelled (finished jobs do not count), the next submit is admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submits_past_the_state_byte_budget_are_refused_until_jobs_finish() {
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 0,
+        max_state_bytes: Some(1 << 20),
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let dataset = cluster.dir.path().join("dataset");
+    make_named_files(&dataset, 1_000, 250).expect("dataset");
+    let spec = v1::JobSpec {
+        world_size: 1,
+        command: vec!["true".into()],
+        dataset: dataset.to_string_lossy().into_owned(),
+        ..Default::default()
+    };
+    let mut c = cluster.leader_client().await.expect("client");
+    let mut admitted = Vec::new();
+    let refused = loop {
+        assert!(admitted.len() < 10, "1 MiB cannot hold 10 jobs of ~300 KB");
+        let result = c
+            .submit_job(v1::SubmitJobRequest {
+                request_id: format!("budget-{}", admitted.len()),
+                spec: Some(spec.clone()),
+            })
+            .await;
+        match result {
+            Ok(r) => admitted.push(r.into_inner().job_id),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(
+        admitted.len(),
+        3,
+        "3 x ~300 KB fit 1 MiB, a fourth does not"
+    );
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert!(
+        refused.message().contains("--max-state-bytes"),
+        "{}",
+        refused.message()
+    );
+    let jobs = c
+        .list_jobs(v1::ListJobsRequest { linearizable: true })
+        .await
+        .expect("list")
+        .into_inner()
+        .jobs;
+    assert_eq!(jobs.len(), 3, "the refused submit created nothing");
+    c.cancel_job(v1::CancelJobRequest {
+        job_id: admitted[0].clone(),
+    })
+    .await
+    .expect("cancel");
+    let again = c
+        .submit_job(v1::SubmitJobRequest {
+            request_id: "budget-after-cancel".into(),
+            spec: Some(spec),
+        })
+        .await
+        .expect("admitted once a job finished");
+    assert!(again.into_inner().created);
 }
