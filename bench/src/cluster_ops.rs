@@ -396,11 +396,7 @@ pub async fn follower_catchup(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let mut elections = 0u64;
     for round in 0..rounds {
         let leader = cluster.wait_leader(DEADLINE).await;
-        let i = cluster
-            .coordinators
-            .iter()
-            .position(|c| c.id != leader)
-            .expect("a follower");
+        let i = cluster.follower_of(leader);
         cluster.coordinators[i].proc.kill9();
         for n in 0..submits {
             let spec = v1::JobSpec {

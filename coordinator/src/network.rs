@@ -106,6 +106,24 @@ pub fn approx_append_bytes(req: &AppendEntriesRequest<TypeConfig>) -> usize {
         .sum()
 }
 
+/// Runs `f` on the blocking pool when `large`, else here: CPU work on a large payload
+/// (serde_json of a replication request) must not hold a runtime thread, which also runs
+/// heartbeats and elections; a small one is not worth two thread hand-offs.
+///
+/// # Errors
+/// `f`'s error, or the blocking task's failure (a panic) as text.
+pub async fn off_runtime_if<T: Send + 'static>(
+    large: bool,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    if !large {
+        return f();
+    }
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(format!("the blocking task failed: {e}")))
+}
+
 /// Creates a [`PeerClient`] per target node.
 #[derive(Clone)]
 pub struct Network {
@@ -363,15 +381,11 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
                     let last_index = req.entries.last().map(|e| e.log_id.index);
                     // A large request is encoded off the runtime threads, which also run
                     // heartbeats and elections.
-                    let encoded = if approx_append_bytes(&req) <= ENCODE_INLINE_MAX_BYTES {
+                    let large = approx_append_bytes(&req) > ENCODE_INLINE_MAX_BYTES;
+                    let encoded = off_runtime_if(large, move || {
                         serde_json::to_vec(&req).map_err(|e| e.to_string())
-                    } else {
-                        tokio::task::spawn_blocking(move || {
-                            serde_json::to_vec(&req).map_err(|e| e.to_string())
-                        })
-                        .await
-                        .unwrap_or_else(|e| Err(format!("the encoding task failed: {e}")))
-                    };
+                    })
+                    .await;
                     let json = match encoded {
                         Ok(json) if json.len() <= MAX_APPEND_JSON_BYTES => json,
                         Ok(json) => {

@@ -14,7 +14,7 @@ use openraft::raft::{AppendEntriesRequest, SnapshotResponse};
 use serde::Serialize;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader};
+use crate::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader, off_runtime_if};
 use crate::node::Node;
 
 /// Replication requests larger than this many bytes of JSON are decoded on the blocking
@@ -138,17 +138,12 @@ impl RaftService for RaftSvc {
                 let received_ns = stage::now_ns();
                 // A large request is decoded off the runtime threads, which also run
                 // heartbeats and elections.
-                let decoded = if payload.json.len() <= DECODE_INLINE_MAX_BYTES {
+                let large = payload.json.len() > DECODE_INLINE_MAX_BYTES;
+                let decoded = off_runtime_if(large, move || {
                     serde_json::from_slice::<AppendEntriesRequest<TypeConfig>>(&payload.json)
                         .map_err(|e| e.to_string())
-                } else {
-                    tokio::task::spawn_blocking(move || {
-                        serde_json::from_slice::<AppendEntriesRequest<TypeConfig>>(&payload.json)
-                            .map_err(|e| e.to_string())
-                    })
-                    .await
-                    .unwrap_or_else(|e| Err(format!("the decoding task failed: {e}")))
-                };
+                })
+                .await;
                 match decoded {
                     Ok(rpc) => {
                         let last_index = rpc.entries.last().map(|e| e.log_id.index);

@@ -610,6 +610,17 @@ impl Cluster {
         self.coordinators.iter().position(|c| c.id == id)
     }
 
+    /// Index (into `coordinators`) of the first coordinator that is not `leader`.
+    ///
+    /// # Panics
+    /// When every coordinator is the leader (a one-node cluster): a test bug.
+    pub fn follower_of(&self, leader: u64) -> usize {
+        self.coordinators
+            .iter()
+            .position(|c| c.id != leader)
+            .expect("a cluster of several coordinators has a follower")
+    }
+
     /// `GRPC@HTTP` of coordinator `i`, as `cumulusctl cluster add-learner` takes it.
     pub fn member_addr(&self, i: usize) -> String {
         let c = &self.coordinators[i];

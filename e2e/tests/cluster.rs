@@ -787,11 +787,7 @@ async fn restarted_coordinator_rejoins_with_its_state() {
         .await
         .expect("cluster");
     let leader = cluster.wait_leader(LONG).await;
-    let i = cluster
-        .coordinators
-        .iter()
-        .position(|c| c.id != leader)
-        .expect("a follower");
+    let i = cluster.follower_of(leader);
     cluster.coordinators[i].proc.kill9();
     // Writes while it is down.
     let spec = v1::JobSpec {

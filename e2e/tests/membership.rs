@@ -230,11 +230,7 @@ async fn lagging_coordinator_catches_up_by_snapshot_install() {
     .await
     .expect("cluster");
     let leader = cluster.wait_leader(LONG).await;
-    let i = cluster
-        .coordinators
-        .iter()
-        .position(|c| c.id != leader)
-        .expect("a follower");
+    let i = cluster.follower_of(leader);
     let before = cluster
         .status_of(i)
         .await
@@ -312,11 +308,7 @@ async fn corrupt_coordinator_data_refuses_to_start() {
     .expect("cluster");
     let r = cluster.submit("c-1", small_spec()).await.expect("submit");
     let leader = cluster.wait_leader(LONG).await;
-    let i = cluster
-        .coordinators
-        .iter()
-        .position(|c| c.id != leader)
-        .expect("a follower");
+    let i = cluster.follower_of(leader);
     wait_for("the follower to apply the submit", LONG, || async {
         let mut c = cluster.client_of(i).await.ok()?;
         c.get_job(v1::GetJobRequest {

@@ -32,11 +32,7 @@ async fn follower_catches_up_over_entries_larger_than_one_replication_message() 
     let dataset = cluster.dir.path().join("dataset");
     make_named_files(&dataset, 7_000, 250).expect("dataset");
     let leader = cluster.wait_leader(LONG).await;
-    let i = cluster
-        .coordinators
-        .iter()
-        .position(|c| c.id != leader)
-        .expect("a follower");
+    let i = cluster.follower_of(leader);
     cluster.coordinators[i].proc.kill9();
     for n in 0..SUBMITS {
         let spec = v1::JobSpec {

@@ -1355,13 +1355,15 @@ impl ClusterState {
             committed: BTreeMap::new(),
             committed_step: None,
         };
-        let job_bytes = job.approx_encoded_bytes();
+        // Indexed now (its fixed size computed once, kept by the index), so that the
+        // eviction below counts it.
+        self.index.update(&job_id, Some(&job));
         self.jobs.insert(job_id.clone(), Arc::new(job));
         self.request_ids
             .insert(request_id.to_string(), job_id.clone());
         dirty.insert(DirtyKey::Job(job_id.clone()));
         dirty.insert(DirtyKey::RequestId(request_id.to_string()));
-        self.evict_old_jobs(MAX_JOBS_RETAINED, MAX_STATE_BYTES, job_bytes, dirty);
+        self.evict_old_jobs(MAX_JOBS_RETAINED, MAX_STATE_BYTES, dirty);
         Response::JobSubmitted {
             job_id,
             created: true,
@@ -1369,19 +1371,12 @@ impl ClusterState {
     }
 
     /// Drops the oldest terminal jobs while more than `max_jobs` are kept or their
-    /// estimated size ([`JobIndex::total_bytes`] plus `incoming_bytes`, a job just
-    /// inserted that the index does not count yet) is above `max_bytes`: the bounded
+    /// estimated size ([`JobIndex::total_bytes`]) is above `max_bytes`: the bounded
     /// state ([`MAX_JOBS_RETAINED`], [`MAX_STATE_BYTES`]). Pending and running jobs are
     /// never dropped (the leader refuses submits instead).
-    fn evict_old_jobs(
-        &mut self,
-        max_jobs: usize,
-        max_bytes: u64,
-        incoming_bytes: u64,
-        dirty: &mut BTreeSet<DirtyKey>,
-    ) {
+    fn evict_old_jobs(&mut self, max_jobs: usize, max_bytes: u64, dirty: &mut BTreeSet<DirtyKey>) {
         let excess = self.jobs.len().saturating_sub(max_jobs);
-        let mut bytes = self.index.total_bytes() + incoming_bytes;
+        let mut bytes = self.index.total_bytes();
         if excess == 0 && bytes <= max_bytes {
             return;
         }
@@ -2615,7 +2610,7 @@ mod tests {
         }
         let evict = |s: &mut ClusterState, max_bytes: u64| {
             let mut dirty = BTreeSet::new();
-            s.evict_old_jobs(MAX_JOBS_RETAINED, max_bytes, 0, &mut dirty);
+            s.evict_old_jobs(MAX_JOBS_RETAINED, max_bytes, &mut dirty);
             for key in &dirty {
                 if let DirtyKey::Job(id) = key {
                     let job = s.jobs.get(id).cloned();
