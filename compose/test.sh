@@ -67,8 +67,10 @@ export CUMULUS_TOKEN_SECRET_FILE="$work/cluster-token"
 export CUMULUS_BASE_IMAGE="cumulus-base:bookworm" CUMULUS_BUILDER_IMAGE="cumulus-base:bookworm"
 export CUMULUS_PREBUILT_DIR="compose/.bin" CUMULUS_S3S_FS_BIN=".s3s/s3s-fs"
 export CUMULUS_WORKER_SLOTS=4
+export CUMULUS_PEER_TOKEN_SECRET_FILE="$work/peer-token"
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$CUMULUS_TOKEN_SECRET_FILE"
-chmod 0644 "$CUMULUS_TOKEN_SECRET_FILE"
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$CUMULUS_PEER_TOKEN_SECRET_FILE"
+chmod 0644 "$CUMULUS_TOKEN_SECRET_FILE" "$CUMULUS_PEER_TOKEN_SECRET_FILE"
 dc() { "${DC[@]}" -p "$project" -f docker-compose.yml -f docker-compose.s3s.yml "$@"; }
 
 ctlbox=""

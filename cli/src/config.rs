@@ -117,6 +117,12 @@ pub struct ClusterFile {
 }
 
 impl ClusterFile {
+    /// The peer token file beside the cluster token file (`peer-token`, mode 0600): what
+    /// the local coordinators present to each other's Raft service.
+    pub fn peer_token_file(&self) -> PathBuf {
+        self.token_file.with_file_name("peer-token")
+    }
+
     /// Path of the cluster file inside `local_dir`.
     pub fn path_in(local_dir: &Path) -> PathBuf {
         local_dir.join(CLUSTER_FILE)

@@ -289,6 +289,8 @@ pub fn coordinator_args(file: &ClusterFile, c: &CoordinatorEntry) -> Vec<String>
         c.data_dir.display().to_string(),
         "--token-file".into(),
         file.token_file.display().to_string(),
+        "--peer-token-file".into(),
+        file.peer_token_file().display().to_string(),
     ]);
     a
 }
@@ -507,6 +509,10 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
             }
             let token =
                 read_token_file(&file.token_file).map_err(|e| LocalError::Other(e.to_string()))?;
+            // Local dirs made before the peer token get one now.
+            if !file.peer_token_file().exists() {
+                write_token(&file.peer_token_file(), &new_token())?;
+            }
             clear_pids(&mut file);
             (file, token, true)
         }
@@ -523,6 +529,7 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
             }
             let token = new_token();
             write_token(&file.token_file, &token)?;
+            write_token(&file.peer_token_file(), &new_token())?;
             (file, token, false)
         }
     };
@@ -758,6 +765,7 @@ pub fn down(dir: &Path, purge: bool) -> Result<Vec<(Proc, StopOutcome)>, LocalEr
             remove_path(&p.log)?;
         }
         remove_path(&file.token_file)?;
+        remove_path(&file.peer_token_file())?;
         remove_path(&ClusterFile::path_in(dir))?;
         let _ = fs::remove_dir(dir);
     } else {
@@ -867,6 +875,8 @@ mod tests {
                 "/tmp/c/coord-2",
                 "--token-file",
                 "/tmp/c/token",
+                "--peer-token-file",
+                "/tmp/c/peer-token",
             ]
         );
         assert_eq!(

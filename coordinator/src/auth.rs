@@ -1,6 +1,8 @@
-//! Bearer-token authentication for every gRPC and HTTP endpoint (clients, workers and
-//! peers share the cluster token). A job runs arbitrary commands on workers, so an
-//! unauthenticated API would be remote code execution.
+//! Bearer-token authentication for every gRPC and HTTP endpoint. Clients and workers
+//! present the cluster token; coordinators present the peer token to each other's Raft
+//! service, which refuses every other credential (a client holding the cluster token
+//! could otherwise vote, append entries and install snapshots). A job runs arbitrary
+//! commands on workers, so an unauthenticated API would be remote code execution.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -31,6 +33,22 @@ pub fn load_token(file: Option<&Path>, value: Option<&str>) -> anyhow::Result<Ar
         bail!("the cluster token must be at least {MIN_TOKEN_BYTES} bytes with no whitespace");
     }
     Ok(token.into())
+}
+
+/// Loads the peer token (coordinator to coordinator, Raft only) from `file` (trimmed)
+/// or `value`; exactly one must be given, with the rules of [`load_token`].
+///
+/// # Errors
+/// When neither or both are given, the file is unreadable, or the token is too short.
+pub fn load_peer_token(file: Option<&Path>, value: Option<&str>) -> anyhow::Result<Arc<str>> {
+    if file.is_none() && value.is_none() {
+        bail!(
+            "no peer token: give --peer-token-file FILE or set CUMULUS_PEER_TOKEN (the \
+             credential coordinators present to each other's Raft service; the same on \
+             every coordinator, different from the cluster token)"
+        );
+    }
+    load_token(file, value).context("the peer token")
 }
 
 /// Constant-time comparison of a presented `Authorization` header value with

@@ -833,7 +833,7 @@ async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
     // Every part is checked (files present, regular, of the recorded sizes; for S3 the
     // size and digest metadata by HEAD) without re-reading content: each digest was computed
     // by the agent over the bytes it fsynced before the rename, and every resume hashes every
-    // byte again (ARCHITECTURE.md, invariant 3). In parallel, at most one per core.
+    // byte again (docs/architecture.md, invariant 3). In parallel, at most one per core.
     {
         use futures::StreamExt;
         let parallel = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 16));

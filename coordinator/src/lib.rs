@@ -16,6 +16,7 @@ pub mod network;
 pub mod node;
 pub mod proposer;
 pub mod raft_service;
+pub mod rejoin;
 pub mod snapshots;
 pub mod worker_service;
 
@@ -99,6 +100,14 @@ pub struct Config {
     /// The cluster bearer token (prefer --token-file).
     #[arg(long, env = "CUMULUS_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// File holding the peer token: the credential coordinators present to each other's
+    /// Raft service. Only coordinators hold it (never workers, ranks or users); it must
+    /// differ from the cluster token, which the Raft service refuses.
+    #[arg(long, env = "CUMULUS_PEER_TOKEN_FILE")]
+    pub peer_token_file: Option<PathBuf>,
+    /// The peer token (prefer --peer-token-file).
+    #[arg(long, env = "CUMULUS_PEER_TOKEN", hide_env_values = true)]
+    pub peer_token: Option<String>,
     /// Heartbeat interval workers are told to use, in milliseconds.
     #[arg(long, default_value_t = 1_000)]
     pub heartbeat_interval_ms: u64,
@@ -140,15 +149,30 @@ pub struct Config {
     /// was created, and for a node whose data dir was wiped (after `cluster remove`).
     #[arg(long)]
     pub join: bool,
+    /// Recover a node whose data dir refuses to open (corrupt raft log, snapshot or
+    /// database): after `cumulusctl cluster remove ID`, checks with the other
+    /// coordinators (`--peer`) that this node is no longer a member, moves the data dir
+    /// aside to `<data-dir>.damaged-<unix seconds>`, and starts empty as with `--join`;
+    /// then `cluster add-learner` and `cluster promote` bring it back.
+    #[arg(long)]
+    pub rejoin_empty: bool,
     /// Threads of the async runtime (Raft, gRPC, HTTP, control loop); blocking work
     /// (snapshots, checkpoint verification, log truncation) has its own pool. One by
     /// default: a write crosses a dozen tasks, and on a thread of its own each hop is a
-    /// function call, not a wake-up of another thread (BENCHMARKS.md, session 12: 1 thread
+    /// function call, not a wake-up of another thread (docs/perf-notes.md, "One runtime thread": 1 thread
     /// gave 0.98 of etcd's rate at one client vs 0.92 with 2, on 2 cores). Raise it when
     /// one core no longer keeps up (many thousands of workers or clients).
     #[arg(long, env = "CUMULUS_WORKER_THREADS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=256))]
     pub worker_threads: u16,
+    /// Most connections open at once on the gRPC port (clients, workers, peers); more
+    /// are closed at accept. Scaled down to fit the open-file limit, which keeps
+    /// descriptors in reserve for the raft log and the database.
+    #[arg(long, default_value_t = 4_096)]
+    pub max_grpc_connections: usize,
+    /// Most connections open at once on the HTTP port; more are closed at accept.
+    #[arg(long, default_value_t = 1_024)]
+    pub max_http_connections: usize,
     /// Most concurrent SSE log streams served by this node.
     #[arg(long, default_value_t = 256)]
     pub max_log_streams: usize,
@@ -206,6 +230,33 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let me = config.validate()?;
     let token = auth::load_token(config.token_file.as_deref(), config.token.as_deref())?;
+    let peer_token = auth::load_peer_token(
+        config.peer_token_file.as_deref(),
+        config.peer_token.as_deref(),
+    )?;
+    if peer_token == token {
+        bail!(
+            "the peer token must differ from the cluster token (clients and workers hold \
+             the cluster token; only coordinators may speak Raft)"
+        );
+    }
+    if config.rejoin_empty {
+        let aside = rejoin::prepare(
+            config.node_id,
+            &config.peers,
+            &config.data_dir,
+            AddToken::new(&token)?,
+        )
+        .await?;
+        if let Some(aside) = aside {
+            warn!(
+                data_dir = %config.data_dir.display(),
+                moved_to = %aside.display(),
+                "moved the damaged data dir aside; starting empty, waiting to be added back \
+                 with `cumulusctl cluster add-learner`"
+            );
+        }
+    }
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating the data dir {}", config.data_dir.display()))?;
     let (mut log_store, sm_store) = cumulus_raft_store::open(&config.data_dir.join("raft"))?;
@@ -229,7 +280,7 @@ pub async fn run(
     };
     let raft_config = Arc::new(raft_config.validate().context("raft configuration")?);
     let network = Network {
-        auth: AddToken::new(&token)?,
+        auth: AddToken::new(&peer_token)?,
     };
     let raft =
         cumulus_raft_store::Raft::new(config.node_id, raft_config, network, log_store, sm_store)
@@ -266,8 +317,9 @@ pub async fn run(
     // the others wait to be contacted (several nodes initializing at once race their
     // first elections).
     // A joining node never bootstraps: the leader adds it.
-    let bootstrapper =
-        !config.join && config.peers.iter().map(|p| p.id).min() == Some(config.node_id);
+    let bootstrapper = !config.join
+        && !config.rejoin_empty
+        && config.peers.iter().map(|p| p.id).min() == Some(config.node_id);
     if bootstrapper && !raft.is_initialized().await? {
         let members: BTreeMap<NodeId, CumulusNode> = config
             .peers
@@ -286,6 +338,30 @@ pub async fn run(
     let http_listener = tokio::net::TcpListener::bind(config.http_listen)
         .await
         .with_context(|| format!("binding HTTP on {}", config.http_listen))?;
+    let budget = cumulus_listen::fd_budget(cumulus_listen::open_fds())
+        .context("reading the open-file limit")?;
+    let caps = cumulus_listen::fit_caps(
+        &[config.max_grpc_connections, config.max_http_connections],
+        budget,
+    );
+    if caps != [config.max_grpc_connections, config.max_http_connections] {
+        warn!(
+            grpc = caps[0],
+            http = caps[1],
+            fd_budget = budget,
+            "connection caps lowered to fit the open-file limit"
+        );
+    }
+    let grpc_listener = cumulus_listen::BoundedListener::new(
+        grpc_listener,
+        "coordinator gRPC",
+        cumulus_listen::Limits::connections(caps[0]),
+    );
+    let http_listener = cumulus_listen::BoundedListener::new(
+        http_listener,
+        "coordinator HTTP",
+        cumulus_listen::Limits::connections(caps[1]),
+    );
     info!(node_id = config.node_id, grpc = %me.grpc_addr, http = %me.http_addr, "coordinator listening");
 
     let interceptor = AuthInterceptor {
@@ -301,7 +377,7 @@ pub async fn run(
             RaftServiceServer::new(raft_service::RaftSvc::new(node.clone()))
                 .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
-            interceptor.clone(),
+            AuthInterceptor { token: peer_token },
         ))
         .add_service(ClientServiceServer::with_interceptor(
             client_service::ClientSvc { node: node.clone() },
@@ -312,30 +388,19 @@ pub async fn run(
             interceptor,
         ));
     let grpc_cancel = cancel.clone();
-    // TCP_NODELAY on every accepted connection: with Nagle's algorithm a small gRPC
-    // reply (an AppendEntries ack, a submit's answer) written behind unacknowledged
-    // bytes waits for the peer's delayed ACK (~40 ms on Linux).
+    // The bounded listeners set TCP_NODELAY on every accepted connection: with Nagle's
+    // algorithm a small gRPC reply (an AppendEntries ack, a submit's answer) written
+    // behind unacknowledged bytes waits for the peer's delayed ACK (~40 ms on Linux).
     let grpc_task = tokio::spawn(
-        grpc.serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(grpc_listener)
-                .with_nodelay(Some(true))
-                .with_keepalive(Some(Duration::from_secs(10))),
-            async move { grpc_cancel.cancelled().await },
-        ),
+        grpc.serve_with_incoming_shutdown(grpc_listener.into_incoming(), async move {
+            grpc_cancel.cancelled().await
+        }),
     );
-    let http_cancel = cancel.clone();
-    let http_task = tokio::spawn(
-        axum::serve(
-            axum::serve::ListenerExt::tap_io(http_listener, |tcp| {
-                if let Err(e) = tcp.set_nodelay(true) {
-                    warn!(error = %e, "cannot set TCP_NODELAY on an HTTP connection");
-                }
-            }),
-            http::router(node.clone()),
-        )
-        .with_graceful_shutdown(async move { http_cancel.cancelled().await })
-        .into_future(),
-    );
+    let http_task = tokio::spawn(cumulus_listen::serve_http(
+        http_listener,
+        http::router(node.clone()),
+        cancel.clone(),
+    ));
     let control_task = tokio::spawn(control::run(node.clone(), cancel.clone()));
     let snapshot_task = tokio::spawn(snapshots::run(
         raft.clone(),

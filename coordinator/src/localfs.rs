@@ -2,12 +2,12 @@
 //! system: listing the job's dataset directory and checking its checkpoint directory on
 //! the runtime thread instead of handing them to the blocking pool.
 //!
-//! Why: the leader runs its async work on one runtime thread (ARCHITECTURE.md, "write
-//! path"), and a user's directory may sit on a hung network mount, so these checks run on
-//! the blocking pool. That hand-off costs two cross-CPU wake-ups per submit; on session
-//! 13's machine (a wake-up ~22 µs, `perf bench sched pipe` 43 µs per round trip) it was
+//! Why: the leader runs its async work on one runtime thread (docs/architecture.md, "The
+//! write path"), and a user's directory may sit on a hung network mount, so these checks
+//! run on the blocking pool. That hand-off costs two cross-CPU wake-ups per submit; on one
+//! benchmark VM (a wake-up ~22 µs, `perf bench sched pipe` 43 µs per round trip) it was
 //! 0.14 ms of a 1-client write's ~0.95 ms, and 10% of the throughput at 64 clients
-//! (BENCHMARKS.md, session 13).
+//! (docs/perf-notes.md, "SubmitJob's file-system checks").
 //!
 //! When is a check safe on the runtime thread? When every lookup it makes stays on local
 //! file systems, which answer from memory or a local disk. [`MountTable::all_local`] says

@@ -4,7 +4,7 @@ use clap::Parser;
 
 /// mimalloc instead of glibc's malloc: at 64 concurrent submits the leader spent ~20% of
 /// its CPU in glibc's malloc and free (arena locking, consolidation); with mimalloc its
-/// p50 fell from 8.0–8.5 to 6.8–7.1 ms (BENCHMARKS.md, session 12).
+/// p50 fell from 8.0–8.5 to 6.8–7.1 ms (docs/perf-notes.md, "mimalloc").
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -18,8 +18,8 @@ use openraft::error::{
 };
 use openraft::network::{RPCOption, RaftNetworkFactory, RaftNetworkV2};
 use openraft::raft::{
-    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, StreamAppendResult, VoteRequest,
-    VoteResponse,
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, StreamAppendError,
+    StreamAppendResult, VoteRequest, VoteResponse,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -50,6 +50,15 @@ pub fn snapshot_deadline(bytes: usize, offered: Duration) -> Duration {
         SNAPSHOT_BASE_TIMEOUT_MS.saturating_add(allowance_ms),
     ))
 }
+
+/// Highest Raft term a request or answer may carry. Terms grow by one per election, so a
+/// real cluster stays many orders of magnitude below this (2^48 elections at one per
+/// millisecond take ~8,900 years), while a term near `u64::MAX` would overflow the next
+/// election: openraft 0.10.0-alpha.37 `unwrap`s that increment, and the vote is persisted
+/// first, so one such vote panicked every node on every restart. The bound is absolute,
+/// not relative to this node's term: a node partitioned for days legitimately comes back
+/// far ahead, and refusing it would stall elections once the others adopt its term.
+pub const MAX_RAFT_TERM: u64 = 1 << 48;
 
 /// HTTP/2 PING interval on a peer connection, in milliseconds.
 pub const KEEPALIVE_INTERVAL_MS: u64 = 1_000;
@@ -200,6 +209,23 @@ impl CallError {
             CallError::Remote(f) => StreamingError::Unreachable(Unreachable::new(&f)),
         }
     }
+}
+
+/// Refuses a peer's answer that carries a vote of a term above [`MAX_RAFT_TERM`]: openraft
+/// would adopt it (and persist it) and overflow the term at the next election.
+fn check_answer_vote(target: NodeId, vote: &Vote) -> Result<(), CallError> {
+    let term = vote.leader_id.term;
+    if term > MAX_RAFT_TERM {
+        tracing::warn!(
+            target,
+            term,
+            "refused a peer's answer carrying an absurd term (not adopted)"
+        );
+        return Err(CallError::Network(Msg(format!(
+            "peer {target} answered with term {term}, above the highest accepted ({MAX_RAFT_TERM})"
+        ))));
+    }
+    Ok(())
 }
 
 /// A failed call's status: unreachable when the peer cannot be reached or refuses our
@@ -446,7 +472,11 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
                     )))
                     .into_rpc()
                 })?;
-                reply.map_err(|fatal| CallError::Remote(fatal).into_rpc())
+                let answer = reply.map_err(|fatal| CallError::Remote(fatal).into_rpc())?;
+                if let Err(StreamAppendError::HigherVote(vote)) = &answer {
+                    check_answer_vote(target, vote).map_err(CallError::into_rpc)?;
+                }
+                Ok(answer)
             });
             let answers: BoxStream<'s, _> = Box::pin(answers);
             Ok(answers)
@@ -463,6 +493,12 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         let result = self
             .call(Rpc::Append, &rpc, &option)
             .await
+            .and_then(|resp: AppendEntriesResponse<TypeConfig>| {
+                if let AppendEntriesResponse::HigherVote(vote) = &resp {
+                    check_answer_vote(self.target, vote)?;
+                }
+                Ok(resp)
+            })
             .map_err(CallError::into_rpc);
         if let Some(last_index) = last_index {
             tracing::trace!(
@@ -484,6 +520,10 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
     ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
         self.call(Rpc::Vote, &rpc, &option)
             .await
+            .and_then(|resp: VoteResponse<TypeConfig>| {
+                check_answer_vote(self.target, &resp.vote)?;
+                Ok(resp)
+            })
             .map_err(CallError::into_rpc)
     }
 
@@ -497,7 +537,12 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         tokio::select! {
             closed = cancel => Err(StreamingError::Closed(closed)),
             sent = self.send_snapshot(vote, snapshot, &option) => {
-                sent.map_err(CallError::into_streaming)
+                let target = self.target;
+                sent.and_then(|resp| {
+                    check_answer_vote(target, &resp.vote)?;
+                    Ok(resp)
+                })
+                .map_err(CallError::into_streaming)
             }
         }
     }

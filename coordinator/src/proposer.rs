@@ -5,7 +5,7 @@
 //! Why: one entry per write costs an entry's encoding, log record and replication per
 //! write; under openraft 0.9, whose core awaited each append's flush before the next
 //! request, it bounded the write rate by the flush latency whatever the number of
-//! clients (measured in BENCHMARKS.md, issue 3). etcd batches proposals the same way
+//! clients (docs/perf-notes.md, "Group commit"). etcd batches proposals the same way
 //! (one Raft `Ready` carries every proposal queued since the last one).
 //!
 //! The batcher never waits for more proposals to arrive: a lone proposal is committed at
@@ -28,8 +28,9 @@ use crate::node::{ApiError, Raft, leader_node};
 pub const MAX_QUEUED_PROPOSALS: usize = 4_096;
 /// Batches being committed at once. While this many are in flight, new proposals queue
 /// and then go out together. 1 measured best on the write-path benchmark with openraft
-/// 0.9 (1, 2 and 8 tried, BENCHMARKS.md session 6), whose core flushed each entry on its
-/// own, so a second entry in flight only split what would have been one larger batch.
+/// 0.9 (1, 2 and 8 tried; docs/perf-notes.md, "Group commit"), whose core flushed each
+/// entry on its own, so a second entry in flight only split what would have been one
+/// larger batch.
 pub const MAX_INFLIGHT_BATCHES: usize = 1;
 /// Largest estimated encoded size of one batch, in bytes
 /// ([`Command::approx_encoded_bytes`]); a proposal larger than this goes alone.

@@ -10,11 +10,11 @@ use cumulus_raft_store::{Snapshot, TypeConfig, Vote, stage};
 use futures::{Stream, StreamExt};
 use openraft::async_runtime::watch::WatchReceiver;
 use openraft::error::Fatal;
-use openraft::raft::{AppendEntriesRequest, SnapshotResponse};
+use openraft::raft::{AppendEntriesRequest, SnapshotResponse, VoteRequest};
 use serde::Serialize;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader, off_runtime_if};
+use crate::network::{MAX_RAFT_TERM, MAX_SNAPSHOT_BYTES, SnapshotHeader, off_runtime_if};
 use crate::node::Node;
 
 /// Replication requests larger than this many bytes of JSON are decoded on the blocking
@@ -76,6 +76,60 @@ pub fn snapshot_buffer(data_bytes: Option<u64>) -> Result<Vec<u8>, Status> {
     }
 }
 
+/// Checks the sender of a Raft request (the `vote` it carries: a candidate's, or a
+/// leader's for an append or a snapshot): its term must be at most [`MAX_RAFT_TERM`], and
+/// its node id must be a member (voter or learner) of this node's membership `members`
+/// (empty while this node has joined no cluster yet: a new learner hears first from the
+/// leader that adds it). `what` names the request in the error and the log.
+///
+/// # Errors
+/// `permission_denied` naming the node id or term refused; the refusal is logged.
+pub fn check_sender(
+    what: &str,
+    vote: &Vote,
+    members: &[cumulus_raft_store::NodeId],
+) -> Result<(), Status> {
+    let term = vote.leader_id.term;
+    let sender = vote.leader_id.node_id;
+    if term > MAX_RAFT_TERM {
+        tracing::warn!(
+            sender,
+            term,
+            max_term = MAX_RAFT_TERM,
+            "refused a raft {what} with an absurd term (not persisted)"
+        );
+        return Err(Status::permission_denied(format!(
+            "a raft {what} of term {term} is refused: terms above {MAX_RAFT_TERM} are never accepted"
+        )));
+    }
+    if !members.is_empty() && !members.contains(&sender) {
+        tracing::warn!(
+            sender,
+            term,
+            ?members,
+            "refused a raft {what} from a node that is not a member"
+        );
+        return Err(Status::permission_denied(format!(
+            "a raft {what} from node {sender} is refused: it is not a member of this cluster"
+        )));
+    }
+    Ok(())
+}
+
+impl RaftSvc {
+    /// Node ids of this node's current membership config (voters and learners).
+    fn members(&self) -> Vec<cumulus_raft_store::NodeId> {
+        self.node
+            .raft
+            .metrics()
+            .borrow_watched()
+            .membership_config
+            .nodes()
+            .map(|(id, _)| *id)
+            .collect()
+    }
+}
+
 fn decode<T: serde::de::DeserializeOwned>(req: Request<RaftPayload>) -> Result<T, Status> {
     serde_json::from_slice(&req.into_inner().json)
         .map_err(|e| Status::invalid_argument(format!("undecodable raft payload: {e}")))
@@ -124,8 +178,10 @@ impl RaftService for RaftSvc {
     ) -> Result<Response<AnswerStream>, Status> {
         let served: ServedQueue = Arc::default();
         let served_in = served.clone();
+        let metrics = self.node.raft.metrics();
         let requests = futures::stream::unfold(req.into_inner(), move |mut inbound| {
             let served = served_in.clone();
+            let metrics = metrics.clone();
             async move {
                 let payload = match inbound.message().await {
                     Ok(Some(p)) => p,
@@ -146,6 +202,15 @@ impl RaftService for RaftSvc {
                 .await;
                 match decoded {
                     Ok(rpc) => {
+                        let members: Vec<_> = metrics
+                            .borrow_watched()
+                            .membership_config
+                            .nodes()
+                            .map(|(id, _)| *id)
+                            .collect();
+                        if check_sender("append", &rpc.vote, &members).is_err() {
+                            return None;
+                        }
                         let last_index = rpc.entries.last().map(|e| e.log_id.index);
                         served.lock().unwrap_or_else(|p| p.into_inner()).push_back((
                             last_index,
@@ -181,6 +246,7 @@ impl RaftService for RaftSvc {
     ) -> Result<Response<RaftPayload>, Status> {
         let received_ns = stage::now_ns();
         let rpc: AppendEntriesRequest<TypeConfig> = decode(req)?;
+        check_sender("append", &rpc.vote, &self.members())?;
         let last_index = rpc.entries.last().map(|e| e.log_id.index);
         let decoded_ns = stage::now_ns();
         let result = self.node.raft.append_entries(rpc).await;
@@ -191,7 +257,8 @@ impl RaftService for RaftSvc {
     }
 
     async fn vote(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
-        let rpc = decode(req)?;
+        let rpc: VoteRequest<TypeConfig> = decode(req)?;
+        check_sender("vote", &rpc.vote, &self.members())?;
         encode(&self.node.raft.vote(rpc).await)
     }
 
@@ -221,6 +288,7 @@ impl RaftService for RaftSvc {
         }
         let header: SnapshotHeader = serde_json::from_slice(&first.header_json)
             .map_err(|e| Status::invalid_argument(format!("undecodable snapshot header: {e}")))?;
+        check_sender("snapshot", &header.vote, &self.members())?;
         let current = self.node.raft.metrics().borrow_watched().vote;
         if let Some(reply) = stale_snapshot_reply(&header.vote, &current) {
             tracing::info!(
@@ -290,6 +358,26 @@ mod tests {
         assert!(stale_snapshot_reply(&current, &current).is_none());
         assert!(stale_snapshot_reply(&Vote::new_committed(6, 1), &current).is_none());
         assert!(stale_snapshot_reply(&Vote::new(6, 1), &current).is_none());
+    }
+
+    #[test]
+    fn a_sender_outside_the_membership_or_with_an_absurd_term_is_refused() {
+        let members = [1, 2, 3];
+        assert!(check_sender("vote", &Vote::new(7, 2), &members).is_ok());
+        assert!(check_sender("append", &Vote::new_committed(MAX_RAFT_TERM, 3), &members).is_ok());
+        let outsider = check_sender("vote", &Vote::new(7, 9), &members).expect_err("not a member");
+        assert_eq!(outsider.code(), tonic::Code::PermissionDenied);
+        assert!(
+            outsider.message().contains("node 9"),
+            "{}",
+            outsider.message()
+        );
+        let absurd = check_sender("vote", &Vote::new(u64::MAX, 2), &members).expect_err("term");
+        assert_eq!(absurd.code(), tonic::Code::PermissionDenied);
+        assert!(check_sender("vote", &Vote::new(MAX_RAFT_TERM + 1, 2), &members).is_err());
+        // A node that has joined no cluster yet hears first from the leader adding it.
+        assert!(check_sender("append", &Vote::new_committed(3, 9), &[]).is_ok());
+        assert!(check_sender("append", &Vote::new_committed(u64::MAX, 9), &[]).is_err());
     }
 
     #[test]

@@ -45,8 +45,9 @@ impl SnapshotInterval {
 /// How often [`run`] reads the Raft metrics, in ms. A tick, not a watch on every metrics
 /// change: openraft publishes new metrics several times per write (append, flush, commit,
 /// apply), and each wake of this task is a task switch, often a wake of the other worker
-/// thread, on the write path (BENCHMARKS.md, session 12). A snapshot is due every ≥ 5,000
-/// entries by default, so being up to 100 ms late changes nothing.
+/// thread, on the write path (docs/perf-notes.md, "No wake-ups off the path"). A
+/// snapshot is due every ≥ 5,000 entries by default, so being up to 100 ms late changes
+/// nothing.
 pub const SNAPSHOT_CHECK_INTERVAL_MS: u64 = 100;
 
 /// Reads the Raft metrics every [`SNAPSHOT_CHECK_INTERVAL_MS`] until `cancel` and

@@ -29,6 +29,9 @@ use tonic::transport::{Channel, Endpoint};
 
 /// The token every test cluster uses.
 pub const TOKEN: &str = "e2e-test-token-0123456789abcdef";
+/// Peer token of test clusters: what coordinators present to each other's Raft service
+/// (in the file `peer-token` of the cluster's temp dir).
+pub const PEER_TOKEN: &str = "e2e-peer-token-fedcba9876543210";
 
 /// Directory holding the workspace's binaries (target/debug or target/release): the
 /// directory of the running executable, or its parent for test executables in `deps/`.
@@ -435,6 +438,7 @@ impl Cluster {
         let dir = tempfile::Builder::new().prefix("cumulus-e2e-").tempdir()?;
         let token_file = dir.path().join("token");
         std::fs::write(&token_file, TOKEN)?;
+        std::fs::write(dir.path().join("peer-token"), PEER_TOKEN)?;
         let mut coordinators = Vec::new();
         let net = net::Net::new();
         let mut proxies = Vec::new();
@@ -549,6 +553,8 @@ impl Cluster {
             .arg(&c.data_dir)
             .arg("--token-file")
             .arg(&self.token_file)
+            .arg("--peer-token-file")
+            .arg(self.dir.path().join("peer-token"))
             .arg("--heartbeat-timeout-ms")
             .arg(self.opts.heartbeat_timeout_ms.to_string())
             .args(&extra)

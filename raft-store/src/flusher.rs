@@ -5,7 +5,7 @@
 //! expects it to return once the entries are readable, then to hear through the append's
 //! [`IOFlushed`] callback when they are on disk. A leader replicates the entries while its
 //! own `fdatasync` runs (etcd's leader does the same: Raft thesis §10.2.1), instead of
-//! paying the two `fdatasync`s in series (BENCHMARKS.md, sessions 9–11).
+//! paying the two `fdatasync`s in series (docs/perf-notes.md, "The leader's flush overlaps replication").
 //!
 //! One thread per log store takes [`Job`]s in submission order. It groups the syncs
 //! waiting at once: one `fdatasync` per segment covers all of them, then their callbacks
@@ -17,7 +17,7 @@
 //! each extra send in a burst makes openraft's forwarder (`io_completion_forwarder`,
 //! which batches notifications 1 µs apart) sleep until the next 1 ms timer tick.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 
 use openraft::storage::IOFlushed;
@@ -74,6 +74,10 @@ struct Shared {
     queued: AtomicUsize,
     /// The first `fdatasync` failure: every later sync and barrier reports it.
     failed: Mutex<Option<String>>,
+    /// One past the index of the last entry known durable (0: none): the store never
+    /// saves a committed index past it, so a saved committed index always lies inside
+    /// the durable log and one past it on open is damage.
+    durable_end: AtomicU64,
 }
 
 impl Shared {
@@ -107,6 +111,22 @@ impl Flusher {
             .name("raft-log-sync".into())
             .spawn(move || run(&rx, &thread_shared))?;
         Ok(Flusher { tx, shared })
+    }
+
+    /// One past the index of the last entry whose `fdatasync` completed (0: none).
+    pub fn durable_end(&self) -> u64 {
+        self.shared.durable_end.load(Ordering::Acquire)
+    }
+
+    /// Records that every entry below `end` is durable (entries found on disk at open).
+    pub fn set_durable_end(&self, end: u64) {
+        self.shared.durable_end.store(end, Ordering::Release);
+    }
+
+    /// Forgets durability of the entries at and after `since` (they were truncated; new
+    /// entries at those indexes are durable only once their own sync completes).
+    pub fn forget_from(&self, since: u64) {
+        self.shared.durable_end.fetch_min(since, Ordering::AcqRel);
     }
 
     /// Queues `job`, blocking while the queue is full.
@@ -217,6 +237,9 @@ fn sync_group(pending: &mut Vec<SyncJob>, shared: &Shared, queued: bool) {
                     .io_completed(Err(std::io::Error::other(message.clone())));
             }
             None => {
+                shared
+                    .durable_end
+                    .fetch_max(p.last_index.saturating_add(1), Ordering::AcqRel);
                 let is_notify = matches!(p.callback, IOFlushed::Notify(_));
                 if !is_notify || Some(i) == last_notify {
                     p.callback.io_completed(Ok(()));

@@ -1,6 +1,6 @@
 //! Stage timing of the write path: trace events, off unless asked for, that let a
 //! benchmark split one write's latency into the stages it crosses on the leader and on
-//! a follower (`cumulus-bench --only write_stages`, BENCHMARKS.md).
+//! a follower (`cumulus-bench --only write_stages`, docs/perf-notes.md).
 //!
 //! Every event has target [`TARGET`] at TRACE level, a `stage` name and wall-clock
 //! timestamps in nanoseconds since the Unix epoch ([`now_ns`]; the same clock in every

@@ -626,7 +626,7 @@ pub struct ClusterState {
     pub next_job_seq: u64,
     /// Jobs by id. Each job is shared (`Arc`, changed through `Arc::make_mut`) so that
     /// cloning the state for a snapshot copies pointers, not every job: a deep clone of
-    /// 30,000 jobs held the apply lock for over a second (BENCHMARKS.md, session 7).
+    /// 30,000 jobs held the apply lock for over a second (docs/perf-notes.md, "Snapshots").
     pub jobs: BTreeMap<String, Arc<Job>>,
     /// Submit idempotency: request id → job id.
     pub request_ids: BTreeMap<String, String>,

@@ -131,6 +131,28 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
     let wal = Wal::open(&dir.join(WAL_DIR), last_purged.map(|l| l.index))?;
     migrate_legacy_log(&db, &legacy_logs, &wal, last_purged.map(|l| l.index))
         .map_err(|(what, reason)| corrupt(&what, reason))?;
+    // Every entry on disk now is durable (`Wal::open` synced the newest segment). The
+    // committed index is saved only inside the durable log (`save_committed`), so one
+    // past it means acknowledged entries were lost: refuse, never serve a cut log.
+    let last_log = wal.last().map_err(OpenError::Wal)?.or(last_purged);
+    let committed: Option<LogId> = match meta.get(KEY_COMMITTED).map_err(sled_err)? {
+        Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt("committed", e.to_string()))?,
+        None => None,
+    };
+    if let Some(committed) = committed
+        && last_log.is_none_or(|last| last.index < committed.index)
+    {
+        return Err(corrupt(
+            "committed index",
+            format!(
+                "the saved committed index {} lies past the durable raft log (last index {}): \
+                 acknowledged entries are missing. {}",
+                committed.index,
+                last_log.map_or_else(|| "none".to_string(), |l| l.index.to_string()),
+                crate::wal::RECOVERY_HINT
+            ),
+        ));
+    }
 
     let snapshot = match snap_tree.get(KEY_SNAPSHOT).map_err(sled_err)? {
         Some(v) => Some(StoredSnapshot::decode(&v).map_err(|reason| corrupt("snapshot", reason))?),
@@ -156,6 +178,11 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         changes,
     });
     let flusher = Flusher::start().map_err(OpenError::Flusher)?;
+    flusher.set_durable_end(
+        wal.last()
+            .map_err(OpenError::Wal)?
+            .map_or(0, |l| l.index + 1),
+    );
     Ok((
         LogStore {
             db: db.clone(),
@@ -343,8 +370,31 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         Ok(())
     }
 
+    /// Saves the committed log id, capped at the last entry this node has made durable
+    /// (openraft 0.10 learns a commit index before the entries' own flush: a follower
+    /// from the leader, a leader from its followers' flushes). So the saved id always
+    /// lies inside the durable log, and `open` can take one past it for lost entries.
+    /// When even the capped entry is not at hand (behind a purge), nothing is saved: the
+    /// older saved id is still a lower bound. No flush: a lost committed index is
+    /// re-learned from the leader.
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), io::Error> {
-        // No flush: a lost committed index is re-learned from the leader.
+        let durable_end = self.flusher.durable_end();
+        let committed = match committed {
+            Some(c) if c.index >= durable_end => {
+                let purged = self.get_meta::<LogId>(KEY_LAST_PURGED)?;
+                if purged.is_some_and(|p| p.index >= c.index) {
+                    Some(c)
+                } else if durable_end == 0 {
+                    return Ok(());
+                } else {
+                    match self.wal.read(durable_end - 1, durable_end) {
+                        Ok(mut v) if !v.is_empty() => v.pop().map(|e| e.log_id),
+                        _ => return Ok(()),
+                    }
+                }
+            }
+            other => other,
+        };
         let bytes = serde_json::to_vec(&committed).map_err(|e| io_err("committed", e))?;
         self.meta
             .insert(KEY_COMMITTED, bytes)
@@ -352,30 +402,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         Ok(())
     }
 
-    /// The saved committed log id, capped at the last entry in the log: the committed id
-    /// is saved without a flush, and with openraft 0.10 it may name entries whose own
-    /// flush had not completed (a follower learns the commit index before its flush; a
-    /// leader can commit on its followers' flushes alone), so after a crash it can lie
-    /// past the durable log. Every entry of the log up to the saved index was accepted
-    /// from the leader, so the capped id is committed too.
+    /// The saved committed log id (`open` has checked that it lies inside the log).
     async fn read_committed(&mut self) -> Result<Option<LogId>, io::Error> {
-        let Some(saved) = self.get_meta::<Option<LogId>>(KEY_COMMITTED)?.flatten() else {
-            return Ok(None);
-        };
-        let last_purged: Option<LogId> = self.get_meta(KEY_LAST_PURGED)?;
-        let last = self.wal.last().map_err(io::Error::other)?.or(last_purged);
-        Ok(match last {
-            Some(last) if last.index < saved.index => {
-                tracing::warn!(
-                    saved_committed = saved.index,
-                    last_log_index = last.index,
-                    "the saved committed index lies past the durable log; using the log's end"
-                );
-                Some(last)
-            }
-            Some(_) => Some(saved),
-            None => None,
-        })
+        Ok(self.get_meta::<Option<LogId>>(KEY_COMMITTED)?.flatten())
     }
 
     /// Writes the entries (readable when this returns) and hands their `fdatasync` and
@@ -435,6 +464,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn truncate_after(&mut self, last_log_id: Option<LogId>) -> Result<(), io::Error> {
         self.barrier().await?;
         let since = last_log_id.map_or(0, |l| l.index + 1);
+        self.flusher.forget_from(since);
         let wal = self.wal.clone();
         tokio::task::spawn_blocking(move || wal.truncate(since))
             .await
@@ -585,7 +615,7 @@ struct SnapshotPayload {
 /// snapshot (sled tree `snapshot`) plus the log after it, which openraft re-applies on
 /// start (the committed log id is saved with the log). Nothing is written per applied
 /// entry: persisting every touched key in sled took ~28% of the leader's CPU on the write
-/// path (BENCHMARKS.md, session 6). The sled tree `state_machine` of older data dirs is
+/// path (docs/perf-notes.md, "The state machine in memory"). The sled tree `state_machine` of older data dirs is
 /// no longer read.
 pub struct StateMachineStore {
     db: sled::Db,
@@ -608,7 +638,7 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     /// Clones the applied state under the read lock (apply waits only for the clone), then
     /// encodes it and writes it to sled on a blocking thread: encoding tens of MB of JSON
     /// under the lock, on a runtime thread, had stalled apply and every reader for seconds
-    /// and cost leadership under load (BENCHMARKS.md, session 7).
+    /// and cost leadership under load (docs/perf-notes.md, "Snapshots").
     async fn build_snapshot(&mut self) -> Result<Snapshot, io::Error> {
         let started = Instant::now();
         let (state, last_applied, last_membership) = self

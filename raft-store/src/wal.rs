@@ -5,7 +5,7 @@
 //! latency bounds the write path (openraft 0.9 waited for each append's flush before it
 //! took the next request; 0.10 replicates while it runs, but a write still waits for it). A sled flush of a small append cost ~1 ms here; an
 //! `fdatasync` of a write inside an already allocated file costs ~0.2 ms, and one that
-//! extends the file ~0.7 ms (BENCHMARKS.md, session 6). So segments are allocated up
+//! extends the file ~0.7 ms (docs/perf-notes.md, "The log"). So segments are allocated up
 //! front (`fallocate`, etcd preallocates its WAL segments the same way) and written in
 //! place.
 //!
@@ -25,11 +25,30 @@
 //! # Crash safety
 //! - Append: records are written after the last valid one and become readable
 //!   ([`Wal::write`]); the append is reported durable only after an `fdatasync` of the
-//!   segment ([`Unsynced::sync`], run by the store's sync thread). A crash can tear only the unacknowledged tail of the newest
-//!   segment: on open the first record there that does not check (bad length or CRC)
-//!   or a zero header ends the log, and any non-zero bytes after that point are zeroed
-//!   (logged as a warning), so no record of a torn batch can resurface behind later
-//!   appends. A bad record in any older segment is corruption: open fails.
+//!   segment ([`Unsynced::sync`], run by the store's sync thread). A segment is synced
+//!   before the next one is started, so a crash can tear only the unacknowledged tail of
+//!   the newest segment.
+//!
+//! # Torn tail or corruption
+//! A torn write and a damaged disk both leave a record that does not check; only the
+//! first may be repaired, since only the first is sure to hold nothing that was ever
+//! acknowledged. Segments are preallocated with zeros, and a disk writes whole sectors
+//! or none of them, so a torn write leaves whole [`SECTOR_BYTES`]-aligned runs of zeros
+//! where its unwritten sectors are (etcd's WAL decoder tells a torn entry from a
+//! corrupt one the same way). In the newest segment a record that does not check is
+//! taken for a torn tail only when
+//! 1. its header is all zeros but bytes follow it, or the part of the record in some
+//!    sector is all zeros, and
+//! 2. no valid record with a later index follows it anywhere in the segment
+//!    ([`SCAN_INDEX_WINDOW`]): acknowledged records after a bad one mean the bad one was
+//!    acknowledged too.
+//!
+//! Then the tail from that record on is zeroed (logged as a warning), so no record of the
+//! torn batch can resurface behind later appends. Anything else — a flipped bit, a bad
+//! length, a record that does not decode, damage in an older segment — is
+//! [`WalError::Corrupt`]: open fails, naming the file and offset, and nothing on disk is
+//! changed. The store adds a third check: the saved committed index must lie inside the
+//! log (see `store::open`).
 //! - Truncate: later segments are deleted newest first, then the tail is zeroed, so a
 //!   crash at any point leaves a prefix of the log. Zeroing matters: an old record left
 //!   after a shorter new one could otherwise read as valid on the next open.
@@ -59,6 +78,20 @@ const HEADER_BYTES: u64 = 16;
 const MAX_PAYLOAD_BYTES: u64 = 1 << 30;
 /// File name extension of segments.
 const SEGMENT_EXT: &str = "wal";
+/// Unit in which a disk writes, in bytes: a torn write leaves whole sectors unwritten
+/// (zeros in a preallocated segment). 512 divides every sector and page size in use.
+pub const SECTOR_BYTES: u64 = 512;
+/// How far past the last good index a record found after a bad one may be and still
+/// count as "a valid record follows", in entries. Random bytes pass a CRC-32 and land
+/// their index field in this window with odds of about 2^-32 × 2^20 / 2^64.
+pub const SCAN_INDEX_WINDOW: u64 = 1 << 20;
+/// What a refusal to open tells the operator to do.
+pub const RECOVERY_HINT: &str = "The log is damaged where it held acknowledged entries: \
+     keep this data dir for inspection and rebuild the node from the others: \
+     `cumulusctl cluster remove ID` on a working node, then restart this node with \
+     `--rejoin-empty` (it moves the damaged data dir aside) and add it back with \
+     `cumulusctl cluster add-learner` and `cumulusctl cluster promote` \
+     (docs/architecture.md, \"Recovering a damaged node\")";
 
 /// Errors of the WAL.
 #[derive(Debug, thiserror::Error)]
@@ -220,6 +253,96 @@ pub struct Wal {
     dir: PathBuf,
     /// Shared state (never held across I/O on the write path, nor across an `.await`).
     inner: Arc<Mutex<Inner>>,
+}
+
+/// Whether the bad record at `offset` looks like a torn write (see the module doc): its
+/// header is all zeros, or the part of its span `[offset, offset + 16 + len)` inside some
+/// sector is all zeros. `len` is the header's length field, trusted only when the span
+/// fits the segment (a length past the segment is damage, not a torn write).
+fn looks_torn(bytes: &[u8], offset: u64) -> bool {
+    let at = offset as usize;
+    let Some(header) = bytes.get(at..at + HEADER_BYTES as usize) else {
+        return false;
+    };
+    if header.iter().all(|b| *b == 0) {
+        return true;
+    }
+    let len = u64::from(u32::from_le_bytes(
+        header[0..4].try_into().expect("4 bytes"),
+    ));
+    let end = offset + HEADER_BYTES + len;
+    if len == 0 || len > MAX_PAYLOAD_BYTES || end > bytes.len() as u64 {
+        return false;
+    }
+    let mut from = offset;
+    while from < end {
+        let to = ((from / SECTOR_BYTES) + 1) * SECTOR_BYTES;
+        let to = to.min(end);
+        if bytes[from as usize..to as usize].iter().all(|b| *b == 0) {
+            return true;
+        }
+        from = to;
+    }
+    false
+}
+
+/// The offset and index of the first valid record at or after `from` in `bytes`: its CRC
+/// checks and its index lies in `(after_index, after_index + SCAN_INDEX_WINDOW]`. Every
+/// byte offset is tried, so a record written after a bad one is found wherever it lies.
+fn valid_record_after(bytes: &[u8], from: u64, after_index: Option<u64>) -> Option<(u64, u64)> {
+    let lowest = after_index.map_or(0, |i| i.saturating_add(1));
+    let highest = lowest.saturating_add(SCAN_INDEX_WINDOW);
+    let total = bytes.len() as u64;
+    let mut at = from;
+    while at + HEADER_BYTES <= total {
+        let h = &bytes[at as usize..(at + HEADER_BYTES) as usize];
+        let len = u64::from(u32::from_le_bytes(h[0..4].try_into().expect("4 bytes")));
+        let index = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+        let end = at + HEADER_BYTES + len;
+        if len > 0 && end <= total && (lowest..=highest).contains(&index) {
+            let crc = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
+            let mut hasher = crc32fast::Hasher::new();
+            hasher.update(&index.to_le_bytes());
+            hasher.update(&bytes[(at + HEADER_BYTES) as usize..end as usize]);
+            if hasher.finalize() == crc {
+                return Some((at, index));
+            }
+        }
+        at += 1;
+    }
+    None
+}
+
+/// Decides what a bad record (or a zero header followed by non-zero bytes) at `offset`
+/// of the newest segment is: `Ok(())` for a torn tail, [`WalError::Corrupt`] otherwise.
+/// `last_index` is the index of the last good record before it.
+fn classify_bad_tail(
+    file: &File,
+    path: &Path,
+    capacity_bytes: u64,
+    offset: u64,
+    last_index: Option<u64>,
+    reason: &str,
+) -> Result<(), WalError> {
+    let mut bytes = vec![0u8; capacity_bytes as usize];
+    file.read_exact_at(&mut bytes, 0).map_err(io_error(path))?;
+    let corrupt = |why: String| WalError::Corrupt {
+        path: path.display().to_string(),
+        reason: why,
+    };
+    if !looks_torn(&bytes, offset) {
+        return Err(corrupt(format!(
+            "{reason}, and it is not a torn write (no unwritten sector in it): \
+             the record was damaged after it was written"
+        )));
+    }
+    if let Some((at, index)) = valid_record_after(&bytes, offset + 1, last_index) {
+        return Err(corrupt(format!(
+            "{reason}, but a valid record (index {index}) follows at offset {at}: \
+             records after the bad one were written, so it was acknowledged"
+        )));
+    }
+    Ok(())
 }
 
 /// A record's bytes: header and payload.
@@ -394,6 +517,16 @@ impl Wal {
     /// [`WalError::Corrupt`] for damage other than a torn tail of the newest segment
     /// (then nothing is changed on disk), [`WalError::Io`] on I/O failure.
     pub fn open(dir: &Path, last_purged: Option<u64>) -> Result<Wal, WalError> {
+        Self::open_checked(dir, last_purged).map_err(|e| match e {
+            WalError::Corrupt { path, reason } => WalError::Corrupt {
+                path,
+                reason: format!("{reason}. {RECOVERY_HINT}"),
+            },
+            other => other,
+        })
+    }
+
+    fn open_checked(dir: &Path, last_purged: Option<u64>) -> Result<Wal, WalError> {
         std::fs::create_dir_all(dir).map_err(io_error(dir))?;
         let mut firsts = Vec::new();
         for item in std::fs::read_dir(dir).map_err(io_error(dir))? {
@@ -439,6 +572,14 @@ impl Wal {
                         // A torn write can also leave a zero header followed by written
                         // bytes; they must not read as records once the log goes on here.
                         if !all_zero(&file, offset, capacity_bytes).map_err(io_error(&path))? {
+                            classify_bad_tail(
+                                &file,
+                                &path,
+                                capacity_bytes,
+                                offset,
+                                inner.locs.last_key_value().map(|(i, _)| *i).or(last_purged),
+                                &format!("bytes follow the zero header at offset {offset}"),
+                            )?;
                             tracing::warn!(
                                 path = %path.display(),
                                 offset,
@@ -446,12 +587,22 @@ impl Wal {
                                  (a torn write) are zeroed"
                             );
                             zero_range(&file, &path, offset, capacity_bytes)?;
-                            file.sync_data().map_err(io_error(&path))?;
                         }
+                        // Whatever this segment holds is durable from here on (a process
+                        // killed before its `fdatasync` left it in the page cache only).
+                        file.sync_data().map_err(io_error(&path))?;
                         break;
                     }
                     Read::End => break,
                     Read::Bad(reason) if newest => {
+                        classify_bad_tail(
+                            &file,
+                            &path,
+                            capacity_bytes,
+                            offset,
+                            inner.locs.last_key_value().map(|(i, _)| *i).or(last_purged),
+                            &reason,
+                        )?;
                         tracing::warn!(
                             path = %path.display(),
                             %reason,
@@ -466,7 +617,9 @@ impl Wal {
                     Read::Bad(reason) => {
                         return Err(WalError::Corrupt {
                             path: path.display().to_string(),
-                            reason,
+                            reason: format!(
+                                "{reason} (a segment older than the newest is never torn)"
+                            ),
                         });
                     }
                     Read::Record(index, payload, end) => {

@@ -419,11 +419,12 @@ async fn a_followers_append_is_reported_flushed_when_append_returns() {
     assert_eq!(log.try_get_log_entries(0..100).await.expect("read"), all);
 }
 
-/// A committed log id saved past the durable log (openraft 0.10 may save it before the
-/// entries' own flush; a crash then loses those entries) reads back capped at the log's
-/// end; one inside the log reads back as saved.
+/// A committed log id past what this node has made durable (openraft 0.10 learns a
+/// commit index before the entries' own flush) is saved capped at the durable end, so a
+/// saved committed index always lies inside the log; one inside is saved as given.
 #[tokio::test]
-async fn a_saved_committed_index_past_the_log_reads_back_at_the_log_end() {
+async fn a_committed_index_is_saved_capped_at_the_durable_log() {
+    use cumulus_raft_store::Vote;
     let dir = tempfile::tempdir().expect("temp dir");
     let written = entries(1, 1, 6, 10);
     {
@@ -431,6 +432,8 @@ async fn a_saved_committed_index_past_the_log_reads_back_at_the_log_end() {
         log.append(written.clone(), openraft::storage::IOFlushed::noop())
             .await
             .expect("append");
+        // A vote waits for every pending flush.
+        log.save_vote(&Vote::new(1, 1)).await.expect("vote");
         // The leader's commit index, ahead of what this node's log holds.
         let ahead = entries(1, 9, 10, 10)[0].log_id;
         log.save_committed(Some(ahead)).await.expect("save");
@@ -447,4 +450,114 @@ async fn a_saved_committed_index_past_the_log_reads_back_at_the_log_end() {
         log.read_committed().await.expect("read"),
         Some(written[2].log_id)
     );
+}
+
+/// A saved committed index past the durable log can only come from lost entries (the
+/// issue's two-node bit flip: saved committed 340, last log index 169): the store refuses
+/// to open, names the data dir and the indexes, and says how to recover.
+#[tokio::test]
+async fn a_saved_committed_index_past_the_log_refuses_to_open() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let written = entries(1, 1, 6, 10);
+    {
+        let (mut log, _sm) = open(dir.path()).expect("open");
+        log.append(written.clone(), openraft::storage::IOFlushed::noop())
+            .await
+            .expect("append");
+    }
+    {
+        let db = common::retry_locked(|| sled::open(dir.path())).expect("sled");
+        let meta = db.open_tree("raft_meta").expect("tree");
+        let ahead = entries(1, 9, 10, 10)[0].log_id;
+        meta.insert("committed", serde_json::to_vec(&Some(ahead)).expect("json"))
+            .expect("insert");
+        db.flush().expect("flush");
+    }
+    let err = match common::retry_locked(|| open(dir.path())) {
+        Ok(_) => panic!("a committed index past the log must not open"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("committed index 9") && err.contains("last index 5"),
+        "{err}"
+    );
+    assert!(err.contains("--rejoin-empty"), "{err}");
+}
+
+/// The segment's bytes, and where its records end.
+fn segment_bytes(seg: &Path) -> (Vec<u8>, usize) {
+    let data = std::fs::read(seg).expect("read segment");
+    let end = data.iter().rposition(|b| *b != 0).expect("records") + 1;
+    (data, end)
+}
+
+/// One flipped bit inside an acknowledged record of the newest segment is corruption,
+/// not a torn write: the log refuses to open, names the file and offset, and leaves every
+/// byte as it was (the probe: before, the node cut the log there and carried on).
+#[test]
+fn a_flipped_bit_in_the_newest_segment_refuses_to_open_and_changes_nothing() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let written = entries(1, 1, 41, 300);
+    {
+        let wal = Wal::open(dir.path(), None).expect("open");
+        wal.append(written[..20].to_vec()).expect("append");
+        wal.append(written[20..].to_vec()).expect("append");
+    }
+    let seg = segments(dir.path())[0].clone();
+    let (before, end) = segment_bytes(&seg);
+    // A bit in the middle of the records, then one in the last record.
+    for at in [end / 2, end - 20] {
+        let file = OpenOptions::new().write(true).open(&seg).expect("open");
+        file.write_all_at(&[before[at] ^ 0x10], at as u64)
+            .expect("flip");
+        file.sync_all().expect("sync");
+        let err = match Wal::open(dir.path(), None) {
+            Ok(_) => panic!("a flipped bit at {at} must not open"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains("corrupt") && err.contains(&seg.display().to_string()),
+            "{err}"
+        );
+        assert!(
+            err.contains("offset") && err.contains("--rejoin-empty"),
+            "{err}"
+        );
+        let mut flipped = before.clone();
+        flipped[at] ^= 0x10;
+        assert!(
+            std::fs::read(&seg).expect("read") == flipped,
+            "nothing on disk changes when the log refuses to open"
+        );
+        file.write_all_at(&[before[at]], at as u64)
+            .expect("restore");
+        file.sync_all().expect("sync");
+    }
+    let wal = Wal::open(dir.path(), None).expect("the repaired log opens");
+    assert_eq!(wal.read(0, 100).expect("read"), written);
+}
+
+/// A bad record with a valid record after it was acknowledged (later records are written
+/// only after earlier ones), even when it has the zeros of a torn write: refuse.
+#[test]
+fn a_zeroed_sector_followed_by_valid_records_refuses_to_open() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // ~2.3 KB records: each spans at least four whole sectors.
+    let written = entries(1, 1, 11, 2_000);
+    {
+        let wal = Wal::open(dir.path(), None).expect("open");
+        wal.append(written.clone()).expect("append");
+    }
+    let seg = segments(dir.path())[0].clone();
+    let (_, end) = segment_bytes(&seg);
+    // Zero a whole sector in the middle of the records (a lost or misdirected write).
+    let sector = (end as u64 / 2) / 512 * 512;
+    let file = OpenOptions::new().write(true).open(&seg).expect("open");
+    file.write_all_at(&[0u8; 512], sector).expect("zero");
+    file.sync_all().expect("sync");
+    let err = match Wal::open(dir.path(), None) {
+        Ok(_) => panic!("a zeroed sector before valid records must not open"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("a valid record (index"), "{err}");
 }

@@ -1,4 +1,5 @@
-//! The worker agent's HTTP API, for coordinators (ARCHITECTURE.md "Worker agent HTTP API").
+//! The worker agent's HTTP API, for coordinators (docs/architecture.md "Worker agent HTTP
+//! API").
 //!
 //! - `GET /health` → 200 `{"status":"ok","worker_id":..}` (no token needed).
 //! - `GET /v1/logs/{job_id}/{rank}/{attempt}?offset=N&max_bytes=M` (cluster token) → 200

@@ -136,6 +136,18 @@ pub struct Config {
     #[arg(long, env = "CUMULUS_DATASET_CACHE_MAX_BYTES", default_value_t = 10 * 1024 * 1024 * 1024,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub dataset_cache_max_bytes: u64,
+
+    /// Most connections open at once on the agent API (`--listen`); more are closed at
+    /// accept. Scaled down to fit the open-file limit, which keeps descriptors in
+    /// reserve for rank logs and processes.
+    #[arg(long, env = "CUMULUS_MAX_HTTP_CONNECTIONS", default_value_t = 256,
+          value_parser = clap::value_parser!(u64).range(16..=1_000_000))]
+    pub max_http_connections: u64,
+
+    /// Most connections open at once on the rank-local API; more are closed at accept.
+    #[arg(long, env = "CUMULUS_MAX_RANK_API_CONNECTIONS", default_value_t = 256,
+          value_parser = clap::value_parser!(u64).range(16..=1_000_000))]
+    pub max_rank_api_connections: u64,
 }
 
 impl std::fmt::Debug for Config {
@@ -153,6 +165,8 @@ impl std::fmt::Debug for Config {
             .field("heartbeat_interval_ms", &self.heartbeat_interval_ms)
             .field("stop_grace_ms", &self.stop_grace_ms)
             .field("log_max_bytes", &self.log_max_bytes)
+            .field("max_http_connections", &self.max_http_connections)
+            .field("max_rank_api_connections", &self.max_rank_api_connections)
             .finish()
     }
 }
@@ -293,6 +307,31 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
         .with_context(|| format!("cannot bind --rank-api-listen {}", config.rank_api_listen))?;
     let listen_addr = agent_listener.local_addr()?;
     let rank_api_addr = rank_listener.local_addr()?;
+    let wanted = [
+        config.max_http_connections as usize,
+        config.max_rank_api_connections as usize,
+    ];
+    let budget = cumulus_listen::fd_budget(cumulus_listen::open_fds())
+        .context("reading the open-file limit")?;
+    let caps = cumulus_listen::fit_caps(&wanted, budget);
+    if caps != wanted {
+        tracing::warn!(
+            agent_api = caps[0],
+            rank_api = caps[1],
+            fd_budget = budget,
+            "connection caps lowered to fit the open-file limit"
+        );
+    }
+    let agent_listener = cumulus_listen::BoundedListener::new(
+        agent_listener,
+        "agent API",
+        cumulus_listen::Limits::connections(caps[0]),
+    );
+    let rank_listener = cumulus_listen::BoundedListener::new(
+        rank_listener,
+        "rank API",
+        cumulus_listen::Limits::connections(caps[1]),
+    );
     let http_addr = format!(
         "{}:{}",
         url_host(config.advertise_host.trim()),
@@ -340,16 +379,14 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     });
     let stop = servers_cancel.clone();
     servers.spawn(async move {
-        axum::serve(no_delay(agent_listener), agent_router)
-            .with_graceful_shutdown(stop.cancelled_owned())
+        cumulus_listen::serve_http(agent_listener, agent_router, stop)
             .await
             .context("agent API server failed")
     });
     let rank_router = rank_api::router(supervisor.clone());
     let stop = servers_cancel.clone();
     servers.spawn(async move {
-        axum::serve(no_delay(rank_listener), rank_router)
-            .with_graceful_shutdown(stop.cancelled_owned())
+        cumulus_listen::serve_http(rank_listener, rank_router, stop)
             .await
             .context("rank API server failed")
     });
@@ -441,19 +478,6 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     }
     tracing::info!("agent stopped");
     outcome
-}
-
-/// `listener` with TCP_NODELAY set on every accepted connection: with Nagle's algorithm a
-/// small reply written behind unacknowledged bytes waits for the peer's delayed ACK
-/// (~40 ms on Linux), which a rank pays on every progress report.
-fn no_delay(
-    listener: tokio::net::TcpListener,
-) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
-    axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!(error = %e, "cannot set TCP_NODELAY on an agent connection");
-        }
-    })
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 use crate::reconcile::AttemptKey;
 use crate::validate::{self, IdError};
 
-/// Most bytes one read of a log may ask for (ARCHITECTURE.md: `max_bytes` ≤ 1 MiB).
+/// Most bytes one read of a log may ask for (docs/architecture.md: `max_bytes` ≤ 1 MiB).
 pub const MAX_READ_BYTES: u64 = 1 << 20;
 /// A line longer than this is written in pieces of this size (bounds the memory a rank
 /// that writes without newlines can make the agent hold).

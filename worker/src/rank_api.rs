@@ -1,4 +1,4 @@
-//! The rank-local HTTP API (ARCHITECTURE.md "Rank-local HTTP API"), bound to loopback.
+//! The rank-local HTTP API (docs/architecture.md "Rank-local HTTP API"), bound to loopback.
 //!
 //! Every request carries `Authorization: Bearer $CUMULUS_AGENT_TOKEN`; the token names the
 //! attempt, and is unknown (401) once the attempt has ended.

@@ -8,7 +8,7 @@ use thiserror::Error;
 /// Most bytes in a job id. The coordinator issues `job-NNNNNN`; the agent accepts any
 /// safe name up to this length.
 pub const MAX_JOB_ID_BYTES: usize = 128;
-/// Most bytes in a worker id (ARCHITECTURE.md "Identifiers and limits").
+/// Most bytes in a worker id (docs/architecture.md "Identifiers and limits").
 pub const MAX_WORKER_ID_BYTES: usize = 64;
 
 /// An identifier that failed validation.

@@ -1,0 +1,464 @@
+//! Bounded TCP listeners for every Cumulus server (coordinator gRPC and HTTP, worker agent
+//! HTTP, rank-local API).
+//!
+//! Without bounds, a flood of idle or half-sent connections from anything that can reach
+//! a port held file descriptors and memory until the process could open nothing else: on
+//! a worker agent every rank placed there failed ("cannot create log … Too many open
+//! files") until the jobs had spent their restart budgets. Here each listener has
+//! - a cap on its open connections ([`Limits::max_connections`]): past it a new
+//!   connection is accepted and closed at once, so it costs a descriptor for
+//!   microseconds, never holds one;
+//! - a deadline for a connection's first bytes ([`Limits::first_bytes_timeout_ms`]): a
+//!   connection that sends nothing (or less than the HTTP/2 preface) is closed;
+//! - for HTTP/1, hyper's header-read deadline ([`HTTP_HEADER_READ_TIMEOUT_MS`]): a request
+//!   whose headers trickle in (slowloris) or an idle keep-alive connection is closed;
+//! - and the process keeps [`FD_RESERVE`] descriptors that no listener may use
+//!   ([`fd_budget`]), so a flood can never stop an agent from opening a rank's log or a
+//!   coordinator from opening and syncing its raft log.
+//!
+//! HTTP/2 connections (gRPC) are kept honest by the server's keepalive PINGs, set where
+//! the tonic server is built.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Sleep;
+use tokio_util::sync::CancellationToken;
+
+/// File descriptors no listener may use: room for raft log segments, the sled database,
+/// rank logs and pipes, checkpoint files and outgoing connections, whatever the
+/// listeners hold.
+pub const FD_RESERVE: u64 = 512;
+/// Deadline for an HTTP/1 request's headers (and for the next request on an idle
+/// keep-alive connection), in milliseconds.
+pub const HTTP_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// Default deadline for a connection's first bytes, in milliseconds.
+pub const FIRST_BYTES_TIMEOUT_MS: u64 = 10_000;
+/// Bytes a connection must send before [`Limits::first_bytes_timeout_ms`]: the HTTP/2
+/// client preface is 24 bytes, and no HTTP/1 request line is shorter.
+pub const FIRST_BYTES: usize = 24;
+/// How long the accept loop waits after a failed `accept` (descriptors exhausted, say)
+/// before it tries again, in milliseconds.
+pub const ACCEPT_RETRY_MS: u64 = 50;
+/// Least interval between two warnings of one listener about refused connections, in
+/// milliseconds (a flood must not flood the log too).
+pub const WARN_INTERVAL_MS: u64 = 5_000;
+
+/// The bounds of one listener.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Most connections open at once; more are closed at accept.
+    pub max_connections: usize,
+    /// A connection that has not sent [`FIRST_BYTES`] bytes by then is closed, in
+    /// milliseconds.
+    pub first_bytes_timeout_ms: u64,
+}
+
+impl Limits {
+    /// `max_connections` open at once, the default first-bytes deadline.
+    pub const fn connections(max_connections: usize) -> Limits {
+        Limits {
+            max_connections,
+            first_bytes_timeout_ms: FIRST_BYTES_TIMEOUT_MS,
+        }
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit (as Go's runtime does at
+/// start) and returns the descriptors the listeners may share: the limit less
+/// [`FD_RESERVE`] and less `already_open` (the process's descriptors in use now).
+///
+/// # Errors
+/// The limit cannot be read. A refused raise is not an error: the old limit is used.
+pub fn fd_budget(already_open: u64) -> io::Result<u64> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(io::Error::from)?;
+    let soft = if soft < hard {
+        match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => hard,
+            Err(e) => {
+                tracing::warn!(soft, hard, error = %e, "cannot raise the open-file limit");
+                soft
+            }
+        }
+    } else {
+        soft
+    };
+    Ok(soft.saturating_sub(FD_RESERVE).saturating_sub(already_open))
+}
+
+/// Descriptors this process has open now (entries of `/proc/self/fd`; 64 where that
+/// cannot be read).
+pub fn open_fds() -> u64 {
+    std::fs::read_dir("/proc/self/fd").map_or(64, |d| d.count() as u64)
+}
+
+/// Scales the wanted connection caps of several listeners down, in proportion, until
+/// they fit `budget` descriptors together; each keeps at least 16.
+pub fn fit_caps(wanted: &[usize], budget: u64) -> Vec<usize> {
+    let total: u64 = wanted.iter().map(|w| *w as u64).sum();
+    if total <= budget || total == 0 {
+        return wanted.to_vec();
+    }
+    wanted
+        .iter()
+        .map(|w| ((*w as u64).saturating_mul(budget) / total).max(16) as usize)
+        .collect()
+}
+
+/// A TCP listener with [`Limits`]; serves axum routers ([`serve_http`]) and tonic
+/// servers ([`BoundedListener::into_incoming`]).
+pub struct BoundedListener {
+    listener: TcpListener,
+    /// Names the listener in logs ("coordinator gRPC", "rank API", …).
+    name: &'static str,
+    limits: Limits,
+    slots: Arc<Semaphore>,
+    /// Connections refused since the last warning.
+    refused: Arc<AtomicU64>,
+    last_warning: Option<Instant>,
+}
+
+impl BoundedListener {
+    /// Wraps `listener`.
+    pub fn new(listener: TcpListener, name: &'static str, limits: Limits) -> BoundedListener {
+        BoundedListener {
+            listener,
+            name,
+            limits,
+            slots: Arc::new(Semaphore::new(limits.max_connections)),
+            refused: Arc::default(),
+            last_warning: None,
+        }
+    }
+
+    /// The bound address.
+    ///
+    /// # Errors
+    /// As [`TcpListener::local_addr`].
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Connections open now.
+    pub fn open_connections(&self) -> usize {
+        self.limits.max_connections - self.slots.available_permits()
+    }
+
+    /// The next connection within the cap (`TCP_NODELAY` set). Connections past the cap
+    /// are closed here; failed accepts are retried after [`ACCEPT_RETRY_MS`]; both are
+    /// logged at most every [`WARN_INTERVAL_MS`].
+    pub async fn accept_bounded(&mut self) -> (BoundedStream, SocketAddr) {
+        loop {
+            let (stream, peer) = match self.listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    self.note_refused(Some(&e));
+                    tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_MS)).await;
+                    continue;
+                }
+            };
+            let Ok(permit) = self.slots.clone().try_acquire_owned() else {
+                drop(stream);
+                self.note_refused(None);
+                continue;
+            };
+            // Small replies must not wait for the peer's delayed ACK (Nagle).
+            let _ = stream.set_nodelay(true);
+            let stream = BoundedStream {
+                inner: stream,
+                _permit: permit,
+                first_bytes_left: FIRST_BYTES,
+                first_bytes_deadline: Some(Box::pin(tokio::time::sleep(Duration::from_millis(
+                    self.limits.first_bytes_timeout_ms,
+                )))),
+            };
+            return (stream, peer);
+        }
+    }
+
+    fn note_refused(&mut self, error: Option<&io::Error>) {
+        let refused = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        let due = self
+            .last_warning
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(WARN_INTERVAL_MS));
+        if due {
+            self.last_warning = Some(Instant::now());
+            self.refused.store(0, Ordering::Relaxed);
+            match error {
+                Some(e) => tracing::warn!(
+                    listener = self.name,
+                    failed = refused,
+                    error = %e,
+                    "accept failed; retrying"
+                ),
+                None => tracing::warn!(
+                    listener = self.name,
+                    refused,
+                    max_connections = self.limits.max_connections,
+                    "connections refused: the listener is at its cap"
+                ),
+            }
+        }
+    }
+
+    /// The accepted connections as a stream, for tonic's `serve_with_incoming*`.
+    pub fn into_incoming(
+        self,
+    ) -> impl futures::Stream<Item = Result<BoundedStream, io::Error>> + Send + 'static {
+        futures::stream::unfold(self, |mut listener| async move {
+            let (stream, _) = listener.accept_bounded().await;
+            Some((Ok(stream), listener))
+        })
+    }
+}
+
+/// A connection accepted by a [`BoundedListener`]: holds one of its slots until dropped,
+/// and fails its reads once the first-bytes deadline passes before [`FIRST_BYTES`] bytes
+/// arrived.
+pub struct BoundedStream {
+    inner: TcpStream,
+    _permit: OwnedSemaphorePermit,
+    /// Bytes still expected before the deadline is lifted.
+    first_bytes_left: usize,
+    /// `None` once the first bytes arrived.
+    first_bytes_deadline: Option<Pin<Box<Sleep>>>,
+}
+
+impl BoundedStream {
+    /// The peer's address.
+    ///
+    /// # Errors
+    /// As [`TcpStream::peer_addr`].
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        self.inner.peer_addr()
+    }
+}
+
+impl AsyncRead for BoundedStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let result = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if let Some(deadline) = this.first_bytes_deadline.as_mut() {
+            if let Poll::Ready(Ok(())) = &result {
+                let got = buf.filled().len() - before;
+                this.first_bytes_left = this.first_bytes_left.saturating_sub(got);
+                if this.first_bytes_left == 0 {
+                    this.first_bytes_deadline = None;
+                    return result;
+                }
+            }
+            if deadline.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the connection sent too little before its first-bytes deadline",
+                )));
+            }
+        }
+        result
+    }
+}
+
+impl AsyncWrite for BoundedStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, data)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+impl tonic::transport::server::Connected for BoundedStream {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+/// Serves `router` on `listener` (HTTP/1 and HTTP/2) until `shutdown` is cancelled, then
+/// lets open requests finish. HTTP/1 headers must arrive within
+/// [`HTTP_HEADER_READ_TIMEOUT_MS`].
+///
+/// # Errors
+/// None today (accept errors are retried); the `Result` is for the callers' task sets.
+pub async fn serve_http(
+    mut listener: BoundedListener,
+    router: axum::Router,
+    shutdown: CancellationToken,
+) -> io::Result<()> {
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(HTTP_HEADER_READ_TIMEOUT_MS));
+    let graceful = GracefulShutdown::new();
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept_bounded() => accepted,
+            () = shutdown.cancelled() => break,
+        };
+        let service = TowerToHyperService::new(router.clone());
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            if let Err(e) = watcher.watch(conn).await {
+                tracing::trace!(error = %e, "HTTP connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Polls `f` to completion or until `timeout`.
+    async fn within<F: Future>(timeout: Duration, f: F) -> Option<F::Output> {
+        tokio::time::timeout(timeout, f).await.ok()
+    }
+
+    #[test]
+    fn caps_are_scaled_to_the_budget() {
+        assert_eq!(fit_caps(&[1024, 1024], 1_000_000), vec![1024, 1024]);
+        assert_eq!(fit_caps(&[1024, 1024], 1024), vec![512, 512]);
+        assert_eq!(fit_caps(&[100, 300], 40), vec![16, 30]);
+        assert_eq!(fit_caps(&[], 10), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn the_fd_budget_leaves_the_reserve() {
+        let budget = fd_budget(open_fds()).expect("getrlimit");
+        let (soft, _) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+            .expect("getrlimit");
+        assert!(
+            budget + FD_RESERVE <= soft,
+            "{budget} + {FD_RESERVE} > {soft}"
+        );
+    }
+
+    async fn http_server(limits: Limits) -> (SocketAddr, CancellationToken) {
+        let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = BoundedListener::new(tcp, "test", limits);
+        let addr = listener.local_addr().expect("addr");
+        let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        let stop = CancellationToken::new();
+        tokio::spawn(serve_http(listener, router, stop.clone()));
+        (addr, stop)
+    }
+
+    /// Reads until EOF or an error; true when the server closed the connection.
+    async fn closed_by_server(conn: &mut TcpStream) -> bool {
+        let mut buf = [0u8; 256];
+        loop {
+            match conn.read(&mut buf).await {
+                Ok(0) | Err(_) => return true,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn connections_past_the_cap_are_closed_at_accept_and_slots_come_back() {
+        let (addr, stop) = http_server(Limits::connections(4)).await;
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            held.push(TcpStream::connect(addr).await.expect("connect"));
+        }
+        // The fifth is accepted and closed at once (it waits on nothing).
+        let mut fifth = TcpStream::connect(addr).await.expect("connect");
+        let closed = within(Duration::from_secs(5), closed_by_server(&mut fifth)).await;
+        assert_eq!(closed, Some(true), "a connection past the cap is closed");
+        // Freed slots take new connections, which are served.
+        held.clear();
+        let body = within(Duration::from_secs(30), async {
+            loop {
+                match reqwest::get(format!("http://{addr}/")).await {
+                    Ok(r) => return r.text().await.expect("body"),
+                    Err(_) => tokio::task::yield_now().await,
+                }
+            }
+        })
+        .await;
+        assert_eq!(body.as_deref(), Some("ok"));
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_silent_connection_is_closed_after_its_first_bytes_deadline() {
+        let limits = Limits {
+            max_connections: 8,
+            first_bytes_timeout_ms: 200,
+        };
+        let (addr, stop) = http_server(limits).await;
+        let mut silent = TcpStream::connect(addr).await.expect("connect");
+        let started = Instant::now();
+        let closed = within(Duration::from_secs(30), closed_by_server(&mut silent)).await;
+        assert_eq!(closed, Some(true));
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn trickled_headers_are_cut_by_the_header_deadline() {
+        let (addr, stop) = http_server(Limits::connections(8)).await;
+        let mut slow = TcpStream::connect(addr).await.expect("connect");
+        // Enough bytes to pass the first-bytes deadline, but never the end of the headers.
+        slow.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: 1")
+            .await
+            .expect("write");
+        let started = Instant::now();
+        let closed = within(
+            Duration::from_millis(HTTP_HEADER_READ_TIMEOUT_MS * 3),
+            closed_by_server(&mut slow),
+        )
+        .await;
+        assert_eq!(closed, Some(true), "half-sent headers are cut");
+        assert!(started.elapsed() >= Duration::from_millis(HTTP_HEADER_READ_TIMEOUT_MS / 2));
+        stop.cancel();
+    }
+}
