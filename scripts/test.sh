@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The project's test command: builds every binary (the end-to-end tests start the real
-# coordinator, worker, trainer and cumulusctl processes), then runs every test, then the
-# checkpoint failpoint tests, then the docker-compose test (compose/test.sh: real images and containers; it prints
-# "COMPOSE TEST SKIPPED" and why when no Docker engine is reachable).
+# The project's test command. Installs what the tests need (scripts/setup.sh,
+# idempotent), builds every binary (the end-to-end tests start the real coordinator,
+# worker, trainer and cumulusctl processes), then runs every test, then the checkpoint
+# failpoint tests, then the docker-compose test (compose/test.sh: real images and
+# containers; it prints "COMPOSE TEST SKIPPED" and why when no Docker engine is
+# reachable). Arguments go to `cargo test` (e.g. a test name filter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+./scripts/setup.sh
 cargo build --workspace --bins
 cargo test --workspace "$@"
 # Crash and disk-full tests of the checkpoint commit protocol: they need the ckpt crate's

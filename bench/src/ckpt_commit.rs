@@ -21,11 +21,11 @@
 //! resume pays: every byte re-read and hashed) and how long the digest alone of the same
 //! bytes takes (the raw files, read back from page cache by 4 threads).
 //!
-//! History (BENCHMARKS.md): with SHA-256 hashed by the agent and again by the leader at
-//! finalize, the ratio was 0.25–0.42 on this machine; each hash pass cost about as much as
-//! the raw write + fsync. Manifest format 2 (BLAKE3) and a leader that checks sizes at
-//! finalize, leaving the full verification to the resume, are the two changes that close
-//! that gap.
+//! History (docs/perf-notes.md, "Checkpoint commit"): with SHA-256 hashed by the agent and
+//! again by the leader at finalize, the ratio was 0.25–0.42 on this machine; each hash
+//! pass cost about as much as the raw write + fsync. Manifest format 2 (BLAKE3) and a
+//! leader that checks sizes at finalize, leaving the full verification to the resume, are
+//! the two changes that close that gap.
 //!
 //! **Small commit.** 200 samples (smoke: 20) of a single 4 KiB file committed as a part
 //! (`prepare_staging` + write + `commit_part`) against 200 atomic file replaces (write a

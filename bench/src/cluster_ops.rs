@@ -376,7 +376,7 @@ pub async fn worker_expiry(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
 /// Measured: restart → it has applied the last of them, the rate in MB of entries per
 /// second, and the elections (term changes) during the catch-up. No target in the issue;
 /// it shows that a request carries a bounded size (8 MiB) and that large requests are
-/// encoded and decoded off the runtime threads (ARCHITECTURE.md).
+/// encoded and decoded off the runtime threads (docs/architecture.md, "The write path").
 pub async fn follower_catchup(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let rounds = ctx.pick(3, 1);
     let submits = ctx.pick(35, 3);

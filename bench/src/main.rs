@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo build --release --workspace --bins
-//! ./target/release/cumulus-bench --out bench-results            # every scenario
+//! ./target/release/cumulus-bench                                # every scenario
 //! ./target/release/cumulus-bench --smoke --only failover         # quick check that it runs
 //! ```
 //! Benchmarks are never tests: `--smoke` shrinks every scenario so CI can check that it
@@ -44,7 +44,7 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Directory for the JSON results (created).
-    #[arg(long, default_value = "bench-results")]
+    #[arg(long, default_value = "target/bench-results")]
     out: PathBuf,
     /// Concurrent clients measured by `write_path` (comma-separated, each 1..=999;
     /// default 1,16,64), e.g. `--write-clients 1` for a quick look at one client.

@@ -6,7 +6,7 @@
 //! - `blake3`, what this version writes ([`WRITE_ALGORITHM`]): BLAKE3 (O'Connor, Aumasson,
 //!   Neves, Wilcox-O'Hearn, 2020) through the `blake3` crate, which picks SSE4.1 / AVX2 /
 //!   AVX-512 at run time; on the 2-core benchmark machine it hashes 3–4 GB/s per core,
-//!   about 3× SHA-256 with SHA-NI (BENCHMARKS.md, session 5);
+//!   about 3× SHA-256 with SHA-NI (docs/perf-notes.md, "BLAKE3, hashed once");
 //! - `sha256`, what manifest format 1 recorded (as a bare hex field `sha256`), still read
 //!   and verified so that steps written before format 2 stay resumable.
 

@@ -1,7 +1,7 @@
 //! Cumulus checkpoints: layout, manifest, atomic part commit, verification, `LATEST`,
 //! listing and retention.
 //!
-//! # Layout (local backend, ARCHITECTURE.md "Checkpoint layout")
+//! # Layout (local backend, docs/architecture.md "Checkpoint layout (local backend)")
 //! ```text
 //! <root>/<job_id>/.staging/rank-<r>.attempt-<a>/        CUMULUS_CKPT_STAGING of one attempt
 //! <root>/<job_id>/step-00000100/rank-0/attempt-1/…      one committed part
@@ -13,7 +13,7 @@
 //! per rank that the Raft log accepted.
 //!
 //! # Protocol
-//! The protocol is the one of DESIGN.md ("Checkpoints") and ARCHITECTURE.md, built on the
+//! The protocol is the one of docs/architecture.md ("Checkpoint layout"), built on the
 //! classic durable-replace pattern of POSIX file systems: *write to a temporary name, fsync
 //! the data, rename onto the final name, fsync the directory that holds the name*. A rename
 //! within one file system is atomic, so a reader sees either the old state or the new one,

@@ -605,7 +605,7 @@ impl LocalStore {
         // (the rename's target side) and the staging parent (its source side, and the
         // new staging). On a journaling file system the first fsync commits all of
         // them; fsyncing each after its own change cost three more journal commits, and
-        // a 4 KiB part took 2.9x an atomic file replace (BENCHMARKS.md, session 14).
+        // a 4 KiB part took 2.9x an atomic file replace (docs/perf-notes.md, "Small parts").
         if durability == Durability::Durable {
             failpoint!(failpoints::PART_FSYNC_PARENT, "fsync dir", &rank_dir);
             for dir in created_in.iter().chain([&rank_dir]) {

@@ -1,7 +1,7 @@
 //! The S3 (L2) checkpoint tier: [`S3Store`] on aws-sdk-s3, for AWS S3, MinIO and other
 //! S3-compatible servers (path-style addressing, custom endpoint).
 //!
-//! # Layout (ARCHITECTURE.md "Checkpoint layout (S3)")
+//! # Layout (docs/architecture.md "Checkpoint layout (S3)")
 //! ```text
 //! s3://<bucket>/<prefix>/<job_id>/step-00000100/rank-0/attempt-1/<file>   one part's files
 //! s3://<bucket>/<prefix>/<job_id>/step-00000100/MANIFEST.json            after every part
@@ -15,7 +15,7 @@
 //! mismatch), and a final `HEAD` must show the recorded size and digest. (Part data is
 //! not also sent with `Content-MD5`: the body's SHA-256 already covers it, and an MD5 of
 //! every byte cost the 2-core benchmark machine about a tenth of its CPU time; see
-//! BENCHMARKS.md `ckpt_s3`.) Small metadata objects (manifest, `LATEST`) carry
+//! docs/perf-notes.md, "Checkpoints in S3".) Small metadata objects (manifest, `LATEST`) carry
 //! `Content-MD5` and their ETag is checked, because `LATEST`'s conditional writes compare
 //! ETags anyway. A reader
 //! ([`S3Store::verify_part`]) checks size and digest metadata by `HEAD`; a restore

@@ -7,7 +7,7 @@
 //!   that survive the loss of the machine. The L1 copy is then a cache and is not fsynced
 //!   ([`Durability::Cache`]): a machine crash can tear it, and a resume, which re-hashes
 //!   every byte of an L1 copy, then restores it from L2. (Fsyncing it wrote every byte to
-//!   the local disk before the upload could start; BENCHMARKS.md, session 5.)
+//!   the local disk before the upload could start; docs/perf-notes.md, "Checkpoints in S3".)
 //! - [`CommitTier::L1`]: the L1 commit is durable (every fsync of the local protocol),
 //!   `commit_part` returns at once and the upload runs in the background
 //!   (bounded concurrency; the S3 store retries transient errors with backoff until its

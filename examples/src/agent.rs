@@ -1,4 +1,4 @@
-//! Client of the worker agent's rank-local HTTP API (ARCHITECTURE.md, "Rank-local HTTP
+//! Client of the worker agent's rank-local HTTP API (docs/architecture.md, "Rank-local HTTP
 //! API"): `POST /v1/progress` and `POST /v1/checkpoint`, both with
 //! `Authorization: Bearer $CUMULUS_AGENT_TOKEN`.
 

@@ -1,4 +1,4 @@
-//! The rank environment set by the Cumulus worker agent (ARCHITECTURE.md, "Rank
+//! The rank environment set by the Cumulus worker agent (docs/architecture.md, "Rank
 //! environment"). Every variable is optional so that the trainer also runs standalone;
 //! an empty value counts as unset.
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs what the tests need beyond the Rust toolchain, idempotently (a second run
+# checks in about a second and installs nothing):
+#   - Debian packages: a C compiler, protoc and the protobuf includes (the benchmark's etcd
+#     client; our own crates use a vendored protoc), etcd (the benchmark's write-path
+#     comparison), debootstrap and binutils (the docker-compose test's offline base image);
+#   - s3s-fs, a real S3-compatible server (the S3 checkpoint tests start it on loopback),
+#     with `cargo install` (~3 min on 2 cores, once).
+# The README's first command (`cargo build --release`) needs none of this.
+#
+# As root it installs; otherwise it prints the exact commands to run and fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+S3S_FS_VERSION=0.14.1
+
+need=()
+command -v cc >/dev/null 2>&1 || need+=(build-essential)
+command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+[ -f /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
+command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || need+=(etcd-server)
+command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
+command -v objcopy >/dev/null 2>&1 || need+=(binutils)
+
+have_s3s=1
+command -v s3s-fs >/dev/null 2>&1 || [ -x "$HOME/.cargo/bin/s3s-fs" ] || have_s3s=0
+
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "setup: missing Debian packages: ${need[*]}" >&2
+    echo "setup: run: sudo apt-get update && sudo apt-get install -y --no-install-recommends ${need[*]}" >&2
+    exit 1
+  fi
+  echo "== setup: installing ${need[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+if [ "$have_s3s" = 0 ]; then
+  echo "== setup: installing s3s-fs $S3S_FS_VERSION (cargo install, ~3 min once)"
+  cargo install "s3s-fs@$S3S_FS_VERSION" --locked --features binary
+fi
+echo "== setup: everything the tests need is installed"
