@@ -332,6 +332,13 @@ pub async fn run(
         }
     }
 
+    // Whom a pristine node may vote for: the members it bootstraps with (a joining node,
+    // none: it is added as a learner first).
+    let initial_members: Vec<NodeId> = if config.join || config.rejoin_empty {
+        Vec::new()
+    } else {
+        config.peers.iter().map(|p| p.id).collect()
+    };
     let grpc_listener = tokio::net::TcpListener::bind(config.grpc_listen)
         .await
         .with_context(|| format!("binding gRPC on {}", config.grpc_listen))?;
@@ -374,7 +381,7 @@ pub async fn run(
         .http2_keepalive_interval(Some(Duration::from_millis(network::KEEPALIVE_INTERVAL_MS)))
         .http2_keepalive_timeout(Some(Duration::from_millis(network::KEEPALIVE_TIMEOUT_MS)))
         .add_service(tonic::service::interceptor::InterceptedService::new(
-            RaftServiceServer::new(raft_service::RaftSvc::new(node.clone()))
+            RaftServiceServer::new(raft_service::RaftSvc::new(node.clone(), initial_members))
                 .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
             AuthInterceptor { token: peer_token },

@@ -29,14 +29,18 @@ pub struct RaftSvc {
     /// One permit: snapshots are received one at a time (each may hold up to
     /// [`MAX_SNAPSHOT_BYTES`] in memory).
     pub snapshot_slot: tokio::sync::Semaphore,
+    /// The members of the cluster this node was started to bootstrap with (`--peer`);
+    /// empty for a node that joins an existing cluster ([`check_sender`]).
+    pub initial_members: Vec<cumulus_raft_store::NodeId>,
 }
 
 impl RaftSvc {
     /// The service of `node`, receiving no snapshot yet.
-    pub fn new(node: Arc<Node>) -> Self {
+    pub fn new(node: Arc<Node>, initial_members: Vec<cumulus_raft_store::NodeId>) -> Self {
         RaftSvc {
             node,
             snapshot_slot: tokio::sync::Semaphore::new(1),
+            initial_members,
         }
     }
 }
@@ -76,19 +80,46 @@ pub fn snapshot_buffer(data_bytes: Option<u64>) -> Result<Vec<u8>, Status> {
     }
 }
 
+/// A Raft RPC, as [`check_sender`] tells them apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RaftRpc {
+    /// A candidate asks for this node's vote.
+    Vote,
+    /// A leader appends entries (or sends a heartbeat).
+    Append,
+    /// A leader installs a snapshot.
+    Snapshot,
+}
+
+impl RaftRpc {
+    fn as_str(self) -> &'static str {
+        match self {
+            RaftRpc::Vote => "vote",
+            RaftRpc::Append => "append",
+            RaftRpc::Snapshot => "snapshot",
+        }
+    }
+}
+
 /// Checks the sender of a Raft request (the `vote` it carries: a candidate's, or a
-/// leader's for an append or a snapshot): its term must be at most [`MAX_RAFT_TERM`], and
-/// its node id must be a member (voter or learner) of this node's membership `members`
-/// (empty while this node has joined no cluster yet: a new learner hears first from the
-/// leader that adds it). `what` names the request in the error and the log.
+/// leader's for an append or a snapshot). Its term must be at most [`MAX_RAFT_TERM`],
+/// and its node id a member (voter or learner) of this node's membership `members`.
+/// While that is empty (a pristine node that has received no entry yet):
+/// - a vote is granted only to the cluster's initial members, `initial_members` (the
+///   `--peer` list of a bootstrapping cluster, whose pristine nodes must vote for the
+///   first leader; empty for a `--join` node, which votes for no one until added);
+/// - an append or a snapshot is taken from any authenticated peer (a new learner hears
+///   first from the leader that adds it).
 ///
 /// # Errors
 /// `permission_denied` naming the node id or term refused; the refusal is logged.
 pub fn check_sender(
-    what: &str,
+    rpc: RaftRpc,
     vote: &Vote,
     members: &[cumulus_raft_store::NodeId],
+    initial_members: &[cumulus_raft_store::NodeId],
 ) -> Result<(), Status> {
+    let what = rpc.as_str();
     let term = vote.leader_id.term;
     let sender = vote.leader_id.node_id;
     if term > MAX_RAFT_TERM {
@@ -102,11 +133,16 @@ pub fn check_sender(
             "a raft {what} of term {term} is refused: terms above {MAX_RAFT_TERM} are never accepted"
         )));
     }
-    if !members.is_empty() && !members.contains(&sender) {
+    let allowed = match (members.is_empty(), rpc) {
+        (false, _) => members,
+        (true, RaftRpc::Vote) => initial_members,
+        (true, RaftRpc::Append | RaftRpc::Snapshot) => return Ok(()),
+    };
+    if !allowed.contains(&sender) {
         tracing::warn!(
             sender,
             term,
-            ?members,
+            ?allowed,
             "refused a raft {what} from a node that is not a member"
         );
         return Err(Status::permission_denied(format!(
@@ -208,7 +244,7 @@ impl RaftService for RaftSvc {
                             .nodes()
                             .map(|(id, _)| *id)
                             .collect();
-                        if check_sender("append", &rpc.vote, &members).is_err() {
+                        if check_sender(RaftRpc::Append, &rpc.vote, &members, &[]).is_err() {
                             return None;
                         }
                         let last_index = rpc.entries.last().map(|e| e.log_id.index);
@@ -246,7 +282,7 @@ impl RaftService for RaftSvc {
     ) -> Result<Response<RaftPayload>, Status> {
         let received_ns = stage::now_ns();
         let rpc: AppendEntriesRequest<TypeConfig> = decode(req)?;
-        check_sender("append", &rpc.vote, &self.members())?;
+        check_sender(RaftRpc::Append, &rpc.vote, &self.members(), &[])?;
         let last_index = rpc.entries.last().map(|e| e.log_id.index);
         let decoded_ns = stage::now_ns();
         let result = self.node.raft.append_entries(rpc).await;
@@ -258,7 +294,12 @@ impl RaftService for RaftSvc {
 
     async fn vote(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
         let rpc: VoteRequest<TypeConfig> = decode(req)?;
-        check_sender("vote", &rpc.vote, &self.members())?;
+        check_sender(
+            RaftRpc::Vote,
+            &rpc.vote,
+            &self.members(),
+            &self.initial_members,
+        )?;
         encode(&self.node.raft.vote(rpc).await)
     }
 
@@ -288,7 +329,7 @@ impl RaftService for RaftSvc {
         }
         let header: SnapshotHeader = serde_json::from_slice(&first.header_json)
             .map_err(|e| Status::invalid_argument(format!("undecodable snapshot header: {e}")))?;
-        check_sender("snapshot", &header.vote, &self.members())?;
+        check_sender(RaftRpc::Snapshot, &header.vote, &self.members(), &[])?;
         let current = self.node.raft.metrics().borrow_watched().vote;
         if let Some(reply) = stale_snapshot_reply(&header.vote, &current) {
             tracing::info!(
@@ -362,22 +403,43 @@ mod tests {
 
     #[test]
     fn a_sender_outside_the_membership_or_with_an_absurd_term_is_refused() {
+        use RaftRpc::{Append, Snapshot, Vote as V};
         let members = [1, 2, 3];
-        assert!(check_sender("vote", &Vote::new(7, 2), &members).is_ok());
-        assert!(check_sender("append", &Vote::new_committed(MAX_RAFT_TERM, 3), &members).is_ok());
-        let outsider = check_sender("vote", &Vote::new(7, 9), &members).expect_err("not a member");
+        assert!(check_sender(V, &Vote::new(7, 2), &members, &[]).is_ok());
+        assert!(
+            check_sender(
+                Append,
+                &Vote::new_committed(MAX_RAFT_TERM, 3),
+                &members,
+                &[]
+            )
+            .is_ok()
+        );
+        let outsider = check_sender(V, &Vote::new(7, 9), &members, &[]).expect_err("not a member");
         assert_eq!(outsider.code(), tonic::Code::PermissionDenied);
         assert!(
             outsider.message().contains("node 9"),
             "{}",
             outsider.message()
         );
-        let absurd = check_sender("vote", &Vote::new(u64::MAX, 2), &members).expect_err("term");
+        assert!(check_sender(Snapshot, &Vote::new_committed(7, 9), &members, &[]).is_err());
+        let absurd = check_sender(V, &Vote::new(u64::MAX, 2), &members, &[]).expect_err("term");
         assert_eq!(absurd.code(), tonic::Code::PermissionDenied);
-        assert!(check_sender("vote", &Vote::new(MAX_RAFT_TERM + 1, 2), &members).is_err());
-        // A node that has joined no cluster yet hears first from the leader adding it.
-        assert!(check_sender("append", &Vote::new_committed(3, 9), &[]).is_ok());
-        assert!(check_sender("append", &Vote::new_committed(u64::MAX, 9), &[]).is_err());
+        assert!(check_sender(V, &Vote::new(MAX_RAFT_TERM + 1, 2), &members, &[]).is_err());
+    }
+
+    #[test]
+    fn a_pristine_node_votes_only_for_initial_members_but_hears_any_leader() {
+        use RaftRpc::{Append, Snapshot, Vote as V};
+        // Bootstrapping: the first leader needs the pristine nodes' votes.
+        assert!(check_sender(V, &Vote::new(1, 1), &[], &[1, 2, 3]).is_ok());
+        assert!(check_sender(V, &Vote::new(2, 9), &[], &[1, 2, 3]).is_err());
+        // A joining node votes for no one until it is added.
+        assert!(check_sender(V, &Vote::new(2, 1), &[], &[]).is_err());
+        // ... but takes entries and snapshots from the leader that adds it.
+        assert!(check_sender(Append, &Vote::new_committed(3, 9), &[], &[]).is_ok());
+        assert!(check_sender(Snapshot, &Vote::new_committed(3, 9), &[], &[]).is_ok());
+        assert!(check_sender(Append, &Vote::new_committed(u64::MAX, 9), &[], &[]).is_err());
     }
 
     #[test]

@@ -5,8 +5,8 @@
 //! a candidate missing entries it had acknowledged, and that candidate could win without
 //! them (Raft's safety argument counts this node's acknowledgement). So the node comes
 //! back only after an operator removed it from the membership (`cumulusctl cluster
-//! remove ID`): this module asks the other coordinators for the membership and refuses
-//! while the node is still a member, then moves the damaged data dir aside (kept for
+//! remove ID`): this module asks the leader for the membership and refuses while the
+//! node is still a voter, then moves the damaged data dir aside (kept for
 //! inspection, never deleted) and lets the node start empty as with `--join`; the
 //! operator then adds it back with `cluster add-learner` (it catches up from the leader
 //! by entries or a snapshot) and `cluster promote`.
@@ -25,8 +25,13 @@ use crate::auth::AddToken;
 
 /// Deadline of asking one other coordinator for the membership, in milliseconds.
 pub const ASK_TIMEOUT_MS: u64 = 3_000;
+/// How long to look for the leader among the other coordinators, in milliseconds.
+pub const LEADER_WAIT_MS: u64 = 30_000;
+/// Pause between two rounds of asking, in milliseconds.
+pub const ASK_RETRY_MS: u64 = 500;
 
-/// Checks with the other coordinators in `peers` that `node_id` is no longer a member,
+/// Checks with the leader (found among the other coordinators in `peers`) that `node_id`
+/// is no longer a member,
 /// then moves `data_dir` aside to `<data_dir>.damaged-<unix seconds>` (when it exists)
 /// and returns where it went.
 ///
@@ -45,35 +50,49 @@ pub async fn prepare(
              each) to check that node {node_id} was removed from the membership"
         );
     }
-    let mut answers = Vec::new();
-    for peer in &others {
-        match ask_members(&peer.node.grpc_addr, auth.clone()).await {
-            Ok(members) => {
-                answers.push(peer.id);
-                if members.contains(&node_id) {
-                    bail!(
-                        "node {node_id} is still a member of the cluster (answer of node {}): a \
-                         node that lost its log must not vote. Run `cumulusctl cluster remove \
-                         {node_id}` first, then start it again with --rejoin-empty",
-                        peer.id
-                    );
+    // Only the leader's answer counts: a follower may not have applied the removal yet.
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(LEADER_WAIT_MS);
+    let members = loop {
+        let mut leader_members = None;
+        for peer in &others {
+            match ask_members(&peer.node.grpc_addr, auth.clone()).await {
+                Ok(Some(members)) => {
+                    leader_members = Some((peer.id, members));
+                    break;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(peer = peer.id, error = %e, "cannot ask for the membership")
                 }
             }
-            Err(e) => tracing::warn!(peer = peer.id, error = %e, "cannot ask for the membership"),
         }
-    }
-    if answers.is_empty() {
+        if let Some(found) = leader_members {
+            break found;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!(
+                "no other coordinator answered as the leader within {LEADER_WAIT_MS} ms; \
+                 cannot confirm that node {node_id} was removed from the membership (it \
+                 must be before it starts empty)"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(ASK_RETRY_MS)).await;
+    };
+    let (leader, members) = members;
+    if members.contains(&node_id) {
         bail!(
-            "no other coordinator answered; cannot confirm that node {node_id} was removed \
-             from the membership (it must be before it starts empty)"
+            "node {node_id} is still a voting member of the cluster (says the leader, node \
+             {leader}): a node that lost its log must not vote. Run `cumulusctl cluster \
+             remove {node_id}` first, then start it again with --rejoin-empty"
         );
     }
     move_aside(data_dir)
 }
 
-/// Node ids (voters and learners) of the membership as the coordinator at `grpc_addr`
-/// reports it.
-async fn ask_members(grpc_addr: &str, auth: AddToken) -> anyhow::Result<Vec<NodeId>> {
+/// Node ids of the voters, when the coordinator at `grpc_addr` is the leader (`None`
+/// when it is not). A learner never votes, so an operator may add the node back as a
+/// learner before or after it starts.
+async fn ask_members(grpc_addr: &str, auth: AddToken) -> anyhow::Result<Option<Vec<NodeId>>> {
     let endpoint = Endpoint::from_shared(format!("http://{grpc_addr}"))
         .with_context(|| format!("bad address {grpc_addr}"))?
         .connect_timeout(Duration::from_millis(ASK_TIMEOUT_MS))
@@ -88,10 +107,17 @@ async fn ask_members(grpc_addr: &str, auth: AddToken) -> anyhow::Result<Vec<Node
         .await
         .with_context(|| format!("cluster status from {grpc_addr}"))?
         .into_inner();
-    if status.leader_id.is_none() {
-        bail!("{grpc_addr} knows no leader");
+    if status.leader_id != Some(status.node_id) {
+        return Ok(None);
     }
-    Ok(status.members.iter().map(|m| m.node_id).collect())
+    Ok(Some(
+        status
+            .members
+            .iter()
+            .filter(|m| m.voter)
+            .map(|m| m.node_id)
+            .collect(),
+    ))
 }
 
 /// Renames `data_dir` to `<data_dir>.damaged-<unix seconds>`; `None` when it does not

@@ -190,6 +190,8 @@ pub struct Coordinator {
     /// Started with `--join` (added after the cluster was created, or wiped): it never
     /// bootstraps and waits for `add-learner`.
     pub join: bool,
+    /// More arguments for its next start (e.g. `--rejoin-empty`).
+    pub extra_args: Vec<String>,
 }
 
 /// `RUST_LOG` of a test coordinator: `info,openraft=warn`, then `extra` if any.
@@ -468,6 +470,7 @@ impl Cluster {
                     log: dir.path().join(format!("coord-{id}.log")),
                 },
                 join: false,
+                extra_args: Vec::new(),
             });
         }
         let mut cluster = Cluster {
@@ -537,6 +540,7 @@ impl Cluster {
         if let Some(n) = self.opts.max_state_bytes {
             extra.extend(["--max-state-bytes".into(), n.to_string()]);
         }
+        extra.extend(c.extra_args.iter().cloned());
         let log = File::options()
             .create(true)
             .append(true)
@@ -592,6 +596,7 @@ impl Cluster {
                 log: dir.join(format!("coord-{id}.log")),
             },
             join: true,
+            extra_args: Vec::new(),
         });
         let i = self.coordinators.len() - 1;
         self.spawn_coordinator(i)?;

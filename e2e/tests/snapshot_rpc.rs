@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use cumulus_coordinator::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader};
-use cumulus_e2e::{Auth, Cluster, ClusterOpts, TOKEN, wait_for};
+use cumulus_e2e::{Auth, Cluster, ClusterOpts, PEER_TOKEN, wait_for};
 use cumulus_proto::v1::SnapshotChunk;
 use cumulus_proto::v1::raft_service_client::RaftServiceClient;
 use cumulus_raft_store::{SnapshotMeta, TypeConfig, Vote};
@@ -35,7 +35,7 @@ async fn open_send(grpc_addr: &str, vote: Vote, data_bytes: Option<u64>) -> Open
         .connect()
         .await
         .expect("connect to the follower");
-    let mut client = RaftServiceClient::with_interceptor(channel, Auth::new(TOKEN));
+    let mut client = RaftServiceClient::with_interceptor(channel, Auth::new(PEER_TOKEN));
     let header_json = serde_json::to_vec(&SnapshotHeader {
         vote,
         meta: SnapshotMeta::default(),
