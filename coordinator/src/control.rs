@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use cumulus_ckpt::{FileEntry, Manifest, PartRecord};
 use cumulus_raft_store::Command;
 use cumulus_raft_store::state::{
-    ClusterState, Job, JobState, PartInfo, RankState, RestartScope, WorkerState,
+    ClusterState, Job, JobState, MAX_AGENT_FAULT_RESTARTS, PartInfo, RankState, RestartScope,
+    WorkerState,
 };
 use rand::RngExt;
 use shard_planner::WorkerSlots;
@@ -84,6 +85,8 @@ pub enum Action {
         delay_ms: u64,
         /// Cause.
         cause: String,
+        /// Every failed rank failed for an agent resource error: no budget is spent.
+        agent_fault: bool,
     },
     /// Fail the job (budget exhausted).
     FailJob {
@@ -304,7 +307,11 @@ fn plan_running(
             .join("; "),
     );
     let policy = &job.spec.restart;
-    if job.restarts_used >= policy.max_restarts {
+    // Attempts the agent could not start for its own lack of a resource are not the
+    // ranks' failures: their restart spends no budget (a bounded number of them).
+    let agent_fault =
+        failed.iter().all(|r| r.agent_fault) && job.agent_fault_restarts < MAX_AGENT_FAULT_RESTARTS;
+    if !agent_fault && job.restarts_used >= policy.max_restarts {
         actions.push(Action::FailJob {
             job_id: job.id.clone(),
             cause: truncate(format!(
@@ -318,13 +325,21 @@ fn plan_running(
         RestartScope::Group => job.ranks.iter().map(|r| r.rank).collect(),
         RestartScope::Rank => failed.iter().map(|r| r.rank).collect(),
     };
-    // Keep each restarted rank on its worker when that worker is alive; re-place the rest.
+    // Keep each restarted rank on its worker when that worker is alive (and could start
+    // it); re-place the rest.
+    let faulty: BTreeSet<&str> = failed
+        .iter()
+        .filter(|r| r.agent_fault)
+        .filter_map(|r| r.worker_id.as_deref())
+        .collect();
     let mut placements = Vec::new();
     let mut homeless = Vec::new();
     let restarting: BTreeSet<u32> = to_restart.iter().copied().collect();
     for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
         match &r.worker_id {
-            Some(w) if alive(w) => placements.push((r.rank, w.clone())),
+            Some(w) if alive(w) && !faulty.contains(w.as_str()) => {
+                placements.push((r.rank, w.clone()))
+            }
             _ => homeless.push(r.rank),
         }
     }
@@ -341,16 +356,31 @@ fn plan_running(
         for (_, w) in &placements {
             *used_without.entry(w.clone()).or_insert(0) += 1;
         }
-        match shard_planner::place_ranks(&homeless, &free_slots(&used_without)) {
-            Ok(Some(more)) => placements.extend(more),
-            _ => return, // wait for capacity
+        // Away from a worker that could not start its ranks, when others have room;
+        // back on it otherwise (its trouble may have passed).
+        let mut elsewhere = free_slots(&used_without);
+        elsewhere.retain(|w| !faulty.contains(w.worker_id.as_str()));
+        let placed = match shard_planner::place_ranks(&homeless, &elsewhere) {
+            Ok(Some(more)) => Some(more),
+            _ => match shard_planner::place_ranks(&homeless, &free_slots(&used_without)) {
+                Ok(Some(more)) => Some(more),
+                _ => None,
+            },
+        };
+        match placed {
+            Some(more) => placements.extend(more),
+            None => return, // wait for capacity
         }
         placements.sort();
     }
     for (_, w) in &placements {
         *used.entry(w.clone()).or_insert(0) += 1;
     }
-    let number = job.restarts_used + 1;
+    let number = if agent_fault {
+        job.agent_fault_restarts + 1
+    } else {
+        job.restarts_used + 1
+    };
     let failed_at_ms = failed.iter().map(|r| r.exited_at_ms).max().unwrap_or(0);
     actions.push(Action::Restart {
         job_id: job.id.clone(),
@@ -358,6 +388,7 @@ fn plan_running(
         failed_at_ms,
         delay_ms: policy.jittered_delay_ms(number, jitter()),
         cause: causes,
+        agent_fault,
     });
 }
 
@@ -694,6 +725,7 @@ async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopMemory) {
             failed_at_ms,
             delay_ms,
             cause,
+            agent_fault,
         } => {
             // Choosing the resume step reads (and verifies) checkpoints: off the loop.
             let task_node = node.clone();
@@ -709,6 +741,7 @@ async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopMemory) {
                     delay_ms,
                     cause,
                     resume_step,
+                    agent_fault,
                 };
                 commit_planned(&node, cmd, &describe).await;
                 IoOutcome::Done
@@ -1224,6 +1257,7 @@ mod tests {
                 signal: None,
                 spawn_error: String::new(),
                 at_ms: 50,
+                agent_fault: false,
             },
             &mut d,
         );
@@ -1251,6 +1285,7 @@ mod tests {
             delay_ms: 600,
             cause: cause.clone(),
             resume_step: None,
+            agent_fault: false,
         };
         assert_eq!(s.apply(&cmd, &mut d), Response::Ok);
         // Second failure: the budget of 1 is used up.
@@ -1276,6 +1311,7 @@ mod tests {
                 signal: Some(9),
                 spawn_error: String::new(),
                 at_ms: 800,
+                agent_fault: false,
             },
             &mut d,
         );
@@ -1286,6 +1322,96 @@ mod tests {
         assert!(
             cause.contains("budget of 1 exhausted") && cause.contains("signal 9"),
             "{cause}"
+        );
+    }
+
+    /// An attempt its agent could not start for lack of a resource of its own (here:
+    /// descriptors) is the worker's failure: the restart spends no budget, even with the
+    /// budget used up, moves the rank to another worker with room, and is itself bounded
+    /// by `MAX_AGENT_FAULT_RESTARTS`; a rank's own failure after it spends budget again.
+    #[test]
+    fn agent_resource_errors_restart_elsewhere_without_spending_budget() {
+        let (mut s, job_id) = state_with_running_job(1, RestartScope::Group);
+        let mut d = BTreeSet::new();
+        Arc::make_mut(s.jobs.get_mut(&job_id).expect("job")).restarts_used = 1; // budget spent
+        let w = s.jobs[&job_id].ranks[0].worker_id.clone().expect("placed");
+        let mut attempt = 0;
+        let mut agent_fails = |s: &mut ClusterState, attempt: u32, worker: &str| {
+            s.apply(
+                &Command::RankExited {
+                    job_id: job_id.clone(),
+                    rank: 0,
+                    attempt,
+                    worker_id: worker.into(),
+                    exit_code: None,
+                    signal: None,
+                    spawn_error: "cannot create log …: Too many open files (os error 24)".into(),
+                    agent_fault: true,
+                    at_ms: 50,
+                },
+                &mut d,
+            )
+        };
+        assert_eq!(agent_fails(&mut s, attempt, &w), Response::Ok);
+        let mut zero = || 0.0;
+        let actions = plan(&s, &Observations::default(), 5_000, &mut zero);
+        let [
+            Action::Restart {
+                placements,
+                delay_ms,
+                agent_fault: true,
+                cause,
+                ..
+            },
+        ] = actions.as_slice()
+        else {
+            panic!("{actions:?}")
+        };
+        assert!(cause.contains("resource error of the agent"), "{cause}");
+        assert_ne!(
+            placements[0].1, w,
+            "moved off the worker that could not start it"
+        );
+        // Later restarts back off further; a long delay passes every minimum.
+        let mut delay = *delay_ms;
+        let mut restart = |s: &mut ClusterState, placements: Vec<(u32, String)>, agent_fault| {
+            let delay_ms = delay;
+            delay = 3_600_000;
+            s.apply(
+                &Command::ScheduleRestart {
+                    job_id: job_id.clone(),
+                    placements,
+                    failed_at_ms: 50,
+                    delay_ms,
+                    cause: cause.clone(),
+                    resume_step: None,
+                    agent_fault,
+                },
+                &mut BTreeSet::new(),
+            )
+        };
+        assert_eq!(restart(&mut s, placements.clone(), true), Response::Ok);
+        let job = &s.jobs[&job_id];
+        assert_eq!((job.restarts_used, job.agent_fault_restarts), (1, 1));
+        // Bounded: after MAX_AGENT_FAULT_RESTARTS such restarts the budget rules again.
+        for _ in 1..MAX_AGENT_FAULT_RESTARTS {
+            attempt += 1;
+            let w = s.jobs[&job_id].ranks[0].worker_id.clone().expect("placed");
+            assert_eq!(agent_fails(&mut s, attempt, &w), Response::Ok);
+            let p = vec![(0, w)];
+            assert_eq!(restart(&mut s, p, true), Response::Ok);
+        }
+        attempt += 1;
+        let w = s.jobs[&job_id].ranks[0].worker_id.clone().expect("placed");
+        assert_eq!(agent_fails(&mut s, attempt, &w), Response::Ok);
+        assert!(matches!(
+            restart(&mut s, vec![(0, w.clone())], true),
+            Response::Rejected { .. }
+        ));
+        let actions = plan(&s, &Observations::default(), 5_000, &mut zero);
+        assert!(
+            matches!(actions.as_slice(), [Action::FailJob { .. }]),
+            "{actions:?}"
         );
     }
 

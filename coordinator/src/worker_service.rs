@@ -252,6 +252,7 @@ impl WorkerService for WorkerSvc {
                 signal: r.signal,
                 spawn_error: r.spawn_error,
                 at_ms: now_ms(),
+                agent_fault: r.agent_fault,
             })
             .await
             .map_err(to_status)?;

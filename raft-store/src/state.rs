@@ -27,6 +27,11 @@ pub const MAX_PENDING_CKPT_STEPS: usize = 64;
 pub const MAX_SHARDS: usize = 100_000;
 /// Upper bound on restarts a job may be given (`max_restarts`).
 pub const MAX_RESTART_BUDGET: u32 = 1_000;
+/// Most restarts a job is given, besides its restart budget, after attempts that could
+/// not start because of a resource error of the agent (no descriptors, memory, disk or
+/// process slot): those are the worker's failures, not the rank's, and spend no budget,
+/// but a worker that stays broken must not restart a job forever.
+pub const MAX_AGENT_FAULT_RESTARTS: u32 = 20;
 /// Upper bound on the backoff delay of a restart policy.
 pub const MAX_BACKOFF_MS: u64 = 3_600_000;
 /// Upper bound on kept checkpoint steps.
@@ -375,6 +380,10 @@ pub struct RankRecord {
     pub resume_dir: String,
     /// Worker of every attempt so far, `(attempt, worker_id)`, for log retrieval.
     pub attempt_workers: Vec<(u32, String)>,
+    /// The current attempt failed because its agent could not start it for lack of a
+    /// local resource (descriptors, memory, disk, process slots): not the rank's fault.
+    #[serde(default)]
+    pub agent_fault: bool,
 }
 
 /// One restart decided by the leader.
@@ -394,6 +403,10 @@ pub struct RestartRecord {
     pub ranks: Vec<u32>,
     /// Step resumed from.
     pub resume_step: Option<u64>,
+    /// A restart after agent resource errors only ([`MAX_AGENT_FAULT_RESTARTS`]): it
+    /// spent none of the job's restart budget (`number` is the budget's count then).
+    #[serde(default)]
+    pub agent_fault: bool,
 }
 
 /// One file of a checkpoint part (mirrors `cumulus_ckpt::FileEntry`).
@@ -484,6 +497,10 @@ pub struct Job {
     pub restarts_used: u32,
     /// Every restart.
     pub restarts: Vec<RestartRecord>,
+    /// Restarts given after agent resource errors only, outside the restart budget
+    /// (at most [`MAX_AGENT_FAULT_RESTARTS`]).
+    #[serde(default)]
+    pub agent_fault_restarts: u32,
     /// MASTER_PORT of the current attempt.
     pub master_port: u32,
     /// Parts received for steps not yet committed: step → rank → part.
@@ -823,6 +840,9 @@ pub enum Command {
         signal: Option<i32>,
         /// Non-empty when it could not start.
         spawn_error: String,
+        /// It could not start for lack of a resource on the agent (not the rank's fault).
+        #[serde(default)]
+        agent_fault: bool,
         /// Leader time.
         at_ms: u64,
     },
@@ -853,6 +873,10 @@ pub enum Command {
         cause: String,
         /// Step to resume from (the newest committed step that verified).
         resume_step: Option<u64>,
+        /// Every failed rank failed for an agent resource error: the restart spends no
+        /// budget (one of [`MAX_AGENT_FAULT_RESTARTS`] instead).
+        #[serde(default)]
+        agent_fault: bool,
     },
     /// Fail a job for good.
     FailJob {
@@ -1144,6 +1168,7 @@ impl ClusterState {
                 exit_code,
                 signal,
                 spawn_error,
+                agent_fault,
                 at_ms,
             } => self.with_current_rank(job_id, *rank, *attempt, Some(worker_id), dirty, |_, r| {
                 if !matches!(r.state, RankState::Pending | RankState::Running) {
@@ -1160,7 +1185,14 @@ impl ClusterState {
                     r.failure = None;
                 } else {
                     r.state = RankState::Failed;
-                    r.failure = Some(if !spawn_error.is_empty() {
+                    r.agent_fault = *agent_fault && !spawn_error.is_empty();
+                    r.failure = Some(if r.agent_fault {
+                        format!(
+                            "rank {} attempt {} could not start on {worker_id}, for a \
+                             resource error of the agent (not the rank's): {spawn_error}",
+                            r.rank, r.attempt
+                        )
+                    } else if !spawn_error.is_empty() {
                         format!(
                             "rank {} attempt {} could not start: {spawn_error}",
                             r.rank, r.attempt
@@ -1206,6 +1238,7 @@ impl ClusterState {
                 delay_ms,
                 cause,
                 resume_step,
+                agent_fault,
             } => self.schedule_restart(
                 job_id,
                 placements,
@@ -1213,6 +1246,7 @@ impl ClusterState {
                 *delay_ms,
                 cause,
                 *resume_step,
+                *agent_fault,
                 dirty,
             ),
             Command::FailJob {
@@ -1334,6 +1368,7 @@ impl ClusterState {
                 resume_step: None,
                 resume_dir: String::new(),
                 attempt_workers: Vec::new(),
+                agent_fault: false,
             })
             .collect();
         let job = Job {
@@ -1350,6 +1385,7 @@ impl ClusterState {
             ranks,
             restarts_used: 0,
             restarts: Vec::new(),
+            agent_fault_restarts: 0,
             master_port: master_port(seq, 0),
             pending_parts: BTreeMap::new(),
             committed: BTreeMap::new(),
@@ -1592,6 +1628,7 @@ impl ClusterState {
         delay_ms: u64,
         cause: &str,
         resume_step: Option<u64>,
+        agent_fault: bool,
         dirty: &mut BTreeSet<DirtyKey>,
     ) -> Response {
         let Some(job) = self.jobs.get(job_id) else {
@@ -1603,15 +1640,35 @@ impl ClusterState {
                 job.state.as_str()
             ));
         }
-        if job.restarts_used >= job.spec.restart.max_restarts {
+        if agent_fault {
+            if job.agent_fault_restarts >= MAX_AGENT_FAULT_RESTARTS {
+                return reject(format!(
+                    "job {job_id} had its {MAX_AGENT_FAULT_RESTARTS} restarts for agent errors"
+                ));
+            }
+            if !job
+                .ranks
+                .iter()
+                .filter(|r| r.state == RankState::Failed)
+                .all(|r| r.agent_fault)
+            {
+                return reject("a rank failed for its own reasons: the restart spends budget");
+            }
+        } else if job.restarts_used >= job.spec.restart.max_restarts {
             return reject(format!("job {job_id} has no restart budget left"));
         }
-        let number = job.restarts_used + 1;
+        // Budgeted restarts count in `restarts_used`, agent-fault ones apart; the backoff
+        // grows with each kind's own count.
+        let (number, backoff_number) = if agent_fault {
+            (job.restarts_used, job.agent_fault_restarts + 1)
+        } else {
+            (job.restarts_used + 1, job.restarts_used + 1)
+        };
         let policy = job.spec.restart.clone();
-        if delay_ms < policy.min_delay_ms(number) {
+        if delay_ms < policy.min_delay_ms(backoff_number) {
             return reject(format!(
                 "restart delay {delay_ms} ms is below the policy's minimum of {} ms",
-                policy.min_delay_ms(number)
+                policy.min_delay_ms(backoff_number)
             ));
         }
         if !job.ranks.iter().any(|r| r.state == RankState::Failed) {
@@ -1643,6 +1700,9 @@ impl ClusterState {
         }
         let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
         job.restarts_used = number;
+        if agent_fault {
+            job.agent_fault_restarts += 1;
+        }
         // Resuming from an older step than the newest committed one means the newer
         // steps failed verification: forget them, so the step can be committed again.
         match resume_step {
@@ -1669,9 +1729,11 @@ impl ClusterState {
             cause: cause.to_string(),
             ranks: ranks.iter().copied().collect(),
             resume_step,
+            agent_fault,
         });
         if policy.scope == RestartScope::Group {
-            job.master_port = master_port(job.seq, number);
+            // A new port per restart of either kind (the sum only grows).
+            job.master_port = master_port(job.seq, number + job.agent_fault_restarts);
         }
         for r in &mut job.ranks {
             if !ranks.contains(&r.rank) {
@@ -1681,6 +1743,7 @@ impl ClusterState {
             r.exit_code = None;
             r.signal = None;
             r.failure = None;
+            r.agent_fault = false;
             r.started_at_ms = 0;
             r.exited_at_ms = 0;
             r.pid = 0;
@@ -1903,6 +1966,7 @@ mod tests {
             signal: None,
             spawn_error: String::new(),
             at_ms: 100,
+            agent_fault: false,
         }
     }
 
@@ -2186,6 +2250,7 @@ mod tests {
             delay_ms: 500,
             cause: "rank 1 exited".into(),
             resume_step: None,
+            agent_fault: false,
         };
         assert_eq!(apply(&mut s, restart), Response::Ok);
         let job = &s.jobs[&job_id];
@@ -2225,6 +2290,7 @@ mod tests {
                 delay_ms: floor - 1,
                 cause: "c".into(),
                 resume_step: None,
+                agent_fault: false,
             };
             assert!(matches!(
                 apply(&mut s, too_short),
@@ -2237,6 +2303,7 @@ mod tests {
                 delay_ms: floor,
                 cause: "c".into(),
                 resume_step: None,
+                agent_fault: false,
             };
             assert_eq!(apply(&mut s, ok), Response::Ok);
         }
@@ -2248,6 +2315,7 @@ mod tests {
             delay_ms: 100_000,
             cause: "c".into(),
             resume_step: None,
+            agent_fault: false,
         };
         assert!(matches!(apply(&mut s, over), Response::Rejected { .. }));
         assert_eq!(s.jobs[&job_id].restarts_used, 2);
@@ -2414,6 +2482,7 @@ mod tests {
             delay_ms: 500,
             cause: "c".into(),
             resume_step: Some(30),
+            agent_fault: false,
         };
         assert_eq!(apply(&mut s, restart), Response::Ok);
         assert_eq!(
@@ -2478,6 +2547,7 @@ mod tests {
             delay_ms: 500,
             cause: "step 20 is corrupt".into(),
             resume_step: Some(10),
+            agent_fault: false,
         };
         assert_eq!(apply(&mut s, restart), Response::Ok);
         let job = &s.jobs[&job_id];
@@ -2544,6 +2614,7 @@ mod tests {
             delay_ms: 500,
             cause: "rank 1 exited with code 1".into(),
             resume_step: Some(30),
+            agent_fault: false,
         };
         assert_eq!(apply(&mut s, restart), Response::Ok);
         check(&s.jobs[&job_id], "restarted");

@@ -247,6 +247,7 @@ mod tests {
                 exit_code: Some(1),
                 signal: None,
                 spawn_error: None,
+                agent_fault: false,
             },
         )
         .await

@@ -83,6 +83,30 @@ pub struct ExitRecord {
     /// Why the process never ran (then neither of the above is set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spawn_error: Option<String>,
+    /// With `spawn_error`: the agent lacked a resource of its own (descriptors, memory,
+    /// disk, process slots); not the rank's failure ([`is_agent_resource_error`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub agent_fault: bool,
+}
+
+/// Whether `e` is the agent's own lack of a resource rather than something about the
+/// rank: no file descriptors (`EMFILE`, `ENFILE`), memory (`ENOMEM`), disk (`ENOSPC`,
+/// `EDQUOT`) or process slots (`EAGAIN` from fork). A rank whose attempt could not start
+/// for one of these spends none of its job's restart budget.
+pub fn is_agent_resource_error(e: &io::Error) -> bool {
+    use nix::errno::Errno;
+    e.raw_os_error().is_some_and(|code| {
+        [
+            Errno::EMFILE,
+            Errno::ENFILE,
+            Errno::ENOMEM,
+            Errno::ENOSPC,
+            Errno::EDQUOT,
+            Errno::EAGAIN,
+        ]
+        .iter()
+        .any(|errno| *errno as i32 == code)
+    })
 }
 
 impl ExitRecord {
@@ -92,6 +116,7 @@ impl ExitRecord {
             exit_code: status.code(),
             signal: status.signal(),
             spawn_error: None,
+            agent_fault: false,
         }
     }
 
@@ -101,6 +126,26 @@ impl ExitRecord {
             exit_code: None,
             signal: None,
             spawn_error: Some(error.into()),
+            agent_fault: false,
+        }
+    }
+
+    /// The record of an attempt the agent could not start for lack of a resource of its
+    /// own (see [`is_agent_resource_error`]).
+    pub fn agent_failed(error: impl Into<String>) -> Self {
+        Self {
+            agent_fault: true,
+            ..Self::spawn_failed(error)
+        }
+    }
+
+    /// [`ExitRecord::agent_failed`] when `e` is an agent resource error, else
+    /// [`ExitRecord::spawn_failed`].
+    pub fn start_failed(message: impl Into<String>, e: &io::Error) -> Self {
+        if is_agent_resource_error(e) {
+            Self::agent_failed(message)
+        } else {
+            Self::spawn_failed(message)
         }
     }
 
@@ -507,6 +552,30 @@ pub async fn read_log(
 mod tests {
     use super::*;
 
+    #[test]
+    fn only_the_agents_own_lack_of_a_resource_is_an_agent_fault() {
+        let os = io::Error::from_raw_os_error;
+        for errno in [
+            nix::errno::Errno::EMFILE,
+            nix::errno::Errno::ENFILE,
+            nix::errno::Errno::ENOSPC,
+        ] {
+            let e = os(errno as i32);
+            assert!(is_agent_resource_error(&e), "{e}");
+            assert!(ExitRecord::start_failed("x", &e).agent_fault);
+        }
+        for errno in [
+            nix::errno::Errno::ENOENT,
+            nix::errno::Errno::EACCES,
+            nix::errno::Errno::ENOEXEC,
+        ] {
+            let e = os(errno as i32);
+            assert!(!is_agent_resource_error(&e), "{e}");
+            assert!(!ExitRecord::start_failed("x", &e).agent_fault);
+        }
+        assert!(!is_agent_resource_error(&io::Error::other("no errno")));
+    }
+
     fn paths(dir: &Path) -> AttemptPaths {
         AttemptPaths::new(dir, &AttemptKey::new("job-000001", 2, 3)).expect("paths")
     }
@@ -680,6 +749,7 @@ mod tests {
             exit_code: Some(3),
             signal: None,
             spawn_error: None,
+            agent_fault: false,
         };
         write_exit_record(&path, &rec).await.expect("write");
         assert_eq!(read_exit_record(&path).await.expect("read"), Some(rec));

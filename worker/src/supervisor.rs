@@ -36,7 +36,7 @@ use crate::events::{EventReporter, RankEvent};
 use crate::logs::{self, AttemptPaths, ExitRecord, LogWriter};
 use crate::orphans::{self, PidRecord};
 use crate::reconcile::{Action, AttemptKey, ObservedAttempt, reconcile};
-use crate::spawn::{SpawnRequest, SpawnedChild, Spawner, signal_group};
+use crate::spawn::{SpawnError, SpawnRequest, SpawnedChild, Spawner, signal_group};
 
 /// Most rank attempts alive on this agent at once.
 pub const MAX_LIVE_ATTEMPTS: usize = 1024;
@@ -329,6 +329,7 @@ impl Supervisor {
                 exit_code: None,
                 signal: None,
                 spawn_error: format!("the agent already runs {MAX_LIVE_ATTEMPTS} rank attempts"),
+                agent_fault: true,
             }));
             return;
         }
@@ -628,6 +629,7 @@ impl Supervisor {
                         exit_code: None,
                         signal: Some(Signal::SIGKILL as i32),
                         spawn_error: None,
+                        agent_fault: false,
                     }
                 } else {
                     ExitRecord::spawn_failed("the agent stopped before the process started")
@@ -656,6 +658,7 @@ impl Supervisor {
             exit_code: exit.exit_code,
             signal: exit.signal,
             spawn_error: exit.spawn_error.clone().unwrap_or_default(),
+            agent_fault: exit.agent_fault,
         }));
     }
 
@@ -723,10 +726,10 @@ impl Supervisor {
         let mut log = match LogWriter::create(&paths.log, settings.log_max_bytes).await {
             Ok(log) => log,
             Err(e) => {
-                return ExitRecord::spawn_failed(format!(
-                    "cannot create log {}: {e}",
-                    paths.log.display()
-                ));
+                return ExitRecord::start_failed(
+                    format!("cannot create log {}: {e}", paths.log.display()),
+                    &e,
+                );
             }
         };
         let mut pid_record = PidRecord {
@@ -737,7 +740,8 @@ impl Supervisor {
             start_ticks: None,
         };
         if let Err(e) = orphans::write(&settings.data_dir, &pid_record).await {
-            return fail_start(log, format!("cannot write pid record: {e}")).await;
+            let exit = ExitRecord::start_failed(format!("cannot write pid record: {e}"), &e);
+            return fail_start(log, exit).await;
         }
         let request = tokio::select! {
             r = self.prepare(key, desired, token) => r,
@@ -748,15 +752,23 @@ impl Supervisor {
             Ok(_) => {
                 return fail_start(
                     log,
-                    "stopped by the agent before the process started".into(),
+                    ExitRecord::spawn_failed("stopped by the agent before the process started"),
                 )
                 .await;
             }
-            Err(e) => return fail_start(log, e).await,
+            Err(e) => return fail_start(log, ExitRecord::spawn_failed(e)).await,
         };
         let spawned = match self.inner.spawner.spawn(request).await {
             Ok(s) => s,
-            Err(e) => return fail_start(log, e.to_string()).await,
+            Err(e) => {
+                let exit = match &e {
+                    SpawnError::Io { source, .. } => {
+                        ExitRecord::start_failed(e.to_string(), source)
+                    }
+                    SpawnError::Stopped => ExitRecord::spawn_failed(e.to_string()),
+                };
+                return fail_start(log, exit).await;
+            }
         };
         let pid = spawned.pid;
         if let Some(entry) = self.table().entries.get_mut(key) {
@@ -982,7 +994,10 @@ async fn verify_resume(
         .map_err(|e| fail(e.to_string()))
 }
 
-async fn fail_start(mut log: LogWriter, message: String) -> ExitRecord {
+/// Writes why `exit` (a record of an attempt that could not start) could not start to
+/// the attempt's log, finishes the log and returns `exit`.
+async fn fail_start(mut log: LogWriter, exit: ExitRecord) -> ExitRecord {
+    let message = exit.spawn_error.as_deref().unwrap_or("");
     let line = format!("[cumulus: cannot start the rank: {message}]\n");
     if let Err(e) = log.append(line.as_bytes()).await {
         tracing::warn!("cannot write to log: {e}");
@@ -990,7 +1005,7 @@ async fn fail_start(mut log: LogWriter, message: String) -> ExitRecord {
     if let Err(e) = log.finish().await {
         tracing::warn!("cannot finish log: {e}");
     }
-    ExitRecord::spawn_failed(message)
+    exit
 }
 
 async fn append_line(path: &Path, line: &str) -> io::Result<()> {

@@ -177,7 +177,8 @@ async fn spawns_with_the_full_env_contract() {
         ExitRecord {
             exit_code: Some(0),
             signal: None,
-            spawn_error: None
+            spawn_error: None,
+            agent_fault: false,
         }
     );
 
