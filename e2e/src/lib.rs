@@ -228,6 +228,12 @@ pub struct ClusterOpts {
     pub coordinator_log: Option<String>,
     /// The coordinators' `--max-state-bytes` (`None`: their default).
     pub max_state_bytes: Option<u64>,
+    /// More arguments for every coordinator (e.g. connection caps).
+    pub coordinator_args: Vec<String>,
+    /// More arguments for every worker agent.
+    pub worker_args: Vec<String>,
+    /// Open-file limit (soft and hard) of the worker agents (`None`: inherited).
+    pub worker_nofile: Option<u64>,
 }
 
 /// How coordinators and workers reach a test S3 server.
@@ -384,6 +390,9 @@ impl Default for ClusterOpts {
             s3: None,
             coordinator_log: None,
             max_state_bytes: None,
+            coordinator_args: Vec::new(),
+            worker_args: Vec::new(),
+            worker_nofile: None,
         }
     }
 }
@@ -540,6 +549,7 @@ impl Cluster {
         if let Some(n) = self.opts.max_state_bytes {
             extra.extend(["--max-state-bytes".into(), n.to_string()]);
         }
+        extra.extend(self.opts.coordinator_args.iter().cloned());
         extra.extend(c.extra_args.iter().cloned());
         let log = File::options()
             .create(true)
@@ -657,7 +667,22 @@ impl Cluster {
             .join(",");
         let w = &mut self.workers[i];
         let log = File::options().create(true).append(true).open(&w.log)?;
-        let child = Command::new(bin("cumulus-worker"))
+        let mut command = Command::new(bin("cumulus-worker"));
+        if let Some(nofile) = self.opts.worker_nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                command.pre_exec(move || {
+                    nix::sys::resource::setrlimit(
+                        nix::sys::resource::Resource::RLIMIT_NOFILE,
+                        nofile,
+                        nofile,
+                    )
+                    .map_err(std::io::Error::from)
+                });
+            }
+        }
+        let child = command
             .arg("--worker-id")
             .arg(&w.name)
             .arg("--coordinators")
@@ -670,6 +695,7 @@ impl Cluster {
             .arg(self.opts.slots.to_string())
             .arg("--listen")
             .arg("127.0.0.1:0")
+            .args(&self.opts.worker_args)
             .envs(self.opts.s3.iter().flat_map(S3Access::env))
             .env("RUST_LOG", "info")
             .env("RUST_BACKTRACE", "0")

@@ -1,0 +1,175 @@
+//! Socket floods against every listener during a training job (issue 21's probe: 20,000
+//! idle connections took the agent's file descriptors, and every rank placed there failed
+//! "cannot create log … Too many open files" until the jobs had spent their restart
+//! budgets). Here the worker agent runs with an open-file limit of 1,024 and every
+//! listener is flooded with idle connections, far past its cap, while a job is placed and
+//! runs: the job must succeed with no restart, each process must hold a bounded number of
+//! descriptors, and the flood's connections must be closed by the servers.
+//!
+//! The flood is bounded: a fixed number of connections per listener, refilled for a
+//! bounded time, on 127.0.0.1 only.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use cumulus_e2e::{Cluster, ClusterOpts, assert_trainer_results, prepare_digits, trainer_spec};
+use tokio::net::TcpStream;
+
+const LONG: Duration = Duration::from_secs(300);
+/// Idle connections kept open against each listener.
+const FLOOD_CONNECTIONS: usize = 1_500;
+/// Connection caps given to the coordinators (each of gRPC and HTTP).
+const COORDINATOR_CAP: usize = 256;
+/// The worker agents' open-file limit.
+const WORKER_NOFILE: u64 = 1_024;
+
+/// Descriptors process `pid` has open.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// Keeps up to [`FLOOD_CONNECTIONS`] idle connections open to `addr` (reconnecting those
+/// the server closed) until `stop`; counts connections the server closed.
+async fn flood(addr: SocketAddr, stop: Arc<AtomicBool>, closed: Arc<AtomicU64>) {
+    let mut open: Vec<TcpStream> = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        // Drop the connections the server has closed (EOF or reset).
+        let mut kept = Vec::with_capacity(open.len());
+        for conn in open.drain(..) {
+            let mut buf = [0u8; 64];
+            match conn.try_read(&mut buf) {
+                Ok(0) => {
+                    closed.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => {
+                    closed.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => kept.push(conn),
+            }
+        }
+        open = kept;
+        while open.len() < FLOOD_CONNECTIONS && !stop.load(Ordering::Relaxed) {
+            match tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(addr)).await {
+                Ok(Ok(conn)) => open.push(conn),
+                _ => break, // the backlog is full: try again next round
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn agent_addrs(data_dir: &Path) -> (SocketAddr, SocketAddr) {
+    let info: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data_dir.join("agent.json")).expect("agent.json"))
+            .expect("agent info JSON");
+    let addr = |k: &str| {
+        info[k]
+            .as_str()
+            .expect("address")
+            .parse::<SocketAddr>()
+            .expect("socket address")
+    };
+    (addr("listen_addr"), addr("rank_api_addr"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_runs_to_success_while_every_listener_is_flooded() {
+    let caps = COORDINATOR_CAP.to_string();
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 1,
+        coordinator_args: vec![
+            "--max-grpc-connections".into(),
+            caps.clone(),
+            "--max-http-connections".into(),
+            caps,
+        ],
+        worker_nofile: Some(WORKER_NOFILE),
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 4).expect("shards");
+
+    // Flood all listeners of every process before the job is submitted: its ranks are
+    // placed, started (each opens its log) and report progress during the flood.
+    let stop = Arc::new(AtomicBool::new(false));
+    let closed = Arc::new(AtomicU64::new(0));
+    let (agent_api, rank_api) = agent_addrs(&root.join("worker-1"));
+    let mut targets: Vec<SocketAddr> = vec![agent_api, rank_api];
+    for c in &cluster.coordinators {
+        targets.push(c.grpc.parse().expect("grpc addr"));
+        targets.push(c.http.parse().expect("http addr"));
+    }
+    let floods: Vec<_> = targets
+        .iter()
+        .map(|addr| tokio::spawn(flood(*addr, stop.clone(), closed.clone())))
+        .collect();
+
+    let args = [
+        "--epochs",
+        "3",
+        "--ckpt-every",
+        "20",
+        "--step-sleep-ms",
+        "5",
+    ];
+    let spec = trainer_spec(&w, 2, &root.join("ckpt"), &root.join("out"), &args);
+    let job_id = cluster
+        .submit("flooded", spec)
+        .await
+        .expect("submit during the flood")
+        .job_id;
+    let mut peak_worker_fds = 0;
+    let worker_pid = cluster.workers[0].pid().expect("worker pid");
+    let deadline = tokio::time::Instant::now() + LONG;
+    let job = loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the job did not finish within {LONG:?}"
+        );
+        peak_worker_fds = peak_worker_fds.max(open_fds(worker_pid));
+        if let Some(job) = cluster.job(&job_id).await
+            && matches!(job.state.as_str(), "succeeded" | "failed" | "cancelled")
+        {
+            break job;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let coordinator_fds: Vec<usize> = cluster
+        .coordinators
+        .iter()
+        .filter_map(|c| c.proc.pid())
+        .map(open_fds)
+        .collect();
+    stop.store(true, Ordering::Relaxed);
+    for f in floods {
+        let _ = tokio::time::timeout(LONG, f).await;
+    }
+
+    eprintln!(
+        "flood: peak agent descriptors {peak_worker_fds}, coordinators {coordinator_fds:?}, \
+         connections closed by the servers {}",
+        closed.load(Ordering::Relaxed)
+    );
+    assert_eq!(job.state, "succeeded", "{job:?}");
+    assert_eq!(job.restarts_used, 0, "no restart: {job:?}");
+    assert_trainer_results(&cluster, &w, &root.join("out"), 2, 3, None);
+    assert!(
+        (peak_worker_fds as u64) < WORKER_NOFILE,
+        "the agent kept descriptors in reserve: peak {peak_worker_fds} of {WORKER_NOFILE}"
+    );
+    for fds in coordinator_fds.iter().copied() {
+        assert!(
+            fds < 2 * COORDINATOR_CAP + 512,
+            "a coordinator holds {fds} descriptors under the flood"
+        );
+    }
+    assert!(
+        closed.load(Ordering::Relaxed) > 0,
+        "the servers closed flood connections (past the cap, or silent past the deadline)"
+    );
+}
