@@ -104,12 +104,12 @@ impl RaftRpc {
 /// Checks the sender of a Raft request (the `vote` it carries: a candidate's, or a
 /// leader's for an append or a snapshot). Its term must be at most [`MAX_RAFT_TERM`],
 /// and its node id a member (voter or learner) of this node's membership `members`.
-/// While that is empty (a pristine node that has received no entry yet):
-/// - a vote is granted only to the cluster's initial members, `initial_members` (the
-///   `--peer` list of a bootstrapping cluster, whose pristine nodes must vote for the
-///   first leader; empty for a `--join` node, which votes for no one until added);
-/// - an append or a snapshot is taken from any authenticated peer (a new learner hears
-///   first from the leader that adds it).
+/// While that is empty (a pristine node that has received no entry yet), the cluster's
+/// initial members, `initial_members` (the `--peer` list it bootstraps with), stand in:
+/// its pristine nodes must vote for the first leader, one of them. A node that joins an
+/// existing cluster (`--join`, `--rejoin-empty`: no initial members) votes for no one
+/// until it is added, and takes entries and snapshots from any authenticated peer (it
+/// hears first from the leader that adds it, whoever that is).
 ///
 /// # Errors
 /// `permission_denied` naming the node id or term refused; the refusal is logged.
@@ -133,10 +133,11 @@ pub fn check_sender(
             "a raft {what} of term {term} is refused: terms above {MAX_RAFT_TERM} are never accepted"
         )));
     }
-    let allowed = match (members.is_empty(), rpc) {
-        (false, _) => members,
-        (true, RaftRpc::Vote) => initial_members,
-        (true, RaftRpc::Append | RaftRpc::Snapshot) => return Ok(()),
+    let allowed = match (members.is_empty(), initial_members.is_empty(), rpc) {
+        (false, _, _) => members,
+        (true, false, _) => initial_members,
+        (true, true, RaftRpc::Vote) => initial_members,
+        (true, true, RaftRpc::Append | RaftRpc::Snapshot) => return Ok(()),
     };
     if !allowed.contains(&sender) {
         tracing::warn!(
@@ -215,9 +216,11 @@ impl RaftService for RaftSvc {
         let served: ServedQueue = Arc::default();
         let served_in = served.clone();
         let metrics = self.node.raft.metrics();
+        let initial = self.initial_members.clone();
         let requests = futures::stream::unfold(req.into_inner(), move |mut inbound| {
             let served = served_in.clone();
             let metrics = metrics.clone();
+            let initial = initial.clone();
             async move {
                 let payload = match inbound.message().await {
                     Ok(Some(p)) => p,
@@ -244,7 +247,7 @@ impl RaftService for RaftSvc {
                             .nodes()
                             .map(|(id, _)| *id)
                             .collect();
-                        if check_sender(RaftRpc::Append, &rpc.vote, &members, &[]).is_err() {
+                        if check_sender(RaftRpc::Append, &rpc.vote, &members, &initial).is_err() {
                             return None;
                         }
                         let last_index = rpc.entries.last().map(|e| e.log_id.index);
@@ -282,7 +285,12 @@ impl RaftService for RaftSvc {
     ) -> Result<Response<RaftPayload>, Status> {
         let received_ns = stage::now_ns();
         let rpc: AppendEntriesRequest<TypeConfig> = decode(req)?;
-        check_sender(RaftRpc::Append, &rpc.vote, &self.members(), &[])?;
+        check_sender(
+            RaftRpc::Append,
+            &rpc.vote,
+            &self.members(),
+            &self.initial_members,
+        )?;
         let last_index = rpc.entries.last().map(|e| e.log_id.index);
         let decoded_ns = stage::now_ns();
         let result = self.node.raft.append_entries(rpc).await;
@@ -329,7 +337,12 @@ impl RaftService for RaftSvc {
         }
         let header: SnapshotHeader = serde_json::from_slice(&first.header_json)
             .map_err(|e| Status::invalid_argument(format!("undecodable snapshot header: {e}")))?;
-        check_sender(RaftRpc::Snapshot, &header.vote, &self.members(), &[])?;
+        check_sender(
+            RaftRpc::Snapshot,
+            &header.vote,
+            &self.members(),
+            &self.initial_members,
+        )?;
         let current = self.node.raft.metrics().borrow_watched().vote;
         if let Some(reply) = stale_snapshot_reply(&header.vote, &current) {
             tracing::info!(
@@ -431,9 +444,12 @@ mod tests {
     #[test]
     fn a_pristine_node_votes_only_for_initial_members_but_hears_any_leader() {
         use RaftRpc::{Append, Snapshot, Vote as V};
-        // Bootstrapping: the first leader needs the pristine nodes' votes.
+        // Bootstrapping: the first leader needs the pristine nodes' votes, and is one of
+        // the initial members.
         assert!(check_sender(V, &Vote::new(1, 1), &[], &[1, 2, 3]).is_ok());
         assert!(check_sender(V, &Vote::new(2, 9), &[], &[1, 2, 3]).is_err());
+        assert!(check_sender(Append, &Vote::new_committed(1, 1), &[], &[1, 2, 3]).is_ok());
+        assert!(check_sender(Append, &Vote::new_committed(2, 9), &[], &[1, 2, 3]).is_err());
         // A joining node votes for no one until it is added.
         assert!(check_sender(V, &Vote::new(2, 1), &[], &[]).is_err());
         // ... but takes entries and snapshots from the leader that adds it.

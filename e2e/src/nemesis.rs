@@ -6,7 +6,11 @@
 //! proxies (one coordinator isolated, the leader isolated, a worker cut from every
 //! coordinator for longer than its heartbeat timeout); a hung rank (a trainer rank
 //! SIGSTOPped: it neither exits nor progresses; the trainer job has a progress timeout
-//! and the leader must fail that attempt as hung and restart it).
+//! and the leader must fail that attempt as hung and restart it); storage and hostile
+//! input faults: a byte flipped in a stopped follower's raft log (it must refuse to
+//! start, then `--rejoin-empty` rebuilds it from the others), forged Raft RPCs (with the
+//! client token, from a non-member, with term `u64::MAX`: each must be refused), and a
+//! flood of idle connections against every listener of every process.
 //!
 //! Checks: (1) every acknowledged submit exists exactly once; (2) observed job states
 //! follow the state machine, restart counts stay within the budget and delays at or
@@ -424,7 +428,20 @@ async fn one_fault(
         .filter(|i| Some(*i) != li)
         .collect();
     let hold = Duration::from_millis(rng.random_range(500..2_500));
-    let kind = match rng.random_range(0..10u32) {
+    let kind = match rng.random_range(0..13u32) {
+        10 => {
+            let i = followers[rng.random_range(0..followers.len())];
+            corrupt_and_rebuild(cluster, i, rng, anomalies).await?;
+            "corrupt-follower-log"
+        }
+        11 => {
+            forge_raft_rpcs(cluster, anomalies).await;
+            "forged-raft-rpc"
+        }
+        12 => {
+            flood_listeners(cluster, hold).await;
+            "flood-listeners"
+        }
         0 => {
             let Some(i) = li else { return Ok("none") };
             cluster.coordinators[i].proc.kill9();
@@ -515,6 +532,204 @@ async fn one_fault(
     };
     repair(cluster)?;
     Ok(kind)
+}
+
+/// Stops follower `i`, flips one byte among the records of its raft log's newest
+/// segment that holds any, and restarts it: it must refuse to start (an anomaly if it
+/// runs). Then rebuilds it as an operator would: `cluster remove`, a restart with
+/// `--rejoin-empty`, `cluster add-learner`, `cluster promote`.
+async fn corrupt_and_rebuild(
+    cluster: &mut Cluster,
+    i: usize,
+    rng: &mut StdRng,
+    anomalies: &mut Vec<Anomaly>,
+) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut anomaly = |what: String| {
+        anomalies.push(Anomaly {
+            job_id: "-".into(),
+            what,
+        })
+    };
+    cluster.coordinators[i].proc.kill9();
+    let wal = cluster.coordinators[i].data_dir.join("raft").join("wal");
+    let mut segments: Vec<PathBuf> = std::fs::read_dir(&wal)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    segments.sort();
+    let mut flipped = false;
+    for seg in segments.iter().rev() {
+        let bytes = std::fs::read(seg)?;
+        let Some(last) = bytes.iter().rposition(|b| *b != 0) else {
+            continue;
+        };
+        let at = rng.random_range(0..=last);
+        let file = std::fs::OpenOptions::new().write(true).open(seg)?;
+        file.write_all_at(&[bytes[at] ^ (1 << rng.random_range(0..8u32))], at as u64)?;
+        file.sync_all()?;
+        flipped = true;
+        break;
+    }
+    if !flipped {
+        return Ok(()); // nothing written yet: an ordinary restart
+    }
+    let id = cluster.coordinators[i].id;
+    cluster.spawn_coordinator(i)?;
+    let exited = {
+        let give_up = Instant::now() + LONG;
+        loop {
+            let child = cluster.coordinators[i]
+                .proc
+                .child
+                .as_mut()
+                .expect("spawned");
+            if let Some(status) = child.try_wait()? {
+                break Some(status);
+            }
+            if Instant::now() > give_up {
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    match exited {
+        Some(status) if !status.success() => cluster.coordinators[i].proc.child = None,
+        _ => {
+            anomaly(format!(
+                "coordinator {id} started (or did not exit within {LONG:?}) with a flipped byte in its raft log"
+            ));
+            return Ok(());
+        }
+    }
+    fn ctl(cluster: &Cluster, args: &[&str]) -> Result<(), String> {
+        let out = cluster.cumulusctl(args).map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+    if let Err(e) = ctl(cluster, &["cluster", "remove", &id.to_string()]) {
+        anomaly(format!("cannot remove damaged coordinator {id}: {e}"));
+        return Ok(());
+    }
+    cluster.coordinators[i].extra_args = vec!["--rejoin-empty".into()];
+    cluster.spawn_coordinator(i)?;
+    // From now on it is a member that joined: a later restart must never bootstrap.
+    cluster.coordinators[i].extra_args.clear();
+    cluster.coordinators[i].join = true;
+    let addr = cluster.member_addr(i);
+    let id_text = id.to_string();
+    for step in [
+        vec!["cluster", "add-learner", id_text.as_str(), addr.as_str()],
+        vec!["cluster", "promote", id_text.as_str()],
+    ] {
+        if let Err(e) = ctl(cluster, &step) {
+            anomaly(format!("cannot rebuild coordinator {id} ({step:?}): {e}"));
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Sends every coordinator forged Raft RPCs — a leadership-transfer vote with the client
+/// token, a vote from a non-member and a vote of term `u64::MAX` with the peer token —
+/// and records an anomaly for each one not refused.
+async fn forge_raft_rpcs(cluster: &Cluster, anomalies: &mut Vec<Anomaly>) {
+    use cumulus_proto::v1::RaftPayload;
+    use cumulus_proto::v1::raft_service_client::RaftServiceClient;
+    let vote = |candidate: u64, term: u64| {
+        RaftPayload {
+        json: serde_json::json!({
+            "vote": {"leader_id": {"term": term, "node_id": candidate}, "committed": false},
+            "last_log_id": {"leader_id": {"term": 1u64 << 40, "node_id": candidate}, "index": 1u64 << 40},
+            "leadership_transfer": true,
+        })
+        .to_string()
+        .into_bytes(),
+    }
+    };
+    let members: Vec<u64> = cluster.coordinators.iter().map(|c| c.id).collect();
+    let member = members[0];
+    for c in &cluster.coordinators {
+        if c.proc.child.is_none() {
+            continue;
+        }
+        let Ok(channel) = crate::coordinator_channel(&c.grpc).await else {
+            continue;
+        };
+        for (token, rpc, what) in [
+            (
+                crate::TOKEN,
+                vote(member, 1 << 40),
+                "a vote with the client token",
+            ),
+            (
+                crate::PEER_TOKEN,
+                vote(99, 1 << 40),
+                "a vote from a non-member",
+            ),
+            (
+                crate::PEER_TOKEN,
+                vote(member, u64::MAX),
+                "a vote of term u64::MAX",
+            ),
+        ] {
+            let mut client =
+                RaftServiceClient::with_interceptor(channel.clone(), crate::Auth::new(token));
+            match client.vote(rpc).await {
+                Ok(_) => anomalies.push(Anomaly {
+                    job_id: "-".into(),
+                    what: format!("coordinator {} granted or answered {what}", c.id),
+                }),
+                Err(status)
+                    if matches!(
+                        status.code(),
+                        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+                    ) => {}
+                Err(_) => {} // unreachable right now (a fault): not a grant
+            }
+        }
+    }
+}
+
+/// Idle connections opened against each listener by [`flood_listeners`].
+const FLOOD_CONNECTIONS: usize = 600;
+
+/// Opens [`FLOOD_CONNECTIONS`] idle connections to every coordinator's gRPC and HTTP
+/// port and every agent's API and rank API, holds them for `hold`, then closes them.
+async fn flood_listeners(cluster: &Cluster, hold: Duration) {
+    let mut targets: Vec<String> = Vec::new();
+    for c in &cluster.coordinators {
+        targets.push(c.grpc_listen.clone());
+        targets.push(c.http.clone());
+    }
+    for w in &cluster.workers {
+        let info = cluster.dir.path().join(&w.name).join("agent.json");
+        if let Ok(v) = std::fs::read(&info)
+            .map_err(anyhow::Error::from)
+            .and_then(|b| Ok(serde_json::from_slice::<serde_json::Value>(&b)?))
+        {
+            for k in ["listen_addr", "rank_api_addr"] {
+                if let Some(a) = v[k].as_str() {
+                    targets.push(a.to_string());
+                }
+            }
+        }
+    }
+    let mut open = Vec::new();
+    for t in &targets {
+        for _ in 0..FLOOD_CONNECTIONS {
+            match tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(t))
+                .await
+            {
+                Ok(Ok(conn)) => open.push(conn),
+                _ => break,
+            }
+        }
+    }
+    tokio::time::sleep(hold).await;
+    drop(open);
 }
 
 fn isolate_coordinator(cluster: &Cluster, i: usize) {

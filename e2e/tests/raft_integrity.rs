@@ -361,3 +361,123 @@ async fn a_flipped_byte_in_the_raft_log_refuses_to_start_and_rejoin_empty_recove
     assert_eq!(ids.len(), unique.len(), "no job id is reused");
     assert_eq!(ids.len(), acked.len());
 }
+
+/// Flips one byte among the records of the newest segment of coordinator `i`'s raft log
+/// (it must be stopped); flipping it again undoes it. Returns the segment and offset.
+fn flip_a_record_byte(cluster: &Cluster, i: usize) -> (PathBuf, u64) {
+    let seg = wal_segments(&cluster.coordinators[i].data_dir)
+        .pop()
+        .expect("a segment");
+    let bytes = std::fs::read(&seg).expect("read");
+    let end = bytes.iter().rposition(|b| *b != 0).expect("records") + 1;
+    let at = end / 3;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&seg)
+        .expect("open");
+    file.write_all_at(&[bytes[at] ^ 0x01], at as u64)
+        .expect("flip");
+    file.sync_all().expect("sync");
+    (seg, at as u64)
+}
+
+/// Flips the byte at `at` of `seg` back.
+fn unflip(seg: &Path, at: u64) {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(seg)
+        .expect("open");
+    let mut b = [0u8; 1];
+    file.read_exact_at(&mut b, at).expect("read");
+    file.write_all_at(&[b[0] ^ 0x01], at).expect("unflip");
+    file.sync_all().expect("sync");
+}
+
+/// Two of three coordinators with damaged logs (the probe: they elected a leader
+/// with the cut log, lost 21 acknowledged jobs, resurrected cancelled ones and reused an
+/// id). Both refuse to start and change nothing on disk; the intact node alone is no
+/// quorum, so the cluster stops accepting writes instead of diverging. With the damage
+/// undone (a restored disk), the cluster comes back with every acknowledged job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_majority_of_damaged_logs_stops_writes_rather_than_diverge() {
+    let mut cluster = Cluster::start(ClusterOpts {
+        workers: 0,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let mut acked = Vec::new();
+    for n in 0..10 {
+        let r = cluster
+            .submit(&format!("m-{n}"), pending_spec())
+            .await
+            .expect("submit");
+        acked.push(r.job_id);
+    }
+    for i in 0..3 {
+        wait_for("every node to apply every submit", LONG, || async {
+            local_job(&cluster, i, acked.last().expect("jobs")).await
+        })
+        .await;
+    }
+    for i in 0..3 {
+        cluster.coordinators[i].proc.kill9();
+    }
+    let damage = [
+        flip_a_record_byte(&cluster, 0),
+        flip_a_record_byte(&cluster, 1),
+    ];
+    for i in 0..3 {
+        cluster.spawn_coordinator(i).expect("spawn");
+    }
+    for i in 0..2 {
+        let child = cluster.coordinators[i].proc.child.as_mut().expect("child");
+        let status = wait_for("a damaged node to exit", LONG, || {
+            let st = child.try_wait().ok().flatten();
+            async move { st }
+        })
+        .await;
+        cluster.coordinators[i].proc.child = None;
+        assert!(!status.success(), "node {} must refuse", i + 1);
+    }
+    // The intact node accepts no write: no quorum.
+    let mut c = wait_for("the intact node to answer", LONG, || async {
+        cluster.client_of(2).await.ok()
+    })
+    .await;
+    let write = tokio::time::timeout(
+        Duration::from_secs(20),
+        c.submit_job(v1::SubmitJobRequest {
+            request_id: "after-damage".into(),
+            spec: Some(pending_spec()),
+        }),
+    )
+    .await;
+    assert!(
+        !matches!(write, Ok(Ok(_))),
+        "a lone intact node must not accept a write"
+    );
+
+    // Nothing was cut or zeroed: with the flipped bytes restored the cluster is whole.
+    for (seg, at) in &damage {
+        unflip(seg, *at);
+    }
+    for i in 0..2 {
+        cluster.spawn_coordinator(i).expect("spawn");
+    }
+    cluster.wait_leader(LONG).await;
+    let more = cluster
+        .submit("after-repair", pending_spec())
+        .await
+        .expect("submit after the repair");
+    acked.push(more.job_id);
+    let mut c = cluster.leader_client().await.expect("leader");
+    let list = c
+        .list_jobs(v1::ListJobsRequest { linearizable: true })
+        .await
+        .expect("list")
+        .into_inner();
+    let ids: Vec<&str> = list.jobs.iter().map(|j| j.id.as_str()).collect();
+    assert_eq!(ids, acked.iter().map(String::as_str).collect::<Vec<_>>());
+}

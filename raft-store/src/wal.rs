@@ -37,8 +37,8 @@
 //! where its unwritten sectors are (etcd's WAL decoder tells a torn entry from a
 //! corrupt one the same way). In the newest segment a record that does not check is
 //! taken for a torn tail only when
-//! 1. its header is all zeros but bytes follow it, or the part of the record in some
-//!    sector is all zeros, and
+//! 1. its header is all zeros but bytes follow it, or its written part ends at a sector
+//!    boundary with only zeros after it to the end of the record (`looks_torn`), and
 //! 2. no valid record with a later index follows it anywhere in the segment
 //!    ([`SCAN_INDEX_WINDOW`]): acknowledged records after a bad one mean the bad one was
 //!    acknowledged too.
@@ -255,10 +255,17 @@ pub struct Wal {
     inner: Arc<Mutex<Inner>>,
 }
 
-/// Whether the bad record at `offset` looks like a torn write (see the module doc): its
-/// header is all zeros, or the part of its span `[offset, offset + 16 + len)` inside some
-/// sector is all zeros. `len` is the header's length field, trusted only when the span
-/// fits the segment (a length past the segment is damage, not a torn write).
+/// Whether the bad record at `offset` has the shape of a torn write (see the module
+/// doc). A disk writes whole sectors or none, into a segment preallocated with zeros, and
+/// a payload (JSON) holds no zero byte; so a torn record is its written part followed by
+/// zeros from a sector boundary to the end of its span `[offset, offset + 16 + len)`:
+/// - its header is all zeros (its first sector was not written), or
+/// - its payload is a non-zero prefix and then zeros from a sector boundary on, or all
+///   zeros with a sector boundary inside the header after which the header is zeros.
+///
+/// Anything else is damage: a flipped bit (no zeros), a length changed to cover the
+/// zeros after the last record (its zeros start where the record really ends, not at a
+/// sector boundary), a length past the segment.
 fn looks_torn(bytes: &[u8], offset: u64) -> bool {
     let at = offset as usize;
     let Some(header) = bytes.get(at..at + HEADER_BYTES as usize) else {
@@ -270,20 +277,28 @@ fn looks_torn(bytes: &[u8], offset: u64) -> bool {
     let len = u64::from(u32::from_le_bytes(
         header[0..4].try_into().expect("4 bytes"),
     ));
-    let end = offset + HEADER_BYTES + len;
+    let payload_from = offset + HEADER_BYTES;
+    let end = payload_from + len;
     if len == 0 || len > MAX_PAYLOAD_BYTES || end > bytes.len() as u64 {
         return false;
     }
-    let mut from = offset;
-    while from < end {
-        let to = ((from / SECTOR_BYTES) + 1) * SECTOR_BYTES;
-        let to = to.min(end);
-        if bytes[from as usize..to as usize].iter().all(|b| *b == 0) {
-            return true;
-        }
-        from = to;
+    let payload = &bytes[payload_from as usize..end as usize];
+    // The payload's written prefix: every byte before its trailing zeros.
+    let written = payload.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
+    if written == payload.len() {
+        return false; // no unwritten part at all
     }
-    false
+    if payload[..written].contains(&0) {
+        return false; // zeros inside the written part: not JSON, damage
+    }
+    if written > 0 {
+        return (payload_from + written as u64).is_multiple_of(SECTOR_BYTES);
+    }
+    // An all-zero payload: the unwritten part began at a sector boundary inside the
+    // header (or right after it), with the header zero from there.
+    (offset + 1..=payload_from)
+        .filter(|b| b.is_multiple_of(SECTOR_BYTES))
+        .any(|b| header[(b - offset) as usize..].iter().all(|x| *x == 0))
 }
 
 /// The offset and index of the first valid record at or after `from` in `bytes`: its CRC

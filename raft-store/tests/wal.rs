@@ -125,14 +125,16 @@ fn a_torn_tail_is_cut_and_the_log_goes_on() {
         let data = std::fs::read(seg).expect("read segment");
         data.iter().rposition(|b| *b != 0).expect("records") as u64 + 1
     };
-    // A torn write: the header of an 11th record that claims more bytes than were written.
+    // A torn write: an 11th record of 2,000 bytes of which only the sectors up to the
+    // next sector boundary reached the disk (the rest of its span stays zero).
     let seg = segments(dir.path())[0].clone();
     let file = OpenOptions::new().write(true).open(&seg).expect("open");
     let mut torn = Vec::new();
-    torn.extend_from_slice(&500u32.to_le_bytes());
+    torn.extend_from_slice(&2_000u32.to_le_bytes());
     torn.extend_from_slice(&0xdead_beef_u32.to_le_bytes());
     torn.extend_from_slice(&11u64.to_le_bytes());
-    torn.extend_from_slice(b"{\"log_id\":");
+    let boundary = (tail_offset + 16).div_ceil(512) * 512;
+    torn.resize((boundary - tail_offset) as usize, b'x');
     file.write_all_at(&torn, tail_offset).expect("tear");
     file.sync_all().expect("sync");
 
@@ -537,8 +539,47 @@ fn a_flipped_bit_in_the_newest_segment_refuses_to_open_and_changes_nothing() {
     assert_eq!(wal.read(0, 100).expect("read"), written);
 }
 
-/// A bad record with a valid record after it was acknowledged (later records are written
-/// only after earlier ones), even when it has the zeros of a torn write: refuse.
+/// A flipped bit in the length of the last record makes its span cover the zeros after
+/// it, as a torn write would; but its zeros start where the record really ends, not at a
+/// sector boundary: damage, refused (before, this cut an acknowledged entry).
+#[test]
+fn a_flipped_length_of_the_last_record_refuses_to_open() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let written = entries(1, 1, 11, 300);
+    {
+        let wal = Wal::open(dir.path(), None).expect("open");
+        wal.append(written.clone()).expect("append");
+    }
+    let seg = segments(dir.path())[0].clone();
+    let (bytes, end) = segment_bytes(&seg);
+    // The last record's header: walk the records from offset 0.
+    let mut at = 0usize;
+    let mut last = 0usize;
+    while at < end {
+        last = at;
+        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+        at += 16 + len;
+    }
+    for bit in [9u32, 12, 16] {
+        let mut len = u32::from_le_bytes(bytes[last..last + 4].try_into().expect("4 bytes"));
+        len ^= 1 << bit;
+        let file = OpenOptions::new().write(true).open(&seg).expect("open");
+        file.write_all_at(&len.to_le_bytes(), last as u64)
+            .expect("flip");
+        let err = match Wal::open(dir.path(), None) {
+            Ok(_) => panic!("a flipped length (bit {bit}) must not open"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains("corrupt"), "{err}");
+        file.write_all_at(&bytes[last..last + 4], last as u64)
+            .expect("restore");
+    }
+    let wal = Wal::open(dir.path(), None).expect("the restored log opens");
+    assert_eq!(wal.read(0, 100).expect("read"), written);
+}
+
+/// A zeroed sector in the middle of acknowledged records (a lost or misdirected write)
+/// is damage: zeros inside a record's written part, and valid records after it.
 #[test]
 fn a_zeroed_sector_followed_by_valid_records_refuses_to_open() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -559,5 +600,38 @@ fn a_zeroed_sector_followed_by_valid_records_refuses_to_open() {
         Ok(_) => panic!("a zeroed sector before valid records must not open"),
         Err(e) => e.to_string(),
     };
-    assert!(err.contains("a valid record (index"), "{err}");
+    assert!(err.contains("corrupt"), "{err}");
+}
+
+/// The bad record has the exact shape of a torn write (written up to a sector boundary,
+/// zeros after), but a valid record with a later index follows it: later records are
+/// written only after earlier ones were, so it was acknowledged. Refuse.
+#[test]
+fn a_torn_looking_record_followed_by_a_valid_one_refuses_to_open() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let written = entries(1, 1, 11, 2_000);
+    {
+        let wal = Wal::open(dir.path(), None).expect("open");
+        wal.append(written.clone()).expect("append");
+    }
+    let seg = segments(dir.path())[0].clone();
+    let (bytes, _) = segment_bytes(&seg);
+    // Record 5 (index 5): zero its payload from the first sector boundary inside it.
+    let mut at = 0usize;
+    for _ in 0..4 {
+        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+        at += 16 + len;
+    }
+    let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+    let from = (at + 16 + 1).div_ceil(512) * 512;
+    let to = at + 16 + len;
+    assert!(from < to, "the record spans a sector boundary");
+    let file = OpenOptions::new().write(true).open(&seg).expect("open");
+    file.write_all_at(&vec![0u8; to - from], from as u64)
+        .expect("zero");
+    let err = match Wal::open(dir.path(), None) {
+        Ok(_) => panic!("a torn-looking record before valid ones must not open"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("a valid record (index 6)"), "{err}");
 }
