@@ -290,6 +290,11 @@ pub async fn run(
     let http = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(10))
+        // Agents close a keep-alive connection idle for their header deadline; drop it
+        // first, so no request is sent on a connection the agent is closing.
+        .pool_idle_timeout(Duration::from_millis(
+            cumulus_listen::HTTP_HEADER_READ_TIMEOUT_MS / 2,
+        ))
         .build()
         .context("building the HTTP client")?;
     let cancel = CancellationToken::new();

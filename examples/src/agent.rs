@@ -106,6 +106,9 @@ impl AgentClient {
     pub fn new(base_url: &str, token: &str) -> Result<Self, AgentError> {
         let http = reqwest::blocking::Client::builder()
             .no_proxy()
+            // The agent closes a keep-alive connection idle for 10 s (its HTTP header
+            // deadline); drop it before, so no report is sent on a closing connection.
+            .pool_idle_timeout(Duration::from_secs(5))
             .connect_timeout(Duration::from_millis(PROGRESS_TIMEOUT_MS))
             .build()
             .map_err(|e| AgentError::Transport(format!("cannot build HTTP client: {e}")))?;
