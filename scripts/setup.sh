@@ -5,7 +5,8 @@
 #     client; our own crates use a vendored protoc), etcd (the benchmark's write-path
 #     comparison), debootstrap and binutils (the docker-compose test's offline base image);
 #   - s3s-fs, a real S3-compatible server (the S3 checkpoint tests start it on loopback),
-#     with `cargo install` (~3 min on 2 cores, once).
+#     with `cargo install` (~3 min on 2 cores, once);
+#   - python/.venv: the Python package `cumulus` (python/) with its test tools.
 # The README's first command (`cargo build --release`) needs none of this.
 #
 # As root it installs; otherwise it prints the exact commands to run and fails.
@@ -39,5 +40,17 @@ fi
 if [ "$have_s3s" = 0 ]; then
   echo "== setup: installing s3s-fs $S3S_FS_VERSION (cargo install, ~3 min once)"
   cargo install "s3s-fs@$S3S_FS_VERSION" --locked --features binary
+fi
+# The Python package's virtualenv (python/.venv): the package in editable mode with its
+# test tools (pytest, ruff, mypy, httpx). Reinstalled only when pyproject.toml changed.
+venv=python/.venv
+stamp="$venv/.cumulus-pyproject.sha256"
+want="$(sha256sum python/pyproject.toml | cut -d' ' -f1)"
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "== setup: Python virtualenv $venv (pip install -e './python[test]')"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q -e './python[test]'
+  echo "$want" >"$stamp"
 fi
 echo "== setup: everything the tests need is installed"

@@ -1,0 +1,97 @@
+"""Cumulus for Python: the rank runtime and the client SDK.
+
+* :mod:`cumulus.runtime` — what a training script running as a Cumulus rank calls:
+  :func:`~cumulus.runtime.get_context`, :func:`~cumulus.runtime.report`,
+  :func:`~cumulus.runtime.checkpoint`, :func:`~cumulus.runtime.resume`,
+  :func:`~cumulus.runtime.should_stop`, :class:`~cumulus.runtime.ShardReader`. Standard
+  library only.
+* :class:`cumulus.Client` — submit jobs, follow them, read their logs and checkpoints
+  (needs ``httpx``; imported only when first used, so ranks never load it).
+* :mod:`cumulus.errors` — every exception.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from cumulus import errors, runtime
+from cumulus.errors import (
+    ApiError,
+    CheckpointFailed,
+    CheckpointsDisabled,
+    ConfigError,
+    CumulusError,
+    InvalidMetric,
+    InvalidSpec,
+    JobFailed,
+    NotFound,
+    NotInCumulusRank,
+    RankEnvironmentError,
+    StaleAttempt,
+    Unauthorized,
+    Unavailable,
+    Unsupported,
+    WaitTimeout,
+)
+from cumulus.models import CheckpointInfo, ClusterInfo, JobInfo, LogLine, RankInfo
+from cumulus.runtime import (
+    Context,
+    ResumePoint,
+    ShardReader,
+    checkpoint,
+    get_context,
+    report,
+    resume,
+    should_stop,
+)
+
+if TYPE_CHECKING:
+    from cumulus.client import Client, Job
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApiError",
+    "CheckpointFailed",
+    "CheckpointInfo",
+    "CheckpointsDisabled",
+    "Client",
+    "ClusterInfo",
+    "ConfigError",
+    "Context",
+    "CumulusError",
+    "InvalidMetric",
+    "InvalidSpec",
+    "Job",
+    "JobFailed",
+    "JobInfo",
+    "LogLine",
+    "NotFound",
+    "NotInCumulusRank",
+    "RankEnvironmentError",
+    "RankInfo",
+    "ResumePoint",
+    "ShardReader",
+    "StaleAttempt",
+    "Unauthorized",
+    "Unavailable",
+    "Unsupported",
+    "WaitTimeout",
+    "__version__",
+    "checkpoint",
+    "errors",
+    "get_context",
+    "report",
+    "resume",
+    "runtime",
+    "should_stop",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The SDK needs httpx; a rank that only uses the runtime never imports it.
+    if name in ("Client", "Job"):
+        from cumulus import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'cumulus' has no attribute {name!r}")

@@ -1,0 +1,641 @@
+"""Client SDK of the coordinators' HTTP API (docs/architecture.md, "Coordinator HTTP API";
+``coordinator/src/http.rs``), with leader following.
+
+Every request carries ``Authorization: Bearer <cluster token>``. A follower answers a
+write (and a linearizable read) with 503 and the leader's address in the
+``x-cumulus-leader-http`` header: the request is sent there at once. A refused or
+dropped connection, a timeout, or a 503 without a leader (an election in progress)
+moves on to the next configured address after a backoff (0.1 s doubling up to 2 s). Both
+are bounded by ``retry_max_tries`` (20) and ``retry_total_s`` (30 s), as ``cumulusctl``.
+Submits are idempotent: one request id per submit, reused by every retry, so a retry
+after a lost answer never creates a second job.
+
+Example::
+
+    import cumulus
+
+    client = cumulus.Client()                 # CUMULUS_HTTP + CUMULUS_TOKEN_FILE, or ./.cumulus
+    job = client.submit(["python", "train.py"], world_size=2, ckpt_dir="/shared/ckpt")
+    for line in job.logs(follow=True):
+        print(line.rank, line.line)
+    info = job.wait()
+    print(info.state, [c.step for c in job.checkpoints()])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+from httpx_sse import EventSource, SSEError
+
+from cumulus._config import Connection, normalize_address, resolve
+from cumulus.errors import (
+    ApiError,
+    Conflict,
+    InvalidSpec,
+    JobFailed,
+    NotFound,
+    ProtocolError,
+    ResourceExhausted,
+    ServerError,
+    Unauthorized,
+    Unavailable,
+    Unsupported,
+    WaitTimeout,
+)
+from cumulus.models import CheckpointInfo, ClusterInfo, JobInfo, LogLine
+
+__all__ = ["LEADER_HTTP_HEADER", "Client", "Job", "new_request_id"]
+
+#: Header naming the leader's HTTP address in a follower's 503.
+LEADER_HTTP_HEADER = "x-cumulus-leader-http"
+#: Longest request id, in bytes.
+MAX_REQUEST_ID_BYTES = 128
+#: Most ``env`` entries of a job.
+MAX_ENV = 256
+#: Consecutive failed log-stream connections before :meth:`Job.logs` gives up.
+LOG_MAX_CONSECUTIVE_FAILURES = 20
+#: A silent log stream is presumed dead (and resumed elsewhere) after this, in seconds.
+LOG_READ_TIMEOUT_S = 30.0
+
+
+def new_request_id() -> str:
+    """A random idempotency key (32 hex digits), as ``cumulusctl submit`` makes."""
+    return secrets.token_hex(16)
+
+
+def _error_text(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return str(body["error"])
+    text = resp.text.strip()
+    return text[:500] if text else f"HTTP {resp.status_code}"
+
+
+_STATUS_ERRORS: dict[int, type[ApiError]] = {
+    400: InvalidSpec,
+    401: Unauthorized,
+    404: NotFound,
+    409: Conflict,
+    429: ResourceExhausted,
+}
+
+
+def _raise_for(resp: httpx.Response, address: str) -> None:
+    status = resp.status_code
+    message = _error_text(resp)
+    if status == 401:
+        message = f"{message} (check the token: CUMULUS_TOKEN_FILE / token_file=)"
+    cls = _STATUS_ERRORS.get(status, ServerError)
+    raise cls(message, status=status, address=address)
+
+
+class Client:
+    """A client of one Cumulus cluster's coordinators.
+
+    :param addresses: coordinator HTTP addresses (``host:port``, a list or a
+        comma-separated string); default ``$CUMULUS_HTTP``, else the local cluster's
+        ``cluster.json``.
+    :param token: the cluster bearer token; default from ``token_file``,
+        ``$CUMULUS_TOKEN``, ``$CUMULUS_TOKEN_FILE`` or the local cluster's token file.
+    :param local_dir: the local cluster's directory (default ``$CUMULUS_LOCAL_DIR``, else
+        ``.cumulus``).
+    :param timeout_s: time limit of one HTTP request, in seconds.
+    :param connect_timeout_s: TCP connect time limit, in seconds.
+    :param retry_max_tries: most tries of one call over all addresses.
+    :param retry_total_s: no new try starts this many seconds after the first.
+    :param transport: an httpx transport (tests).
+    :raises ConfigError: no address or token could be resolved.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str] | None = None,
+        *,
+        token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        timeout_s: float = 10.0,
+        connect_timeout_s: float = 2.0,
+        retry_max_tries: int = 20,
+        retry_total_s: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.connection: Connection = resolve(
+            addresses, token=token, token_file=token_file, local_dir=local_dir
+        )
+        self.retry_max_tries = max(1, retry_max_tries)
+        self.retry_total_s = retry_total_s
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._http = httpx.Client(
+            timeout=self._timeout,
+            transport=transport,
+            headers={"Authorization": f"Bearer {self.connection.token}"},
+            # Coordinators are addressed directly (often on loopback): no proxies.
+            trust_env=False,
+        )
+        # The address that answered last (maybe a leader hint outside the configured list).
+        self._preferred = self.connection.addresses[0]
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The configured coordinator base URLs (``http://host:port``)."""
+        return self.connection.addresses
+
+    def __repr__(self) -> str:
+        return f"Client({list(self.addresses)!r})"
+
+    def close(self) -> None:
+        """Closes the connections."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport -------------------------------------------------------------------
+
+    def _backoff_s(self, retry: int) -> float:
+        return float(min(0.1 * 2 ** max(retry - 1, 0), 2.0))
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Mapping[str, Any] | None = None,
+        params: Mapping[str, str] | None = None,
+    ) -> Any:
+        """Sends one call with leader following and rotation; returns the parsed JSON.
+
+        :raises ApiError: the mapped error of a definitive answer, or
+            :class:`Unavailable` once the retry budget is spent."""
+        addrs = list(self.addresses)
+        start = time.monotonic()
+        index = addrs.index(self._preferred) if self._preferred in addrs else 0
+        base = self._preferred
+        hint_hops = 0
+        rotations = 0
+        tries = 0
+        last = "no try made"
+        while True:
+            tries += 1
+            try:
+                resp = self._http.request(method, base + path, json=body, params=params)
+            except httpx.TransportError as e:
+                last = f"{base}: {type(e).__name__}: {e}"
+                leader = None
+            else:
+                if resp.is_success:
+                    self._preferred = base
+                    try:
+                        return resp.json()
+                    except ValueError as e:
+                        raise ProtocolError(
+                            f"{method} {path}: the answer is not JSON: {resp.text[:200]!r}",
+                            status=resp.status_code,
+                            address=base,
+                        ) from e
+                if resp.status_code != 503:
+                    _raise_for(resp, base)
+                last = f"{base}: HTTP 503: {_error_text(resp)}"
+                leader = resp.headers.get(LEADER_HTTP_HEADER)
+            elapsed = time.monotonic() - start
+            if tries >= self.retry_max_tries or elapsed >= self.retry_total_s:
+                raise Unavailable(
+                    f"{method} {path}: no coordinator answered after {tries} tries in "
+                    f"{elapsed * 1000:.0f} ms (last: {last})",
+                    status=None,
+                    address=base,
+                )
+            hinted = None
+            if leader:
+                try:
+                    hinted = normalize_address(leader, LEADER_HTTP_HEADER)
+                except ValueError:
+                    hinted = None
+            # Follow a hint at once, but not around in circles between stale hints.
+            if hinted is not None and hinted != base and hint_hops < len(addrs) + 2:
+                hint_hops += 1
+                base = hinted
+                continue
+            rotations += 1
+            index = (index + 1) % len(addrs)
+            base = addrs[index]
+            time.sleep(min(self._backoff_s(rotations), max(0.0, self.retry_total_s - elapsed)))
+
+    # -- jobs ------------------------------------------------------------------------
+
+    def submit(
+        self,
+        command: Sequence[str],
+        *,
+        world_size: int = 1,
+        dataset: str | os.PathLike[str] | None = None,
+        ckpt_dir: str | os.PathLike[str] | None = None,
+        ckpt_keep: int | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+        working_dir: str | os.PathLike[str] | None = None,
+        max_restarts: int | None = None,
+        restart_scope: str | None = None,
+        backoff_initial_ms: int | None = None,
+        backoff_max_ms: int | None = None,
+        progress_timeout_s: float | None = None,
+        ckpt_url: str | None = None,
+        ckpt_commit_tier: str | None = None,
+        request_id: str | None = None,
+    ) -> Job:
+        """Submits a job: ``command`` (argv; ``argv[0]`` is looked up in the worker's
+        ``PATH``) run by ``world_size`` ranks. Relative paths are made absolute here, as
+        ``cumulusctl submit`` does (the workers resolve them elsewhere).
+
+        :param dataset: directory whose regular files (sorted) are the shards, or an
+            ``s3://`` prefix.
+        :param ckpt_dir: checkpoint root; checkpoints are disabled without it.
+        :param ckpt_keep: committed steps to keep (cluster default 3).
+        :param env: extra environment of every rank (the rank contract variables win).
+        :param max_restarts: job-wide restart budget (cluster default 3).
+        :param restart_scope: ``"group"`` (default: restart every rank) or ``"rank"``.
+        :param backoff_initial_ms: delay before the first restart, milliseconds.
+        :param backoff_max_ms: upper bound of the restart delay, milliseconds.
+        :param progress_timeout_s: a rank whose reported step does not advance for this
+            many seconds is declared hung and restarted (``None``/0: off).
+        :param ckpt_url: S3 checkpoint target ``s3://bucket/prefix``.
+        :param ckpt_commit_tier: with ``ckpt_url``: ``"l2"`` (default) or ``"l1"``.
+        :param request_id: idempotency key (1..=128 bytes); default a random one, reused
+            by every retry of this call.
+        :returns: the job's handle (``created`` says whether this call created it).
+        :raises InvalidSpec: the coordinator refused the spec (the message says why),
+            or an argument is invalid (checked here first).
+        :raises Unauthorized: wrong token.
+        :raises Unavailable: no coordinator could take the write.
+        """
+        if isinstance(command, (str, bytes)):
+            raise TypeError(
+                "command must be a sequence of arguments (argv), e.g. ['python', 'train.py']; "
+                "split a shell string with shlex.split()"
+            )
+        argv = [str(a) if isinstance(a, os.PathLike) else a for a in command]
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise InvalidSpec("command must be a non-empty list of str", status=None)
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise InvalidSpec(f"world_size must be an int >= 1, got {world_size!r}", status=None)
+        rid = request_id if request_id is not None else new_request_id()
+        if not 1 <= len(rid.encode()) <= MAX_REQUEST_ID_BYTES:
+            raise InvalidSpec(f"request_id must be 1..={MAX_REQUEST_ID_BYTES} bytes", status=None)
+        env_map = dict(env or {})
+        if len(env_map) > MAX_ENV:
+            raise InvalidSpec(f"at most {MAX_ENV} env entries, got {len(env_map)}", status=None)
+        for k, v in env_map.items():
+            if not isinstance(k, str) or not isinstance(v, str) or not k or "=" in k:
+                raise InvalidSpec(
+                    f"env entry {k!r}={v!r}: keys and values must be str, keys non-empty "
+                    "without '='",
+                    status=None,
+                )
+        if (
+            backoff_initial_ms is not None
+            and backoff_max_ms is not None
+            and backoff_initial_ms > backoff_max_ms
+        ):
+            raise InvalidSpec(
+                f"backoff_initial_ms {backoff_initial_ms} is larger than backoff_max_ms "
+                f"{backoff_max_ms}",
+                status=None,
+            )
+
+        def absolute(p: str | os.PathLike[str] | None) -> str:
+            if p is None:
+                return ""
+            s = os.fspath(p)
+            return s if s.startswith("s3://") or not s else os.path.abspath(s)
+
+        restart: dict[str, Any] = {}
+        if restart_scope is not None:
+            restart["scope"] = restart_scope
+        if max_restarts is not None:
+            restart["max_restarts"] = max_restarts
+        if backoff_initial_ms is not None:
+            restart["backoff_initial_ms"] = backoff_initial_ms
+        if backoff_max_ms is not None:
+            restart["backoff_max_ms"] = backoff_max_ms
+        spec: dict[str, Any] = {
+            "name": name or "",
+            "world_size": world_size,
+            "command": argv,
+            "env": env_map,
+            "dataset": absolute(dataset),
+            "ckpt_dir": absolute(ckpt_dir),
+            "restart": restart,
+            "progress_timeout_ms": round((progress_timeout_s or 0) * 1000),
+            "working_dir": absolute(working_dir),
+            "ckpt_url": ckpt_url or "",
+            "ckpt_commit_tier": ckpt_commit_tier or "",
+        }
+        if ckpt_keep is not None:
+            spec["ckpt_keep"] = ckpt_keep
+        body = self._request("POST", "/v1/jobs", body={"request_id": rid, "spec": spec})
+        if not isinstance(body, dict) or not isinstance(body.get("job_id"), str):
+            raise ProtocolError(f"submit: malformed answer {body!r}")
+        return Job(self, body["job_id"], created=bool(body.get("created", True)), request_id=rid)
+
+    def run(
+        self,
+        command: Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        **submit_args: Any,
+    ) -> JobInfo:
+        """Submits a job (arguments as :meth:`submit`) and waits until it finishes.
+
+        :param timeout_s: give up waiting after this many seconds (the job keeps running).
+        :returns: the final status of a job that succeeded.
+        :raises JobFailed: the job failed or was cancelled (``.job.failure_cause``).
+        :raises WaitTimeout: ``timeout_s`` passed first.
+        :raises: as :meth:`submit`.
+        """
+        job = self.submit(command, **submit_args)
+        info = job.wait(timeout_s=timeout_s)
+        if not info.succeeded:
+            cause = f": {info.failure_cause}" if info.failure_cause else ""
+            raise JobFailed(f"job {info.id} {info.state}{cause}", info)
+        return info
+
+    def job(self, job_id: str) -> Job:
+        """The handle of an existing job (no request is made)."""
+        return Job(self, job_id)
+
+    def get_job(self, job_id: str, *, linearizable: bool = True) -> JobInfo:
+        """A job's current status.
+
+        :param linearizable: read through the leader's read index (sees every write
+            acknowledged before); ``False`` reads the answering coordinator's state, which
+            may lag.
+        :raises NotFound: no such job.
+        """
+        body = self._request(
+            "GET",
+            f"/v1/jobs/{job_id}",
+            params={"linearizable": "true" if linearizable else "false"},
+        )
+        job = body.get("job") if isinstance(body, dict) else None
+        if job is None:
+            raise ProtocolError(f"GET /v1/jobs/{job_id}: the answer has no job")
+        return JobInfo.from_json(job)
+
+    def jobs(self, *, linearizable: bool = True) -> list[JobInfo]:
+        """Every job the cluster keeps (finished jobs are evicted past the state budget)."""
+        body = self._request(
+            "GET", "/v1/jobs", params={"linearizable": "true" if linearizable else "false"}
+        )
+        jobs = body.get("jobs") if isinstance(body, dict) else None
+        return [JobInfo.from_json(j) for j in jobs or []]
+
+    def cancel(self, job_id: str) -> JobInfo:
+        """Cancels a job (its ranks get SIGTERM, then SIGKILL after the agent's grace).
+        Cancelling a job already cancelled returns its status.
+
+        :raises NotFound: no such job.
+        :raises Conflict: the job already finished otherwise (succeeded or failed).
+        """
+        try:
+            body = self._request("POST", f"/v1/jobs/{job_id}/cancel")
+        except Conflict:
+            # A retried cancel whose first try went through, or a second cancel.
+            info = self.get_job(job_id)
+            if info.state == "cancelled":
+                return info
+            raise
+        job = body.get("job") if isinstance(body, dict) else None
+        if job is None:
+            raise ProtocolError(f"POST /v1/jobs/{job_id}/cancel: the answer has no job")
+        return JobInfo.from_json(job)
+
+    def checkpoints(self, job_id: str) -> list[CheckpointInfo]:
+        """A job's kept checkpoint steps, newest first, each verified by the answering
+        coordinator against its manifest (every byte re-hashed: this reads the data).
+
+        :raises NotFound: no such job.
+        """
+        body = self._request("GET", f"/v1/jobs/{job_id}/checkpoints")
+        items = body.get("checkpoints") if isinstance(body, dict) else None
+        return [CheckpointInfo.from_json(c) for c in items or []]
+
+    def cluster(self) -> ClusterInfo:
+        """Members, leader, Raft indexes and workers, as the answering coordinator sees
+        them."""
+        return ClusterInfo.from_json(self._request("GET", "/v1/cluster"))
+
+    def health(self, address: str) -> Mapping[str, Any]:
+        """``GET /health`` of one coordinator (no token needed, no retry): its
+        ``node_id``, ``leader_id`` and ``term``.
+
+        :raises Unavailable: it did not answer."""
+        base = normalize_address(address, "address")
+        try:
+            resp = self._http.get(base + "/health")
+        except httpx.TransportError as e:
+            raise Unavailable(f"{base}: {e}", address=base) from e
+        if not resp.is_success:
+            _raise_for(resp, base)
+        body: Mapping[str, Any] = resp.json()
+        return body
+
+    # -- logs ------------------------------------------------------------------------
+
+    def logs(
+        self,
+        job_id: str,
+        *,
+        follow: bool = True,
+        rank: int | None = None,
+        cursor: str | None = None,
+    ) -> Iterator[LogLine]:
+        """Every log line of a job's ranks (all attempts, in order per rank) over
+        Server-Sent Events. A dropped stream is resumed on the next coordinator with
+        ``Last-Event-ID``: no line is lost or repeated.
+
+        :param follow: keep streaming until the job finished and every log is drained;
+            ``False`` stops at the current end.
+        :param rank: only this rank.
+        :param cursor: resume after a cursor (an event id seen before).
+        :raises NotFound: no such job.
+        :raises Unauthorized: wrong token.
+        :raises Unavailable: 20 consecutive connections failed.
+        :raises ProtocolError: a malformed event.
+        """
+        params = {"follow": "true" if follow else "false"}
+        if rank is not None:
+            params["rank"] = str(rank)
+        addrs = list(self.addresses)
+        index = addrs.index(self._preferred) if self._preferred in addrs else 0
+        last_offset: dict[tuple[int, int], int] = {}
+        failures = 0
+        timeout = httpx.Timeout(
+            LOG_READ_TIMEOUT_S, connect=self._timeout.connect, read=LOG_READ_TIMEOUT_S
+        )
+        while True:
+            base = addrs[index % len(addrs)]
+            headers = {"Accept": "text/event-stream"}
+            if cursor:
+                headers["Last-Event-ID"] = cursor
+            failure: str
+            try:
+                with self._http.stream(
+                    "GET",
+                    f"{base}/v1/jobs/{job_id}/logs",
+                    params=params,
+                    headers=headers,
+                    timeout=timeout,
+                ) as resp:
+                    if resp.status_code in (400, 401, 404):
+                        resp.read()
+                        _raise_for(resp, base)
+                    if not resp.is_success:
+                        resp.read()
+                        failure = f"{base}: HTTP {resp.status_code}: {_error_text(resp)}"
+                    else:
+                        failures = 0
+                        failure = f"{base}: the stream closed without an end event"
+                        for sse in EventSource(resp).iter_sse():
+                            if sse.event == "end":
+                                return
+                            if sse.event not in ("log", "message", ""):
+                                continue
+                            try:
+                                data = json.loads(sse.data)
+                            except ValueError as e:
+                                raise ProtocolError(
+                                    f"log event from {base} is not JSON: {sse.data[:200]!r}",
+                                    address=base,
+                                ) from e
+                            line = LogLine.from_json(data)
+                            if sse.id:
+                                cursor = sse.id
+                            key = (line.rank, line.attempt)
+                            seen = last_offset.get(key)
+                            if seen is not None and line.offset <= seen:
+                                continue
+                            last_offset[key] = line.offset
+                            yield line
+            except (httpx.TransportError, SSEError) as e:
+                failure = f"{base}: {type(e).__name__}: {e}"
+            failures += 1
+            if failures >= LOG_MAX_CONSECUTIVE_FAILURES:
+                raise Unavailable(
+                    f"lost the log stream of {job_id}: {failures} consecutive connection "
+                    f"failures (last: {failure})",
+                    address=base,
+                )
+            index += 1
+            time.sleep(min(0.2 * 2 ** (failures - 1), 5.0))
+
+
+class Job:
+    """The handle of one job. Cheap: it holds the id, and every method asks the cluster.
+
+    ``created`` is false when :meth:`Client.submit`'s request id had already created this
+    job (a retried submit).
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        job_id: str,
+        *,
+        created: bool = False,
+        request_id: str | None = None,
+    ) -> None:
+        self.client = client
+        #: e.g. ``job-000001``.
+        self.id = job_id
+        self.created = created
+        self.request_id = request_id
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Job) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def status(self, *, linearizable: bool = True) -> JobInfo:
+        """The job's current status (see :meth:`Client.get_job`)."""
+        return self.client.get_job(self.id, linearizable=linearizable)
+
+    def wait(self, timeout_s: float | None = None, *, poll_interval_s: float = 1.0) -> JobInfo:
+        """Polls until the job finished (succeeded, failed or cancelled) and returns its
+        final status; check ``.succeeded`` / ``.failure_cause``.
+
+        :param timeout_s: give up after this many seconds (``None``: wait forever).
+        :param poll_interval_s: longest time between two polls (the first polls come
+            faster: 0.1 s doubling).
+        :raises WaitTimeout: ``timeout_s`` passed; the job keeps running.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        interval = min(0.1, poll_interval_s)
+        while True:
+            info = self.status()
+            if info.finished:
+                return info
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise WaitTimeout(
+                    f"gave up waiting for {self.id} after {timeout_s} s (it is {info.state})",
+                    info,
+                )
+            sleep = interval if deadline is None else min(interval, deadline - now)
+            time.sleep(max(sleep, 0.0))
+            interval = min(interval * 2, poll_interval_s)
+
+    def cancel(self) -> JobInfo:
+        """Cancels the job (see :meth:`Client.cancel`)."""
+        return self.client.cancel(self.id)
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """The job's kept checkpoint steps, newest first (see :meth:`Client.checkpoints`)."""
+        return self.client.checkpoints(self.id)
+
+    #: Alias of :meth:`checkpoints` (the product brief's name).
+    get_checkpoints = checkpoints
+
+    def logs(
+        self, *, follow: bool = True, rank: int | None = None, cursor: str | None = None
+    ) -> Iterator[LogLine]:
+        """The job's log lines (see :meth:`Client.logs`)."""
+        return self.client.logs(self.id, follow=follow, rank=rank, cursor=cursor)
+
+    def pause(self) -> JobInfo:
+        """Not available: the coordinator API has no pause endpoint yet.
+
+        :raises Unsupported: always (names the missing server feature)."""
+        raise Unsupported(
+            "Job.pause() needs a pause operation in the coordinator API (e.g. POST "
+            "/v1/jobs/{id}/pause, with a job state 'paused' and a rank-local stop signal), "
+            "which Cumulus does not have yet",
+            feature="job pause",
+        )
+
+    def resume(self) -> JobInfo:
+        """Not available: the coordinator API has no resume endpoint (nor pause) yet.
+
+        :raises Unsupported: always (names the missing server feature)."""
+        raise Unsupported(
+            "Job.resume() needs a resume operation for paused jobs in the coordinator API "
+            "(e.g. POST /v1/jobs/{id}/resume), which Cumulus does not have yet",
+            feature="job resume",
+        )

@@ -1,0 +1,212 @@
+"""Every exception Cumulus raises, in one place.
+
+Standard library only: the rank runtime imports this module.
+
+Two families share the base class :class:`CumulusError`:
+
+* the rank runtime (:mod:`cumulus.runtime`): :class:`NotInCumulusRank`,
+  :class:`RankEnvironmentError`, :class:`CheckpointsDisabled`, :class:`InvalidStep`,
+  :class:`InvalidMetric`, :class:`InvalidState`, :class:`AgentError`,
+  :class:`StaleAttempt`, :class:`CheckpointFailed`;
+* the client SDK (:mod:`cumulus.client`): :class:`ConfigError`, :class:`ApiError` and its
+  subclasses (one per HTTP status the coordinators answer), :class:`WaitTimeout`,
+  :class:`JobFailed`, :class:`Unsupported`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cumulus.models import JobInfo
+
+__all__ = [
+    "AgentError",
+    "ApiError",
+    "CheckpointFailed",
+    "CheckpointsDisabled",
+    "ConfigError",
+    "Conflict",
+    "CumulusError",
+    "InvalidMetric",
+    "InvalidSpec",
+    "InvalidState",
+    "InvalidStep",
+    "JobFailed",
+    "NotFound",
+    "NotInCumulusRank",
+    "ProtocolError",
+    "RankEnvironmentError",
+    "ResourceExhausted",
+    "ServerError",
+    "StaleAttempt",
+    "Unauthorized",
+    "Unavailable",
+    "Unsupported",
+    "WaitTimeout",
+]
+
+
+class CumulusError(Exception):
+    """Base class of every error raised by the ``cumulus`` package."""
+
+
+# ---------------------------------------------------------------------------------------
+# Rank runtime
+# ---------------------------------------------------------------------------------------
+
+
+class NotInCumulusRank(CumulusError, RuntimeError):
+    """The process is not a rank started by a Cumulus worker agent (``CUMULUS_JOB_ID`` is
+    not set), and the call needs one. ``get_context(standalone=True)`` gives a context for
+    plain ``python`` or ``torchrun`` runs instead."""
+
+
+class RankEnvironmentError(CumulusError, ValueError):
+    """A rank environment variable is missing or malformed, or variables that only make
+    sense together are not all set. :attr:`name` is the variable (or ``None`` when the
+    problem concerns several)."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+    @property
+    def is_resume(self) -> bool:
+        """Whether the problem concerns the resume variables (``CUMULUS_RESUME_*``)."""
+        return "CUMULUS_RESUME" in (self.name or "") or "CUMULUS_RESUME" in str(self)
+
+
+class CheckpointsDisabled(CumulusError, RuntimeError):
+    """The job was submitted without a checkpoint directory (``CUMULUS_CKPT_STAGING`` is
+    not set), so nothing can be committed. Submit it with ``ckpt_dir=...``."""
+
+
+class InvalidStep(CumulusError, ValueError):
+    """A checkpoint or progress step is not a non-negative integer, or a checkpoint step
+    is not after the last one committed (or resumed from) by this rank."""
+
+
+class InvalidMetric(CumulusError, ValueError):
+    """A progress metric is not a finite real number, or its name is empty or too long,
+    or there are too many metrics."""
+
+
+class InvalidState(CumulusError, ValueError):
+    """A checkpoint ``state`` is not a JSON object of finite values, or is larger than the
+    agent accepts (64 KiB serialized)."""
+
+
+class AgentError(CumulusError):
+    """A request to the worker agent's rank-local API failed.
+
+    :attr:`status` is the HTTP status, or ``None`` when no answer came (connection
+    refused or reset, timeout); :attr:`message` is the agent's ``error`` text.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class StaleAttempt(AgentError):
+    """The agent or the leader rejected this attempt as stale (HTTP 409, or 401 once the
+    agent has dropped the attempt's token): another attempt replaced this one, or the job
+    ended. Retrying cannot help; the rank must stop (exit) at once."""
+
+
+class CheckpointFailed(CumulusError):
+    """A checkpoint part could not be committed: the agent refused it for a reason other
+    than staleness, or every retry until the commit deadline failed. :attr:`step` is the
+    checkpoint's step; ``__cause__`` is the last :class:`AgentError`."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+# ---------------------------------------------------------------------------------------
+# Client SDK
+# ---------------------------------------------------------------------------------------
+
+
+class ConfigError(CumulusError, ValueError):
+    """Nothing (or nothing valid) says where the cluster is or what its token is: no
+    ``CUMULUS_HTTP``/addresses, no token, or an unreadable ``cluster.json`` or token
+    file."""
+
+
+class ApiError(CumulusError):
+    """A coordinator answered with an error. :attr:`status` is the HTTP status (``None``
+    when no coordinator answered at all), :attr:`message` the server's ``error`` text and
+    :attr:`address` the coordinator (``host:port``) that answered last."""
+
+    def __init__(
+        self, message: str, *, status: int | None = None, address: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.address = address
+
+
+class InvalidSpec(ApiError, ValueError):
+    """HTTP 400: the request (usually the job spec) was refused; the message says why."""
+
+
+class Unauthorized(ApiError, PermissionError):
+    """HTTP 401: the cluster bearer token is missing or wrong."""
+
+
+class NotFound(ApiError, LookupError):
+    """HTTP 404: no such job."""
+
+
+class Conflict(ApiError):
+    """HTTP 409: the operation does not apply in the job's current state (e.g. cancelling
+    a job that already finished)."""
+
+
+class ResourceExhausted(ApiError):
+    """HTTP 429: the cluster's state budget is full; retry after old jobs were evicted."""
+
+
+class ServerError(ApiError):
+    """HTTP 500 (or another unexpected status) from a coordinator."""
+
+
+class Unavailable(ApiError, ConnectionError):
+    """No coordinator could serve the request within the retry budget: every address was
+    unreachable, timed out, or answered 503 (no leader, e.g. during an election)."""
+
+
+class ProtocolError(ApiError):
+    """A coordinator's answer is not what the API promises (malformed JSON or event)."""
+
+
+class WaitTimeout(CumulusError, TimeoutError):
+    """``Job.wait(timeout_s=...)`` gave up; the job keeps running. :attr:`job` is its last
+    status seen."""
+
+    def __init__(self, message: str, job: JobInfo) -> None:
+        super().__init__(message)
+        self.job = job
+
+
+class JobFailed(CumulusError):
+    """``Client.run`` waited for a job that ended ``failed`` or ``cancelled``. :attr:`job`
+    is its final status (``job.failure_cause`` says why)."""
+
+    def __init__(self, message: str, job: JobInfo) -> None:
+        super().__init__(message)
+        self.job = job
+
+
+class Unsupported(CumulusError, NotImplementedError):
+    """The coordinator API has no endpoint for this operation yet; the message names the
+    missing server feature."""
+
+    def __init__(self, message: str, *, feature: str) -> None:
+        super().__init__(message)
+        self.feature = feature

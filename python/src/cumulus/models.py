@@ -1,0 +1,361 @@
+"""Typed, read-only views of the coordinator API's JSON (the proto messages of
+``proto/proto/cumulus.proto`` as serde JSON). Standard library only.
+
+Units are in field names: ``*_ms`` are milliseconds (durations, or Unix epoch times for
+``*_at_ms``), ``*_bytes`` bytes. Every object keeps the JSON it was made from in ``raw``,
+so fields added by a newer server are not lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from cumulus.errors import ProtocolError
+
+__all__ = [
+    "FINISHED_STATES",
+    "CheckpointInfo",
+    "ClusterInfo",
+    "JobInfo",
+    "LogLine",
+    "MemberInfo",
+    "RankInfo",
+    "RestartInfo",
+    "WorkerInfo",
+]
+
+#: Job states after which nothing changes.
+FINISHED_STATES = frozenset({"succeeded", "failed", "cancelled"})
+
+T = TypeVar("T")
+
+
+def _get(d: Mapping[str, Any], key: str, kind: type[T], default: T) -> T:
+    value = d.get(key)
+    if value is None:
+        return default
+    # JSON has one number type; bool is an int in Python but not in JSON.
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)  # type: ignore[return-value]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ProtocolError(
+            f"field {key!r} of the coordinator's answer is {value!r}, expected {kind.__name__}"
+        )
+    return value
+
+
+def _opt_int(d: Mapping[str, Any], key: str) -> int | None:
+    value = d.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"field {key!r} of the coordinator's answer is {value!r}, not an int")
+    return value
+
+
+def _obj(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ProtocolError(f"{what} in the coordinator's answer is not a JSON object: {value!r}")
+    return value
+
+
+def _list(d: Mapping[str, Any], key: str) -> list[Any]:
+    value = d.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ProtocolError(f"field {key!r} of the coordinator's answer is not a list")
+    return value
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank as the cluster sees it."""
+
+    rank: int
+    #: Current attempt (0 for the first run).
+    attempt: int
+    #: Worker the current attempt is placed on (``""`` when unplaced).
+    worker_id: str
+    #: ``pending`` | ``waiting`` (restart backoff) | ``running`` | ``exited`` | ``failed``.
+    state: str
+    exit_code: int | None
+    signal: int | None
+    started_at_ms: int
+    exited_at_ms: int
+    #: Latest progress the leader has seen for this attempt (soft state).
+    step: int
+    total_steps: int
+    local_rank: int
+    shard_count: int
+    #: Restart not before this time (leader clock), when waiting.
+    not_before_ms: int
+    #: OS process id of the attempt on its worker (0 when not started).
+    pid: int
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RankInfo:
+        """Builds it from a ``RankStatus`` JSON object.
+
+        :raises ProtocolError: a field has the wrong type."""
+        d = _obj(d, "a rank")
+        return cls(
+            rank=_get(d, "rank", int, 0),
+            attempt=_get(d, "attempt", int, 0),
+            worker_id=_get(d, "worker_id", str, ""),
+            state=_get(d, "state", str, ""),
+            exit_code=_opt_int(d, "exit_code"),
+            signal=_opt_int(d, "signal"),
+            started_at_ms=_get(d, "started_at_ms", int, 0),
+            exited_at_ms=_get(d, "exited_at_ms", int, 0),
+            step=_get(d, "step", int, 0),
+            total_steps=_get(d, "total_steps", int, 0),
+            local_rank=_get(d, "local_rank", int, 0),
+            shard_count=_get(d, "shard_count", int, 0),
+            not_before_ms=_get(d, "not_before_ms", int, 0),
+            pid=_get(d, "pid", int, 0),
+        )
+
+
+@dataclass(frozen=True)
+class RestartInfo:
+    """One restart the leader committed."""
+
+    #: 1-based count within the job.
+    number: int
+    failed_at_ms: int
+    #: Jittered backoff the leader chose.
+    delay_ms: int
+    not_before_ms: int
+    #: Why, e.g. ``rank 2 attempt 0 exited with code 1``.
+    cause: str
+    #: Ranks restarted.
+    ranks: tuple[int, ...]
+    #: Checkpoint step the restarted ranks resume from (``None``: from scratch).
+    resume_step: int | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RestartInfo:
+        """Builds it from a ``RestartRecord`` JSON object."""
+        d = _obj(d, "a restart")
+        return cls(
+            number=_get(d, "number", int, 0),
+            failed_at_ms=_get(d, "failed_at_ms", int, 0),
+            delay_ms=_get(d, "delay_ms", int, 0),
+            not_before_ms=_get(d, "not_before_ms", int, 0),
+            cause=_get(d, "cause", str, ""),
+            ranks=tuple(int(r) for r in _list(d, "ranks")),
+            resume_step=_opt_int(d, "resume_step"),
+        )
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job's status at one moment (``GET /v1/jobs/{id}``)."""
+
+    #: e.g. ``job-000001``.
+    id: str
+    name: str
+    #: ``pending`` | ``running`` | ``succeeded`` | ``failed`` | ``cancelled``.
+    state: str
+    world_size: int
+    command: tuple[str, ...]
+    submitted_at_ms: int
+    #: 0 while the job runs.
+    finished_at_ms: int
+    restarts_used: int
+    #: Why the job failed or was cancelled (``""`` otherwise).
+    failure_cause: str
+    ranks: tuple[RankInfo, ...]
+    #: Latest committed checkpoint step, ``None`` before the first.
+    committed_step: int | None
+    restarts: tuple[RestartInfo, ...]
+    #: The idempotency key the job was submitted with.
+    request_id: str
+    shard_count: int
+    #: The job spec as the server holds it (with defaults filled in).
+    spec: Mapping[str, Any] = field(repr=False)
+    #: The whole JSON object.
+    raw: Mapping[str, Any] = field(repr=False)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job reached a final state (succeeded, failed or cancelled)."""
+        return self.state in FINISHED_STATES
+
+    @property
+    def succeeded(self) -> bool:
+        """Whether the job succeeded."""
+        return self.state == "succeeded"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> JobInfo:
+        """Builds it from a ``Job`` JSON object.
+
+        :raises ProtocolError: a field has the wrong type or the id is missing."""
+        d = _obj(d, "a job")
+        spec = _obj(d.get("spec") or {}, "the job spec")
+        job_id = _get(d, "id", str, "")
+        if not job_id:
+            raise ProtocolError("a job in the coordinator's answer has no id")
+        return cls(
+            id=job_id,
+            name=_get(spec, "name", str, ""),
+            state=_get(d, "state", str, ""),
+            world_size=_get(spec, "world_size", int, 0),
+            command=tuple(str(a) for a in _list(spec, "command")),
+            submitted_at_ms=_get(d, "submitted_at_ms", int, 0),
+            finished_at_ms=_get(d, "finished_at_ms", int, 0),
+            restarts_used=_get(d, "restarts_used", int, 0),
+            failure_cause=_get(d, "failure_cause", str, ""),
+            ranks=tuple(RankInfo.from_json(r) for r in _list(d, "ranks")),
+            committed_step=_opt_int(d, "committed_step"),
+            restarts=tuple(RestartInfo.from_json(r) for r in _list(d, "restarts")),
+            request_id=_get(d, "request_id", str, ""),
+            shard_count=_get(d, "shard_count", int, 0),
+            spec=spec,
+            raw=d,
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One kept checkpoint step of a job (``GET /v1/jobs/{id}/checkpoints``)."""
+
+    step: int
+    #: Directory of the step (``s3://...`` for an S3 commit tier).
+    path: str
+    #: True when ``MANIFEST.json`` exists and every file verifies.
+    verified: bool
+    #: Total size of the step's files.
+    size_bytes: int
+    #: Whether ``LATEST`` names this step.
+    latest: bool
+    #: Tiers holding a verified copy: ``L1`` (local), ``L2`` (S3).
+    tiers: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CheckpointInfo:
+        """Builds it from a ``CheckpointInfo`` JSON object."""
+        d = _obj(d, "a checkpoint")
+        return cls(
+            step=_get(d, "step", int, 0),
+            path=_get(d, "path", str, ""),
+            verified=_get(d, "verified", bool, False),
+            size_bytes=_get(d, "bytes", int, 0),
+            latest=_get(d, "latest", bool, False),
+            tiers=tuple(str(t) for t in _list(d, "tiers")),
+        )
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """One coordinator of the cluster."""
+
+    node_id: int
+    grpc_addr: str
+    http_addr: str
+    #: ``leader`` | ``follower`` | ``candidate`` | ``learner`` | ``unknown``.
+    role: str
+    voter: bool
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker agent as the leader sees it."""
+
+    worker_id: str
+    host: str
+    http_addr: str
+    slots: int
+    slots_used: int
+    #: ``alive`` | ``expired``.
+    state: str
+    last_heartbeat_age_ms: int
+    cpu_percent: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """The cluster as the answering coordinator sees it (``GET /v1/cluster``)."""
+
+    #: The coordinator that answered.
+    node_id: int
+    leader_id: int | None
+    term: int
+    commit_index: int | None
+    last_applied_index: int | None
+    members: tuple[MemberInfo, ...]
+    workers: tuple[WorkerInfo, ...]
+    raw: Mapping[str, Any] = field(repr=False)
+
+    @property
+    def leader(self) -> MemberInfo | None:
+        """The leader, when known."""
+        return next((m for m in self.members if m.node_id == self.leader_id), None)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ClusterInfo:
+        """Builds it from a ``ClusterStatusResponse`` JSON object."""
+        d = _obj(d, "the cluster status")
+        members = tuple(
+            MemberInfo(
+                node_id=_get(m, "node_id", int, 0),
+                grpc_addr=_get(m, "grpc_addr", str, ""),
+                http_addr=_get(m, "http_addr", str, ""),
+                role=_get(m, "role", str, ""),
+                voter=_get(m, "voter", bool, False),
+            )
+            for m in (_obj(x, "a member") for x in _list(d, "members"))
+        )
+        workers = tuple(
+            WorkerInfo(
+                worker_id=_get(w, "worker_id", str, ""),
+                host=_get(w, "host", str, ""),
+                http_addr=_get(w, "http_addr", str, ""),
+                slots=_get(w, "slots", int, 0),
+                slots_used=_get(w, "slots_used", int, 0),
+                state=_get(w, "state", str, ""),
+                last_heartbeat_age_ms=_get(w, "last_heartbeat_age_ms", int, 0),
+                cpu_percent=_get(w, "cpu_percent", float, 0.0),
+                memory_used_bytes=_get(w, "memory_used_bytes", int, 0),
+                memory_total_bytes=_get(w, "memory_total_bytes", int, 0),
+            )
+            for w in (_obj(x, "a worker") for x in _list(d, "workers"))
+        )
+        return cls(
+            node_id=_get(d, "node_id", int, 0),
+            leader_id=_opt_int(d, "leader_id"),
+            term=_get(d, "term", int, 0),
+            commit_index=_opt_int(d, "commit_index"),
+            last_applied_index=_opt_int(d, "last_applied_index"),
+            members=members,
+            workers=workers,
+            raw=d,
+        )
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One line of a rank's log (stdout and stderr together), without its newline."""
+
+    rank: int
+    attempt: int
+    #: Byte offset of the line in that attempt's log.
+    offset: int
+    line: str
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LogLine:
+        """Builds it from the ``data`` of a ``log`` event."""
+        d = _obj(d, "a log event")
+        for key in ("rank", "attempt", "offset"):
+            if not isinstance(d.get(key), int) or isinstance(d.get(key), bool):
+                raise ProtocolError(f"log event without an integer {key!r}: {dict(d)!r}")
+        if not isinstance(d.get("line"), str):
+            raise ProtocolError(f"log event without a 'line' string: {dict(d)!r}")
+        return cls(rank=d["rank"], attempt=d["attempt"], offset=d["offset"], line=d["line"])

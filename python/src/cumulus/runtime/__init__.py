@@ -1,0 +1,293 @@
+"""The rank runtime: what a training script running as a Cumulus rank calls.
+
+Standard library only, so it never clashes with a trainer's own environment.
+
+A ten-line loop::
+
+    from cumulus import runtime
+
+    ctx = runtime.get_context(standalone=True)  # also runs under plain python/torchrun
+    start = 0
+    if (r := runtime.resume()) is not None:      # a restarted attempt
+        model.load(r.dir / "model.bin")
+        start = r.step
+    for step in range(start + 1, total + 1):
+        loss = train_step()
+        runtime.report(step, total, loss=loss)   # never blocks, never raises for I/O
+        if step % 100 == 0 and runtime.checkpoints_enabled():
+            with runtime.checkpoint(step) as part:
+                model.save(part / "model.bin")
+        if runtime.should_stop():                # SIGTERM from the agent
+            break
+
+The module-level functions use one process-wide :class:`Runtime`, made on first use
+(or by :func:`init`). Outside a Cumulus rank that runtime is standalone: reports are
+validated and dropped, :func:`resume` returns ``None``, and :func:`checkpoint` raises
+:class:`~cumulus.errors.NotInCumulusRank`.
+
+Not here yet (they need server support that does not exist): ``should_pause()`` (the
+rank-local API has no pause or control endpoint; the agent's only stop request is
+SIGTERM, which :func:`should_stop` reports).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from cumulus.runtime._agent import AgentClient
+from cumulus.runtime._checkpoint import (
+    COMMIT_DEADLINE_S,
+    MAX_STATE_BYTES,
+    STATE_FILE,
+    Checkpointer,
+    CommittedPart,
+    ResumePoint,
+    StagedCheckpoint,
+)
+from cumulus.runtime._env import (
+    CONTRACT_VARS,
+    Context,
+    context_from_env,
+    get_context,
+    read_shards_file,
+)
+from cumulus.runtime._progress import (
+    MAX_METRIC_NAME_BYTES,
+    MAX_METRICS,
+    MIN_INTERVAL_S,
+    ProgressReporter,
+    validate_report,
+)
+from cumulus.runtime._shards import ShardReader, shard_format
+from cumulus.runtime._stop import install_stop_handler, request_stop, should_stop
+
+__all__ = [
+    "COMMIT_DEADLINE_S",
+    "CONTRACT_VARS",
+    "MAX_METRICS",
+    "MAX_METRIC_NAME_BYTES",
+    "MAX_STATE_BYTES",
+    "STATE_FILE",
+    "AgentClient",
+    "Checkpointer",
+    "CommittedPart",
+    "Context",
+    "ResumePoint",
+    "Runtime",
+    "ShardReader",
+    "StagedCheckpoint",
+    "checkpoint",
+    "checkpoints_enabled",
+    "context_from_env",
+    "flush",
+    "get_context",
+    "get_runtime",
+    "init",
+    "install_stop_handler",
+    "read_shards_file",
+    "report",
+    "request_stop",
+    "resume",
+    "save_checkpoint",
+    "shard_format",
+    "should_stop",
+]
+
+
+class Runtime:
+    """The runtime of one rank: progress reports, checkpoints and resume for
+    :attr:`context`.
+
+    :param context: the rank's context (see :func:`get_context`).
+    :param commit_deadline_s: how long a checkpoint commit is retried, in seconds.
+    :param progress_interval_s: least time between two progress reports sent, in seconds.
+    """
+
+    def __init__(
+        self,
+        context: Context,
+        *,
+        commit_deadline_s: float = COMMIT_DEADLINE_S,
+        progress_interval_s: float = MIN_INTERVAL_S,
+    ) -> None:
+        self.context = context
+        agent = None
+        if not context.standalone and context.agent_url and context.agent_token:
+            agent = AgentClient(context.agent_url, context.agent_token)
+        #: The agent client, ``None`` standalone.
+        self.agent = agent
+        #: Commits and resumes this rank's checkpoint parts.
+        self.checkpointer = Checkpointer(context, agent, commit_deadline_s=commit_deadline_s)
+        self._reporter = (
+            ProgressReporter(agent, min_interval_s=progress_interval_s) if agent else None
+        )
+
+    def __repr__(self) -> str:
+        return f"Runtime({self.context!r})"
+
+    @property
+    def checkpoints_enabled(self) -> bool:
+        """Whether :meth:`checkpoint` can commit (a Cumulus rank of a job with a
+        checkpoint dir)."""
+        return self.checkpointer.enabled
+
+    def report(self, step: int, total_steps: int | None = None, **metrics: float) -> None:
+        """Reports progress: ``step`` steps done of ``total_steps``, with named metrics
+        (e.g. ``loss=0.12``). Shown by ``cumulusctl status`` and used by the leader's hang
+        detection (``progress_timeout``).
+
+        Returns in microseconds: the report is sent by a background thread, at most every
+        0.2 s (newer reports replace unsent ones); a failed send is logged on stderr,
+        never raised. Standalone, the report is validated and dropped.
+
+        :raises InvalidStep: ``step``/``total_steps`` is not an int in ``0..2**64``.
+        :raises InvalidMetric: a metric is not a finite real number (NaN, inf, a tensor, a
+            str...), or a name is empty or too long, or there are more than 64 metrics.
+        """
+        checked = validate_report(step, total_steps, metrics)
+        if self._reporter is not None:
+            self._reporter.submit(checked)
+
+    def flush(self, timeout_s: float = 2.0) -> bool:
+        """Sends the pending progress report now and waits up to ``timeout_s`` seconds;
+        returns whether it went out (always true standalone). Done at exit as well."""
+        return True if self._reporter is None else self._reporter.flush(timeout_s)
+
+    def checkpoint(
+        self, step: int, state: Mapping[str, Any] | None = None
+    ) -> AbstractContextManager[StagedCheckpoint]:
+        """A context manager yielding the staging dir of checkpoint ``step`` and
+        committing it when the block ends (see :meth:`Checkpointer.checkpoint`)::
+
+            with rt.checkpoint(step, state={"epoch": epoch}) as part:
+                torch.save(model.state_dict(), part / "model.pt")
+            print(part.committed.dir)   # step-00000100/rank-0/attempt-1
+
+        :raises NotInCumulusRank: standalone run.
+        :raises CheckpointsDisabled: the job has no checkpoint dir.
+        :raises InvalidStep: ``step`` is not after the last committed or resumed step.
+        :raises InvalidState: ``state`` is not a JSON object of at most 64 KiB.
+        :raises StaleAttempt: this attempt was replaced (HTTP 409/401): exit now.
+        :raises CheckpointFailed: the commit failed until the commit deadline.
+        """
+        return self.checkpointer.checkpoint(step, state)
+
+    def save_checkpoint(
+        self,
+        step: int,
+        write: Callable[[Path], None],
+        state: Mapping[str, Any] | None = None,
+    ) -> CommittedPart:
+        """Commits checkpoint ``step`` whose files ``write(staging_dir)`` writes, calling
+        it again before every retry (see :meth:`Checkpointer.save`). Raises as
+        :meth:`checkpoint`."""
+        return self.checkpointer.save(step, write, state)
+
+    def resume(self) -> ResumePoint | None:
+        """Where this attempt resumes: the committed step, this rank's part dir and the
+        state it was committed with; ``None`` for a fresh start (and standalone)."""
+        return self.checkpointer.resume()
+
+    def should_stop(self) -> bool:
+        """True once the agent asked this rank to stop (SIGTERM); see
+        :func:`cumulus.runtime.should_stop`."""
+        return should_stop()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Flushes the last progress report (up to ``timeout_s`` seconds) and stops the
+        sender thread. Reports made after it are dropped."""
+        if self._reporter is not None:
+            self._reporter.close(timeout_s)
+
+
+_default: Runtime | None = None
+_default_lock = threading.Lock()
+
+
+def init(
+    *,
+    standalone: bool = True,
+    commit_deadline_s: float = COMMIT_DEADLINE_S,
+    handle_sigterm: bool = False,
+) -> Runtime:
+    """Makes the process-wide runtime the module-level functions use, from the
+    environment, and returns it. Optional: the first module-level call does it with the
+    defaults.
+
+    :param standalone: outside a Cumulus rank, run standalone (the default) instead of
+        raising :class:`~cumulus.errors.NotInCumulusRank`.
+    :param commit_deadline_s: how long a checkpoint commit is retried, in seconds.
+    :param handle_sigterm: install the SIGTERM handler behind :func:`should_stop` now
+        (call from the main thread) rather than on its first call.
+    :raises RuntimeError: :func:`init` already made the runtime (or a module-level call
+        did).
+    :raises NotInCumulusRank: ``standalone=False`` outside a Cumulus rank.
+    :raises RankEnvironmentError: a rank variable is missing or malformed.
+    """
+    global _default
+    with _default_lock:
+        if _default is not None:
+            raise RuntimeError(
+                "cumulus.runtime.init() was already called (or a module-level function "
+                "already made the runtime); call it once, before any other runtime call"
+            )
+        _default = Runtime(get_context(standalone=standalone), commit_deadline_s=commit_deadline_s)
+        rt = _default
+    if handle_sigterm:
+        install_stop_handler()
+    return rt
+
+
+def get_runtime() -> Runtime:
+    """The process-wide runtime (made with :func:`init`'s defaults on first use).
+
+    :raises RankEnvironmentError: a rank variable is missing or malformed.
+    """
+    global _default
+    rt = _default
+    if rt is not None:
+        return rt
+    with _default_lock:
+        if _default is None:
+            _default = Runtime(get_context(standalone=True))
+        return _default
+
+
+def report(step: int, total_steps: int | None = None, **metrics: float) -> None:
+    """Reports progress without blocking; see :meth:`Runtime.report`."""
+    get_runtime().report(step, total_steps, **metrics)
+
+
+def flush(timeout_s: float = 2.0) -> bool:
+    """Sends the pending progress report now; see :meth:`Runtime.flush`."""
+    return get_runtime().flush(timeout_s)
+
+
+def checkpoint(
+    step: int, state: Mapping[str, Any] | None = None
+) -> AbstractContextManager[StagedCheckpoint]:
+    """Writes and commits checkpoint ``step``; see :meth:`Runtime.checkpoint`."""
+    return get_runtime().checkpoint(step, state)
+
+
+def save_checkpoint(
+    step: int, write: Callable[[Path], None], state: Mapping[str, Any] | None = None
+) -> CommittedPart:
+    """Writes (again on retry) and commits checkpoint ``step``; see
+    :meth:`Runtime.save_checkpoint`."""
+    return get_runtime().save_checkpoint(step, write, state)
+
+
+def checkpoints_enabled() -> bool:
+    """Whether this process can commit checkpoints (a Cumulus rank of a job with a
+    checkpoint dir)."""
+    return get_runtime().checkpoints_enabled
+
+
+def resume() -> ResumePoint | None:
+    """Where this attempt resumes, or ``None``; see :meth:`Runtime.resume`."""
+    return get_runtime().resume()

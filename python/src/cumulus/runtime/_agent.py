@@ -1,0 +1,162 @@
+"""Client of the worker agent's rank-local HTTP API (docs/architecture.md, "Rank-local HTTP
+API"), standard library only: ``POST /v1/progress`` and ``POST /v1/checkpoint``, both
+with ``Authorization: Bearer $CUMULUS_AGENT_TOKEN``.
+
+It mirrors the Rust example trainer's client (``examples/src/agent.rs``): 2xx is success,
+401 and 409 mean this attempt is stale (:class:`~cumulus.errors.StaleAttempt`), any other
+status is an :class:`~cumulus.errors.AgentError` with the agent's message, and no answer
+at all is an :class:`~cumulus.errors.AgentError` with ``status=None``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from cumulus.errors import AgentError, StaleAttempt
+
+__all__ = [
+    "CHECKPOINT_TIMEOUT_S",
+    "MAX_REPLY_BYTES",
+    "PROGRESS_TIMEOUT_S",
+    "AgentClient",
+]
+
+#: Time limit of one progress request, in seconds.
+PROGRESS_TIMEOUT_S = 2.0
+#: Time limit of one checkpoint commit request, in seconds (the agent hashes and fsyncs
+#: every file and waits for the leader before it answers).
+CHECKPOINT_TIMEOUT_S = 60.0
+#: Most bytes of a reply body that are read.
+MAX_REPLY_BYTES = 64 * 1024
+
+
+def _error_message(body: bytes) -> str:
+    """The ``error`` field of a ``{"error": ...}`` body, else the body's start."""
+    text = body.decode("utf-8", errors="replace")
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
+        return str(parsed["error"])
+    return text.strip()[:500]
+
+
+class AgentClient:
+    """A client of one agent, for one attempt's token.
+
+    Each request opens its own loopback connection: the agent closes keep-alive
+    connections idle for 10 s, and a fresh connection never races that close. Proxies
+    are never used (``http.client`` ignores ``HTTP_PROXY``).
+    """
+
+    def __init__(self, base_url: str, token: str) -> None:
+        """:param base_url: e.g. ``http://127.0.0.1:41234`` (``CUMULUS_AGENT_URL``).
+        :param token: the attempt's bearer token (``CUMULUS_AGENT_TOKEN``).
+        :raises ValueError: the URL is not ``http(s)://host:port``."""
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"agent URL {base_url!r} is not an http:// or https:// URL")
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._https else 80)
+        self._prefix = parts.path.rstrip("/")
+        self._token = token
+        self.base_url = base_url.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"AgentClient({self.base_url!r})"
+
+    def _post(self, path: str, body: Mapping[str, Any], timeout_s: float) -> tuple[int, bytes]:
+        payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        conn: http.client.HTTPConnection
+        if self._https:
+            conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+        try:
+            conn.request(
+                "POST",
+                self._prefix + path,
+                body=payload,
+                headers={
+                    "Authorization": f"Bearer {self._token}",
+                    "Content-Type": "application/json",
+                    "Connection": "close",
+                },
+            )
+            resp = conn.getresponse()
+            data = resp.read(MAX_REPLY_BYTES)
+            return resp.status, data
+        except (OSError, http.client.HTTPException) as e:
+            kind = "timed out" if isinstance(e, (TimeoutError, socket.timeout)) else "failed"
+            raise AgentError(
+                f"POST {path} to the agent at {self.base_url} {kind}: {e or type(e).__name__}",
+                status=None,
+            ) from e
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _check(path: str, status: int, body: bytes) -> None:
+        if 200 <= status < 300:
+            return
+        message = _error_message(body)
+        if status in (401, 409):
+            raise StaleAttempt(
+                f"the agent rejected this attempt as stale (HTTP {status} on {path}): {message}",
+                status=status,
+            )
+        raise AgentError(f"the agent answered HTTP {status} on {path}: {message}", status=status)
+
+    def progress(
+        self,
+        step: int,
+        total_steps: int | None,
+        metrics: Mapping[str, float],
+        *,
+        timeout_s: float = PROGRESS_TIMEOUT_S,
+    ) -> None:
+        """``POST /v1/progress``.
+
+        :raises StaleAttempt: 401/409.
+        :raises AgentError: any other failure.
+        """
+        body: dict[str, Any] = {"step": step, "metrics": dict(metrics)}
+        if total_steps is not None:
+            body["total_steps"] = total_steps
+        status, data = self._post("/v1/progress", body, timeout_s)
+        self._check("/v1/progress", status, data)
+
+    def commit_checkpoint(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        timeout_s: float = CHECKPOINT_TIMEOUT_S,
+    ) -> str:
+        """``POST /v1/checkpoint``: asks the agent to commit the staging dir as this
+        attempt's part of ``step``. Returns the committed part's directory relative to the
+        job's checkpoint dir, e.g. ``step-00000100/rank-0/attempt-1``.
+
+        :raises StaleAttempt: 401/409: this attempt must stop.
+        :raises AgentError: any other failure (``status`` 502/503 and ``None`` are worth
+            retrying; see :class:`~cumulus.runtime.Checkpointer`).
+        """
+        status, data = self._post("/v1/checkpoint", {"step": step, "state": dict(state)}, timeout_s)
+        self._check("/v1/checkpoint", status, data)
+        try:
+            reply = json.loads(data)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict) or not isinstance(reply.get("dir"), str):
+            raise AgentError(
+                f"the agent's reply to POST /v1/checkpoint is malformed: {data[:200]!r}",
+                status=status,
+            )
+        return str(reply["dir"])

@@ -1,0 +1,406 @@
+"""Checkpoint parts: written into the attempt's staging dir, committed by the worker agent
+(``POST /v1/checkpoint``), resumed from ``CUMULUS_RESUME_DIR``.
+
+The commit protocol (docs/architecture.md, "Checkpoint layout"): the rank writes its part
+into ``CUMULUS_CKPT_STAGING``; the agent hashes and fsyncs every file, renames the dir to
+``<ckpt_dir>/<job>/step-N/rank-R/attempt-A/``, re-creates an empty staging dir and reports
+the part to the leader; it answers once the leader acknowledged. A step is committed (and
+can be resumed from) once every rank's part of it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cumulus.errors import (
+    AgentError,
+    CheckpointFailed,
+    CheckpointsDisabled,
+    InvalidState,
+    InvalidStep,
+    NotInCumulusRank,
+    StaleAttempt,
+)
+from cumulus.runtime._agent import AgentClient
+from cumulus.runtime._env import Context
+
+__all__ = [
+    "COMMIT_DEADLINE_S",
+    "MAX_STATE_BYTES",
+    "STATE_FILE",
+    "Checkpointer",
+    "CommittedPart",
+    "ResumePoint",
+    "StagedCheckpoint",
+]
+
+#: Largest checkpoint ``state``, serialized compactly, in bytes (the agent's limit).
+MAX_STATE_BYTES = 64 * 1024
+#: File in every part holding the ``state`` it was committed with (read by ``resume()``
+#: whatever the storage backend). The name is reserved in the staging dir.
+STATE_FILE = "cumulus-state.json"
+#: Default time within which a commit is retried, in seconds.
+COMMIT_DEADLINE_S = 120.0
+#: First wait before retrying a commit, in seconds; doubles up to ``_BACKOFF_MAX_S``.
+_BACKOFF_INITIAL_S = 0.1
+_BACKOFF_MAX_S = 5.0
+#: Agent statuses after which the same request may succeed: 502/503 (the leader failed or
+#: was unreachable; the agent keeps the part committed locally and re-reports it).
+_RETRY_STATUSES = frozenset({502, 503})
+
+
+@dataclass(frozen=True)
+class CommittedPart:
+    """A checkpoint part the leader acknowledged."""
+
+    #: The checkpoint's step.
+    step: int
+    #: The part's directory relative to the job's checkpoint dir, e.g.
+    #: ``step-00000100/rank-0/attempt-1`` (the agent's answer).
+    dir: str
+    #: The part's absolute path on this machine (``None`` when it cannot be derived).
+    path: Path | None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where this attempt resumes: this rank's committed part of ``step``."""
+
+    #: The committed step.
+    step: int
+    #: This rank's part of it (``CUMULUS_RESUME_DIR``): read your files from here.
+    dir: Path
+    #: The ``state`` the part was committed with (``{}`` when none was recorded).
+    state: Mapping[str, Any] = field(default_factory=dict)
+
+
+class StagedCheckpoint(os.PathLike[str]):
+    """The staging dir of one checkpoint being written, yielded by
+    :meth:`Checkpointer.checkpoint`. Use it as a path (``open(stage / "model.pt", "wb")``,
+    ``os.fspath(stage)``); fill :attr:`state` before the block ends to commit more resume
+    state; after the block, :attr:`committed` says where the part went."""
+
+    def __init__(self, step: int, path: Path, state: dict[str, Any]) -> None:
+        #: The checkpoint's step.
+        self.step = step
+        #: The staging dir (the attempt's ``CUMULUS_CKPT_STAGING``).
+        self.path = path
+        #: The JSON state committed with the part (≤ 64 KiB); may be changed in the block.
+        self.state = state
+        #: Set once the leader acknowledged the part.
+        self.committed: CommittedPart | None = None
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __truediv__(self, other: str | os.PathLike[str]) -> Path:
+        return self.path / other
+
+    def __repr__(self) -> str:
+        return f"StagedCheckpoint(step={self.step}, path={str(self.path)!r})"
+
+
+def _state_dict(state: Mapping[str, Any] | None) -> dict[str, Any]:
+    if state is None:
+        return {}
+    if not isinstance(state, Mapping):
+        raise InvalidState(f"state must be a dict (a JSON object), got {type(state).__name__}")
+    return dict(state)
+
+
+def _encode_state(state: Mapping[str, Any]) -> bytes:
+    if not isinstance(state, Mapping):
+        raise InvalidState(f"state must be a dict (a JSON object), got {type(state).__name__}")
+    try:
+        # Compact and not ASCII-escaped: the size the agent measures (serde_json).
+        data = json.dumps(
+            dict(state), separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise InvalidState(f"state is not JSON (finite numbers, str keys): {e}") from e
+    if len(data) > MAX_STATE_BYTES:
+        raise InvalidState(
+            f"state is {len(data)} bytes serialized, at most {MAX_STATE_BYTES}: put large "
+            "data in files of the checkpoint instead"
+        )
+    return data
+
+
+def _empty_dir(path: Path) -> None:
+    """Creates ``path`` (not its parents) if missing and removes everything inside."""
+    with suppress(FileExistsError):
+        path.mkdir()
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def _read_state_file(part: Path) -> dict[str, Any] | None:
+    try:
+        with open(part / STATE_FILE, "rb") as f:
+            data = f.read(MAX_STATE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    parsed = json.loads(data)
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _read_manifest_state(part: Path, rank: int) -> dict[str, Any] | None:
+    """The part's state from the step's ``MANIFEST.json`` (local layout:
+    ``step-N/rank-R/attempt-A``), or ``None``."""
+    manifest = part.parent.parent / "MANIFEST.json"
+    try:
+        parsed = json.loads(manifest.read_bytes())
+    except (OSError, ValueError):
+        return None
+    for p in parsed.get("parts", []) if isinstance(parsed, dict) else []:
+        if isinstance(p, dict) and p.get("rank") == rank and isinstance(p.get("state"), dict):
+            return dict(p["state"])
+    return None
+
+
+class Checkpointer:
+    """Writes this rank's checkpoint parts and has the agent commit them.
+
+    Commits are retried with doubling backoff (0.1 s up to 5 s) until ``commit_deadline_s``
+    after the first try when the agent could not be reached or answered 502/503 (the
+    leader failed or was unreachable: the agent keeps the part and re-reports it). A
+    409/401 raises :class:`~cumulus.errors.StaleAttempt` at once: another attempt replaced
+    this one, and the rank must exit.
+    """
+
+    def __init__(
+        self,
+        context: Context,
+        agent: AgentClient | None,
+        *,
+        commit_deadline_s: float = COMMIT_DEADLINE_S,
+    ) -> None:
+        self.context = context
+        self._agent = agent
+        self.commit_deadline_s = commit_deadline_s
+        self._lock = threading.Lock()
+        #: The last step this process committed (``None`` before the first).
+        self.last_committed_step: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether checkpoints can be committed (a Cumulus rank of a job with a checkpoint
+        dir)."""
+        return self._agent is not None and self.context.staging_dir is not None
+
+    def _require(self) -> tuple[AgentClient, Path]:
+        if self.context.standalone or self._agent is None:
+            raise NotInCumulusRank(
+                "checkpoint() needs a Cumulus rank (CUMULUS_JOB_ID and CUMULUS_AGENT_URL are "
+                "not set): a standalone run has nobody to commit checkpoints; check "
+                "Checkpointer.enabled (or cumulus.runtime.checkpoints_enabled()) first"
+            )
+        if self.context.staging_dir is None:
+            raise CheckpointsDisabled(
+                f"job {self.context.job_id} has no checkpoint dir (CUMULUS_CKPT_STAGING is "
+                "not set): submit it with a checkpoint dir (cumulusctl submit --ckpt-dir, "
+                "Client.submit(ckpt_dir=...))"
+            )
+        return self._agent, self.context.staging_dir
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(
+                "a checkpoint of this rank is already being written (checkpoints cannot be "
+                "nested or written from two threads at once)"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _check_step(self, step: object) -> int:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidStep(f"checkpoint step must be a non-negative int, got {step!r}")
+        floor = self.last_committed_step
+        resume = self.context.resume_step
+        if resume is not None and (floor is None or resume > floor):
+            floor = resume
+        if floor is not None and step <= floor:
+            # The leader refuses such a part as stale (409), which would read as "this
+            # attempt was replaced": say what is really wrong instead.
+            raise InvalidStep(
+                f"checkpoint step {step} is not after step {floor}, the last one this rank "
+                "committed or resumed from: steps must increase"
+            )
+        return step
+
+    def _part_path(self, staging: Path, rel: str) -> Path | None:
+        # staging = <ckpt_dir>/<job>/.staging/rank-R.attempt-A
+        path = staging.parent.parent / rel
+        return path if path.is_dir() else None
+
+    def _commit(
+        self,
+        agent: AgentClient,
+        staging: Path,
+        step: int,
+        state: Mapping[str, Any],
+        rewrite: Callable[[], None] | None,
+    ) -> CommittedPart:
+        start = time.monotonic()
+        backoff = _BACKOFF_INITIAL_S
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                if rewrite is not None and tries > 1:
+                    rewrite()
+                rel = agent.commit_checkpoint(step, state)
+            except StaleAttempt:
+                raise
+            except OSError as e:  # rewriting the staging dir failed
+                last: Exception = e
+                retryable = True
+            except AgentError as e:
+                last = e
+                retryable = e.status is None or e.status in _RETRY_STATUSES
+                if e.status == 500 and rewrite is not None:
+                    # A storage failure emptied the staging dir; it is written again.
+                    retryable = True
+            else:
+                part = CommittedPart(step=step, dir=rel, path=self._part_path(staging, rel))
+                self.last_committed_step = step
+                return part
+            elapsed = time.monotonic() - start
+            if not retryable or elapsed + backoff > self.commit_deadline_s:
+                why = "" if retryable else " (not retryable)"
+                raise CheckpointFailed(
+                    f"checkpoint step {step}: commit failed after {tries} "
+                    f"{'try' if tries == 1 else 'tries'} in {elapsed:.1f} s{why}: {last}",
+                    step,
+                ) from last
+            time.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    @staticmethod
+    def _write_state_file(staging: Path, state_bytes: bytes) -> None:
+        target = staging / STATE_FILE
+        if target.exists():
+            raise InvalidState(
+                f"{STATE_FILE} is reserved in a checkpoint for the state Cumulus commits; "
+                "name your file differently"
+            )
+        target.write_bytes(state_bytes)
+
+    @contextmanager
+    def checkpoint(
+        self, step: int, state: Mapping[str, Any] | None = None
+    ) -> Iterator[StagedCheckpoint]:
+        """Yields the (emptied) staging dir for checkpoint ``step``; when the block ends
+        without an exception, commits it with ``state`` and sets the yielded object's
+        ``committed``. An exception in the block commits nothing, empties the staging dir
+        and propagates.
+
+        The block runs once: a commit that fails in a way that needs the files written
+        again (a storage error on the worker) raises :class:`CheckpointFailed`; use
+        :meth:`save` to have them rewritten and retried.
+
+        :raises NotInCumulusRank: standalone run.
+        :raises CheckpointsDisabled: the job has no checkpoint dir.
+        :raises InvalidStep: ``step`` is not after the last committed or resumed step.
+        :raises InvalidState: ``state`` is not a JSON object of at most 64 KiB.
+        :raises StaleAttempt: this attempt was replaced: exit.
+        :raises CheckpointFailed: the commit failed after every retry.
+        """
+        agent, staging = self._require()
+        with self._exclusive():
+            step = self._check_step(step)
+            stage = StagedCheckpoint(step, staging, _state_dict(state))
+            _encode_state(stage.state)
+            try:
+                _empty_dir(staging)
+            except OSError as e:
+                raise CheckpointFailed(
+                    f"checkpoint step {step}: cannot prepare the staging dir {staging}: {e}",
+                    step,
+                ) from e
+            try:
+                yield stage
+                state_bytes = _encode_state(stage.state)
+                self._write_state_file(staging, state_bytes)
+            except BaseException:
+                _empty_dir(staging)
+                raise
+            try:
+                stage.committed = self._commit(agent, staging, step, stage.state, rewrite=None)
+            except BaseException:
+                # The next checkpoint starts from an empty staging dir either way.
+                _empty_dir(staging)
+                raise
+
+    def save(
+        self,
+        step: int,
+        write: Callable[[Path], None],
+        state: Mapping[str, Any] | None = None,
+    ) -> CommittedPart:
+        """Commits checkpoint ``step``: ``write(staging_dir)`` writes the part's files;
+        it is called again before every retry (from an emptied staging dir), as the Rust
+        example trainer does, so storage failures on the worker are retried too.
+
+        :raises: as :meth:`checkpoint`, plus whatever ``write`` raises on the first try.
+        """
+        agent, staging = self._require()
+        with self._exclusive():
+            step = self._check_step(step)
+            state_dict = _state_dict(state)
+            state_bytes = _encode_state(state_dict)
+
+            def fill() -> None:
+                _empty_dir(staging)
+                write(staging)
+                self._write_state_file(staging, state_bytes)
+
+            try:
+                fill()
+                return self._commit(agent, staging, step, state_dict, rewrite=fill)
+            except BaseException:
+                _empty_dir(staging)
+                raise
+
+    def resume(self) -> ResumePoint | None:
+        """Where this attempt resumes (``None`` for a fresh start): the step, this rank's
+        committed part dir, and the state the part was committed with (from its
+        ``cumulus-state.json``, else the step's ``MANIFEST.json``, else ``{}``).
+
+        :raises CheckpointFailed: the resume dir is missing (the agent verified it before
+            starting this attempt, so something removed it since).
+        """
+        ctx = self.context
+        if ctx.resume_step is None or ctx.resume_dir is None:
+            return None
+        part = ctx.resume_dir
+        if not part.is_dir():
+            raise CheckpointFailed(
+                f"resume dir {part} (CUMULUS_RESUME_DIR) of step {ctx.resume_step} is not a "
+                "directory",
+                ctx.resume_step,
+            )
+        try:
+            state = _read_state_file(part)
+        except ValueError as e:
+            raise CheckpointFailed(
+                f"{part / STATE_FILE} is not valid JSON: {e}", ctx.resume_step
+            ) from e
+        if state is None:
+            state = _read_manifest_state(part, ctx.rank) or {}
+        return ResumePoint(step=ctx.resume_step, dir=part, state=state)

@@ -1,0 +1,74 @@
+"""Fixtures: real local clusters (``cumulusctl local up`` in a temp dir) and data sets."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import cumulus
+from localcluster import LocalCluster, binaries_missing
+
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+#: The rank program of the integration tests, run by this interpreter (it has cumulus).
+TRAINER = [sys.executable, str(PROGRAMS / "counting_trainer.py")]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = binaries_missing()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "cluster" in item.keywords:
+            item.add_marker(skip)
+
+
+def _client(cluster: LocalCluster) -> cumulus.Client:
+    return cumulus.Client(cluster.http_addrs, token_file=cluster.token_file, retry_total_s=30)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One coordinator and one worker with 4 slots, shared by a test module."""
+    with LocalCluster(tmp_path_factory.mktemp("cluster"), coordinators=1, workers=1) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[cumulus.Client]:
+    with _client(cluster) as c:
+        yield c
+
+
+@pytest.fixture
+def ha_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Three coordinators and one worker, for one test (it kills coordinators)."""
+    with LocalCluster(tmp_path_factory.mktemp("ha"), coordinators=3, workers=1) as c:
+        yield c
+
+
+@pytest.fixture
+def ha_client(ha_cluster: LocalCluster) -> Iterator[cumulus.Client]:
+    with _client(ha_cluster) as c:
+        yield c
+
+
+SHARDS = 4
+RECORDS_PER_SHARD = 20
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    """4 CSV shards of 20 ``id,value`` records each (values 1..80)."""
+    d = tmp_path / "dataset"
+    d.mkdir()
+    for s in range(SHARDS):
+        rows = (
+            f"{s * RECORDS_PER_SHARD + i},{s * RECORDS_PER_SHARD + i + 1}\n"
+            for i in range(RECORDS_PER_SHARD)
+        )
+        (d / f"part-{s:02d}.csv").write_text("".join(rows))
+    return d

@@ -1,0 +1,110 @@
+"""A stand-in for the worker agent's rank-local API on 127.0.0.1, for unit tests of the
+runtime: records every request and answers from a script of responses."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Request:
+    path: str
+    authorization: str | None
+    body: Any
+
+
+#: (status, JSON body or None). A callable gets the request and returns one.
+Response = tuple[int, Any]
+
+
+class FakeAgent:
+    """Answers ``POST /v1/progress`` with 204 and ``POST /v1/checkpoint`` by "committing"
+    the staging dir (moving its files to ``<job dir>/<part>``) unless a scripted response
+    is queued for the path."""
+
+    def __init__(self, staging: Path | None = None, *, rank: int = 0, attempt: int = 0) -> None:
+        self.staging = staging
+        self.rank = rank
+        self.attempt = attempt
+        self.requests: list[Request] = []
+        self.script: dict[str, list[Response | Callable[[Request], Response]]] = {}
+        self.lock = threading.Lock()
+        self.progress_delay_s = 0.0
+        agent = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length)
+                req = Request(self.path, self.headers.get("Authorization"), json.loads(raw))
+                status, body = agent.answer(req)
+                data = b"" if body is None else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_port}"
+
+    def __enter__(self) -> FakeAgent:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def queue(self, path: str, *responses: Response | Callable[[Request], Response]) -> None:
+        with self.lock:
+            self.script.setdefault(path, []).extend(responses)
+
+    def of(self, path: str) -> list[Request]:
+        with self.lock:
+            return [r for r in self.requests if r.path == path]
+
+    def answer(self, req: Request) -> Response:
+        with self.lock:
+            self.requests.append(req)
+            scripted = self.script.get(req.path)
+            response = scripted.pop(0) if scripted else None
+        if callable(response):
+            return response(req)
+        if response is not None:
+            return response
+        if req.path == "/v1/progress":
+            if self.progress_delay_s:
+                threading.Event().wait(self.progress_delay_s)
+            return 204, None
+        if req.path == "/v1/checkpoint":
+            return self.commit(req)
+        return 404, {"error": "no such route"}
+
+    def commit(self, req: Request) -> Response:
+        """What the agent does: rename staging to the part dir, re-create staging."""
+        assert self.staging is not None
+        rel = f"step-{req.body['step']:08d}/rank-{self.rank}/attempt-{self.attempt}"
+        target = self.staging.parent.parent / rel
+        if target.exists():
+            return 400, {"error": f"part {rel} is already committed"}
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.staging.rename(target)
+        self.staging.mkdir()
+        return 200, {"dir": rel}

@@ -1,0 +1,412 @@
+"""The client SDK against scripted coordinators (httpx.MockTransport): configuration,
+leader following, retries, error mapping, waiting and the SSE log stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import cumulus
+from cumulus import errors
+from cumulus._config import normalize_address, resolve
+from cumulus.client import Client
+
+A, B, C = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def job_json(job_id: str = "job-000001", state: str = "running", **extra: Any) -> dict[str, Any]:
+    return {
+        "id": job_id,
+        "spec": {"name": "t", "world_size": 2, "command": ["python", "t.py"], "env": {}},
+        "state": state,
+        "submitted_at_ms": 1,
+        "finished_at_ms": 0,
+        "restarts_used": 0,
+        "failure_cause": "",
+        "ranks": [
+            {"rank": 0, "attempt": 0, "worker_id": "w", "state": "running", "exit_code": None},
+            {"rank": 1, "attempt": 1, "worker_id": "w", "state": "exited", "exit_code": 0},
+        ],
+        "committed_step": None,
+        "restarts": [],
+        "request_id": "r",
+        "shard_count": 0,
+        **extra,
+    }
+
+
+class Script:
+    """Routes requests to per-(address, method, path) handlers; records them."""
+
+    def __init__(self) -> None:
+        self.calls: list[httpx.Request] = []
+        self.routes: dict[tuple[str, str, str], list[Handler]] = {}
+
+    def on(self, addr: str, method: str, path: str, *handlers: Handler) -> None:
+        self.routes.setdefault((addr, method, path), []).extend(handlers)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls.append(request)
+        key = (f"{request.url.host}:{request.url.port}", request.method, request.url.path)
+        handlers = self.routes.get(key)
+        if not handlers:
+            raise httpx.ConnectError("connection refused", request=request)
+        handler = handlers.pop(0) if len(handlers) > 1 else handlers[0]
+        return handler(request)
+
+    def where(self) -> list[str]:
+        return [f"{r.url.host}:{r.url.port} {r.method} {r.url.path}" for r in self.calls]
+
+
+def ok(body: Any) -> Handler:
+    return lambda r: httpx.Response(200, json=body)
+
+
+def status(code: int, error: str, headers: dict[str, str] | None = None) -> Handler:
+    return lambda r: httpx.Response(code, json={"error": error}, headers=headers)
+
+
+def refused(r: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=r)
+
+
+@pytest.fixture
+def script() -> Script:
+    return Script()
+
+
+@pytest.fixture
+def client(script: Script) -> Iterator[Client]:
+    c = Client([A, B, C], token="tok", transport=httpx.MockTransport(script), retry_total_s=5)
+    yield c
+    c.close()
+
+
+# -- configuration ---------------------------------------------------------------------
+
+
+def write_cluster(dir: Path, token: str = "file-token") -> None:
+    dir.mkdir(parents=True, exist_ok=True)
+    (dir / "token").write_text(token + "\n")
+    cluster = {
+        "token_file": str(dir / "token"),
+        "coordinators": [{"node_id": i, "grpc": "x", "http": f"127.0.0.1:800{i}"} for i in (1, 2)],
+        "workers": [],
+    }
+    (dir / "cluster.json").write_text(json.dumps(cluster))
+
+
+def test_config_from_the_local_cluster_file(tmp_path: Path) -> None:
+    write_cluster(tmp_path / "lc")
+    conn = resolve(environ={"CUMULUS_LOCAL_DIR": str(tmp_path / "lc")})
+    assert conn.addresses == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert conn.token == "file-token"
+    assert "file-token" not in repr(conn)
+
+
+def test_config_from_the_environment_wins(tmp_path: Path) -> None:
+    write_cluster(tmp_path)
+    (tmp_path / "other").write_text("  env-token \n")
+    env = {
+        "CUMULUS_LOCAL_DIR": str(tmp_path),
+        "CUMULUS_HTTP": "http://h1:1/, h2:2",
+        "CUMULUS_TOKEN_FILE": str(tmp_path / "other"),
+    }
+    conn = resolve(environ=env)
+    assert conn.addresses == ("http://h1:1", "http://h2:2")
+    assert conn.token == "env-token"
+    assert resolve(environ={**env, "CUMULUS_TOKEN_FILE": "", "CUMULUS_TOKEN": "t2"}).token == "t2"
+    assert resolve(["h3:3"], token="t3", environ=env).addresses == ("http://h3:3",)
+
+
+def test_config_errors_say_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(errors.ConfigError, match="CUMULUS_HTTP"):
+        resolve(environ={"CUMULUS_LOCAL_DIR": str(tmp_path)})
+    with pytest.raises(errors.ConfigError, match="no token"):
+        resolve(environ={"CUMULUS_LOCAL_DIR": str(tmp_path), "CUMULUS_HTTP": "h:1"})
+    with pytest.raises(errors.ConfigError, match="both"):
+        resolve(environ={"CUMULUS_HTTP": "h:1", "CUMULUS_TOKEN": "a", "CUMULUS_TOKEN_FILE": "b"})
+    with pytest.raises(errors.ConfigError, match="gRPC"):
+        resolve(environ={"CUMULUS_ADDR": "h:50051", "CUMULUS_TOKEN": "a"})
+    with pytest.raises(errors.ConfigError, match="visible ASCII"):
+        resolve(environ={"CUMULUS_HTTP": "h:1", "CUMULUS_TOKEN": "a b"})
+
+
+@pytest.mark.parametrize("bad", ["h", "h:0", ":80", "h:99999", "h/x:1", "h:x"])
+def test_bad_addresses_are_refused(bad: str) -> None:
+    with pytest.raises(errors.ConfigError, match="host:port"):
+        normalize_address(bad, "test")
+
+
+# -- leader following and retries ------------------------------------------------------
+
+
+def test_a_write_follows_the_leader_hint(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs", status(503, "not the leader", {"x-cumulus-leader-http": C}))
+    script.on(C, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    script.on(C, "GET", "/v1/jobs/job-000001", ok({"job": job_json()}))
+    job = client.submit(["python", "t.py"], world_size=2)
+    assert job.id == "job-000001" and job.created
+    assert job.status().state == "running"
+    # The leader that answered is asked first from then on.
+    assert script.where() == [
+        f"{A} POST /v1/jobs",
+        f"{C} POST /v1/jobs",
+        f"{C} GET /v1/jobs/job-000001",
+    ]
+    assert all(r.headers["authorization"] == "Bearer tok" for r in script.calls)
+
+
+def test_an_election_and_a_dead_node_are_ridden_out(client: Client, script: Script) -> None:
+    script.on(A, "GET", "/v1/jobs", status(503, "no leader"), ok({"jobs": [job_json()]}))
+    script.on(B, "GET", "/v1/jobs", refused)
+    script.on(C, "GET", "/v1/jobs", status(503, "no leader"))
+    jobs = client.jobs()
+    assert [j.id for j in jobs] == ["job-000001"]
+    assert script.where()[:4] == [f"{x} GET /v1/jobs" for x in (A, B, C, A)]
+
+
+def test_a_retried_submit_reuses_its_request_id(client: Client, script: Script) -> None:
+    def lost_answer(r: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=r)
+
+    script.on(A, "POST", "/v1/jobs", lost_answer)
+    script.on(B, "POST", "/v1/jobs", ok({"job_id": "job-000009", "created": False}))
+    job = client.submit(["true"], request_id=None)
+    ids = {json.loads(r.content)["request_id"] for r in script.calls}
+    assert len(ids) == 1 and job.request_id in ids
+    assert not job.created
+
+
+def test_no_coordinator_is_unavailable_within_the_budget(script: Script) -> None:
+    c = Client([A, B], token="t", transport=httpx.MockTransport(script), retry_total_s=0.3)
+    with pytest.raises(errors.Unavailable, match="no coordinator answered") as e:
+        c.jobs()
+    assert e.value.status is None
+    assert len(script.calls) >= 2
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (400, errors.InvalidSpec),
+        (401, errors.Unauthorized),
+        (404, errors.NotFound),
+        (409, errors.Conflict),
+        (429, errors.ResourceExhausted),
+        (500, errors.ServerError),
+    ],
+)
+def test_errors_are_typed_and_carry_the_message(
+    client: Client, script: Script, code: int, cls: type[errors.ApiError]
+) -> None:
+    script.on(A, "GET", "/v1/jobs/job-1", status(code, f"server says {code}"))
+    with pytest.raises(cls, match=f"server says {code}") as e:
+        client.get_job("job-1")
+    assert e.value.status == code and e.value.address == f"http://{A}"
+    assert len(script.calls) == 1  # definitive answers are not retried
+
+
+def test_submit_builds_the_spec(
+    client: Client, script: Script, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000002", "created": True}))
+    monkeypatch.chdir(tmp_path)
+    client.submit(
+        ["python", Path("t.py")],  # type: ignore[list-item]
+        world_size=3,
+        dataset="data",
+        ckpt_dir="s3://not-a-dir",
+        env={"A": "1"},
+        max_restarts=5,
+        restart_scope="rank",
+        backoff_initial_ms=100,
+        progress_timeout_s=1.5,
+        ckpt_keep=2,
+        request_id="rid-1",
+    )
+    body = json.loads(script.calls[0].content)
+    assert body["request_id"] == "rid-1"
+    spec = body["spec"]
+    assert spec["command"] == ["python", "t.py"]
+    assert spec["world_size"] == 3 and spec["env"] == {"A": "1"} and spec["ckpt_keep"] == 2
+    assert spec["dataset"] == str(tmp_path / "data")
+    assert spec["ckpt_dir"] == "s3://not-a-dir"
+    assert spec["restart"] == {"scope": "rank", "max_restarts": 5, "backoff_initial_ms": 100}
+    assert spec["progress_timeout_ms"] == 1500
+
+
+def test_submit_checks_its_arguments(client: Client) -> None:
+    with pytest.raises(TypeError, match="shlex"):
+        client.submit("python t.py")  # a str is a Sequence[str]: refused at run time
+    with pytest.raises(errors.InvalidSpec, match="world_size"):
+        client.submit(["x"], world_size=0)
+    with pytest.raises(errors.InvalidSpec, match="env"):
+        client.submit(["x"], env={"A=B": "1"})
+    with pytest.raises(errors.InvalidSpec, match="request_id"):
+        client.submit(["x"], request_id="r" * 129)
+
+
+# -- jobs ------------------------------------------------------------------------------
+
+
+def test_job_info_is_typed(client: Client, script: Script) -> None:
+    restarts = [
+        {
+            "number": 1,
+            "cause": "rank 0 attempt 0 exited with code 1",
+            "ranks": [0, 1],
+            "resume_step": 10,
+        }
+    ]
+    script.on(
+        A,
+        "GET",
+        "/v1/jobs/job-000001",
+        ok({"job": job_json(committed_step=20, restarts_used=1, restarts=restarts)}),
+    )
+    info = client.job("job-000001").status()
+    assert info.world_size == 2 and info.command == ("python", "t.py")
+    assert info.committed_step == 20 and info.restarts[0].resume_step == 10
+    assert info.ranks[1].attempt == 1 and info.ranks[1].exit_code == 0
+    assert not info.finished
+    assert "linearizable=true" in str(script.calls[0].url)
+
+
+def test_wait_polls_until_finished(client: Client, script: Script) -> None:
+    script.on(
+        A,
+        "GET",
+        "/v1/jobs/job-000001",
+        ok({"job": job_json(state="pending")}),
+        ok({"job": job_json(state="running")}),
+        ok({"job": job_json(state="succeeded")}),
+    )
+    assert client.job("job-000001").wait(timeout_s=10, poll_interval_s=0.01).succeeded
+
+
+def test_wait_times_out_and_the_job_keeps_running(client: Client, script: Script) -> None:
+    script.on(A, "GET", "/v1/jobs/job-000001", ok({"job": job_json(state="running")}))
+    with pytest.raises(errors.WaitTimeout, match="running") as e:
+        client.job("job-000001").wait(timeout_s=0.2, poll_interval_s=0.05)
+    assert e.value.job.state == "running"
+
+
+def test_run_raises_when_the_job_fails(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    script.on(
+        A,
+        "GET",
+        "/v1/jobs/job-000001",
+        ok({"job": job_json(state="failed", failure_cause="restart budget spent")}),
+    )
+    with pytest.raises(errors.JobFailed, match="restart budget spent") as e:
+        client.run(["false"], timeout_s=5)
+    assert e.value.job.state == "failed"
+
+
+def test_cancel_is_idempotent_but_not_for_finished_jobs(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs/job-000001/cancel", status(409, "job is already cancelled"))
+    script.on(A, "GET", "/v1/jobs/job-000001", ok({"job": job_json(state="cancelled")}))
+    assert client.job("job-000001").cancel().state == "cancelled"
+    script.on(A, "POST", "/v1/jobs/job-000002/cancel", status(409, "already succeeded"))
+    script.on(A, "GET", "/v1/jobs/job-000002", ok({"job": job_json("job-000002", "succeeded")}))
+    with pytest.raises(errors.Conflict, match="already succeeded"):
+        client.job("job-000002").cancel()
+
+
+def test_checkpoints_are_typed(client: Client, script: Script) -> None:
+    script.on(
+        A,
+        "GET",
+        "/v1/jobs/job-000001/checkpoints",
+        ok(
+            {
+                "checkpoints": [
+                    {
+                        "step": 20,
+                        "path": "/c/job-000001/step-00000020",
+                        "verified": True,
+                        "bytes": 42,
+                        "latest": True,
+                        "tiers": ["L1"],
+                    }
+                ]
+            }
+        ),
+    )
+    job = client.job("job-000001")
+    (c,) = job.get_checkpoints()
+    assert (c.step, c.size_bytes, c.latest, c.verified, c.tiers) == (20, 42, True, True, ("L1",))
+
+
+def test_pause_and_resume_name_the_missing_server_feature(client: Client) -> None:
+    job = client.job("job-000001")
+    with pytest.raises(errors.Unsupported, match="pause") as e:
+        job.pause()
+    assert isinstance(e.value, NotImplementedError)
+    with pytest.raises(errors.Unsupported, match="resume"):
+        job.resume()
+
+
+def test_malformed_answers_are_protocol_errors(client: Client, script: Script) -> None:
+    script.on(A, "GET", "/v1/jobs/job-1", ok({"job": {"id": "job-1", "state": 3}}))
+    with pytest.raises(errors.ProtocolError, match="state"):
+        client.get_job("job-1")
+
+
+# -- logs ------------------------------------------------------------------------------
+
+
+def sse(*events: tuple[str, str, dict[str, Any]]) -> bytes:
+    return "".join(f"event: {e}\nid: {i}\ndata: {json.dumps(d)}\n\n" for e, i, d in events).encode()
+
+
+def line(rank: int, attempt: int, offset: int, text: str) -> dict[str, Any]:
+    return {"rank": rank, "attempt": attempt, "offset": offset, "line": text}
+
+
+def test_logs_resume_elsewhere_with_last_event_id(client: Client, script: Script) -> None:
+    first = sse(("log", "r0a0o4", line(0, 0, 0, "one")), ("log", "r0a0o8", line(0, 0, 4, "two")))
+
+    def dropped(r: httpx.Request) -> httpx.Response:
+        def body() -> Iterator[bytes]:
+            yield first
+            raise httpx.ReadError("connection reset", request=r)
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    def resumed(r: httpx.Request) -> httpx.Response:
+        assert r.headers["last-event-id"] == "r0a0o8"
+        assert r.url.params["follow"] == "true" and r.url.params["rank"] == "0"
+        # A replayed line is suppressed by its offset.
+        data = sse(
+            ("log", "r0a0o8", line(0, 0, 4, "two")),
+            ("log", "r0a1o6", line(0, 1, 0, "three")),
+            ("end", "r0a1o6", {}),
+        )
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=data)
+
+    script.on(A, "GET", "/v1/jobs/job-000001/logs", dropped)
+    script.on(B, "GET", "/v1/jobs/job-000001/logs", resumed)
+    lines = list(client.job("job-000001").logs(follow=True, rank=0))
+    assert [(x.attempt, x.line) for x in lines] == [(0, "one"), (0, "two"), (1, "three")]
+
+
+def test_logs_of_an_unknown_job(client: Client, script: Script) -> None:
+    script.on(A, "GET", "/v1/jobs/job-9/logs", status(404, 'no job "job-9"'))
+    with pytest.raises(errors.NotFound, match="no job"):
+        list(client.logs("job-9"))
+
+
+def test_the_sdk_is_loaded_lazily() -> None:
+    assert cumulus.Client is Client
+    with pytest.raises(AttributeError):
+        _ = cumulus.Nope

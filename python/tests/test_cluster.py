@@ -1,0 +1,235 @@
+"""Integration tests against real local clusters (``cumulusctl local up``): Python ranks
+using ``cumulus.runtime`` under a real worker agent, driven through the SDK."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import cumulus
+from conftest import RECORDS_PER_SHARD, SHARDS, TRAINER
+from cumulus import errors
+from localcluster import LocalCluster, wait_for
+
+pytestmark = pytest.mark.cluster
+
+TOTAL_RECORDS = SHARDS * RECORDS_PER_SHARD
+TOTAL_SUM = TOTAL_RECORDS * (TOTAL_RECORDS + 1) // 2
+JOB_TIMEOUT_S = 180
+
+
+def explain(job: cumulus.Job, cluster: LocalCluster) -> str:
+    """Everything worth seeing when a job did not do what a test expected."""
+    try:
+        logs = "\n".join(f"[r{x.rank} a{x.attempt}] {x.line}" for x in job.logs(follow=False))
+    except errors.CumulusError as e:
+        logs = f"(logs unavailable: {e})"
+    return f"{job.status()!r}\n--- rank logs ---\n{logs}\n{cluster.logs()}"
+
+
+def wait_watching_progress(
+    job: cumulus.Job, timeout_s: float
+) -> tuple[cumulus.JobInfo, dict[int, int]]:
+    """Waits for the job like ``Job.wait``, returning also the highest step the leader
+    showed for each rank while it ran (progress is soft state: the leader learns it from
+    the agent's next heartbeat, every second, and shows it for live attempts only)."""
+    seen: dict[int, int] = {}
+
+    def finished() -> cumulus.JobInfo | None:
+        info = job.status()
+        for r in info.ranks:
+            seen[r.rank] = max(seen.get(r.rank, 0), r.step)
+        return info if info.finished else None
+
+    return wait_for(finished, timeout_s, f"{job.id} to finish"), seen
+
+
+def results(out: Path, world_size: int) -> list[dict[str, int | None]]:
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world_size)]
+
+
+def test_a_python_rank_reports_checkpoints_and_finishes(
+    cluster: LocalCluster, client: cumulus.Client, dataset: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    job = client.submit(
+        # 40 steps of 60 ms: long enough for a few heartbeats to carry progress.
+        [*TRAINER, "--out", str(out), "--ckpt-every", "10", "--sleep-ms", "60"],
+        world_size=2,
+        dataset=dataset,
+        ckpt_dir=tmp_path / "ckpt",
+        name="python-fault-free",
+    )
+    info, progress = wait_watching_progress(job, JOB_TIMEOUT_S)
+    assert info.succeeded, explain(job, cluster)
+    assert info.restarts_used == 0 and info.committed_step == 40
+
+    res = results(out, 2)
+    assert sum(r["count"] for r in res) == TOTAL_RECORDS  # type: ignore[misc]
+    assert sum(r["sum"] for r in res) == TOTAL_SUM  # type: ignore[misc]
+    assert all(r["attempt"] == 0 and r["resumed_from"] is None for r in res)
+    # Progress reports of both ranks reached the leader.
+    assert sorted(progress) == [0, 1] and all(0 < s <= 40 for s in progress.values()), progress
+
+    checkpoints = job.checkpoints()
+    assert [c.step for c in checkpoints] == [40, 30, 20]  # ckpt_keep defaults to 3
+    assert all(c.verified and c.size_bytes > 0 for c in checkpoints)
+    assert checkpoints[0].latest and not checkpoints[1].latest
+    part = Path(checkpoints[0].path) / "rank-1" / "attempt-0"
+    assert json.loads((part / "model.json").read_text())["count"] == TOTAL_RECORDS // 2
+    reader = json.loads((part / "cumulus-state.json").read_text())["reader"]
+    assert (reader["shard"], reader["record"]) == (1, RECORDS_PER_SHARD)  # at its last record
+
+    lines = [x.line for x in job.logs(follow=False)]
+    assert "rank=0 checkpoint 10 committed: step-00000010/rank-0/attempt-0" in lines
+
+
+def test_a_killed_rank_resumes_exactly_and_the_stale_attempt_is_refused(
+    cluster: LocalCluster, client: cumulus.Client, dataset: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    job = client.submit(
+        [
+            *TRAINER,
+            "--out",
+            str(out),
+            "--ckpt-every",
+            "10",
+            "--sleep-ms",
+            "20",
+            "--kill-rank",
+            "0",
+            "--kill-at-step",
+            "15",
+            "--stale-probe",
+        ],
+        world_size=2,
+        dataset=dataset,
+        ckpt_dir=tmp_path / "ckpt",
+        max_restarts=3,
+        backoff_initial_ms=100,
+        backoff_max_ms=500,
+        name="python-kill-resume",
+    )
+    info = job.wait(timeout_s=JOB_TIMEOUT_S)
+    assert info.succeeded, explain(job, cluster)
+    assert info.restarts_used == 1, explain(job, cluster)
+    (restart,) = info.restarts
+    assert restart.resume_step == 10 and sorted(restart.ranks) == [0, 1], restart
+    assert "signal 9" in restart.cause or "killed" in restart.cause, restart.cause
+
+    # Every record consumed exactly once over both attempts.
+    res = results(out, 2)
+    assert all(r["attempt"] == 1 and r["resumed_from"] == 10 for r in res), res
+    assert sum(r["count"] for r in res) == TOTAL_RECORDS  # type: ignore[misc]
+    assert sum(r["sum"] for r in res) == TOTAL_SUM  # type: ignore[misc]
+
+    # Rank 1's first attempt, stopped for the group restart, could not commit.
+    probe = json.loads((out / "probe-rank-1.attempt-0.json").read_text())
+    assert probe["error"] == "StaleAttempt", probe
+    assert probe["status"] in (401, 409), probe
+
+    assert [c.step for c in job.checkpoints()] == [40, 30, 20]
+    lines = [(x.rank, x.attempt, x.line) for x in job.logs(follow=False)]
+    assert (0, 0, "rank=0 killing itself at step 15") in lines
+    assert any(r == 0 and a == 1 and "start=10" in text for r, a, text in lines), lines
+
+
+def test_sdk_errors_cancel_and_should_stop(
+    cluster: LocalCluster, client: cumulus.Client, tmp_path: Path
+) -> None:
+    with pytest.raises(errors.NotFound, match="job-999999"):
+        client.get_job("job-999999")
+    with pytest.raises(errors.InvalidSpec):
+        client.submit(["true"], world_size=100_000)
+    with (
+        cumulus.Client(cluster.http_addrs, token="wrong-token") as bad,
+        pytest.raises(errors.Unauthorized),
+    ):
+        bad.jobs()
+    assert client.cluster().leader is not None
+    assert [w.state for w in client.cluster().workers] == ["alive"]
+
+    script = textwrap.dedent(
+        """
+        import time
+        from cumulus import runtime
+        runtime.should_stop()  # installs the SIGTERM handler
+        print("ready", flush=True)
+        while not runtime.should_stop():
+            time.sleep(0.02)
+        print("stopped by SIGTERM", flush=True)
+        """
+    )
+    job = client.submit([sys.executable, "-c", script], name="python-cancel")
+    assert job.created
+    for entry in job.logs(follow=True):
+        if entry.line == "ready":
+            break
+    assert job.cancel().state == "cancelled"
+    assert job.cancel().state == "cancelled"  # idempotent
+    info = job.wait(timeout_s=60)
+    assert info.state == "cancelled"
+    assert job in [client.job(j.id) for j in client.jobs()]
+    assert job.checkpoints() == []  # no checkpoint dir
+    wait_for(
+        lambda: "stopped by SIGTERM" in [x.line for x in job.logs(follow=False)],
+        30,
+        "the rank to log its graceful stop",
+    )
+
+
+def test_submit_across_a_leader_kill_creates_exactly_one_job(
+    ha_cluster: LocalCluster, ha_client: cumulus.Client
+) -> None:
+    leader = ha_client.cluster().leader
+    assert leader is not None
+    # A linearizable read is served by the leader, which the client then prefers: kill it
+    # under the client's feet, so the submit meets a dead node, then an election.
+    ha_client.jobs(linearizable=True)
+    assert ha_client._preferred == f"http://{leader.http_addr}"
+    ha_cluster.kill_coordinator(leader.http_addr)
+    rid = "python-sdk-leader-kill"
+    job = ha_client.submit(["true"], request_id=rid, name="leader-kill")
+    assert job.created
+    # A retry of the same submit (same request id and spec) is the same job...
+    again = ha_client.submit(["true"], request_id=rid, name="leader-kill")
+    assert again.id == job.id and not again.created
+    # ...and the same request id with another spec is refused.
+    with pytest.raises(errors.InvalidSpec, match="different spec"):
+        ha_client.submit(["false"], request_id=rid, name="leader-kill")
+    mine = [j for j in ha_client.jobs() if j.request_id == rid]
+    assert [j.id for j in mine] == [job.id]
+    assert job.wait(timeout_s=JOB_TIMEOUT_S).succeeded, explain(job, ha_cluster)
+    new_leader = ha_client.cluster().leader
+    assert new_leader is not None and new_leader.node_id != leader.node_id
+
+
+def test_logs_follow_across_a_coordinator_kill_yield_every_line_once(
+    ha_cluster: LocalCluster, ha_client: cumulus.Client
+) -> None:
+    n = 150
+    script = textwrap.dedent(
+        f"""
+        import time
+        for i in range({n}):
+            print(f"line {{i}}", flush=True)
+            time.sleep(0.02)
+        """
+    )
+    job = ha_client.submit([sys.executable, "-c", script], name="logs-across-kill")
+    # The stream starts at the coordinator that took the submit (the leader).
+    serving = ha_client._preferred.removeprefix("http://")
+    got: list[str] = []
+    for entry in job.logs(follow=True):
+        got.append(entry.line)
+        if len(got) == 40:
+            ha_cluster.kill_coordinator(serving)
+    assert got == [f"line {i}" for i in range(n)], explain(job, ha_cluster)
+    assert job.wait(timeout_s=JOB_TIMEOUT_S).succeeded

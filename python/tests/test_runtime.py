@@ -1,0 +1,425 @@
+"""The rank runtime against a fake agent: progress reports, checkpoints, resume, stop."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from cumulus import errors, runtime
+from cumulus.runtime import Context, Runtime
+from fake_agent import FakeAgent, Request
+from localcluster import wait_for
+
+
+def make_context(
+    agent_url: str | None,
+    staging: Path | None,
+    *,
+    resume_step: int | None = None,
+    resume_dir: Path | None = None,
+    rank: int = 0,
+) -> Context:
+    return Context(
+        rank=rank,
+        world_size=2,
+        local_rank=rank,
+        local_world_size=2,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        job_id="job-000001",
+        attempt=0,
+        shard_paths=(),
+        staging_dir=staging,
+        resume_step=resume_step,
+        resume_dir=resume_dir,
+        agent_url=agent_url,
+        agent_token="tok-1",
+        standalone=False,
+    )
+
+
+@pytest.fixture
+def staging(tmp_path: Path) -> Path:
+    s = tmp_path / "ckpt" / "job-000001" / ".staging" / "rank-0.attempt-0"
+    s.mkdir(parents=True)
+    return s
+
+
+@pytest.fixture
+def agent(staging: Path) -> Iterator[FakeAgent]:
+    with FakeAgent(staging) as a:
+        yield a
+
+
+@pytest.fixture
+def rt(agent: FakeAgent, staging: Path) -> Iterator[Runtime]:
+    r = Runtime(make_context(agent.url, staging), commit_deadline_s=5, progress_interval_s=0.05)
+    yield r
+    r.close(1)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- progress ----------------------------------------------------------------------------
+
+
+def test_report_reaches_the_agent_with_the_token(rt: Runtime, agent: FakeAgent) -> None:
+    rt.report(7, 100, loss=0.25, lr=Fraction(1, 4))  # type: ignore[arg-type]  # any Real
+    assert rt.flush(5)
+    (req,) = agent.of("/v1/progress")
+    assert req.authorization == "Bearer tok-1"
+    assert req.body == {"step": 7, "total_steps": 100, "metrics": {"loss": 0.25, "lr": 0.25}}
+
+
+def test_total_steps_is_left_out_when_unknown(rt: Runtime, agent: FakeAgent) -> None:
+    rt.report(1)
+    assert rt.flush(5)
+    assert agent.of("/v1/progress")[0].body == {"step": 1, "metrics": {}}
+
+
+@pytest.mark.parametrize(
+    ("metrics", "match"),
+    [
+        ({"loss": math.nan}, "finite"),
+        ({"loss": math.inf}, "finite"),
+        ({"loss": "0.1"}, "real number"),
+        ({"ok": True}, "real number"),
+        ({"x" * 129: 1.0}, "names"),
+        ({f"m{i}": 1.0 for i in range(65)}, "at most 64"),
+    ],
+)
+def test_bad_metrics_fail_at_the_call(
+    rt: Runtime, agent: FakeAgent, metrics: dict[str, object], match: str
+) -> None:
+    with pytest.raises(errors.InvalidMetric, match=match):
+        rt.report(1, **metrics)  # type: ignore[arg-type]
+    rt.flush(1)
+    assert agent.of("/v1/progress") == []
+
+
+@pytest.mark.parametrize(("step", "total"), [(-1, None), (1.5, None), (True, None), (1, -2)])
+def test_bad_steps_fail_at_the_call(rt: Runtime, step: object, total: object) -> None:
+    with pytest.raises(errors.InvalidStep):
+        rt.report(step, total)  # type: ignore[arg-type]
+
+
+def test_reports_are_coalesced_and_the_newest_wins(rt: Runtime, agent: FakeAgent) -> None:
+    agent.progress_delay_s = 0.05
+    for step in range(1, 2001):
+        rt.report(step, 2000, loss=1.0 / step)
+    assert rt.flush(5)
+    sent = agent.of("/v1/progress")
+    assert 1 <= len(sent) < 100
+    assert sent[-1].body["step"] == 2000
+    steps = [r.body["step"] for r in sent]
+    assert steps == sorted(steps)
+
+
+def test_report_never_raises_or_waits_when_the_agent_is_down(
+    staging: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    r = Runtime(make_context(f"http://127.0.0.1:{closed_port()}", staging), progress_interval_s=0)
+    start = time.monotonic()
+    for step in range(1000):
+        r.report(step, loss=1.0)
+    # Generous bound: 1000 calls that each waited for a connection would take far longer.
+    assert time.monotonic() - start < 1.0
+    wait_for(lambda: r._reporter is not None and r._reporter.failures >= 1, 10, "a failure")
+    r.close(1)
+    assert "progress report failed" in capfd.readouterr().err
+
+
+def test_a_stale_attempt_stops_reporting(rt: Runtime, agent: FakeAgent) -> None:
+    agent.queue("/v1/progress", (401, {"error": "unknown agent token"}))
+    rt.report(1)
+    wait_for(lambda: rt._reporter is not None and rt._reporter.stale, 5, "stale")
+    rt.report(2)
+    rt.flush(1)
+    assert len(agent.of("/v1/progress")) == 1
+
+
+def test_standalone_reports_are_validated_and_dropped() -> None:
+    r = Runtime(runtime.context_from_env({}, standalone=True))
+    r.report(1, loss=0.5)
+    with pytest.raises(errors.InvalidMetric):
+        r.report(1, loss=math.nan)
+    assert r.flush(0) and r.agent is None
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+
+def test_checkpoint_commits_the_staging_dir(rt: Runtime, agent: FakeAgent, staging: Path) -> None:
+    (staging / "leftover.bin").write_bytes(b"from a failed try")
+    with rt.checkpoint(10, state={"epoch": 1}) as part:
+        assert os.fspath(part) == str(staging)
+        assert list(staging.iterdir()) == []  # leftovers are removed first
+        (part / "model.bin").write_bytes(b"weights")
+        part.state["seen"] = 640
+    assert part.committed is not None
+    assert part.committed.dir == "step-00000010/rank-0/attempt-0"
+    assert part.committed.path == staging.parent.parent / part.committed.dir
+    (req,) = agent.of("/v1/checkpoint")
+    assert req.authorization == "Bearer tok-1"
+    assert req.body == {"step": 10, "state": {"epoch": 1, "seen": 640}}
+    files = sorted(p.name for p in part.committed.path.iterdir())
+    assert files == ["cumulus-state.json", "model.bin"]
+    state = json.loads((part.committed.path / "cumulus-state.json").read_text())
+    assert state == {"epoch": 1, "seen": 640}
+    assert rt.checkpointer.last_committed_step == 10
+
+
+def test_an_exception_in_the_block_commits_nothing(
+    rt: Runtime, agent: FakeAgent, staging: Path
+) -> None:
+    def write_then_fail() -> None:
+        with rt.checkpoint(10) as part:
+            (part / "half.bin").write_bytes(b"x")
+            _ = 1 / 0
+
+    with pytest.raises(ZeroDivisionError):
+        write_then_fail()
+    assert agent.of("/v1/checkpoint") == []
+    assert list(staging.iterdir()) == []
+
+
+@pytest.mark.parametrize("status", [409, 401])
+def test_a_stale_verdict_raises_stale_attempt_at_once(
+    rt: Runtime, agent: FakeAgent, status: int
+) -> None:
+    agent.queue("/v1/checkpoint", (status, {"error": "attempt 0 of rank 0 is stale"}))
+    with pytest.raises(errors.StaleAttempt, match="is stale") as e, rt.checkpoint(10):
+        pass
+    assert e.value.status == status
+    assert len(agent.of("/v1/checkpoint")) == 1
+
+
+def test_leader_failures_are_retried(rt: Runtime, agent: FakeAgent) -> None:
+    agent.queue(
+        "/v1/checkpoint",
+        (503, {"error": "the leader could not be reached"}),
+        (502, {"error": "the leader failed"}),
+    )
+    with rt.checkpoint(10) as part:
+        (part / "a").write_text("a")
+    assert part.committed is not None
+    assert [r.body["step"] for r in agent.of("/v1/checkpoint")] == [10, 10, 10]
+
+
+def test_a_refused_commit_is_not_retried(rt: Runtime, agent: FakeAgent, staging: Path) -> None:
+    agent.queue("/v1/checkpoint", (400, {"error": "job has no checkpoint dir"}))
+    with pytest.raises(errors.CheckpointFailed, match="not retryable") as e, rt.checkpoint(10):
+        pass
+    assert e.value.step == 10
+    assert isinstance(e.value.__cause__, errors.AgentError)
+    assert e.value.__cause__.status == 400
+    assert len(agent.of("/v1/checkpoint")) == 1
+    assert list(staging.iterdir()) == []
+
+
+def test_retries_end_at_the_deadline(staging: Path, agent: FakeAgent) -> None:
+    agent.queue("/v1/checkpoint", *[(503, {"error": "down"})] * 100)
+    r = Runtime(make_context(agent.url, staging), commit_deadline_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(errors.CheckpointFailed, match="tries"), r.checkpoint(10):
+        pass
+    assert time.monotonic() - start < 5
+    assert 2 <= len(agent.of("/v1/checkpoint")) < 100
+
+
+def test_an_unreachable_agent_fails_after_retries(staging: Path) -> None:
+    r = Runtime(make_context(f"http://127.0.0.1:{closed_port()}", staging), commit_deadline_s=0.3)
+    with pytest.raises(errors.CheckpointFailed) as e, r.checkpoint(10):
+        pass
+    assert isinstance(e.value.__cause__, errors.AgentError)
+    assert e.value.__cause__.status is None
+
+
+def test_save_rewrites_the_part_on_every_try(rt: Runtime, agent: FakeAgent, staging: Path) -> None:
+    def storage_failure(req: Request) -> tuple[int, object]:
+        # The agent empties the staging dir after an I/O error.
+        for p in staging.iterdir():
+            p.unlink()
+        return 500, {"error": "checkpoint I/O error: fsync: No space left on device"}
+
+    agent.queue("/v1/checkpoint", storage_failure)
+    calls: list[Path] = []
+
+    def write(d: Path) -> None:
+        calls.append(d)
+        (d / "model.bin").write_bytes(b"w")
+
+    part = rt.save_checkpoint(10, write, state={"k": 1})
+    assert calls == [staging, staging]
+    assert part.path is not None
+    assert sorted(p.name for p in part.path.iterdir()) == ["cumulus-state.json", "model.bin"]
+
+
+def test_steps_must_increase(rt: Runtime, agent: FakeAgent) -> None:
+    with rt.checkpoint(10):
+        pass
+    for step in (10, 5):
+        with pytest.raises(errors.InvalidStep, match="not after step 10"), rt.checkpoint(step):
+            pass
+    with pytest.raises(errors.InvalidStep), rt.checkpoint(-1):
+        pass
+    assert len(agent.of("/v1/checkpoint")) == 1
+
+
+def test_steps_must_be_after_the_resume_step(
+    agent: FakeAgent, staging: Path, tmp_path: Path
+) -> None:
+    r = Runtime(make_context(agent.url, staging, resume_step=100, resume_dir=tmp_path))
+    with pytest.raises(errors.InvalidStep, match="not after step 100"), r.checkpoint(100):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"x": math.nan}, "not JSON"),
+        ({"x": object()}, "not JSON"),
+        ([1, 2], "must be a dict"),
+        ({"x": "a" * (64 * 1024)}, "at most 65536"),
+    ],
+)
+def test_bad_state_is_refused_before_writing(
+    rt: Runtime, agent: FakeAgent, state: object, match: str
+) -> None:
+    with pytest.raises(errors.InvalidState, match=match), rt.checkpoint(10, state=state):  # type: ignore[arg-type]
+        pass
+    assert agent.of("/v1/checkpoint") == []
+
+
+def test_the_state_file_name_is_reserved(rt: Runtime, agent: FakeAgent) -> None:
+    with pytest.raises(errors.InvalidState, match="reserved"), rt.checkpoint(10) as part:
+        (part / runtime.STATE_FILE).write_text("{}")
+    assert agent.of("/v1/checkpoint") == []
+
+
+def test_nested_checkpoints_are_refused(rt: Runtime) -> None:
+    with rt.checkpoint(10), pytest.raises(RuntimeError, match="already being written"):
+        rt.save_checkpoint(20, lambda d: None)
+
+
+def test_checkpoint_outside_a_rank_fails_clearly() -> None:
+    r = Runtime(runtime.context_from_env({}, standalone=True))
+    assert not r.checkpoints_enabled
+    with pytest.raises(errors.NotInCumulusRank, match="needs a Cumulus rank"), r.checkpoint(1):
+        pass
+
+
+def test_checkpoint_without_a_checkpoint_dir_fails_clearly(agent: FakeAgent) -> None:
+    r = Runtime(make_context(agent.url, None))
+    with pytest.raises(errors.CheckpointsDisabled, match="ckpt-dir"), r.checkpoint(1):
+        pass
+
+
+# -- resume ------------------------------------------------------------------------------
+
+
+def test_resume_reads_the_committed_state(
+    rt: Runtime, agent: FakeAgent, staging: Path, tmp_path: Path
+) -> None:
+    with rt.checkpoint(10, state={"reader": {"shard": 1, "record": 5}}) as part:
+        (part / "model.bin").write_bytes(b"w")
+    assert part.committed is not None and part.committed.path is not None
+    r = Runtime(make_context(agent.url, staging, resume_step=10, resume_dir=part.committed.path))
+    point = r.resume()
+    assert point is not None
+    assert (point.step, point.dir) == (10, part.committed.path)
+    assert point.state == {"reader": {"shard": 1, "record": 5}}
+    assert (point.dir / "model.bin").read_bytes() == b"w"
+
+
+def test_resume_falls_back_to_the_manifest(agent: FakeAgent, staging: Path, tmp_path: Path) -> None:
+    step_dir = tmp_path / "job" / "step-00000020"
+    part = step_dir / "rank-1" / "attempt-3"
+    part.mkdir(parents=True)
+    manifest = {"parts": [{"rank": 0, "state": {"a": 0}}, {"rank": 1, "state": {"a": 1}}]}
+    (step_dir / "MANIFEST.json").write_text(json.dumps(manifest))
+    r = Runtime(make_context(agent.url, staging, resume_step=20, resume_dir=part, rank=1))
+    point = r.resume()
+    assert point is not None and point.state == {"a": 1}
+
+
+def test_no_resume_on_a_fresh_start(rt: Runtime) -> None:
+    assert rt.resume() is None
+    assert Runtime(runtime.context_from_env({}, standalone=True)).resume() is None
+
+
+# -- stop --------------------------------------------------------------------------------
+
+STOP_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from cumulus import runtime
+    assert runtime.should_stop() is False          # installs the handler
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while not runtime.should_stop():
+        assert time.monotonic() < deadline, "no stop seen"
+        time.sleep(0.01)
+    print("stopping gracefully", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)           # a second SIGTERM terminates
+    time.sleep(10)
+    sys.exit("still alive after the second SIGTERM")
+    """
+)
+
+
+def test_should_stop_after_sigterm_and_a_second_one_terminates() -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", STOP_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert "stopping gracefully" in r.stdout, r.stderr
+    assert r.returncode == -15, (r.returncode, r.stderr)
+
+
+def test_module_functions_run_standalone() -> None:
+    script = textwrap.dedent(
+        """
+        from cumulus import errors, runtime
+        runtime.report(1, 10, loss=0.5)
+        assert runtime.resume() is None and not runtime.checkpoints_enabled()
+        try:
+            with runtime.checkpoint(1):
+                pass
+        except errors.NotInCumulusRank as e:
+            print("refused:", e)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUMULUS_")}
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    assert "refused: checkpoint() needs a Cumulus rank" in r.stdout
+
+
+def test_the_runtime_imports_no_third_party_module() -> None:
+    script = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "import cumulus, cumulus.runtime\n"
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+        "print(sorted(new - set(sys.stdlib_module_names) - {'cumulus'}))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
