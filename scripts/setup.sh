@@ -6,7 +6,7 @@
 #     comparison), debootstrap and binutils (the docker-compose test's offline base image);
 #   - s3s-fs, a real S3-compatible server (the S3 checkpoint tests start it on loopback),
 #     with `cargo install` (~3 min on 2 cores, once);
-#   - python/.venv: the Python package `cumulus` (python/) with its test tools.
+#   - python/.venv: the Python package `cumulus` (python/) with its test tools and PyTorch.
 # The README's first command (`cargo build --release`) needs none of this.
 #
 # As root it installs; otherwise it prints the exact commands to run and fails.
@@ -42,15 +42,16 @@ if [ "$have_s3s" = 0 ]; then
   cargo install "s3s-fs@$S3S_FS_VERSION" --locked --features binary
 fi
 # The Python package's virtualenv (python/.venv): the package in editable mode with its
-# test tools (pytest, ruff, mypy, httpx). Reinstalled only when pyproject.toml changed.
+# test tools (pytest, ruff, mypy, httpx) and PyTorch (the DDP exact-resume test; ~5 GB,
+# ~2.5 min the first time). Reinstalled only when pyproject.toml changed.
 venv=python/.venv
 stamp="$venv/.cumulus-pyproject.sha256"
 want="$(sha256sum python/pyproject.toml | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "== setup: Python virtualenv $venv (pip install -e './python[test]')"
+  echo "== setup: Python virtualenv $venv (pip install -e './python[test,torch]')"
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip
-  "$venv/bin/pip" install -q -e './python[test]'
+  "$venv/bin/pip" install -q -e './python[test,torch]'
   echo "$want" >"$stamp"
 fi
 echo "== setup: everything the tests need is installed"

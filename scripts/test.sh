@@ -17,6 +17,8 @@ cargo test -p cumulus-ckpt --features failpoints --test failpoints
 # (they start target/debug's binaries).
 python/.venv/bin/ruff check python
 python/.venv/bin/ruff format --check python
+python/.venv/bin/ruff check --config python/pyproject.toml --ignore TID251 examples/python
+python/.venv/bin/ruff format --check examples/python
 (cd python && .venv/bin/mypy src tests)
 python/.venv/bin/pytest python/tests -q
 if [ "${CUMULUS_COMPOSE_TEST:-1}" = 0 ]; then

@@ -5,6 +5,8 @@
   :func:`~cumulus.runtime.checkpoint`, :func:`~cumulus.runtime.resume`,
   :func:`~cumulus.runtime.should_stop`, :class:`~cumulus.runtime.ShardReader`. Standard
   library only.
+* :mod:`cumulus.ckpt` — framework checkpoints (PyTorch, NumPy, JSON values, RNG state)
+  written into a checkpoint part and restored bit for bit; frameworks imported lazily.
 * :class:`cumulus.Client` — submit jobs, follow them, read their logs and checkpoints
   (needs ``httpx``; imported only when first used, so ranks never load it).
 * :mod:`cumulus.errors` — every exception.

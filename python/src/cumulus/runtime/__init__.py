@@ -20,6 +20,10 @@ A ten-line loop::
         if runtime.should_stop():                # SIGTERM from the agent
             break
 
+:func:`rng_state` / :func:`set_rng_state` capture and restore every random number
+generator (Python, NumPy, torch CPU and CUDA, and generators passed in) as plain JSON;
+:mod:`cumulus.ckpt` saves them with the model.
+
 The module-level functions use one process-wide :class:`Runtime`, made on first use
 (or by :func:`init`). Outside a Cumulus rank that runtime is standalone: reports are
 validated and dropped, :func:`resume` returns ``None``, and :func:`checkpoint` raises
@@ -62,6 +66,7 @@ from cumulus.runtime._progress import (
     ProgressReporter,
     validate_report,
 )
+from cumulus.runtime._rng import RNG_STATE_VERSION, rng_state, set_rng_state
 from cumulus.runtime._shards import ShardReader, shard_format
 from cumulus.runtime._stop import install_stop_handler, request_stop, should_stop
 
@@ -71,6 +76,7 @@ __all__ = [
     "MAX_METRICS",
     "MAX_METRIC_NAME_BYTES",
     "MAX_STATE_BYTES",
+    "RNG_STATE_VERSION",
     "STATE_FILE",
     "AgentClient",
     "Checkpointer",
@@ -92,7 +98,9 @@ __all__ = [
     "report",
     "request_stop",
     "resume",
+    "rng_state",
     "save_checkpoint",
+    "set_rng_state",
     "shard_format",
     "should_stop",
 ]

@@ -1,0 +1,419 @@
+"""Framework checkpoints: ``save(dir, **objects)`` writes named objects into a directory
+(a checkpoint part's staging dir), ``load(dir, **objects)`` restores them into the objects
+the caller passes (so a model on a GPU stays on it).
+
+::
+
+    from cumulus import ckpt, runtime
+
+    g = torch.Generator().manual_seed(seed)               # e.g. the data order
+    if ckpt.load_checkpoint(model=model, optimizer=opt, rng=ckpt.RNG(g)) is not None:
+        ...                                              # resumed, bit for bit
+    for step in ...:
+        ...
+        if step % 100 == 0 and runtime.checkpoints_enabled():
+            ckpt.save_checkpoint(step, model=model, optimizer=opt, rng=ckpt.RNG(g))
+
+The adapter is chosen by the object's type:
+
+* a PyTorch module (``DistributedDataParallel``/``DataParallel``/``torch.compile``
+  wrappers are unwrapped, so a checkpoint loads into the bare model and back), an
+  optimizer, an LR scheduler, a ``GradScaler`` — anything with ``state_dict()`` and
+  ``load_state_dict()``: the state dict's tensors go to ``<name>.safetensors`` (copied to
+  the CPU), the rest to JSON in the index. A state dict with values neither JSON nor
+  tensors is written with ``torch.save`` to ``<name>.pt`` and read back with
+  ``torch.load(weights_only=True)``: loading never runs arbitrary pickle code;
+* a ``torch.Tensor``: ``<name>.safetensors``, copied back in place;
+* :class:`RNG`: the state of every random number generator (Python, NumPy, torch CPU,
+  every CUDA device, and the generators it holds) as JSON, see
+  :func:`cumulus.runtime.rng_state`. Restored through CPU tensors whatever device the
+  generators live on, so the ``map_location`` bug cannot happen;
+* a NumPy array: ``<name>.npy`` (no pickle), copied back in place;
+* a JSON value (``None``, bool, int, float, str, lists and dicts of them): in the index;
+  :func:`load` returns it.
+
+Pass ``None`` to :func:`load` for a name to get what was saved without restoring it into
+anything (tensors on the CPU): ``load(part, model=None)["model"]`` is the model's state
+dict. The index, ``cumulus-ckpt.json``, names every object, its kind and its files.
+
+Only the standard library is imported here; PyTorch, safetensors and NumPy are imported
+when an object needs them (``pip install 'cumulus-train[torch]'``). scikit-learn,
+XGBoost, LightGBM and TensorFlow adapters are not written yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cumulus import runtime
+from cumulus.runtime import CommittedPart, ResumePoint
+
+__all__ = [
+    "FORMAT_VERSION",
+    "INDEX_FILE",
+    "RNG",
+    "load",
+    "load_checkpoint",
+    "read_index",
+    "save",
+    "save_checkpoint",
+]
+
+#: The index of a framework checkpoint, in its directory.
+INDEX_FILE = "cumulus-ckpt.json"
+#: ``format`` of the index.
+FORMAT_VERSION = 1
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
+_EXTRA = {
+    "torch": "torch",
+    "safetensors": "torch",
+    "numpy": "torch",
+}
+
+
+class RNG:
+    """Stands for the state of every random number generator of this process in
+    :func:`save` and :func:`load`, plus ``generators`` (``torch.Generator``, NumPy
+    ``Generator``/``RandomState``, ``random.Random``) in order: pass the same ones, in the
+    same order, to both."""
+
+    def __init__(self, *generators: Any, strict: bool = True) -> None:
+        self.generators = generators
+        #: See :func:`cumulus.runtime.set_rng_state`.
+        self.strict = strict
+
+    def __repr__(self) -> str:
+        return f"RNG({len(self.generators)} generator(s))"
+
+
+def _import(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        extra = _EXTRA.get(module.split(".")[0], module)
+        raise ImportError(
+            f"this checkpoint needs {module}, which is not installed: "
+            f"pip install 'cumulus-train[{extra}]'"
+        ) from e
+
+
+# -- kinds -------------------------------------------------------------------------------
+
+
+def _unwrap_module(m: Any) -> Any:
+    """The model inside DDP / DataParallel / ``torch.compile`` wrappers."""
+    torch = sys.modules["torch"]
+    while True:
+        if isinstance(m, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) or (
+            type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod")
+        ):
+            m = m.module if hasattr(m, "module") else m._orig_mod
+        else:
+            return m
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, RNG):
+        return "rng"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if isinstance(obj, torch.nn.Module):
+            return "torch.module"
+        if isinstance(obj, torch.Tensor):
+            return "torch.tensor"
+        if isinstance(obj, torch.optim.Optimizer):
+            return "torch.optimizer"
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.ndarray):
+        return "numpy.ndarray"
+    if callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    ):
+        # LR schedulers, GradScaler, torchmetrics, anything with the protocol.
+        return "state_dict"
+    if _is_json(obj):
+        return "json"
+    raise TypeError(
+        f"cannot checkpoint a {type(obj).__module__}.{type(obj).__qualname__}: supported are "
+        "PyTorch modules, optimizers, tensors and objects with state_dict()/"
+        "load_state_dict(), cumulus.ckpt.RNG, NumPy arrays and JSON values "
+        "(scikit-learn, XGBoost, LightGBM and TensorFlow adapters are not written yet)"
+    )
+
+
+def _is_json(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, int, str)):
+        return True
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, (list, tuple)):
+        return all(_is_json(x) for x in v)
+    if isinstance(v, Mapping):
+        return all(isinstance(k, str) and _is_json(x) for k, x in v.items())
+    return False
+
+
+# -- nested state dicts: JSON tree + tensors ------------------------------------------------
+
+
+class _NotEncodable(Exception):
+    pass
+
+
+def _encode(v: Any, tensors: dict[str, Any]) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        if v.is_sparse or v.is_quantized or v.layout != torch.strided:
+            raise _NotEncodable(f"a {v.layout} tensor")
+        key = str(len(tensors))
+        tensors[key] = v
+        return {"__tensor__": key}
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"__float__": repr(v)}
+    if isinstance(v, tuple):
+        return {"__tuple__": [_encode(x, tensors) for x in v]}
+    if isinstance(v, list):
+        return [_encode(x, tensors) for x in v]
+    if isinstance(v, Mapping):
+        if all(isinstance(k, str) and not k.startswith("__") for k in v):
+            return {k: _encode(x, tensors) for k, x in v.items()}
+        return {"__dict__": [[_encode(k, tensors), _encode(x, tensors)] for k, x in v.items()]}
+    raise _NotEncodable(f"a {type(v).__module__}.{type(v).__qualname__}")
+
+
+def _decode(v: Any, tensors: Mapping[str, Any]) -> Any:
+    if isinstance(v, list):
+        return [_decode(x, tensors) for x in v]
+    if isinstance(v, dict):
+        if "__tensor__" in v:
+            return tensors[v["__tensor__"]]
+        if "__float__" in v:
+            return float(v["__float__"])
+        if "__tuple__" in v:
+            return tuple(_decode(x, tensors) for x in v["__tuple__"])
+        if "__dict__" in v:
+            return {_decode(k, tensors): _decode(x, tensors) for k, x in v["__dict__"]}
+        return {k: _decode(x, tensors) for k, x in v.items()}
+    return v
+
+
+def _cpu_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Contiguous CPU tensors sharing no storage (what safetensors accepts)."""
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+    for key, t in tensors.items():
+        t = t.detach().to("cpu")
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen or not t.is_contiguous():
+            t = t.clone(memory_format=sys.modules["torch"].contiguous_format)
+        elif t.numel() > 0:
+            seen.add(ptr)
+        out[key] = t
+    return out
+
+
+def _save_state(directory: Path, name: str, state: Any) -> dict[str, Any]:
+    tensors: dict[str, Any] = {}
+    try:
+        tree = _encode(state, tensors)
+    except _NotEncodable:
+        torch = _import("torch")
+        torch.save(state, directory / f"{name}.pt")
+        return {"files": [f"{name}.pt"], "encoding": "torch.save"}
+    entry: dict[str, Any] = {"tree": tree, "encoding": "safetensors"}
+    if tensors:
+        st = _import("safetensors.torch")
+        st.save_file(_cpu_tensors(tensors), str(directory / f"{name}.safetensors"))
+        entry["files"] = [f"{name}.safetensors"]
+    else:
+        entry["files"] = []
+    return entry
+
+
+def _load_state(directory: Path, name: str, entry: Mapping[str, Any]) -> Any:
+    if entry.get("encoding") == "torch.save":
+        torch = _import("torch")
+        return torch.load(directory / f"{name}.pt", map_location="cpu", weights_only=True)
+    tensors: dict[str, Any] = {}
+    if entry.get("files"):
+        st = _import("safetensors.torch")
+        tensors = st.load_file(str(directory / f"{name}.safetensors"), device="cpu")
+    return _decode(entry["tree"], tensors)
+
+
+# -- save / load -------------------------------------------------------------------------
+
+
+def _check_names(objects: Mapping[str, Any]) -> None:
+    if not objects:
+        raise ValueError("nothing to checkpoint: pass objects by name, e.g. model=model")
+    for name in objects:
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"invalid object name {name!r}: letters, digits, _ . - only")
+
+
+def save(directory: str | os.PathLike[str], /, **objects: Any) -> Path:
+    """Writes ``objects`` (by name) into ``directory`` (created if missing) and its index
+    ``cumulus-ckpt.json``; returns the directory. See the module doc for what each type
+    becomes. Files are not fsynced here: the worker agent fsyncs a part when it commits.
+
+    :raises TypeError: an object of a type no adapter handles.
+    :raises ImportError: a framework this needs is not installed (names the extra).
+    """
+    _check_names(objects)
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {}
+    for name, obj in objects.items():
+        kind = _kind(obj)
+        entry: dict[str, Any]
+        if kind == "torch.module":
+            entry = _save_state(d, name, _unwrap_module(obj).state_dict())
+        elif kind in ("torch.optimizer", "state_dict"):
+            entry = _save_state(d, name, obj.state_dict())
+            if kind == "state_dict":
+                entry["type"] = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        elif kind == "torch.tensor":
+            entry = _save_state(d, name, obj)
+        elif kind == "rng":
+            entry = {"tree": runtime.rng_state(*obj.generators), "files": []}
+        elif kind == "numpy.ndarray":
+            np = _import("numpy")
+            np.save(d / f"{name}.npy", obj, allow_pickle=False)
+            entry = {"files": [f"{name}.npy"]}
+        else:  # json
+            entry = {"tree": obj, "files": []}
+        entry["kind"] = kind
+        index[name] = entry
+    data = json.dumps(
+        {"format": FORMAT_VERSION, "objects": index}, separators=(",", ":"), allow_nan=False
+    )
+    (d / INDEX_FILE).write_text(data, encoding="utf-8")
+    return d
+
+
+def read_index(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The objects of the checkpoint in ``directory``: name → its index entry (``kind``,
+    ``files``...).
+
+    :raises FileNotFoundError: ``directory`` holds no framework checkpoint.
+    """
+    path = Path(directory) / INDEX_FILE
+    try:
+        parsed = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} not found: {directory} holds no checkpoint written by cumulus.ckpt.save"
+        ) from None
+    if not isinstance(parsed, dict) or parsed.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: not a cumulus.ckpt index of format {FORMAT_VERSION}")
+    objects: dict[str, Any] = parsed["objects"]
+    return objects
+
+
+def load(directory: str | os.PathLike[str], /, **objects: Any) -> dict[str, Any]:
+    """Restores the named objects from the checkpoint in ``directory`` (written by
+    :func:`save`) into the objects passed, and returns them by name: a module's,
+    optimizer's or scheduler's ``load_state_dict`` is called (tensors are read onto the
+    CPU and copied to wherever the object's own tensors live), a tensor or array is
+    copied into in place, an :class:`RNG` restores the generators. For a JSON value, or
+    when ``None`` is passed, the saved value is returned (a state dict with CPU tensors).
+
+    :raises KeyError: a name is not in the checkpoint.
+    :raises TypeError: an object is not of the kind that was saved under its name.
+    :raises ImportError: a framework this needs is not installed (names the extra).
+    """
+    _check_names(objects)
+    d = Path(directory)
+    index = read_index(d)
+    out: dict[str, Any] = {}
+    for name, obj in objects.items():
+        entry = index.get(name)
+        if entry is None:
+            raise KeyError(
+                f"no object {name!r} in the checkpoint {d} (it has: {', '.join(sorted(index))})"
+            )
+        saved_kind = entry["kind"]
+        if saved_kind == "rng":
+            if obj is None:
+                out[name] = entry["tree"]
+                continue
+            if not isinstance(obj, RNG):
+                raise TypeError(f"{name!r} was saved as an RNG state: pass a cumulus.ckpt.RNG")
+            runtime.set_rng_state(entry["tree"], *obj.generators, strict=obj.strict)
+            out[name] = obj
+            continue
+        if saved_kind == "numpy.ndarray":
+            np = _import("numpy")
+            value = np.load(d / f"{name}.npy", allow_pickle=False)
+        elif saved_kind == "json":
+            value = entry["tree"]
+        else:
+            if saved_kind.startswith("torch."):
+                _import("torch")
+            value = _load_state(d, name, entry)
+        if obj is None or saved_kind == "json":
+            out[name] = value
+            continue
+        kind = _kind(obj)
+        if kind != saved_kind:
+            raise TypeError(
+                f"{name!r} was saved as {saved_kind}, but a {type(obj).__qualname__} "
+                f"({kind}) was passed"
+            )
+        if kind == "torch.module":
+            _unwrap_module(obj).load_state_dict(value)
+        elif kind in ("torch.optimizer", "state_dict"):
+            obj.load_state_dict(value)
+        elif kind == "torch.tensor":
+            torch = sys.modules["torch"]
+            with torch.no_grad():
+                obj.copy_(value)
+        elif kind == "numpy.ndarray":
+            np = sys.modules["numpy"]
+            np.copyto(obj, value, casting="no")
+        out[name] = obj
+    return out
+
+
+# -- through the runtime -------------------------------------------------------------------
+
+
+def save_checkpoint(
+    step: int, /, state: Mapping[str, Any] | None = None, **objects: Any
+) -> CommittedPart:
+    """Writes ``objects`` with :func:`save` into this rank's staging dir and commits it as
+    checkpoint ``step`` with the JSON ``state`` (see
+    :func:`cumulus.runtime.save_checkpoint`: written again before every retry). The name
+    ``state`` is taken by the JSON state; name objects otherwise.
+
+    :raises: as :func:`cumulus.runtime.checkpoint` and :func:`save`.
+    """
+    _check_names(objects)
+    return runtime.save_checkpoint(step, lambda d: _save_quiet(d, objects), state)
+
+
+def _save_quiet(d: Path, objects: Mapping[str, Any]) -> None:
+    save(d, **objects)
+
+
+def load_checkpoint(**objects: Any) -> ResumePoint | None:
+    """When this attempt resumes, restores ``objects`` from this rank's committed part with
+    :func:`load` and returns the resume point (its ``step`` and ``state``); else returns
+    ``None`` and leaves the objects alone."""
+    point = runtime.resume()
+    if point is None:
+        return None
+    load(point.dir, **objects)
+    return point
