@@ -42,7 +42,8 @@ if [ "$have_s3s" = 0 ]; then
   cargo install "s3s-fs@$S3S_FS_VERSION" --locked --features binary
 fi
 # The Python package's virtualenv (python/.venv): the package in editable mode with its
-# test tools (pytest, ruff, mypy, httpx) and PyTorch (the DDP exact-resume test; ~5 GB,
+# test tools (pytest, ruff, mypy, httpx; scikit-learn, skops, XGBoost, LightGBM for the
+# framework adapters) and PyTorch (the DDP exact-resume test; ~5 GB,
 # ~2.5 min the first time). Reinstalled only when pyproject.toml changed.
 venv=python/.venv
 stamp="$venv/.cumulus-pyproject.sha256"

@@ -29,6 +29,21 @@ The adapter is chosen by the object's type:
   :func:`cumulus.runtime.rng_state`. Restored through CPU tensors whatever device the
   generators live on, so the ``map_location`` bug cannot happen;
 * a NumPy array: ``<name>.npy`` (no pickle), copied back in place;
+* a scikit-learn estimator (a pipeline too): ``<name>.skops``, written with
+  ``skops.io.dump``. Loading never runs arbitrary pickle code: every type in the file that
+  skops does not trust itself must be a class defined in scikit-learn, the class of the
+  object passed to :func:`load`, or a type named with :class:`Trusted`; anything else
+  raises :class:`UntrustedTypes` before the file is loaded. The loaded state replaces the
+  passed estimator's (same class);
+* an XGBoost ``Booster``, or one of its scikit-learn wrappers (``XGBClassifier``...):
+  ``<name>.ubj``, XGBoost's own model format (UBJSON), loaded back with ``load_model``;
+* a LightGBM ``Booster``: ``<name>.txt``, LightGBM's own text model format (every
+  iteration), loaded back with ``model_from_string``. (Its scikit-learn wrappers: save
+  their ``booster_``.);
+* a TensorFlow ``tf.train.Checkpoint``, or a trackable object (a Keras model, an
+  optimizer, a ``tf.Module``, a variable), wrapped in ``tf.train.Checkpoint(root=obj)``:
+  written with ``write()`` under ``<name>.tf/`` and restored with ``read()`` into the object
+  passed (every variable it has must be in the checkpoint);
 * a JSON value (``None``, bool, int, float, str, lists and dicts of them): in the index;
   :func:`load` returns it.
 
@@ -36,9 +51,11 @@ Pass ``None`` to :func:`load` for a name to get what was saved without restoring
 anything (tensors on the CPU): ``load(part, model=None)["model"]`` is the model's state
 dict. The index, ``cumulus-ckpt.json``, names every object, its kind and its files.
 
-Only the standard library is imported here; PyTorch, safetensors and NumPy are imported
-when an object needs them (``pip install 'cumulus-train[torch]'``). scikit-learn,
-XGBoost, LightGBM and TensorFlow adapters are not written yet.
+Only the standard library is imported here; each framework is imported when an object
+needs it, and a missing one names the extra to install: ``pip install
+'cumulus-train[torch]'`` (PyTorch, safetensors, NumPy), ``[sklearn]`` (scikit-learn,
+skops), ``[xgboost]``, ``[lightgbm]``, ``[tensorflow]``. An object's type is recognized
+only when its framework is already imported (by the caller, who made the object).
 """
 
 from __future__ import annotations
@@ -60,6 +77,8 @@ __all__ = [
     "FORMAT_VERSION",
     "INDEX_FILE",
     "RNG",
+    "Trusted",
+    "UntrustedTypes",
     "load",
     "load_checkpoint",
     "read_index",
@@ -77,6 +96,11 @@ _EXTRA = {
     "torch": "torch",
     "safetensors": "torch",
     "numpy": "torch",
+    "sklearn": "sklearn",
+    "skops": "sklearn",
+    "xgboost": "xgboost",
+    "lightgbm": "lightgbm",
+    "tensorflow": "tensorflow",
 }
 
 
@@ -93,6 +117,37 @@ class RNG:
 
     def __repr__(self) -> str:
         return f"RNG({len(self.generators)} generator(s))"
+
+
+class Trusted:
+    """Wraps an object passed to :func:`load` with the extra types its skops file may hold
+    (fully qualified names, as :class:`UntrustedTypes` lists them, or the types
+    themselves): ``load(part, model=Trusted(model, "mylib.MyTransformer"))``. Only
+    scikit-learn estimators read it. :func:`save` accepts it too (it saves ``obj``)."""
+
+    def __init__(self, obj: Any, *types: str | type) -> None:
+        self.obj = obj
+        self.types = frozenset(t if isinstance(t, str) else _qualname(t) for t in types)
+
+    def __repr__(self) -> str:
+        return f"Trusted({type(self.obj).__qualname__}, {sorted(self.types)})"
+
+
+class UntrustedTypes(Exception):
+    """A skops file holds types that are not trusted (see :class:`Trusted`); nothing was
+    loaded. ``types``: their fully qualified names."""
+
+    def __init__(self, path: Path, types: list[str]) -> None:
+        self.types = types
+        super().__init__(
+            f"{path} holds types that are not trusted, so it was not loaded: "
+            f"{', '.join(types)}. If you trust them, pass the object as "
+            f"cumulus.ckpt.Trusted(obj, {', '.join(repr(t) for t in types)})"
+        )
+
+
+def _qualname(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
 
 
 def _import(module: str) -> Any:
@@ -135,6 +190,31 @@ def _kind(obj: Any) -> str:
     np = sys.modules.get("numpy")
     if np is not None and isinstance(obj, np.ndarray):
         return "numpy.ndarray"
+    # The boosting libraries first: their scikit-learn wrappers are estimators too.
+    xgb = sys.modules.get("xgboost")
+    if xgb is not None:
+        if isinstance(obj, xgb.Booster):
+            return "xgboost.booster"
+        if isinstance(obj, xgb.XGBModel):
+            return "xgboost.model"
+    lgb = sys.modules.get("lightgbm")
+    if lgb is not None:
+        if isinstance(obj, lgb.Booster):
+            return "lightgbm.booster"
+        if isinstance(obj, lgb.LGBMModel):
+            raise TypeError(
+                f"cannot checkpoint a {_qualname(type(obj))}: checkpoint its booster_ "
+                "(a lightgbm.Booster, in LightGBM's own model format) instead"
+            )
+    tf = sys.modules.get("tensorflow")
+    # A Checkpoint, or anything it can track: Keras models and optimizers, tf.Module...
+    if tf is not None and isinstance(
+        obj, (tf.train.Checkpoint, tf.__internal__.tracking.Trackable)
+    ):
+        return "tensorflow"
+    skl = sys.modules.get("sklearn.base")
+    if skl is not None and isinstance(obj, skl.BaseEstimator):
+        return "sklearn"
     if callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     ):
@@ -145,8 +225,9 @@ def _kind(obj: Any) -> str:
     raise TypeError(
         f"cannot checkpoint a {type(obj).__module__}.{type(obj).__qualname__}: supported are "
         "PyTorch modules, optimizers, tensors and objects with state_dict()/"
-        "load_state_dict(), cumulus.ckpt.RNG, NumPy arrays and JSON values "
-        "(scikit-learn, XGBoost, LightGBM and TensorFlow adapters are not written yet)"
+        "load_state_dict(), cumulus.ckpt.RNG, NumPy arrays, scikit-learn estimators, "
+        "XGBoost and LightGBM boosters, TensorFlow checkpoints and trackables (Keras "
+        "models), and JSON values"
     )
 
 
@@ -252,6 +333,139 @@ def _load_state(directory: Path, name: str, entry: Mapping[str, Any]) -> Any:
     return _decode(entry["tree"], tensors)
 
 
+# -- scikit-learn, XGBoost, LightGBM, TensorFlow ----------------------------------------------
+
+_FRAMEWORKS = ("sklearn", "xgboost.booster", "xgboost.model", "lightgbm.booster", "tensorflow")
+
+
+def _save_framework(d: Path, name: str, kind: str, obj: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {"type": _qualname(type(obj))}
+    if kind == "sklearn":
+        sio = _import("skops.io")
+        sio.dump(obj, d / f"{name}.skops")
+        entry["files"] = [f"{name}.skops"]
+    elif kind == "xgboost.booster":
+        (d / f"{name}.ubj").write_bytes(bytes(obj.save_raw(raw_format="ubj")))
+        entry["files"] = [f"{name}.ubj"]
+    elif kind == "xgboost.model":
+        obj.save_model(str(d / f"{name}.ubj"))  # the format follows the extension
+        entry["files"] = [f"{name}.ubj"]
+    elif kind == "lightgbm.booster":
+        text = obj.model_to_string(num_iteration=-1)  # every iteration, not the best
+        (d / f"{name}.txt").write_text(text, encoding="utf-8")
+        entry["files"] = [f"{name}.txt"]
+    else:  # tensorflow
+        tf = sys.modules["tensorflow"]
+        ck = obj if isinstance(obj, tf.train.Checkpoint) else tf.train.Checkpoint(root=obj)
+        entry["wrapped"] = ck is not obj
+        ck.write(str(d / f"{name}.tf" / "ckpt"))
+        entry["files"] = [f"{name}.tf"]
+    return entry
+
+
+def _trusted_sklearn_class(name: str) -> bool:
+    """``name`` is a class defined in scikit-learn (not a function: a function is trusted
+    only by name, with :class:`Trusted`)."""
+    module, _, attr = name.rpartition(".")
+    if not (module == "sklearn" or module.startswith("sklearn.")):
+        return False
+    try:
+        value = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(value, type) and value.__module__ == module
+
+
+def _load_sklearn(path: Path, obj: Any, extra: frozenset[str]) -> Any:
+    sio = _import("skops.io")
+    _import("sklearn")
+    found = sio.get_untrusted_types(file=path)
+    allowed = set(extra)
+    if obj is not None:
+        allowed.add(_qualname(type(obj)))
+    untrusted = sorted(t for t in found if t not in allowed and not _trusted_sklearn_class(t))
+    if untrusted:
+        raise UntrustedTypes(path, untrusted)
+    value = sio.load(path, trusted=sorted(found))
+    if obj is None:
+        return value
+    if type(value) is not type(obj):
+        raise TypeError(
+            f"{path} holds a {_qualname(type(value))}, but a {_qualname(type(obj))} was passed"
+        )
+    # In place: the caller's estimator becomes the saved one (fitted attributes included).
+    vars(obj).clear()
+    vars(obj).update(vars(value))
+    return obj
+
+
+def _load_framework(d: Path, name: str, entry: Mapping[str, Any], obj: Any) -> Any:
+    kind = entry["kind"]
+    extra: frozenset[str] = frozenset()
+    if isinstance(obj, Trusted):
+        obj, extra = obj.obj, obj.types
+    if obj is not None and _kind(obj) != kind:
+        raise TypeError(
+            f"{name!r} was saved as {kind}, but a {type(obj).__qualname__} ({_kind(obj)}) "
+            "was passed"
+        )
+    if kind == "sklearn":
+        return _load_sklearn(d / f"{name}.skops", obj, extra)
+    if kind in ("xgboost.booster", "xgboost.model"):
+        xgb = _import("xgboost")
+        path = d / f"{name}.ubj"
+        if obj is None:
+            if kind == "xgboost.booster":
+                obj = xgb.Booster()
+            else:
+                cls = _resolve(entry.get("type", ""), "xgboost", xgb.XGBModel)
+                obj = cls()
+        if kind == "xgboost.booster":
+            obj.load_model(bytearray(path.read_bytes()))
+        else:
+            obj.load_model(str(path))
+        return obj
+    if kind == "lightgbm.booster":
+        lgb = _import("lightgbm")
+        text = (d / f"{name}.txt").read_text(encoding="utf-8")
+        if obj is None:
+            return lgb.Booster(model_str=text)
+        obj.model_from_string(text)
+        return obj
+    # tensorflow
+    tf = _import("tensorflow")
+    if obj is None:
+        raise TypeError(
+            f"{name!r} is a TensorFlow checkpoint: pass the tf.train.Checkpoint or the "
+            "object (a Keras model...) to restore it into"
+        )
+    if isinstance(obj, tf.train.Checkpoint):
+        ck = obj
+    elif entry.get("wrapped", True):
+        ck = tf.train.Checkpoint(root=obj)
+    else:
+        raise TypeError(
+            f"{name!r} was saved as a tf.train.Checkpoint: pass a tf.train.Checkpoint "
+            "with the same structure"
+        )
+    ck.read(str(d / f"{name}.tf" / "ckpt")).assert_existing_objects_matched()
+    return obj
+
+
+def _resolve(name: str, package: str, base: type) -> type:
+    """The class ``name`` if it is defined in ``package`` and a subclass of ``base``, else
+    ``base``."""
+    module, _, attr = name.rpartition(".")
+    if module == package or module.startswith(package + "."):
+        try:
+            value = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            value = None
+        if isinstance(value, type) and issubclass(value, base):
+            return value
+    return base
+
+
 # -- save / load -------------------------------------------------------------------------
 
 
@@ -276,9 +490,13 @@ def save(directory: str | os.PathLike[str], /, **objects: Any) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     index: dict[str, Any] = {}
     for name, obj in objects.items():
+        if isinstance(obj, Trusted):
+            obj = obj.obj
         kind = _kind(obj)
         entry: dict[str, Any]
-        if kind == "torch.module":
+        if kind in _FRAMEWORKS:
+            entry = _save_framework(d, name, kind, obj)
+        elif kind == "torch.module":
             entry = _save_state(d, name, _unwrap_module(obj).state_dict())
         elif kind in ("torch.optimizer", "state_dict"):
             entry = _save_state(d, name, obj.state_dict())
@@ -327,11 +545,15 @@ def load(directory: str | os.PathLike[str], /, **objects: Any) -> dict[str, Any]
     :func:`save`) into the objects passed, and returns them by name: a module's,
     optimizer's or scheduler's ``load_state_dict`` is called (tensors are read onto the
     CPU and copied to wherever the object's own tensors live), a tensor or array is
-    copied into in place, an :class:`RNG` restores the generators. For a JSON value, or
-    when ``None`` is passed, the saved value is returned (a state dict with CPU tensors).
+    copied into in place, an :class:`RNG` restores the generators, an estimator, booster
+    or TensorFlow object gets the saved state. For a JSON value, or when ``None`` is
+    passed, the saved value is returned (a state dict with CPU tensors; a new estimator or
+    booster; TensorFlow needs an object to restore into).
 
     :raises KeyError: a name is not in the checkpoint.
     :raises TypeError: an object is not of the kind that was saved under its name.
+    :raises UntrustedTypes: a scikit-learn estimator's file holds types not trusted
+        (nothing was loaded; see :class:`Trusted`).
     :raises ImportError: a framework this needs is not installed (names the extra).
     """
     _check_names(objects)
@@ -354,6 +576,11 @@ def load(directory: str | os.PathLike[str], /, **objects: Any) -> dict[str, Any]
             runtime.set_rng_state(entry["tree"], *obj.generators, strict=obj.strict)
             out[name] = obj
             continue
+        if saved_kind in _FRAMEWORKS:
+            out[name] = _load_framework(d, name, entry, obj)
+            continue
+        if isinstance(obj, Trusted):
+            obj = obj.obj
         if saved_kind == "numpy.ndarray":
             np = _import("numpy")
             value = np.load(d / f"{name}.npy", allow_pickle=False)

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# GPU check: PyTorch DDP with NCCL under Cumulus on every GPU of this machine.
+#
+#   scripts/gpu-check.sh [--cpu] [--world-size N] [--steps S] [--reps R]
+#
+# Builds nothing: it expects the Cumulus binaries in target/release (else target/debug, or
+# $CUMULUS_BIN_DIR) and the Python virtualenv python/.venv (or $PYTHON) with the package
+# and PyTorch (`pip install -e './python[test,torch]'`). It
+#   1. starts a local cluster (`cumulusctl local up`, one worker with N slots) in a temp dir;
+#   2. runs examples/python/ddp_digits.py with NCCL at world size N = the number of GPUs
+#      (`nvidia-smi -L`) twice: fault-free, and with the last rank SIGKILLing itself after a
+#      committed checkpoint; checks that the second run restarted once, resumed from the
+#      checkpoint and ended with weights byte-identical to the first (SHA-256 of every
+#      rank's final weights, and rank 0's model.safetensors);
+#   3. measures steps/s of the same script under Cumulus (checkpoints off) and under
+#      `torchrun --standalone --nproc-per-node N`, alternated, --reps times each, and prints
+#      the medians and their ratio (steps/s is measured inside the script, from the first
+#      training step to the last: start-up is not counted).
+# --cpu: a dry run of the same steps without GPUs (gloo, world size 2 unless given).
+# Exit status 0 only if the resume was exact.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+cpu=0 world="" steps=300 ckpt_every=50 kill_at=130 bench_steps=2000 reps=3
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu) cpu=1 ;;
+    --world-size) world="$2"; shift ;;
+    --steps) steps="$2"; shift ;;
+    --ckpt-every) ckpt_every="$2"; shift ;;
+    --kill-at-step) kill_at="$2"; shift ;;
+    --bench-steps) bench_steps="$2"; shift ;;
+    --reps) reps="$2"; shift ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ "$kill_at" -le "$ckpt_every" ] || [ "$kill_at" -ge "$steps" ]; then
+  echo "gpu-check: need --ckpt-every < --kill-at-step < --steps" >&2
+  exit 2
+fi
+
+# -- what it needs ---------------------------------------------------------------------
+die() { echo "gpu-check: $*" >&2; exit 1; }
+if [ -n "${CUMULUS_BIN_DIR:-}" ]; then
+  BIN=$CUMULUS_BIN_DIR
+elif [ -x target/release/cumulusctl ]; then
+  BIN=$ROOT/target/release
+else
+  BIN=$ROOT/target/debug
+fi
+for b in cumulusctl cumulus-coordinator cumulus-worker; do
+  [ -x "$BIN/$b" ] || die "$BIN/$b not found: build first (cargo build --release)"
+done
+PY=${PYTHON:-$ROOT/python/.venv/bin/python}
+[ -x "$PY" ] || die "$PY not found: make the venv (python3 -m venv python/.venv && python/.venv/bin/pip install -e './python[test,torch]')"
+"$PY" -c 'import cumulus, torch, safetensors' 2>/dev/null \
+  || die "$PY lacks cumulus, torch or safetensors: pip install -e './python[test,torch]'"
+
+if [ "$cpu" = 1 ]; then
+  backend=gloo
+  world=${world:-2}
+else
+  backend=nccl
+  command -v nvidia-smi >/dev/null || die "nvidia-smi not found (no NVIDIA driver?); --cpu for a dry run"
+  gpus=$(nvidia-smi -L | grep -c '^GPU ' || true)
+  [ "$gpus" -ge 1 ] || die "nvidia-smi -L lists no GPU"
+  world=${world:-$gpus}
+  [ "$world" -le "$gpus" ] || die "world size $world > $gpus GPUs"
+  "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+    || die "torch.cuda.is_available() is False in $PY (a CPU-only PyTorch?)"
+  nvidia-smi -L
+fi
+kill_rank=$((world - 1))
+EXAMPLE=$ROOT/examples/python/ddp_digits.py
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/cumulus-gpu-check.XXXXXX")
+CTL=("$BIN/cumulusctl" --local-dir "$WORK/cluster")
+cleanup() {
+  "${CTL[@]}" local down --purge >/dev/null 2>&1 || true
+  if [ "${KEEP:-0}" = 1 ]; then echo "gpu-check: kept $WORK"; else rm -rf "$WORK"; fi
+}
+trap cleanup EXIT
+
+echo "== gpu-check: backend $backend, world size $world, binaries $BIN, work dir $WORK"
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+"${CTL[@]}" local up --coordinators 1 --workers 1 --slots "$world" --bin-dir "$BIN" >/dev/null
+"${CTL[@]}" dataset split data/digits/digits.csv.gz --shards $((2 * world)) \
+  --out "$WORK/digits" >/dev/null
+
+# submit NAME [cumulusctl submit options] -- [script options]
+submit() {
+  local name=$1
+  shift
+  local opts=()
+  while [ "$1" != -- ]; do opts+=("$1"); shift; done
+  shift
+  if ! "${CTL[@]}" submit --world-size "$world" --dataset "$WORK/digits" --name "gpu-$name" \
+    --max-restarts 2 --backoff-initial-ms 100 --backoff-max-ms 500 "${opts[@]}" \
+    --wait --wait-timeout-s 900 -- \
+    "$PY" "$EXAMPLE" --backend "$backend" --out "$WORK/out-$name" "$@" >"$WORK/$name.submit" 2>&1; then
+    cat "$WORK/$name.submit" >&2
+    "${CTL[@]}" list >&2 || true
+    die "job $name failed"
+  fi
+}
+
+# field OUT RANK KEY: a value of rank-RANK.json
+field() { "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1/rank-$2.json" "$3"; }
+
+# -- 1. exact resume after a rank is killed ---------------------------------------------
+echo "== exactness: $steps steps, checkpoint every $ckpt_every, rank $kill_rank killed at step $kill_at"
+submit clean --ckpt-dir "$WORK/ckpt-clean" -- --steps "$steps" --ckpt-every "$ckpt_every"
+submit killed --ckpt-dir "$WORK/ckpt-killed" -- --steps "$steps" --ckpt-every "$ckpt_every" \
+  --kill-rank "$kill_rank" --kill-at-step "$kill_at"
+resume_step=$((kill_at - kill_at % ckpt_every))
+ok=1
+want=$(field "$WORK/out-clean" 0 weights_sha256)
+for r in $(seq 0 $((world - 1))); do
+  a_sha=$(field "$WORK/out-clean" "$r" weights_sha256)
+  b_sha=$(field "$WORK/out-killed" "$r" weights_sha256)
+  a_dig=$(field "$WORK/out-clean" "$r" record_digest)
+  b_dig=$(field "$WORK/out-killed" "$r" record_digest)
+  b_att=$(field "$WORK/out-killed" "$r" attempt)
+  b_res=$(field "$WORK/out-killed" "$r" resumed_from)
+  echo "rank $r: clean ${a_sha:0:16} killed ${b_sha:0:16} (attempt $b_att, resumed from $b_res)"
+  [ "$a_sha" = "$want" ] && [ "$b_sha" = "$want" ] || { echo "rank $r: weights differ" >&2; ok=0; }
+  [ "$a_dig" = "$b_dig" ] || { echo "rank $r: record digests differ" >&2; ok=0; }
+  [ "$b_att" = 1 ] && [ "$b_res" = "$resume_step" ] \
+    || { echo "rank $r: expected attempt 1 resumed from $resume_step" >&2; ok=0; }
+done
+cmp -s "$WORK/out-clean/model.safetensors" "$WORK/out-killed/model.safetensors" \
+  || { echo "model.safetensors differ" >&2; ok=0; }
+if [ "$ok" = 1 ]; then
+  echo "EXACT RESUME: OK (weights sha256 $want)"
+else
+  echo "EXACT RESUME: FAILED" >&2
+fi
+
+# -- 2. steps/s: Cumulus vs torchrun ---------------------------------------------------------
+echo "== steps/s: $bench_steps steps, $reps alternated runs each (no checkpoints in either)"
+cum=() tr=()
+for i in $(seq 1 "$reps"); do
+  submit "bench-$i" -- --steps "$bench_steps" --log-every "$bench_steps"
+  cum+=("$(field "$WORK/out-bench-$i" 0 steps_per_s)")
+  # torchrun's own rendezvous (--standalone); each rank takes every N-th row of the
+  # bundled file instead of shards: the same shapes, the same work per step.
+  if ! (cd "$WORK" && "$(dirname "$PY")/torchrun" --standalone --nproc-per-node "$world" \
+    "$EXAMPLE" --backend "$backend" --out "$WORK/out-torchrun-$i" --steps "$bench_steps" \
+    --log-every "$bench_steps" >"$WORK/torchrun-$i.log" 2>&1); then
+    cat "$WORK/torchrun-$i.log" >&2
+    die "torchrun run $i failed"
+  fi
+  tr+=("$(field "$WORK/out-torchrun-$i" 0 steps_per_s)")
+  echo "run $i: cumulus ${cum[-1]} steps/s, torchrun ${tr[-1]} steps/s"
+done
+"$PY" - "${cum[*]}" "${tr[*]}" "$backend" "$world" <<'EOF'
+import statistics, sys
+cum = [float(v) for v in sys.argv[1].split()]
+tr = [float(v) for v in sys.argv[2].split()]
+c, t = statistics.median(cum), statistics.median(tr)
+print(f"STEPS/S ({sys.argv[3]}, world size {sys.argv[4]}): cumulus {c:.1f}, "
+      f"torchrun {t:.1f}, ratio {c / t:.3f} (medians of {len(cum)})")
+EOF
+[ "$ok" = 1 ]
