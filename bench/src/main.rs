@@ -15,6 +15,7 @@ mod cluster_ops;
 mod heartbeat_scale;
 mod memory;
 mod procstat;
+mod python;
 mod report;
 mod training;
 mod write_path;
@@ -40,7 +41,7 @@ struct Args {
     smoke: bool,
     /// Comma-separated scenarios to run (default: all): write_path, write_stages, failover,
     /// follower_catchup, rank_restart, worker_expiry, heartbeat_scale, ckpt_commit,
-    /// ckpt_s3, training, memory.
+    /// ckpt_s3, training, memory, python.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Directory for the JSON results (created).
@@ -82,6 +83,7 @@ pub const SCENARIOS: &[&str] = &[
     "ckpt_s3",
     "training",
     "memory",
+    "python",
 ];
 
 async fn run_one(name: &str, ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
@@ -97,6 +99,7 @@ async fn run_one(name: &str, ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         "ckpt_s3" => ckpt_s3::run(ctx).await,
         "training" => training::run(ctx).await,
         "memory" => memory::run(ctx).await,
+        "python" => python::run(ctx).await,
         other => anyhow::bail!(
             "unknown scenario {other:?}; known: {}",
             SCENARIOS.join(", ")

@@ -1,0 +1,63 @@
+"""Runs a Python script (``stamped.py SCRIPT ARGS...``) with every line it prints on stdout
+also written, with the wall-clock time it was printed at, to
+``$CUMULUS_BENCH_STAMPS/rank-<RANK>.attempt-<A>.pid-<PID>.log`` (one ``<unix time> <line>``
+per line, flushed per line, so a line printed just before a SIGKILL is kept).
+
+The attempt is ``CUMULUS_ATTEMPT`` under Cumulus and ``TORCHELASTIC_RESTART_COUNT`` under
+torchrun. The benchmark uses it to time "rank killed" → "first step after the restart"
+with the same clock under both launchers, without changing the script.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+from typing import TextIO
+
+
+class _Stamped:
+    """A text stream that writes through to ``inner`` and logs complete lines to ``log``."""
+
+    def __init__(self, inner: TextIO, log_fd: int) -> None:
+        self._inner = inner
+        self._fd = log_fd
+        self._partial = ""
+
+    def write(self, s: str) -> int:
+        now = time.time()
+        n = self._inner.write(s)
+        text = self._partial + s
+        *lines, self._partial = text.split("\n")
+        if lines:
+            # One unbuffered write: in the file before the next statement (a SIGKILL).
+            os.write(self._fd, "".join(f"{now:.6f} {line}\n" for line in lines).encode())
+        return n
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: stamped.py SCRIPT [ARGS...]")
+    out = os.environ.get("CUMULUS_BENCH_STAMPS")
+    if out:
+        rank = os.environ.get("RANK", "0")
+        attempt = os.environ.get("CUMULUS_ATTEMPT") or os.environ.get(
+            "TORCHELASTIC_RESTART_COUNT", "0"
+        )
+        path = os.path.join(out, f"rank-{rank}.attempt-{attempt}.pid-{os.getpid()}.log")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stdout = _Stamped(sys.stdout, fd)
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
