@@ -57,7 +57,11 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let out = ctx.work_dir.join("python");
     std::fs::create_dir_all(&out).context("python bench output dir")?;
     let mut command = Command::new(&python);
-    command.arg(root.join(SCRIPT)).arg("--out").arg(&out).current_dir(&root);
+    command
+        .arg(root.join(SCRIPT))
+        .arg("--out")
+        .arg(&out)
+        .current_dir(&root);
     if ctx.smoke {
         command.arg("--smoke");
     }
@@ -75,7 +79,17 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         .iter()
         .filter_map(|r| r.error.as_ref().map(|e| format!("{}: {e}", r.what)))
         .collect();
-    if !status.success() || !errors.is_empty() {
+    // torchrun itself sometimes fails every restart on a loaded 2-core machine (gloo's
+    // "connectFullMesh … Connection refused"): in smoke mode, which only checks that the
+    // scenario runs, that is reported, not fatal; a full run fails on it.
+    let fatal: Vec<&String> = errors
+        .iter()
+        .filter(|e| !(ctx.smoke && e.contains("torchrun")))
+        .collect();
+    for e in errors.iter().filter(|e| !fatal.contains(e)) {
+        eprintln!("   (smoke) torchrun comparison not measured: {e}");
+    }
+    if !fatal.is_empty() || (!status.success() && errors.is_empty()) {
         bail!("python bench failed ({status}): {}", errors.join("; "));
     }
     Ok(rows

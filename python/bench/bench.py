@@ -195,6 +195,11 @@ def run_group(cmd: Sequence[str], *, timeout_s: float, log: Path, env: dict[str,
         )
         try:
             rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            raise BenchError(
+                f"{cmd[0]} did not finish within {timeout_s:.0f} s:\n{tail(log)}"
+            ) from None
         except BaseException:
             kill_group(proc)
             raise
