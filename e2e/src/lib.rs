@@ -626,6 +626,32 @@ impl Cluster {
         Ok(())
     }
 
+    /// Waits (up to `deadline`) for coordinator `i`, just spawned, to exit on its own, as
+    /// one that refuses to start does, and returns its exit status (the process is
+    /// reaped and forgotten).
+    ///
+    /// # Panics
+    /// When it is not running or still runs after `deadline`.
+    pub async fn wait_coordinator_exit(
+        &mut self,
+        i: usize,
+        deadline: Duration,
+    ) -> std::process::ExitStatus {
+        let name = self.coordinators[i].proc.name.clone();
+        let child = self.coordinators[i]
+            .proc
+            .child
+            .as_mut()
+            .expect("the coordinator was spawned");
+        let status = wait_for(&format!("{name} to exit"), deadline, || {
+            let st = child.try_wait().ok().flatten();
+            async move { st }
+        })
+        .await;
+        self.coordinators[i].proc.child = None;
+        status
+    }
+
     /// Index into `coordinators` of node `id`.
     pub fn index_of(&self, id: u64) -> Option<usize> {
         self.coordinators.iter().position(|c| c.id == id)

@@ -355,12 +355,7 @@ async fn corrupt_coordinator_data_refuses_to_start() {
         raft_dir.display()
     );
     cluster.spawn_coordinator(i).expect("spawn");
-    let child = cluster.coordinators[i].proc.child.as_mut().expect("child");
-    let status = wait_for("the corrupt node to exit", LONG, || {
-        let st = child.try_wait().ok().flatten();
-        async move { st }
-    })
-    .await;
+    let status = cluster.wait_coordinator_exit(i, LONG).await;
     assert!(!status.success(), "a corrupt data dir must not start");
     let log = std::fs::read_to_string(&cluster.coordinators[i].proc.log).expect("log");
     let tail: String = log.lines().rev().take(20).collect::<Vec<_>>().join("\n");
@@ -368,7 +363,6 @@ async fn corrupt_coordinator_data_refuses_to_start() {
         tail.contains("corrupt") || tail.contains("sled") || tail.contains("data dir"),
         "a clear error: {tail}"
     );
-    cluster.coordinators[i].proc.child = None;
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {

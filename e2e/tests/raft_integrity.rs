@@ -261,13 +261,7 @@ async fn a_flipped_byte_in_the_raft_log_refuses_to_start_and_rejoin_empty_recove
 
     // It refuses to start, naming the file, and changes nothing on disk.
     cluster.spawn_coordinator(i).expect("spawn");
-    let child = cluster.coordinators[i].proc.child.as_mut().expect("child");
-    let status = wait_for("the damaged node to exit", LONG, || {
-        let st = child.try_wait().ok().flatten();
-        async move { st }
-    })
-    .await;
-    cluster.coordinators[i].proc.child = None;
+    let status = cluster.wait_coordinator_exit(i, LONG).await;
     assert!(!status.success(), "a damaged raft log must not start");
     let log = std::fs::read_to_string(&cluster.coordinators[i].proc.log).expect("log");
     let seg_name = seg.file_name().and_then(|n| n.to_str()).expect("name");
@@ -294,13 +288,7 @@ async fn a_flipped_byte_in_the_raft_log_refuses_to_start_and_rejoin_empty_recove
     // --rejoin-empty refuses while the node is a member ...
     cluster.coordinators[i].extra_args = vec!["--rejoin-empty".into()];
     cluster.spawn_coordinator(i).expect("spawn");
-    let child = cluster.coordinators[i].proc.child.as_mut().expect("child");
-    let status = wait_for("the still-member node to exit", LONG, || {
-        let st = child.try_wait().ok().flatten();
-        async move { st }
-    })
-    .await;
-    cluster.coordinators[i].proc.child = None;
+    let status = cluster.wait_coordinator_exit(i, LONG).await;
     assert!(!status.success());
     let log = std::fs::read_to_string(&cluster.coordinators[i].proc.log).expect("log");
     assert!(
@@ -432,13 +420,7 @@ async fn a_majority_of_damaged_logs_stops_writes_rather_than_diverge() {
         cluster.spawn_coordinator(i).expect("spawn");
     }
     for i in 0..2 {
-        let child = cluster.coordinators[i].proc.child.as_mut().expect("child");
-        let status = wait_for("a damaged node to exit", LONG, || {
-            let st = child.try_wait().ok().flatten();
-            async move { st }
-        })
-        .await;
-        cluster.coordinators[i].proc.child = None;
+        let status = cluster.wait_coordinator_exit(i, LONG).await;
         assert!(!status.success(), "node {} must refuse", i + 1);
     }
     // The intact node accepts no write: no quorum.
