@@ -91,6 +91,26 @@ fn forged_append(sender: u64, term: u64, after: Option<LogId>, job_id: &str) -> 
     })
 }
 
+/// A fresh 3-coordinator cluster without workers and the ids of `n` pending jobs
+/// submitted to it (request ids `<prefix>-<k>`).
+async fn cluster_with_pending_jobs(prefix: &str, n: usize) -> (Cluster, Vec<String>) {
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 0,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let mut acked = Vec::new();
+    for k in 0..n {
+        let r = cluster
+            .submit(&format!("{prefix}-{k}"), pending_spec())
+            .await
+            .expect("submit");
+        acked.push(r.job_id);
+    }
+    (cluster, acked)
+}
+
 /// The job as coordinator `i` has applied it (no linearizable read).
 async fn local_job(cluster: &Cluster, i: usize, job_id: &str) -> Option<v1::Job> {
     let mut c = cluster.client_of(i).await.ok()?;
@@ -220,20 +240,7 @@ fn ctl(cluster: &Cluster, args: &[&str]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_in_the_raft_log_refuses_to_start_and_rejoin_empty_recovers() {
-    let mut cluster = Cluster::start(ClusterOpts {
-        workers: 0,
-        ..ClusterOpts::default()
-    })
-    .await
-    .expect("cluster");
-    let mut acked = Vec::new();
-    for n in 0..20 {
-        let r = cluster
-            .submit(&format!("r-{n}"), pending_spec())
-            .await
-            .expect("submit");
-        acked.push(r.job_id);
-    }
+    let (mut cluster, mut acked) = cluster_with_pending_jobs("r", 20).await;
     let leader = cluster.wait_leader(LONG).await;
     let i = cluster.follower_of(leader);
     let victim = cluster.coordinators[i].id;
@@ -242,22 +249,15 @@ async fn a_flipped_byte_in_the_raft_log_refuses_to_start_and_rejoin_empty_recove
     })
     .await;
 
-    // Stop it and flip one byte in the middle of its newest segment's records.
+    // Stop it and flip one byte among its newest segment's records.
     cluster.coordinators[i].proc.kill9();
-    let seg = wal_segments(&cluster.coordinators[i].data_dir)
-        .pop()
-        .expect("a segment");
-    let bytes = std::fs::read(&seg).expect("read");
-    let end = bytes.iter().rposition(|b| *b != 0).expect("records") + 1;
-    let at = end / 2;
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&seg)
-        .expect("open");
-    file.write_all_at(&[bytes[at] ^ 0x04], at as u64)
-        .expect("flip");
-    file.sync_all().expect("sync");
-    drop(file);
+    let before = std::fs::read(
+        wal_segments(&cluster.coordinators[i].data_dir)
+            .pop()
+            .expect("a segment"),
+    )
+    .expect("read");
+    let (seg, at) = flip_a_record_byte(&cluster, i);
 
     // It refuses to start, naming the file, and changes nothing on disk.
     cluster.spawn_coordinator(i).expect("spawn");
@@ -269,8 +269,8 @@ async fn a_flipped_byte_in_the_raft_log_refuses_to_start_and_rejoin_empty_recove
         log.contains("corrupt") && log.contains(seg_name) && log.contains("--rejoin-empty"),
         "a clear refusal naming the segment: {log}"
     );
-    let mut damaged = bytes.clone();
-    damaged[at] ^= 0x04;
+    let mut damaged = before;
+    damaged[at as usize] ^= 0x01;
     assert!(
         std::fs::read(&seg).expect("read") == damaged,
         "no repair in place"
@@ -389,20 +389,7 @@ fn unflip(seg: &Path, at: u64) {
 /// undone (a restored disk), the cluster comes back with every acknowledged job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_majority_of_damaged_logs_stops_writes_rather_than_diverge() {
-    let mut cluster = Cluster::start(ClusterOpts {
-        workers: 0,
-        ..ClusterOpts::default()
-    })
-    .await
-    .expect("cluster");
-    let mut acked = Vec::new();
-    for n in 0..10 {
-        let r = cluster
-            .submit(&format!("m-{n}"), pending_spec())
-            .await
-            .expect("submit");
-        acked.push(r.job_id);
-    }
+    let (mut cluster, mut acked) = cluster_with_pending_jobs("m", 10).await;
     for i in 0..3 {
         wait_for("every node to apply every submit", LONG, || async {
             local_job(&cluster, i, acked.last().expect("jobs")).await

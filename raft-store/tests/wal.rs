@@ -539,6 +539,18 @@ fn a_flipped_bit_in_the_newest_segment_refuses_to_open_and_changes_nothing() {
     assert_eq!(wal.read(0, 100).expect("read"), written);
 }
 
+/// Offsets of the records' headers in `bytes`, whose records end at `end`.
+fn record_offsets(bytes: &[u8], end: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    while at < end {
+        out.push(at);
+        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+        at += 16 + len;
+    }
+    out
+}
+
 /// A flipped bit in the length of the last record makes its span cover the zeros after
 /// it, as a torn write would; but its zeros start where the record really ends, not at a
 /// sector boundary: damage, refused (before, this cut an acknowledged entry).
@@ -552,14 +564,7 @@ fn a_flipped_length_of_the_last_record_refuses_to_open() {
     }
     let seg = segments(dir.path())[0].clone();
     let (bytes, end) = segment_bytes(&seg);
-    // The last record's header: walk the records from offset 0.
-    let mut at = 0usize;
-    let mut last = 0usize;
-    while at < end {
-        last = at;
-        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
-        at += 16 + len;
-    }
+    let last = *record_offsets(&bytes, end).last().expect("records");
     for bit in [9u32, 12, 16] {
         let mut len = u32::from_le_bytes(bytes[last..last + 4].try_into().expect("4 bytes"));
         len ^= 1 << bit;
@@ -615,13 +620,9 @@ fn a_torn_looking_record_followed_by_a_valid_one_refuses_to_open() {
         wal.append(written.clone()).expect("append");
     }
     let seg = segments(dir.path())[0].clone();
-    let (bytes, _) = segment_bytes(&seg);
+    let (bytes, end) = segment_bytes(&seg);
     // Record 5 (index 5): zero its payload from the first sector boundary inside it.
-    let mut at = 0usize;
-    for _ in 0..4 {
-        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
-        at += 16 + len;
-    }
+    let at = record_offsets(&bytes, end)[4];
     let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
     let from = (at + 16 + 1).div_ceil(512) * 512;
     let to = at + 16 + len;
