@@ -5,10 +5,11 @@
 //! the kill time taken here come from the same machine's clock, so their differences
 //! are meaningful; everything else is measured with `Instant`.
 
+use cumulus_api::RankPhase;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use cumulus_api::v1;
 use cumulus_e2e::{Cluster, ClusterOpts, make_named_files, prepare_digits, trainer_spec, wait_for};
-use cumulus_proto::v1;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -191,7 +192,7 @@ pub async fn rank_restart(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
             .wait_job(&job_id, "the rank running with progress", DEADLINE, |j| {
                 let r = &j.ranks[0];
                 r.attempt == round
-                    && r.state == "running"
+                    && r.phase() == Ok(RankPhase::Running)
                     && r.pid > 0
                     && r.step > 0
                     && j.committed_step.is_some()
@@ -311,7 +312,7 @@ pub async fn worker_expiry(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
             .job_id;
         let job = cluster
             .wait_job(&job_id, "the rank running", DEADLINE, |j| {
-                j.ranks[0].state == "running" && j.ranks[0].pid > 0
+                j.ranks[0].phase() == Ok(RankPhase::Running) && j.ranks[0].pid > 0
             })
             .await;
         let worker = job.ranks[0].worker_id.clone();

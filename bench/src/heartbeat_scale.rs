@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use cumulus_api::v1;
+use cumulus_api::v1::worker_service_client::WorkerServiceClient;
 use cumulus_e2e::{Auth, Cluster, ClusterOpts, TOKEN};
-use cumulus_proto::v1;
-use cumulus_proto::v1::worker_service_client::WorkerServiceClient;
 use tokio::sync::{Mutex, Semaphore};
 use tonic::codegen::InterceptedService;
 use tonic::transport::{Channel, Endpoint};

@@ -8,11 +8,12 @@
 //! a leader change during the run (they happen under a saturating write load on 2
 //! cores) costs a retry, not the scenario; RSS is read from whoever leads at the end.
 
+use cumulus_api::RankPhase;
 use std::time::Duration;
 
+use cumulus_api::v1;
+use cumulus_api::v1::worker_service_client::WorkerServiceClient;
 use cumulus_e2e::{Auth, Cluster, ClusterOpts, TOKEN};
-use cumulus_proto::v1;
-use cumulus_proto::v1::worker_service_client::WorkerServiceClient;
 use futures::{StreamExt, TryStreamExt};
 
 use crate::Ctx;
@@ -183,7 +184,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         let job_id = cluster.submit("mem-8-ranks", spec).await?.job_id;
         cluster
             .wait_job(&job_id, "8 ranks running", DEADLINE, |j| {
-                j.ranks.iter().all(|r| r.state == "running")
+                j.ranks.iter().all(|r| r.phase() == Ok(RankPhase::Running))
             })
             .await;
         let pid = cluster.workers[0]

@@ -34,12 +34,13 @@
 //! default) into a checkpoint dir, with what each checkpoint costs on average relative to
 //! the direct rate.
 
+use cumulus_api::JobState;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
+use cumulus_api::v1;
 use cumulus_e2e::{Cluster, ClusterOpts, Workload};
-use cumulus_proto::v1;
 
 use crate::Ctx;
 use crate::report::{Row, percentile};
@@ -556,15 +557,7 @@ async fn run_direct(
     for (key, _) in std::env::vars_os() {
         let key_text = key.to_string_lossy();
         if key_text.starts_with("CUMULUS_")
-            || [
-                "RANK",
-                "WORLD_SIZE",
-                "LOCAL_RANK",
-                "LOCAL_WORLD_SIZE",
-                "MASTER_ADDR",
-                "MASTER_PORT",
-            ]
-            .contains(&key_text.as_ref())
+            || cumulus_api::rank_env::CONTRACT_VARS.contains(&key_text.as_ref())
         {
             cmd.env_remove(&key);
         }
@@ -615,7 +608,7 @@ async fn wait_timing_file(cluster: &Cluster, job_id: &str, timing: &Path) -> any
         );
         if look.is_multiple_of(JOB_POLL_EVERY)
             && let Some(job) = cluster.job(job_id).await
-            && matches!(job.state.as_str(), "failed" | "cancelled")
+            && matches!(job.job_state(), Ok(JobState::Failed | JobState::Cancelled))
         {
             anyhow::bail!("{job_id} ended {}: {}", job.state, job.failure_cause);
         }
@@ -700,7 +693,7 @@ async fn run_cumulus(
         .job_id;
     wait_timing_file(cluster, &job_id, &timing).await?;
     let job = cluster.wait_finished(&job_id, JOB_DEADLINE).await;
-    if job.state != "succeeded" || job.restarts_used != 0 {
+    if job.job_state() != Ok(JobState::Succeeded) || job.restarts_used != 0 {
         let causes: Vec<&str> = job.restarts.iter().map(|r| r.cause.as_str()).collect();
         anyhow::bail!(
             "{job_id} ended {} after {} restart(s) (causes: {causes:?}; failure: {:?}); its logs end with:\n{}",

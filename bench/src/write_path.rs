@@ -45,8 +45,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use cumulus_api::v1;
 use cumulus_e2e::{Client, Cluster, ClusterOpts, bin_dir, free_port};
-use cumulus_proto::v1;
 
 use crate::Ctx;
 use crate::report::{Row, ms, percentile};

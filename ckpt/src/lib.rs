@@ -61,6 +61,8 @@ mod local;
 mod s3;
 mod tiered;
 
+pub use cumulus_api::FileEntry;
+pub use cumulus_api::limits::{MAX_PART_FILES, MAX_STATE_JSON_BYTES};
 pub use dataset::{DatasetCache, Fetched, ShardPin};
 pub use digest::{DigestAlgorithm, HASH_BUFFER_BYTES, WRITE_ALGORITHM, parse_digest};
 pub use local::{Durability, LocalStore};
@@ -74,10 +76,6 @@ pub use tiered::{CommitTier, TieredStore};
 pub const MANIFEST_FILE: &str = "MANIFEST.json";
 /// File name of the pointer to the newest committed step, inside the job directory.
 pub const LATEST_FILE: &str = "LATEST";
-/// Most files one part may hold (and most directories one staging tree may hold).
-pub const MAX_PART_FILES: usize = 4096;
-/// Largest serialized per-rank resume state, in bytes (compact JSON).
-pub const MAX_STATE_JSON_BYTES: usize = 64 * 1024;
 /// The manifest format this crate writes. Format 2 records each file's `digest` as
 /// `<algorithm>:<hex>` ([`digest`]); format 1 (still read) recorded a bare hex `sha256`.
 pub const MANIFEST_FORMAT_VERSION: u32 = 2;
@@ -147,53 +145,6 @@ fn parse_canonical_u32(text: &str) -> Option<u32> {
         return None;
     }
     text.parse().ok()
-}
-
-/// One file of a committed part.
-///
-/// Serialized as `{"path", "size_bytes", "digest"}`; a format-1 entry
-/// `{"path", "size_bytes", "sha256": "<hex>"}` is read as digest `sha256:<hex>`.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-#[serde(try_from = "FileEntryWire")]
-pub struct FileEntry {
-    /// Path relative to the part directory, `/`-separated, no empty, `.` or `..` component,
-    /// not absolute (see [`validate_rel_path`]).
-    pub path: String,
-    /// File size in bytes.
-    pub size_bytes: u64,
-    /// Digest of the content, `<algorithm>:<64 lowercase hex digits>` ([`parse_digest`]).
-    pub digest: String,
-}
-
-/// [`FileEntry`] as read: exactly one of `digest` (format 2) or `sha256` (format 1).
-#[derive(Deserialize)]
-struct FileEntryWire {
-    path: String,
-    size_bytes: u64,
-    #[serde(default)]
-    digest: Option<String>,
-    #[serde(default)]
-    sha256: Option<String>,
-}
-
-impl TryFrom<FileEntryWire> for FileEntry {
-    type Error = String;
-
-    fn try_from(wire: FileEntryWire) -> Result<Self, Self::Error> {
-        let digest = match (wire.digest, wire.sha256) {
-            (Some(digest), None) => digest,
-            (None, Some(hex)) => format!("sha256:{hex}"),
-            (Some(_), Some(_)) => {
-                return Err(format!("file {:?} has both digest and sha256", wire.path));
-            }
-            (None, None) => return Err(format!("file {:?} has no digest", wire.path)),
-        };
-        Ok(Self {
-            path: wire.path,
-            size_bytes: wire.size_bytes,
-            digest,
-        })
-    }
 }
 
 /// One rank's committed part of a step.
@@ -408,6 +359,47 @@ impl PartRecord {
         }
         validate_state(&self.state)?;
         Ok(step)
+    }
+
+    /// The record of a part a rank attempt reports committed at `step`, from the fields it
+    /// travels in (the gRPC `CommitCheckpointPartRequest`, the Raft log's `PartInfo`):
+    /// `state_json` parsed, everything checked as [`PartRecord::validate`] does, and `dir`
+    /// the part directory of exactly this step, rank and attempt.
+    ///
+    /// # Errors
+    /// [`CkptError::Invalid`] naming the first field that is wrong.
+    pub fn from_reported(
+        step: u64,
+        rank: u32,
+        attempt: u32,
+        dir: String,
+        files: Vec<FileEntry>,
+        state_json: &str,
+    ) -> Result<Self, CkptError> {
+        if state_json.len() > MAX_STATE_JSON_BYTES {
+            return Err(CkptError::Invalid(format!(
+                "state is {} bytes of JSON, more than {MAX_STATE_JSON_BYTES}",
+                state_json.len()
+            )));
+        }
+        let state = serde_json::from_str(state_json)
+            .map_err(|e| CkptError::Invalid(format!("state is not JSON: {e}")))?;
+        let record = PartRecord {
+            rank,
+            attempt,
+            dir,
+            files,
+            state,
+        };
+        let named_step = record.validate()?;
+        if named_step != step {
+            return Err(CkptError::Invalid(format!(
+                "part dir must be {}, not {}",
+                part_dir_rel(step, rank, attempt),
+                record.dir
+            )));
+        }
+        Ok(record)
     }
 
     /// Sum of the part's file sizes, in bytes (saturating).

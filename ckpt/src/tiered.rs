@@ -25,34 +25,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub use cumulus_api::CommitTier;
 use tokio::sync::Semaphore;
 
 use crate::{
     CheckpointStore, CkptError, Durability, LocalStore, Manifest, PartRecord, S3Store,
     parse_part_dir_rel, parse_step_dir_name,
 };
-
-/// Where a step counts as committed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CommitTier {
-    /// On the worker's local disk; L2 follows in the background.
-    L1,
-    /// Only once uploaded to S3 and verified there.
-    L2,
-}
-
-impl CommitTier {
-    /// Parses `"l1"` / `"l2"` (case-insensitive); `""` = `L2` (the default with S3).
-    pub fn parse(text: &str) -> Result<Self, CkptError> {
-        match text.to_ascii_lowercase().as_str() {
-            "" | "l2" => Ok(Self::L2),
-            "l1" => Ok(Self::L1),
-            other => Err(CkptError::Invalid(format!(
-                "commit tier {other:?} is not l1 or l2"
-            ))),
-        }
-    }
-}
 
 /// L1 (local disk) + L2 (S3). See the module documentation.
 #[derive(Clone, Debug)]

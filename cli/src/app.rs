@@ -202,7 +202,7 @@ pub fn hint(err: &anyhow::Error) -> Option<String> {
     for cause in err.chain() {
         if let Some(e) = cause.downcast_ref::<ClientError>() {
             return match e {
-                ClientError::Exhausted { .. } => Some(
+                ClientError::Exhausted(_) => Some(
                     "is the cluster running? check --addr/CUMULUS_ADDR, or `cumulusctl local status` for a local cluster".into(),
                 ),
                 ClientError::Unauthenticated => Some("the token must be the cluster's (for a local cluster: <local-dir>/token)".into()),
@@ -245,13 +245,15 @@ mod tests {
 
     #[test]
     fn hints_for_common_failures() {
-        let e = anyhow::Error::new(ClientError::Exhausted {
-            method: "GetJob",
-            attempts: 20,
-            elapsed_ms: 30_000,
-            last_addr: "127.0.0.1:1".into(),
-            last: "Unavailable".into(),
-        });
+        let e = anyhow::Error::new(ClientError::Exhausted(
+            cumulus_api::leader::CallError::Exhausted {
+                method: "GetJob",
+                attempts: 20,
+                elapsed_ms: 30_000,
+                last_addr: "127.0.0.1:1".into(),
+                last: "Unavailable".into(),
+            },
+        ));
         assert!(hint(&e).expect("hint").contains("local status"));
         let e = anyhow::Error::new(ClientError::Unauthenticated).context("status");
         assert!(hint(&e).expect("hint").contains("<local-dir>/token"));

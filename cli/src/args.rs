@@ -4,6 +4,7 @@
 //! reads an environment variable, and when neither is given the values come from the
 //! `cluster.json` that `cumulusctl local up` writes into `--local-dir`.
 
+pub use cumulus_api::{CommitTier, RestartScope};
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -118,25 +119,6 @@ pub struct JobArg {
     pub job: String,
 }
 
-/// Restart scope of a job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum RestartScope {
-    /// Stop and restart every rank (what collective jobs need).
-    Group,
-    /// Restart only the rank that failed.
-    Rank,
-}
-
-impl RestartScope {
-    /// The wire name in `RestartPolicy.scope`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RestartScope::Group => "group",
-            RestartScope::Rank => "rank",
-        }
-    }
-}
-
 /// `submit` options.
 #[derive(Debug, Args)]
 pub struct SubmitArgs {
@@ -161,8 +143,8 @@ pub struct SubmitArgs {
     pub ckpt_url: Option<String>,
     /// With `--ckpt-url`: where a step counts as committed, `l2` (default: uploaded and
     /// verified in S3) or `l1` (local disk, S3 in the background; needs `--ckpt-dir`).
-    #[arg(long, value_parser = ["l1", "l2"])]
-    pub ckpt_commit_tier: Option<String>,
+    #[arg(long, value_enum)]
+    pub ckpt_commit_tier: Option<CommitTier>,
     /// Job-wide restart budget (cluster default 3); past it the job fails.
     #[arg(long)]
     pub max_restarts: Option<u32>,

@@ -1,33 +1,30 @@
-//! gRPC client of the coordinators' `ClientService`, with leader following.
+//! gRPC client of the coordinators' `ClientService`: the shared leader-following client
+//! ([`cumulus_api::leader::LeaderClient`]) with the CLI's bounds and errors.
 //!
 //! Every call carries `authorization: Bearer <token>`. A follower answers a write with
-//! UNAVAILABLE and the leader's address in [`cumulus_proto::LEADER_GRPC_METADATA`]: the
-//! call is retried there at once. A transport error, a timeout, or UNAVAILABLE without a
-//! leader (an election in progress) rotates to the next configured address, with
-//! backoff. Both are bounded by [`RetryPolicy`] (default 20 tries within 30 s).
+//! UNAVAILABLE and the leader's address in [`cumulus_api::leader::LEADER_GRPC_METADATA`]:
+//! the call is retried there at once. A transport error, a timeout, or UNAVAILABLE without
+//! a leader (an election in progress) rotates to the next configured address, with
+//! backoff. Both are bounded by [`RetryPolicy`] (default 20 tries within 30 s). Any other
+//! answer (a full cluster refusing a submit included) is shown at once.
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use cumulus_proto::client_service_client::ClientServiceClient;
-use cumulus_proto::{
+use cumulus_api::client_service_client::ClientServiceClient;
+use cumulus_api::leader::{self, CallError, ChannelSettings, ConfigError, LeaderClient};
+use cumulus_api::{
     CancelJobRequest, ClusterStatusRequest, ClusterStatusResponse, GetJobRequest, JobResponse,
     ListCheckpointsRequest, ListCheckpointsResponse, ListJobsRequest, ListJobsResponse,
     SubmitJobRequest, SubmitJobResponse,
 };
-use tonic::metadata::{AsciiMetadataValue, MetadataMap};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use crate::config::Conn;
 
 /// A failing call warns once (on stderr, via tracing) after this many tries.
 pub const WARN_AFTER_ATTEMPTS: u32 = 5;
-
-/// Most distinct addresses (configured + leader hints) a client keeps channels for.
-pub const MAX_CHANNELS: usize = 64;
 
 /// Bounds of one call's retry loop and of every attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,14 +70,18 @@ impl RetryPolicy {
         }
     }
 
-    /// Backoff before retry number `retry` (1-based) after a rotate.
-    pub fn backoff(&self, retry: u32) -> Duration {
-        let factor = 1u32
-            .checked_shl(retry.saturating_sub(1).min(16))
-            .unwrap_or(u32::MAX);
-        self.backoff_initial
-            .saturating_mul(factor)
-            .min(self.backoff_max)
+    /// The shared client's policy: only transport failures, timeouts and elections are
+    /// retried; one warning after [`WARN_AFTER_ATTEMPTS`] tries.
+    fn leader_policy(&self) -> leader::RetryPolicy {
+        leader::RetryPolicy {
+            max_attempts: self.max_attempts.max(1),
+            max_total: self.max_total,
+            initial_backoff: self.backoff_initial,
+            max_backoff: self.backoff_max,
+            attempt_timeout: self.request_timeout,
+            retry_server_errors: false,
+            warn_after_attempts: WARN_AFTER_ATTEMPTS,
+        }
     }
 }
 
@@ -106,74 +107,16 @@ pub enum ClientError {
         /// The status message.
         message: String,
     },
-    /// Every try failed with a retryable error.
-    #[error(
-        "{method}: no coordinator answered after {attempts} tries in {elapsed_ms} ms (last, from {last_addr}: {last})"
-    )]
-    Exhausted {
-        /// The RPC.
-        method: &'static str,
-        /// Tries made.
-        attempts: u32,
-        /// Time spent, milliseconds.
-        elapsed_ms: u64,
-        /// Address of the last try.
-        last_addr: String,
-        /// Last error.
-        last: String,
-    },
+    /// Every try failed with a retryable error (a [`CallError::Exhausted`]: tries, time
+    /// spent, the last address and error).
+    #[error(transparent)]
+    Exhausted(CallError),
     /// An address cannot be made into an endpoint.
     #[error("bad coordinator address {0:?}")]
     BadAddress(String),
     /// The token cannot be sent as metadata.
     #[error("the token cannot be sent in a header (visible ASCII only)")]
     BadToken,
-}
-
-/// What to do after a failed attempt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Next {
-    /// Retry at once at this leader address.
-    Leader(String),
-    /// Retry at the next configured address, after backoff.
-    Rotate,
-    /// Give up with this error.
-    Fail,
-}
-
-/// Classifies a failed attempt (pure: unit-tested on constructed statuses).
-pub fn classify(status: &Status) -> Next {
-    match status.code() {
-        Code::Unavailable => match leader_hint(status.metadata()) {
-            Some(addr) => Next::Leader(addr),
-            None => Next::Rotate,
-        },
-        // Endpoint timeouts surface as CANCELLED ("Timeout expired").
-        Code::Cancelled | Code::DeadlineExceeded => Next::Rotate,
-        // A connection reset mid-call surfaces as UNKNOWN/INTERNAL with a transport message.
-        Code::Unknown | Code::Internal if is_transport_message(status.message()) => Next::Rotate,
-        _ => Next::Fail,
-    }
-}
-
-fn is_transport_message(message: &str) -> bool {
-    let m = message.to_ascii_lowercase();
-    m.contains("transport error") || m.contains("h2 protocol error") || m.contains("connection")
-}
-
-/// The leader address named by an UNAVAILABLE answer, normalized to `host:port`.
-pub fn leader_hint(md: &MetadataMap) -> Option<String> {
-    let v = md
-        .get(cumulus_proto::LEADER_GRPC_METADATA)?
-        .to_str()
-        .ok()?
-        .trim();
-    let v = v.strip_prefix("http://").unwrap_or(v);
-    let v = v.strip_suffix('/').unwrap_or(v);
-    if v.is_empty() || !v.contains(':') {
-        return None;
-    }
-    Some(v.to_string())
 }
 
 /// Maps a final status to a [`ClientError`].
@@ -190,78 +133,30 @@ fn to_error(method: &'static str, status: &Status) -> ClientError {
     }
 }
 
-/// The address choice of one call: a leader hint when there is one, else the configured
-/// addresses in rotation, starting at the one that answered last.
-#[derive(Debug, Clone)]
-pub struct Rotation {
-    addrs: Vec<String>,
-    index: usize,
-    hint: Option<String>,
-}
-
-impl Rotation {
-    /// Starts at `preferred` (a leader learned by an earlier call) or `addrs[start]`.
-    pub fn new(addrs: Vec<String>, start: usize, preferred: Option<String>) -> Self {
-        let index = if addrs.is_empty() {
-            0
-        } else {
-            start % addrs.len()
-        };
-        Rotation {
-            addrs,
-            index,
-            hint: preferred,
-        }
-    }
-
-    /// The address of the next attempt.
-    pub fn current(&self) -> &str {
-        self.hint
-            .as_deref()
-            .unwrap_or_else(|| &self.addrs[self.index])
-    }
-
-    /// Follows a leader hint. Returns false when the hint is the address just tried
-    /// (a confused node): the caller then rotates instead.
-    pub fn follow(&mut self, leader: String) -> bool {
-        if leader == self.current() {
-            return false;
-        }
-        self.hint = Some(leader);
-        true
-    }
-
-    /// Moves on after a failed attempt: from a leader hint back to the configured address
-    /// in use (it may know the new leader by now), else to the next configured address.
-    pub fn rotate(&mut self) {
-        if self.hint.take().is_none() {
-            self.index = (self.index + 1) % self.addrs.len();
-        }
-    }
-
-    /// Index of the configured address in use.
-    pub fn index(&self) -> usize {
-        self.index
+/// Maps an error of the shared client to a [`ClientError`].
+fn from_call_error(e: CallError) -> ClientError {
+    match e {
+        CallError::Rejected {
+            method,
+            code,
+            message,
+            ..
+        } => to_error(method, &Status::new(code, message)),
+        e @ CallError::Exhausted { .. } => ClientError::Exhausted(e),
+        // The CLI gives no cancellation token.
+        CallError::Cancelled { method } => ClientError::Rpc {
+            method,
+            code: Code::Cancelled,
+            message: "cancelled".into(),
+        },
     }
 }
 
 /// Client of the coordinators' `ClientService`.
 #[derive(Debug)]
 pub struct Client {
-    addrs: Vec<String>,
-    auth: AsciiMetadataValue,
+    inner: LeaderClient,
     policy: RetryPolicy,
-    state: Mutex<ClientState>,
-}
-
-#[derive(Debug, Default)]
-struct ClientState {
-    /// The leader learned from a hint, or the address that answered last.
-    preferred: Option<String>,
-    /// Rotation start for the next call.
-    next_index: usize,
-    /// One lazily connected channel per address (≤ [`MAX_CHANNELS`]).
-    channels: HashMap<String, Channel>,
 }
 
 impl Client {
@@ -272,48 +167,22 @@ impl Client {
 
     /// A client with an explicit retry policy.
     pub fn with_policy(conn: &Conn, policy: RetryPolicy) -> Result<Self, ClientError> {
-        if conn.grpc.is_empty() {
-            return Err(ClientError::BadAddress(String::new()));
-        }
-        let auth = AsciiMetadataValue::try_from(format!("Bearer {}", conn.token))
-            .map_err(|_| ClientError::BadToken)?;
-        for a in &conn.grpc {
-            endpoint(a, &policy)?;
-        }
-        Ok(Client {
-            addrs: conn.grpc.clone(),
-            auth,
-            policy,
-            state: Mutex::new(ClientState::default()),
-        })
+        let settings = ChannelSettings {
+            connect_timeout: policy.connect_timeout,
+            request_timeout: policy.request_timeout,
+            keep_alive: None,
+        };
+        let inner = LeaderClient::new(&conn.grpc, &conn.token, settings).map_err(|e| match e {
+            ConfigError::NoCoordinators => ClientError::BadAddress(String::new()),
+            ConfigError::BadAddress { addr, .. } => ClientError::BadAddress(addr),
+            ConfigError::BadToken => ClientError::BadToken,
+        })?;
+        Ok(Client { inner, policy })
     }
 
     /// The retry policy in use.
     pub fn policy(&self) -> RetryPolicy {
         self.policy
-    }
-
-    fn channel(&self, addr: &str) -> Result<Channel, ClientError> {
-        let mut st = self
-            .state
-            .lock()
-            .expect("client state lock is never poisoned: no panics while held");
-        if let Some(c) = st.channels.get(addr) {
-            return Ok(c.clone());
-        }
-        let ch = endpoint(addr, &self.policy)?.connect_lazy();
-        if st.channels.len() >= MAX_CHANNELS {
-            st.channels.clear();
-        }
-        st.channels.insert(addr.to_string(), ch.clone());
-        Ok(ch)
-    }
-
-    fn request<T>(&self, msg: T) -> tonic::Request<T> {
-        let mut req = tonic::Request::new(msg);
-        req.metadata_mut()
-            .insert("authorization", self.auth.clone());
-        req
     }
 
     /// Runs one RPC with leader following and bounded retries. `f` gets a client bound
@@ -329,94 +198,16 @@ impl Client {
         F: FnMut(ClientServiceClient<Channel>, tonic::Request<M>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        let start = Instant::now();
-        let mut rotation = {
-            let st = self
-                .state
-                .lock()
-                .expect("client state lock is never poisoned: no panics while held");
-            Rotation::new(self.addrs.clone(), st.next_index, st.preferred.clone())
-        };
-        let mut attempts = 0u32;
-        let mut rotations = 0u32;
-        loop {
-            attempts += 1;
-            let addr = rotation.current().to_string();
-            let result = match self.channel(&addr) {
-                Ok(ch) => f(ClientServiceClient::new(ch), self.request(msg.clone())).await,
-                Err(e) => Err(Status::unavailable(e.to_string())),
-            };
-            let status = match result {
-                Ok(resp) => {
-                    let mut st = self
-                        .state
-                        .lock()
-                        .expect("client state lock is never poisoned: no panics while held");
-                    st.preferred = Some(addr);
-                    st.next_index = rotation.index();
-                    return Ok(resp.into_inner());
-                }
-                Err(s) => s,
-            };
-            let next = classify(&status);
-            tracing::debug!(method, %addr, code = ?status.code(), message = status.message(), ?next, "attempt failed");
-            let wait = match next {
-                Next::Fail => {
-                    // A stale leader preference must not stick to later calls.
-                    if status.code() != Code::Unauthenticated {
-                        self.state
-                            .lock()
-                            .expect("client state lock is never poisoned: no panics while held")
-                            .preferred = Some(addr);
-                    }
-                    return Err(to_error(method, &status));
-                }
-                Next::Leader(leader) => {
-                    if rotation.follow(leader) {
-                        Duration::ZERO
-                    } else {
-                        rotations += 1;
-                        rotation.rotate();
-                        self.policy.backoff(rotations)
-                    }
-                }
-                Next::Rotate => {
-                    rotations += 1;
-                    rotation.rotate();
-                    self.policy.backoff(rotations)
-                }
-            };
-            if attempts >= self.policy.max_attempts
-                || start.elapsed() + wait >= self.policy.max_total
-            {
-                let mut st = self
-                    .state
-                    .lock()
-                    .expect("client state lock is never poisoned: no panics while held");
-                st.preferred = None;
-                st.next_index = rotation.index();
-                return Err(ClientError::Exhausted {
-                    method,
-                    attempts,
-                    elapsed_ms: start.elapsed().as_millis() as u64,
-                    last_addr: addr,
-                    last: format!("{:?}: {}", status.code(), status.message()),
-                });
-            }
-            if attempts == WARN_AFTER_ATTEMPTS {
-                tracing::warn!(
-                    "{method}: no coordinator has answered after {attempts} tries (last, from {addr}: {}); still trying for up to {} s",
-                    status.message(),
-                    self.policy
-                        .max_total
-                        .saturating_sub(start.elapsed())
-                        .as_secs()
-                );
-            }
-            if !wait.is_zero() {
-                tokio::time::sleep(wait).await;
-            }
-        }
+        self.inner
+            .call(
+                method,
+                &self.policy.leader_policy(),
+                None,
+                &msg,
+                |channel, request| f(ClientServiceClient::new(channel), request),
+            )
+            .await
+            .map_err(from_call_error)
     }
 
     /// `SubmitJob`. Keep `req.request_id` fixed across retries of the same intent.
@@ -483,7 +274,7 @@ impl Client {
     /// `AddLearner` (waits until the learner caught up).
     pub async fn add_learner(
         &self,
-        req: cumulus_proto::AddLearnerRequest,
+        req: cumulus_api::AddLearnerRequest,
     ) -> Result<ClusterStatusResponse, ClientError> {
         self.call("AddLearner", req, |mut c, r| async move {
             c.add_learner(r).await
@@ -493,7 +284,7 @@ impl Client {
 
     /// `PromoteMember`.
     pub async fn promote_member(&self, node_id: u64) -> Result<ClusterStatusResponse, ClientError> {
-        let req = cumulus_proto::PromoteMemberRequest { node_id };
+        let req = cumulus_api::PromoteMemberRequest { node_id };
         self.call("PromoteMember", req, |mut c, r| async move {
             c.promote_member(r).await
         })
@@ -502,7 +293,7 @@ impl Client {
 
     /// `RemoveMember`.
     pub async fn remove_member(&self, node_id: u64) -> Result<ClusterStatusResponse, ClientError> {
-        let req = cumulus_proto::RemoveMemberRequest { node_id };
+        let req = cumulus_api::RemoveMemberRequest { node_id };
         self.call("RemoveMember", req, |mut c, r| async move {
             c.remove_member(r).await
         })
@@ -524,15 +315,6 @@ impl Client {
     }
 }
 
-fn endpoint(addr: &str, policy: &RetryPolicy) -> Result<Endpoint, ClientError> {
-    Endpoint::from_shared(format!("http://{addr}"))
-        .map(|e| {
-            e.connect_timeout(policy.connect_timeout)
-                .timeout(policy.request_timeout)
-        })
-        .map_err(|_| ClientError::BadAddress(addr.to_string()))
-}
-
 /// A random request id: 16 random bytes as 32 lowercase hex characters.
 pub fn new_request_id() -> String {
     hex::encode(rand::random::<[u8; 16]>())
@@ -541,51 +323,6 @@ pub fn new_request_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn unavailable_with_leader(addr: &str) -> Status {
-        let mut md = MetadataMap::new();
-        md.insert(
-            cumulus_proto::LEADER_GRPC_METADATA,
-            addr.parse().expect("ascii"),
-        );
-        Status::with_metadata(Code::Unavailable, "not the leader", md)
-    }
-
-    #[test]
-    fn classify_follows_leader_hint_and_rotates_otherwise() {
-        assert_eq!(
-            classify(&unavailable_with_leader("127.0.0.1:5")),
-            Next::Leader("127.0.0.1:5".into())
-        );
-        assert_eq!(
-            classify(&unavailable_with_leader("http://127.0.0.1:5/")),
-            Next::Leader("127.0.0.1:5".into())
-        );
-        assert_eq!(classify(&unavailable_with_leader("")), Next::Rotate);
-        assert_eq!(
-            classify(&Status::unavailable("no leader yet")),
-            Next::Rotate
-        );
-        assert_eq!(
-            classify(&Status::cancelled("Timeout expired")),
-            Next::Rotate
-        );
-        assert_eq!(classify(&Status::deadline_exceeded("slow")), Next::Rotate);
-        assert_eq!(classify(&Status::unknown("transport error")), Next::Rotate);
-        assert_eq!(
-            classify(&Status::unknown("the handler blew up")),
-            Next::Fail
-        );
-        assert_eq!(classify(&Status::unauthenticated("bad token")), Next::Fail);
-        assert_eq!(
-            classify(&Status::not_found("no job job-000009")),
-            Next::Fail
-        );
-        assert_eq!(
-            classify(&Status::invalid_argument("world size 0")),
-            Next::Fail
-        );
-    }
 
     #[test]
     fn errors_keep_the_coordinator_message() {
@@ -607,49 +344,6 @@ mod tests {
     }
 
     #[test]
-    fn rotation_visits_every_address_and_follows_hints() {
-        let addrs: Vec<String> = vec!["a:1".into(), "b:1".into(), "c:1".into()];
-        let mut r = Rotation::new(addrs.clone(), 1, None);
-        assert_eq!(r.current(), "b:1");
-        r.rotate();
-        assert_eq!(r.current(), "c:1");
-        r.rotate();
-        assert_eq!(r.current(), "a:1");
-        assert!(
-            r.follow("z:9".into()),
-            "a leader outside the list is followed"
-        );
-        assert_eq!(r.current(), "z:9");
-        assert!(
-            !r.follow("z:9".into()),
-            "a hint naming the address just tried is not followed"
-        );
-        r.rotate();
-        assert_eq!(
-            r.current(),
-            "a:1",
-            "after a hint fails, rotation resumes where it was"
-        );
-        r.rotate();
-        assert_eq!(r.current(), "b:1");
-
-        let mut r = Rotation::new(addrs, 0, Some("c:1".into()));
-        assert_eq!(r.current(), "c:1", "the preferred leader goes first");
-        r.rotate();
-        assert_eq!(r.current(), "a:1");
-    }
-
-    #[test]
-    fn backoff_doubles_and_is_capped() {
-        let p = RetryPolicy::default();
-        assert_eq!(p.backoff(1), Duration::from_millis(100));
-        assert_eq!(p.backoff(2), Duration::from_millis(200));
-        assert_eq!(p.backoff(5), Duration::from_millis(1600));
-        assert_eq!(p.backoff(6), Duration::from_secs(2));
-        assert_eq!(p.backoff(1000), Duration::from_secs(2));
-    }
-
-    #[test]
     fn request_ids_are_random_hex_of_32_chars() {
         let a = new_request_id();
         let b = new_request_id();
@@ -662,13 +356,16 @@ mod tests {
         //! The client against real tonic servers on loopback: a follower that names the
         //! leader, a leader that keeps submits idempotent, a dead address.
         use super::*;
-        use cumulus_proto::client_service_server::{ClientService, ClientServiceServer};
-        use cumulus_proto::{
+        use cumulus_api::client_service_server::{ClientService, ClientServiceServer};
+        use cumulus_api::{
             CancelJobRequest, ClusterStatusRequest, GetJobRequest, Job, ListCheckpointsRequest,
             ListJobsRequest,
         };
-        use std::sync::Arc;
+        use std::collections::HashMap;
         use std::sync::atomic::{AtomicU32, Ordering};
+        use std::sync::{Arc, Mutex};
+        use std::time::Instant;
+        use tonic::metadata::MetadataMap;
         use tonic::{Request, Response};
 
         const TOKEN: &str = "s3cret";
@@ -703,7 +400,7 @@ mod tests {
                 if let Some(l) = &self.leader {
                     let mut md = MetadataMap::new();
                     md.insert(
-                        cumulus_proto::LEADER_GRPC_METADATA,
+                        cumulus_api::leader::LEADER_GRPC_METADATA,
                         l.parse().expect("ascii"),
                     );
                     return Err(Status::with_metadata(
@@ -796,21 +493,21 @@ mod tests {
             }
             async fn add_learner(
                 &self,
-                req: Request<cumulus_proto::AddLearnerRequest>,
+                req: Request<cumulus_api::AddLearnerRequest>,
             ) -> Result<Response<ClusterStatusResponse>, Status> {
                 self.0.gate(&req)?;
                 Err(Status::unimplemented("not served by this test node"))
             }
             async fn promote_member(
                 &self,
-                req: Request<cumulus_proto::PromoteMemberRequest>,
+                req: Request<cumulus_api::PromoteMemberRequest>,
             ) -> Result<Response<ClusterStatusResponse>, Status> {
                 self.0.gate(&req)?;
                 Err(Status::unimplemented("not served by this test node"))
             }
             async fn remove_member(
                 &self,
-                req: Request<cumulus_proto::RemoveMemberRequest>,
+                req: Request<cumulus_api::RemoveMemberRequest>,
             ) -> Result<Response<ClusterStatusResponse>, Status> {
                 self.0.gate(&req)?;
                 Err(Status::unimplemented("not served by this test node"))
@@ -941,9 +638,9 @@ mod tests {
                 .await
                 .expect_err("nobody home");
             match err {
-                ClientError::Exhausted {
+                ClientError::Exhausted(CallError::Exhausted {
                     attempts, method, ..
-                } => {
+                }) => {
                     assert_eq!(attempts, 6);
                     assert_eq!(method, "ListCheckpoints");
                 }

@@ -2,13 +2,14 @@
 //! shards, a 4-rank training job, one rank SIGKILLed mid-run, its detection, restart and
 //! resume from the last committed checkpoint measured, and the final accuracies shown.
 
+use cumulus_api::{JobState, RankPhase};
 use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use cumulus_proto::{Job, JobSpec, RankStatus, RestartPolicy, SubmitJobRequest};
+use cumulus_api::{Job, JobSpec, RankStatus, RestartPolicy, SubmitJobRequest};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -400,7 +401,7 @@ async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>
         }
         if let Some(r) = rank(&job, VICTIM_RANK)
             && job.committed_step.unwrap_or(0) >= KILL_AFTER_STEP
-            && r.state == "running"
+            && r.phase() == Ok(RankPhase::Running)
             && r.pid != 0
         {
             let progress = if r.step > 0 {
@@ -447,7 +448,7 @@ async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>
         let r = rank(&job, VICTIM_RANK).cloned().unwrap_or_default();
         if detected.is_none()
             && (r.attempt != victim_attempt
-                || r.state != "running"
+                || r.phase() != Ok(RankPhase::Running)
                 || job.restarts.len() > restarts_before)
         {
             detected = Some(killed.elapsed());
@@ -482,7 +483,7 @@ async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>
                 rec.resume_step.map_or("scratch".into(), |s| s.to_string())
             );
         }
-        if r.attempt > victim_attempt && r.state == "running" && running.is_none() {
+        if r.attempt > victim_attempt && r.phase() == Ok(RankPhase::Running) && running.is_none() {
             running = Some(killed.elapsed());
             println!(
                 "    rank {VICTIM_RANK} attempt {} running (pid {}) {} ms after the kill",
@@ -506,7 +507,7 @@ async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>
             );
         }
         if crate::jobs::is_finished(&job.state) && progressed.is_none() {
-            if job.state == "succeeded" && record_shown {
+            if job.job_state() == Ok(JobState::Succeeded) && record_shown {
                 println!(
                     "    (the job finished before a progress report of the new attempt was seen)"
                 );
@@ -546,7 +547,7 @@ async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>
             .clone()
             .context("the coordinator returned no job")?;
         if crate::jobs::is_finished(&job.state) {
-            if job.state != "succeeded" {
+            if job.job_state() != Ok(JobState::Succeeded) {
                 print!("{}", render::job_status(&resp, render::now_ms()));
                 bail!("{job_id} {}: {}", job.state, job.failure_cause);
             }

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use cumulus_proto::{JobSpec, RestartPolicy, SubmitJobRequest};
+use cumulus_api::{JobSpec, RestartPolicy, SubmitJobRequest};
 
 use crate::args::{OutputFormat, SubmitArgs};
 use crate::client::{Client, new_request_id};
@@ -17,14 +17,15 @@ use crate::render;
 
 /// Poll interval of `submit --wait`.
 pub const WAIT_POLL: Duration = Duration::from_secs(1);
-/// Longest request id, bytes.
-pub const MAX_REQUEST_ID_BYTES: usize = 128;
+pub use cumulus_api::limits::MAX_REQUEST_ID_BYTES;
 /// Most `--env` entries.
-pub const MAX_ENV: usize = 256;
+pub const MAX_ENV: usize = cumulus_api::limits::MAX_ENV_ENTRIES;
 
-/// Job states after which nothing changes.
+/// Whether a job in wire state `state` is finished: nothing changes after it.
 pub fn is_finished(state: &str) -> bool {
-    matches!(state, "succeeded" | "failed" | "cancelled")
+    state
+        .parse::<cumulus_api::JobState>()
+        .is_ok_and(cumulus_api::JobState::is_terminal)
 }
 
 /// Parses `--env KEY=VALUE` entries; keys must be non-empty, without `=` or NUL, unique.
@@ -107,7 +108,10 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
         progress_timeout_ms,
         working_dir: abs_string(&args.workdir, "--workdir")?,
         ckpt_url: args.ckpt_url.clone().unwrap_or_default(),
-        ckpt_commit_tier: args.ckpt_commit_tier.clone().unwrap_or_default(),
+        ckpt_commit_tier: args
+            .ckpt_commit_tier
+            .map(|t| t.as_str().to_string())
+            .unwrap_or_default(),
     };
     Ok(SubmitJobRequest {
         request_id,
@@ -182,7 +186,7 @@ pub async fn wait_for(
                 OutputFormat::Json => print_json(&resp)?,
                 OutputFormat::Table => print_text(&render::job_status(&resp, render::now_ms()))?,
             }
-            if job.state == "succeeded" {
+            if job.job_state() == Ok(cumulus_api::JobState::Succeeded) {
                 return Ok(());
             }
             let cause = if job.failure_cause.is_empty() {
@@ -276,10 +280,7 @@ pub fn parse_member_addr(addr: &str) -> Result<(String, String)> {
     Ok((grpc.to_string(), http.to_string()))
 }
 
-fn print_membership(
-    resp: &cumulus_proto::ClusterStatusResponse,
-    output: OutputFormat,
-) -> Result<()> {
+fn print_membership(resp: &cumulus_api::ClusterStatusResponse, output: OutputFormat) -> Result<()> {
     match output {
         OutputFormat::Json => print_json(resp),
         OutputFormat::Table => print_text(&render::cluster_status(resp)),
@@ -290,7 +291,7 @@ fn print_membership(
 pub async fn add_learner(conn: &Conn, id: u64, addr: &str, output: OutputFormat) -> Result<()> {
     let (grpc_addr, http_addr) = parse_member_addr(addr)?;
     let resp = Client::new(conn)?
-        .add_learner(cumulus_proto::AddLearnerRequest {
+        .add_learner(cumulus_api::AddLearnerRequest {
             node_id: id,
             grpc_addr,
             http_addr,

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cumulus_proto::ClusterStatusResponse;
+use cumulus_api::ClusterStatusResponse;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::Serialize;
@@ -979,12 +979,12 @@ mod tests {
                 .contains("no leader")
         );
         s.leader_id = Some(2);
-        s.workers.push(cumulus_proto::WorkerInfo {
+        s.workers.push(cumulus_api::WorkerInfo {
             worker_id: "worker-1".into(),
             state: "alive".into(),
             ..Default::default()
         });
-        s.workers.push(cumulus_proto::WorkerInfo {
+        s.workers.push(cumulus_api::WorkerInfo {
             worker_id: "worker-2".into(),
             state: "expired".into(),
             ..Default::default()

@@ -4,7 +4,7 @@
 //! so the output is unit-tested.
 
 use comfy_table::{Table, presets};
-use cumulus_proto::{
+use cumulus_api::{
     ClusterStatusResponse, Job, JobResponse, ListCheckpointsResponse, ListJobsResponse, RankStatus,
     RestartRecord,
 };
@@ -389,7 +389,7 @@ pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cumulus_proto::{CheckpointInfo, JobSpec, Member, RestartPolicy, WorkerInfo};
+    use cumulus_api::{CheckpointInfo, JobSpec, Member, RestartPolicy, WorkerInfo};
 
     fn job() -> Job {
         Job {

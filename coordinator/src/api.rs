@@ -4,8 +4,8 @@
 use openraft::async_runtime::watch::WatchReceiver;
 use std::path::Path;
 
+use cumulus_api::v1;
 use cumulus_ckpt::CheckpointStore;
-use cumulus_proto::v1;
 use cumulus_raft_store::Command;
 use cumulus_raft_store::Response;
 use cumulus_raft_store::stage;

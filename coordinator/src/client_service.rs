@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
-use cumulus_proto::v1;
-use cumulus_proto::v1::client_service_server::ClientService;
-use cumulus_proto::{LEADER_GRPC_METADATA, LEADER_HTTP_METADATA};
+use cumulus_api::leader::{LEADER_GRPC_METADATA, LEADER_HTTP_METADATA};
+use cumulus_api::v1;
+use cumulus_api::v1::client_service_server::ClientService;
 use tonic::{Request, Response, Status};
 
 use crate::api;

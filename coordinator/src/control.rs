@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cumulus_ckpt::{FileEntry, Manifest, PartRecord};
+use cumulus_ckpt::{Manifest, PartRecord};
 use cumulus_raft_store::Command;
 use cumulus_raft_store::state::{
     ClusterState, Job, JobState, MAX_AGENT_FAULT_RESTARTS, PartInfo, RankState, RestartScope,
@@ -23,7 +23,8 @@ use shard_planner::WorkerSlots;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::node::{AttemptKey, Node, now_ms};
+use crate::node::{Node, now_ms};
+use cumulus_api::AttemptKey;
 
 /// How often the loop runs when nothing wakes it.
 pub const TICK: Duration = Duration::from_millis(100);
@@ -240,7 +241,7 @@ fn plan_running(
         if !matches!(r.state, RankState::Running | RankState::Pending) {
             continue;
         }
-        let key = (job.id.clone(), r.rank, r.attempt);
+        let key = AttemptKey::new(job.id.clone(), r.rank, r.attempt);
         let cause = if obs.lost.contains(&key) {
             Some(if r.state == RankState::Pending {
                 "lost: its worker neither prepares nor runs it".to_string()
@@ -579,7 +580,7 @@ fn observe(node: &Node) -> Observations {
                                 (r.state == RankState::Pending).then_some(r.not_before_ms);
                             r.worker_id.clone().map(|w| {
                                 (
-                                    (j.id.clone(), r.rank, r.attempt),
+                                    AttemptKey::new(j.id.clone(), r.rank, r.attempt),
                                     w,
                                     r.started_at_ms,
                                     pending,
@@ -667,22 +668,17 @@ fn observe(node: &Node) -> Observations {
     obs
 }
 
-fn part_record(p: &PartInfo) -> PartRecord {
-    PartRecord {
-        rank: p.rank,
-        attempt: p.attempt,
-        dir: p.dir.clone(),
-        files: p
-            .files
-            .iter()
-            .map(|f| FileEntry {
-                path: f.path.clone(),
-                size_bytes: f.size_bytes,
-                digest: f.digest.clone(),
-            })
-            .collect(),
-        state: serde_json::from_str(&p.state_json).unwrap_or(serde_json::Value::Null),
-    }
+/// The manifest record of a part the log holds for `step`. The worker service checked it
+/// before proposing it, so an error here means a log entry that should not exist.
+fn part_record(step: u64, p: &PartInfo) -> Result<PartRecord, cumulus_ckpt::CkptError> {
+    PartRecord::from_reported(
+        step,
+        p.rank,
+        p.attempt,
+        p.dir.clone(),
+        p.files.clone(),
+        &p.state_json,
+    )
 }
 
 async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopMemory) {
@@ -862,7 +858,11 @@ async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
     let Some(store) = node.ckpt_store(&spec).await? else {
         return Ok(());
     };
-    let records: Vec<PartRecord> = parts.iter().map(part_record).collect();
+    let records = parts
+        .iter()
+        .map(|p| part_record(step, p))
+        .collect::<Result<Vec<PartRecord>, _>>()
+        .map_err(|e| anyhow::anyhow!("step {step} of {job_id} holds an invalid part: {e}"))?;
     // Every part is checked (files present, regular, of the recorded sizes; for S3 the
     // size and digest metadata by HEAD) without re-reading content: each digest was computed
     // by the agent over the bytes it fsynced before the rename, and every resume hashes every
@@ -1066,7 +1066,11 @@ fn prune_progress(node: &Node, memory: &mut LoopMemory) {
             .running
             .iter()
             .filter_map(|id| s.jobs.get(id))
-            .flat_map(|j| j.ranks.iter().map(|r| (j.id.clone(), r.rank, r.attempt)))
+            .flat_map(|j| {
+                j.ranks
+                    .iter()
+                    .map(|r| AttemptKey::new(j.id.clone(), r.rank, r.attempt))
+            })
             .collect()
     });
     let mut soft = node.soft();
@@ -1443,8 +1447,9 @@ mod tests {
         let (s, job_id) = state_with_running_job(2, RestartScope::Rank);
         let mut zero = || 0.0;
         let mut obs = Observations::default();
-        obs.progress_stall_ms.insert((job_id.clone(), 0, 0), 1_001);
-        obs.lost.insert((job_id.clone(), 1, 0));
+        obs.progress_stall_ms
+            .insert(AttemptKey::new(job_id.clone(), 0, 0), 1_001);
+        obs.lost.insert(AttemptKey::new(job_id.clone(), 1, 0));
         let actions = plan(&s, &obs, 5_000, &mut zero);
         assert_eq!(actions.len(), 2);
         assert!(
@@ -1464,9 +1469,10 @@ mod tests {
         let mut zero = || 0.0;
         let mut obs = Observations::default();
         // Rank 0 prepares for long (no progress) and is reported: not hung, not lost.
-        obs.progress_stall_ms.insert((job_id.clone(), 0, 0), 60_000);
+        obs.progress_stall_ms
+            .insert(AttemptKey::new(job_id.clone(), 0, 0), 60_000);
         // Rank 1 is neither prepared nor run by its reporting worker.
-        obs.lost.insert((job_id.clone(), 1, 0));
+        obs.lost.insert(AttemptKey::new(job_id.clone(), 1, 0));
         let actions = plan(&s, &obs, 5_000, &mut zero);
         assert_eq!(actions.len(), 1, "{actions:?}");
         assert!(

@@ -1,14 +1,15 @@
-//! Conversions between the gRPC/REST messages (`cumulus_proto::v1`) and the replicated
+//! Conversions between the gRPC/REST messages (`cumulus_api::v1`) and the replicated
 //! state (`cumulus_raft_store::state`), with the validation and defaults of job specs.
 
 use std::collections::{BTreeMap, HashMap};
 
-use cumulus_proto::v1;
+use cumulus_api::{RankPhase, v1};
 use cumulus_raft_store::state::{
     ClusterState, Job, JobSpec, JobState, RankState, RestartPolicy, RestartScope, WorkerState,
 };
 
-use crate::node::{ApiError, AttemptKey, ProgressSoft};
+use crate::node::{ApiError, ProgressSoft};
+use cumulus_api::AttemptKey;
 
 /// Default number of committed checkpoint steps kept.
 pub const DEFAULT_CKPT_KEEP: u32 = 3;
@@ -20,15 +21,8 @@ pub const DEFAULT_CKPT_KEEP: u32 = 3;
 pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, ApiError> {
     let defaults = RestartPolicy::default();
     let r = p.restart.clone().unwrap_or_default();
-    let scope = match r.scope.as_deref() {
-        None | Some("") | Some("group") => RestartScope::Group,
-        Some("rank") => RestartScope::Rank,
-        Some(other) => {
-            return Err(ApiError::InvalidArgument(format!(
-                "restart scope {other:?} is unknown: use \"group\" or \"rank\""
-            )));
-        }
-    };
+    let scope = RestartScope::from_spec(r.scope.as_deref().unwrap_or(""))
+        .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
     let spec = JobSpec {
         name: p.name.clone(),
         world_size: p.world_size,
@@ -72,13 +66,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         ckpt_dir: s.ckpt_dir.clone(),
         ckpt_keep: Some(s.ckpt_keep),
         restart: Some(v1::RestartPolicy {
-            scope: Some(
-                match s.restart.scope {
-                    RestartScope::Group => "group",
-                    RestartScope::Rank => "rank",
-                }
-                .to_string(),
-            ),
+            scope: Some(s.restart.scope.as_str().to_string()),
             max_restarts: Some(s.restart.max_restarts),
             backoff_initial_ms: Some(s.restart.backoff_initial_ms),
             backoff_max_ms: Some(s.restart.backoff_max_ms),
@@ -90,20 +78,15 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
     }
 }
 
-fn rank_state_name(
-    job: &Job,
-    r: &cumulus_raft_store::state::RankRecord,
-    now_ms: u64,
-) -> &'static str {
+fn rank_phase(job: &Job, r: &cumulus_raft_store::state::RankRecord, now_ms: u64) -> RankPhase {
     match r.state {
-        RankState::Unplaced => "pending",
         RankState::Pending if r.not_before_ms > now_ms && job.state == JobState::Running => {
-            "waiting"
+            RankPhase::Waiting
         }
-        RankState::Pending => "pending",
-        RankState::Running => "running",
-        RankState::Exited => "exited",
-        RankState::Failed => "failed",
+        RankState::Unplaced | RankState::Pending => RankPhase::Pending,
+        RankState::Running => RankPhase::Running,
+        RankState::Exited => RankPhase::Exited,
+        RankState::Failed => RankPhase::Failed,
     }
 }
 
@@ -125,12 +108,12 @@ pub fn job_to_proto(
             .ranks
             .iter()
             .map(|r| {
-                let p = progress.get(&(job.id.clone(), r.rank, r.attempt));
+                let p = progress.get(&AttemptKey::new(job.id.clone(), r.rank, r.attempt));
                 v1::RankStatus {
                     rank: r.rank,
                     attempt: r.attempt,
                     worker_id: r.worker_id.clone().unwrap_or_default(),
-                    state: rank_state_name(job, r, now_ms).to_string(),
+                    state: rank_phase(job, r, now_ms).to_string(),
                     exit_code: r.exit_code,
                     signal: r.signal,
                     started_at_ms: r.started_at_ms,

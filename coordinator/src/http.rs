@@ -11,8 +11,8 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use cumulus_proto::LEADER_HTTP_HEADER;
-use cumulus_proto::v1;
+use cumulus_api::leader::LEADER_HTTP_HEADER;
+use cumulus_api::v1;
 use serde::Deserialize;
 use serde_json::json;
 

@@ -28,9 +28,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use cumulus_proto::v1::client_service_server::ClientServiceServer;
-use cumulus_proto::v1::raft_service_server::RaftServiceServer;
-use cumulus_proto::v1::worker_service_server::WorkerServiceServer;
+use cumulus_api::v1::client_service_server::ClientServiceServer;
+use cumulus_api::v1::raft_service_server::RaftServiceServer;
+use cumulus_api::v1::worker_service_server::WorkerServiceServer;
 use cumulus_raft_store::{CumulusNode, NodeId};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;

@@ -6,8 +6,8 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cumulus_proto::v1::raft_service_client::RaftServiceClient;
-use cumulus_proto::v1::{RaftPayload, SnapshotChunk};
+use cumulus_api::v1::raft_service_client::RaftServiceClient;
+use cumulus_api::v1::{RaftPayload, SnapshotChunk};
 use cumulus_raft_store::{
     CumulusNode, EntryPayload, NodeId, Snapshot, SnapshotData, TypeConfig, Vote, stage,
 };

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use cumulus_proto::v1;
+use cumulus_api::v1;
 pub use cumulus_raft_store::Raft;
 use cumulus_raft_store::state::ClusterState;
 use cumulus_raft_store::{Command, CumulusNode, NodeId, Response, SharedState};
@@ -112,8 +112,7 @@ impl ProgressSoft {
     }
 }
 
-/// Key of a rank attempt: (job id, rank, attempt).
-pub type AttemptKey = (String, u32, u32);
+use cumulus_api::AttemptKey;
 
 /// The leader's soft state: rebuilt from heartbeats after an election, never in Raft.
 #[derive(Debug, Default)]

@@ -4,8 +4,8 @@ use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
-use cumulus_proto::v1::raft_service_server::RaftService;
-use cumulus_proto::v1::{RaftPayload, SnapshotChunk};
+use cumulus_api::v1::raft_service_server::RaftService;
+use cumulus_api::v1::{RaftPayload, SnapshotChunk};
 use cumulus_raft_store::{Snapshot, TypeConfig, Vote, stage};
 use futures::{Stream, StreamExt};
 use openraft::async_runtime::watch::WatchReceiver;

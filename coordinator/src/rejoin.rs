@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
-use cumulus_proto::v1::ClusterStatusRequest;
-use cumulus_proto::v1::client_service_client::ClientServiceClient;
+use cumulus_api::v1::ClusterStatusRequest;
+use cumulus_api::v1::client_service_client::ClientServiceClient;
 use cumulus_raft_store::NodeId;
 use tonic::transport::Endpoint;
 

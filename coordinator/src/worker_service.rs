@@ -5,10 +5,11 @@ use openraft::async_runtime::watch::WatchReceiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cumulus_proto::v1;
-use cumulus_proto::v1::worker_service_server::WorkerService;
+use cumulus_api::v1;
+use cumulus_api::v1::worker_service_server::WorkerService;
+use cumulus_api::{AttemptKey, FileEntry};
 use cumulus_raft_store::Command;
-use cumulus_raft_store::state::{PartFile, PartInfo, WorkerState, valid_id};
+use cumulus_raft_store::state::{PartInfo, WorkerState, valid_id};
 use tonic::{Request, Response, Status};
 
 use crate::client_service::to_status;
@@ -140,7 +141,7 @@ impl WorkerService for WorkerSvc {
             let at = Instant::now();
             let mut soft = self.node.soft();
             for o in &r.observed {
-                let key = (o.job_id.clone(), o.rank, o.attempt);
+                let key = AttemptKey::new(o.job_id.clone(), o.rank, o.attempt);
                 let p = soft
                     .progress
                     .entry(key)
@@ -266,50 +267,18 @@ impl WorkerService for WorkerSvc {
         let r = req.into_inner();
         check_worker_id(&r.worker_id)?;
         check_job_id(&r.job_id)?;
-        let expected_dir = cumulus_ckpt::part_dir_rel(r.step, r.rank, r.attempt);
-        if r.dir != expected_dir {
-            return Err(Status::invalid_argument(format!(
-                "part dir must be {expected_dir}, not {}",
-                r.dir
-            )));
-        }
-        if r.files.len() > cumulus_ckpt::MAX_PART_FILES
-            || r.state_json.len() > cumulus_ckpt::MAX_STATE_JSON_BYTES
-        {
-            return Err(Status::invalid_argument(
-                "checkpoint part has too many files or too large a state",
-            ));
-        }
-        if !matches!(serde_json::from_str::<serde_json::Value>(&r.state_json), Ok(v) if v.is_object())
-        {
-            return Err(Status::invalid_argument("state_json must be a JSON object"));
-        }
-        let files: Vec<PartFile> = r
-            .files
-            .into_iter()
-            .map(|f| PartFile {
-                path: f.path,
-                size_bytes: f.size_bytes,
-                digest: reported_digest(f.digest),
-            })
-            .collect();
-        for f in &files {
-            let bad_path = f.path.is_empty()
-                || f.path.starts_with('/')
-                || f.path.split('/').any(|c| c == ".." || c.is_empty());
-            if bad_path {
-                return Err(Status::invalid_argument(format!(
-                    "invalid checkpoint file path {:?}",
-                    f.path
-                )));
-            }
-            if let Err(e) = cumulus_ckpt::parse_digest(&f.digest) {
-                return Err(Status::invalid_argument(format!(
-                    "checkpoint file {:?}: {e}",
-                    f.path
-                )));
-            }
-        }
+        let files: Vec<FileEntry> = r.files.into_iter().map(FileEntry::from).collect();
+        // The part's paths, digests, directory and state are checked here, before a byte
+        // of it reaches the log; `apply` checks its step and attempt against the job.
+        let record = cumulus_ckpt::PartRecord::from_reported(
+            r.step,
+            r.rank,
+            r.attempt,
+            r.dir,
+            files,
+            &r.state_json,
+        )
+        .map_err(|e| Status::invalid_argument(format!("checkpoint part: {e}")))?;
         // Only the worker the attempt is placed on may commit for it.
         let placed = self.node.read_state(|s| {
             s.jobs
@@ -326,8 +295,8 @@ impl WorkerService for WorkerSvc {
         let part = PartInfo {
             rank: r.rank,
             attempt: r.attempt,
-            dir: r.dir,
-            files,
+            dir: record.dir,
+            files: record.files,
             state_json: r.state_json,
         };
         self.node
@@ -339,33 +308,5 @@ impl WorkerService for WorkerSvc {
             .await
             .map_err(to_status)?;
         Ok(Response::new(v1::Ack {}))
-    }
-}
-
-/// A reported file digest in the `<algorithm>:<hex>` form: agents from before manifest
-/// format 2 send a bare SHA-256 in hex (in the same proto field), which becomes
-/// `sha256:<lowercase hex>`; anything else is returned as is (and validated by the caller).
-fn reported_digest(digest: String) -> String {
-    if digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()) {
-        format!("sha256:{}", digest.to_ascii_lowercase())
-    } else {
-        digest
-    }
-}
-
-#[cfg(test)]
-mod digest_tests {
-    use super::reported_digest;
-
-    #[test]
-    fn a_bare_sha256_from_an_older_agent_gets_its_algorithm() {
-        let hex = "AB".repeat(32);
-        assert_eq!(
-            reported_digest(hex.clone()),
-            format!("sha256:{}", hex.to_ascii_lowercase())
-        );
-        let b3 = format!("blake3:{}", "0".repeat(64));
-        assert_eq!(reported_digest(b3.clone()), b3);
-        assert_eq!(reported_digest("xyz".into()), "xyz");
     }
 }

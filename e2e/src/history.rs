@@ -8,6 +8,7 @@
 //! * [`check_transitions`]: every observed sequence of job states is a path of the job
 //!   state machine, and restarts and attempts never go back.
 
+use cumulus_api::JobState;
 use std::collections::BTreeMap;
 
 /// One completed read of a job, with its invocation and completion times.
@@ -39,9 +40,9 @@ pub struct Version {
 impl Version {
     /// From a job's state name, restarts used and rank attempts.
     pub fn of(state: &str, restarts: u32, attempts: impl Iterator<Item = u32>) -> Version {
-        let phase = match state {
-            "pending" => 0,
-            "running" => 1,
+        let phase = match state.parse::<JobState>() {
+            Ok(JobState::Pending) => 0,
+            Ok(JobState::Running) => 1,
             _ => 2,
         };
         Version {

@@ -20,8 +20,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use cumulus_proto::v1;
-use cumulus_proto::v1::client_service_client::ClientServiceClient;
+use cumulus_api::JobState;
+use cumulus_api::leader::{ChannelSettings, LeaderClient, RetryPolicy};
+use cumulus_api::v1;
+use cumulus_api::v1::client_service_client::ClientServiceClient;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tonic::codegen::InterceptedService;
@@ -821,38 +823,16 @@ impl Cluster {
         self.client_of(i).await
     }
 
-    /// Submits through the leader (retrying across leader changes with the same request id).
+    /// Submits through the leader (following it across leader changes with the same
+    /// request id, for up to 60 s).
     pub async fn submit(
         &self,
         request_id: &str,
         spec: v1::JobSpec,
     ) -> anyhow::Result<v1::SubmitJobResponse> {
-        let start = Instant::now();
-        loop {
-            let result = match self.leader_client().await {
-                Ok(mut c) => c
-                    .submit_job(v1::SubmitJobRequest {
-                        request_id: request_id.into(),
-                        spec: Some(spec.clone()),
-                    })
-                    .await
-                    .map(|r| r.into_inner())
-                    .map_err(anyhow::Error::from),
-                Err(e) => Err(e),
-            };
-            match result {
-                Ok(r) => return Ok(r),
-                Err(e) => {
-                    let retryable = e
-                        .downcast_ref::<tonic::Status>()
-                        .is_none_or(|s| s.code() == tonic::Code::Unavailable);
-                    if !retryable || start.elapsed() > Duration::from_secs(60) {
-                        return Err(e);
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            }
-        }
+        self.view()
+            .submit(0, request_id, spec, Duration::from_secs(60))
+            .await
     }
 
     /// Reads a job (linearizable, through the leader), retrying across leader changes.
@@ -885,7 +865,7 @@ impl Cluster {
     /// Waits until the job is terminal.
     pub async fn wait_finished(&self, job_id: &str, deadline: Duration) -> v1::Job {
         self.wait_job(job_id, &format!("{job_id} to finish"), deadline, |j| {
-            matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled")
+            j.job_state().is_ok_and(JobState::is_terminal)
         })
         .await
     }
@@ -1034,7 +1014,8 @@ impl View {
     }
 
     /// Submits with one request id, starting at coordinator `first` and following
-    /// leader hints or rotating on errors, for up to `deadline`.
+    /// leader hints or rotating on errors (the shared leader-following client), for up to
+    /// `deadline`.
     pub async fn submit(
         &self,
         first: usize,
@@ -1042,53 +1023,37 @@ impl View {
         spec: v1::JobSpec,
         deadline: Duration,
     ) -> anyhow::Result<v1::SubmitJobResponse> {
-        let start = Instant::now();
-        let mut addr = self.grpc[first % self.grpc.len()].clone();
-        let mut next = first;
-        loop {
-            let result = async {
-                let ch = Endpoint::from_shared(format!("http://{addr}"))?
-                    .connect_timeout(Duration::from_secs(1))
-                    .timeout(Duration::from_secs(5))
-                    .connect()
-                    .await?;
-                let mut c = ClientServiceClient::with_interceptor(ch, Auth::new(TOKEN));
-                let r = c
-                    .submit_job(v1::SubmitJobRequest {
-                        request_id: request_id.into(),
-                        spec: Some(spec.clone()),
-                    })
-                    .await?;
-                anyhow::Ok(r.into_inner())
-            }
-            .await;
-            let e = match result {
-                Ok(r) => return Ok(r),
-                Err(e) => e,
-            };
-            let status = e.downcast_ref::<tonic::Status>();
-            if status.is_some_and(|s| s.code() != tonic::Code::Unavailable) {
-                return Err(e);
-            }
-            if start.elapsed() > deadline {
-                return Err(e.context(format!(
-                    "submit {request_id} still failing after {deadline:?}"
-                )));
-            }
-            let hint = status
-                .and_then(|s| s.metadata().get(cumulus_proto::LEADER_GRPC_METADATA))
-                .and_then(|v| v.to_str().ok())
-                .filter(|h| self.grpc.iter().any(|g| g == h))
-                .map(str::to_string);
-            match hint {
-                Some(h) if h != addr => addr = h,
-                _ => {
-                    next += 1;
-                    addr = self.grpc[next % self.grpc.len()].clone();
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            }
-        }
+        let n = self.grpc.len();
+        let addrs: Vec<String> = (0..n).map(|k| self.grpc[(first + k) % n].clone()).collect();
+        let client = LeaderClient::new(
+            &addrs,
+            TOKEN,
+            ChannelSettings {
+                connect_timeout: Duration::from_secs(1),
+                request_timeout: Duration::from_secs(5),
+                keep_alive: None,
+            },
+        )?;
+        let policy = RetryPolicy {
+            max_attempts: u32::MAX,
+            max_total: deadline,
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(500),
+            attempt_timeout: Duration::from_secs(5),
+            retry_server_errors: false,
+            warn_after_attempts: 0,
+        };
+        let req = v1::SubmitJobRequest {
+            request_id: request_id.into(),
+            spec: Some(spec),
+        };
+        let r = client
+            .call("SubmitJob", &policy, None, &req, |ch, r| async move {
+                ClientServiceClient::new(ch).submit_job(r).await
+            })
+            .await
+            .with_context(|| format!("submit {request_id}"))?;
+        Ok(r)
     }
 }
 

@@ -22,13 +22,14 @@
 //! is failed as hung and restarted within its progress timeout plus
 //! [`HANG_DETECT_SLACK_MS`], and its process does not outlive the fault.
 
+use cumulus_api::{JobState, RankPhase};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use cumulus_proto::v1;
+use cumulus_api::v1;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use rand::rngs::StdRng;
@@ -132,7 +133,7 @@ impl History {
 }
 
 fn terminal(state: &str) -> bool {
-    matches!(state, "succeeded" | "failed" | "cancelled")
+    state.parse::<JobState>().is_ok_and(JobState::is_terminal)
 }
 
 /// `rank/attempt state@worker (not before, failure)` of every rank, for a report.
@@ -344,7 +345,7 @@ async fn hang_rank(
         .iter()
         // Only a rank that reported progress can stall (the leader measures a stall from
         // the last progress it saw).
-        .filter(|r| r.state == "running" && r.pid > 0 && r.step > 0)
+        .filter(|r| r.phase() == Ok(RankPhase::Running) && r.pid > 0 && r.step > 0)
         .collect();
     if running.is_empty() {
         return None;
@@ -372,7 +373,7 @@ async fn hang_rank(
                 outcome = Some(Ok(stopped_at.elapsed().as_millis() as u64));
                 break;
             }
-            if matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled") {
+            if terminal(&j.state) {
                 outcome = Some(Err(format!(
                     "the job ended {} while rank {rank} hung",
                     j.state
@@ -466,7 +467,7 @@ async fn one_fault(
                 .map(|j| {
                     j.ranks
                         .iter()
-                        .filter(|r| r.state == "running")
+                        .filter(|r| r.phase() == Ok(RankPhase::Running))
                         .map(|r| r.pid)
                         .filter(|p| *p > 0)
                         .collect()
@@ -636,8 +637,8 @@ async fn corrupt_and_rebuild(
 /// token, a vote from a non-member and a vote of term `u64::MAX` with the peer token —
 /// and records an anomaly for each one not refused.
 async fn forge_raft_rpcs(cluster: &Cluster, anomalies: &mut Vec<Anomaly>) {
-    use cumulus_proto::v1::RaftPayload;
-    use cumulus_proto::v1::raft_service_client::RaftServiceClient;
+    use cumulus_api::v1::RaftPayload;
+    use cumulus_api::v1::raft_service_client::RaftServiceClient;
     let vote = |candidate: u64, term: u64| {
         RaftPayload {
         json: serde_json::json!({
@@ -762,7 +763,7 @@ async fn reference_weights(
         .await?;
     let job = cluster.wait_finished(&r.job_id, LONG).await;
     anyhow::ensure!(
-        job.state == "succeeded",
+        job.job_state() == Ok(JobState::Succeeded),
         "the fault-free run failed: {job:?}"
     );
     (0..TRAINER_WORLD)
@@ -1045,7 +1046,7 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
     // 4. The trainer: every record once, weights identical to the fault-free run.
     report.trainer_state = trainer_final.state.clone();
     report.trainer_restarts = trainer_final.restarts_used;
-    if trainer_final.state == "succeeded" {
+    if trainer_final.job_state() == Ok(JobState::Succeeded) {
         let out = root.join("out-nemesis");
         for rank in 0..TRAINER_WORLD {
             let want = expected_digest(&w, TRAINER_WORLD, rank, opts.epochs, &root)?;

@@ -5,11 +5,11 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use cumulus_api::v1;
 use cumulus_e2e::{
     Cluster, ClusterOpts, TOKEN, WorkerClient, Workload, assert_trainer_results, prepare_digits,
     read_result, trainer_spec, wait_for, worker_client,
 };
-use cumulus_proto::v1;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 

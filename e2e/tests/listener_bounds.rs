@@ -171,7 +171,10 @@ async fn a_job_runs_to_success_while_every_listener_is_flooded() {
     eprintln!(
         "flood: peak agent descriptors {peak_worker_fds}, coordinators {coordinator_fds:?}, \
          connections closed by the servers {}",
-        closed.iter().map(|c| c.load(Ordering::Relaxed)).sum::<u64>()
+        closed
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum::<u64>()
     );
     assert_eq!(job.state, "succeeded", "{job:?}");
     assert_eq!(job.restarts_used, 0, "no restart: {job:?}");

@@ -6,10 +6,10 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use cumulus_api::v1;
 use cumulus_e2e::{
     Cluster, ClusterOpts, expected_digest, prepare_digits, read_result, trainer_spec, wait_for,
 };
-use cumulus_proto::v1;
 
 const LONG: Duration = Duration::from_secs(300);
 const EPOCHS: u32 = 6;

@@ -9,10 +9,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use cumulus_api::v1;
+use cumulus_api::v1::RaftPayload;
+use cumulus_api::v1::raft_service_client::RaftServiceClient;
 use cumulus_e2e::{Auth, Cluster, ClusterOpts, PEER_TOKEN, TOKEN, wait_for};
-use cumulus_proto::v1;
-use cumulus_proto::v1::RaftPayload;
-use cumulus_proto::v1::raft_service_client::RaftServiceClient;
 use cumulus_raft_store::state::Command;
 use cumulus_raft_store::{Entry, EntryPayload, LeaderId, LogId, TypeConfig, Vote};
 use openraft::raft::{AppendEntriesRequest, VoteRequest};

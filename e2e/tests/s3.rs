@@ -4,12 +4,12 @@
 use std::path::Path;
 use std::time::Duration;
 
+use cumulus_api::v1;
 use cumulus_ckpt::CheckpointStore;
 use cumulus_e2e::{
     Cluster, ClusterOpts, S3Access, S3Server, Workload, assert_trainer_results, prepare_digits,
     trainer_spec, wait_for,
 };
-use cumulus_proto::v1;
 
 const LONG: Duration = Duration::from_secs(300);
 const EPOCHS: u32 = 8;

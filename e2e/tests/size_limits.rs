@@ -8,8 +8,8 @@
 use std::path::Path;
 use std::time::Duration;
 
+use cumulus_api::v1;
 use cumulus_e2e::{Cluster, ClusterOpts, make_named_files, wait_for};
-use cumulus_proto::v1;
 
 const LONG: Duration = Duration::from_secs(300);
 

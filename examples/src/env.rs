@@ -2,6 +2,7 @@
 //! environment"). Every variable is optional so that the trainer also runs standalone;
 //! an empty value counts as unset.
 
+use cumulus_api::rank_env;
 use std::path::PathBuf;
 
 use thiserror::Error;
@@ -95,12 +96,17 @@ impl RankEnv {
                 }),
             }
         }
-        let rank: u32 = number("RANK", get("RANK"), 0, "a non-negative integer")?;
-        let world_size: Option<u32> = match get("WORLD_SIZE") {
+        let rank: u32 = number(
+            rank_env::RANK,
+            get(rank_env::RANK),
+            0,
+            "a non-negative integer",
+        )?;
+        let world_size: Option<u32> = match get(rank_env::WORLD_SIZE) {
             None => None,
             Some(_) => Some(number(
-                "WORLD_SIZE",
-                get("WORLD_SIZE"),
+                rank_env::WORLD_SIZE,
+                get(rank_env::WORLD_SIZE),
                 1,
                 "a positive integer",
             )?),
@@ -109,23 +115,23 @@ impl RankEnv {
             && (w == 0 || rank >= w)
         {
             return Err(EnvError::Invalid {
-                name: "RANK",
+                name: rank_env::RANK,
                 value: rank.to_string(),
                 reason: "must be below WORLD_SIZE (which must be ≥ 1)",
             });
         }
         let attempt: u64 = number(
-            "CUMULUS_ATTEMPT",
-            get("CUMULUS_ATTEMPT"),
+            rank_env::ATTEMPT,
+            get(rank_env::ATTEMPT),
             0,
             "a non-negative integer",
         )?;
-        let agent_url = get("CUMULUS_AGENT_URL");
-        let agent_token = get("CUMULUS_AGENT_TOKEN");
+        let agent_url = get(rank_env::AGENT_URL);
+        let agent_token = get(rank_env::AGENT_TOKEN);
         if let Some(url) = &agent_url {
             if !url.starts_with("http://") && !url.starts_with("https://") {
                 return Err(EnvError::Invalid {
-                    name: "CUMULUS_AGENT_URL",
+                    name: rank_env::AGENT_URL,
                     value: cut(url),
                     reason: "an http:// or https:// URL",
                 });
@@ -136,13 +142,13 @@ impl RankEnv {
                 ));
             }
         }
-        let ckpt_staging = get("CUMULUS_CKPT_STAGING").map(PathBuf::from);
-        let resume = match (get("CUMULUS_RESUME_DIR"), get("CUMULUS_RESUME_STEP")) {
+        let ckpt_staging = get(rank_env::CKPT_STAGING).map(PathBuf::from);
+        let resume = match (get(rank_env::RESUME_DIR), get(rank_env::RESUME_STEP)) {
             (None, None) => None,
             (Some(dir), Some(step)) => Some(ResumeFrom {
                 dir: PathBuf::from(dir),
                 step: step.trim().parse().map_err(|_| EnvError::Invalid {
-                    name: "CUMULUS_RESUME_STEP",
+                    name: rank_env::RESUME_STEP,
                     value: cut(&step),
                     reason: "a non-negative integer (the checkpoint step)",
                 })?,
@@ -162,8 +168,8 @@ impl RankEnv {
             rank,
             world_size,
             attempt,
-            job_id: get("CUMULUS_JOB_ID"),
-            shards_file: get("CUMULUS_SHARDS_FILE").map(PathBuf::from),
+            job_id: get(rank_env::JOB_ID),
+            shards_file: get(rank_env::SHARDS_FILE).map(PathBuf::from),
             agent_url,
             agent_token,
             ckpt_staging,

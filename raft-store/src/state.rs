@@ -10,6 +10,11 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
+pub use cumulus_api::limits::{
+    MAX_ARG_BYTES, MAX_BACKOFF_MS, MAX_CKPT_KEEP, MAX_COMMAND_ARGS, MAX_ENV_ENTRIES,
+    MAX_JOB_NAME_BYTES, MAX_REQUEST_ID_BYTES, MAX_RESTART_BUDGET, MAX_SHARDS, MAX_WORLD_SIZE,
+};
+pub use cumulus_api::{CommitTier, FileEntry, JobState, RankState, RestartScope};
 use serde::{Deserialize, Serialize};
 
 /// Upper bound on jobs kept in the state; the oldest finished jobs are dropped first.
@@ -23,44 +28,17 @@ pub const MAX_JOBS_RETAINED: usize = 10_000;
 pub const MAX_STATE_BYTES: u64 = 1 << 30;
 /// Upper bound on uncommitted checkpoint steps tracked per job (oldest dropped first).
 pub const MAX_PENDING_CKPT_STEPS: usize = 64;
-/// Upper bound on the number of shards of one job.
-pub const MAX_SHARDS: usize = 100_000;
-/// Upper bound on restarts a job may be given (`max_restarts`).
-pub const MAX_RESTART_BUDGET: u32 = 1_000;
 /// Most restarts a job is given, besides its restart budget, after attempts that could
 /// not start because of a resource error of the agent (no descriptors, memory, disk or
 /// process slot): those are the worker's failures, not the rank's, and spend no budget,
 /// but a worker that stays broken must not restart a job forever.
 pub const MAX_AGENT_FAULT_RESTARTS: u32 = 20;
-/// Upper bound on the backoff delay of a restart policy.
-pub const MAX_BACKOFF_MS: u64 = 3_600_000;
-/// Upper bound on kept checkpoint steps.
-pub const MAX_CKPT_KEEP: u32 = 100;
-/// Hard upper bound on world size accepted by `apply` (coordinators may set a lower one).
-pub const MAX_WORLD_SIZE: u32 = 65_536;
-/// Argument count limit of a rank command.
-pub const MAX_COMMAND_ARGS: usize = 256;
-/// Byte limit of one command argument, env key or env value.
-pub const MAX_ARG_BYTES: usize = 4_096;
-/// Limit on job env entries.
-pub const MAX_ENV_ENTRIES: usize = 256;
 /// Base of the MASTER_PORT range handed to jobs.
 pub const MASTER_PORT_BASE: u32 = 29_500;
 /// Size of the MASTER_PORT range.
 pub const MASTER_PORT_SPAN: u32 = 10_000;
 /// Jitter of a restart delay, as a fraction of the base delay (±20%).
 pub const BACKOFF_JITTER_FRACTION: f64 = 0.2;
-
-/// Whether a failure restarts every rank of the job or only the failed one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum RestartScope {
-    /// Stop and restart every rank (collective jobs need this). Default.
-    #[default]
-    Group,
-    /// Restart only the rank that failed.
-    Rank,
-}
 
 /// Restart policy of a job, with every default filled in.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -188,8 +166,10 @@ impl JobSpec {
                 self.world_size
             ));
         }
-        if self.name.len() > 128 {
-            return Err("job name is longer than 128 bytes".into());
+        if self.name.len() > MAX_JOB_NAME_BYTES {
+            return Err(format!(
+                "job name is longer than {MAX_JOB_NAME_BYTES} bytes"
+            ));
         }
         if self.command.is_empty() || self.command[0].trim().is_empty() {
             return Err("the command is empty: give the program to run after `--`".into());
@@ -253,13 +233,13 @@ impl JobSpec {
                 self.ckpt_url
             ));
         }
-        if !matches!(self.ckpt_commit_tier.as_str(), "" | "l1" | "l2") {
-            return Err(format!(
+        let tier = CommitTier::from_spec(&self.ckpt_commit_tier).map_err(|_| {
+            format!(
                 "ckpt_commit_tier {:?} must be l1 or l2",
                 self.ckpt_commit_tier
-            ));
-        }
-        if self.ckpt_commit_tier == "l1" && (self.ckpt_url.is_empty() || self.ckpt_dir.is_empty()) {
+            )
+        })?;
+        if tier == CommitTier::L1 && (self.ckpt_url.is_empty() || self.ckpt_dir.is_empty()) {
             return Err(
                 "ckpt_commit_tier l1 needs both ckpt_url (L2) and a shared ckpt_dir (L1)".into(),
             );
@@ -290,59 +270,6 @@ impl JobSpec {
         }
         Ok(())
     }
-}
-
-/// Lifecycle of a job: Pending → Running → Succeeded | Failed | Cancelled.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum JobState {
-    /// Accepted, not yet placed.
-    Pending,
-    /// Placed; ranks are starting, running or waiting for a restart.
-    Running,
-    /// Every rank of its current attempt exited 0.
-    Succeeded,
-    /// Out of restart budget, or unrunnable; the cause is recorded.
-    Failed,
-    /// Cancelled by a user.
-    Cancelled,
-}
-
-impl JobState {
-    /// Succeeded, Failed or Cancelled.
-    pub fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            JobState::Succeeded | JobState::Failed | JobState::Cancelled
-        )
-    }
-
-    /// Lowercase name, as the APIs show it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Pending => "pending",
-            JobState::Running => "running",
-            JobState::Succeeded => "succeeded",
-            JobState::Failed => "failed",
-            JobState::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// State of a rank's current attempt.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RankState {
-    /// Not placed on a worker.
-    Unplaced,
-    /// Placed; to be started once the leader's clock passes `not_before_ms`.
-    Pending,
-    /// The agent started the process.
-    Running,
-    /// The process exited with code 0.
-    Exited,
-    /// The attempt failed (non-zero exit, signal, spawn error, worker expiry, hang, loss).
-    Failed,
 }
 
 /// One rank of a job.
@@ -409,50 +336,6 @@ pub struct RestartRecord {
     pub agent_fault: bool,
 }
 
-/// One file of a checkpoint part (mirrors `cumulus_ckpt::FileEntry`).
-///
-/// Log entries and snapshots written before manifest format 2 hold a bare hex `sha256`
-/// field instead of `digest`; it is read as digest `sha256:<hex>`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "PartFileWire")]
-pub struct PartFile {
-    /// Path relative to the part directory.
-    pub path: String,
-    /// Size in bytes.
-    pub size_bytes: u64,
-    /// Content digest, `<algorithm>:<64 lowercase hex digits>` (validated by the worker
-    /// service with `cumulus_ckpt::parse_digest` before it is proposed).
-    pub digest: String,
-}
-
-/// [`PartFile`] as read: exactly one of `digest` or the older `sha256`.
-#[derive(Deserialize)]
-struct PartFileWire {
-    path: String,
-    size_bytes: u64,
-    #[serde(default)]
-    digest: Option<String>,
-    #[serde(default)]
-    sha256: Option<String>,
-}
-
-impl TryFrom<PartFileWire> for PartFile {
-    type Error = String;
-
-    fn try_from(wire: PartFileWire) -> Result<Self, Self::Error> {
-        let digest = match (wire.digest, wire.sha256) {
-            (Some(digest), None) => digest,
-            (None, Some(hex)) => format!("sha256:{hex}"),
-            _ => return Err(format!("file {:?} needs exactly one digest", wire.path)),
-        };
-        Ok(Self {
-            path: wire.path,
-            size_bytes: wire.size_bytes,
-            digest,
-        })
-    }
-}
-
 /// A checkpoint part accepted from a rank attempt.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PartInfo {
@@ -463,7 +346,7 @@ pub struct PartInfo {
     /// Directory relative to the job's checkpoint dir.
     pub dir: String,
     /// Files with sizes and checksums.
-    pub files: Vec<PartFile>,
+    pub files: Vec<FileEntry>,
     /// The rank's resume state (JSON text, ≤ 64 KiB).
     pub state_json: String,
 }
@@ -1319,8 +1202,10 @@ impl ClusterState {
         submitted_at_ms: u64,
         dirty: &mut BTreeSet<DirtyKey>,
     ) -> Response {
-        if request_id.is_empty() || request_id.len() > 128 {
-            return reject("request id must be 1..=128 bytes");
+        if request_id.is_empty() || request_id.len() > MAX_REQUEST_ID_BYTES {
+            return reject(format!(
+                "request id must be 1..={MAX_REQUEST_ID_BYTES} bytes"
+            ));
         }
         if let Some(job_id) = self.request_ids.get(request_id) {
             return match self.jobs.get(job_id) {
@@ -1863,26 +1748,6 @@ fn assign_placements(job: &mut Job, placements: &[(u32, String)], not_before_ms:
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_part_file_of_an_older_log_entry_reads_its_sha256_as_a_digest() {
-        let hex = "0f".repeat(32);
-        let old: PartFile = serde_json::from_str(&format!(
-            r#"{{"path":"a","size_bytes":1,"sha256":"{hex}"}}"#
-        ))
-        .expect("older entry");
-        assert_eq!(old.digest, format!("sha256:{hex}"));
-        let text = serde_json::to_string(&old).expect("serialize");
-        assert_eq!(
-            serde_json::from_str::<PartFile>(&text).expect("round trip"),
-            old
-        );
-        assert!(text.contains(r#""digest":"sha256:"#), "{text}");
-        assert!(
-            serde_json::from_str::<PartFile>(r#"{"path":"a","size_bytes":1}"#).is_err(),
-            "no digest"
-        );
-    }
 
     fn spec(world_size: u32) -> JobSpec {
         JobSpec {
@@ -2584,7 +2449,7 @@ mod tests {
             for rank in 0..2 {
                 let mut p = part(rank, 0, step);
                 p.files = (0..20)
-                    .map(|i| PartFile {
+                    .map(|i| FileEntry {
                         path: format!("shard-{i:04}.bin"),
                         size_bytes: 1 << 20,
                         digest: "b".repeat(64),

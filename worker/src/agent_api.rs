@@ -21,8 +21,8 @@ use axum::routing::get;
 
 use crate::http::{json_error, limit_concurrency, request_permits, request_token};
 use crate::logs::{self, AttemptPaths, ReadLogError};
-use crate::reconcile::AttemptKey;
 use crate::validate;
+use cumulus_api::AttemptKey;
 
 /// Header with the log's current size in bytes.
 pub const LOG_SIZE_HEADER: &str = "x-cumulus-log-size";

@@ -1,27 +1,31 @@
-//! gRPC client to the coordinators, with leader following and bounded retries.
+//! gRPC client to the coordinators: the shared leader-following client
+//! ([`cumulus_api::leader::LeaderClient`]) with the agent's channel settings and retry
+//! policies.
 //!
-//! Every call carries `authorization: Bearer <token>`. An answer UNAVAILABLE with the
-//! metadata `x-cumulus-leader-grpc` (a follower naming the leader) is retried against that
-//! address at once; other UNAVAILABLE answers and transport failures rotate to the next
-//! configured coordinator after a backoff. Every call makes at most
-//! [`RetryPolicy::max_attempts`] attempts, each bounded by the policy's attempt timeout
-//! (≤ the 5 s request timeout; heartbeats use a shorter one, so that a dead or cut-off
-//! leader costs a worker less than its heartbeat timeout) and a 1 s connect timeout, so a
-//! call's worst case is `max_attempts × attempt_timeout + Σ backoffs`, and is also cut
-//! short by the cancellation token. HTTP/2 keep-alive pings drop a dead connection
-//! within [`KEEP_ALIVE_INTERVAL`] + [`KEEP_ALIVE_TIMEOUT`].
+//! Every call carries `authorization: Bearer <token>`, follows a follower's leader hint,
+//! and rotates to the next configured coordinator after a transport failure, a timeout, or
+//! a server error (an agent's calls are idempotent and must outlast an overloaded leader).
+//! Every call makes at most [`RetryPolicy::max_attempts`] attempts, each bounded by the
+//! policy's attempt timeout (≤ the 5 s request timeout; heartbeats use a shorter one, so
+//! that a dead or cut-off leader costs a worker less than its heartbeat timeout) and a 1 s
+//! connect timeout, so a call's worst case is `max_attempts × attempt_timeout + Σ
+//! backoffs`, and is also cut short by the cancellation token. HTTP/2 keep-alive pings
+//! drop a dead connection within [`KEEP_ALIVE_INTERVAL`] + [`KEEP_ALIVE_TIMEOUT`].
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Mutex;
 use std::time::Duration;
 
-use cumulus_proto::worker_service_client::WorkerServiceClient;
-use thiserror::Error;
+use cumulus_api::leader::{self, ChannelSettings, LeaderClient};
+use cumulus_api::worker_service_client::WorkerServiceClient;
 use tokio_util::sync::CancellationToken;
-use tonic::metadata::{AsciiMetadataValue, MetadataValue};
-use tonic::transport::{Channel, Endpoint};
-use tonic::{Code, Request, Response, Status};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+/// Why a call did not succeed: rejected (FAILED_PRECONDITION is a stale attempt, job or
+/// rank: [`ClientError::is_stale`]), exhausted, or cancelled by the agent's shutdown.
+pub type ClientError = leader::CallError;
+/// Errors building a client.
+pub type ClientConfigError = leader::ConfigError;
 
 /// Connect timeout of a channel.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -34,10 +38,6 @@ pub const MIN_ATTEMPT_TIMEOUT: Duration = Duration::from_millis(200);
 pub const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(1);
 /// How long a keep-alive ping may go unanswered before the connection is dropped.
 pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(2);
-/// Channels to addresses other than the configured ones (learned leaders) kept cached.
-const MAX_EXTRA_CHANNELS: usize = 8;
-/// Longest leader address accepted from metadata.
-const MAX_LEADER_ADDR_BYTES: usize = 256;
 
 /// How often a call is tried and how long it waits between tries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,133 +83,27 @@ impl RetryPolicy {
         self.attempt_timeout = timeout.clamp(MIN_ATTEMPT_TIMEOUT, REQUEST_TIMEOUT);
         self
     }
-}
 
-/// Why a call did not succeed.
-#[derive(Debug, Error)]
-pub enum ClientError {
-    /// The coordinator answered with a definitive error (not retried): FAILED_PRECONDITION
-    /// (stale attempt, unknown job or rank), INVALID_ARGUMENT, UNAUTHENTICATED, …
-    #[error("{call} rejected by {addr}: {code:?}: {message}")]
-    Rejected {
-        /// The RPC name.
-        call: &'static str,
-        /// The coordinator that answered.
-        addr: String,
-        /// The gRPC status code.
-        code: Code,
-        /// The status message.
-        message: String,
-    },
-    /// Every attempt failed with a retryable error.
-    #[error("{call} failed after {attempts} attempts; last error: {last}")]
-    Exhausted {
-        /// The RPC name.
-        call: &'static str,
-        /// Attempts made.
-        attempts: u32,
-        /// The last error seen.
-        last: String,
-    },
-    /// The agent is shutting down.
-    #[error("{call} cancelled: the agent is shutting down")]
-    Cancelled {
-        /// The RPC name.
-        call: &'static str,
-    },
-}
-
-impl ClientError {
-    /// The status code of a definitive rejection.
-    pub fn code(&self) -> Option<Code> {
-        match self {
-            ClientError::Rejected { code, .. } => Some(*code),
-            _ => None,
+    /// The shared client's policy: server errors are retried, no overall deadline but the
+    /// attempts' own, no warning (the agent logs what fails once).
+    fn leader_policy(self) -> leader::RetryPolicy {
+        leader::RetryPolicy {
+            max_attempts: self.max_attempts.max(1),
+            max_total: Duration::MAX,
+            initial_backoff: self.initial_backoff,
+            max_backoff: self.max_backoff,
+            attempt_timeout: self.attempt_timeout,
+            retry_server_errors: true,
+            warn_after_attempts: 0,
         }
     }
-
-    /// true when the coordinator rejected the request as stale (FAILED_PRECONDITION): the
-    /// attempt, job or rank is not current any more, retrying cannot help.
-    pub fn is_stale(&self) -> bool {
-        self.code() == Some(Code::FailedPrecondition)
-    }
-}
-
-/// Errors building a client.
-#[derive(Debug, Error)]
-pub enum ClientConfigError {
-    /// No coordinator address was given.
-    #[error("no coordinator address given")]
-    NoCoordinators,
-    /// An address is not a valid URI.
-    #[error("invalid coordinator address {addr:?}: {reason}")]
-    BadAddress {
-        /// The address.
-        addr: String,
-        /// What was wrong.
-        reason: String,
-    },
-    /// The token cannot be sent as gRPC metadata.
-    #[error("the cluster token must be visible ASCII without spaces")]
-    BadToken,
-}
-
-fn retryable(code: Code) -> bool {
-    matches!(
-        code,
-        Code::Unavailable
-            | Code::DeadlineExceeded
-            | Code::Cancelled
-            | Code::Unknown
-            | Code::Aborted
-            | Code::ResourceExhausted
-            | Code::Internal
-    )
-}
-
-/// Turns `host:port` (or a full `http://host:port`) into a URI string.
-fn normalize(addr: &str) -> String {
-    let addr = addr.trim();
-    if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    }
-}
-
-fn endpoint(uri: &str) -> Result<Channel, String> {
-    let endpoint = Endpoint::from_shared(uri.to_string()).map_err(|e| e.to_string())?;
-    Ok(endpoint
-        .connect_timeout(CONNECT_TIMEOUT)
-        .timeout(REQUEST_TIMEOUT)
-        .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
-        .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
-        .keep_alive_while_idle(true)
-        .connect_lazy())
-}
-
-struct State {
-    /// URI calls go to now.
-    current: String,
-    /// Index into the seeds of the last rotation.
-    next_seed: usize,
-    channels: HashMap<String, Channel>,
 }
 
 /// Client of the coordinators' `WorkerService`.
+#[derive(Debug)]
 pub struct CoordinatorClient {
-    seeds: Vec<String>,
-    auth: AsciiMetadataValue,
-    state: Mutex<State>,
+    inner: LeaderClient,
     cancel: CancellationToken,
-}
-
-impl std::fmt::Debug for CoordinatorClient {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CoordinatorClient")
-            .field("seeds", &self.seeds)
-            .finish_non_exhaustive()
-    }
 }
 
 impl CoordinatorClient {
@@ -222,89 +116,20 @@ impl CoordinatorClient {
         token: &str,
         cancel: CancellationToken,
     ) -> Result<Self, ClientConfigError> {
-        let seeds: Vec<String> = coordinators
-            .iter()
-            .filter(|a| !a.trim().is_empty())
-            .map(|a| normalize(a))
-            .collect();
-        if seeds.is_empty() {
-            return Err(ClientConfigError::NoCoordinators);
-        }
-        let mut channels = HashMap::new();
-        for uri in &seeds {
-            let channel = endpoint(uri).map_err(|reason| ClientConfigError::BadAddress {
-                addr: uri.clone(),
-                reason,
-            })?;
-            channels.insert(uri.clone(), channel);
-        }
-        if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(ClientConfigError::BadToken);
-        }
-        let auth: AsciiMetadataValue = MetadataValue::try_from(format!("Bearer {token}"))
-            .map_err(|_| ClientConfigError::BadToken)?;
+        let settings = ChannelSettings {
+            connect_timeout: CONNECT_TIMEOUT,
+            request_timeout: REQUEST_TIMEOUT,
+            keep_alive: Some((KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)),
+        };
         Ok(Self {
-            state: Mutex::new(State {
-                current: seeds[0].clone(),
-                next_seed: 0,
-                channels,
-            }),
-            seeds,
-            auth,
+            inner: LeaderClient::new(coordinators, token, settings)?,
             cancel,
         })
     }
 
     /// The number of configured coordinators.
     pub fn coordinator_count(&self) -> usize {
-        self.seeds.len()
-    }
-
-    fn current(&self) -> (String, Channel) {
-        let state = self.state.lock().expect("client state lock poisoned");
-        let channel = state
-            .channels
-            .get(&state.current)
-            .expect("the current address always has a channel")
-            .clone();
-        (state.current.clone(), channel)
-    }
-
-    fn rotate(&self, failed: &str) {
-        let mut state = self.state.lock().expect("client state lock poisoned");
-        if state.current != failed {
-            return; // another call already moved on
-        }
-        state.next_seed = (state.next_seed + 1) % self.seeds.len();
-        state.current = self.seeds[state.next_seed].clone();
-    }
-
-    /// Points calls at `leader` (from metadata). Returns false when it is unusable.
-    fn follow(&self, leader: &str) -> bool {
-        if leader.is_empty() || leader.len() > MAX_LEADER_ADDR_BYTES {
-            return false;
-        }
-        let uri = normalize(leader);
-        let mut state = self.state.lock().expect("client state lock poisoned");
-        if !state.channels.contains_key(&uri) {
-            let Ok(channel) = endpoint(&uri) else {
-                return false;
-            };
-            let extra: Vec<String> = state
-                .channels
-                .keys()
-                .filter(|k| !self.seeds.contains(k) && **k != state.current)
-                .cloned()
-                .collect();
-            if extra.len() >= MAX_EXTRA_CHANNELS {
-                for k in extra {
-                    state.channels.remove(&k);
-                }
-            }
-            state.channels.insert(uri.clone(), channel);
-        }
-        state.current = uri;
-        true
+        self.inner.coordinators().len()
     }
 
     /// Calls one RPC with leader following and retries (see the module documentation).
@@ -321,85 +146,22 @@ impl CoordinatorClient {
         F: Fn(WorkerServiceClient<Channel>, Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<Resp>, Status>>,
     {
-        let max_attempts = policy.max_attempts.max(1);
-        let mut backoff = policy.initial_backoff;
-        let mut last = String::from("no attempt made");
-        let mut redirected = false;
-        for attempt in 1..=max_attempts {
-            if self.cancel.is_cancelled() {
-                return Err(ClientError::Cancelled { call });
-            }
-            let (addr, channel) = self.current();
-            let mut request = Request::new(message.clone());
-            request
-                .metadata_mut()
-                .insert("authorization", self.auth.clone());
-            let bounded = tokio::time::timeout(
-                policy.attempt_timeout,
-                rpc(WorkerServiceClient::new(channel), request),
-            );
-            let result = tokio::select! {
-                r = bounded => r.unwrap_or_else(|_| Err(Status::deadline_exceeded(format!(
-                    "no answer within {} ms",
-                    policy.attempt_timeout.as_millis()
-                )))),
-                _ = self.cancel.cancelled() => return Err(ClientError::Cancelled { call }),
-            };
-            let status = match result {
-                Ok(response) => return Ok(response.into_inner()),
-                Err(status) => status,
-            };
-            if !retryable(status.code()) {
-                return Err(ClientError::Rejected {
-                    call,
-                    addr,
-                    code: status.code(),
-                    message: status.message().to_string(),
-                });
-            }
-            last = format!("{addr}: {:?}: {}", status.code(), status.message());
-            if attempt == max_attempts {
-                // The next call starts at another coordinator.
-                self.rotate(&addr);
-                break;
-            }
-            let leader = (status.code() == Code::Unavailable)
-                .then(|| status.metadata().get(cumulus_proto::LEADER_GRPC_METADATA))
-                .flatten()
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string);
-            if let Some(leader) = leader
-                && normalize(&leader) != addr
-                && self.follow(&leader)
-            {
-                tracing::debug!(call, from = %addr, to = %leader, "following the leader");
-                // A first redirect is retried at once; a chain of redirects backs off.
-                if !redirected {
-                    redirected = true;
-                    continue;
-                }
-            } else {
-                redirected = false;
-                self.rotate(&addr);
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
-                _ = self.cancel.cancelled() => return Err(ClientError::Cancelled { call }),
-            }
-            backoff = (backoff * 2).min(policy.max_backoff);
-        }
-        Err(ClientError::Exhausted {
-            call,
-            attempts: max_attempts,
-            last,
-        })
+        self.inner
+            .call(
+                call,
+                &policy.leader_policy(),
+                Some(&self.cancel),
+                message,
+                |channel, request| rpc(WorkerServiceClient::new(channel), request),
+            )
+            .await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cumulus_proto::RegisterWorkerRequest;
+    use cumulus_api::RegisterWorkerRequest;
 
     #[tokio::test]
     async fn rejects_bad_configuration() {
@@ -447,8 +209,6 @@ mod tests {
             ClientError::Exhausted { attempts, .. } => assert_eq!(attempts, 3),
             other => panic!("unexpected {other}"),
         }
-        // Each of the three failed attempts rotated: 0 -> 1 -> 0 -> 1.
-        assert_eq!(client.current().0, "http://localhost:1");
     }
 
     #[tokio::test]
@@ -477,7 +237,7 @@ mod tests {
             .call(
                 "Heartbeat",
                 policy,
-                &cumulus_proto::HeartbeatRequest::default(),
+                &cumulus_api::HeartbeatRequest::default(),
                 |mut c, r| async move { c.heartbeat(r).await },
             )
             .await
@@ -513,20 +273,5 @@ mod tests {
             .await
             .expect_err("cancelled");
         assert!(matches!(err, ClientError::Cancelled { .. }));
-    }
-
-    #[tokio::test]
-    async fn following_bounds_the_channel_cache() {
-        let client =
-            CoordinatorClient::new(&["127.0.0.1:1".into()], "secret", CancellationToken::new())
-                .expect("client");
-        for port in 2..40 {
-            assert!(client.follow(&format!("127.0.0.1:{port}")));
-        }
-        assert_eq!(client.current().0, "http://127.0.0.1:39");
-        let n = client.state.lock().expect("lock").channels.len();
-        assert!(n <= 1 + MAX_EXTRA_CHANNELS + 1, "{n} channels cached");
-        assert!(!client.follow(""));
-        assert!(!client.follow(&"x".repeat(300)));
     }
 }

@@ -13,14 +13,14 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cumulus_proto::{RankExitedRequest, RankStartedRequest};
+use cumulus_api::{RankExitedRequest, RankStartedRequest};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
 use crate::client::{ClientError, CoordinatorClient, RetryPolicy};
-use crate::reconcile::AttemptKey;
+use cumulus_api::AttemptKey;
 
 /// Most events waiting for an acknowledgement.
 pub const MAX_PENDING_EVENTS: usize = 1024;

@@ -23,8 +23,8 @@ use thiserror::Error;
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use crate::reconcile::AttemptKey;
 use crate::validate::{self, IdError};
+use cumulus_api::AttemptKey;
 
 /// Most bytes one read of a log may ask for (docs/architecture.md: `max_bytes` ≤ 1 MiB).
 pub const MAX_READ_BYTES: u64 = 1 << 20;

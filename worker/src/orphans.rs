@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 
-use crate::reconcile::AttemptKey;
 use crate::validate::{self, IdError};
+use cumulus_api::AttemptKey;
 
 /// Largest pid record accepted when reading one back.
 const MAX_RECORD_BYTES: u64 = 4096;

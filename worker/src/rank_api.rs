@@ -24,7 +24,8 @@ use serde::Deserialize;
 
 use crate::client::ClientError;
 use crate::http::{json_error, limit_concurrency, request_permits, request_token};
-use crate::supervisor::{CommitError, MAX_METRIC_NAME_BYTES, MAX_METRICS, Progress, Supervisor};
+use crate::supervisor::{CommitError, Progress, Supervisor};
+use cumulus_api::limits::{MAX_METRIC_NAME_BYTES, MAX_METRICS};
 
 /// Largest checkpoint `state`, serialized, in bytes.
 pub const MAX_STATE_BYTES: usize = 64 * 1024;

@@ -6,46 +6,9 @@
 //! themselves because the function only looks at the current sets.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fmt;
 
-use cumulus_proto::DesiredRank;
-
-/// Identity of one rank attempt: `(job_id, rank, attempt)`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct AttemptKey {
-    /// Job id, e.g. `job-000001`.
-    pub job_id: String,
-    /// Global rank, `0..world_size`.
-    pub rank: u32,
-    /// Attempt number (epoch) of the rank, 0 for its first run.
-    pub attempt: u32,
-}
-
-impl AttemptKey {
-    /// Builds a key from its three parts.
-    pub fn new(job_id: impl Into<String>, rank: u32, attempt: u32) -> Self {
-        Self {
-            job_id: job_id.into(),
-            rank,
-            attempt,
-        }
-    }
-
-    /// The key of a desired rank attempt.
-    pub fn of(desired: &DesiredRank) -> Self {
-        Self::new(desired.job_id.clone(), desired.rank, desired.attempt)
-    }
-}
-
-impl fmt::Display for AttemptKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}/rank-{}/attempt-{}",
-            self.job_id, self.rank, self.attempt
-        )
-    }
-}
+use cumulus_api::AttemptKey;
+use cumulus_api::DesiredRank;
 
 /// A rank attempt the agent currently has a process (or a starting process) for.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! Machine resources sent with every heartbeat (sysinfo).
 
-use cumulus_proto::Resources;
+use cumulus_api::Resources;
 use sysinfo::System;
 
 /// Samples global CPU use and memory. CPU use is measured between two consecutive samples

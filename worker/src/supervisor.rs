@@ -18,11 +18,11 @@ use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cumulus_ckpt::{CheckpointStore, CkptError, CommitTier, LocalStore, PartRecord, TieredStore};
-use cumulus_proto::{
-    CheckpointFile, CommitCheckpointPartRequest, DesiredRank, ObservedRank, RankExitedRequest,
-    RankStartedRequest,
+use cumulus_api::{
+    AttemptKey, CommitCheckpointPartRequest, DesiredRank, ObservedRank, RankExitedRequest,
+    RankStartedRequest, rank_env,
 };
+use cumulus_ckpt::{CheckpointStore, CkptError, CommitTier, LocalStore, PartRecord, TieredStore};
 use nix::sys::signal::Signal;
 use thiserror::Error;
 use tokio::io::AsyncWriteExt;
@@ -35,7 +35,7 @@ use crate::client::{ClientError, CoordinatorClient, RetryPolicy};
 use crate::events::{EventReporter, RankEvent};
 use crate::logs::{self, AttemptPaths, ExitRecord, LogWriter};
 use crate::orphans::{self, PidRecord};
-use crate::reconcile::{Action, AttemptKey, ObservedAttempt, reconcile};
+use crate::reconcile::{Action, ObservedAttempt, reconcile};
 use crate::spawn::{SpawnError, SpawnRequest, SpawnedChild, Spawner, signal_group};
 
 /// Most rank attempts alive on this agent at once.
@@ -50,30 +50,6 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 pub const LOG_CHANNEL_CAPACITY: usize = 32;
 /// Chunks written between two flushes of the log.
 const LOG_BATCH_CHUNKS: usize = 64;
-/// Most metrics in one progress report.
-pub const MAX_METRICS: usize = 64;
-/// Longest metric name, in bytes.
-pub const MAX_METRIC_NAME_BYTES: usize = 128;
-
-/// The variables of the rank contract. A job's own `env` entry with one of these names is
-/// dropped (even when the agent does not set that variable for this attempt), so that a
-/// job cannot fake, say, a resume.
-pub const CONTRACT_VARS: &[&str] = &[
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUMULUS_JOB_ID",
-    "CUMULUS_ATTEMPT",
-    "CUMULUS_SHARDS_FILE",
-    "CUMULUS_AGENT_URL",
-    "CUMULUS_AGENT_TOKEN",
-    "CUMULUS_CKPT_STAGING",
-    "CUMULUS_RESUME_DIR",
-    "CUMULUS_RESUME_STEP",
-];
 
 /// Fixed settings of a supervisor.
 #[derive(Debug, Clone)]
@@ -106,7 +82,7 @@ pub struct Progress {
     pub step: u64,
     /// Steps planned (0 = unknown).
     pub total_steps: u64,
-    /// Named metrics (≤ [`MAX_METRICS`] entries).
+    /// Named metrics (≤ [`cumulus_api::limits::MAX_METRICS`] entries).
     pub metrics: BTreeMap<String, f64>,
 }
 
@@ -506,15 +482,7 @@ impl Supervisor {
             attempt: key.attempt,
             step,
             dir: part.dir.clone(),
-            files: part
-                .files
-                .iter()
-                .map(|f| CheckpointFile {
-                    path: f.path.clone(),
-                    size_bytes: f.size_bytes,
-                    digest: f.digest.clone(),
-                })
-                .collect(),
+            files: part.files.iter().cloned().map(Into::into).collect(),
             state_json,
         };
         let result = self
@@ -822,7 +790,7 @@ impl Supervisor {
             if name.is_empty() || name.contains(['=', '\0']) || value.contains('\0') {
                 return Err(format!("invalid environment variable {name:?}"));
             }
-            if !CONTRACT_VARS.contains(&name.as_str()) {
+            if !rank_env::CONTRACT_VARS.contains(&name.as_str()) {
                 env.push((name.into(), value.into()));
             }
         }
@@ -851,17 +819,20 @@ impl Supervisor {
             d.master_addr.as_str()
         };
         let mut contract: Vec<(&str, OsString)> = vec![
-            ("RANK", d.rank.to_string().into()),
-            ("WORLD_SIZE", d.world_size.to_string().into()),
-            ("LOCAL_RANK", d.local_rank.to_string().into()),
-            ("LOCAL_WORLD_SIZE", d.local_world_size.to_string().into()),
-            ("MASTER_ADDR", master_addr.into()),
-            ("MASTER_PORT", d.master_port.to_string().into()),
-            ("CUMULUS_JOB_ID", d.job_id.clone().into()),
-            ("CUMULUS_ATTEMPT", d.attempt.to_string().into()),
-            ("CUMULUS_SHARDS_FILE", shards_path.into_os_string()),
-            ("CUMULUS_AGENT_URL", settings.rank_api_url.clone().into()),
-            ("CUMULUS_AGENT_TOKEN", token.into()),
+            (rank_env::RANK, d.rank.to_string().into()),
+            (rank_env::WORLD_SIZE, d.world_size.to_string().into()),
+            (rank_env::LOCAL_RANK, d.local_rank.to_string().into()),
+            (
+                rank_env::LOCAL_WORLD_SIZE,
+                d.local_world_size.to_string().into(),
+            ),
+            (rank_env::MASTER_ADDR, master_addr.into()),
+            (rank_env::MASTER_PORT, d.master_port.to_string().into()),
+            (rank_env::JOB_ID, d.job_id.clone().into()),
+            (rank_env::ATTEMPT, d.attempt.to_string().into()),
+            (rank_env::SHARDS_FILE, shards_path.into_os_string()),
+            (rank_env::AGENT_URL, settings.rank_api_url.clone().into()),
+            (rank_env::AGENT_TOKEN, token.into()),
         ];
 
         if !d.ckpt_dir.is_empty() || !d.ckpt_url.is_empty() {
@@ -870,11 +841,11 @@ impl Supervisor {
                 .prepare_staging(&key.job_id, key.rank, key.attempt)
                 .await
                 .map_err(|e| format!("cannot prepare checkpoint staging: {e}"))?;
-            contract.push(("CUMULUS_CKPT_STAGING", staging.clone().into_os_string()));
+            contract.push((rank_env::CKPT_STAGING, staging.clone().into_os_string()));
             if let Some(step) = d.resume_step {
                 let dir = verify_resume(&*store, key, step, &d.resume_dir).await?;
-                contract.push(("CUMULUS_RESUME_STEP", step.to_string().into()));
-                contract.push(("CUMULUS_RESUME_DIR", dir.into_os_string()));
+                contract.push((rank_env::RESUME_STEP, step.to_string().into()));
+                contract.push((rank_env::RESUME_DIR, dir.into_os_string()));
             }
             if let Some(entry) = self.table().entries.get_mut(key) {
                 entry.ckpt = Some(CkptTarget { store, staging });
@@ -935,7 +906,7 @@ impl Supervisor {
             .store(&d.ckpt_url)
             .await
             .map_err(|e| format!("cannot use the S3 checkpoint target: {e}"))?;
-        let tier = CommitTier::parse(&d.ckpt_commit_tier).map_err(|e| e.to_string())?;
+        let tier = CommitTier::from_spec(&d.ckpt_commit_tier).map_err(|e| e.to_string())?;
         let l1_root = if d.ckpt_dir.is_empty() {
             self.inner.settings.data_dir.join("ckpt-l1")
         } else {

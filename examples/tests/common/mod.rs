@@ -12,22 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Variables of the rank contract: removed from every child so tests are hermetic.
-pub const CONTRACT_VARS: &[&str] = &[
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUMULUS_JOB_ID",
-    "CUMULUS_ATTEMPT",
-    "CUMULUS_SHARDS_FILE",
-    "CUMULUS_AGENT_URL",
-    "CUMULUS_AGENT_TOKEN",
-    "CUMULUS_CKPT_STAGING",
-    "CUMULUS_RESUME_DIR",
-    "CUMULUS_RESUME_STEP",
-];
+pub use cumulus_api::rank_env::CONTRACT_VARS;
 
 /// The trainer binary with a clean rank environment.
 pub fn trainer() -> Command {

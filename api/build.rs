@@ -1,13 +1,16 @@
 //! Generates the tonic/prost code from `proto/cumulus.proto` with the vendored protoc,
-//! so no system protoc is needed.
+//! so no system protoc is needed. Without the `grpc` feature nothing is generated.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto/cumulus.proto");
+    if std::env::var_os("CARGO_FEATURE_GRPC").is_none() {
+        return Ok(());
+    }
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
     // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
     unsafe {
         std::env::set_var("PROTOC", protoc);
     }
-    println!("cargo:rerun-if-changed=proto/cumulus.proto");
     tonic_prost_build::configure()
         // Messages double as the JSON bodies of the REST mirror.
         .type_attribute(".", "#[derive(serde::Serialize, serde::Deserialize)]")

@@ -1,0 +1,57 @@
+//! The contract between Cumulus processes, in one crate every other crate uses (as neon's
+//! `pageserver_api`): what coordinators, worker agents, the CLI, rank processes and the
+//! tests say to each other, and nothing else (no I/O, no policy).
+//!
+//! - [`v1`] (feature `grpc`, on by default): the gRPC contract, package `cumulus.v1`, the
+//!   messages and the tonic clients and servers generated from `proto/cumulus.proto`.
+//!   Every generated message also derives `serde::Serialize`/`Deserialize` (with
+//!   `#[serde(default)]`), so the coordinator's REST mirror uses the same shapes as gRPC.
+//! - [`states`]: job state, rank state and phase, restart scope, commit tier, with their
+//!   one wire spelling.
+//! - [`rank_env`]: the environment variables of the rank contract.
+//! - [`limits`]: the limits more than one process checks.
+//! - [`files`]: one file of a checkpoint part, with its format-1 compatibility.
+//! - [`attempt`]: [`AttemptKey`], the identity of a rank attempt.
+//! - [`leader`] (feature `grpc`): how a client follows the leader (the metadata naming it,
+//!   what is retried, backoff).
+//!
+//! Python's `cumulus` package speaks the same names; `docs/architecture.md` ("Wire
+//! names") has the table.
+
+pub mod attempt;
+pub mod files;
+#[cfg(feature = "grpc")]
+pub mod leader;
+pub mod limits;
+pub mod rank_env;
+pub mod states;
+
+pub use attempt::AttemptKey;
+pub use files::FileEntry;
+pub use states::{CommitTier, JobState, RankPhase, RankState, RestartScope, UnknownName};
+
+/// Generated code for `cumulus.v1`.
+#[cfg(feature = "grpc")]
+#[allow(clippy::all, missing_docs)]
+pub mod v1 {
+    tonic::include_proto!("cumulus.v1");
+}
+
+#[cfg(feature = "grpc")]
+pub use v1::*;
+
+#[cfg(feature = "grpc")]
+impl v1::Job {
+    /// The job's state, parsed from its wire spelling.
+    pub fn job_state(&self) -> Result<JobState, UnknownName> {
+        self.state.parse()
+    }
+}
+
+#[cfg(feature = "grpc")]
+impl v1::RankStatus {
+    /// The rank's state as shown, parsed from its wire spelling.
+    pub fn phase(&self) -> Result<RankPhase, UnknownName> {
+        self.state.parse()
+    }
+}

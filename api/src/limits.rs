@@ -1,0 +1,37 @@
+//! Limits that more than one process checks: the CLI and the Python SDK refuse a request
+//! before sending it, the coordinator's API refuses it with a clear error, and `apply`
+//! (the state machine) refuses it even if a buggy or hostile client got past both.
+//!
+//! Limits private to one process (queue depths, buffer sizes) stay with that process.
+
+/// Longest submit idempotency key (`SubmitJobRequest.request_id`), in bytes; it is never
+/// empty.
+pub const MAX_REQUEST_ID_BYTES: usize = 128;
+/// Longest job name, in bytes.
+pub const MAX_JOB_NAME_BYTES: usize = 128;
+/// Hard upper bound on world size accepted by `apply` (coordinators may set a lower one
+/// with `--max-world-size`).
+pub const MAX_WORLD_SIZE: u32 = 65_536;
+/// Argument count limit of a rank command.
+pub const MAX_COMMAND_ARGS: usize = 256;
+/// Byte limit of one command argument, env key or env value.
+pub const MAX_ARG_BYTES: usize = 4_096;
+/// Limit on a job's env entries.
+pub const MAX_ENV_ENTRIES: usize = 256;
+/// Upper bound on the number of shards of one job.
+pub const MAX_SHARDS: usize = 100_000;
+/// Upper bound on restarts a job may be given (`max_restarts`).
+pub const MAX_RESTART_BUDGET: u32 = 1_000;
+/// Upper bound on the backoff delay of a restart policy, in milliseconds.
+pub const MAX_BACKOFF_MS: u64 = 3_600_000;
+/// Upper bound on kept checkpoint steps (`ckpt_keep`).
+pub const MAX_CKPT_KEEP: u32 = 100;
+/// Most files one checkpoint part may hold (and most directories one staging tree may
+/// hold).
+pub const MAX_PART_FILES: usize = 4096;
+/// Largest serialized per-rank resume state (`state_json`, compact JSON), in bytes.
+pub const MAX_STATE_JSON_BYTES: usize = 64 * 1024;
+/// Most metrics in one progress report to the rank-local API.
+pub const MAX_METRICS: usize = 64;
+/// Longest metric name in a progress report, in bytes.
+pub const MAX_METRIC_NAME_BYTES: usize = 128;

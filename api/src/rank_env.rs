@@ -1,0 +1,58 @@
+//! The rank contract: the environment variables a worker agent sets for every rank
+//! process, and that a trainer (the example trainer, the Python `cumulus.runtime`) reads.
+//!
+//! The names are torchrun's where torchrun has one (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//! `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), so an ordinary DDP script runs
+//! unchanged; the rest are `CUMULUS_*`. The Python runtime's `_env.py` names the same
+//! variables (the table in `docs/architecture.md`, "Wire names").
+
+/// Global rank, `0..WORLD_SIZE`.
+pub const RANK: &str = "RANK";
+/// Number of ranks of the job.
+pub const WORLD_SIZE: &str = "WORLD_SIZE";
+/// Rank among the job's ranks on this worker, `0..LOCAL_WORLD_SIZE`.
+pub const LOCAL_RANK: &str = "LOCAL_RANK";
+/// Number of the job's ranks on this worker.
+pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+/// Host of rank 0's rendezvous (the torch.distributed `env://` store).
+pub const MASTER_ADDR: &str = "MASTER_ADDR";
+/// Port of rank 0's rendezvous, chosen per job by the leader.
+pub const MASTER_PORT: &str = "MASTER_PORT";
+/// The job id, `job-NNNNNN`.
+pub const JOB_ID: &str = "CUMULUS_JOB_ID";
+/// The rank's attempt number (0 for its first run).
+pub const ATTEMPT: &str = "CUMULUS_ATTEMPT";
+/// File listing the rank's dataset shards, one path per line.
+pub const SHARDS_FILE: &str = "CUMULUS_SHARDS_FILE";
+/// Base URL of the agent's rank-local API (`http://127.0.0.1:<port>`).
+pub const AGENT_URL: &str = "CUMULUS_AGENT_URL";
+/// Bearer token of this rank attempt for the rank-local API.
+pub const AGENT_TOKEN: &str = "CUMULUS_AGENT_TOKEN";
+/// Directory the rank writes a checkpoint part into before committing it (set when the
+/// job has a checkpoint directory).
+pub const CKPT_STAGING: &str = "CUMULUS_CKPT_STAGING";
+/// Directory of the committed part this attempt resumes from (set with
+/// [`RESUME_STEP`], or neither).
+pub const RESUME_DIR: &str = "CUMULUS_RESUME_DIR";
+/// Checkpoint step this attempt resumes from.
+pub const RESUME_STEP: &str = "CUMULUS_RESUME_STEP";
+
+/// Every variable of the rank contract. A job's own `env` entry with one of these names is
+/// dropped by the agent (even when it does not set that variable for this attempt), so a
+/// job cannot fake, say, a resume; tests remove them all to run hermetically.
+pub const CONTRACT_VARS: &[&str] = &[
+    RANK,
+    WORLD_SIZE,
+    LOCAL_RANK,
+    LOCAL_WORLD_SIZE,
+    MASTER_ADDR,
+    MASTER_PORT,
+    JOB_ID,
+    ATTEMPT,
+    SHARDS_FILE,
+    AGENT_URL,
+    AGENT_TOKEN,
+    CKPT_STAGING,
+    RESUME_DIR,
+    RESUME_STEP,
+];

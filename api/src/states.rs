@@ -1,0 +1,266 @@
+//! The states and settings every process names, each with its one wire spelling.
+//!
+//! The gRPC messages carry these as strings (`JobInfo.state`, `RankInfo.state`,
+//! `RestartPolicy.scope`, `JobSpec.ckpt_commit_tier`) and the Raft log and snapshots as
+//! serde's lowercase names; both spellings come from here. Python's `cumulus.models`
+//! uses the same strings (the table in `docs/architecture.md`, "Wire names").
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// A name that is not one of an enum's wire spellings.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} {value:?} is not one of {expected}")]
+pub struct UnknownName {
+    /// What was being parsed, e.g. `"job state"`.
+    pub what: &'static str,
+    /// The text that did not match (cut to 64 bytes).
+    pub value: String,
+    /// The accepted spellings, e.g. `"l1, l2"`.
+    pub expected: &'static str,
+}
+
+impl UnknownName {
+    fn new(what: &'static str, value: &str, expected: &'static str) -> Self {
+        let mut end = value.len().min(64);
+        while !value.is_char_boundary(end) {
+            end -= 1;
+        }
+        Self {
+            what,
+            value: value[..end].to_string(),
+            expected,
+        }
+    }
+}
+
+/// Implements `as_str`, `Display`, `FromStr` and `ALL` from one table of spellings.
+macro_rules! wire_enum {
+    ($ty:ident, $what:literal, $expected:literal, { $($variant:ident => $name:literal),+ $(,)? }) => {
+        impl $ty {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$ty] = &[$($ty::$variant),+];
+
+            /// The wire spelling (the same as serde's).
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name),+
+                }
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = UnknownName;
+
+            /// Exact (case-sensitive) wire spelling.
+            fn from_str(text: &str) -> Result<Self, UnknownName> {
+                match text {
+                    $($name => Ok($ty::$variant),)+
+                    other => Err(UnknownName::new($what, other, $expected)),
+                }
+            }
+        }
+    };
+}
+
+/// Lifecycle of a job: `pending` → `running` → `succeeded` | `failed` | `cancelled`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    /// Accepted, not yet placed.
+    Pending,
+    /// Placed; ranks are starting, running or waiting for a restart.
+    Running,
+    /// Every rank of its current attempt exited 0.
+    Succeeded,
+    /// Out of restart budget, or unrunnable; the cause is recorded.
+    Failed,
+    /// Cancelled by a user.
+    Cancelled,
+}
+
+wire_enum!(JobState, "job state", "pending, running, succeeded, failed, cancelled", {
+    Pending => "pending",
+    Running => "running",
+    Succeeded => "succeeded",
+    Failed => "failed",
+    Cancelled => "cancelled",
+});
+
+impl JobState {
+    /// Succeeded, Failed or Cancelled: nothing will run for the job again.
+    pub const fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+        )
+    }
+}
+
+/// State of a rank's current attempt, as the Raft log and snapshots store it (serde
+/// names `unplaced`, `pending`, …). The APIs show a [`RankPhase`] instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RankState {
+    /// Not placed on a worker.
+    Unplaced,
+    /// Placed; to be started once the leader's clock passes the attempt's not-before time.
+    Pending,
+    /// The agent started the process.
+    Running,
+    /// The process exited with code 0.
+    Exited,
+    /// The attempt failed (non-zero exit, signal, spawn error, worker expiry, hang, loss).
+    Failed,
+}
+
+wire_enum!(RankState, "rank state", "unplaced, pending, running, exited, failed", {
+    Unplaced => "unplaced",
+    Pending => "pending",
+    Running => "running",
+    Exited => "exited",
+    Failed => "failed",
+});
+
+/// A rank's state as the APIs show it (`RankStatus.state`): what a user can tell apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RankPhase {
+    /// Not started yet: unplaced, or placed and about to start.
+    Pending,
+    /// Placed and waiting out a restart backoff of a running job.
+    Waiting,
+    /// The process runs.
+    Running,
+    /// The process exited with code 0.
+    Exited,
+    /// The attempt failed.
+    Failed,
+}
+
+wire_enum!(RankPhase, "rank phase", "pending, waiting, running, exited, failed", {
+    Pending => "pending",
+    Waiting => "waiting",
+    Running => "running",
+    Exited => "exited",
+    Failed => "failed",
+});
+
+/// Whether a failure restarts every rank of the job or only the failed one
+/// (`RestartPolicy.scope`; `""` on the wire means the default, `group`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum RestartScope {
+    /// Stop and restart every rank (what collective jobs need). Default.
+    #[default]
+    Group,
+    /// Restart only the rank that failed.
+    Rank,
+}
+
+wire_enum!(RestartScope, "restart scope", "group, rank", {
+    Group => "group",
+    Rank => "rank",
+});
+
+impl RestartScope {
+    /// Parses a spec's scope, where `""` means the default ([`RestartScope::Group`]).
+    pub fn from_spec(text: &str) -> Result<Self, UnknownName> {
+        if text.is_empty() {
+            Ok(Self::default())
+        } else {
+            text.parse()
+        }
+    }
+}
+
+/// Where a checkpoint step with an S3 target counts as committed
+/// (`JobSpec.ckpt_commit_tier`; `""` means the default, `l2`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum CommitTier {
+    /// On the worker's local disk; the upload to S3 follows in the background.
+    L1,
+    /// Only once uploaded to S3 and verified there. Default.
+    #[default]
+    L2,
+}
+
+wire_enum!(CommitTier, "commit tier", "l1, l2", {
+    L1 => "l1",
+    L2 => "l2",
+});
+
+impl CommitTier {
+    /// Parses a spec's tier, where `""` means the default ([`CommitTier::L2`]).
+    pub fn from_spec(text: &str) -> Result<Self, UnknownName> {
+        if text.is_empty() {
+            Ok(Self::default())
+        } else {
+            text.parse()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The wire spelling, serde's spelling and `FromStr` agree for every variant.
+    fn round_trips<T>(all: &[T])
+    where
+        T: Copy + fmt::Display + FromStr + Serialize + PartialEq + fmt::Debug,
+        <T as FromStr>::Err: fmt::Debug,
+    {
+        for v in all {
+            let text = v.to_string();
+            assert_eq!(text.parse::<T>().expect("parses"), *v);
+            assert_eq!(
+                serde_json::to_string(v).expect("serializes"),
+                format!("\"{text}\"")
+            );
+        }
+    }
+
+    #[test]
+    fn every_variant_has_one_spelling_for_wire_serde_and_parse() {
+        round_trips(JobState::ALL);
+        round_trips(RankState::ALL);
+        round_trips(RankPhase::ALL);
+        round_trips(RestartScope::ALL);
+        round_trips(CommitTier::ALL);
+    }
+
+    #[test]
+    fn an_unknown_name_is_refused_with_the_accepted_spellings() {
+        let e = "L3".parse::<CommitTier>().expect_err("unknown tier");
+        assert_eq!(e.to_string(), r#"commit tier "L3" is not one of l1, l2"#);
+        assert!("Running".parse::<JobState>().is_err(), "case-sensitive");
+    }
+
+    #[test]
+    fn an_empty_spec_field_means_the_default() {
+        assert_eq!(CommitTier::from_spec("").expect("default"), CommitTier::L2);
+        assert_eq!(
+            RestartScope::from_spec("").expect("default"),
+            RestartScope::Group
+        );
+        assert_eq!(CommitTier::from_spec("l1").expect("l1"), CommitTier::L1);
+    }
+
+    #[test]
+    fn only_finished_jobs_are_terminal() {
+        assert!(JobState::Cancelled.is_terminal() && JobState::Succeeded.is_terminal());
+        assert!(!JobState::Running.is_terminal() && !JobState::Pending.is_terminal());
+    }
+}
