@@ -18,11 +18,11 @@ use openraft::error::{ClientWriteError, RaftError};
 use openraft::{ChangeMembers, ServerState};
 
 use crate::convert::{job_to_proto, spec_from_proto, workers_to_proto};
+use crate::error::ApiError;
 use crate::localfs;
-use crate::node::{ApiError, Node, now_ms};
-
-/// Most regular files a dataset directory may hold (shards).
-pub const MAX_DATASET_FILES: usize = cumulus_raft_store::state::MAX_SHARDS;
+use crate::localfs::MAX_DATASET_FILES;
+use crate::node::Node;
+use crate::soft::now_ms;
 
 /// Lists a dataset directory's regular files (not hidden), sorted by name, as
 /// absolute paths. Blocking; call it off the runtime thread.

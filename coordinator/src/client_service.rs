@@ -2,39 +2,13 @@
 
 use std::sync::Arc;
 
-use cumulus_api::leader::{LEADER_GRPC_METADATA, LEADER_HTTP_METADATA};
 use cumulus_api::v1;
 use cumulus_api::v1::client_service_server::ClientService;
 use tonic::{Request, Response, Status};
 
 use crate::api;
-use crate::node::{ApiError, Node};
-
-/// Maps an [`ApiError`] to a gRPC status. `NotLeader` becomes UNAVAILABLE with the
-/// leader's addresses in metadata, so clients and workers can follow it.
-pub fn to_status(e: ApiError) -> Status {
-    let msg = e.to_string();
-    match e {
-        ApiError::NotLeader { leader } => {
-            let mut status = Status::unavailable(msg);
-            if let Some(n) = leader {
-                if let Ok(v) = n.grpc_addr.parse() {
-                    status.metadata_mut().insert(LEADER_GRPC_METADATA, v);
-                }
-                if let Ok(v) = n.http_addr.parse() {
-                    status.metadata_mut().insert(LEADER_HTTP_METADATA, v);
-                }
-            }
-            status
-        }
-        ApiError::InvalidArgument(_) => Status::invalid_argument(msg),
-        ApiError::NotFound(_) => Status::not_found(msg),
-        ApiError::FailedPrecondition(_) => Status::failed_precondition(msg),
-        ApiError::Unavailable(_) => Status::unavailable(msg),
-        ApiError::ResourceExhausted(_) => Status::resource_exhausted(msg),
-        ApiError::Internal(_) => Status::internal(msg),
-    }
-}
+use crate::error::to_status;
+use crate::node::Node;
 
 /// Serves the client API of one node.
 pub struct ClientSvc {

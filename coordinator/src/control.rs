@@ -23,7 +23,8 @@ use shard_planner::WorkerSlots;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::node::{Node, now_ms};
+use crate::node::Node;
+use crate::soft::now_ms;
 use cumulus_api::AttemptKey;
 
 /// How often the loop runs when nothing wakes it.
@@ -601,7 +602,7 @@ fn observe(node: &Node) -> Observations {
         for w in &workers {
             soft.workers.insert(
                 w.clone(),
-                crate::node::WorkerSoft {
+                crate::soft::WorkerSoft {
                     last_seen: now,
                     observed: Vec::new(),
                     resources: Default::default(),
@@ -618,7 +619,7 @@ fn observe(node: &Node) -> Observations {
         for (key, _, _, _) in &running {
             soft.progress
                 .entry(key.clone())
-                .or_insert(crate::node::ProgressSoft::observed_at(now, 0, 0));
+                .or_insert(crate::soft::ProgressSoft::observed_at(now, 0, 0));
         }
     }
     let mut obs = Observations::default();
@@ -645,7 +646,7 @@ fn observe(node: &Node) -> Observations {
             let p = soft
                 .progress
                 .entry(key.clone())
-                .or_insert(crate::node::ProgressSoft::observed_at(now, 0, 0));
+                .or_insert(crate::soft::ProgressSoft::observed_at(now, 0, 0));
             (now.duration_since(p.seen_at).as_millis() as u64)
                 .min(now_wall.saturating_sub(not_before_ms))
         } else {
@@ -1075,7 +1076,7 @@ fn prune_progress(node: &Node, memory: &mut LoopMemory) {
     });
     let mut soft = node.soft();
     soft.progress.retain(|k, _| current.contains(k));
-    if soft.progress.len() > crate::node::MAX_PROGRESS_ENTRIES {
+    if soft.progress.len() > crate::soft::MAX_PROGRESS_ENTRIES {
         soft.progress.clear();
     }
 }

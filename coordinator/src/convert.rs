@@ -8,7 +8,8 @@ use cumulus_raft_store::state::{
     ClusterState, Job, JobSpec, JobState, RankState, RestartPolicy, RestartScope, WorkerState,
 };
 
-use crate::node::{ApiError, ProgressSoft};
+use crate::error::ApiError;
+use crate::soft::ProgressSoft;
 use cumulus_api::AttemptKey;
 
 /// Default number of committed checkpoint steps kept.
@@ -217,7 +218,7 @@ pub fn desired_for_worker(
 /// The API view of the workers, with the leader's soft heartbeat ages when known.
 pub fn workers_to_proto(
     state: &ClusterState,
-    soft: &HashMap<String, crate::node::WorkerSoft>,
+    soft: &HashMap<String, crate::soft::WorkerSoft>,
 ) -> Vec<v1::WorkerInfo> {
     let used = state.slots_used(None);
     state

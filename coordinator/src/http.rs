@@ -6,52 +6,22 @@ use openraft::async_runtime::watch::WatchReceiver;
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use cumulus_api::leader::LEADER_HTTP_HEADER;
 use cumulus_api::v1;
 use serde::Deserialize;
 use serde_json::json;
 
 use crate::api;
 use crate::auth::bearer_matches;
-use crate::node::{ApiError, Node};
+use crate::error::{ApiError, HttpError};
+use crate::node::Node;
 
 /// Largest JSON request body accepted, in bytes.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
-
-/// An [`ApiError`] as an HTTP response: `{"error": "..."}` with a matching status; a
-/// follower answers writes with 503 and the leader's HTTP address in a header.
-pub struct HttpError(pub ApiError);
-
-impl IntoResponse for HttpError {
-    fn into_response(self) -> Response {
-        let msg = self.0.to_string();
-        let (status, leader) = match &self.0 {
-            ApiError::NotLeader { leader } => (StatusCode::SERVICE_UNAVAILABLE, leader.clone()),
-            ApiError::InvalidArgument(_) => (StatusCode::BAD_REQUEST, None),
-            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, None),
-            ApiError::FailedPrecondition(_) => (StatusCode::CONFLICT, None),
-            ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, None),
-            ApiError::ResourceExhausted(_) => (StatusCode::TOO_MANY_REQUESTS, None),
-            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, None),
-        };
-        let mut resp = (status, Json(json!({ "error": msg }))).into_response();
-        if let Some(value) = leader.and_then(|n| HeaderValue::from_str(&n.http_addr).ok()) {
-            resp.headers_mut().insert(LEADER_HTTP_HEADER, value);
-        }
-        resp
-    }
-}
-
-impl From<ApiError> for HttpError {
-    fn from(e: ApiError) -> Self {
-        HttpError(e)
-    }
-}
 
 /// Builds the router of one node.
 pub fn router(node: Arc<Node>) -> Router {

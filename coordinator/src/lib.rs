@@ -9,6 +9,7 @@ pub mod auth;
 pub mod client_service;
 pub mod control;
 pub mod convert;
+pub mod error;
 pub mod http;
 pub mod localfs;
 pub mod logs;
@@ -18,6 +19,7 @@ pub mod proposer;
 pub mod raft_service;
 pub mod rejoin;
 pub mod snapshots;
+pub mod soft;
 pub mod worker_service;
 
 use std::collections::BTreeMap;
@@ -38,7 +40,8 @@ use tracing::{info, warn};
 
 use crate::auth::{AddToken, AuthInterceptor};
 use crate::network::{MAX_RAFT_MESSAGE_BYTES, Network};
-use crate::node::{Node, NodeLimits, SoftState};
+use crate::node::{Node, NodeLimits};
+use crate::soft::SoftState;
 
 /// A peer given on the command line: `ID=GRPC_ADDR@HTTP_ADDR`.
 #[derive(Clone, Debug, PartialEq, Eq)]

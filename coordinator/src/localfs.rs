@@ -42,6 +42,9 @@ use std::time::{Duration, Instant};
 use nix::dir::{Dir, Type};
 use nix::fcntl::{AT_FDCWD, OFlag, OpenHow, ResolveFlag, openat2};
 
+/// Most regular files a dataset directory may hold (shards).
+pub const MAX_DATASET_FILES: usize = cumulus_raft_store::state::MAX_SHARDS;
+
 /// File-system types whose lookups never wait on a network peer or a user-space daemon
 /// (`mountinfo`'s type field; a `fuse.*`, `nfs*`, `cifs`, `autofs` or any other type is
 /// treated as possibly remote).
@@ -225,7 +228,7 @@ pub fn list_dataset_inline(table: &MountTable, dir: &str) -> Option<Vec<String>>
             Type::File => shards.push(path.join(name).to_string_lossy().to_string()),
             _ => continue,
         }
-        if shards.len() > crate::api::MAX_DATASET_FILES {
+        if shards.len() > MAX_DATASET_FILES {
             return None;
         }
     }

@@ -23,8 +23,8 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::http::HttpError;
-use crate::node::{ApiError, Node};
+use crate::error::{ApiError, HttpError};
+use crate::node::Node;
 
 /// Bytes asked of an agent per read.
 pub const CHUNK_BYTES: u64 = 256 * 1024;

@@ -3,11 +3,8 @@
 //! (propose, linearizable read, leader lookup). gRPC and HTTP handlers are thin
 //! adapters over these.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use cumulus_api::v1;
 pub use cumulus_raft_store::Raft;
 use cumulus_raft_store::state::ClusterState;
 use cumulus_raft_store::{Command, CumulusNode, NodeId, Response, SharedState};
@@ -16,51 +13,8 @@ use openraft::async_runtime::watch::WatchReceiver;
 use openraft::error::{LinearizableReadError, RaftError};
 use tokio::sync::Semaphore;
 
-/// Errors of the coordinator's APIs, mapped to gRPC codes and HTTP statuses by the
-/// service adapters.
-#[derive(Clone, Debug, thiserror::Error)]
-pub enum ApiError {
-    /// This node is not the leader; `leader` is the leader when known.
-    #[error("this coordinator is not the leader{}", leader_hint(.leader))]
-    NotLeader {
-        /// The leader's addresses, when known.
-        leader: Option<CumulusNode>,
-    },
-    /// The request is malformed or violates a limit.
-    #[error("{0}")]
-    InvalidArgument(String),
-    /// The named job does not exist.
-    #[error("{0}")]
-    NotFound(String),
-    /// The request is valid but the state does not allow it (e.g. a stale attempt).
-    #[error("{0}")]
-    FailedPrecondition(String),
-    /// Raft could not serve the request now (no quorum, shutting down); retry later.
-    #[error("{0}")]
-    Unavailable(String),
-    /// A cluster-wide limit is reached (the state's byte budget); retry once jobs finish.
-    #[error("{0}")]
-    ResourceExhausted(String),
-    /// A bug or an I/O failure on this node.
-    #[error("{0}")]
-    Internal(String),
-}
-
-fn leader_hint(leader: &Option<CumulusNode>) -> String {
-    match leader {
-        Some(n) => format!("; the leader is at {} (HTTP {})", n.grpc_addr, n.http_addr),
-        None => "; no leader is known yet, retry shortly".to_string(),
-    }
-}
-
-/// Milliseconds since the Unix epoch, from the system clock. Only the leader reads it,
-/// to stamp commands; `apply` never does.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use crate::error::{ApiError, leader_node};
+use crate::soft::SoftState;
 
 /// Limits and timeouts of this coordinator.
 #[derive(Clone, Debug)]
@@ -75,58 +29,6 @@ pub struct NodeLimits {
     /// (`--max-state-bytes`, at most [`cumulus_raft_store::state::MAX_STATE_BYTES`]).
     pub max_state_bytes: u64,
 }
-
-/// What the leader knows of a worker from its heartbeats (not replicated).
-#[derive(Clone, Debug)]
-pub struct WorkerSoft {
-    /// When the last heartbeat (or registration, or the leader's grace) was seen.
-    pub last_seen: Instant,
-    /// Rank attempts the agent reported running in its last heartbeat.
-    pub observed: Vec<v1::ObservedRank>,
-    /// Resources in its last heartbeat.
-    pub resources: v1::Resources,
-}
-
-/// Progress of one rank attempt as seen by the leader.
-#[derive(Clone, Debug)]
-pub struct ProgressSoft {
-    /// Latest reported step.
-    pub step: u64,
-    /// Latest reported total steps.
-    pub total_steps: u64,
-    /// When `step` last changed (or the attempt was first observed).
-    pub changed_at: Instant,
-    /// When the attempt was last seen in its worker's heartbeat.
-    pub seen_at: Instant,
-}
-
-impl ProgressSoft {
-    /// An attempt first observed at `now` at `step` of `total_steps`.
-    pub fn observed_at(now: Instant, step: u64, total_steps: u64) -> Self {
-        Self {
-            step,
-            total_steps,
-            changed_at: now,
-            seen_at: now,
-        }
-    }
-}
-
-use cumulus_api::AttemptKey;
-
-/// The leader's soft state: rebuilt from heartbeats after an election, never in Raft.
-#[derive(Debug, Default)]
-pub struct SoftState {
-    /// Per worker id.
-    pub workers: HashMap<String, WorkerSoft>,
-    /// Per rank attempt.
-    pub progress: HashMap<AttemptKey, ProgressSoft>,
-    /// Term in which this node last started acting as leader (grace is granted then).
-    pub leader_term: Option<u64>,
-}
-
-/// Upper bound on soft progress entries (stale ones are pruned by the control loop).
-pub const MAX_PROGRESS_ENTRIES: usize = 1_000_000;
 
 /// One coordinator's shared context.
 pub struct Node {
@@ -173,14 +75,6 @@ impl Drop for StateReservation<'_> {
             .state_reserved_bytes
             .fetch_sub(self.bytes, std::sync::atomic::Ordering::AcqRel);
     }
-}
-
-/// The leader's addresses from `raft`'s view of the membership, when a leader is known.
-pub fn leader_node(raft: &Raft) -> Option<CumulusNode> {
-    let m = raft.metrics();
-    let m = m.borrow_watched();
-    let leader = m.current_leader?;
-    m.membership_config.membership().get_node(&leader).cloned()
 }
 
 impl Node {

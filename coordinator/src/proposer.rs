@@ -22,7 +22,9 @@ use openraft::error::{ClientWriteError, RaftError};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::node::{ApiError, Raft, leader_node};
+use cumulus_raft_store::Raft;
+
+use crate::error::{ApiError, leader_node};
 
 /// Proposals waiting for a batch, at most; past it [`Proposer::propose`] waits.
 pub const MAX_QUEUED_PROPOSALS: usize = 4_096;

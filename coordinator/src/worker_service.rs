@@ -12,9 +12,10 @@ use cumulus_raft_store::Command;
 use cumulus_raft_store::state::{PartInfo, WorkerState, valid_id};
 use tonic::{Request, Response, Status};
 
-use crate::client_service::to_status;
 use crate::convert::{desired_digest, desired_for_worker, next_backoff_end_ms};
-use crate::node::{ApiError, Node, ProgressSoft, WorkerSoft, now_ms};
+use crate::error::{ApiError, to_status};
+use crate::node::Node;
+use crate::soft::{ProgressSoft, WorkerSoft, now_ms};
 
 /// Most observed ranks accepted in one heartbeat.
 pub const MAX_OBSERVED_PER_HEARTBEAT: usize = 4_096;
