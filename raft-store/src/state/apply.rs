@@ -1,0 +1,812 @@
+//! [`ClusterState::apply`]: the pure, deterministic application of a [`Command`].
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use super::*;
+
+impl ClusterState {
+    /// Job ids by lifecycle class.
+    pub fn job_index(&self) -> &JobIndex {
+        &self.index
+    }
+
+    /// Rebuilds the job index from `jobs` (after filling `jobs` other than by `apply`).
+    pub fn rebuild_index(&mut self) {
+        let mut index = JobIndex::default();
+        for (id, job) in &self.jobs {
+            index.update(id, Some(job));
+        }
+        self.index = index;
+    }
+
+    /// Applies one command; returns the response and records touched keys in `dirty`.
+    /// Deterministic: the same state and command give the same result on every replica.
+    pub fn apply(&mut self, cmd: &Command, dirty: &mut BTreeSet<DirtyKey>) -> Response {
+        if matches!(cmd, Command::Batch { .. }) {
+            // Each command of the batch updates the index itself.
+            return self.apply_one(cmd, dirty);
+        }
+        let mut touched = BTreeSet::new();
+        let response = self.apply_one(cmd, &mut touched);
+        for key in &touched {
+            if let DirtyKey::Job(id) = key {
+                self.index.update(id, self.jobs.get(id).map(|j| &**j));
+            }
+        }
+        dirty.append(&mut touched);
+        response
+    }
+
+    fn apply_one(&mut self, cmd: &Command, dirty: &mut BTreeSet<DirtyKey>) -> Response {
+        match cmd {
+            Command::SubmitJob {
+                request_id,
+                spec,
+                shards,
+                submitted_at_ms,
+            } => self.submit(request_id, spec, shards, *submitted_at_ms, dirty),
+            Command::CancelJob { job_id, at_ms } => self.with_live_job(job_id, dirty, |job| {
+                job.state = JobState::Cancelled;
+                job.finished_at_ms = *at_ms;
+                job.failure_cause = Some("cancelled by user".into());
+                Response::Ok
+            }),
+            Command::RegisterWorker {
+                worker_id,
+                host,
+                http_addr,
+                slots,
+                at_ms,
+            } => {
+                if !valid_id(worker_id) || host.is_empty() || http_addr.is_empty() || *slots == 0 {
+                    return reject("invalid worker registration");
+                }
+                self.workers.insert(
+                    worker_id.clone(),
+                    WorkerRecord {
+                        worker_id: worker_id.clone(),
+                        host: host.clone(),
+                        http_addr: http_addr.clone(),
+                        slots: *slots,
+                        state: WorkerState::Alive,
+                        registered_at_ms: *at_ms,
+                        expired_at_ms: 0,
+                    },
+                );
+                dirty.insert(DirtyKey::Worker(worker_id.clone()));
+                Response::Ok
+            }
+            Command::ExpireWorker { worker_id, at_ms } => {
+                self.expire_worker(worker_id, *at_ms, dirty)
+            }
+            Command::PlaceJob {
+                job_id,
+                placements,
+                at_ms: _,
+            } => self.place_job(job_id, placements, dirty),
+            Command::RankStarted {
+                job_id,
+                rank,
+                attempt,
+                worker_id,
+                pid,
+                at_ms,
+            } => self.with_current_rank(job_id, *rank, *attempt, Some(worker_id), dirty, |_, r| {
+                if r.state != RankState::Pending {
+                    return reject(format!(
+                        "rank {} attempt {} is not pending",
+                        r.rank, r.attempt
+                    ));
+                }
+                r.state = RankState::Running;
+                r.pid = *pid;
+                r.started_at_ms = *at_ms;
+                Response::Ok
+            }),
+            Command::RankExited {
+                job_id,
+                rank,
+                attempt,
+                worker_id,
+                exit_code,
+                signal,
+                spawn_error,
+                agent_fault,
+                at_ms,
+            } => self.with_current_rank(job_id, *rank, *attempt, Some(worker_id), dirty, |_, r| {
+                if !matches!(r.state, RankState::Pending | RankState::Running) {
+                    return reject(format!(
+                        "rank {} attempt {} already ended",
+                        r.rank, r.attempt
+                    ));
+                }
+                r.exit_code = *exit_code;
+                r.signal = *signal;
+                r.exited_at_ms = *at_ms;
+                if *exit_code == Some(0) && spawn_error.is_empty() {
+                    r.state = RankState::Exited;
+                    r.failure = None;
+                } else {
+                    r.state = RankState::Failed;
+                    r.agent_fault = *agent_fault && !spawn_error.is_empty();
+                    r.failure = Some(if r.agent_fault {
+                        format!(
+                            "rank {} attempt {} could not start on {worker_id}, for a \
+                             resource error of the agent (not the rank's): {spawn_error}",
+                            r.rank, r.attempt
+                        )
+                    } else if !spawn_error.is_empty() {
+                        format!(
+                            "rank {} attempt {} could not start: {spawn_error}",
+                            r.rank, r.attempt
+                        )
+                    } else if let Some(sig) = signal {
+                        format!(
+                            "rank {} attempt {} was killed by signal {sig}",
+                            r.rank, r.attempt
+                        )
+                    } else {
+                        format!(
+                            "rank {} attempt {} exited with code {}",
+                            r.rank,
+                            r.attempt,
+                            exit_code.map_or("?".to_string(), |c| c.to_string())
+                        )
+                    });
+                }
+                Response::Ok
+            }),
+            Command::RankFailed {
+                job_id,
+                rank,
+                attempt,
+                cause,
+                at_ms,
+            } => self.with_current_rank(job_id, *rank, *attempt, None, dirty, |_, r| {
+                if !matches!(r.state, RankState::Pending | RankState::Running) {
+                    return reject(format!(
+                        "rank {} attempt {} already ended",
+                        r.rank, r.attempt
+                    ));
+                }
+                r.state = RankState::Failed;
+                r.exited_at_ms = *at_ms;
+                r.failure = Some(format!("rank {} attempt {}: {cause}", r.rank, r.attempt));
+                Response::Ok
+            }),
+            Command::ScheduleRestart {
+                job_id,
+                placements,
+                failed_at_ms,
+                delay_ms,
+                cause,
+                resume_step,
+                agent_fault,
+            } => self.schedule_restart(
+                job_id,
+                placements,
+                *failed_at_ms,
+                *delay_ms,
+                cause,
+                *resume_step,
+                *agent_fault,
+                dirty,
+            ),
+            Command::FailJob {
+                job_id,
+                cause,
+                at_ms,
+            } => self.with_live_job(job_id, dirty, |job| {
+                job.state = JobState::Failed;
+                job.finished_at_ms = *at_ms;
+                job.failure_cause = Some(cause.clone());
+                Response::Ok
+            }),
+            Command::CheckpointPartCommitted { job_id, step, part } => {
+                self.part_committed(job_id, *step, part, dirty)
+            }
+            Command::CheckpointCommitted {
+                job_id,
+                step,
+                at_ms: _,
+            } => self.with_live_job(job_id, dirty, |job| {
+                let Some(parts) = job.pending_parts.get(step) else {
+                    return reject(format!("no parts of step {step} are pending"));
+                };
+                if parts.len() != job.spec.world_size as usize {
+                    return reject(format!(
+                        "step {step} has {} of {} parts",
+                        parts.len(),
+                        job.spec.world_size
+                    ));
+                }
+                let parts: Vec<PartInfo> = parts.values().cloned().collect();
+                job.committed.insert(*step, parts);
+                job.committed_step = Some(job.committed_step.map_or(*step, |s| s.max(*step)));
+                job.pending_parts.retain(|s, _| s > step);
+                while job.committed.len() > job.spec.ckpt_keep as usize {
+                    job.committed.pop_first();
+                }
+                Response::Ok
+            }),
+            Command::JobSucceeded { job_id, at_ms } => self.with_live_job(job_id, dirty, |job| {
+                if job.state != JobState::Running || !job.all_ranks_succeeded() {
+                    return reject("not every rank of the current attempt exited 0");
+                }
+                job.state = JobState::Succeeded;
+                job.finished_at_ms = *at_ms;
+                Response::Ok
+            }),
+            Command::Batch { commands } => {
+                if commands.len() > MAX_BATCH_COMMANDS {
+                    return reject(format!(
+                        "a batch of {} commands is above the limit of {MAX_BATCH_COMMANDS}",
+                        commands.len()
+                    ));
+                }
+                if commands.iter().any(|c| matches!(c, Command::Batch { .. })) {
+                    return reject("a batch must not contain a batch");
+                }
+                Response::Batch {
+                    responses: commands.iter().map(|c| self.apply(c, dirty)).collect(),
+                }
+            }
+        }
+    }
+
+    fn submit(
+        &mut self,
+        request_id: &str,
+        spec: &JobSpec,
+        shards: &[String],
+        submitted_at_ms: u64,
+        dirty: &mut BTreeSet<DirtyKey>,
+    ) -> Response {
+        if request_id.is_empty() || request_id.len() > MAX_REQUEST_ID_BYTES {
+            return reject(format!(
+                "request id must be 1..={MAX_REQUEST_ID_BYTES} bytes"
+            ));
+        }
+        if let Some(job_id) = self.request_ids.get(request_id) {
+            return match self.jobs.get(job_id) {
+                Some(job) if job.spec != *spec => reject(format!(
+                    "request id {request_id} was already used for {job_id} with a different spec"
+                )),
+                _ => Response::JobSubmitted {
+                    job_id: job_id.clone(),
+                    created: false,
+                },
+            };
+        }
+        if let Err(e) = spec.validate(MAX_WORLD_SIZE) {
+            return reject(e);
+        }
+        if shards.len() > MAX_SHARDS {
+            return reject(format!(
+                "{} shards is above the limit of {MAX_SHARDS}",
+                shards.len()
+            ));
+        }
+        let plan = match shard_planner::assign_shards(shards, spec.world_size) {
+            Ok(p) => p,
+            Err(e) => return reject(format!("shard plan: {e}")),
+        };
+        let seq = self.next_job_seq + 1;
+        self.next_job_seq = seq;
+        dirty.insert(DirtyKey::Meta);
+        let job_id = format!("job-{seq:06}");
+        let ranks = (0..spec.world_size)
+            .map(|rank| RankRecord {
+                rank,
+                attempt: 0,
+                worker_id: None,
+                state: RankState::Unplaced,
+                local_rank: 0,
+                local_world_size: 0,
+                exit_code: None,
+                signal: None,
+                failure: None,
+                started_at_ms: 0,
+                exited_at_ms: 0,
+                pid: 0,
+                not_before_ms: 0,
+                resume_step: None,
+                resume_dir: String::new(),
+                attempt_workers: Vec::new(),
+                agent_fault: false,
+            })
+            .collect();
+        let job = Job {
+            id: job_id.clone(),
+            seq,
+            request_id: request_id.to_string(),
+            spec: spec.clone(),
+            shard_plan: plan,
+            shard_count: shards.len() as u32,
+            state: JobState::Pending,
+            submitted_at_ms,
+            finished_at_ms: 0,
+            failure_cause: None,
+            ranks,
+            restarts_used: 0,
+            restarts: Vec::new(),
+            agent_fault_restarts: 0,
+            master_port: master_port(seq, 0),
+            pending_parts: BTreeMap::new(),
+            committed: BTreeMap::new(),
+            committed_step: None,
+        };
+        // Indexed now (its fixed size computed once, kept by the index), so that the
+        // eviction below counts it.
+        self.index.update(&job_id, Some(&job));
+        self.jobs.insert(job_id.clone(), Arc::new(job));
+        self.request_ids
+            .insert(request_id.to_string(), job_id.clone());
+        dirty.insert(DirtyKey::Job(job_id.clone()));
+        dirty.insert(DirtyKey::RequestId(request_id.to_string()));
+        self.evict_old_jobs(MAX_JOBS_RETAINED, MAX_STATE_BYTES, dirty);
+        Response::JobSubmitted {
+            job_id,
+            created: true,
+        }
+    }
+
+    /// Drops the oldest terminal jobs while more than `max_jobs` are kept or their
+    /// estimated size ([`JobIndex::total_bytes`]) is above `max_bytes`: the bounded
+    /// state ([`MAX_JOBS_RETAINED`], [`MAX_STATE_BYTES`]). Pending and running jobs are
+    /// never dropped (the leader refuses submits instead).
+    pub(super) fn evict_old_jobs(
+        &mut self,
+        max_jobs: usize,
+        max_bytes: u64,
+        dirty: &mut BTreeSet<DirtyKey>,
+    ) {
+        let excess = self.jobs.len().saturating_sub(max_jobs);
+        let mut bytes = self.index.total_bytes();
+        if excess == 0 && bytes <= max_bytes {
+            return;
+        }
+        let mut victims: Vec<(String, String)> = Vec::new();
+        for id in &self.index.terminal {
+            if victims.len() >= excess && bytes <= max_bytes {
+                break;
+            }
+            let Some(job) = self.jobs.get(id) else {
+                continue;
+            };
+            bytes = bytes.saturating_sub(self.index.job_bytes(id));
+            victims.push((job.id.clone(), job.request_id.clone()));
+        }
+        for (job_id, request_id) in victims {
+            self.jobs.remove(&job_id);
+            self.request_ids.remove(&request_id);
+            dirty.insert(DirtyKey::Job(job_id));
+            dirty.insert(DirtyKey::RequestId(request_id));
+        }
+    }
+
+    fn with_live_job(
+        &mut self,
+        job_id: &str,
+        dirty: &mut BTreeSet<DirtyKey>,
+        f: impl FnOnce(&mut Job) -> Response,
+    ) -> Response {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return reject(format!("unknown job {job_id}"));
+        };
+        if job.state.is_terminal() {
+            return reject(format!("job {job_id} is already {}", job.state.as_str()));
+        }
+        // A pointer to the job as it was: `make_mut` copies the job only while a snapshot
+        // (or this comparison) still shares it.
+        let before = Arc::clone(job);
+        let resp = f(Arc::make_mut(job));
+        if **job != *before {
+            dirty.insert(DirtyKey::Job(job_id.to_string()));
+        }
+        resp
+    }
+
+    /// Runs `f` on the current attempt of a rank; rejects a stale attempt, another
+    /// worker's report, or a job that is not running.
+    fn with_current_rank(
+        &mut self,
+        job_id: &str,
+        rank: u32,
+        attempt: u32,
+        worker_id: Option<&String>,
+        dirty: &mut BTreeSet<DirtyKey>,
+        f: impl FnOnce(&JobSpec, &mut RankRecord) -> Response,
+    ) -> Response {
+        self.with_live_job(job_id, dirty, |job| {
+            if job.state != JobState::Running {
+                return reject(format!("job {job_id} is {}", job.state.as_str()));
+            }
+            let Some(r) = job.ranks.get_mut(rank as usize) else {
+                return reject(format!("job {job_id} has no rank {rank}"));
+            };
+            if r.attempt != attempt {
+                return reject(format!(
+                    "stale attempt: rank {rank} of {job_id} is at attempt {}, not {attempt}",
+                    r.attempt
+                ));
+            }
+            if let Some(w) = worker_id
+                && r.worker_id.as_ref() != Some(w)
+            {
+                return reject(format!(
+                    "rank {rank} attempt {attempt} of {job_id} is not placed on {w}"
+                ));
+            }
+            f(&job.spec, r)
+        })
+    }
+
+    fn expire_worker(
+        &mut self,
+        worker_id: &str,
+        at_ms: u64,
+        dirty: &mut BTreeSet<DirtyKey>,
+    ) -> Response {
+        let Some(w) = self.workers.get_mut(worker_id) else {
+            return reject(format!("unknown worker {worker_id}"));
+        };
+        if w.state == WorkerState::Expired {
+            return reject(format!("worker {worker_id} is already expired"));
+        }
+        w.state = WorkerState::Expired;
+        w.expired_at_ms = at_ms;
+        dirty.insert(DirtyKey::Worker(worker_id.to_string()));
+        for job in self.jobs.values_mut() {
+            let holds_live_rank = job.state == JobState::Running
+                && job.ranks.iter().any(|r| {
+                    r.worker_id.as_deref() == Some(worker_id)
+                        && matches!(r.state, RankState::Pending | RankState::Running)
+                });
+            if !holds_live_rank {
+                continue;
+            }
+            let job = Arc::make_mut(job);
+            let mut touched = false;
+            for r in &mut job.ranks {
+                if r.worker_id.as_deref() == Some(worker_id)
+                    && matches!(r.state, RankState::Pending | RankState::Running)
+                {
+                    r.state = RankState::Failed;
+                    r.exited_at_ms = at_ms;
+                    r.failure = Some(format!(
+                        "rank {} attempt {}: worker {worker_id} expired (no heartbeat)",
+                        r.rank, r.attempt
+                    ));
+                    touched = true;
+                }
+            }
+            if touched {
+                dirty.insert(DirtyKey::Job(job.id.clone()));
+            }
+        }
+        Response::Ok
+    }
+
+    /// Validates that `placements` put each of `ranks` on an alive worker exactly once
+    /// and that no worker gets more ranks than its free slots.
+    fn check_placements(
+        &self,
+        job_id: &str,
+        ranks: &BTreeSet<u32>,
+        placements: &[(u32, String)],
+    ) -> Result<(), String> {
+        let placed: BTreeSet<u32> = placements.iter().map(|(r, _)| *r).collect();
+        if placed != *ranks || placed.len() != placements.len() {
+            return Err("placement does not cover exactly the ranks to place".into());
+        }
+        let mut wanted: BTreeMap<&str, u32> = BTreeMap::new();
+        for (_, w) in placements {
+            *wanted.entry(w.as_str()).or_default() += 1;
+        }
+        let used = self.slots_used(Some((job_id, ranks)));
+        for (w, n) in wanted {
+            let Some(rec) = self.workers.get(w) else {
+                return Err(format!("unknown worker {w}"));
+            };
+            if rec.state != WorkerState::Alive {
+                return Err(format!("worker {w} is expired"));
+            }
+            let free = rec.slots.saturating_sub(used.get(w).copied().unwrap_or(0));
+            if n > free {
+                return Err(format!("worker {w} has {free} free slots, not {n}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Slots in use per worker by ranks of running jobs that are placed and not ended,
+    /// leaving out the ranks named in `except` (which are being re-placed). Visits only
+    /// running jobs ([`JobIndex::running`]).
+    pub fn slots_used(&self, except: Option<(&str, &BTreeSet<u32>)>) -> BTreeMap<String, u32> {
+        let mut used = BTreeMap::new();
+        // Only running jobs are placed (a job gets its workers when it leaves pending).
+        for job in self.index.running.iter().filter_map(|id| self.jobs.get(id)) {
+            for r in &job.ranks {
+                if let Some((j, ranks)) = except
+                    && j == job.id
+                    && ranks.contains(&r.rank)
+                {
+                    continue;
+                }
+                if let (Some(w), RankState::Pending | RankState::Running) = (&r.worker_id, r.state)
+                {
+                    *used.entry(w.clone()).or_insert(0) += 1;
+                }
+            }
+        }
+        used
+    }
+
+    fn place_job(
+        &mut self,
+        job_id: &str,
+        placements: &[(u32, String)],
+        dirty: &mut BTreeSet<DirtyKey>,
+    ) -> Response {
+        let Some(job) = self.jobs.get(job_id) else {
+            return reject(format!("unknown job {job_id}"));
+        };
+        if job.state != JobState::Pending {
+            return reject(format!(
+                "job {job_id} is {}, not pending",
+                job.state.as_str()
+            ));
+        }
+        let all: BTreeSet<u32> = (0..job.spec.world_size).collect();
+        if let Err(e) = self.check_placements(job_id, &all, placements) {
+            return reject(e);
+        }
+        let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
+        job.state = JobState::Running;
+        assign_placements(job, placements, 0);
+        dirty.insert(DirtyKey::Job(job_id.to_string()));
+        Response::Ok
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn schedule_restart(
+        &mut self,
+        job_id: &str,
+        placements: &[(u32, String)],
+        failed_at_ms: u64,
+        delay_ms: u64,
+        cause: &str,
+        resume_step: Option<u64>,
+        agent_fault: bool,
+        dirty: &mut BTreeSet<DirtyKey>,
+    ) -> Response {
+        let Some(job) = self.jobs.get(job_id) else {
+            return reject(format!("unknown job {job_id}"));
+        };
+        if job.state != JobState::Running {
+            return reject(format!(
+                "job {job_id} is {}, not running",
+                job.state.as_str()
+            ));
+        }
+        if agent_fault {
+            if job.agent_fault_restarts >= MAX_AGENT_FAULT_RESTARTS {
+                return reject(format!(
+                    "job {job_id} had its {MAX_AGENT_FAULT_RESTARTS} restarts for agent errors"
+                ));
+            }
+            if !job
+                .ranks
+                .iter()
+                .filter(|r| r.state == RankState::Failed)
+                .all(|r| r.agent_fault)
+            {
+                return reject("a rank failed for its own reasons: the restart spends budget");
+            }
+        } else if job.restarts_used >= job.spec.restart.max_restarts {
+            return reject(format!("job {job_id} has no restart budget left"));
+        }
+        // Budgeted restarts count in `restarts_used`, agent-fault ones apart; the backoff
+        // grows with each kind's own count.
+        let (number, backoff_number) = if agent_fault {
+            (job.restarts_used, job.agent_fault_restarts + 1)
+        } else {
+            (job.restarts_used + 1, job.restarts_used + 1)
+        };
+        let policy = job.spec.restart.clone();
+        if delay_ms < policy.min_delay_ms(backoff_number) {
+            return reject(format!(
+                "restart delay {delay_ms} ms is below the policy's minimum of {} ms",
+                policy.min_delay_ms(backoff_number)
+            ));
+        }
+        if !job.ranks.iter().any(|r| r.state == RankState::Failed) {
+            return reject("no rank of the job has failed");
+        }
+        let ranks: BTreeSet<u32> = placements.iter().map(|(r, _)| *r).collect();
+        let required: BTreeSet<u32> = match policy.scope {
+            RestartScope::Group => (0..job.spec.world_size).collect(),
+            RestartScope::Rank => job
+                .ranks
+                .iter()
+                .filter(|r| r.state == RankState::Failed)
+                .map(|r| r.rank)
+                .collect(),
+        };
+        if ranks != required {
+            return reject(format!(
+                "restart must cover ranks {required:?} for scope {:?}",
+                policy.scope
+            ));
+        }
+        if let Some(step) = resume_step
+            && !job.committed.contains_key(&step)
+        {
+            return reject(format!("step {step} is not a kept committed step"));
+        }
+        if let Err(e) = self.check_placements(job_id, &ranks, placements) {
+            return reject(e);
+        }
+        let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
+        job.restarts_used = number;
+        if agent_fault {
+            job.agent_fault_restarts += 1;
+        }
+        // Resuming from an older step than the newest committed one means the newer
+        // steps failed verification: forget them, so the step can be committed again.
+        match resume_step {
+            Some(step) => {
+                job.committed.retain(|s, _| *s <= step);
+                job.committed_step = Some(step);
+            }
+            None => {
+                job.committed.clear();
+                job.committed_step = None;
+            }
+        }
+        // Parts written by the attempts being replaced never mix with the new attempts'.
+        for parts in job.pending_parts.values_mut() {
+            parts.retain(|rank, _| !ranks.contains(rank));
+        }
+        job.pending_parts.retain(|_, parts| !parts.is_empty());
+        let not_before_ms = failed_at_ms.saturating_add(delay_ms);
+        job.restarts.push(RestartRecord {
+            number,
+            failed_at_ms,
+            delay_ms,
+            not_before_ms,
+            cause: cause.to_string(),
+            ranks: ranks.iter().copied().collect(),
+            resume_step,
+            agent_fault,
+        });
+        if policy.scope == RestartScope::Group {
+            // A new port per restart of either kind (the sum only grows).
+            job.master_port = master_port(job.seq, number + job.agent_fault_restarts);
+        }
+        for r in &mut job.ranks {
+            if !ranks.contains(&r.rank) {
+                continue;
+            }
+            r.attempt += 1;
+            r.exit_code = None;
+            r.signal = None;
+            r.failure = None;
+            r.agent_fault = false;
+            r.started_at_ms = 0;
+            r.exited_at_ms = 0;
+            r.pid = 0;
+            r.not_before_ms = not_before_ms;
+            r.resume_step = resume_step;
+            r.resume_dir = resume_step
+                .and_then(|s| job.committed.get(&s))
+                .and_then(|parts| parts.get(r.rank as usize))
+                .map(|p| p.dir.clone())
+                .unwrap_or_default();
+        }
+        assign_placements(job, placements, not_before_ms);
+        dirty.insert(DirtyKey::Job(job_id.to_string()));
+        Response::Ok
+    }
+
+    fn part_committed(
+        &mut self,
+        job_id: &str,
+        step: u64,
+        part: &PartInfo,
+        dirty: &mut BTreeSet<DirtyKey>,
+    ) -> Response {
+        let rank = part.rank;
+        let attempt = part.attempt;
+        if let Some(job) = self.jobs.get(job_id)
+            && job.committed_step.is_some_and(|c| step <= c)
+        {
+            // The same part again, already in its committed step: a retry whose first
+            // try was committed but not acknowledged (the leader died before replying).
+            // It succeeds and changes nothing; rejecting it would tell the agent that
+            // its attempt is stale and end a healthy rank.
+            if job
+                .committed
+                .get(&step)
+                .is_some_and(|parts| parts.contains(part))
+            {
+                return Response::Ok;
+            }
+            return reject(format!("step {step} is not after the committed step"));
+        }
+        if part.files.len() > 4096 || part.state_json.len() > 64 * 1024 || part.dir.is_empty() {
+            return reject("checkpoint part is too large or has no directory");
+        }
+        self.with_current_rank(job_id, rank, attempt, None, dirty, |_, r| {
+            if !matches!(r.state, RankState::Pending | RankState::Running) {
+                return reject(format!("rank {rank} attempt {attempt} is not running"));
+            }
+            Response::Ok
+        })
+        .and_then_ok(|| {
+            let job = Arc::make_mut(
+                self.jobs
+                    .get_mut(job_id)
+                    .expect("checked by with_current_rank"),
+            );
+            job.pending_parts
+                .entry(step)
+                .or_default()
+                .insert(rank, part.clone());
+            while job.pending_parts.len() > MAX_PENDING_CKPT_STEPS {
+                job.pending_parts.pop_first();
+            }
+            dirty.insert(DirtyKey::Job(job_id.to_string()));
+            Response::Ok
+        })
+    }
+}
+
+trait ResponseExt {
+    fn and_then_ok(self, f: impl FnOnce() -> Response) -> Response;
+}
+
+impl ResponseExt for Response {
+    fn and_then_ok(self, f: impl FnOnce() -> Response) -> Response {
+        match self {
+            Response::Ok => f(),
+            other => other,
+        }
+    }
+}
+
+/// MASTER_PORT of a job's `restart`-th group attempt: spread over
+/// [`MASTER_PORT_BASE`, `MASTER_PORT_BASE + MASTER_PORT_SPAN`) so a restarted group
+/// does not collide with the port its predecessor may still hold.
+pub fn master_port(seq: u64, restart: u32) -> u32 {
+    let offset =
+        (seq.wrapping_mul(97).wrapping_add(u64::from(restart) * 13)) % u64::from(MASTER_PORT_SPAN);
+    MASTER_PORT_BASE + offset as u32
+}
+
+/// Places the given ranks (a fresh attempt, state Pending) and recomputes local ranks
+/// of the whole job.
+fn assign_placements(job: &mut Job, placements: &[(u32, String)], not_before_ms: u64) {
+    for (rank, worker) in placements {
+        let r = &mut job.ranks[*rank as usize];
+        r.worker_id = Some(worker.clone());
+        r.state = RankState::Pending;
+        r.not_before_ms = not_before_ms;
+        r.attempt_workers.push((r.attempt, worker.clone()));
+    }
+    let current: Vec<(u32, String)> = job
+        .ranks
+        .iter()
+        .filter_map(|r| r.worker_id.clone().map(|w| (r.rank, w)))
+        .collect();
+    if current.len() == job.ranks.len()
+        && let Ok(locals) = shard_planner::local_ranks(&current)
+    {
+        for (r, (local_rank, local_world_size)) in job.ranks.iter_mut().zip(locals) {
+            r.local_rank = local_rank;
+            r.local_world_size = local_world_size;
+        }
+    }
+}

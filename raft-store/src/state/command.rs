@@ -1,0 +1,308 @@
+//! [`Command`]: a state change as it travels in the Raft log, and [`Response`], what
+//! applying it answered.
+
+use serde::{Deserialize, Serialize};
+
+use super::*;
+
+/// A state change, proposed by a coordinator and applied by every replica.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    /// Create a job (or return the one `request_id` already created).
+    SubmitJob {
+        /// Idempotency key.
+        request_id: String,
+        /// Validated spec.
+        spec: JobSpec,
+        /// Shard paths of the dataset, sorted by name.
+        shards: Vec<String>,
+        /// Leader time.
+        submitted_at_ms: u64,
+    },
+    /// Cancel a job.
+    CancelJob {
+        /// Job.
+        job_id: String,
+        /// Leader time.
+        at_ms: u64,
+    },
+    /// A worker (re-)registers.
+    RegisterWorker {
+        /// Worker id.
+        worker_id: String,
+        /// MASTER_ADDR host.
+        host: String,
+        /// Agent HTTP address.
+        http_addr: String,
+        /// Slots.
+        slots: u32,
+        /// Leader time.
+        at_ms: u64,
+    },
+    /// A worker went silent for the heartbeat timeout: its ranks fail.
+    ExpireWorker {
+        /// Worker id.
+        worker_id: String,
+        /// Leader time.
+        at_ms: u64,
+    },
+    /// Gang placement of a pending job.
+    PlaceJob {
+        /// Job.
+        job_id: String,
+        /// `(rank, worker_id)` for every rank.
+        placements: Vec<(u32, String)>,
+        /// Leader time.
+        at_ms: u64,
+    },
+    /// The agent started a rank attempt.
+    RankStarted {
+        /// Job.
+        job_id: String,
+        /// Rank.
+        rank: u32,
+        /// Attempt.
+        attempt: u32,
+        /// Reporting worker.
+        worker_id: String,
+        /// OS pid.
+        pid: u32,
+        /// Leader time.
+        at_ms: u64,
+    },
+    /// A rank attempt's process exited (or could not start).
+    RankExited {
+        /// Job.
+        job_id: String,
+        /// Rank.
+        rank: u32,
+        /// Attempt.
+        attempt: u32,
+        /// Reporting worker.
+        worker_id: String,
+        /// Exit code, when it exited.
+        exit_code: Option<i32>,
+        /// Signal, when killed.
+        signal: Option<i32>,
+        /// Non-empty when it could not start.
+        spawn_error: String,
+        /// It could not start for lack of a resource on the agent (not the rank's fault).
+        #[serde(default)]
+        agent_fault: bool,
+        /// Leader time.
+        at_ms: u64,
+    },
+    /// The leader declared a running attempt failed (hung, lost by its agent).
+    RankFailed {
+        /// Job.
+        job_id: String,
+        /// Rank.
+        rank: u32,
+        /// Attempt.
+        attempt: u32,
+        /// Why.
+        cause: String,
+        /// Leader time.
+        at_ms: u64,
+    },
+    /// Restart ranks with new attempt numbers after a stamped delay.
+    ScheduleRestart {
+        /// Job.
+        job_id: String,
+        /// `(rank, worker_id)` of every restarted rank.
+        placements: Vec<(u32, String)>,
+        /// Leader time of the failure.
+        failed_at_ms: u64,
+        /// Jittered delay.
+        delay_ms: u64,
+        /// Cause shown to users.
+        cause: String,
+        /// Step to resume from (the newest committed step that verified).
+        resume_step: Option<u64>,
+        /// Every failed rank failed for an agent resource error: the restart spends no
+        /// budget (one of [`MAX_AGENT_FAULT_RESTARTS`] instead).
+        #[serde(default)]
+        agent_fault: bool,
+    },
+    /// Fail a job for good.
+    FailJob {
+        /// Job.
+        job_id: String,
+        /// Cause.
+        cause: String,
+        /// Leader time.
+        at_ms: u64,
+    },
+    /// A rank attempt committed its part of a checkpoint step.
+    CheckpointPartCommitted {
+        /// Job.
+        job_id: String,
+        /// Step.
+        step: u64,
+        /// Part (rank, attempt, dir, files, state).
+        part: PartInfo,
+    },
+    /// Every rank's part of `step` arrived and verified; the manifest is written.
+    CheckpointCommitted {
+        /// Job.
+        job_id: String,
+        /// Step.
+        step: u64,
+        /// Leader time.
+        at_ms: u64,
+    },
+    /// Every rank of the current attempt exited 0.
+    JobSucceeded {
+        /// Job.
+        job_id: String,
+        /// Leader time.
+        at_ms: u64,
+    },
+    /// Several commands proposed together by the leader's proposal batcher (group
+    /// commit: one Raft entry, one log flush, for many client writes). Applied in order,
+    /// each exactly as if it were an entry of its own; the response is
+    /// [`Response::Batch`] with one response per command, in the same order. At most
+    /// [`MAX_BATCH_COMMANDS`] commands, none of them a batch; a batch breaking either
+    /// rule is rejected whole and changes nothing.
+    Batch {
+        /// The commands, in proposal order.
+        commands: Vec<Command>,
+    },
+}
+
+impl std::fmt::Display for Command {
+    /// The command's name (and a batch's size): what openraft prints of a log entry's
+    /// payload in its own logs, without the payload itself.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            Command::SubmitJob { .. } => "SubmitJob",
+            Command::CancelJob { .. } => "CancelJob",
+            Command::RegisterWorker { .. } => "RegisterWorker",
+            Command::ExpireWorker { .. } => "ExpireWorker",
+            Command::PlaceJob { .. } => "PlaceJob",
+            Command::RankStarted { .. } => "RankStarted",
+            Command::RankExited { .. } => "RankExited",
+            Command::RankFailed { .. } => "RankFailed",
+            Command::ScheduleRestart { .. } => "ScheduleRestart",
+            Command::FailJob { .. } => "FailJob",
+            Command::CheckpointPartCommitted { .. } => "CheckpointPartCommitted",
+            Command::CheckpointCommitted { .. } => "CheckpointCommitted",
+            Command::JobSucceeded { .. } => "JobSucceeded",
+            Command::Batch { commands } => return write!(f, "Batch({})", commands.len()),
+        };
+        f.write_str(name)
+    }
+}
+
+/// Most commands in one [`Command::Batch`].
+pub const MAX_BATCH_COMMANDS: usize = 256;
+
+/// Fixed allowance, in bytes, for one command's encoding besides its strings (field
+/// names, numbers, punctuation); see [`Command::approx_encoded_bytes`].
+pub(super) const COMMAND_OVERHEAD_BYTES: usize = 512;
+
+impl Command {
+    /// An estimate of the command's encoded size in a log entry, in bytes: the lengths
+    /// of its variable-size strings plus a fixed allowance per command and per string.
+    /// It bounds the JSON size for text without characters JSON escapes (tested);
+    /// escaped control characters can make the JSON larger. Cheap (no encoding); used to
+    /// bound the size of a batch.
+    pub fn approx_encoded_bytes(&self) -> usize {
+        const PER_STRING: usize = PER_STRING_BYTES;
+        let strings = |v: &[String]| v.iter().map(|s| s.len() + PER_STRING).sum::<usize>();
+        match self {
+            Command::SubmitJob {
+                request_id,
+                spec,
+                shards,
+                ..
+            } => {
+                COMMAND_OVERHEAD_BYTES
+                    + request_id.len()
+                    + spec.approx_string_bytes()
+                    + strings(shards)
+            }
+            Command::PlaceJob { placements, .. } | Command::ScheduleRestart { placements, .. } => {
+                COMMAND_OVERHEAD_BYTES
+                    + placements
+                        .iter()
+                        .map(|(_, w)| w.len() + 2 * PER_STRING)
+                        .sum::<usize>()
+            }
+            Command::CheckpointPartCommitted { part, .. } => {
+                COMMAND_OVERHEAD_BYTES
+                    + part.dir.len()
+                    // JSON text inside a JSON string: its quotes get escaped.
+                    + 2 * part.state_json.len()
+                    + part
+                        .files
+                        .iter()
+                        .map(|f| f.path.len() + f.digest.len() + 4 * PER_STRING)
+                        .sum::<usize>()
+            }
+            Command::Batch { commands } => {
+                COMMAND_OVERHEAD_BYTES
+                    + commands
+                        .iter()
+                        .map(Command::approx_encoded_bytes)
+                        .sum::<usize>()
+            }
+            _ => 2 * COMMAND_OVERHEAD_BYTES,
+        }
+    }
+}
+
+/// What applying a command produced.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Response {
+    /// Applied (or a membership / blank entry).
+    #[default]
+    Ok,
+    /// A submit: the job, and whether this command created it.
+    JobSubmitted {
+        /// Job id.
+        job_id: String,
+        /// False when the request id already existed.
+        created: bool,
+    },
+    /// The command was invalid or stale and changed nothing.
+    Rejected {
+        /// Why.
+        reason: String,
+    },
+    /// The responses to the commands of a [`Command::Batch`], in its order.
+    Batch {
+        /// One response per command.
+        responses: Vec<Response>,
+    },
+}
+
+pub(super) fn reject(reason: impl Into<String>) -> Response {
+    Response::Rejected {
+        reason: reason.into(),
+    }
+}
+
+/// A key of the state that a command touched (it keeps the derived [`JobIndex`] current).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum DirtyKey {
+    /// A job (or its removal).
+    Job(String),
+    /// A worker.
+    Worker(String),
+    /// A request id entry (or its removal).
+    RequestId(String),
+    /// `next_job_seq`.
+    Meta,
+}
+
+/// Returns true for ids made of 1..=64 bytes of `[A-Za-z0-9._-]`.
+pub fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+}

@@ -1,0 +1,87 @@
+//! [`JobIndex`]: the indexes derived from the jobs that let the planner and the eviction
+//! visit only what can change.
+
+use std::collections::{BTreeSet, HashMap};
+
+use super::*;
+
+/// Job ids by lifecycle class, in id order (which is submission order: ids are
+/// zero-padded sequence numbers). Derived from [`ClusterState::jobs`]: it lets the
+/// leader's planner visit only the jobs that can change (pending ones only while there
+/// is capacity) and the bounded-state eviction find the oldest terminal jobs without a
+/// scan of every retained job, which cost O(jobs) per submit and per planner pass.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JobIndex {
+    /// Pending jobs (waiting for a placement).
+    pub pending: BTreeSet<String>,
+    /// Running jobs (placed).
+    pub running: BTreeSet<String>,
+    /// Succeeded, failed or cancelled jobs.
+    pub terminal: BTreeSet<String>,
+    /// Each job's estimated encoded size ([`Job::approx_encoded_bytes`]), as of the last
+    /// command that touched it.
+    bytes: HashMap<String, JobBytes>,
+    /// Sum of `bytes`, in bytes.
+    total_bytes: u64,
+    /// Sum of `bytes` over terminal jobs, in bytes.
+    terminal_bytes: u64,
+}
+
+/// One job's estimated encoded size, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct JobBytes {
+    /// [`Job::approx_static_bytes`], computed once: it cannot change.
+    fixed: u64,
+    /// Fixed plus [`Job::approx_dynamic_bytes`].
+    total: u64,
+}
+
+impl JobIndex {
+    /// Files `job_id` under the class of its state and records its estimated size
+    /// (`None`: the job is gone).
+    pub(super) fn update(&mut self, job_id: &str, job: Option<&Job>) {
+        self.pending.remove(job_id);
+        self.running.remove(job_id);
+        let was_terminal = self.terminal.remove(job_id);
+        let old = self.bytes.get(job_id).copied();
+        if let Some(old) = old {
+            self.total_bytes -= old.total;
+            if was_terminal {
+                self.terminal_bytes -= old.total;
+            }
+        }
+        let Some(job) = job else {
+            self.bytes.remove(job_id);
+            return;
+        };
+        let fixed = old.map_or_else(|| job.approx_static_bytes(), |o| o.fixed);
+        let total = fixed + job.approx_dynamic_bytes();
+        self.bytes
+            .insert(job_id.to_string(), JobBytes { fixed, total });
+        self.total_bytes += total;
+        let class = match job.state {
+            JobState::Pending => &mut self.pending,
+            JobState::Running => &mut self.running,
+            _ => {
+                self.terminal_bytes += total;
+                &mut self.terminal
+            }
+        };
+        class.insert(job_id.to_string());
+    }
+
+    /// Estimated encoded size of every job, in bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// Estimated encoded size of the pending and running jobs, in bytes.
+    pub fn unfinished_bytes(&self) -> u64 {
+        self.total_bytes - self.terminal_bytes
+    }
+
+    /// Estimated encoded size of `job_id` (0 for an unknown job), in bytes.
+    pub fn job_bytes(&self, job_id: &str) -> u64 {
+        self.bytes.get(job_id).map_or(0, |b| b.total)
+    }
+}

@@ -1,0 +1,55 @@
+//! The replicated state of a Cumulus cluster and the pure, deterministic `apply` of
+//! [`Command`]s to it.
+//!
+//! `apply` reads no clock, draws no random number and does no I/O: every time and every
+//! jittered delay is stamped into the command by the leader that proposed it
+//! (DESIGN.md, "The replicated state"). Every command is validated here too, so a stale
+//! or malformed command that reaches the log changes nothing and is answered with
+//! [`Response::Rejected`].
+//!
+//! The module is split along its seams: [`spec`] (what a user submits), [`model`] (what
+//! the state holds), [`index`] (what is derived from it), [`command`] (what the log
+//! carries) and [`apply`] (how a command changes the state).
+
+mod apply;
+mod command;
+mod index;
+mod model;
+mod spec;
+#[cfg(test)]
+mod tests;
+
+pub use cumulus_api::limits::{
+    MAX_ARG_BYTES, MAX_BACKOFF_MS, MAX_CKPT_KEEP, MAX_COMMAND_ARGS, MAX_ENV_ENTRIES,
+    MAX_JOB_NAME_BYTES, MAX_REQUEST_ID_BYTES, MAX_RESTART_BUDGET, MAX_SHARDS, MAX_WORLD_SIZE,
+};
+pub use cumulus_api::{CommitTier, FileEntry, JobState, RankState, RestartScope};
+
+pub use apply::*;
+pub use command::*;
+pub use index::*;
+pub use model::*;
+pub use spec::*;
+
+/// Upper bound on jobs kept in the state; the oldest finished jobs are dropped first.
+pub const MAX_JOBS_RETAINED: usize = 10_000;
+/// Upper bound on the jobs' estimated encoded size ([`Job::approx_encoded_bytes`]), in
+/// bytes: past it `apply` drops the oldest finished jobs (as past
+/// [`MAX_JOBS_RETAINED`]), and the leader refuses submits once the unfinished jobs
+/// alone would pass it (coordinator `--max-state-bytes`, at most this). Half the 2 GiB
+/// snapshot a follower accepts: the state is what a snapshot carries, and a follower
+/// that needs a snapshot it cannot receive never catches up.
+pub const MAX_STATE_BYTES: u64 = 1 << 30;
+/// Upper bound on uncommitted checkpoint steps tracked per job (oldest dropped first).
+pub const MAX_PENDING_CKPT_STEPS: usize = 64;
+/// Most restarts a job is given, besides its restart budget, after attempts that could
+/// not start because of a resource error of the agent (no descriptors, memory, disk or
+/// process slot): those are the worker's failures, not the rank's, and spend no budget,
+/// but a worker that stays broken must not restart a job forever.
+pub const MAX_AGENT_FAULT_RESTARTS: u32 = 20;
+/// Base of the MASTER_PORT range handed to jobs.
+pub const MASTER_PORT_BASE: u32 = 29_500;
+/// Size of the MASTER_PORT range.
+pub const MASTER_PORT_SPAN: u32 = 10_000;
+/// Jitter of a restart delay, as a fraction of the base delay (±20%).
+pub const BACKOFF_JITTER_FRACTION: f64 = 0.2;

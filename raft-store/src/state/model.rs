@@ -1,0 +1,298 @@
+//! What the state holds: jobs with their ranks, restarts and checkpoint parts, workers,
+//! and [`ClusterState`] itself, with the estimates of their encoded size.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::*;
+
+/// One rank of a job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankRecord {
+    /// Rank number, 0..world_size.
+    pub rank: u32,
+    /// Current attempt number (0 = first run).
+    pub attempt: u32,
+    /// Worker of the current attempt.
+    pub worker_id: Option<String>,
+    /// State of the current attempt.
+    pub state: RankState,
+    /// LOCAL_RANK of the current placement.
+    pub local_rank: u32,
+    /// LOCAL_WORLD_SIZE of the current placement.
+    pub local_world_size: u32,
+    /// Exit code of the current attempt, once exited.
+    pub exit_code: Option<i32>,
+    /// Terminating signal of the current attempt, once exited.
+    pub signal: Option<i32>,
+    /// Why the current attempt failed, when it did.
+    pub failure: Option<String>,
+    /// Leader time the attempt started, ms since the Unix epoch (0 = not yet).
+    pub started_at_ms: u64,
+    /// Leader time the attempt exited or failed (0 = not yet).
+    pub exited_at_ms: u64,
+    /// OS pid of the current attempt (0 = not started).
+    pub pid: u32,
+    /// The attempt may start no earlier than this leader time (backoff).
+    pub not_before_ms: u64,
+    /// Checkpoint step this attempt resumes from.
+    pub resume_step: Option<u64>,
+    /// Part directory (relative to the job's checkpoint dir) this attempt resumes from.
+    pub resume_dir: String,
+    /// Worker of every attempt so far, `(attempt, worker_id)`, for log retrieval.
+    pub attempt_workers: Vec<(u32, String)>,
+    /// The current attempt failed because its agent could not start it for lack of a
+    /// local resource (descriptors, memory, disk, process slots): not the rank's fault.
+    #[serde(default)]
+    pub agent_fault: bool,
+}
+
+/// One restart decided by the leader.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestartRecord {
+    /// 1-based restart number within the job.
+    pub number: u32,
+    /// Leader time of the failure that caused it.
+    pub failed_at_ms: u64,
+    /// Jittered delay stamped by the leader, in milliseconds.
+    pub delay_ms: u64,
+    /// `failed_at_ms + delay_ms`.
+    pub not_before_ms: u64,
+    /// Human-readable cause.
+    pub cause: String,
+    /// Ranks restarted.
+    pub ranks: Vec<u32>,
+    /// Step resumed from.
+    pub resume_step: Option<u64>,
+    /// A restart after agent resource errors only ([`MAX_AGENT_FAULT_RESTARTS`]): it
+    /// spent none of the job's restart budget (`number` is the budget's count then).
+    #[serde(default)]
+    pub agent_fault: bool,
+}
+
+/// A checkpoint part accepted from a rank attempt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartInfo {
+    /// Rank.
+    pub rank: u32,
+    /// Attempt that wrote it.
+    pub attempt: u32,
+    /// Directory relative to the job's checkpoint dir.
+    pub dir: String,
+    /// Files with sizes and checksums.
+    pub files: Vec<FileEntry>,
+    /// The rank's resume state (JSON text, ≤ 64 KiB).
+    pub state_json: String,
+}
+
+/// A job and everything the cluster knows about it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Job {
+    /// `job-NNNNNN`.
+    pub id: String,
+    /// Sequence number the id was made from.
+    pub seq: u64,
+    /// Idempotency key of the submit.
+    pub request_id: String,
+    /// The validated spec.
+    pub spec: JobSpec,
+    /// Shards of each rank (index = rank), fixed at submit.
+    pub shard_plan: Vec<Vec<String>>,
+    /// Total shards.
+    pub shard_count: u32,
+    /// Lifecycle state.
+    pub state: JobState,
+    /// Leader time of the submit.
+    pub submitted_at_ms: u64,
+    /// Leader time the job reached a terminal state (0 = not yet).
+    pub finished_at_ms: u64,
+    /// Why it failed or was cancelled.
+    pub failure_cause: Option<String>,
+    /// Ranks, index = rank.
+    pub ranks: Vec<RankRecord>,
+    /// Restarts used from the budget.
+    pub restarts_used: u32,
+    /// Every restart.
+    pub restarts: Vec<RestartRecord>,
+    /// Restarts given after agent resource errors only, outside the restart budget
+    /// (at most [`MAX_AGENT_FAULT_RESTARTS`]).
+    #[serde(default)]
+    pub agent_fault_restarts: u32,
+    /// MASTER_PORT of the current attempt.
+    pub master_port: u32,
+    /// Parts received for steps not yet committed: step → rank → part.
+    pub pending_parts: BTreeMap<u64, BTreeMap<u32, PartInfo>>,
+    /// Committed steps still kept (ascending, at most `ckpt_keep`) with their parts (index = rank).
+    pub committed: BTreeMap<u64, Vec<PartInfo>>,
+    /// Newest committed step.
+    pub committed_step: Option<u64>,
+}
+
+impl Job {
+    /// True when every rank's current attempt exited 0.
+    pub fn all_ranks_succeeded(&self) -> bool {
+        self.ranks.iter().all(|r| r.state == RankState::Exited)
+    }
+
+    /// An estimate of the job's serde_json size, in bytes: [`Job::approx_static_bytes`]
+    /// plus [`Job::approx_dynamic_bytes`]. Meant to be at least the real size for text
+    /// without characters JSON escapes and at most a few times it (tested against real
+    /// encodings); the state's byte budget ([`MAX_STATE_BYTES`]) counts it.
+    pub fn approx_encoded_bytes(&self) -> u64 {
+        self.approx_static_bytes() + self.approx_dynamic_bytes()
+    }
+
+    /// The part of [`Job::approx_encoded_bytes`] fixed at submit: the spec, the shard
+    /// plan and a fixed allowance for the scalar fields.
+    pub fn approx_static_bytes(&self) -> u64 {
+        submit_static_bytes(&self.spec, self.shard_plan.iter().flatten())
+            + (self.id.len() + self.request_id.len()) as u64
+    }
+
+    /// The part of [`Job::approx_encoded_bytes`] that changes as the job runs: ranks,
+    /// restarts, checkpoint parts, failure cause. O(ranks + restarts + parts).
+    pub fn approx_dynamic_bytes(&self) -> u64 {
+        let ranks: usize = self
+            .ranks
+            .iter()
+            .map(|r| {
+                RANK_BYTES
+                    + r.worker_id.as_ref().map_or(0, String::len)
+                    + r.failure.as_ref().map_or(0, String::len)
+                    + r.resume_dir.len()
+                    + r.attempt_workers
+                        .iter()
+                        .map(|(_, w)| w.len() + 2 * PER_STRING_BYTES)
+                        .sum::<usize>()
+            })
+            .sum();
+        let restarts: usize = self
+            .restarts
+            .iter()
+            .map(|r| RESTART_BYTES + r.cause.len() + 11 * r.ranks.len())
+            .sum();
+        let parts: usize = self
+            .pending_parts
+            .values()
+            .flat_map(BTreeMap::values)
+            .chain(self.committed.values().flatten())
+            .map(|p| {
+                PART_BYTES
+                    + p.dir.len()
+                    // JSON text inside a JSON string: its quotes get escaped.
+                    + 2 * p.state_json.len()
+                    + p.files
+                        .iter()
+                        .map(|f| PART_FILE_BYTES + f.path.len() + f.digest.len())
+                        .sum::<usize>()
+            })
+            .sum();
+        (ranks + restarts + parts + self.failure_cause.as_ref().map_or(0, String::len)) as u64
+    }
+}
+
+/// Allowance per string of the estimates (quotes, comma, escapes of ordinary text), in
+/// bytes.
+pub(super) const PER_STRING_BYTES: usize = 8;
+/// Allowance for a job's field names and scalar fields, and its spec's, in bytes.
+pub(super) const JOB_BYTES: usize = 2_048;
+/// Allowance for one rank record's field names and scalar fields, in bytes.
+pub(super) const RANK_BYTES: usize = 512;
+/// Allowance for one restart record's field names and scalar fields, in bytes.
+pub(super) const RESTART_BYTES: usize = 256;
+/// Allowance for one checkpoint part's field names and scalar fields, in bytes.
+pub(super) const PART_BYTES: usize = 256;
+/// Allowance for one checkpoint part file's field names and size, in bytes.
+pub(super) const PART_FILE_BYTES: usize = 64;
+
+/// The estimated encoded size of a job submitted with `spec` and `shards` before it
+/// runs ([`Job::approx_static_bytes`] without its ids), in bytes; the leader checks a
+/// submit against the state's byte budget with it.
+pub fn submit_static_bytes<'a>(spec: &JobSpec, shards: impl Iterator<Item = &'a String>) -> u64 {
+    let shard_bytes: usize = shards.map(|s| s.len() + PER_STRING_BYTES).sum();
+    (JOB_BYTES + spec.approx_string_bytes() + shard_bytes) as u64
+}
+
+/// The estimated size of a job that has not run yet, in bytes: what a submit adds to
+/// the state ([`submit_static_bytes`] plus its unplaced ranks).
+pub fn submit_bytes(spec: &JobSpec, shards: &[String]) -> u64 {
+    submit_static_bytes(spec, shards.iter()) + RANK_BYTES as u64 * u64::from(spec.world_size)
+}
+
+/// Whether a worker is heartbeating.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerState {
+    /// Registered and not expired.
+    Alive,
+    /// Silent for longer than the heartbeat timeout; must register again.
+    Expired,
+}
+
+/// A worker agent known to the cluster.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    /// Worker id.
+    pub worker_id: String,
+    /// Host ranks use to reach it (MASTER_ADDR).
+    pub host: String,
+    /// Agent HTTP API, `host:port`.
+    pub http_addr: String,
+    /// Rank slots offered.
+    pub slots: u32,
+    /// Alive or expired.
+    pub state: WorkerState,
+    /// Leader time of the latest registration.
+    pub registered_at_ms: u64,
+    /// Leader time of expiry (0 = alive).
+    pub expired_at_ms: u64,
+}
+
+/// The whole replicated state.
+///
+/// Besides the replicated data it carries a derived [`JobIndex`], never serialized:
+/// [`ClusterState::apply`] keeps it current, deserialization rebuilds it, and code that
+/// fills `jobs` by hand must call [`ClusterState::rebuild_index`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "ClusterStateData")]
+pub struct ClusterState {
+    /// Sequence number of the next job id.
+    pub next_job_seq: u64,
+    /// Jobs by id. Each job is shared (`Arc`, changed through `Arc::make_mut`) so that
+    /// cloning the state for a snapshot copies pointers, not every job: a deep clone of
+    /// 30,000 jobs held the apply lock for over a second (docs/perf-notes.md, "Snapshots").
+    pub jobs: BTreeMap<String, Arc<Job>>,
+    /// Submit idempotency: request id → job id.
+    pub request_ids: BTreeMap<String, String>,
+    /// Workers by id.
+    pub workers: BTreeMap<String, WorkerRecord>,
+    /// Job ids by lifecycle class (derived from `jobs`).
+    #[serde(skip)]
+    pub(super) index: JobIndex,
+}
+
+/// The serialized fields of [`ClusterState`]; deserializing goes through it so that the
+/// derived index is always rebuilt.
+#[derive(Deserialize)]
+struct ClusterStateData {
+    next_job_seq: u64,
+    jobs: BTreeMap<String, Arc<Job>>,
+    request_ids: BTreeMap<String, String>,
+    workers: BTreeMap<String, WorkerRecord>,
+}
+
+impl From<ClusterStateData> for ClusterState {
+    fn from(d: ClusterStateData) -> ClusterState {
+        let mut state = ClusterState {
+            next_job_seq: d.next_job_seq,
+            jobs: d.jobs,
+            request_ids: d.request_ids,
+            workers: d.workers,
+            index: JobIndex::default(),
+        };
+        state.rebuild_index();
+        state
+    }
+}

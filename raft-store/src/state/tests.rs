@@ -1,0 +1,823 @@
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::*;
+
+fn spec(world_size: u32) -> JobSpec {
+    JobSpec {
+        name: String::new(),
+        world_size,
+        command: vec!["train".into()],
+        env: BTreeMap::new(),
+        dataset: String::new(),
+        ckpt_dir: "/ckpt".into(),
+        ckpt_keep: 2,
+        restart: RestartPolicy {
+            max_restarts: 2,
+            ..RestartPolicy::default()
+        },
+        progress_timeout_ms: 0,
+        working_dir: String::new(),
+        ckpt_url: String::new(),
+        ckpt_commit_tier: String::new(),
+    }
+}
+
+fn apply(s: &mut ClusterState, cmd: Command) -> Response {
+    s.apply(&cmd, &mut BTreeSet::new())
+}
+
+fn cluster_with_job(world_size: u32) -> (ClusterState, String) {
+    let mut s = ClusterState::default();
+    for w in ["w1", "w2"] {
+        let r = apply(
+            &mut s,
+            Command::RegisterWorker {
+                worker_id: w.into(),
+                host: "127.0.0.1".into(),
+                http_addr: "127.0.0.1:1".into(),
+                slots: 4,
+                at_ms: 1,
+            },
+        );
+        assert_eq!(r, Response::Ok);
+    }
+    let r = apply(
+        &mut s,
+        Command::SubmitJob {
+            request_id: "req".into(),
+            spec: spec(world_size),
+            shards: vec![],
+            submitted_at_ms: 2,
+        },
+    );
+    let Response::JobSubmitted {
+        job_id,
+        created: true,
+    } = r
+    else {
+        panic!("{r:?}")
+    };
+    let placements = (0..world_size)
+        .map(|r| (r, if r % 2 == 0 { "w1" } else { "w2" }.to_string()))
+        .collect();
+    assert_eq!(
+        apply(
+            &mut s,
+            Command::PlaceJob {
+                job_id: job_id.clone(),
+                placements,
+                at_ms: 3
+            }
+        ),
+        Response::Ok
+    );
+    (s, job_id)
+}
+
+fn exit(job_id: &str, rank: u32, attempt: u32, worker: &str, code: i32) -> Command {
+    Command::RankExited {
+        job_id: job_id.into(),
+        rank,
+        attempt,
+        worker_id: worker.into(),
+        exit_code: Some(code),
+        signal: None,
+        spawn_error: String::new(),
+        at_ms: 100,
+        agent_fault: false,
+    }
+}
+
+#[test]
+fn a_batch_applies_each_command_in_order_as_if_alone() {
+    let submit = |req: &str| Command::SubmitJob {
+        request_id: req.into(),
+        spec: spec(2),
+        shards: vec![],
+        submitted_at_ms: 2,
+    };
+    // The same commands applied one by one and as one batch give the same state and
+    // the same responses, a rejected member included.
+    let commands = vec![
+        submit("a"),
+        submit("b"),
+        Command::CancelJob {
+            job_id: "no-such-job".into(),
+            at_ms: 3,
+        },
+        submit("a"),
+    ];
+    let mut alone = ClusterState::default();
+    let mut alone_dirty = BTreeSet::new();
+    let expected: Vec<Response> = commands
+        .iter()
+        .map(|c| alone.apply(c, &mut alone_dirty))
+        .collect();
+    assert!(matches!(expected[2], Response::Rejected { .. }));
+    let mut batched = ClusterState::default();
+    let mut batched_dirty = BTreeSet::new();
+    let r = batched.apply(
+        &Command::Batch {
+            commands: commands.clone(),
+        },
+        &mut batched_dirty,
+    );
+    assert_eq!(
+        r,
+        Response::Batch {
+            responses: expected
+        }
+    );
+    assert_eq!(batched, alone);
+    assert_eq!(batched_dirty, alone_dirty);
+
+    // A nested batch or one over the limit is rejected whole and changes nothing.
+    for bad in [
+        vec![submit("c"), Command::Batch { commands: vec![] }],
+        vec![submit("d"); MAX_BATCH_COMMANDS + 1],
+    ] {
+        let before = batched.clone();
+        let r = apply(&mut batched, Command::Batch { commands: bad });
+        assert!(matches!(r, Response::Rejected { .. }), "{r:?}");
+        assert_eq!(batched, before);
+    }
+}
+
+/// The index kept by `apply` equals one rebuilt from scratch.
+fn assert_index_current(s: &ClusterState) {
+    let mut rebuilt = s.clone();
+    rebuilt.rebuild_index();
+    assert_eq!(s.job_index(), rebuilt.job_index());
+}
+
+#[test]
+fn the_job_index_follows_every_state_change_and_survives_serialization() {
+    let (mut s, placed) = cluster_with_job(2);
+    assert_index_current(&s);
+    assert!(s.job_index().running.contains(&placed));
+    let submit = |req: String| Command::SubmitJob {
+        request_id: req,
+        spec: spec(1),
+        shards: vec![],
+        submitted_at_ms: 5,
+    };
+    let r = apply(
+        &mut s,
+        Command::Batch {
+            commands: (0..3).map(|i| submit(format!("b{i}"))).collect(),
+        },
+    );
+    assert!(matches!(r, Response::Batch { .. }));
+    assert_eq!(s.job_index().pending.len(), 3);
+    assert_index_current(&s);
+    let pending: Vec<String> = s.job_index().pending.iter().cloned().collect();
+    apply(
+        &mut s,
+        Command::CancelJob {
+            job_id: pending[0].clone(),
+            at_ms: 6,
+        },
+    );
+    apply(
+        &mut s,
+        Command::FailJob {
+            job_id: placed.clone(),
+            cause: "test".into(),
+            at_ms: 7,
+        },
+    );
+    assert_index_current(&s);
+    assert!(s.job_index().terminal.contains(&pending[0]));
+    assert!(s.job_index().terminal.contains(&placed));
+    assert_eq!(s.job_index().running.len(), 0);
+    // A deserialized state (snapshot, Raft state transfer) carries a rebuilt index.
+    let json = serde_json::to_vec(&s).expect("encode");
+    let back: ClusterState = serde_json::from_slice(&json).expect("decode");
+    assert_eq!(back, s);
+    assert_eq!(back.job_index().pending.len(), 2);
+}
+
+#[test]
+fn past_the_retention_limit_the_oldest_terminal_jobs_are_evicted() {
+    let mut s = ClusterState::default();
+    let submit = |i: usize| Command::SubmitJob {
+        request_id: format!("r{i}"),
+        spec: spec(1),
+        shards: vec![],
+        submitted_at_ms: 1,
+    };
+    for i in 0..MAX_JOBS_RETAINED {
+        apply(&mut s, submit(i));
+    }
+    let oldest: Vec<String> = s.jobs.keys().take(3).cloned().collect();
+    for id in &oldest {
+        apply(
+            &mut s,
+            Command::CancelJob {
+                job_id: id.clone(),
+                at_ms: 2,
+            },
+        );
+    }
+    let mut dirty = BTreeSet::new();
+    s.apply(&submit(MAX_JOBS_RETAINED), &mut dirty);
+    s.apply(&submit(MAX_JOBS_RETAINED + 1), &mut dirty);
+    assert_eq!(s.jobs.len(), MAX_JOBS_RETAINED);
+    assert!(!s.jobs.contains_key(&oldest[0]) && !s.jobs.contains_key(&oldest[1]));
+    assert!(s.jobs.contains_key(&oldest[2]), "only as many as needed go");
+    assert!(!s.request_ids.contains_key("r0") && !s.request_ids.contains_key("r1"));
+    assert!(dirty.contains(&DirtyKey::Job(oldest[0].clone())));
+    assert_index_current(&s);
+    // Pending jobs are never evicted: with no terminal job left, the state grows.
+    let before = s.jobs.len();
+    apply(&mut s, submit(MAX_JOBS_RETAINED + 2));
+    apply(&mut s, submit(MAX_JOBS_RETAINED + 3));
+    assert_eq!(s.jobs.len(), before + 1);
+    assert_index_current(&s);
+}
+
+#[test]
+fn the_size_estimate_of_a_submit_bounds_its_json_encoding() {
+    let mut big = spec(4);
+    big.command = vec!["x".repeat(4_000); 20];
+    big.env = (0..50)
+        .map(|i| (format!("K{i}"), "v".repeat(100)))
+        .collect();
+    for (s, shards) in [
+        (spec(1), vec![]),
+        (
+            big,
+            (0..1_000)
+                .map(|i| format!("/data/shard-{i:05}.bin"))
+                .collect(),
+        ),
+    ] {
+        let cmd = Command::SubmitJob {
+            request_id: "r".repeat(24),
+            spec: s,
+            shards,
+            submitted_at_ms: 1,
+        };
+        let json = serde_json::to_vec(&cmd).expect("encode").len();
+        let estimate = cmd.approx_encoded_bytes();
+        assert!(estimate >= json, "estimate {estimate} < encoded {json}");
+        assert!(estimate <= 2 * json + 1_024, "estimate {estimate} ≫ {json}");
+    }
+}
+
+#[test]
+fn backoff_doubles_and_caps() {
+    let p = RestartPolicy {
+        backoff_initial_ms: 500,
+        backoff_max_ms: 30_000,
+        ..RestartPolicy::default()
+    };
+    assert_eq!(p.base_delay_ms(1), 500);
+    assert_eq!(p.base_delay_ms(2), 1_000);
+    assert_eq!(p.base_delay_ms(3), 2_000);
+    assert_eq!(p.base_delay_ms(10), 30_000);
+    assert_eq!(p.base_delay_ms(200), 30_000);
+    assert_eq!(p.jittered_delay_ms(1, -1.0), 400);
+    assert_eq!(p.jittered_delay_ms(1, 1.0), 600);
+    assert_eq!(p.jittered_delay_ms(1, f64::NAN), 500);
+    assert_eq!(p.min_delay_ms(2), 800);
+}
+
+#[test]
+fn submit_is_idempotent_by_request_id() {
+    let (mut s, job_id) = cluster_with_job(2);
+    let again = apply(
+        &mut s,
+        Command::SubmitJob {
+            request_id: "req".into(),
+            spec: spec(2),
+            shards: vec![],
+            submitted_at_ms: 9,
+        },
+    );
+    assert_eq!(
+        again,
+        Response::JobSubmitted {
+            job_id,
+            created: false
+        }
+    );
+    assert_eq!(s.jobs.len(), 1);
+    let different = apply(
+        &mut s,
+        Command::SubmitJob {
+            request_id: "req".into(),
+            spec: spec(3),
+            shards: vec![],
+            submitted_at_ms: 9,
+        },
+    );
+    assert!(matches!(different, Response::Rejected { .. }));
+    assert_eq!(s.jobs.len(), 1);
+}
+
+#[test]
+fn invalid_specs_are_rejected_and_change_nothing() {
+    let mut s = ClusterState::default();
+    for bad in [
+        JobSpec {
+            world_size: 0,
+            ..spec(1)
+        },
+        JobSpec {
+            command: vec![],
+            ..spec(1)
+        },
+        JobSpec {
+            ckpt_dir: "relative".into(),
+            ..spec(1)
+        },
+        JobSpec {
+            restart: RestartPolicy {
+                backoff_initial_ms: 10,
+                backoff_max_ms: 5,
+                ..RestartPolicy::default()
+            },
+            ..spec(1)
+        },
+    ] {
+        let before = s.clone();
+        let r = apply(
+            &mut s,
+            Command::SubmitJob {
+                request_id: "x".into(),
+                spec: bad,
+                shards: vec![],
+                submitted_at_ms: 1,
+            },
+        );
+        assert!(matches!(r, Response::Rejected { .. }), "{r:?}");
+        assert_eq!(s, before);
+    }
+}
+
+#[test]
+fn stale_attempt_reports_are_rejected() {
+    let (mut s, job_id) = cluster_with_job(2);
+    assert_eq!(apply(&mut s, exit(&job_id, 1, 0, "w2", 1)), Response::Ok);
+    let placements = vec![(0, "w1".to_string()), (1, "w2".to_string())];
+    let restart = Command::ScheduleRestart {
+        job_id: job_id.clone(),
+        placements,
+        failed_at_ms: 100,
+        delay_ms: 500,
+        cause: "rank 1 exited".into(),
+        resume_step: None,
+        agent_fault: false,
+    };
+    assert_eq!(apply(&mut s, restart), Response::Ok);
+    let job = &s.jobs[&job_id];
+    assert!(
+        job.ranks
+            .iter()
+            .all(|r| r.attempt == 1 && r.state == RankState::Pending && r.not_before_ms == 600)
+    );
+    // Rank 0's old attempt exits after being stopped: stale, changes nothing.
+    let before = s.clone();
+    assert!(matches!(
+        apply(&mut s, exit(&job_id, 0, 0, "w1", 143)),
+        Response::Rejected { .. }
+    ));
+    assert_eq!(s, before);
+    // A report from the wrong worker is rejected too.
+    assert!(matches!(
+        apply(&mut s, exit(&job_id, 0, 1, "w2", 0)),
+        Response::Rejected { .. }
+    ));
+}
+
+#[test]
+fn restart_budget_and_delay_floor_are_enforced() {
+    let (mut s, job_id) = cluster_with_job(1);
+    for attempt in 0..2 {
+        assert_eq!(
+            apply(&mut s, exit(&job_id, 0, attempt, "w1", 1)),
+            Response::Ok
+        );
+        let n = attempt + 1;
+        let floor = s.jobs[&job_id].spec.restart.min_delay_ms(n);
+        let too_short = Command::ScheduleRestart {
+            job_id: job_id.clone(),
+            placements: vec![(0, "w1".into())],
+            failed_at_ms: 100,
+            delay_ms: floor - 1,
+            cause: "c".into(),
+            resume_step: None,
+            agent_fault: false,
+        };
+        assert!(matches!(
+            apply(&mut s, too_short),
+            Response::Rejected { .. }
+        ));
+        let ok = Command::ScheduleRestart {
+            job_id: job_id.clone(),
+            placements: vec![(0, "w1".into())],
+            failed_at_ms: 100,
+            delay_ms: floor,
+            cause: "c".into(),
+            resume_step: None,
+            agent_fault: false,
+        };
+        assert_eq!(apply(&mut s, ok), Response::Ok);
+    }
+    assert_eq!(apply(&mut s, exit(&job_id, 0, 2, "w1", 1)), Response::Ok);
+    let over = Command::ScheduleRestart {
+        job_id: job_id.clone(),
+        placements: vec![(0, "w1".into())],
+        failed_at_ms: 100,
+        delay_ms: 100_000,
+        cause: "c".into(),
+        resume_step: None,
+        agent_fault: false,
+    };
+    assert!(matches!(apply(&mut s, over), Response::Rejected { .. }));
+    assert_eq!(s.jobs[&job_id].restarts_used, 2);
+}
+
+#[test]
+fn placement_respects_slots_and_expiry() {
+    let mut s = ClusterState::default();
+    apply(
+        &mut s,
+        Command::RegisterWorker {
+            worker_id: "w1".into(),
+            host: "h".into(),
+            http_addr: "h:1".into(),
+            slots: 1,
+            at_ms: 0,
+        },
+    );
+    let Response::JobSubmitted { job_id, .. } = apply(
+        &mut s,
+        Command::SubmitJob {
+            request_id: "a".into(),
+            spec: spec(2),
+            shards: vec![],
+            submitted_at_ms: 0,
+        },
+    ) else {
+        panic!()
+    };
+    let over = Command::PlaceJob {
+        job_id: job_id.clone(),
+        placements: vec![(0, "w1".into()), (1, "w1".into())],
+        at_ms: 1,
+    };
+    assert!(matches!(apply(&mut s, over), Response::Rejected { .. }));
+    apply(
+        &mut s,
+        Command::ExpireWorker {
+            worker_id: "w1".into(),
+            at_ms: 2,
+        },
+    );
+    let on_expired = Command::PlaceJob {
+        job_id: job_id.clone(),
+        placements: vec![(0, "w1".into())],
+        at_ms: 3,
+    };
+    assert!(matches!(
+        apply(&mut s, on_expired),
+        Response::Rejected { .. }
+    ));
+    assert_eq!(s.jobs[&job_id].state, JobState::Pending);
+}
+
+#[test]
+fn worker_expiry_fails_its_ranks() {
+    let (mut s, job_id) = cluster_with_job(2);
+    assert_eq!(
+        apply(
+            &mut s,
+            Command::ExpireWorker {
+                worker_id: "w2".into(),
+                at_ms: 50
+            }
+        ),
+        Response::Ok
+    );
+    let r1 = &s.jobs[&job_id].ranks[1];
+    assert_eq!(r1.state, RankState::Failed);
+    assert!(r1.failure.as_deref().unwrap_or("").contains("expired"));
+    assert_eq!(s.jobs[&job_id].ranks[0].state, RankState::Pending);
+}
+
+fn part(rank: u32, attempt: u32, step: u64) -> PartInfo {
+    PartInfo {
+        rank,
+        attempt,
+        dir: format!("step-{step:08}/rank-{rank}/attempt-{attempt}"),
+        files: vec![],
+        state_json: "{}".into(),
+    }
+}
+
+#[test]
+fn checkpoint_commits_only_with_every_part_and_keeps_k() {
+    let (mut s, job_id) = cluster_with_job(2);
+    for step in [10, 20, 30] {
+        let commit = Command::CheckpointCommitted {
+            job_id: job_id.clone(),
+            step,
+            at_ms: 1,
+        };
+        assert_eq!(
+            apply(
+                &mut s,
+                Command::CheckpointPartCommitted {
+                    job_id: job_id.clone(),
+                    step,
+                    part: part(0, 0, step)
+                }
+            ),
+            Response::Ok
+        );
+        assert!(matches!(
+            apply(&mut s, commit.clone()),
+            Response::Rejected { .. }
+        ));
+        assert_eq!(
+            apply(
+                &mut s,
+                Command::CheckpointPartCommitted {
+                    job_id: job_id.clone(),
+                    step,
+                    part: part(1, 0, step)
+                }
+            ),
+            Response::Ok
+        );
+        assert_eq!(apply(&mut s, commit), Response::Ok);
+    }
+    let job = &s.jobs[&job_id];
+    assert_eq!(job.committed_step, Some(30));
+    assert_eq!(
+        job.committed.keys().copied().collect::<Vec<_>>(),
+        vec![20, 30]
+    );
+    // A retry of a part already committed with its step (its first reply lost in a
+    // failover) succeeds and changes nothing; any other part for a committed step is
+    // rejected; a stale attempt's part too.
+    let before = s.jobs[&job_id].clone();
+    let retry = Command::CheckpointPartCommitted {
+        job_id: job_id.clone(),
+        step: 30,
+        part: part(0, 0, 30),
+    };
+    assert_eq!(apply(&mut s, retry), Response::Ok);
+    assert_eq!(s.jobs[&job_id], before);
+    let mut other = part(0, 0, 30);
+    other.dir.push_str("-other");
+    let old = Command::CheckpointPartCommitted {
+        job_id: job_id.clone(),
+        step: 30,
+        part: other,
+    };
+    assert!(matches!(apply(&mut s, old), Response::Rejected { .. }));
+    let older = Command::CheckpointPartCommitted {
+        job_id: job_id.clone(),
+        step: 20,
+        part: part(0, 0, 30),
+    };
+    assert!(matches!(apply(&mut s, older), Response::Rejected { .. }));
+    let stale = Command::CheckpointPartCommitted {
+        job_id: job_id.clone(),
+        step: 40,
+        part: part(0, 7, 40),
+    };
+    assert!(matches!(apply(&mut s, stale), Response::Rejected { .. }));
+    // Restart resumes each rank from its own committed part.
+    apply(&mut s, exit(&job_id, 0, 0, "w1", 1));
+    let restart = Command::ScheduleRestart {
+        job_id: job_id.clone(),
+        placements: vec![(0, "w1".into()), (1, "w2".into())],
+        failed_at_ms: 0,
+        delay_ms: 500,
+        cause: "c".into(),
+        resume_step: Some(30),
+        agent_fault: false,
+    };
+    assert_eq!(apply(&mut s, restart), Response::Ok);
+    assert_eq!(
+        s.jobs[&job_id].ranks[1].resume_dir,
+        "step-00000030/rank-1/attempt-0"
+    );
+}
+
+#[test]
+fn job_succeeds_only_when_all_ranks_exited_zero() {
+    let (mut s, job_id) = cluster_with_job(2);
+    apply(&mut s, exit(&job_id, 0, 0, "w1", 0));
+    let done = Command::JobSucceeded {
+        job_id: job_id.clone(),
+        at_ms: 5,
+    };
+    assert!(matches!(
+        apply(&mut s, done.clone()),
+        Response::Rejected { .. }
+    ));
+    apply(&mut s, exit(&job_id, 1, 0, "w2", 0));
+    assert_eq!(apply(&mut s, done), Response::Ok);
+    assert_eq!(s.jobs[&job_id].state, JobState::Succeeded);
+    // Terminal jobs accept nothing more.
+    assert!(matches!(
+        apply(&mut s, Command::CancelJob { job_id, at_ms: 6 }),
+        Response::Rejected { .. }
+    ));
+}
+
+#[test]
+fn resuming_from_an_older_step_forgets_newer_steps_and_stale_parts() {
+    let (mut s, job_id) = cluster_with_job(2);
+    for step in [10, 20] {
+        for rank in 0..2 {
+            let c = Command::CheckpointPartCommitted {
+                job_id: job_id.clone(),
+                step,
+                part: part(rank, 0, step),
+            };
+            assert_eq!(apply(&mut s, c), Response::Ok);
+        }
+        let c = Command::CheckpointCommitted {
+            job_id: job_id.clone(),
+            step,
+            at_ms: 1,
+        };
+        assert_eq!(apply(&mut s, c), Response::Ok);
+    }
+    // Rank 0 of attempt 0 got its part of step 30 in before rank 1 failed.
+    let c = Command::CheckpointPartCommitted {
+        job_id: job_id.clone(),
+        step: 30,
+        part: part(0, 0, 30),
+    };
+    assert_eq!(apply(&mut s, c), Response::Ok);
+    apply(&mut s, exit(&job_id, 1, 0, "w2", 1));
+    let restart = Command::ScheduleRestart {
+        job_id: job_id.clone(),
+        placements: vec![(0, "w1".into()), (1, "w2".into())],
+        failed_at_ms: 0,
+        delay_ms: 500,
+        cause: "step 20 is corrupt".into(),
+        resume_step: Some(10),
+        agent_fault: false,
+    };
+    assert_eq!(apply(&mut s, restart), Response::Ok);
+    let job = &s.jobs[&job_id];
+    assert_eq!(job.committed_step, Some(10));
+    assert_eq!(job.committed.keys().copied().collect::<Vec<_>>(), vec![10]);
+    assert!(
+        job.pending_parts.is_empty(),
+        "attempt-0 parts must not mix with attempt 1"
+    );
+    // Step 20 can be committed again by the new attempt.
+    let c = Command::CheckpointPartCommitted {
+        job_id: job_id.clone(),
+        step: 20,
+        part: part(0, 1, 20),
+    };
+    assert_eq!(apply(&mut s, c), Response::Ok);
+}
+
+/// A job's size estimate is at least its real encoding and at most a few times it,
+/// as it runs: placed, with checkpoint parts, restarted; and with a large shard list.
+#[test]
+fn a_jobs_size_estimate_covers_its_encoding() {
+    let check = |job: &Job, what: &str| {
+        let real = serde_json::to_vec(job).expect("encode").len() as u64;
+        let estimate = job.approx_encoded_bytes();
+        assert!(
+            real <= estimate && estimate <= 4 * real,
+            "{what}: estimate {estimate}, real {real}"
+        );
+    };
+    let (mut s, job_id) = cluster_with_job(2);
+    check(&s.jobs[&job_id], "placed");
+    for step in [10, 20, 30] {
+        for rank in 0..2 {
+            let mut p = part(rank, 0, step);
+            p.files = (0..20)
+                .map(|i| FileEntry {
+                    path: format!("shard-{i:04}.bin"),
+                    size_bytes: 1 << 20,
+                    digest: "b".repeat(64),
+                })
+                .collect();
+            p.state_json = format!(r#"{{"epoch":3,"order":"{}"}}"#, "7".repeat(500));
+            let c = Command::CheckpointPartCommitted {
+                job_id: job_id.clone(),
+                step,
+                part: p,
+            };
+            assert_eq!(apply(&mut s, c), Response::Ok);
+        }
+        let commit = Command::CheckpointCommitted {
+            job_id: job_id.clone(),
+            step,
+            at_ms: 1,
+        };
+        assert_eq!(apply(&mut s, commit), Response::Ok);
+    }
+    check(&s.jobs[&job_id], "with checkpoints");
+    assert_eq!(apply(&mut s, exit(&job_id, 1, 0, "w2", 1)), Response::Ok);
+    let restart = Command::ScheduleRestart {
+        job_id: job_id.clone(),
+        placements: vec![(0, "w1".to_string()), (1, "w2".to_string())],
+        failed_at_ms: 100,
+        delay_ms: 500,
+        cause: "rank 1 exited with code 1".into(),
+        resume_step: Some(30),
+        agent_fault: false,
+    };
+    assert_eq!(apply(&mut s, restart), Response::Ok);
+    check(&s.jobs[&job_id], "restarted");
+    assert_index_current(&s);
+    let shards: Vec<String> = (0..1_000)
+        .map(|i| format!("/data/imagenet/train/shard-{i:06}.tar"))
+        .collect();
+    let r = apply(
+        &mut s,
+        Command::SubmitJob {
+            request_id: "many-shards".into(),
+            spec: spec(64),
+            shards: shards.clone(),
+            submitted_at_ms: 3,
+        },
+    );
+    let Response::JobSubmitted { job_id: big, .. } = r else {
+        panic!("{r:?}");
+    };
+    check(&s.jobs[&big], "1,000 shards, 64 ranks");
+    assert_eq!(
+        s.jobs[&big].approx_encoded_bytes(),
+        submit_bytes(&spec(64), &shards) + (big.len() + "many-shards".len()) as u64,
+        "what the leader admits a submit by is what it adds"
+    );
+    assert_eq!(
+        s.job_index().total_bytes(),
+        s.jobs
+            .values()
+            .map(|j| j.approx_encoded_bytes())
+            .sum::<u64>()
+    );
+}
+
+/// Past the byte budget, the oldest finished jobs are dropped until the estimate
+/// fits; unfinished jobs never are.
+#[test]
+fn finished_jobs_are_dropped_to_stay_within_the_byte_budget() {
+    let mut s = ClusterState::default();
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        let r = apply(
+            &mut s,
+            Command::SubmitJob {
+                request_id: format!("r{i}"),
+                spec: spec(1),
+                shards: (0..10)
+                    .map(|k| format!("{k}{}", "s".repeat(1_000)))
+                    .collect(),
+                submitted_at_ms: 1,
+            },
+        );
+        let Response::JobSubmitted { job_id, .. } = r else {
+            panic!("{r:?}");
+        };
+        ids.push(job_id);
+    }
+    for id in &ids[..4] {
+        let cancel = Command::CancelJob {
+            job_id: id.clone(),
+            at_ms: 2,
+        };
+        assert_eq!(apply(&mut s, cancel), Response::Ok);
+    }
+    let evict = |s: &mut ClusterState, max_bytes: u64| {
+        let mut dirty = BTreeSet::new();
+        s.evict_old_jobs(MAX_JOBS_RETAINED, max_bytes, &mut dirty);
+        for key in &dirty {
+            if let DirtyKey::Job(id) = key {
+                let job = s.jobs.get(id).cloned();
+                s.index.update(id, job.as_deref());
+            }
+        }
+        assert_index_current(s);
+    };
+    let index = s.job_index();
+    let fits = index.total_bytes() - index.job_bytes(&ids[0]) - index.job_bytes(&ids[1]);
+    assert!(index.unfinished_bytes() < fits);
+    evict(&mut s, fits);
+    assert!(!s.jobs.contains_key(&ids[0]) && !s.jobs.contains_key(&ids[1]));
+    assert!(!s.request_ids.contains_key("r0") && !s.request_ids.contains_key("r1"));
+    assert!(s.jobs.contains_key(&ids[2]), "only as many as needed go");
+    assert_eq!(s.job_index().total_bytes(), fits);
+    // Unfinished jobs stay, whatever the budget.
+    evict(&mut s, 1);
+    let kept: Vec<&String> = s.jobs.keys().collect();
+    assert_eq!(kept, vec![&ids[4], &ids[5]]);
+}
