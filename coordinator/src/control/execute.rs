@@ -1,0 +1,130 @@
+//! The executor: stamps each planned [`Action`] with the leader's time and jitter, starts
+//! its checkpoint I/O, and commits it through Raft.
+
+use std::sync::Arc;
+
+use cumulus_raft_store::Command;
+use tracing::{info, warn};
+
+use crate::node::Node;
+use crate::soft::now_ms;
+
+use super::*;
+
+pub(super) async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopMemory) {
+    let now = now_ms();
+    let describe = format!("{action:?}");
+    let cmd = match action {
+        Action::ExpireWorker { worker_id } => {
+            warn!(worker = %worker_id, "worker missed its heartbeats: expiring it");
+            Command::ExpireWorker {
+                worker_id,
+                at_ms: now,
+            }
+        }
+        Action::FailRank {
+            job_id,
+            rank,
+            attempt,
+            cause,
+        } => {
+            warn!(job = %job_id, rank, attempt, %cause, "rank failed");
+            Command::RankFailed {
+                job_id,
+                rank,
+                attempt,
+                cause,
+                at_ms: now,
+            }
+        }
+        Action::Place { job_id, placements } => {
+            info!(job = %job_id, ?placements, "placing job");
+            Command::PlaceJob {
+                job_id,
+                placements,
+                at_ms: now,
+            }
+        }
+        Action::Restart {
+            job_id,
+            placements,
+            failed_at_ms,
+            delay_ms,
+            cause,
+            agent_fault,
+        } => {
+            // Choosing the resume step reads (and verifies) checkpoints: off the loop.
+            let task_node = node.clone();
+            let task_job = job_id.clone();
+            memory.spawn_io(&job_id, async move {
+                let node = task_node;
+                let resume_step = choose_resume_step(&node, &task_job).await;
+                info!(job = %task_job, delay_ms, ?resume_step, %cause, "scheduling restart");
+                let cmd = Command::ScheduleRestart {
+                    job_id: task_job,
+                    placements,
+                    failed_at_ms,
+                    delay_ms,
+                    cause,
+                    resume_step,
+                    agent_fault,
+                };
+                commit_planned(&node, cmd, &describe).await;
+                IoOutcome::Done
+            });
+            return;
+        }
+        Action::FailJob { job_id, cause } => {
+            warn!(job = %job_id, %cause, "job failed");
+            Command::FailJob {
+                job_id,
+                cause,
+                at_ms: now,
+            }
+        }
+        Action::Succeed { job_id } => {
+            info!(job = %job_id, "job succeeded");
+            Command::JobSucceeded { job_id, at_ms: now }
+        }
+        Action::Finalize { job_id, step } => {
+            if memory.bad_steps.contains(&(job_id.clone(), step)) {
+                return;
+            }
+            let task_node = node.clone();
+            let task_job = job_id.clone();
+            memory.spawn_io(&job_id, async move {
+                match finalize(&task_node, &task_job, step).await {
+                    Ok(()) => IoOutcome::Done,
+                    Err(e) => {
+                        // An S3 outage is retried on a later pass; anything else marks the
+                        // step bad (a later step commits instead).
+                        let transient =
+                            e.downcast_ref::<cumulus_ckpt::CkptError>().is_some_and(|c| {
+                                matches!(c, cumulus_ckpt::CkptError::Remote { kind, .. } if kind.is_transient())
+                            });
+                        warn!(job = %task_job, step, error = %e, transient, "checkpoint step not committed");
+                        if transient {
+                            IoOutcome::Done
+                        } else {
+                            IoOutcome::BadStep(step)
+                        }
+                    }
+                }
+            });
+            return;
+        }
+    };
+    commit_planned(node, cmd, &describe).await;
+}
+
+/// Commits the command of a planned action; a rejection (the state moved on) or a lost
+/// leadership is logged, and the next pass plans again.
+pub(super) async fn commit_planned(node: &Node, cmd: Command, describe: &str) {
+    match node.propose(cmd).await {
+        Ok(cumulus_raft_store::Response::Rejected { reason }) => {
+            tracing::debug!(action = %describe, %reason, "planned action rejected (state moved on)")
+        }
+        Ok(_) => {}
+        Err(e) => warn!(action = %describe, error = %e, "could not commit planned action"),
+    }
+}

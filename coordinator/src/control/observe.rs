@@ -1,0 +1,164 @@
+//! What the leader observes outside the replicated state: the planner's
+//! [`Observations`] built from the soft state, and the soft state kept bounded.
+
+use openraft::async_runtime::watch::WatchReceiver;
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use cumulus_raft_store::state::{JobState, RankState, WorkerState};
+use tracing::info;
+
+use crate::node::Node;
+use crate::soft::now_ms;
+use cumulus_api::AttemptKey;
+
+use super::*;
+
+/// Builds the planner's observations from the soft state; on the first tick of a new
+/// term, grants every worker a full heartbeat timeout of grace (as Nomad does).
+pub(super) fn observe(node: &Node) -> Observations {
+    let term = node.raft.metrics().borrow_watched().current_term;
+    let now = Instant::now();
+    let now_wall = now_ms();
+    // Running and pending (placed) attempts: (key, worker, started_at_ms, pending
+    // not_before_ms or None when running).
+    #[allow(clippy::type_complexity)]
+    let (workers, running): (Vec<String>, Vec<(AttemptKey, String, u64, Option<u64>)>) = node
+        .read_state(|s| {
+            let workers = s
+                .workers
+                .values()
+                .filter(|w| w.state == WorkerState::Alive)
+                .map(|w| w.worker_id.clone())
+                .collect();
+            let running = s
+                .job_index()
+                .running
+                .iter()
+                .filter_map(|id| s.jobs.get(id))
+                .filter(|j| j.state == JobState::Running)
+                .flat_map(|j| {
+                    j.ranks
+                        .iter()
+                        .filter(|r| matches!(r.state, RankState::Running | RankState::Pending))
+                        .filter_map(|r| {
+                            let pending =
+                                (r.state == RankState::Pending).then_some(r.not_before_ms);
+                            r.worker_id.clone().map(|w| {
+                                (
+                                    AttemptKey::new(j.id.clone(), r.rank, r.attempt),
+                                    w,
+                                    r.started_at_ms,
+                                    pending,
+                                )
+                            })
+                        })
+                })
+                .collect();
+            (workers, running)
+        });
+    let mut soft = node.soft();
+    if soft.leader_term != Some(term) {
+        info!(
+            term,
+            "acting as leader: every worker gets one heartbeat timeout of grace"
+        );
+        soft.leader_term = Some(term);
+        for w in &workers {
+            soft.workers.insert(
+                w.clone(),
+                crate::soft::WorkerSoft {
+                    last_seen: now,
+                    observed: Vec::new(),
+                    resources: Default::default(),
+                },
+            );
+        }
+        for p in soft.progress.values_mut() {
+            p.changed_at = now;
+            p.seen_at = now;
+        }
+        // A new leader has seen no heartbeat yet: a running attempt counts as seen now,
+        // not at its start (else every attempt older than the lost threshold would be
+        // declared lost on the first tick, and a failover would restart every job).
+        for (key, _, _, _) in &running {
+            soft.progress
+                .entry(key.clone())
+                .or_insert(crate::soft::ProgressSoft::observed_at(now, 0, 0));
+        }
+    }
+    let mut obs = Observations::default();
+    for w in &workers {
+        let silence = soft
+            .workers
+            .get(w)
+            .map_or(0, |s| now.duration_since(s.last_seen).as_millis() as u64);
+        obs.worker_silence_ms.insert(w.clone(), silence);
+    }
+    let lost_after_ms = LOST_AFTER_HEARTBEATS * node.limits.heartbeat_interval_ms;
+    for (key, worker, started_at_ms, pending) in running {
+        // Only a worker that is heartbeating can tell that it no longer has the attempt.
+        let worker_reporting = soft.workers.get(&worker).is_some_and(|w| {
+            now.duration_since(w.last_seen).as_millis()
+                < u128::from(node.limits.heartbeat_interval_ms) * 2
+        });
+        let unseen_ms = if let Some(not_before_ms) = pending {
+            // A placed attempt: the clock starts when this leader first sees it pending (its
+            // worker reports it, pid 0, from the moment it starts preparing it), and not
+            // before its backoff ends. One that its reporting worker neither prepares nor
+            // runs past the lost threshold was lost on the way (a dropped desired set or
+            // start report) and would otherwise stay pending for ever.
+            let p = soft
+                .progress
+                .entry(key.clone())
+                .or_insert(crate::soft::ProgressSoft::observed_at(now, 0, 0));
+            (now.duration_since(p.seen_at).as_millis() as u64)
+                .min(now_wall.saturating_sub(not_before_ms))
+        } else {
+            let progress = soft.progress.get(&key);
+            if let Some(p) = progress {
+                obs.progress_stall_ms.insert(
+                    key.clone(),
+                    now.duration_since(p.changed_at).as_millis() as u64,
+                );
+            }
+            match progress {
+                Some(p) => now.duration_since(p.seen_at).as_millis() as u64,
+                None => now_wall.saturating_sub(started_at_ms),
+            }
+        };
+        if worker_reporting && unseen_ms > lost_after_ms {
+            obs.lost.insert(key);
+        }
+    }
+    obs
+}
+
+/// Drops soft progress of attempts that are no longer current (bounded memory).
+pub(super) fn prune_progress(node: &Node, memory: &mut LoopMemory) {
+    if memory
+        .last_progress_prune
+        .is_some_and(|t| t.elapsed() < Duration::from_secs(5))
+    {
+        return;
+    }
+    memory.last_progress_prune = Some(Instant::now());
+    // Progress is only reported by attempts of running jobs.
+    let current: HashSet<AttemptKey> = node.read_state(|s| {
+        s.job_index()
+            .running
+            .iter()
+            .filter_map(|id| s.jobs.get(id))
+            .flat_map(|j| {
+                j.ranks
+                    .iter()
+                    .map(|r| AttemptKey::new(j.id.clone(), r.rank, r.attempt))
+            })
+            .collect()
+    });
+    let mut soft = node.soft();
+    soft.progress.retain(|k, _| current.contains(k));
+    if soft.progress.len() > crate::soft::MAX_PROGRESS_ENTRIES {
+        soft.progress.clear();
+    }
+}

@@ -1,0 +1,371 @@
+//! The pure planner: from the replicated state and the leader's observations to the
+//! [`Action`]s that move every job on. No clock, no I/O, no randomness but the jitter
+//! it is given.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use cumulus_raft_store::state::{
+    ClusterState, Job, JobState, MAX_AGENT_FAULT_RESTARTS, RankState, RestartScope, WorkerState,
+};
+use shard_planner::WorkerSlots;
+
+use cumulus_api::AttemptKey;
+
+use super::*;
+
+/// What the leader observed outside the replicated state (soft state), in the units
+/// the planner needs.
+#[derive(Debug, Default, Clone)]
+pub struct Observations {
+    /// Milliseconds since the last heartbeat of each worker the leader tracks.
+    pub worker_silence_ms: HashMap<String, u64>,
+    /// Milliseconds since each observed attempt's reported step last changed.
+    pub progress_stall_ms: HashMap<AttemptKey, u64>,
+    /// Running attempts their worker stopped reporting (lost by the agent).
+    pub lost: HashSet<AttemptKey>,
+}
+
+/// One decision of the planner.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Expire a silent worker (its ranks fail).
+    ExpireWorker {
+        /// Worker.
+        worker_id: String,
+    },
+    /// Declare a running attempt failed.
+    FailRank {
+        /// Job.
+        job_id: String,
+        /// Rank.
+        rank: u32,
+        /// Attempt.
+        attempt: u32,
+        /// Why.
+        cause: String,
+    },
+    /// Gang-place a pending job.
+    Place {
+        /// Job.
+        job_id: String,
+        /// `(rank, worker)` for every rank.
+        placements: Vec<(u32, String)>,
+    },
+    /// Restart failed ranks (or the group) after a delay.
+    Restart {
+        /// Job.
+        job_id: String,
+        /// `(rank, worker)` of every restarted rank.
+        placements: Vec<(u32, String)>,
+        /// Leader time of the failure.
+        failed_at_ms: u64,
+        /// Jittered delay.
+        delay_ms: u64,
+        /// Cause.
+        cause: String,
+        /// Every failed rank failed for an agent resource error: no budget is spent.
+        agent_fault: bool,
+    },
+    /// Fail the job (budget exhausted).
+    FailJob {
+        /// Job.
+        job_id: String,
+        /// Cause.
+        cause: String,
+    },
+    /// Every rank exited 0.
+    Succeed {
+        /// Job.
+        job_id: String,
+    },
+    /// Every rank's part of `step` arrived: verify, write the manifest, commit.
+    Finalize {
+        /// Job.
+        job_id: String,
+        /// Step.
+        step: u64,
+    },
+}
+
+pub(super) fn truncate(mut s: String) -> String {
+    if s.len() > MAX_CAUSE_BYTES {
+        let mut cut = MAX_CAUSE_BYTES;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+/// Plans the leader's next actions. Pure: the same inputs give the same plan;
+/// `jitter` yields the random units in [−1, 1] the restart delays need.
+pub fn plan(
+    state: &ClusterState,
+    obs: &Observations,
+    heartbeat_timeout_ms: u64,
+    jitter: &mut dyn FnMut() -> f64,
+) -> Vec<Action> {
+    let mut actions = Vec::new();
+    let mut expiring: BTreeSet<&str> = BTreeSet::new();
+    for w in state.workers.values() {
+        if w.state != WorkerState::Alive {
+            continue;
+        }
+        if obs
+            .worker_silence_ms
+            .get(&w.worker_id)
+            .is_some_and(|s| *s > heartbeat_timeout_ms)
+        {
+            expiring.insert(&w.worker_id);
+            actions.push(Action::ExpireWorker {
+                worker_id: w.worker_id.clone(),
+            });
+        }
+    }
+
+    let alive = |id: &str| {
+        !expiring.contains(id)
+            && state
+                .workers
+                .get(id)
+                .is_some_and(|w| w.state == WorkerState::Alive)
+    };
+    let mut used = state.slots_used(None);
+    let mut free_slots = |used: &BTreeMap<String, u32>| -> Vec<WorkerSlots> {
+        state
+            .workers
+            .values()
+            .filter(|w| alive(&w.worker_id))
+            .map(|w| WorkerSlots {
+                worker_id: w.worker_id.clone(),
+                free_slots: w
+                    .slots
+                    .saturating_sub(used.get(&w.worker_id).copied().unwrap_or(0)),
+            })
+            .collect()
+    };
+
+    // An upper bound on the free slots left: placements below only lower it (restarts
+    // in `plan_running` may use slots it still counts, which costs an exact check, never
+    // a wrong plan). Most pending jobs wait for capacity that is not there, and this
+    // turns each of them into one comparison instead of a walk over every worker.
+    let mut free_upper_bound: u64 = free_slots(&used)
+        .iter()
+        .map(|w| u64::from(w.free_slots))
+        .sum();
+    // Running jobs always; pending ones only when some capacity may be free (it only
+    // shrinks during a pass). Both in id order, which is submission order.
+    let index = state.job_index();
+    let no_pending = BTreeSet::new();
+    let pending = if free_upper_bound > 0 {
+        &index.pending
+    } else {
+        &no_pending
+    };
+    for job in index
+        .running
+        .union(pending)
+        .filter_map(|id| state.jobs.get(id))
+    {
+        match job.state {
+            JobState::Pending => {
+                if free_upper_bound < u64::from(job.spec.world_size) {
+                    continue;
+                }
+                let ranks: Vec<u32> = (0..job.spec.world_size).collect();
+                if let Ok(Some(placements)) = shard_planner::place_ranks(&ranks, &free_slots(&used))
+                {
+                    free_upper_bound -= placements.len() as u64;
+                    for (_, w) in &placements {
+                        *used.entry(w.clone()).or_insert(0) += 1;
+                    }
+                    actions.push(Action::Place {
+                        job_id: job.id.clone(),
+                        placements,
+                    });
+                }
+            }
+            JobState::Running => plan_running(
+                job,
+                obs,
+                &mut used,
+                &mut free_slots,
+                &alive,
+                jitter,
+                &mut actions,
+            ),
+            _ => {}
+        }
+    }
+    actions
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn plan_running(
+    job: &Job,
+    obs: &Observations,
+    used: &mut BTreeMap<String, u32>,
+    free_slots: &mut dyn FnMut(&BTreeMap<String, u32>) -> Vec<WorkerSlots>,
+    alive: &dyn Fn(&str) -> bool,
+    jitter: &mut dyn FnMut() -> f64,
+    actions: &mut Vec<Action>,
+) {
+    // Failure detection on running attempts.
+    let mut newly_failed = false;
+    for r in &job.ranks {
+        if !matches!(r.state, RankState::Running | RankState::Pending) {
+            continue;
+        }
+        let key = AttemptKey::new(job.id.clone(), r.rank, r.attempt);
+        let cause = if obs.lost.contains(&key) {
+            Some(if r.state == RankState::Pending {
+                "lost: its worker neither prepares nor runs it".to_string()
+            } else {
+                "lost: its worker no longer reports the process".to_string()
+            })
+        } else if r.state != RankState::Running {
+            None
+        } else if job.spec.progress_timeout_ms > 0
+            && obs
+                .progress_stall_ms
+                .get(&key)
+                .is_some_and(|s| *s > job.spec.progress_timeout_ms)
+        {
+            Some(format!(
+                "hung: no progress for more than {} ms",
+                job.spec.progress_timeout_ms
+            ))
+        } else {
+            None
+        };
+        if let Some(cause) = cause {
+            newly_failed = true;
+            actions.push(Action::FailRank {
+                job_id: job.id.clone(),
+                rank: r.rank,
+                attempt: r.attempt,
+                cause,
+            });
+        }
+    }
+    if newly_failed {
+        return; // re-plan once the failures are committed
+    }
+
+    let failed: Vec<_> = job
+        .ranks
+        .iter()
+        .filter(|r| r.state == RankState::Failed)
+        .collect();
+    if failed.is_empty() {
+        if job.all_ranks_succeeded() {
+            actions.push(Action::Succeed {
+                job_id: job.id.clone(),
+            });
+        } else if let Some((step, _)) = job
+            .pending_parts
+            .iter()
+            .rev()
+            .find(|(_, parts)| parts.len() == job.spec.world_size as usize)
+        {
+            actions.push(Action::Finalize {
+                job_id: job.id.clone(),
+                step: *step,
+            });
+        }
+        return;
+    }
+    let causes = truncate(
+        failed
+            .iter()
+            .filter_map(|r| r.failure.clone())
+            .collect::<Vec<_>>()
+            .join("; "),
+    );
+    let policy = &job.spec.restart;
+    // Attempts the agent could not start for its own lack of a resource are not the
+    // ranks' failures: their restart spends no budget (a bounded number of them).
+    let agent_fault =
+        failed.iter().all(|r| r.agent_fault) && job.agent_fault_restarts < MAX_AGENT_FAULT_RESTARTS;
+    if !agent_fault && job.restarts_used >= policy.max_restarts {
+        actions.push(Action::FailJob {
+            job_id: job.id.clone(),
+            cause: truncate(format!(
+                "restart budget of {} exhausted; last failure: {causes}",
+                policy.max_restarts
+            )),
+        });
+        return;
+    }
+    let to_restart: Vec<u32> = match policy.scope {
+        RestartScope::Group => job.ranks.iter().map(|r| r.rank).collect(),
+        RestartScope::Rank => failed.iter().map(|r| r.rank).collect(),
+    };
+    // Keep each restarted rank on its worker when that worker is alive (and could start
+    // it); re-place the rest.
+    let faulty: BTreeSet<&str> = failed
+        .iter()
+        .filter(|r| r.agent_fault)
+        .filter_map(|r| r.worker_id.as_deref())
+        .collect();
+    let mut placements = Vec::new();
+    let mut homeless = Vec::new();
+    let restarting: BTreeSet<u32> = to_restart.iter().copied().collect();
+    for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
+        match &r.worker_id {
+            Some(w) if alive(w) && !faulty.contains(w.as_str()) => {
+                placements.push((r.rank, w.clone()))
+            }
+            _ => homeless.push(r.rank),
+        }
+    }
+    if !homeless.is_empty() {
+        // Free the slots of the ranks being restarted before placing the homeless ones.
+        let mut used_without = used.clone();
+        for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
+            if let (Some(w), RankState::Pending | RankState::Running) = (&r.worker_id, r.state)
+                && let Some(n) = used_without.get_mut(w)
+            {
+                *n = n.saturating_sub(1);
+            }
+        }
+        for (_, w) in &placements {
+            *used_without.entry(w.clone()).or_insert(0) += 1;
+        }
+        // Away from a worker that could not start its ranks, when others have room;
+        // back on it otherwise (its trouble may have passed).
+        let mut elsewhere = free_slots(&used_without);
+        elsewhere.retain(|w| !faulty.contains(w.worker_id.as_str()));
+        let placed = match shard_planner::place_ranks(&homeless, &elsewhere) {
+            Ok(Some(more)) => Some(more),
+            _ => match shard_planner::place_ranks(&homeless, &free_slots(&used_without)) {
+                Ok(Some(more)) => Some(more),
+                _ => None,
+            },
+        };
+        match placed {
+            Some(more) => placements.extend(more),
+            None => return, // wait for capacity
+        }
+        placements.sort();
+    }
+    for (_, w) in &placements {
+        *used.entry(w.clone()).or_insert(0) += 1;
+    }
+    let number = if agent_fault {
+        job.agent_fault_restarts + 1
+    } else {
+        job.restarts_used + 1
+    };
+    let failed_at_ms = failed.iter().map(|r| r.exited_at_ms).max().unwrap_or(0);
+    actions.push(Action::Restart {
+        job_id: job.id.clone(),
+        placements,
+        failed_at_ms,
+        delay_ms: policy.jittered_delay_ms(number, jitter()),
+        cause: causes,
+        agent_fault,
+    });
+}

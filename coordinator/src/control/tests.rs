@@ -1,0 +1,444 @@
+use std::collections::BTreeSet;
+
+use cumulus_api::AttemptKey;
+use cumulus_raft_store::state::{ClusterState, MAX_AGENT_FAULT_RESTARTS, RankState, RestartScope};
+
+use super::*;
+use cumulus_raft_store::state::{JobSpec, RestartPolicy};
+use cumulus_raft_store::{Command, Response};
+
+#[tokio::test]
+async fn checkpoint_io_runs_one_task_per_job_off_the_loop_and_remembers_outcomes() {
+    let mut memory = LoopMemory::default();
+    let (release, gate) = tokio::sync::oneshot::channel::<()>();
+    // A slow task (an S3 outage being retried) for job a ...
+    memory.spawn_io("a", async move {
+        let _ = gate.await;
+        IoOutcome::BadStep(7)
+    });
+    assert!(memory.io_busy("a"));
+    // ... does not let a second task of job a start, nor block job b.
+    memory.spawn_io("a", async { IoOutcome::LatestOk(1) });
+    memory.spawn_io("b", async { IoOutcome::LatestOk(3) });
+    assert_eq!(memory.io_jobs.len(), 2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while memory.io_busy("b") {
+        assert!(Instant::now() < deadline, "job b's task did not finish");
+        tokio::task::yield_now().await;
+        memory.reap_io();
+    }
+    assert_eq!(memory.latest_ok.get("b"), Some(&3));
+    assert!(memory.io_busy("a"), "job a's task is still waiting");
+    release.send(()).expect("task a waits");
+    while memory.io_busy("a") {
+        assert!(Instant::now() < deadline, "job a's task did not finish");
+        tokio::task::yield_now().await;
+        memory.reap_io();
+    }
+    assert!(memory.bad_steps.contains(&("a".to_string(), 7)));
+    assert!(
+        !memory.latest_ok.contains_key("a"),
+        "the refused task never ran"
+    );
+    // A panicking task frees its job.
+    memory.spawn_io("c", async { panic!("boom") });
+    while memory.io_busy("c") {
+        assert!(Instant::now() < deadline, "job c's task did not end");
+        tokio::task::yield_now().await;
+        memory.reap_io();
+    }
+    // The number of tasks in flight is bounded.
+    let mut gates = Vec::new();
+    for i in 0..MAX_IO_TASKS + 5 {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        gates.push(tx);
+        memory.spawn_io(&format!("j{i}"), async move {
+            let _ = rx.await;
+            IoOutcome::Done
+        });
+    }
+    assert_eq!(memory.io_jobs.len(), MAX_IO_TASKS);
+}
+
+#[test]
+fn periodic_io_is_due_at_most_once_per_interval() {
+    let mut memory = LoopMemory::default();
+    assert!(memory.due("a", IoKind::Latest));
+    assert!(!memory.due("a", IoKind::Latest));
+    assert!(memory.due("a", IoKind::Mirror), "kinds are independent");
+    assert!(memory.due("b", IoKind::Latest), "jobs are independent");
+}
+
+fn state_with_running_job(world_size: u32, scope: RestartScope) -> (ClusterState, String) {
+    let mut s = ClusterState::default();
+    let mut d = BTreeSet::new();
+    for w in ["w1", "w2"] {
+        s.apply(
+            &Command::RegisterWorker {
+                worker_id: w.into(),
+                host: "h".into(),
+                http_addr: "h:1".into(),
+                slots: 4,
+                at_ms: 0,
+            },
+            &mut d,
+        );
+    }
+    let spec = JobSpec {
+        name: String::new(),
+        world_size,
+        command: vec!["x".into()],
+        env: Default::default(),
+        dataset: String::new(),
+        ckpt_dir: String::new(),
+        ckpt_keep: 3,
+        restart: RestartPolicy {
+            scope,
+            max_restarts: 1,
+            ..RestartPolicy::default()
+        },
+        progress_timeout_ms: 1_000,
+        working_dir: String::new(),
+        ckpt_url: String::new(),
+        ckpt_commit_tier: String::new(),
+    };
+    let Response::JobSubmitted { job_id, .. } = s.apply(
+        &Command::SubmitJob {
+            request_id: "r".into(),
+            spec,
+            shards: vec![],
+            submitted_at_ms: 0,
+        },
+        &mut d,
+    ) else {
+        panic!("submit")
+    };
+    let mut zero = || 0.0;
+    let actions = plan(&s, &Observations::default(), 5_000, &mut zero);
+    let [Action::Place { placements, .. }] = actions.as_slice() else {
+        panic!("{actions:?}")
+    };
+    // Least-loaded placement alternates workers.
+    assert_eq!(
+        placements.iter().filter(|(_, w)| w == "w1").count() as u32,
+        world_size.div_ceil(2)
+    );
+    s.apply(
+        &Command::PlaceJob {
+            job_id: job_id.clone(),
+            placements: placements.clone(),
+            at_ms: 1,
+        },
+        &mut d,
+    );
+    for r in 0..world_size {
+        let w = s.jobs[&job_id].ranks[r as usize]
+            .worker_id
+            .clone()
+            .expect("placed");
+        s.apply(
+            &Command::RankStarted {
+                job_id: job_id.clone(),
+                rank: r,
+                attempt: 0,
+                worker_id: w,
+                pid: 1,
+                at_ms: 2,
+            },
+            &mut d,
+        );
+    }
+    (s, job_id)
+}
+
+#[test]
+fn silent_worker_is_expired_only_after_the_timeout() {
+    let (s, _) = state_with_running_job(2, RestartScope::Group);
+    let mut zero = || 0.0;
+    let mut obs = Observations::default();
+    obs.worker_silence_ms.insert("w1".into(), 5_000);
+    assert!(plan(&s, &obs, 5_000, &mut zero).is_empty());
+    obs.worker_silence_ms.insert("w1".into(), 5_001);
+    assert_eq!(
+        plan(&s, &obs, 5_000, &mut zero),
+        vec![Action::ExpireWorker {
+            worker_id: "w1".into()
+        }]
+    );
+}
+
+#[test]
+fn group_restart_then_budget_exhaustion() {
+    let (mut s, job_id) = state_with_running_job(4, RestartScope::Group);
+    let mut d = BTreeSet::new();
+    let w = s.jobs[&job_id].ranks[2].worker_id.clone().expect("placed");
+    s.apply(
+        &Command::RankExited {
+            job_id: job_id.clone(),
+            rank: 2,
+            attempt: 0,
+            worker_id: w,
+            exit_code: Some(1),
+            signal: None,
+            spawn_error: String::new(),
+            at_ms: 50,
+            agent_fault: false,
+        },
+        &mut d,
+    );
+    let mut plus = || 1.0;
+    let actions = plan(&s, &Observations::default(), 5_000, &mut plus);
+    let [
+        Action::Restart {
+            placements,
+            failed_at_ms,
+            delay_ms,
+            cause,
+            ..
+        },
+    ] = actions.as_slice()
+    else {
+        panic!("{actions:?}")
+    };
+    assert_eq!(placements.len(), 4, "group scope restarts every rank");
+    assert_eq!((*failed_at_ms, *delay_ms), (50, 600));
+    assert!(cause.contains("exited with code 1"), "{cause}");
+    let cmd = Command::ScheduleRestart {
+        job_id: job_id.clone(),
+        placements: placements.clone(),
+        failed_at_ms: 50,
+        delay_ms: 600,
+        cause: cause.clone(),
+        resume_step: None,
+        agent_fault: false,
+    };
+    assert_eq!(s.apply(&cmd, &mut d), Response::Ok);
+    // Second failure: the budget of 1 is used up.
+    let w = s.jobs[&job_id].ranks[0].worker_id.clone().expect("placed");
+    s.apply(
+        &Command::RankStarted {
+            job_id: job_id.clone(),
+            rank: 0,
+            attempt: 1,
+            worker_id: w.clone(),
+            pid: 9,
+            at_ms: 700,
+        },
+        &mut d,
+    );
+    s.apply(
+        &Command::RankExited {
+            job_id: job_id.clone(),
+            rank: 0,
+            attempt: 1,
+            worker_id: w,
+            exit_code: None,
+            signal: Some(9),
+            spawn_error: String::new(),
+            at_ms: 800,
+            agent_fault: false,
+        },
+        &mut d,
+    );
+    let actions = plan(&s, &Observations::default(), 5_000, &mut plus);
+    let [Action::FailJob { cause, .. }] = actions.as_slice() else {
+        panic!("{actions:?}")
+    };
+    assert!(
+        cause.contains("budget of 1 exhausted") && cause.contains("signal 9"),
+        "{cause}"
+    );
+}
+
+/// An attempt its agent could not start for lack of a resource of its own (here:
+/// descriptors) is the worker's failure: the restart spends no budget, even with the
+/// budget used up, moves the rank to another worker with room, and is itself bounded
+/// by `MAX_AGENT_FAULT_RESTARTS`; a rank's own failure after it spends budget again.
+#[test]
+fn agent_resource_errors_restart_elsewhere_without_spending_budget() {
+    let (mut s, job_id) = state_with_running_job(1, RestartScope::Group);
+    let mut d = BTreeSet::new();
+    Arc::make_mut(s.jobs.get_mut(&job_id).expect("job")).restarts_used = 1; // budget spent
+    let w = s.jobs[&job_id].ranks[0].worker_id.clone().expect("placed");
+    let mut attempt = 0;
+    let mut agent_fails = |s: &mut ClusterState, attempt: u32, worker: &str| {
+        s.apply(
+            &Command::RankExited {
+                job_id: job_id.clone(),
+                rank: 0,
+                attempt,
+                worker_id: worker.into(),
+                exit_code: None,
+                signal: None,
+                spawn_error: "cannot create log …: Too many open files (os error 24)".into(),
+                agent_fault: true,
+                at_ms: 50,
+            },
+            &mut d,
+        )
+    };
+    assert_eq!(agent_fails(&mut s, attempt, &w), Response::Ok);
+    let mut zero = || 0.0;
+    let actions = plan(&s, &Observations::default(), 5_000, &mut zero);
+    let [
+        Action::Restart {
+            placements,
+            delay_ms,
+            agent_fault: true,
+            cause,
+            ..
+        },
+    ] = actions.as_slice()
+    else {
+        panic!("{actions:?}")
+    };
+    assert!(cause.contains("resource error of the agent"), "{cause}");
+    assert_ne!(
+        placements[0].1, w,
+        "moved off the worker that could not start it"
+    );
+    // Later restarts back off further; a long delay passes every minimum.
+    let mut delay = *delay_ms;
+    let mut restart = |s: &mut ClusterState, placements: Vec<(u32, String)>, agent_fault| {
+        let delay_ms = delay;
+        delay = 3_600_000;
+        s.apply(
+            &Command::ScheduleRestart {
+                job_id: job_id.clone(),
+                placements,
+                failed_at_ms: 50,
+                delay_ms,
+                cause: cause.clone(),
+                resume_step: None,
+                agent_fault,
+            },
+            &mut BTreeSet::new(),
+        )
+    };
+    assert_eq!(restart(&mut s, placements.clone(), true), Response::Ok);
+    let job = &s.jobs[&job_id];
+    assert_eq!((job.restarts_used, job.agent_fault_restarts), (1, 1));
+    // Bounded: after MAX_AGENT_FAULT_RESTARTS such restarts the budget rules again.
+    for _ in 1..MAX_AGENT_FAULT_RESTARTS {
+        attempt += 1;
+        let w = s.jobs[&job_id].ranks[0].worker_id.clone().expect("placed");
+        assert_eq!(agent_fails(&mut s, attempt, &w), Response::Ok);
+        let p = vec![(0, w)];
+        assert_eq!(restart(&mut s, p, true), Response::Ok);
+    }
+    attempt += 1;
+    let w = s.jobs[&job_id].ranks[0].worker_id.clone().expect("placed");
+    assert_eq!(agent_fails(&mut s, attempt, &w), Response::Ok);
+    assert!(matches!(
+        restart(&mut s, vec![(0, w.clone())], true),
+        Response::Rejected { .. }
+    ));
+    let actions = plan(&s, &Observations::default(), 5_000, &mut zero);
+    assert!(
+        matches!(actions.as_slice(), [Action::FailJob { .. }]),
+        "{actions:?}"
+    );
+}
+
+#[test]
+fn ranks_of_an_expired_worker_move_to_a_live_one() {
+    let (mut s, _job_id) = state_with_running_job(4, RestartScope::Group);
+    let mut d = BTreeSet::new();
+    s.apply(
+        &Command::ExpireWorker {
+            worker_id: "w2".into(),
+            at_ms: 100,
+        },
+        &mut d,
+    );
+    let mut zero = || 0.0;
+    let actions = plan(&s, &Observations::default(), 5_000, &mut zero);
+    let [Action::Restart { placements, .. }] = actions.as_slice() else {
+        panic!("{actions:?}")
+    };
+    assert!(placements.iter().all(|(_, w)| w == "w1"), "{placements:?}");
+    assert_eq!(
+        placements.iter().map(|(r, _)| *r).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3]
+    );
+}
+
+#[test]
+fn hung_and_lost_ranks_fail_and_rank_scope_restarts_one() {
+    let (s, job_id) = state_with_running_job(2, RestartScope::Rank);
+    let mut zero = || 0.0;
+    let mut obs = Observations::default();
+    obs.progress_stall_ms
+        .insert(AttemptKey::new(job_id.clone(), 0, 0), 1_001);
+    obs.lost.insert(AttemptKey::new(job_id.clone(), 1, 0));
+    let actions = plan(&s, &obs, 5_000, &mut zero);
+    assert_eq!(actions.len(), 2);
+    assert!(
+        matches!(&actions[0], Action::FailRank { rank: 0, cause, .. } if cause.starts_with("hung"))
+    );
+    assert!(
+        matches!(&actions[1], Action::FailRank { rank: 1, cause, .. } if cause.starts_with("lost"))
+    );
+}
+
+#[test]
+fn a_lost_pending_attempt_fails_and_a_stalled_one_is_not_hung() {
+    let (mut s, job_id) = state_with_running_job(2, RestartScope::Rank);
+    for r in &mut Arc::make_mut(s.jobs.get_mut(&job_id).expect("job")).ranks {
+        r.state = RankState::Pending; // placed, not started yet
+    }
+    let mut zero = || 0.0;
+    let mut obs = Observations::default();
+    // Rank 0 prepares for long (no progress) and is reported: not hung, not lost.
+    obs.progress_stall_ms
+        .insert(AttemptKey::new(job_id.clone(), 0, 0), 60_000);
+    // Rank 1 is neither prepared nor run by its reporting worker.
+    obs.lost.insert(AttemptKey::new(job_id.clone(), 1, 0));
+    let actions = plan(&s, &obs, 5_000, &mut zero);
+    assert_eq!(actions.len(), 1, "{actions:?}");
+    assert!(
+        matches!(&actions[0], Action::FailRank { rank: 1, attempt: 0, cause, .. } if cause == "lost: its worker neither prepares nor runs it"),
+        "{actions:?}"
+    );
+}
+
+#[test]
+fn gang_placement_waits_for_capacity() {
+    let mut s = ClusterState::default();
+    let mut d = BTreeSet::new();
+    s.apply(
+        &Command::RegisterWorker {
+            worker_id: "w1".into(),
+            host: "h".into(),
+            http_addr: "h:1".into(),
+            slots: 2,
+            at_ms: 0,
+        },
+        &mut d,
+    );
+    let spec = JobSpec {
+        name: String::new(),
+        world_size: 3,
+        command: vec!["x".into()],
+        env: Default::default(),
+        dataset: String::new(),
+        ckpt_dir: String::new(),
+        ckpt_keep: 3,
+        restart: RestartPolicy::default(),
+        progress_timeout_ms: 0,
+        working_dir: String::new(),
+        ckpt_url: String::new(),
+        ckpt_commit_tier: String::new(),
+    };
+    s.apply(
+        &Command::SubmitJob {
+            request_id: "r".into(),
+            spec,
+            shards: vec![],
+            submitted_at_ms: 0,
+        },
+        &mut d,
+    );
+    let mut zero = || 0.0;
+    assert!(plan(&s, &Observations::default(), 5_000, &mut zero).is_empty());
+}
