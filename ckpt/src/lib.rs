@@ -66,8 +66,10 @@ pub use cumulus_api::limits::{MAX_PART_FILES, MAX_STATE_JSON_BYTES};
 pub use dataset::{DatasetCache, Fetched, ShardPin};
 pub use digest::{DigestAlgorithm, HASH_BUFFER_BYTES, WRITE_ALGORITHM, parse_digest};
 pub use local::{Durability, LocalStore};
+#[cfg(feature = "clap")]
+pub use s3::S3Args;
 pub use s3::{
-    DIGEST_METADATA_KEY, LEGACY_SHA256_METADATA_KEY, RemoteKind, S3Args, S3Connector, S3Location,
+    DIGEST_METADATA_KEY, LEGACY_SHA256_METADATA_KEY, RemoteKind, S3Connector, S3Location,
     S3Settings, S3Store, part_file_key,
 };
 pub use tiered::{CommitTier, TieredStore};
