@@ -1,0 +1,259 @@
+//! Everything an attempt needs before its process starts: its shards (S3 ones fetched into
+//! the dataset cache), its checkpoint store and staging directory, the resume step
+//! verified, and the rank contract's environment.
+
+use std::ffi::OsString;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cumulus_api::{AttemptKey, DesiredRank, rank_env};
+use cumulus_ckpt::{CheckpointStore, CommitTier, LocalStore, TieredStore};
+use tokio::io::AsyncWriteExt;
+
+use crate::logs::{ExitRecord, LogWriter};
+use crate::spawn::SpawnRequest;
+
+use super::*;
+
+impl Supervisor {
+    /// Writes the shards file, prepares checkpoint staging, verifies the resume part and
+    /// builds the command with the rank environment.
+    pub(super) async fn prepare(
+        &self,
+        key: &AttemptKey,
+        d: &DesiredRank,
+        token: &str,
+    ) -> Result<SpawnRequest, String> {
+        let settings = &self.inner.settings;
+        let (program, args) = d
+            .command
+            .split_first()
+            .ok_or("the desired rank has an empty command")?;
+        if d.command.iter().any(|a| a.contains('\0')) {
+            return Err("a command argument contains a NUL byte".into());
+        }
+        let mut env: Vec<(OsString, OsString)> = Vec::with_capacity(d.env.len() + 16);
+        let mut job_env: Vec<(&String, &String)> = d.env.iter().collect();
+        job_env.sort();
+        for (name, value) in job_env {
+            if name.is_empty() || name.contains(['=', '\0']) || value.contains('\0') {
+                return Err(format!("invalid environment variable {name:?}"));
+            }
+            if !rank_env::CONTRACT_VARS.contains(&name.as_str()) {
+                env.push((name.into(), value.into()));
+            }
+        }
+
+        let shards_path = shards_file(&settings.data_dir, key);
+        if let Some(bad) = d.shards.iter().find(|s| s.contains(['\n', '\0'])) {
+            return Err(format!("shard path {bad:?} contains a newline or NUL"));
+        }
+        let mut shards = String::with_capacity(d.shards.iter().map(|s| s.len() + 1).sum());
+        for s in &d.shards {
+            if s.starts_with("s3://") {
+                let local = self.fetch_shard(key, s).await?;
+                shards.push_str(&local);
+            } else {
+                shards.push_str(s);
+            }
+            shards.push('\n');
+        }
+        write_file_atomic(&shards_path, shards.as_bytes())
+            .await
+            .map_err(|e| format!("cannot write {}: {e}", shards_path.display()))?;
+
+        let master_addr = if d.master_addr.is_empty() {
+            settings.advertise_host.as_str()
+        } else {
+            d.master_addr.as_str()
+        };
+        let mut contract: Vec<(&str, OsString)> = vec![
+            (rank_env::RANK, d.rank.to_string().into()),
+            (rank_env::WORLD_SIZE, d.world_size.to_string().into()),
+            (rank_env::LOCAL_RANK, d.local_rank.to_string().into()),
+            (
+                rank_env::LOCAL_WORLD_SIZE,
+                d.local_world_size.to_string().into(),
+            ),
+            (rank_env::MASTER_ADDR, master_addr.into()),
+            (rank_env::MASTER_PORT, d.master_port.to_string().into()),
+            (rank_env::JOB_ID, d.job_id.clone().into()),
+            (rank_env::ATTEMPT, d.attempt.to_string().into()),
+            (rank_env::SHARDS_FILE, shards_path.into_os_string()),
+            (rank_env::AGENT_URL, settings.rank_api_url.clone().into()),
+            (rank_env::AGENT_TOKEN, token.into()),
+        ];
+
+        if !d.ckpt_dir.is_empty() || !d.ckpt_url.is_empty() {
+            let store = self.job_store(d).await?;
+            let staging = store
+                .prepare_staging(&key.job_id, key.rank, key.attempt)
+                .await
+                .map_err(|e| format!("cannot prepare checkpoint staging: {e}"))?;
+            contract.push((rank_env::CKPT_STAGING, staging.clone().into_os_string()));
+            if let Some(step) = d.resume_step {
+                let dir = verify_resume(&*store, key, step, &d.resume_dir).await?;
+                contract.push((rank_env::RESUME_STEP, step.to_string().into()));
+                contract.push((rank_env::RESUME_DIR, dir.into_os_string()));
+            }
+            if let Some(entry) = self.table().entries.get_mut(key) {
+                entry.ckpt = Some(CkptTarget { store, staging });
+            }
+        } else if d.resume_step.is_some() {
+            return Err("resume_step is set but the job has no checkpoint target".into());
+        }
+        env.extend(contract.into_iter().map(|(k, v)| (OsString::from(k), v)));
+        Ok(SpawnRequest {
+            program: program.into(),
+            args: args.iter().map(OsString::from).collect(),
+            env,
+            working_dir: (!d.working_dir.is_empty()).then(|| PathBuf::from(&d.working_dir)),
+        })
+    }
+}
+
+impl Supervisor {
+    /// Local path of an `s3://` shard from the dataset cache (downloaded and verified on a
+    /// miss), pinned in the cache for as long as the attempt's entry exists.
+    pub(super) async fn fetch_shard(&self, key: &AttemptKey, url: &str) -> Result<String, String> {
+        let cache = self.inner.settings.dataset_cache.as_ref().ok_or_else(|| {
+            format!("shard {url} is in S3 but this worker has no S3 settings (--s3-endpoint, ...)")
+        })?;
+        let (fetched, pin) = cache
+            .fetch_pinned(url)
+            .await
+            .map_err(|e| format!("cannot fetch dataset shard {url}: {e}"))?;
+        match self.table().entries.get_mut(key) {
+            Some(entry) => entry.shard_pins.push(pin),
+            None => return Err(format!("attempt {key} ended while its shards were fetched")),
+        }
+        if fetched.hit {
+            tracing::info!(attempt = %key, shard = url, "dataset cache hit");
+        } else {
+            tracing::info!(attempt = %key, shard = url, bytes = fetched.size_bytes, "dataset cache miss: downloaded and verified");
+        }
+        fetched
+            .path
+            .to_str()
+            .map(str::to_owned)
+            .ok_or_else(|| format!("cache path of {url} is not UTF-8"))
+    }
+
+    /// The checkpoint store of a desired attempt: [`LocalStore`] on `ckpt_dir`, or with an
+    /// S3 target a [`TieredStore`] (L1 = `ckpt_dir`, else `<data_dir>/ckpt-l1`; L2 = S3).
+    pub(super) async fn job_store(
+        &self,
+        d: &DesiredRank,
+    ) -> Result<Arc<dyn CheckpointStore>, String> {
+        if d.ckpt_url.is_empty() {
+            return Ok(Arc::new(LocalStore::new(&d.ckpt_dir)));
+        }
+        let connector = self.inner.settings.s3.as_ref().ok_or_else(|| {
+            format!(
+                "the job checkpoints to {} but this worker has no S3 settings (--s3-endpoint, --s3-access-key, ...)",
+                d.ckpt_url
+            )
+        })?;
+        let l2 = connector
+            .store(&d.ckpt_url)
+            .await
+            .map_err(|e| format!("cannot use the S3 checkpoint target: {e}"))?;
+        let tier = CommitTier::from_spec(&d.ckpt_commit_tier).map_err(|e| e.to_string())?;
+        let l1_root = if d.ckpt_dir.is_empty() {
+            self.inner.settings.data_dir.join("ckpt-l1")
+        } else {
+            PathBuf::from(&d.ckpt_dir)
+        };
+        Ok(Arc::new(TieredStore::new(
+            LocalStore::new(l1_root),
+            l2,
+            tier,
+            L1_KEEP_STEPS,
+        )))
+    }
+}
+
+/// Parts of its own each rank keeps on the worker's disk (L1) with an S3 target.
+pub(super) const L1_KEEP_STEPS: usize = 2;
+
+/// Checks the rank's part of the resume step against the step's manifest and returns its
+/// local directory (restored from L2 first when the store is tiered and L1 lacks it).
+pub(super) async fn verify_resume(
+    store: &dyn CheckpointStore,
+    key: &AttemptKey,
+    step: u64,
+    resume_dir: &str,
+) -> Result<PathBuf, String> {
+    let fail = |why: String| {
+        format!("checkpoint part {resume_dir:?} of step {step} failed verification: {why}")
+    };
+    if resume_dir.is_empty() {
+        return Err(fail("the leader sent no resume_dir".into()));
+    }
+    let manifest = store
+        .read_manifest(&key.job_id, step)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    if manifest.step != step || manifest.job_id != key.job_id {
+        return Err(fail(format!(
+            "the manifest is for {} step {}",
+            manifest.job_id, manifest.step
+        )));
+    }
+    let part = manifest
+        .parts
+        .iter()
+        .find(|p| p.rank == key.rank)
+        .ok_or_else(|| fail(format!("the manifest has no part for rank {}", key.rank)))?;
+    if part.dir != resume_dir {
+        return Err(fail(format!(
+            "the manifest names {:?} for rank {}",
+            part.dir, key.rank
+        )));
+    }
+    store
+        .resume_part_path(&key.job_id, part)
+        .await
+        .map_err(|e| fail(e.to_string()))
+}
+
+/// Writes why `exit` (a record of an attempt that could not start) could not start to
+/// the attempt's log, finishes the log and returns `exit`.
+pub(super) async fn fail_start(mut log: LogWriter, exit: ExitRecord) -> ExitRecord {
+    let message = exit.spawn_error.as_deref().unwrap_or("");
+    let line = format!("[cumulus: cannot start the rank: {message}]\n");
+    if let Err(e) = log.append(line.as_bytes()).await {
+        tracing::warn!("cannot write to log: {e}");
+    }
+    if let Err(e) = log.finish().await {
+        tracing::warn!("cannot finish log: {e}");
+    }
+    exit
+}
+
+pub(super) async fn append_line(path: &Path, line: &str) -> io::Result<()> {
+    if let Some(dir) = path.parent() {
+        tokio::fs::create_dir_all(dir).await?;
+    }
+    let mut file = tokio::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .await?;
+    file.write_all(line.as_bytes()).await?;
+    file.sync_all().await
+}
+
+pub(super) async fn write_file_atomic(path: &Path, content: &[u8]) -> io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::other("path has no parent"))?;
+    tokio::fs::create_dir_all(dir).await?;
+    let tmp = path.with_extension("tmp");
+    let mut file = tokio::fs::File::create(&tmp).await?;
+    file.write_all(content).await?;
+    file.sync_all().await?;
+    drop(file);
+    tokio::fs::rename(&tmp, path).await
+}
