@@ -3,6 +3,11 @@
 //! Durability: every file is fsynced (`File::sync_all`) before the name that exposes it is
 //! created by rename, and every directory whose entries changed is fsynced afterwards.
 //! Blocking file system work runs in `tokio::task::spawn_blocking`.
+//!
+//! Why one file of ~1,000 lines: it is the commit protocol, and its order (write, fsync
+//! file, rename, fsync every changed directory, then the manifest and LATEST) is its
+//! correctness; read top to bottom here it can be checked against the failpoint list in
+//! [`crate::failpoints`], which a split across files would hide.
 
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};

@@ -1,12 +1,11 @@
 //! The S3 tier against a real S3 server: `s3s-fs` started on a loopback port per test
-//! (`cargo install s3s-fs@0.14.1 --locked --features binary`; `.ci/run` installs it).
+//! (`cumulus-s3-test`; `scripts/setup.sh` installs the binary).
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use axum::http::Method;
+use cumulus_s3_test::{ACCESS_KEY, S3TestServer, SECRET_KEY};
 
 use cumulus_ckpt::{
     CheckpointStore, CkptError, CommitTier, DatasetCache, FileEntry, LEGACY_SHA256_METADATA_KEY,
@@ -17,69 +16,17 @@ use cumulus_ckpt::{
 mod support;
 use support::{FaultProxy, Rule};
 
-const KEY: &str = "cumulus-test-key";
-const SECRET: &str = "cumulus-test-secret";
-
-/// An `s3s-fs` process serving a temp dir; killed on drop.
-struct S3Server {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for S3Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn s3s_fs_binary() -> PathBuf {
-    if let Some(path) = std::env::var_os("CUMULUS_S3S_FS") {
-        return path.into();
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    let cargo_bin = home.join(".cargo/bin/s3s-fs");
-    if cargo_bin.exists() {
-        return cargo_bin;
-    }
-    PathBuf::from("s3s-fs")
-}
-
-fn start_s3() -> S3Server {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
-    let child = Command::new(s3s_fs_binary())
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--access-key", KEY, "--secret-key", SECRET])
-        .arg(dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("s3s-fs must be installed: cargo install s3s-fs@0.14.1 --locked --features binary");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "s3s-fs did not listen on {port}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    S3Server {
-        child,
-        port,
-        _dir: dir,
-    }
+/// A real `s3s-fs` on a loopback port (the workspace's one harness); killed on drop.
+fn start_s3() -> S3TestServer {
+    S3TestServer::start().expect("s3s-fs")
 }
 
 fn settings(port: u16) -> S3Settings {
     S3Settings {
         endpoint_url: Some(format!("http://127.0.0.1:{port}")),
         force_path_style: true,
-        access_key_id: Some(KEY.into()),
-        secret_access_key: Some(SECRET.into()),
+        access_key_id: Some(ACCESS_KEY.into()),
+        secret_access_key: Some(SECRET_KEY.into()),
         multipart_threshold_bytes: 5 * 1024 * 1024,
         part_size_bytes: 5 * 1024 * 1024,
         retry_deadline_ms: 2_000,
@@ -87,8 +34,8 @@ fn settings(port: u16) -> S3Settings {
     }
 }
 
-async fn store(server: &S3Server, bucket: &str, create: bool) -> S3Store {
-    store_at(settings(server.port), bucket, create).await
+async fn store(server: &S3TestServer, bucket: &str, create: bool) -> S3Store {
+    store_at(settings(server.port()), bucket, create).await
 }
 
 /// A store of `s3://<bucket>/runs/a` with `settings` (creating the bucket when `create`).
@@ -302,7 +249,7 @@ async fn clear_errors() {
         "{error}"
     );
 
-    let mut wrong = settings(server.port);
+    let mut wrong = settings(server.port());
     wrong.secret_access_key = Some("wrong-secret".into());
     let client = wrong.client().await.expect("client");
     let bad = S3Store::new(
@@ -322,7 +269,7 @@ async fn clear_errors() {
         "{error}"
     );
 
-    let port = server.port;
+    let port = server.port();
     drop(server);
     let mut gone = settings(port);
     gone.retry_deadline_ms = 300;
@@ -406,7 +353,7 @@ async fn pinned_dataset_shards_are_never_evicted() {
             .expect("put shard");
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    let connector = S3Connector::new(settings(server.port)).expect("connector");
+    let connector = S3Connector::new(settings(server.port())).expect("connector");
     // Room for two shards.
     let cache = std::sync::Arc::new(DatasetCache::new(dir.path(), 2_500, connector));
     let url = |name: &str| format!("s3://data-bucket/shards/{name}.txt");
@@ -484,7 +431,7 @@ async fn commit_one(
 /// and a tiered store committing at L2 over a fresh L1 directory.
 struct ProxiedTiers {
     /// Kept for the test's lifetime (dropping it stops the server).
-    _server: S3Server,
+    _server: S3TestServer,
     proxy: FaultProxy,
     l2: S3Store,
     l1_dir: tempfile::TempDir,
@@ -493,7 +440,7 @@ struct ProxiedTiers {
 
 async fn proxied_tiers() -> ProxiedTiers {
     let server = start_s3();
-    let proxy = FaultProxy::start(server.port).await;
+    let proxy = FaultProxy::start(server.port()).await;
     let mut patient = settings(proxy.port());
     patient.retry_deadline_ms = 120_000;
     let l2 = store_at(patient, "ckpt-bucket", true).await;

@@ -26,7 +26,7 @@ pub const MAX_TRACKED_STREAMS: usize = 1 << 20;
 /// One log line event.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogLine {
-    /// Rank.
+    /// Global rank, `0..world_size`.
     pub rank: u32,
     /// Attempt of the rank.
     pub attempt: u32,

@@ -12,7 +12,7 @@ use crate::node::Node;
 
 /// Serves the client API of one node.
 pub struct ClientSvc {
-    /// The node.
+    /// This coordinator's shared context; every call goes through [`crate::api`] on it.
     pub node: Arc<Node>,
 }
 

@@ -13,7 +13,7 @@ use crate::soft::ProgressSoft;
 use cumulus_api::AttemptKey;
 
 /// Default number of committed checkpoint steps kept.
-pub const DEFAULT_CKPT_KEEP: u32 = 3;
+pub use cumulus_raft_store::state::DEFAULT_CKPT_KEEP;
 
 /// Builds a validated [`JobSpec`] from a request, filling the documented defaults.
 ///

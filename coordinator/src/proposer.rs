@@ -276,7 +276,7 @@ async fn write(raft: &Raft, command: Command) -> Result<Response, ApiError> {
 
 #[cfg(test)]
 mod tests {
-    use cumulus_raft_store::state::{JobSpec, RestartPolicy};
+    use cumulus_raft_store::state::JobSpec;
 
     use super::*;
 
@@ -284,18 +284,8 @@ mod tests {
         Command::SubmitJob {
             request_id: "r".into(),
             spec: JobSpec {
-                name: String::new(),
-                world_size: 1,
-                command: vec!["true".into()],
-                env: Default::default(),
                 dataset: "/data".into(),
-                ckpt_dir: String::new(),
-                ckpt_keep: 3,
-                restart: RestartPolicy::default(),
-                progress_timeout_ms: 0,
-                working_dir: String::new(),
-                ckpt_url: String::new(),
-                ckpt_commit_tier: String::new(),
+                ..JobSpec::new(1, vec!["true".into()])
             },
             shards,
             submitted_at_ms: 1,

@@ -24,7 +24,7 @@ pub const DECODE_INLINE_MAX_BYTES: usize = 1 << 20;
 
 /// Serves Raft RPCs for one node.
 pub struct RaftSvc {
-    /// The node.
+    /// This coordinator's shared context (Raft handle, applied state, peers).
     pub node: Arc<Node>,
     /// One permit: snapshots are received one at a time (each may hold up to
     /// [`MAX_SNAPSHOT_BYTES`] in memory).

@@ -58,7 +58,7 @@ fn desired_reply(node: &Node, worker_id: &str) -> (v1::HeartbeatResponse, Option
 
 /// Serves the worker API of one node.
 pub struct WorkerSvc {
-    /// The node.
+    /// This coordinator's shared context (state, soft state, proposer).
     pub node: Arc<Node>,
 }
 

@@ -720,8 +720,7 @@ impl View {
             .call("SubmitJob", &policy, None, &req, |ch, r| async move {
                 ClientServiceClient::new(ch).submit_job(r).await
             })
-            .await
-            .with_context(|| format!("submit {request_id}"))?;
+            .await?;
         Ok(r)
     }
 }

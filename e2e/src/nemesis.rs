@@ -21,6 +21,10 @@
 //! stop one ([`crate::ranks`], `/proc` sampled every [`PROC_SAMPLE_MS`]); (6) a hung rank
 //! is failed as hung and restarted within its progress timeout plus
 //! [`HANG_DETECT_SLACK_MS`], and its process does not outlive the fault.
+//!
+//! Why one file of ~1,100 lines: the workload, the fault schedule and the checks share one
+//! seeded random stream and one recorded history; replaying a seed needs them in one
+//! order, which this file keeps visible.
 
 use cumulus_api::{JobState, RankPhase};
 use std::collections::{BTreeMap, HashMap};

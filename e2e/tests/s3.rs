@@ -261,7 +261,7 @@ async fn s3_server_restart_mid_upload_loses_no_step_and_commits_no_partial_one()
                 && j.ranks.iter().all(|r| r.state == "running")
         })
         .await;
-    server.proc.kill9();
+    server.stop();
     // The next checkpoint's uploads now fail and are retried (both workers' logs say so).
     let logs = [
         cluster.workers[0].log.clone(),
@@ -281,7 +281,7 @@ async fn s3_server_restart_mid_upload_loses_no_step_and_commits_no_partial_one()
     let during = cluster.job(&job_id).await.expect("job");
     // Nothing commits while the bucket is unreachable (the leader cannot verify a part).
     let committed_during = during.committed_step;
-    server.spawn().await.expect("s3s-fs restarted");
+    server.restart().expect("s3s-fs restarted");
     let job = cluster.wait_finished(&job_id, LONG).await;
     assert_eq!(job.state, "succeeded", "{job:?}");
     assert!(

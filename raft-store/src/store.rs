@@ -13,6 +13,10 @@
 //!
 //! Everything read back from sled is parsed and validated; a corrupt record is an
 //! error, never silently wrong state.
+//!
+//! Why one file of ~800 lines: it implements openraft's two storage traits, whose methods
+//! share one ordering contract with the flusher (every vote, truncation and purge waits for
+//! the flushes before it); kept together so that contract reads in one place.
 
 use std::collections::BTreeSet;
 use std::fmt::Debug;
@@ -44,7 +48,7 @@ pub enum OpenError {
     Sled {
         /// Data directory.
         path: String,
-        /// Cause.
+        /// Human-readable cause, shown to users.
         #[source]
         source: sled::Error,
     },
@@ -63,7 +67,7 @@ pub enum OpenError {
         path: String,
         /// Which record.
         what: String,
-        /// Why.
+        /// Human-readable cause, shown to users.
         reason: String,
     },
 }

@@ -55,6 +55,10 @@
 //! - Purge: whole segments below the purge point are deleted oldest first.
 //! - A new segment's directory entry is made durable (directory `fsync`) before any
 //!   record in it is reported.
+//!
+//! Why one file of ~1,000 lines: the record format, the writer and the reader that decides
+//! torn write or corruption are one contract; a change to any of them must be read against
+//! the other two.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -101,7 +105,7 @@ pub enum WalError {
     Io {
         /// The file or directory.
         path: String,
-        /// Cause.
+        /// Human-readable cause, shown to users.
         #[source]
         source: io::Error,
     },
@@ -118,7 +122,7 @@ pub enum WalError {
     Encode {
         /// Its index.
         index: u64,
-        /// Cause.
+        /// Human-readable cause, shown to users.
         #[source]
         source: serde_json::Error,
     },

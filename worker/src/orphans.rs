@@ -23,11 +23,11 @@ pub const MAX_RECORDS_SCANNED: usize = 4096;
 /// Content of a pid record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PidRecord {
-    /// Job id.
+    /// The job's id (`job-NNNNNN`).
     pub job_id: String,
-    /// Rank.
+    /// Global rank, `0..world_size`.
     pub rank: u32,
-    /// Attempt.
+    /// The rank's attempt number (0 for its first run).
     pub attempt: u32,
     /// Pid (= process group id) of the rank, once spawned.
     pub pid: Option<u32>,

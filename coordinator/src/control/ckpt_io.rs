@@ -96,9 +96,39 @@ pub(super) async fn choose_resume_step(node: &Node, job_id: &str) -> Option<u64>
     }
 }
 
+/// Why [`finalize`] did not commit a step.
+#[derive(Debug, thiserror::Error)]
+pub enum FinalizeError {
+    /// Reading, verifying or writing the checkpoint storage failed.
+    #[error(transparent)]
+    Storage(#[from] cumulus_ckpt::CkptError),
+    /// A part the log holds for the step is not a valid part record.
+    #[error("step {step} holds an invalid part: {source}")]
+    InvalidPart {
+        /// The step.
+        step: u64,
+        /// What is wrong with the part.
+        source: cumulus_ckpt::CkptError,
+    },
+    /// The commit could not be proposed (leadership lost, no quorum).
+    #[error("proposing the commit failed: {0}")]
+    Propose(#[from] crate::error::ApiError),
+    /// `apply` refused the commit (the job moved on).
+    #[error("commit rejected: {0}")]
+    Rejected(String),
+}
+
+impl FinalizeError {
+    /// True for an S3 outage (unreachable, throttled, 5xx): the step is tried again on a
+    /// later pass. Anything else marks the step bad (a later step commits instead).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, FinalizeError::Storage(cumulus_ckpt::CkptError::Remote { kind, .. }) if kind.is_transient())
+    }
+}
+
 /// Verifies every part of `step`, writes its manifest, commits the step in Raft, then
 /// writes LATEST and prunes to the kept steps.
-pub(super) async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Result<()> {
+pub(super) async fn finalize(node: &Node, job_id: &str, step: u64) -> Result<(), FinalizeError> {
     let Some((spec, world_size, parts)) = node.read_state(|s| {
         s.jobs.get(job_id).and_then(|j| {
             j.pending_parts.get(&step).map(|p| {
@@ -119,7 +149,7 @@ pub(super) async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Re
         .iter()
         .map(|p| part_record(step, p))
         .collect::<Result<Vec<PartRecord>, _>>()
-        .map_err(|e| anyhow::anyhow!("step {step} of {job_id} holds an invalid part: {e}"))?;
+        .map_err(|source| FinalizeError::InvalidPart { step, source })?;
     // Every part is checked (files present, regular, of the recorded sizes; for S3 the
     // size and digest metadata by HEAD) without re-reading content: each digest was computed
     // by the agent over the bytes it fsynced before the rename, and every resume hashes every
@@ -153,7 +183,7 @@ pub(super) async fn finalize(node: &Node, job_id: &str, step: u64) -> anyhow::Re
         })
         .await?
     {
-        anyhow::bail!("commit rejected: {reason}")
+        return Err(FinalizeError::Rejected(reason));
     }
     store.write_latest(job_id, step).await?;
     let keep: Vec<u64> = node.read_state(|s| {

@@ -96,12 +96,7 @@ pub(super) async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopM
                 match finalize(&task_node, &task_job, step).await {
                     Ok(()) => IoOutcome::Done,
                     Err(e) => {
-                        // An S3 outage is retried on a later pass; anything else marks the
-                        // step bad (a later step commits instead).
-                        let transient =
-                            e.downcast_ref::<cumulus_ckpt::CkptError>().is_some_and(|c| {
-                                matches!(c, cumulus_ckpt::CkptError::Remote { kind, .. } if kind.is_transient())
-                            });
+                        let transient = e.is_transient();
                         warn!(job = %task_job, step, error = %e, transient, "checkpoint step not committed");
                         if transient {
                             IoOutcome::Done

@@ -30,59 +30,59 @@ pub struct Observations {
 pub enum Action {
     /// Expire a silent worker (its ranks fail).
     ExpireWorker {
-        /// Worker.
+        /// The worker agent's id.
         worker_id: String,
     },
     /// Declare a running attempt failed.
     FailRank {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Rank.
+        /// Global rank, `0..world_size`.
         rank: u32,
-        /// Attempt.
+        /// The rank's attempt number (0 for its first run).
         attempt: u32,
-        /// Why.
+        /// Human-readable cause, shown to users.
         cause: String,
     },
     /// Gang-place a pending job.
     Place {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
         /// `(rank, worker)` for every rank.
         placements: Vec<(u32, String)>,
     },
     /// Restart failed ranks (or the group) after a delay.
     Restart {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
         /// `(rank, worker)` of every restarted rank.
         placements: Vec<(u32, String)>,
         /// Leader time of the failure.
         failed_at_ms: u64,
-        /// Jittered delay.
+        /// Restart delay with its ±20% jitter already drawn, in ms.
         delay_ms: u64,
-        /// Cause.
+        /// Human-readable cause, shown to users.
         cause: String,
         /// Every failed rank failed for an agent resource error: no budget is spent.
         agent_fault: bool,
     },
     /// Fail the job (budget exhausted).
     FailJob {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Cause.
+        /// Human-readable cause, shown to users.
         cause: String,
     },
     /// Every rank exited 0.
     Succeed {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
     },
     /// Every rank's part of `step` arrived: verify, write the manifest, commit.
     Finalize {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Step.
+        /// Checkpoint step.
         step: u64,
     },
 }

@@ -85,22 +85,13 @@ fn state_with_running_job(world_size: u32, scope: RestartScope) -> (ClusterState
         );
     }
     let spec = JobSpec {
-        name: String::new(),
-        world_size,
-        command: vec!["x".into()],
-        env: Default::default(),
-        dataset: String::new(),
-        ckpt_dir: String::new(),
-        ckpt_keep: 3,
         restart: RestartPolicy {
             scope,
             max_restarts: 1,
             ..RestartPolicy::default()
         },
         progress_timeout_ms: 1_000,
-        working_dir: String::new(),
-        ckpt_url: String::new(),
-        ckpt_commit_tier: String::new(),
+        ..JobSpec::new(world_size, vec!["x".into()])
     };
     let Response::JobSubmitted { job_id, .. } = s.apply(
         &Command::SubmitJob {
@@ -416,20 +407,7 @@ fn gang_placement_waits_for_capacity() {
         },
         &mut d,
     );
-    let spec = JobSpec {
-        name: String::new(),
-        world_size: 3,
-        command: vec!["x".into()],
-        env: Default::default(),
-        dataset: String::new(),
-        ckpt_dir: String::new(),
-        ckpt_keep: 3,
-        restart: RestartPolicy::default(),
-        progress_timeout_ms: 0,
-        working_dir: String::new(),
-        ckpt_url: String::new(),
-        ckpt_commit_tier: String::new(),
-    };
+    let spec = JobSpec::new(3, vec!["x".into()]);
     s.apply(
         &Command::SubmitJob {
             request_id: "r".into(),

@@ -159,7 +159,7 @@ pub enum CommitPolicy {
 /// A committed checkpoint part.
 #[derive(Debug, Clone)]
 pub struct Part {
-    /// Step.
+    /// Checkpoint step.
     pub step: u64,
     /// The part dir.
     pub dir: PathBuf,

@@ -10,75 +10,75 @@ use super::*;
 pub enum Command {
     /// Create a job (or return the one `request_id` already created).
     SubmitJob {
-        /// Idempotency key.
+        /// Idempotency key of the submit: the same key returns the job it created.
         request_id: String,
-        /// Validated spec.
+        /// The spec, validated and with its defaults filled in.
         spec: JobSpec,
         /// Shard paths of the dataset, sorted by name.
         shards: Vec<String>,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         submitted_at_ms: u64,
     },
     /// Cancel a job.
     CancelJob {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
     /// A worker (re-)registers.
     RegisterWorker {
-        /// Worker id.
+        /// The worker agent's id.
         worker_id: String,
-        /// MASTER_ADDR host.
+        /// Host name or address the worker's ranks are reached at (MASTER_ADDR when rank 0 runs there).
         host: String,
         /// Agent HTTP address.
         http_addr: String,
-        /// Slots.
+        /// Rank slots the worker offers.
         slots: u32,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
     /// A worker went silent for the heartbeat timeout: its ranks fail.
     ExpireWorker {
-        /// Worker id.
+        /// The worker agent's id.
         worker_id: String,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
     /// Gang placement of a pending job.
     PlaceJob {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
         /// `(rank, worker_id)` for every rank.
         placements: Vec<(u32, String)>,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
     /// The agent started a rank attempt.
     RankStarted {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Rank.
+        /// Global rank, `0..world_size`.
         rank: u32,
-        /// Attempt.
+        /// The rank's attempt number (0 for its first run).
         attempt: u32,
-        /// Reporting worker.
+        /// The worker reporting it; `apply` rejects a worker the attempt is not placed on.
         worker_id: String,
-        /// OS pid.
+        /// The rank process's pid on its worker.
         pid: u32,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
     /// A rank attempt's process exited (or could not start).
     RankExited {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Rank.
+        /// Global rank, `0..world_size`.
         rank: u32,
-        /// Attempt.
+        /// The rank's attempt number (0 for its first run).
         attempt: u32,
-        /// Reporting worker.
+        /// The worker reporting it; `apply` rejects a worker the attempt is not placed on.
         worker_id: String,
         /// Exit code, when it exited.
         exit_code: Option<i32>,
@@ -89,31 +89,31 @@ pub enum Command {
         /// It could not start for lack of a resource on the agent (not the rank's fault).
         #[serde(default)]
         agent_fault: bool,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
     /// The leader declared a running attempt failed (hung, lost by its agent).
     RankFailed {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Rank.
+        /// Global rank, `0..world_size`.
         rank: u32,
-        /// Attempt.
+        /// The rank's attempt number (0 for its first run).
         attempt: u32,
-        /// Why.
+        /// Human-readable cause, shown to users.
         cause: String,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
     /// Restart ranks with new attempt numbers after a stamped delay.
     ScheduleRestart {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
         /// `(rank, worker_id)` of every restarted rank.
         placements: Vec<(u32, String)>,
         /// Leader time of the failure.
         failed_at_ms: u64,
-        /// Jittered delay.
+        /// Restart delay with its ±20% jitter already drawn, in ms.
         delay_ms: u64,
         /// Cause shown to users.
         cause: String,
@@ -126,36 +126,36 @@ pub enum Command {
     },
     /// Fail a job for good.
     FailJob {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Cause.
+        /// Human-readable cause, shown to users.
         cause: String,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
     /// A rank attempt committed its part of a checkpoint step.
     CheckpointPartCommitted {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Step.
+        /// Checkpoint step.
         step: u64,
         /// Part (rank, attempt, dir, files, state).
         part: PartInfo,
     },
     /// Every rank's part of `step` arrived and verified; the manifest is written.
     CheckpointCommitted {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Step.
+        /// Checkpoint step.
         step: u64,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
     /// Every rank of the current attempt exited 0.
     JobSucceeded {
-        /// Job.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
-        /// Leader time.
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
     /// Several commands proposed together by the leader's proposal batcher (group
@@ -260,14 +260,14 @@ pub enum Response {
     Ok,
     /// A submit: the job, and whether this command created it.
     JobSubmitted {
-        /// Job id.
+        /// The job's id (`job-NNNNNN`).
         job_id: String,
         /// False when the request id already existed.
         created: bool,
     },
     /// The command was invalid or stale and changed nothing.
     Rejected {
-        /// Why.
+        /// Human-readable cause, shown to users.
         reason: String,
     },
     /// The responses to the commands of a [`Command::Batch`], in its order.

@@ -62,7 +62,7 @@ pub struct RestartRecord {
     pub not_before_ms: u64,
     /// Human-readable cause.
     pub cause: String,
-    /// Ranks restarted.
+    /// Ranks restarted (every rank for a group restart, one for a rank restart).
     pub ranks: Vec<u32>,
     /// Step resumed from.
     pub resume_step: Option<u64>,
@@ -75,7 +75,7 @@ pub struct RestartRecord {
 /// A checkpoint part accepted from a rank attempt.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PartInfo {
-    /// Rank.
+    /// Global rank, `0..world_size`.
     pub rank: u32,
     /// Attempt that wrote it.
     pub attempt: u32,
@@ -100,9 +100,9 @@ pub struct Job {
     pub spec: JobSpec,
     /// Shards of each rank (index = rank), fixed at submit.
     pub shard_plan: Vec<Vec<String>>,
-    /// Total shards.
+    /// Number of shards of the job's dataset (all ranks together).
     pub shard_count: u32,
-    /// Lifecycle state.
+    /// Where the job is in its lifecycle ([`JobState`]).
     pub state: JobState,
     /// Leader time of the submit.
     pub submitted_at_ms: u64,
@@ -114,7 +114,7 @@ pub struct Job {
     pub ranks: Vec<RankRecord>,
     /// Restarts used from the budget.
     pub restarts_used: u32,
-    /// Every restart.
+    /// Every restart, oldest first (budgeted and agent-fault ones).
     pub restarts: Vec<RestartRecord>,
     /// Restarts given after agent resource errors only, outside the restart budget
     /// (at most [`MAX_AGENT_FAULT_RESTARTS`]).
@@ -234,7 +234,7 @@ pub enum WorkerState {
 /// A worker agent known to the cluster.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerRecord {
-    /// Worker id.
+    /// The worker agent's id.
     pub worker_id: String,
     /// Host ranks use to reach it (MASTER_ADDR).
     pub host: String,

@@ -61,6 +61,9 @@ impl RestartPolicy {
     }
 }
 
+/// Committed checkpoint steps kept when a submit names none.
+pub const DEFAULT_CKPT_KEEP: u32 = 3;
+
 /// A job as submitted, validated and with defaults filled in.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobSpec {
@@ -78,7 +81,7 @@ pub struct JobSpec {
     pub ckpt_dir: String,
     /// Committed checkpoint steps kept.
     pub ckpt_keep: u32,
-    /// Restart policy.
+    /// What a failure restarts, the restart budget and its backoff.
     pub restart: RestartPolicy,
     /// Hang detection: no progress for this long fails the rank (0 = off), in milliseconds.
     pub progress_timeout_ms: u64,
@@ -93,6 +96,27 @@ pub struct JobSpec {
 }
 
 impl JobSpec {
+    /// The smallest spec: `world_size` ranks running `command`, every other field at the
+    /// API's default (no name, env, dataset or checkpoints; [`DEFAULT_CKPT_KEEP`] kept
+    /// steps; the default restart policy; no hang detection). Set the rest with struct
+    /// update syntax; [`JobSpec::validate`] still decides whether it is acceptable.
+    pub fn new(world_size: u32, command: Vec<String>) -> Self {
+        Self {
+            name: String::new(),
+            world_size,
+            command,
+            env: BTreeMap::new(),
+            dataset: String::new(),
+            ckpt_dir: String::new(),
+            ckpt_keep: DEFAULT_CKPT_KEEP,
+            restart: RestartPolicy::default(),
+            progress_timeout_ms: 0,
+            working_dir: String::new(),
+            ckpt_url: String::new(),
+            ckpt_commit_tier: String::new(),
+        }
+    }
+
     /// The bytes of the spec's variable-size strings, each with a per-string allowance
     /// (quotes, comma): the part of its encoded size that varies.
     pub fn approx_string_bytes(&self) -> usize {

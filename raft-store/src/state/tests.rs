@@ -1,24 +1,16 @@
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use super::*;
 
 fn spec(world_size: u32) -> JobSpec {
     JobSpec {
-        name: String::new(),
-        world_size,
-        command: vec!["train".into()],
-        env: BTreeMap::new(),
-        dataset: String::new(),
         ckpt_dir: "/ckpt".into(),
         ckpt_keep: 2,
         restart: RestartPolicy {
             max_restarts: 2,
             ..RestartPolicy::default()
         },
-        progress_timeout_ms: 0,
-        working_dir: String::new(),
-        ckpt_url: String::new(),
-        ckpt_commit_tier: String::new(),
+        ..JobSpec::new(world_size, vec!["train".into()])
     }
 }
 

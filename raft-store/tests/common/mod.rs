@@ -1,8 +1,6 @@
 //! Helpers shared by the raft-store integration tests.
 
-use std::collections::BTreeMap;
-
-use cumulus_raft_store::state::{Command, JobSpec, RestartPolicy};
+use cumulus_raft_store::state::{Command, JobSpec};
 use cumulus_raft_store::{Entry, EntryPayload, LeaderId, LogId, TypeConfig};
 use openraft::storage::EntryResponder;
 
@@ -10,17 +8,7 @@ use openraft::storage::EntryResponder;
 pub fn spec(name: &str) -> JobSpec {
     JobSpec {
         name: name.into(),
-        world_size: 2,
-        command: vec!["true".into()],
-        env: BTreeMap::new(),
-        dataset: String::new(),
-        ckpt_dir: String::new(),
-        ckpt_keep: 3,
-        restart: RestartPolicy::default(),
-        progress_timeout_ms: 0,
-        working_dir: String::new(),
-        ckpt_url: String::new(),
-        ckpt_commit_tier: String::new(),
+        ..JobSpec::new(2, vec!["true".into()])
     }
 }
 

@@ -76,7 +76,7 @@ pub struct SupervisorSettings {
 /// The latest progress a rank reported (soft state).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Progress {
-    /// Steps done.
+    /// Steps done, as the rank last reported (its own count, not checked).
     pub step: u64,
     /// Steps planned (0 = unknown).
     pub total_steps: u64,
