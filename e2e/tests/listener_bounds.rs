@@ -53,7 +53,14 @@ async fn flood(addr: SocketAddr, stop: Arc<AtomicBool>, closed: Arc<AtomicU64>) 
         open = kept;
         while open.len() < FLOOD_CONNECTIONS && !stop.load(Ordering::Relaxed) {
             match tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(addr)).await {
-                Ok(Ok(conn)) => open.push(conn),
+                Ok(Ok(conn)) => {
+                    // Closed with a reset, not a FIN: a connection the server closed then
+                    // leaves no TIME_WAIT socket behind on the server's port (tens of
+                    // thousands of them slowed the loopback connections of the tests that
+                    // ran next, until they expired a minute later).
+                    let _ = conn.set_zero_linger();
+                    open.push(conn)
+                }
                 _ => break, // the backlog is full: try again next round
             }
         }
