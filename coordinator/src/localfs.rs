@@ -85,6 +85,26 @@ pub struct MountTable {
     mounts: Vec<Mount>,
 }
 
+/// Why the mount table could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum MountTableError {
+    /// `/proc/self/mountinfo` could not be read.
+    #[error("/proc/self/mountinfo: {0}")]
+    Read(#[from] std::io::Error),
+    /// A line is not `id parent major:minor root mount-point options ... - fstype source
+    /// ...`.
+    #[error("mountinfo line {number}: {text:?}")]
+    BadLine {
+        /// 1-based line number.
+        number: usize,
+        /// The line (lossy UTF-8).
+        text: String,
+    },
+    /// More than [`MAX_MOUNTS`] mounts.
+    #[error("more than {MAX_MOUNTS} mounts")]
+    TooMany,
+}
+
 impl MountTable {
     /// Parses the text of `/proc/<pid>/mountinfo` (proc(5): `id parent major:minor root
     /// mount-point options [optional fields...] - fstype source super-options`).
@@ -92,7 +112,7 @@ impl MountTable {
     /// # Errors
     /// A line without a mount point or a ` - ` separator and type, or more than
     /// [`MAX_MOUNTS`] lines.
-    pub fn parse(text: &[u8]) -> Result<Self, String> {
+    pub fn parse(text: &[u8]) -> Result<Self, MountTableError> {
         let mut mounts = Vec::new();
         for (number, line) in text
             .split(|&b| b == b'\n')
@@ -100,14 +120,11 @@ impl MountTable {
             .filter(|(_, l)| !l.is_empty())
         {
             if mounts.len() >= MAX_MOUNTS {
-                return Err(format!("more than {MAX_MOUNTS} mounts"));
+                return Err(MountTableError::TooMany);
             }
-            let bad = || {
-                format!(
-                    "mountinfo line {}: {:?}",
-                    number + 1,
-                    String::from_utf8_lossy(line)
-                )
+            let bad = || MountTableError::BadLine {
+                number: number + 1,
+                text: String::from_utf8_lossy(line).into_owned(),
             };
             let point = line.split(|&b| b == b' ').nth(4).ok_or_else(bad)?;
             let separator = line.windows(3).position(|w| w == b" - ").ok_or_else(bad)?;
@@ -130,9 +147,8 @@ impl MountTable {
     ///
     /// # Errors
     /// The file cannot be read or parsed.
-    pub fn read() -> Result<Self, String> {
-        let text = std::fs::read("/proc/self/mountinfo")
-            .map_err(|e| format!("/proc/self/mountinfo: {e}"))?;
+    pub fn read() -> Result<Self, MountTableError> {
+        let text = std::fs::read("/proc/self/mountinfo")?;
         Self::parse(&text)
     }
 

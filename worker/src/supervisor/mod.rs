@@ -619,7 +619,7 @@ impl Supervisor {
         }
         let request = tokio::select! {
             r = self.prepare(key, desired, token) => r,
-            _ = stop.cancelled() => Err("stopped by the agent before the process started".to_string()),
+            _ = stop.cancelled() => Err(PrepareError::Ended(key.clone())),
         };
         let request = match request {
             Ok(r) if !stop.is_cancelled() => r,
@@ -630,7 +630,14 @@ impl Supervisor {
                 )
                 .await;
             }
-            Err(e) => return fail_start(log, ExitRecord::spawn_failed(e)).await,
+            Err(PrepareError::Ended(_)) => {
+                return fail_start(
+                    log,
+                    ExitRecord::spawn_failed("stopped by the agent before the process started"),
+                )
+                .await;
+            }
+            Err(e) => return fail_start(log, ExitRecord::spawn_failed(e.to_string())).await,
         };
         let spawned = match self.inner.spawner.spawn(request).await {
             Ok(s) => s,

@@ -16,6 +16,57 @@ use crate::spawn::SpawnRequest;
 
 use super::*;
 
+/// Why an attempt could not be prepared. Its text becomes the attempt's spawn error (in
+/// its log and in the exit the leader records).
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// The desired attempt itself cannot be run (an empty command, a NUL byte, a bad env
+    /// name, a shard path with a newline, a resume without a checkpoint target).
+    #[error("{0}")]
+    Invalid(String),
+    /// This worker lacks a setting the job needs (S3 access for `s3://` shards or an S3
+    /// checkpoint target).
+    #[error("{0}")]
+    MissingSetting(String),
+    /// A dataset shard in S3 could not be fetched and verified.
+    #[error("cannot fetch dataset shard {url}: {source}")]
+    Shard {
+        /// The shard's `s3://` URL.
+        url: String,
+        /// What failed.
+        source: CkptError,
+    },
+    /// A checkpoint operation failed: opening the S3 target, preparing the staging dir.
+    #[error("{what}: {source}")]
+    Checkpoint {
+        /// What was being done.
+        what: &'static str,
+        /// What failed.
+        source: CkptError,
+    },
+    /// The rank's part of the resume step does not verify.
+    #[error("checkpoint part {dir:?} of step {step} failed verification: {why}")]
+    Resume {
+        /// The part directory the leader named.
+        dir: String,
+        /// The resume step.
+        step: u64,
+        /// What is wrong.
+        why: String,
+    },
+    /// A file of the attempt could not be written on this worker.
+    #[error("cannot write {}: {source}", path.display())]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// The attempt ended (stopped by the agent) while it was being prepared.
+    #[error("attempt {0} ended while its shards were fetched")]
+    Ended(AttemptKey),
+}
+
 impl Supervisor {
     /// Writes the shards file, prepares checkpoint staging, verifies the resume part and
     /// builds the command with the rank environment.
@@ -24,21 +75,25 @@ impl Supervisor {
         key: &AttemptKey,
         d: &DesiredRank,
         token: &str,
-    ) -> Result<SpawnRequest, String> {
+    ) -> Result<SpawnRequest, PrepareError> {
         let settings = &self.inner.settings;
         let (program, args) = d
             .command
             .split_first()
-            .ok_or("the desired rank has an empty command")?;
+            .ok_or_else(|| PrepareError::Invalid("the desired rank has an empty command".into()))?;
         if d.command.iter().any(|a| a.contains('\0')) {
-            return Err("a command argument contains a NUL byte".into());
+            return Err(PrepareError::Invalid(
+                "a command argument contains a NUL byte".into(),
+            ));
         }
         let mut env: Vec<(OsString, OsString)> = Vec::with_capacity(d.env.len() + 16);
         let mut job_env: Vec<(&String, &String)> = d.env.iter().collect();
         job_env.sort();
         for (name, value) in job_env {
             if name.is_empty() || name.contains(['=', '\0']) || value.contains('\0') {
-                return Err(format!("invalid environment variable {name:?}"));
+                return Err(PrepareError::Invalid(format!(
+                    "invalid environment variable {name:?}"
+                )));
             }
             if !rank_env::CONTRACT_VARS.contains(&name.as_str()) {
                 env.push((name.into(), value.into()));
@@ -47,7 +102,9 @@ impl Supervisor {
 
         let shards_path = shards_file(&settings.data_dir, key);
         if let Some(bad) = d.shards.iter().find(|s| s.contains(['\n', '\0'])) {
-            return Err(format!("shard path {bad:?} contains a newline or NUL"));
+            return Err(PrepareError::Invalid(format!(
+                "shard path {bad:?} contains a newline or NUL"
+            )));
         }
         let mut shards = String::with_capacity(d.shards.iter().map(|s| s.len() + 1).sum());
         for s in &d.shards {
@@ -61,7 +118,10 @@ impl Supervisor {
         }
         write_file_atomic(&shards_path, shards.as_bytes())
             .await
-            .map_err(|e| format!("cannot write {}: {e}", shards_path.display()))?;
+            .map_err(|source| PrepareError::Write {
+                path: shards_path.clone(),
+                source,
+            })?;
 
         let master_addr = if d.master_addr.is_empty() {
             settings.advertise_host.as_str()
@@ -90,7 +150,10 @@ impl Supervisor {
             let staging = store
                 .prepare_staging(&key.job_id, key.rank, key.attempt)
                 .await
-                .map_err(|e| format!("cannot prepare checkpoint staging: {e}"))?;
+                .map_err(|source| PrepareError::Checkpoint {
+                    what: "cannot prepare checkpoint staging",
+                    source,
+                })?;
             contract.push((rank_env::CKPT_STAGING, staging.clone().into_os_string()));
             if let Some(step) = d.resume_step {
                 let dir = verify_resume(&*store, key, step, &d.resume_dir).await?;
@@ -101,7 +164,9 @@ impl Supervisor {
                 entry.ckpt = Some(CkptTarget { store, staging });
             }
         } else if d.resume_step.is_some() {
-            return Err("resume_step is set but the job has no checkpoint target".into());
+            return Err(PrepareError::Invalid(
+                "resume_step is set but the job has no checkpoint target".into(),
+            ));
         }
         env.extend(contract.into_iter().map(|(k, v)| (OsString::from(k), v)));
         Ok(SpawnRequest {
@@ -116,17 +181,27 @@ impl Supervisor {
 impl Supervisor {
     /// Local path of an `s3://` shard from the dataset cache (downloaded and verified on a
     /// miss), pinned in the cache for as long as the attempt's entry exists.
-    pub(super) async fn fetch_shard(&self, key: &AttemptKey, url: &str) -> Result<String, String> {
+    pub(super) async fn fetch_shard(
+        &self,
+        key: &AttemptKey,
+        url: &str,
+    ) -> Result<String, PrepareError> {
         let cache = self.inner.settings.dataset_cache.as_ref().ok_or_else(|| {
-            format!("shard {url} is in S3 but this worker has no S3 settings (--s3-endpoint, ...)")
+            PrepareError::MissingSetting(format!(
+                "shard {url} is in S3 but this worker has no S3 settings (--s3-endpoint, ...)"
+            ))
         })?;
-        let (fetched, pin) = cache
-            .fetch_pinned(url)
-            .await
-            .map_err(|e| format!("cannot fetch dataset shard {url}: {e}"))?;
+        let (fetched, pin) =
+            cache
+                .fetch_pinned(url)
+                .await
+                .map_err(|source| PrepareError::Shard {
+                    url: url.to_string(),
+                    source,
+                })?;
         match self.table().entries.get_mut(key) {
             Some(entry) => entry.shard_pins.push(pin),
-            None => return Err(format!("attempt {key} ended while its shards were fetched")),
+            None => return Err(PrepareError::Ended(key.clone())),
         }
         if fetched.hit {
             tracing::info!(attempt = %key, shard = url, "dataset cache hit");
@@ -137,7 +212,7 @@ impl Supervisor {
             .path
             .to_str()
             .map(str::to_owned)
-            .ok_or_else(|| format!("cache path of {url} is not UTF-8"))
+            .ok_or_else(|| PrepareError::Invalid(format!("cache path of {url} is not UTF-8")))
     }
 
     /// The checkpoint store of a desired attempt: [`LocalStore`] on `ckpt_dir`, or with an
@@ -145,21 +220,25 @@ impl Supervisor {
     pub(super) async fn job_store(
         &self,
         d: &DesiredRank,
-    ) -> Result<Arc<dyn CheckpointStore>, String> {
+    ) -> Result<Arc<dyn CheckpointStore>, PrepareError> {
         if d.ckpt_url.is_empty() {
             return Ok(Arc::new(LocalStore::new(&d.ckpt_dir)));
         }
         let connector = self.inner.settings.s3.as_ref().ok_or_else(|| {
-            format!(
+            PrepareError::MissingSetting(format!(
                 "the job checkpoints to {} but this worker has no S3 settings (--s3-endpoint, --s3-access-key, ...)",
                 d.ckpt_url
-            )
+            ))
         })?;
         let l2 = connector
             .store(&d.ckpt_url)
             .await
-            .map_err(|e| format!("cannot use the S3 checkpoint target: {e}"))?;
-        let tier = CommitTier::from_spec(&d.ckpt_commit_tier).map_err(|e| e.to_string())?;
+            .map_err(|source| PrepareError::Checkpoint {
+                what: "cannot use the S3 checkpoint target",
+                source,
+            })?;
+        let tier = CommitTier::from_spec(&d.ckpt_commit_tier)
+            .map_err(|e| PrepareError::Invalid(e.to_string()))?;
         let l1_root = if d.ckpt_dir.is_empty() {
             self.inner.settings.data_dir.join("ckpt-l1")
         } else {
@@ -184,9 +263,11 @@ pub(super) async fn verify_resume(
     key: &AttemptKey,
     step: u64,
     resume_dir: &str,
-) -> Result<PathBuf, String> {
-    let fail = |why: String| {
-        format!("checkpoint part {resume_dir:?} of step {step} failed verification: {why}")
+) -> Result<PathBuf, PrepareError> {
+    let fail = |why: String| PrepareError::Resume {
+        dir: resume_dir.to_string(),
+        step,
+        why,
     };
     if resume_dir.is_empty() {
         return Err(fail("the leader sent no resume_dir".into()));
