@@ -53,7 +53,10 @@ async fn s3_cluster(server: &S3Server, workers: usize) -> Cluster {
 }
 
 /// Every committed step the job kept verifies in the bucket (manifest + every object's
-/// size and SHA-256), and LATEST names the job's committed step.
+/// size and SHA-256), LATEST names the job's committed step, and the parts of steps that
+/// were never committed (overtaken by a newer step while they were being finalized) are
+/// pruned from below LATEST. The leader prunes right after it writes LATEST, so the test
+/// waits for that instead of racing it.
 async fn check_bucket(access: &S3Access, url: &str, job: &v1::Job) {
     let store = access.store(url).await.expect("store");
     let step = job.committed_step.expect("a committed checkpoint");
@@ -66,7 +69,19 @@ async fn check_bucket(access: &S3Access, url: &str, job: &v1::Job) {
         .await
         .expect("step verifies");
     assert_eq!(manifest.world_size, 4);
-    for listed in store.list_steps(&job.id).await.expect("list") {
+    let listed = wait_for(
+        "the leader to prune the uncommitted steps below LATEST",
+        LONG,
+        || async {
+            let steps = store.list_steps(&job.id).await.ok()?;
+            for s in steps.iter().filter(|s| **s <= step) {
+                store.read_manifest(&job.id, *s).await.ok()?;
+            }
+            Some(steps)
+        },
+    )
+    .await;
+    for listed in listed {
         if listed <= step {
             store
                 .verify_step(&job.id, listed)
