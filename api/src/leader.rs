@@ -144,16 +144,16 @@ fn host_port(addr: &str) -> &str {
 /// The address choice of one call: a leader hint when there is one, else the configured
 /// addresses in rotation, starting at the one that answered last.
 #[derive(Debug, Clone)]
-pub struct Rotation {
-    addrs: Vec<String>,
+pub struct Rotation<'a> {
+    addrs: &'a [String],
     index: usize,
     hint: Option<String>,
 }
 
-impl Rotation {
+impl<'a> Rotation<'a> {
     /// Starts at `preferred` (a leader learned by an earlier call) or `addrs[start]`.
     /// `addrs` must not be empty.
-    pub fn new(addrs: Vec<String>, start: usize, preferred: Option<String>) -> Self {
+    pub fn new(addrs: &'a [String], start: usize, preferred: Option<String>) -> Self {
         assert!(!addrs.is_empty(), "a rotation needs an address");
         let index = start % addrs.len();
         Rotation {
@@ -393,7 +393,7 @@ impl LeaderClient {
         let start = Instant::now();
         let mut rotation = {
             let st = self.lock();
-            Rotation::new(self.addrs.clone(), st.next_index, st.preferred.clone())
+            Rotation::new(&self.addrs, st.next_index, st.preferred.clone())
         };
         let max_attempts = policy.max_attempts.max(1);
         let mut attempts = 0u32;
@@ -568,7 +568,8 @@ mod tests {
 
     #[test]
     fn rotation_visits_every_address_and_follows_hints() {
-        let mut r = Rotation::new(vec!["a:1".into(), "b:1".into(), "c:1".into()], 1, None);
+        let addrs: Vec<String> = vec!["a:1".into(), "b:1".into(), "c:1".into()];
+        let mut r = Rotation::new(&addrs, 1, None);
         assert_eq!(r.current(), "b:1");
         assert!(r.follow("z:9".into()));
         assert_eq!(r.current(), "z:9");

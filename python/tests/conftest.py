@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import cumulus
-from localcluster import LocalCluster, binaries_missing
+from localcluster import DIGITS, LocalCluster, binaries_missing
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 #: The rank program of the integration tests, run by this interpreter (it has cumulus).
@@ -72,3 +72,12 @@ def dataset(tmp_path: Path) -> Path:
         )
         (d / f"part-{s:02d}.csv").write_text("".join(rows))
     return d
+
+
+@pytest.fixture
+def digits_shards(cluster: LocalCluster, tmp_path: Path) -> Path:
+    """The bundled digits data split into 4 shards by ``cumulusctl dataset split``."""
+    out = tmp_path / "digits"
+    r = cluster.cumulusctl("dataset", "split", str(DIGITS), "--shards", "4", "--out", str(out))
+    assert r.returncode == 0, r.stderr + r.stdout
+    return out

@@ -13,7 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import cumulus
+from cumulus import errors
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The bundled digits data set (64 features, then the label), gzip-compressed CSV.
+DIGITS = REPO_ROOT / "data" / "digits" / "digits.csv.gz"
 T = TypeVar("T")
 
 
@@ -166,3 +171,13 @@ class LocalCluster:
             text = p.read_text(errors="replace")
             out.append(f"--- {p.name} ---\n{text[-4000:]}")
         return "\n".join(out)
+
+
+def explain(job: cumulus.Job, cluster: LocalCluster) -> str:
+    """Everything worth seeing when a job did not do what a test expected: its status,
+    its ranks' logs, and the cluster's process logs."""
+    try:
+        logs = "\n".join(f"[r{x.rank} a{x.attempt}] {x.line}" for x in job.logs(follow=False))
+    except errors.CumulusError as e:
+        logs = f"(logs unavailable: {e})"
+    return f"{job.status()!r}\n--- rank logs ---\n{logs}\n{cluster.logs()}"

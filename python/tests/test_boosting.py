@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 import cumulus
-from cumulus import errors
-from localcluster import REPO_ROOT, LocalCluster
+from localcluster import REPO_ROOT, LocalCluster, explain
 
 pytestmark = [pytest.mark.cluster]
 
@@ -22,25 +21,8 @@ xgb = pytest.importorskip(
 )
 
 EXAMPLE = REPO_ROOT / "examples" / "python" / "boosting_digits.py"
-DIGITS = REPO_ROOT / "data" / "digits" / "digits.csv.gz"
 ROUNDS, CKPT_EVERY, KILL_AT = 40, 10, 27
 JOB_TIMEOUT_S = 180
-
-
-def explain(job: cumulus.Job, cluster: LocalCluster) -> str:
-    try:
-        logs = "\n".join(f"[r{x.rank} a{x.attempt}] {x.line}" for x in job.logs(follow=False))
-    except errors.CumulusError as e:
-        logs = f"(logs unavailable: {e})"
-    return f"{job.status()!r}\n--- rank logs ---\n{logs}\n{cluster.logs()}"
-
-
-@pytest.fixture
-def digits_shards(cluster: LocalCluster, tmp_path: Path) -> Path:
-    out = tmp_path / "digits"
-    r = cluster.cumulusctl("dataset", "split", str(DIGITS), "--shards", "4", "--out", str(out))
-    assert r.returncode == 0, r.stderr + r.stdout
-    return out
 
 
 def submit(

@@ -13,22 +13,13 @@ import pytest
 import cumulus
 from conftest import RECORDS_PER_SHARD, SHARDS, TRAINER
 from cumulus import errors
-from localcluster import LocalCluster, wait_for
+from localcluster import LocalCluster, explain, wait_for
 
 pytestmark = pytest.mark.cluster
 
 TOTAL_RECORDS = SHARDS * RECORDS_PER_SHARD
 TOTAL_SUM = TOTAL_RECORDS * (TOTAL_RECORDS + 1) // 2
 JOB_TIMEOUT_S = 180
-
-
-def explain(job: cumulus.Job, cluster: LocalCluster) -> str:
-    """Everything worth seeing when a job did not do what a test expected."""
-    try:
-        logs = "\n".join(f"[r{x.rank} a{x.attempt}] {x.line}" for x in job.logs(follow=False))
-    except errors.CumulusError as e:
-        logs = f"(logs unavailable: {e})"
-    return f"{job.status()!r}\n--- rank logs ---\n{logs}\n{cluster.logs()}"
 
 
 def wait_watching_progress(
