@@ -321,9 +321,9 @@ impl LeaderClient {
             .map_err(|_| ConfigError::BadToken)?;
         let mut channels = HashMap::new();
         for a in &addrs {
-            let channel = channel(a, &settings).map_err(|reason| ConfigError::BadAddress {
+            let channel = channel(a, &settings).map_err(|e| ConfigError::BadAddress {
                 addr: a.clone(),
-                reason,
+                reason: e.to_string(),
             })?;
             channels.insert(a.clone(), channel);
         }
@@ -495,9 +495,11 @@ impl LeaderClient {
 }
 
 /// A lazily connected channel to `addr` (`host:port`).
-fn channel(addr: &str, settings: &ChannelSettings) -> Result<Channel, String> {
-    let mut endpoint = Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| e.to_string())?
+///
+/// # Errors
+/// `http://{addr}` is not a valid URI.
+fn channel(addr: &str, settings: &ChannelSettings) -> Result<Channel, tonic::transport::Error> {
+    let mut endpoint = Endpoint::from_shared(format!("http://{addr}"))?
         .connect_timeout(settings.connect_timeout)
         .timeout(settings.request_timeout);
     if let Some((interval, timeout)) = settings.keep_alive {

@@ -12,6 +12,9 @@
 //! - [`limits`]: the limits more than one process checks.
 //! - [`files`]: one file of a checkpoint part, with its format-1 compatibility.
 //! - [`attempt`]: [`AttemptKey`], the identity of a rank attempt.
+//! - [`paths`]: which host paths a job may name (normalized, under the allowed roots).
+//! - [`token`]: what a bearer token must look like.
+//! - [`text`]: user-supplied text on a terminal (printable names, escaped output).
 //! - [`leader`] (feature `grpc`): how a client follows the leader (the metadata naming it,
 //!   what is retried, backoff).
 //!
@@ -23,8 +26,11 @@ pub mod files;
 #[cfg(feature = "grpc")]
 pub mod leader;
 pub mod limits;
+pub mod paths;
 pub mod rank_env;
 pub mod states;
+pub mod text;
+pub mod token;
 
 pub use attempt::AttemptKey;
 pub use files::FileEntry;

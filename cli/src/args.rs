@@ -46,17 +46,19 @@ pub struct GlobalOpts {
     /// Default: the local cluster's, from `<local-dir>/cluster.json`.
     #[arg(long, global = true, env = "CUMULUS_HTTP", value_delimiter = ',')]
     pub http: Vec<String>,
-    /// Cluster bearer token. Prefer --token-file: a token on the command line is visible
-    /// to every user of the machine in `ps`.
+    /// Cluster bearer token, from the environment only: `--token` on the command line is
+    /// refused (every user of the machine sees it in `ps`).
     #[arg(
         long,
         global = true,
         env = "CUMULUS_TOKEN",
         conflicts_with = "token_file",
+        hide = true,
         hide_env_values = true
     )]
     pub token: Option<String>,
-    /// File holding the cluster bearer token (surrounding whitespace is ignored).
+    /// File holding the cluster bearer token (surrounding whitespace is ignored), or set
+    /// CUMULUS_TOKEN.
     #[arg(long, global = true, env = "CUMULUS_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
     /// Directory of the local cluster (`local up` writes `cluster.json` there).

@@ -16,7 +16,7 @@ pub const CLUSTER_FILE: &str = "cluster.json";
 /// Largest `cluster.json` read back, bytes.
 pub const MAX_CLUSTER_FILE_BYTES: u64 = 1024 * 1024;
 /// Largest token accepted, bytes.
-pub const MAX_TOKEN_BYTES: usize = 4096;
+pub const MAX_TOKEN_BYTES: usize = cumulus_api::token::MAX_TOKEN_BYTES;
 
 /// Errors of reading or resolving the cluster configuration.
 #[derive(Debug, thiserror::Error)]
@@ -145,43 +145,43 @@ impl ClusterFile {
                 path: path.clone(),
                 reason: e.to_string(),
             })?;
-        file.validate()
-            .map_err(|reason| ConfigError::BadClusterFile { path, reason })?;
+        file.validate().map_err(|e| ConfigError::BadClusterFile {
+            path,
+            reason: e.to_string(),
+        })?;
         Ok(Some(file))
     }
 
-    /// Checks the invariants a reader relies on; the reason names the bad entry.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks the invariants a reader relies on.
+    ///
+    /// # Errors
+    /// [`ClusterFileError`] naming the first bad entry.
+    pub fn validate(&self) -> Result<(), ClusterFileError> {
         if self.coordinators.is_empty() {
-            return Err("no coordinators".into());
+            return Err(ClusterFileError::NoCoordinators);
         }
         let mut ids = HashSet::new();
         for c in &self.coordinators {
             if c.node_id == 0 || !ids.insert(c.node_id) {
-                return Err(format!(
-                    "coordinator node id {} is zero or repeated",
-                    c.node_id
-                ));
+                return Err(ClusterFileError::NodeId(c.node_id));
             }
             for (what, addr) in [("grpc", &c.grpc), ("http", &c.http)] {
-                addr.parse::<SocketAddr>().map_err(|_| {
-                    format!(
-                        "coordinator {} {what} address {addr:?} is not ip:port",
-                        c.node_id
-                    )
-                })?;
+                if addr.parse::<SocketAddr>().is_err() {
+                    return Err(ClusterFileError::Address {
+                        node_id: c.node_id,
+                        what,
+                        addr: addr.clone(),
+                    });
+                }
             }
         }
         let mut workers = HashSet::new();
         for w in &self.workers {
             if !valid_worker_id(&w.worker_id) || !workers.insert(w.worker_id.as_str()) {
-                return Err(format!(
-                    "worker id {:?} is invalid or repeated",
-                    w.worker_id
-                ));
+                return Err(ClusterFileError::WorkerId(w.worker_id.clone()));
             }
             if w.slots == 0 {
-                return Err(format!("worker {} has 0 slots", w.worker_id));
+                return Err(ClusterFileError::NoSlots(w.worker_id.clone()));
             }
         }
         Ok(())
@@ -260,21 +260,12 @@ pub fn read_token_file(path: &Path) -> Result<String, ConfigError> {
     check_token(text.trim(), &path.display().to_string())
 }
 
-/// Validates a token value (used in an HTTP header, so visible ASCII only).
+/// Validates a token value with [`cumulus_api::token::check`].
 pub fn check_token(token: &str, origin: &str) -> Result<String, ConfigError> {
-    let bad = |reason: &str| ConfigError::BadToken {
+    cumulus_api::token::check(token).map_err(|e| ConfigError::BadToken {
         origin: origin.to_string(),
-        reason: reason.to_string(),
-    };
-    if token.is_empty() {
-        return Err(bad("empty"));
-    }
-    if token.len() > MAX_TOKEN_BYTES {
-        return Err(bad("longer than 4096 bytes"));
-    }
-    if !token.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(bad("must be visible ASCII without spaces"));
-    }
+        reason: e.to_string(),
+    })?;
     Ok(token.to_string())
 }
 
@@ -352,7 +343,13 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
         Vec::new()
     };
     let token = if let Some(t) = &global.token {
-        check_token(t.trim(), "--token")?
+        cumulus_api::token::refuse_command_line(t, "--token", "CUMULUS_TOKEN").map_err(|e| {
+            ConfigError::BadToken {
+                origin: "--token".into(),
+                reason: e.to_string(),
+            }
+        })?;
+        check_token(t.trim(), "CUMULUS_TOKEN")?
     } else if let Some(p) = &global.token_file {
         read_token_file(p)?
     } else if let Some(f) = &file {
@@ -457,7 +454,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let f = sample(dir.path());
         f.store(dir.path()).expect("store");
-        fs::write(&f.token_file, "abc123\n").expect("token");
+        fs::write(&f.token_file, "abc123abc123abc123\n").expect("token");
         let conn = resolve(&opts(dir.path())).expect("resolve");
         assert_eq!(
             conn.grpc,
@@ -467,16 +464,24 @@ mod tests {
             conn.http,
             vec!["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
         );
-        assert_eq!(conn.token, "abc123");
+        assert_eq!(conn.token, "abc123abc123abc123");
 
         // Explicit flags win; explicit gRPC without --http does not borrow the file's HTTP.
         let mut o = opts(dir.path());
         o.addr = vec!["http://10.0.0.1:50051/".into(), "10.0.0.2:50051".into()];
-        o.token = Some("tok".into());
+        let other = dir.path().join("other-token");
+        fs::write(&other, "0123456789abcdef0123\n").expect("token");
+        o.token_file = Some(other);
         let conn = resolve(&o).expect("resolve");
         assert_eq!(conn.grpc, vec!["10.0.0.1:50051", "10.0.0.2:50051"]);
         assert!(conn.http.is_empty());
-        assert_eq!(conn.token, "tok");
+        assert_eq!(conn.token, "0123456789abcdef0123");
+
+        // A token on the command line (not from CUMULUS_TOKEN) is refused: `ps` shows it.
+        o.token_file = None;
+        o.token = Some("0123456789abcdef0123-on-the-command-line".into());
+        let err = resolve(&o).expect_err("token on the command line");
+        assert!(err.to_string().contains("ps"), "{err}");
     }
 
     #[test]
@@ -505,4 +510,31 @@ mod tests {
         fs::write(&p, "  \n").expect("write");
         assert!(read_token_file(&p).is_err());
     }
+}
+
+/// Why a local cluster file breaks an invariant its readers rely on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClusterFileError {
+    /// It lists no coordinator.
+    #[error("no coordinators")]
+    NoCoordinators,
+    /// A coordinator node id that is zero or repeated.
+    #[error("coordinator node id {0} is zero or repeated")]
+    NodeId(u64),
+    /// A coordinator address that is not `ip:port`.
+    #[error("coordinator {node_id} {what} address {addr:?} is not ip:port")]
+    Address {
+        /// The coordinator.
+        node_id: u64,
+        /// `grpc` or `http`.
+        what: &'static str,
+        /// The address as written.
+        addr: String,
+    },
+    /// A worker id that is invalid or repeated.
+    #[error("worker id {0:?} is invalid or repeated")]
+    WorkerId(String),
+    /// A worker with no slots.
+    #[error("worker {0} has 0 slots")]
+    NoSlots(String),
 }

@@ -45,7 +45,7 @@ pub enum SplitError {
         /// 1-based line number.
         line: u64,
         /// What was wrong.
-        reason: String,
+        reason: RowError,
     },
     /// The input has no data rows.
     #[error("{0}: no rows")]
@@ -127,42 +127,73 @@ pub struct RowInfo {
 
 /// Validates one line (without its `\n`/`\r\n`): ≥ 2 comma-separated columns, every
 /// feature a finite number, the last an integer label ≥ 0.
-pub fn parse_row(line: &str) -> Result<RowInfo, String> {
+///
+/// # Errors
+/// [`RowError`] saying which rule the line breaks (columns are 1-based).
+pub fn parse_row(line: &str) -> Result<RowInfo, RowError> {
     if line.trim().is_empty() {
-        return Err("empty line".into());
+        return Err(RowError::Empty);
     }
     let fields: Vec<&str> = line.split(',').collect();
     if fields.len() < 2 {
-        return Err(format!(
-            "{} column(s); need at least one feature and the label",
-            fields.len()
-        ));
+        return Err(RowError::TooFewColumns(fields.len()));
     }
     let (label, features) = fields.split_last().expect("at least two fields");
     for (i, f) in features.iter().enumerate() {
-        let v: f64 = f
-            .trim()
-            .parse()
-            .map_err(|_| format!("column {}: {:?} is not a number", i + 1, f))?;
+        let bad = |make: fn(usize, String) -> RowError| make(i + 1, (*f).to_owned());
+        let v: f64 = f.trim().parse().map_err(|_| bad(RowError::NotNumber))?;
         if !v.is_finite() {
-            return Err(format!("column {}: {:?} is not finite", i + 1, f));
+            return Err(bad(RowError::NotFinite));
         }
     }
     let l = label.trim();
     if l.is_empty() || !l.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(format!(
-            "label (column {}) {:?} is not an integer ≥ 0",
-            fields.len(),
-            label
-        ));
+        return Err(RowError::BadLabel(fields.len(), (*label).to_owned()));
     }
     let label = l
         .parse::<u64>()
-        .map_err(|_| format!("label {l:?} is too large"))?;
+        .map_err(|_| RowError::LabelTooLarge(l.to_owned()))?;
     Ok(RowInfo {
         columns: fields.len(),
         label,
     })
+}
+
+/// Why a row of the input was refused; columns are 1-based, fields as read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RowError {
+    /// Longer than [`MAX_LINE_BYTES`].
+    #[error("line longer than {MAX_LINE_BYTES} bytes")]
+    TooLong,
+    /// Not UTF-8.
+    #[error("not UTF-8")]
+    NotUtf8,
+    /// Blank.
+    #[error("empty line")]
+    Empty,
+    /// Fewer than two columns (the count).
+    #[error("{0} column(s); need at least one feature and the label")]
+    TooFewColumns(usize),
+    /// Another column count than the first line's.
+    #[error("{found} columns, but line 1 has {first}")]
+    ColumnCount {
+        /// Columns on this line.
+        found: usize,
+        /// Columns on line 1.
+        first: usize,
+    },
+    /// A feature that is not a number.
+    #[error("column {0}: {1:?} is not a number")]
+    NotNumber(usize, String),
+    /// A feature that is NaN or infinite.
+    #[error("column {0}: {1:?} is not finite")]
+    NotFinite(usize, String),
+    /// A label that is not an integer ≥ 0.
+    #[error("label (column {0}) {1:?} is not an integer ≥ 0")]
+    BadLabel(usize, String),
+    /// A label above `u64::MAX`.
+    #[error("label {0:?} is too large")]
+    LabelTooLarge(String),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SplitError + '_ {
@@ -208,7 +239,7 @@ pub fn absolute(p: &Path) -> std::io::Result<PathBuf> {
 }
 
 /// Canonical form of `p`, or of its nearest existing ancestor joined with the rest.
-fn canonical_lenient(p: &Path) -> PathBuf {
+pub fn canonical_lenient(p: &Path) -> PathBuf {
     let abs = absolute(p).unwrap_or_else(|_| p.to_path_buf());
     let mut existing = abs.as_path();
     let mut rest = Vec::new();
@@ -408,25 +439,25 @@ pub fn split(opts: &SplitOptions) -> Result<SplitReport, SplitError> {
                 break;
             }
             line_no += 1;
-            let bad = |reason: String| SplitError::BadRow {
+            let bad = |reason: RowError| SplitError::BadRow {
                 path: opts.input.clone(),
                 line: line_no,
                 reason,
             };
             if buf.len() > MAX_LINE_BYTES && buf.last() != Some(&b'\n') {
-                return Err(bad(format!("line longer than {MAX_LINE_BYTES} bytes")));
+                return Err(bad(RowError::TooLong));
             }
-            let text = std::str::from_utf8(&buf).map_err(|_| bad("not UTF-8".into()))?;
+            let text = std::str::from_utf8(&buf).map_err(|_| bad(RowError::NotUtf8))?;
             let text = text.strip_suffix('\n').unwrap_or(text);
             let text = text.strip_suffix('\r').unwrap_or(text);
             let info = parse_row(text).map_err(bad)?;
             if rows == 0 {
                 columns = info.columns;
             } else if info.columns != columns {
-                return Err(bad(format!(
-                    "{} columns, but line 1 has {columns}",
-                    info.columns
-                )));
+                return Err(bad(RowError::ColumnCount {
+                    found: info.columns,
+                    first: columns,
+                }));
             }
             labels.insert(info.label);
             if is_held_out(rows, f) {
@@ -665,7 +696,10 @@ mod tests {
                     line: l, reason, ..
                 } => {
                     assert_eq!(l, line, "{err}");
-                    assert!(reason.contains(needle), "{err} should contain {needle}");
+                    assert!(
+                        reason.to_string().contains(needle),
+                        "{err} should contain {needle}"
+                    );
                 }
                 other => panic!("case {i}: unexpected {other}"),
             }

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Component, Path};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -11,7 +11,7 @@ use cumulus_api::{JobSpec, RestartPolicy, SubmitJobRequest};
 use crate::args::{OutputFormat, SubmitArgs};
 use crate::client::{Client, new_request_id};
 use crate::config::Conn;
-use crate::dataset::absolute;
+use crate::dataset::{absolute, canonical_lenient};
 use crate::logs::{CursorState, LogRequest, follow_logs};
 use crate::render;
 
@@ -48,12 +48,20 @@ pub fn parse_env(entries: &[String]) -> Result<HashMap<String, String>> {
     Ok(env)
 }
 
+/// `p` as the absolute, normalized path the coordinator accepts: relative to the
+/// current directory, without `.` components, repeated or trailing `/`; a path with `..`
+/// is resolved on this machine ([`canonical_lenient`]), since the coordinator refuses `..`.
 fn abs_string(p: &Option<std::path::PathBuf>, flag: &str) -> Result<String> {
     match p {
         None => Ok(String::new()),
         Some(p) => {
             let a = absolute(p)
                 .with_context(|| format!("{flag} {}: cannot make it absolute", p.display()))?;
+            let a: std::path::PathBuf = if a.components().any(|c| c == Component::ParentDir) {
+                canonical_lenient(&a)
+            } else {
+                a.components().collect()
+            };
             a.to_str()
                 .map(str::to_string)
                 .with_context(|| format!("{flag} {} is not valid UTF-8", a.display()))
@@ -84,6 +92,14 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
         && a > b
     {
         bail!("--backoff-initial-ms {a} is larger than --backoff-max-ms {b}");
+    }
+    if let Some(name) = &args.name
+        && !cumulus_api::text::is_printable(name)
+    {
+        bail!(
+            "--name {} holds control or invisible characters",
+            cumulus_api::text::escape_control(name)
+        );
     }
     let spec = JobSpec {
         name: args.name.clone().unwrap_or_default(),
@@ -382,6 +398,25 @@ mod tests {
     }
 
     #[test]
+    fn submit_paths_are_normalized_and_names_printable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let base = std::fs::canonicalize(dir.path()).expect("canonical");
+        std::fs::create_dir_all(base.join("a/b")).expect("mkdir");
+        let dotted = format!("{}/a/b/../new/", base.display());
+        let a = submit_args(&["--ckpt-dir", &dotted, "--", "python", "t.py"]);
+        let spec = build_submit(&a).expect("build").spec.expect("spec");
+        assert_eq!(spec.ckpt_dir, base.join("a/new").to_str().expect("utf8"));
+        cumulus_api::paths::check_job_path(
+            cumulus_api::paths::PathKind::Checkpoint,
+            &spec.ckpt_dir,
+        )
+        .expect("what the coordinator accepts");
+        let a = submit_args(&["--name", "x\u{1b}[2J", "--", "python", "t.py"]);
+        let err = build_submit(&a).expect_err("control character in the name");
+        assert!(err.to_string().contains("\\u{1b}[2J"), "{err}");
+    }
+
+    #[test]
     fn submit_request_has_absolute_paths_policy_and_env() {
         let a = submit_args(&[
             "--dataset",
@@ -414,7 +449,7 @@ mod tests {
             cwd.join("data/shards").to_str().expect("utf8")
         );
         assert_eq!(spec.ckpt_dir, "/abs/ckpt");
-        assert_eq!(spec.working_dir, cwd.join(".").to_str().expect("utf8"));
+        assert_eq!(spec.working_dir, cwd.to_str().expect("utf8"), "normalized");
         assert_eq!(spec.env.get("A").map(String::as_str), Some("1=2"));
         assert_eq!(spec.progress_timeout_ms, 30_000);
         let r = spec.restart.expect("restart");

@@ -604,18 +604,21 @@ pub fn clear_pids(file: &mut ClusterFile) {
     }
 }
 
-/// Whether `status` shows a leader and every expected worker alive; else what is missing.
+/// Whether `status` shows a leader and every expected worker alive.
+///
+/// # Errors
+/// [`NotReady`]: what is still missing.
 pub fn readiness(
     status: &ClusterStatusResponse,
     expected_workers: &[String],
-) -> Result<(), String> {
+) -> Result<(), NotReady> {
     if status.leader_id.is_none() {
-        return Err(format!(
-            "no leader yet (node {} answered, term {})",
-            status.node_id, status.term
-        ));
+        return Err(NotReady::NoLeader {
+            node_id: status.node_id,
+            term: status.term,
+        });
     }
-    let missing: Vec<&str> = expected_workers
+    let missing: Vec<String> = expected_workers
         .iter()
         .filter(|id| {
             !status
@@ -623,16 +626,29 @@ pub fn readiness(
                 .iter()
                 .any(|w| &w.worker_id == *id && w.state == "alive")
         })
-        .map(String::as_str)
+        .cloned()
         .collect();
     if missing.is_empty() {
         Ok(())
     } else {
-        Err(format!(
-            "workers not registered yet: {}",
-            missing.join(", ")
-        ))
+        Err(NotReady::WorkersMissing(missing))
     }
+}
+
+/// What a local cluster still lacks before it is ready.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotReady {
+    /// The node that answered knows no leader.
+    #[error("no leader yet (node {node_id} answered, term {term})")]
+    NoLeader {
+        /// The node that answered.
+        node_id: u64,
+        /// Its current term.
+        term: u64,
+    },
+    /// These expected workers are not registered and alive.
+    #[error("workers not registered yet: {}", .0.join(", "))]
+    WorkersMissing(Vec<String>),
 }
 
 /// Polls `ClusterStatus` until [`readiness`] holds, failing early when a process exits.
@@ -660,7 +676,7 @@ async fn wait_ready(
         let last = match client.cluster_status().await {
             Ok(s) => match readiness(&s, expected_workers) {
                 Ok(()) => return Ok(s),
-                Err(why) => why,
+                Err(why) => why.to_string(),
             },
             Err(e) => e.to_string(),
         };
@@ -973,10 +989,12 @@ mod tests {
             ..Default::default()
         };
         let want = vec!["worker-1".to_string(), "worker-2".to_string()];
-        assert!(
-            readiness(&s, &want)
-                .expect_err("no leader")
-                .contains("no leader")
+        assert_eq!(
+            readiness(&s, &want),
+            Err(NotReady::NoLeader {
+                node_id: 1,
+                term: 0
+            })
         );
         s.leader_id = Some(2);
         s.workers.push(cumulus_api::WorkerInfo {
@@ -989,10 +1007,9 @@ mod tests {
             state: "expired".into(),
             ..Default::default()
         });
-        assert!(
-            readiness(&s, &want)
-                .expect_err("worker-2 expired")
-                .contains("worker-2")
+        assert_eq!(
+            readiness(&s, &want),
+            Err(NotReady::WorkersMissing(vec!["worker-2".into()]))
         );
         s.workers[1].state = "alive".into();
         readiness(&s, &want).expect("ready");

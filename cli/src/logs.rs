@@ -114,24 +114,22 @@ impl CursorState {
     }
 
     /// Applies one SSE event: validates it, advances the cursor, suppresses duplicates.
-    pub fn accept(&mut self, ev: &Event) -> Result<Outcome, String> {
+    ///
+    /// # Errors
+    /// [`BadEvent`] when the data is not a log line or the id not a usable cursor.
+    pub fn accept(&mut self, ev: &Event) -> Result<Outcome, BadEvent> {
         match ev.event.as_str() {
             "end" => return Ok(Outcome::End),
             "log" | "" | "message" => {}
             _ => return Ok(Outcome::Other),
         }
-        let line: LogLine = serde_json::from_str(&ev.data).map_err(|e| {
-            format!(
-                "log data is not the expected JSON ({e}): {:?}",
-                truncate(&ev.data, 200)
-            )
+        let line: LogLine = serde_json::from_str(&ev.data).map_err(|error| BadEvent::Data {
+            error,
+            data: truncate(&ev.data, 200).to_owned(),
         })?;
         if !ev.id.is_empty() {
             if ev.id.len() > MAX_CURSOR_BYTES || !ev.id.bytes().all(|b| b.is_ascii_graphic()) {
-                return Err(format!(
-                    "event id is not a usable cursor: {:?}",
-                    truncate(&ev.id, 200)
-                ));
+                return Err(BadEvent::Cursor(truncate(&ev.id, 200).to_owned()));
             }
             self.cursor = Some(ev.id.clone());
         }
@@ -147,6 +145,22 @@ impl CursorState {
         self.last_offset.insert(key, line.offset);
         Ok(Outcome::Line(line))
     }
+}
+
+/// An SSE event of the log stream that breaks the protocol.
+#[derive(Debug, thiserror::Error)]
+pub enum BadEvent {
+    /// Its data is not a log line's JSON (`data`: its first 200 characters).
+    #[error("log data is not the expected JSON ({error}): {data:?}")]
+    Data {
+        /// The parse error.
+        error: serde_json::Error,
+        /// The data's first 200 characters.
+        data: String,
+    },
+    /// Its id is too long or not printable ASCII (its first 200 characters).
+    #[error("event id is not a usable cursor: {0:?}")]
+    Cursor(String),
 }
 
 fn truncate(s: &str, max: usize) -> &str {
@@ -242,7 +256,12 @@ where
                                 Ok(Outcome::Line(l)) => sink(&l),
                                 Ok(Outcome::End) => return Ok(()),
                                 Ok(Outcome::Duplicate | Outcome::Other) => {}
-                                Err(reason) => return Err(LogError::Protocol { addr, reason }),
+                                Err(e) => {
+                                    return Err(LogError::Protocol {
+                                        addr,
+                                        reason: e.to_string(),
+                                    });
+                                }
                             },
                             Err(e) => {
                                 dropped = format!("stream error: {e}");

@@ -67,6 +67,19 @@ pub fn bytes(n: u64) -> String {
     format!("{v:.1} {}", UNITS[unit])
 }
 
+/// Adds a row whose cells are shown with every control character escaped
+/// ([`cumulus_api::text::escape_control`]): names, commands, paths and failure causes come
+/// from users and ranks, and a `\n` or an ESC sequence in one must not forge a row or
+/// drive the terminal.
+fn add_row(t: &mut Table, cells: Vec<String>) {
+    t.add_row(
+        cells
+            .into_iter()
+            .map(|c| cumulus_api::text::escape_control(&c).into_owned())
+            .collect::<Vec<_>>(),
+    );
+}
+
 /// A command line for display: arguments with spaces or quotes are single-quoted.
 pub fn shell_words(argv: &[String]) -> String {
     argv.iter()
@@ -145,16 +158,19 @@ pub fn jobs_table(resp: &ListJobsResponse, now_ms: u64) -> String {
             cmd.truncate(cut);
             cmd.push_str("...");
         }
-        t.add_row(vec![
-            j.id.clone(),
-            or_dash(&spec.name),
-            j.state.clone(),
-            spec.world_size.to_string(),
-            format!("{}/{}", j.restarts_used, budget(j)),
-            j.committed_step.map_or("-".into(), |s| s.to_string()),
-            age(j.submitted_at_ms, now_ms),
-            cmd,
-        ]);
+        add_row(
+            &mut t,
+            vec![
+                j.id.clone(),
+                or_dash(&spec.name),
+                j.state.clone(),
+                spec.world_size.to_string(),
+                format!("{}/{}", j.restarts_used, budget(j)),
+                j.committed_step.map_or("-".into(), |s| s.to_string()),
+                age(j.submitted_at_ms, now_ms),
+                cmd,
+            ],
+        );
     }
     table_text(&t)
 }
@@ -170,7 +186,7 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
     let mut kv = Table::new();
     kv.load_style(presets::NOTHING);
     let mut row = |k: &str, v: String| {
-        kv.add_row(vec![format!("{k}:"), v]);
+        add_row(&mut kv, vec![format!("{k}:"), v]);
     };
     row(
         "job",
@@ -252,19 +268,22 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
     out.push('\n');
     let mut ranks = table(&["RANK", "ATTEMPT", "WORKER", "STATE", "PID", "EXIT", "STEP"]);
     for r in &job.ranks {
-        ranks.add_row(vec![
-            r.rank.to_string(),
-            r.attempt.to_string(),
-            or_dash(&r.worker_id),
-            r.state.clone(),
-            if r.pid == 0 {
-                "-".into()
-            } else {
-                r.pid.to_string()
-            },
-            exit_text(r),
-            step_text(r),
-        ]);
+        add_row(
+            &mut ranks,
+            vec![
+                r.rank.to_string(),
+                r.attempt.to_string(),
+                or_dash(&r.worker_id),
+                r.state.clone(),
+                if r.pid == 0 {
+                    "-".into()
+                } else {
+                    r.pid.to_string()
+                },
+                exit_text(r),
+                step_text(r),
+            ],
+        );
     }
     out.push_str(&table_text(&ranks));
 
@@ -279,17 +298,20 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
 pub fn restarts_table(restarts: &[RestartRecord]) -> String {
     let mut t = table(&["RESTART", "CAUSE", "RANKS", "DELAY MS", "RESUME STEP"]);
     for r in restarts {
-        t.add_row(vec![
-            format!("#{}", r.number),
-            r.cause.clone(),
-            r.ranks
-                .iter()
-                .map(|x| x.to_string())
-                .collect::<Vec<_>>()
-                .join(","),
-            r.delay_ms.to_string(),
-            r.resume_step.map_or("scratch".into(), |s| s.to_string()),
-        ]);
+        add_row(
+            &mut t,
+            vec![
+                format!("#{}", r.number),
+                r.cause.clone(),
+                r.ranks
+                    .iter()
+                    .map(|x| x.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+                r.delay_ms.to_string(),
+                r.resume_step.map_or("scratch".into(), |s| s.to_string()),
+            ],
+        );
     }
     table_text(&t)
 }
@@ -301,22 +323,25 @@ pub fn checkpoints_table(resp: &ListCheckpointsResponse) -> String {
     }
     let mut t = table(&["STEP", "VERIFIED", "SIZE", "LATEST", "TIERS", "PATH"]);
     for c in &resp.checkpoints {
-        t.add_row(vec![
-            c.step.to_string(),
-            if c.verified {
-                "yes".into()
-            } else {
-                "NO".into()
-            },
-            bytes(c.bytes),
-            if c.latest { "*".into() } else { String::new() },
-            if c.tiers.is_empty() {
-                "-".into()
-            } else {
-                c.tiers.join("+")
-            },
-            c.path.clone(),
-        ]);
+        add_row(
+            &mut t,
+            vec![
+                c.step.to_string(),
+                if c.verified {
+                    "yes".into()
+                } else {
+                    "NO".into()
+                },
+                bytes(c.bytes),
+                if c.latest { "*".into() } else { String::new() },
+                if c.tiers.is_empty() {
+                    "-".into()
+                } else {
+                    c.tiers.join("+")
+                },
+                c.path.clone(),
+            ],
+        );
     }
     table_text(&t)
 }
@@ -340,13 +365,16 @@ pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
     ));
     let mut m = table(&["NODE", "GRPC", "HTTP", "ROLE", "VOTER"]);
     for mem in &resp.members {
-        m.add_row(vec![
-            mem.node_id.to_string(),
-            mem.grpc_addr.clone(),
-            mem.http_addr.clone(),
-            mem.role.clone(),
-            if mem.voter { "yes".into() } else { "no".into() },
-        ]);
+        add_row(
+            &mut m,
+            vec![
+                mem.node_id.to_string(),
+                mem.grpc_addr.clone(),
+                mem.http_addr.clone(),
+                mem.role.clone(),
+                if mem.voter { "yes".into() } else { "no".into() },
+            ],
+        );
     }
     out.push_str(&table_text(&m));
     out.push('\n');
@@ -364,23 +392,26 @@ pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
         "MEMORY",
     ]);
     for wk in &resp.workers {
-        w.add_row(vec![
-            wk.worker_id.clone(),
-            wk.host.clone(),
-            format!("{}/{}", wk.slots_used, wk.slots),
-            wk.state.clone(),
-            if wk.last_heartbeat_age_ms == 0 {
-                "-".into()
-            } else {
-                format!("{} ms ago", wk.last_heartbeat_age_ms)
-            },
-            format!("{:.0}%", wk.cpu_percent),
-            format!(
-                "{} / {}",
-                bytes(wk.memory_used_bytes),
-                bytes(wk.memory_total_bytes)
-            ),
-        ]);
+        add_row(
+            &mut w,
+            vec![
+                wk.worker_id.clone(),
+                wk.host.clone(),
+                format!("{}/{}", wk.slots_used, wk.slots),
+                wk.state.clone(),
+                if wk.last_heartbeat_age_ms == 0 {
+                    "-".into()
+                } else {
+                    format!("{} ms ago", wk.last_heartbeat_age_ms)
+                },
+                format!("{:.0}%", wk.cpu_percent),
+                format!(
+                    "{} / {}",
+                    bytes(wk.memory_used_bytes),
+                    bytes(wk.memory_total_bytes)
+                ),
+            ],
+        );
     }
     out.push_str(&table_text(&w));
     out
@@ -507,6 +538,40 @@ mod tests {
         );
         assert!(lines[2].contains("1/3"), "default budget shown: {text}");
         assert_eq!(jobs_table(&ListJobsResponse::default(), 0), "no jobs\n");
+    }
+
+    #[test]
+    fn user_strings_cannot_forge_rows_or_drive_the_terminal() {
+        let mut evil = job();
+        let spec = evil.spec.as_mut().expect("spec");
+        spec.name = "a\rjob-000009  succeeded\n\u{1b}[2Jfake\u{202e}".into();
+        spec.command = vec!["python".into(), "x\u{1b}]0;title\u{7}".into()];
+        evil.failure_cause = "rank 0 said \u{1b}[31mred\u{8}\u{8}".into();
+        evil.state = "failed".into();
+        let list = jobs_table(
+            &ListJobsResponse {
+                jobs: vec![evil.clone()],
+            },
+            0,
+        );
+        let status = job_status(
+            &JobResponse {
+                job: Some(evil),
+                linearizable: true,
+            },
+            0,
+        );
+        for text in [&list, &status] {
+            assert!(
+                !text
+                    .chars()
+                    .any(|c| (c.is_control() && c != '\n') || c == '\u{202e}'),
+                "{text:?}"
+            );
+        }
+        assert_eq!(list.lines().count(), 2, "one header, one job: {list}");
+        assert!(list.contains("a\\rjob-000009"), "{list}");
+        assert!(status.contains("\\u{1b}[31mred"), "{status}");
     }
 
     #[test]

@@ -160,6 +160,17 @@ async fn submit_checked(
     // A retried request id returns its job before any validation against today's disk.
     let existing = node.read_state(|s| s.request_ids.get(&req.request_id).cloned());
     let spec = spec_from_proto(spec, node.limits.max_world_size)?;
+    let roots = &node.limits.roots;
+    if existing.is_none() {
+        // Checked at admission, not in `apply`: the log may hold older jobs' names.
+        if !cumulus_api::text::is_printable(&spec.name) {
+            return Err(ApiError::InvalidArgument(format!(
+                "job name {} holds control or invisible characters",
+                cumulus_api::text::escape_control(&spec.name)
+            )));
+        }
+        roots.check_spec_lexical(&spec.dataset, &spec.ckpt_dir, &spec.working_dir)?;
+    }
     let mut shards = if existing.is_some() || spec.dataset.is_empty() {
         node.read_state(|s| {
             existing
@@ -206,9 +217,19 @@ async fn submit_checked(
             None => {
                 let dataset = dataset.map(str::to_owned);
                 let ckpt_dir = ckpt_dir.map(str::to_owned);
+                let roots = roots.clone();
                 tokio::task::spawn_blocking(move || {
-                    let listed = dataset.as_deref().map(list_dataset).transpose()?;
+                    // The fast path above takes no symlinks; here every one is resolved
+                    // and must stay under the roots before anything is listed or created.
+                    let listed = dataset
+                        .as_deref()
+                        .map(|d| {
+                            roots.dataset.check_resolved(d)?;
+                            list_dataset(d)
+                        })
+                        .transpose()?;
                     if let Some(ckpt_dir) = &ckpt_dir {
+                        roots.ckpt.check_resolved(ckpt_dir)?;
                         ensure_ckpt_dir(ckpt_dir)?;
                     }
                     Ok::<_, ApiError>(listed)

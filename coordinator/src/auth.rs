@@ -8,31 +8,47 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use cumulus_api::token::{self, bearer_matches};
 use tonic::{Request, Status};
 
-/// Shortest token accepted, in bytes.
-pub const MIN_TOKEN_BYTES: usize = 16;
-
-/// Loads the token from `file` (trimmed) or `value`; exactly one must be given.
+/// Loads the token from `file` (trimmed) or `value` (the environment); exactly one must
+/// be given, and it must pass [`cumulus_api::token::check`].
 ///
 /// # Errors
-/// When neither or both are given, the file is unreadable, or the token is too short.
+/// When neither or both are given, the file is unreadable or too large, or the token
+/// breaks a rule of [`cumulus_api::token::check`].
 pub fn load_token(file: Option<&Path>, value: Option<&str>) -> anyhow::Result<Arc<str>> {
     let token = match (file, value) {
-        (Some(f), None) => std::fs::read_to_string(f)
-            .with_context(|| format!("reading the token file {}", f.display()))?
-            .trim()
-            .to_string(),
+        (Some(f), None) => read_token_file(f)?,
         (None, Some(v)) => v.trim().to_string(),
         (Some(_), Some(_)) => {
             bail!("give the cluster token with --token-file or CUMULUS_TOKEN, not both")
         }
         (None, None) => bail!("no cluster token: give --token-file FILE or set CUMULUS_TOKEN"),
     };
-    if token.len() < MIN_TOKEN_BYTES || token.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        bail!("the cluster token must be at least {MIN_TOKEN_BYTES} bytes with no whitespace");
-    }
+    token::check(&token)?;
     Ok(token.into())
+}
+
+/// Reads a token file (at most [`token::MAX_TOKEN_BYTES`] plus room for whitespace),
+/// trimmed.
+///
+/// # Errors
+/// The file cannot be read, or is larger than that.
+pub fn read_token_file(path: &Path) -> anyhow::Result<String> {
+    use std::io::Read;
+    let limit = token::MAX_TOKEN_BYTES as u64 + 64;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(limit + 1).read_to_string(&mut text))
+        .with_context(|| format!("reading the token file {}", path.display()))?;
+    if text.len() as u64 > limit {
+        bail!(
+            "the token file {} is larger than {limit} bytes",
+            path.display()
+        );
+    }
+    Ok(text.trim().to_string())
 }
 
 /// Loads the peer token (coordinator to coordinator, Raft only) from `file` (trimmed)
@@ -49,19 +65,6 @@ pub fn load_peer_token(file: Option<&Path>, value: Option<&str>) -> anyhow::Resu
         );
     }
     load_token(file, value).context("the peer token")
-}
-
-/// Constant-time comparison of a presented `Authorization` header value with
-/// `Bearer <token>`.
-pub fn bearer_matches(header: Option<&str>, token: &str) -> bool {
-    let Some(presented) = header.and_then(|h| h.strip_prefix("Bearer ")) else {
-        return false;
-    };
-    let (a, b) = (presented.as_bytes(), token.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// A tonic interceptor that rejects calls without the cluster token.
@@ -117,24 +120,6 @@ impl tonic::service::Interceptor for AddToken {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn bearer_comparison() {
-        assert!(bearer_matches(
-            Some("Bearer abcdefabcdefabcdef"),
-            "abcdefabcdefabcdef"
-        ));
-        assert!(!bearer_matches(
-            Some("Bearer abcdefabcdefabcdeX"),
-            "abcdefabcdefabcdef"
-        ));
-        assert!(!bearer_matches(
-            Some("abcdefabcdefabcdef"),
-            "abcdefabcdefabcdef"
-        ));
-        assert!(!bearer_matches(None, "abcdefabcdefabcdef"));
-        assert!(!bearer_matches(Some("Bearer short"), "abcdefabcdefabcdef"));
-    }
 
     #[test]
     fn token_loading_validates() {

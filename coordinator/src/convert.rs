@@ -48,7 +48,7 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
         ckpt_commit_tier: p.ckpt_commit_tier.to_ascii_lowercase(),
     };
     spec.validate(max_world_size)
-        .map_err(ApiError::InvalidArgument)?;
+        .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
     Ok(spec)
 }
 

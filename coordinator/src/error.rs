@@ -25,6 +25,10 @@ pub enum ApiError {
     /// The request is malformed or violates a limit.
     #[error("{0}")]
     InvalidArgument(String),
+    /// The request names something this cluster's policy does not allow (a path outside
+    /// the allowed roots).
+    #[error("{0}")]
+    PermissionDenied(String),
     /// The named job does not exist.
     #[error("{0}")]
     NotFound(String),
@@ -75,6 +79,7 @@ pub fn to_status(e: ApiError) -> Status {
             status
         }
         ApiError::InvalidArgument(_) => Status::invalid_argument(msg),
+        ApiError::PermissionDenied(_) => Status::permission_denied(msg),
         ApiError::NotFound(_) => Status::not_found(msg),
         ApiError::FailedPrecondition(_) => Status::failed_precondition(msg),
         ApiError::Unavailable(_) => Status::unavailable(msg),
@@ -93,6 +98,7 @@ impl IntoResponse for HttpError {
         let (status, leader) = match &self.0 {
             ApiError::NotLeader { leader } => (StatusCode::SERVICE_UNAVAILABLE, leader.clone()),
             ApiError::InvalidArgument(_) => (StatusCode::BAD_REQUEST, None),
+            ApiError::PermissionDenied(_) => (StatusCode::FORBIDDEN, None),
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, None),
             ApiError::FailedPrecondition(_) => (StatusCode::CONFLICT, None),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, None),
@@ -110,5 +116,18 @@ impl IntoResponse for HttpError {
 impl From<ApiError> for HttpError {
     fn from(e: ApiError) -> Self {
         HttpError(e)
+    }
+}
+
+impl From<cumulus_api::paths::PathError> for ApiError {
+    /// A path outside the allowed roots is `PermissionDenied`; a malformed one
+    /// `InvalidArgument`.
+    fn from(e: cumulus_api::paths::PathError) -> Self {
+        match e {
+            cumulus_api::paths::PathError::OutsideRoots { .. } => {
+                ApiError::PermissionDenied(e.to_string())
+            }
+            _ => ApiError::InvalidArgument(e.to_string()),
+        }
     }
 }

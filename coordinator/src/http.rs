@@ -16,9 +16,9 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::api;
-use crate::auth::bearer_matches;
 use crate::error::{ApiError, HttpError};
 use crate::node::Node;
+use cumulus_api::token::bearer_matches;
 
 /// Largest JSON request body accepted, in bytes.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;

@@ -52,17 +52,23 @@ pub struct Peer {
     pub node: CumulusNode,
 }
 
+/// A `--peer` value that is not `ID=GRPC_HOST:PORT@HTTP_HOST:PORT`.
+#[derive(Debug, thiserror::Error)]
+#[error("peer {0:?} must look like ID=GRPC_HOST:PORT@HTTP_HOST:PORT")]
+pub struct BadPeer(pub String);
+
 /// Parses `ID=GRPC_ADDR@HTTP_ADDR`, e.g. `1=127.0.0.1:7001@127.0.0.1:8001`.
 ///
 /// # Errors
-/// A message saying what is malformed.
-pub fn parse_peer(s: &str) -> Result<Peer, String> {
-    let usage = || format!("peer {s:?} must look like ID=GRPC_HOST:PORT@HTTP_HOST:PORT");
-    let (id, addrs) = s.split_once('=').ok_or_else(usage)?;
-    let (grpc, http) = addrs.split_once('@').ok_or_else(usage)?;
-    let id: NodeId = id.parse().map_err(|_| usage())?;
+/// [`BadPeer`] when it is malformed (the id must be a non-zero integer, both addresses
+/// `host:port`).
+pub fn parse_peer(s: &str) -> Result<Peer, BadPeer> {
+    let bad = || BadPeer(s.to_owned());
+    let (id, addrs) = s.split_once('=').ok_or_else(bad)?;
+    let (grpc, http) = addrs.split_once('@').ok_or_else(bad)?;
+    let id: NodeId = id.parse().map_err(|_| bad())?;
     if id == 0 || grpc.is_empty() || http.is_empty() || !grpc.contains(':') || !http.contains(':') {
-        return Err(usage());
+        return Err(bad());
     }
     Ok(Peer {
         id,
@@ -100,16 +106,18 @@ pub struct Config {
     /// File holding the cluster bearer token.
     #[arg(long, env = "CUMULUS_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
-    /// The cluster bearer token (prefer --token-file).
-    #[arg(long, env = "CUMULUS_TOKEN", hide_env_values = true)]
+    /// The cluster bearer token, from the environment only (`--token` on the command
+    /// line is refused: every local user sees it in `ps`).
+    #[arg(long, env = "CUMULUS_TOKEN", hide = true, hide_env_values = true)]
     pub token: Option<String>,
     /// File holding the peer token: the credential coordinators present to each other's
     /// Raft service. Only coordinators hold it (never workers, ranks or users); it must
     /// differ from the cluster token, which the Raft service refuses.
     #[arg(long, env = "CUMULUS_PEER_TOKEN_FILE")]
     pub peer_token_file: Option<PathBuf>,
-    /// The peer token (prefer --peer-token-file).
-    #[arg(long, env = "CUMULUS_PEER_TOKEN", hide_env_values = true)]
+    /// The peer token, from the environment only (`--peer-token` on the command line is
+    /// refused).
+    #[arg(long, env = "CUMULUS_PEER_TOKEN", hide = true, hide_env_values = true)]
     pub peer_token: Option<String>,
     /// Heartbeat interval workers are told to use, in milliseconds.
     #[arg(long, default_value_t = 1_000)]
@@ -125,6 +133,16 @@ pub struct Config {
     /// most the default (half the 2 GiB snapshot a follower accepts).
     #[arg(long, default_value_t = cumulus_raft_store::state::MAX_STATE_BYTES)]
     pub max_state_bytes: u64,
+    /// Directories under which a job's local dataset must lie, comma-separated (default:
+    /// anywhere). The leader lists a dataset with its own rights: set this on a shared
+    /// cluster so a submitter cannot make it list `/etc`. Checked as written and with
+    /// symlinks resolved; each root must exist.
+    #[arg(long, env = "CUMULUS_ALLOWED_DATASET_ROOTS", value_delimiter = ',')]
+    pub allowed_dataset_roots: Vec<PathBuf>,
+    /// Directories under which a job's checkpoint dir must lie, comma-separated (default:
+    /// anywhere). The leader creates a missing checkpoint dir with its own rights.
+    #[arg(long, env = "CUMULUS_ALLOWED_CKPT_ROOTS", value_delimiter = ',')]
+    pub allowed_ckpt_roots: Vec<PathBuf>,
     /// Raft heartbeat interval between coordinators, in milliseconds.
     #[arg(long, default_value_t = 50)]
     pub raft_heartbeat_ms: u64,
@@ -232,6 +250,21 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let me = config.validate()?;
+    if let Some(t) = &config.token {
+        cumulus_api::token::refuse_command_line(t, "--token", "CUMULUS_TOKEN")?;
+    }
+    if let Some(t) = &config.peer_token {
+        cumulus_api::token::refuse_command_line(t, "--peer-token", "CUMULUS_PEER_TOKEN")?;
+    }
+    let roots = cumulus_api::paths::JobRoots::new(
+        &config.allowed_dataset_roots,
+        &config.allowed_ckpt_roots,
+    )?;
+    if roots.dataset.is_any() || roots.ckpt.is_any() {
+        tracing::info!(
+            "no --allowed-dataset-roots or --allowed-ckpt-roots: jobs may name any dataset or checkpoint dir this coordinator can list or create"
+        );
+    }
     let token = auth::load_token(config.token_file.as_deref(), config.token.as_deref())?;
     let peer_token = auth::load_peer_token(
         config.peer_token_file.as_deref(),
@@ -312,6 +345,7 @@ pub async fn run(
             heartbeat_timeout_ms: config.heartbeat_timeout_ms,
             max_world_size: config.max_world_size,
             max_state_bytes: config.max_state_bytes,
+            roots,
         },
         token: token.clone(),
         http,

@@ -120,17 +120,27 @@ pub fn approx_append_bytes(req: &AppendEntriesRequest<TypeConfig>) -> usize {
 /// heartbeats and elections; a small one is not worth two thread hand-offs.
 ///
 /// # Errors
-/// `f`'s error, or the blocking task's failure (a panic) as text.
+/// `f`'s JSON error, or the blocking task's failure (a panic, or the runtime shutting
+/// down).
 pub async fn off_runtime_if<T: Send + 'static>(
     large: bool,
-    f: impl FnOnce() -> Result<T, String> + Send + 'static,
-) -> Result<T, String> {
+    f: impl FnOnce() -> serde_json::Result<T> + Send + 'static,
+) -> Result<T, CodecError> {
     if !large {
-        return f();
+        return Ok(f()?);
     }
-    tokio::task::spawn_blocking(f)
-        .await
-        .unwrap_or_else(|e| Err(format!("the blocking task failed: {e}")))
+    Ok(tokio::task::spawn_blocking(f).await??)
+}
+
+/// Why a replication request could not be encoded or decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    /// The JSON does not encode or parse.
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    /// The blocking task that ran the codec failed.
+    #[error("the blocking task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
 }
 
 /// Creates a [`PeerClient`] per target node.
@@ -408,10 +418,7 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
                     // A large request is encoded off the runtime threads, which also run
                     // heartbeats and elections.
                     let large = approx_append_bytes(&req) > ENCODE_INLINE_MAX_BYTES;
-                    let encoded = off_runtime_if(large, move || {
-                        serde_json::to_vec(&req).map_err(|e| e.to_string())
-                    })
-                    .await;
+                    let encoded = off_runtime_if(large, move || serde_json::to_vec(&req)).await;
                     let json = match encoded {
                         Ok(json) if json.len() <= MAX_APPEND_JSON_BYTES => json,
                         Ok(json) => {

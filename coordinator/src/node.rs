@@ -28,6 +28,9 @@ pub struct NodeLimits {
     /// Most estimated bytes the unfinished jobs may hold before submits are refused
     /// (`--max-state-bytes`, at most [`cumulus_raft_store::state::MAX_STATE_BYTES`]).
     pub max_state_bytes: u64,
+    /// Where a job's local dataset and checkpoint root may lie
+    /// (`--allowed-dataset-roots`, `--allowed-ckpt-roots`; empty: anywhere).
+    pub roots: cumulus_api::paths::JobRoots,
 }
 
 /// One coordinator's shared context.

@@ -236,7 +236,6 @@ impl RaftService for RaftSvc {
                 let large = payload.json.len() > DECODE_INLINE_MAX_BYTES;
                 let decoded = off_runtime_if(large, move || {
                     serde_json::from_slice::<AppendEntriesRequest<TypeConfig>>(&payload.json)
-                        .map_err(|e| e.to_string())
                 })
                 .await;
                 match decoded {

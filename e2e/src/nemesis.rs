@@ -606,13 +606,15 @@ async fn corrupt_and_rebuild(
             return Ok(());
         }
     }
-    fn ctl(cluster: &Cluster, args: &[&str]) -> Result<(), String> {
-        let out = cluster.cumulusctl(args).map_err(|e| e.to_string())?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(String::from_utf8_lossy(&out.stderr).into_owned())
-        }
+    /// Runs cumulusctl; its stderr is the error when it fails.
+    fn ctl(cluster: &Cluster, args: &[&str]) -> anyhow::Result<()> {
+        let out = cluster.cumulusctl(args)?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
     }
     if let Err(e) = ctl(cluster, &["cluster", "remove", &id.to_string()]) {
         anomaly(format!("cannot remove damaged coordinator {id}: {e}"));

@@ -263,28 +263,46 @@ fn open_lines(path: &Path) -> Result<Box<dyn BufRead>, DataError> {
 
 /// Parses a label: a non-negative integer below [`MAX_CLASSES`]. An integral float
 /// spelling such as `3.0` is accepted; `-1`, `2.5`, `x` are not.
-pub fn parse_label(field: &str) -> Result<u32, String> {
+///
+/// # Errors
+/// [`LabelError`] saying which rule the field breaks.
+pub fn parse_label(field: &str) -> Result<u32, LabelError> {
     if let Ok(v) = field.parse::<u64>() {
         return if v < u64::from(MAX_CLASSES) {
             Ok(v as u32)
         } else {
-            Err(format!(
-                "label {v} is too large (limit {})",
-                MAX_CLASSES - 1
-            ))
+            Err(LabelError::TooLarge(field.to_owned()))
         };
     }
+    let bad = |make: fn(String) -> LabelError| Err(make(field.to_owned()));
     match field.parse::<f64>() {
-        Ok(v) if !v.is_finite() => Err(format!("label {field:?} is not a finite number")),
-        Ok(v) if v < 0.0 => Err(format!("label {field:?} is negative")),
-        Ok(v) if v.fract() != 0.0 => Err(format!("label {field:?} is not an integer")),
+        Ok(v) if !v.is_finite() => bad(LabelError::NotFinite),
+        Ok(v) if v < 0.0 => bad(LabelError::Negative),
+        Ok(v) if v.fract() != 0.0 => bad(LabelError::NotInteger),
         Ok(v) if v < f64::from(MAX_CLASSES) => Ok(v as u32),
-        Ok(_) => Err(format!(
-            "label {field:?} is too large (limit {})",
-            MAX_CLASSES - 1
-        )),
-        Err(_) => Err(format!("label {field:?} is not a number")),
+        Ok(_) => bad(LabelError::TooLarge),
+        Err(_) => bad(LabelError::NotNumber),
     }
+}
+
+/// Why a label field was refused; each holds the field as read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LabelError {
+    /// At or above [`MAX_CLASSES`].
+    #[error("label {0:?} is too large (limit {max})", max = MAX_CLASSES - 1)]
+    TooLarge(String),
+    /// NaN or infinite.
+    #[error("label {0:?} is not a finite number")]
+    NotFinite(String),
+    /// Below zero.
+    #[error("label {0:?} is negative")]
+    Negative(String),
+    /// Has a fractional part.
+    #[error("label {0:?} is not an integer")]
+    NotInteger(String),
+    /// Does not parse as a number.
+    #[error("label {0:?} is not a number")]
+    NotNumber(String),
 }
 
 /// Where the column count was fixed: (file, 1-based line, columns).
@@ -617,11 +635,23 @@ mod tests {
     fn label_parsing() {
         assert_eq!(parse_label("3"), Ok(3));
         assert_eq!(parse_label("3.0"), Ok(3));
-        assert!(parse_label("-2").unwrap_err().contains("negative"));
-        assert!(parse_label("2.5").unwrap_err().contains("not an integer"));
-        assert!(parse_label("cat").unwrap_err().contains("not a number"));
-        assert!(parse_label("100000").unwrap_err().contains("too large"));
-        assert!(parse_label("NaN").unwrap_err().contains("finite"));
+        assert_eq!(parse_label("-2"), Err(LabelError::Negative("-2".into())));
+        assert_eq!(
+            parse_label("2.5"),
+            Err(LabelError::NotInteger("2.5".into()))
+        );
+        assert_eq!(parse_label("cat"), Err(LabelError::NotNumber("cat".into())));
+        assert_eq!(
+            parse_label("100000"),
+            Err(LabelError::TooLarge("100000".into()))
+        );
+        assert_eq!(parse_label("NaN"), Err(LabelError::NotFinite("NaN".into())));
+        assert!(
+            parse_label("100000")
+                .unwrap_err()
+                .to_string()
+                .contains("too large")
+        );
     }
 
     #[test]

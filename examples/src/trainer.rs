@@ -184,20 +184,23 @@ pub enum FeatureScale {
 }
 
 impl std::str::FromStr for FeatureScale {
-    type Err = String;
+    type Err = BadFeatureScale;
 
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, BadFeatureScale> {
         if s.eq_ignore_ascii_case("auto") {
             return Ok(FeatureScale::Auto);
         }
         match s.parse::<f64>() {
             Ok(v) if v.is_finite() && v > 0.0 => Ok(FeatureScale::Fixed(v)),
-            _ => Err(format!(
-                "feature scale {s:?} is neither \"auto\" nor a positive finite number"
-            )),
+            _ => Err(BadFeatureScale(s.to_owned())),
         }
     }
 }
+
+/// A feature scale that is neither `auto` nor a positive finite number (the text given).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("feature scale {0:?} is neither \"auto\" nor a positive finite number")]
+pub struct BadFeatureScale(pub String);
 
 /// Training data ready for the model: the data set, its classes and scaled features.
 #[derive(Debug, Clone)]

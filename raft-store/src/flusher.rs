@@ -54,7 +54,7 @@ pub enum Job {
     Sync(SyncJob),
     /// Completes once every sync submitted before it is done: `Ok` if every `fdatasync`
     /// so far succeeded, else the first failure.
-    Barrier(tokio::sync::oneshot::Sender<Result<(), String>>),
+    Barrier(tokio::sync::oneshot::Sender<Result<(), Arc<std::io::Error>>>),
 }
 
 /// Handle on a log store's sync thread. Cheap to clone; the thread ends when every handle
@@ -73,7 +73,7 @@ struct Shared {
     /// Jobs submitted and not yet completed (callbacks called, barrier answered).
     queued: AtomicUsize,
     /// The first `fdatasync` failure: every later sync and barrier reports it.
-    failed: Mutex<Option<String>>,
+    failed: Mutex<Option<Arc<std::io::Error>>>,
     /// One past the index of the last entry known durable (0: none): the store never
     /// saves a committed index past it, so a saved committed index always lies inside
     /// the durable log and one past it on open is damage.
@@ -81,7 +81,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn failed(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+    fn failed(&self) -> std::sync::MutexGuard<'_, Option<Arc<std::io::Error>>> {
         self.failed.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -95,7 +95,7 @@ pub enum FlushError {
     /// An `fdatasync` of the log failed; the log stays failed (a later `fdatasync` may
     /// succeed after the kernel dropped the dirty pages, so it proves nothing).
     #[error("an fdatasync of the raft log failed earlier: {0}")]
-    Failed(String),
+    Failed(Arc<std::io::Error>),
 }
 
 impl Flusher {
@@ -217,7 +217,7 @@ fn sync_group(pending: &mut Vec<SyncJob>, shared: &Shared, queued: bool) {
                 continue;
             }
             if let Err(e) = p.unsynced.sync() {
-                *failed = Some(e.to_string());
+                *failed = Some(Arc::new(std::io::Error::other(e)));
                 break;
             }
             synced.push(&p.unsynced);
@@ -231,10 +231,10 @@ fn sync_group(pending: &mut Vec<SyncJob>, shared: &Shared, queued: bool) {
         .rposition(|p| matches!(p.callback, IOFlushed::Notify(_)));
     for (i, p) in pending.drain(..).enumerate() {
         match &failure {
-            Some(message) => {
-                tracing::error!(last_index = p.last_index, error = %message, "raft log fdatasync failed");
+            Some(e) => {
+                tracing::error!(last_index = p.last_index, error = %e, "raft log fdatasync failed");
                 p.callback
-                    .io_completed(Err(std::io::Error::other(message.clone())));
+                    .io_completed(Err(std::io::Error::new(e.kind(), e.to_string())));
             }
             None => {
                 shared

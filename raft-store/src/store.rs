@@ -159,7 +159,9 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
     }
 
     let snapshot = match snap_tree.get(KEY_SNAPSHOT).map_err(sled_err)? {
-        Some(v) => Some(StoredSnapshot::decode(&v).map_err(|reason| corrupt("snapshot", reason))?),
+        Some(v) => {
+            Some(StoredSnapshot::decode(&v).map_err(|e| corrupt("snapshot", e.to_string()))?)
+        }
         None => None,
     };
     // The applied state lives in memory: it starts from the newest snapshot, and openraft
@@ -568,27 +570,22 @@ impl StoredSnapshot {
     /// Decodes a stored snapshot of format 2, or of format 1.
     ///
     /// # Errors
-    /// A description of what does not check: a short record, a meta length past the end,
-    /// a CRC mismatch, meta or format-1 JSON that does not parse.
-    fn decode(bytes: &[u8]) -> Result<StoredSnapshot, String> {
+    /// What does not check, as a [`SnapshotDecodeError`].
+    fn decode(bytes: &[u8]) -> Result<StoredSnapshot, SnapshotDecodeError> {
         let Some(rest) = bytes.strip_prefix(SNAPSHOT_MAGIC) else {
-            return serde_json::from_slice(bytes)
-                .map_err(|e| format!("not a format-2 snapshot, nor format-1 JSON: {e}"));
+            return serde_json::from_slice(bytes).map_err(SnapshotDecodeError::NotJson);
         };
         if rest.len() < 8 {
-            return Err(format!(
-                "a format-2 snapshot of {} bytes has no complete header",
-                bytes.len()
-            ));
+            return Err(SnapshotDecodeError::ShortHeader { len: bytes.len() });
         }
         let meta_len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
         let crc = u32::from_le_bytes([rest[4], rest[5], rest[6], rest[7]]);
         let body = &rest[8..];
         if meta_len > body.len() {
-            return Err(format!(
-                "snapshot meta of {meta_len} bytes runs past the record's end ({} bytes left)",
-                body.len()
-            ));
+            return Err(SnapshotDecodeError::MetaPastEnd {
+                meta_len,
+                left: body.len(),
+            });
         }
         let (meta_json, data) = body.split_at(meta_len);
         let mut hasher = crc32fast::Hasher::new();
@@ -596,17 +593,38 @@ impl StoredSnapshot {
         hasher.update(data);
         let actual = hasher.finalize();
         if actual != crc {
-            return Err(format!(
-                "snapshot CRC-32 mismatch: stored {crc:08x}, computed {actual:08x}"
-            ));
+            return Err(SnapshotDecodeError::Crc {
+                stored: crc,
+                computed: actual,
+            });
         }
-        let meta = serde_json::from_slice(meta_json)
-            .map_err(|e| format!("snapshot meta does not parse: {e}"))?;
+        let meta = serde_json::from_slice(meta_json).map_err(SnapshotDecodeError::Meta)?;
         Ok(StoredSnapshot {
             meta,
             data: data.to_vec(),
         })
     }
+}
+
+/// Why a stored snapshot record does not decode; the caller names the sled tree and
+/// refuses to start (or to send the snapshot).
+#[derive(Debug, thiserror::Error)]
+enum SnapshotDecodeError {
+    /// No format-2 magic, and not format-1 JSON either.
+    #[error("not a format-2 snapshot, nor format-1 JSON: {0}")]
+    NotJson(serde_json::Error),
+    /// A format-2 record shorter than its header; `len` in bytes.
+    #[error("a format-2 snapshot of {len} bytes has no complete header")]
+    ShortHeader { len: usize },
+    /// The header's meta length runs past the record; both in bytes.
+    #[error("snapshot meta of {meta_len} bytes runs past the record's end ({left} bytes left)")]
+    MetaPastEnd { meta_len: usize, left: usize },
+    /// The CRC-32 over meta and data does not match the header's.
+    #[error("snapshot CRC-32 mismatch: stored {stored:08x}, computed {computed:08x}")]
+    Crc { stored: u32, computed: u32 },
+    /// The meta JSON does not parse.
+    #[error("snapshot meta does not parse: {0}")]
+    Meta(serde_json::Error),
 }
 
 /// The snapshot data: the applied state, as JSON.

@@ -8,12 +8,12 @@
 //!   `max_bytes` to 64 KiB (at most 1 MiB). `offset == size` gives an empty 200;
 //!   `offset > size` is 400; no log for that attempt is 404. Errors are `{"error": ..}`.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Body;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -23,6 +23,7 @@ use crate::http::{json_error, limit_concurrency, request_permits, request_token}
 use crate::logs::{self, AttemptPaths, ReadLogError};
 use crate::validate;
 use cumulus_api::AttemptKey;
+use cumulus_api::token::constant_time_eq;
 
 /// Header with the log's current size in bytes.
 pub const LOG_SIZE_HEADER: &str = "x-cumulus-log-size";
@@ -59,23 +60,23 @@ async fn health(State(state): State<AgentApiState>) -> Response {
         .into_response()
 }
 
-fn parse_u64(query: &HashMap<String, String>, name: &str, default: u64) -> Result<u64, String> {
-    match query.get(name) {
-        None => Ok(default),
-        Some(v) => v
-            .parse::<u64>()
-            .map_err(|_| format!("{name} must be a non-negative integer, got {v:?}")),
-    }
+/// The query of a log read; absent fields take their defaults.
+#[derive(Debug, serde::Deserialize)]
+struct LogQuery {
+    /// First byte to return (default 0).
+    offset: Option<u64>,
+    /// At most this many bytes (default [`DEFAULT_MAX_BYTES`]).
+    max_bytes: Option<u64>,
 }
 
 async fn read_log(
     State(state): State<AgentApiState>,
     headers: HeaderMap,
     Path((job_id, rank, attempt)): Path<(String, String, String)>,
-    Query(query): Query<HashMap<String, String>>,
+    query: Result<Query<LogQuery>, QueryRejection>,
 ) -> Response {
     match request_token(&headers) {
-        Some(t) if validate::constant_time_eq(t.as_bytes(), state.token.as_bytes()) => {}
+        Some(t) if constant_time_eq(t.as_bytes(), state.token.as_bytes()) => {}
         _ => return json_error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token"),
     }
     if let Err(e) = validate::job_id(&job_id) {
@@ -90,13 +91,13 @@ async fn read_log(
             format!("invalid attempt {attempt:?}"),
         );
     };
-    let (offset, max_bytes) = match (
-        parse_u64(&query, "offset", 0),
-        parse_u64(&query, "max_bytes", DEFAULT_MAX_BYTES),
-    ) {
-        (Ok(offset), Ok(max_bytes)) => (offset, max_bytes),
-        (Err(e), _) | (_, Err(e)) => return json_error(StatusCode::BAD_REQUEST, e),
+    // offset and max_bytes must be non-negative integers.
+    let query = match query {
+        Ok(Query(q)) => q,
+        Err(rejection) => return json_error(StatusCode::BAD_REQUEST, rejection.body_text()),
     };
+    let offset = query.offset.unwrap_or(0);
+    let max_bytes = query.max_bytes.unwrap_or(DEFAULT_MAX_BYTES);
     let key = AttemptKey::new(job_id, rank, attempt);
     let paths = match AttemptPaths::new(&state.data_dir, &key) {
         Ok(p) => p,

@@ -10,8 +10,6 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::Semaphore;
 
-use crate::validate;
-
 /// Requests one server handles at once; more are answered 503 at once (no queue).
 pub const MAX_CONCURRENT_REQUESTS: usize = 64;
 
@@ -23,7 +21,7 @@ pub fn json_error(status: StatusCode, message: impl Into<String>) -> Response {
 /// The bearer token of a request, if it has a well-formed `Authorization` header.
 pub fn request_token(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    validate::bearer_token(value)
+    cumulus_api::token::bearer_token(value)
 }
 
 /// Middleware: lets at most [`MAX_CONCURRENT_REQUESTS`] requests run at once (the

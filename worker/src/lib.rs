@@ -54,8 +54,8 @@ use crate::supervisor::{Supervisor, SupervisorSettings};
 pub const SHUTDOWN_REPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// At shutdown, how long the HTTP servers get to finish in-flight requests.
 pub const SERVER_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
-/// Largest token file accepted, in bytes.
-pub const MAX_TOKEN_BYTES: u64 = 4096;
+/// Largest token file accepted, in bytes: the longest token and surrounding whitespace.
+pub const MAX_TOKEN_FILE_BYTES: u64 = cumulus_api::token::MAX_TOKEN_BYTES as u64 + 64;
 
 /// Command-line configuration of the agent. Every flag also reads an environment
 /// variable.
@@ -76,14 +76,14 @@ pub struct Config {
     )]
     pub coordinators: Vec<String>,
 
-    /// File holding the cluster bearer token (surrounding whitespace ignored). Wins over
-    /// `--token` / `CUMULUS_TOKEN` when both are given.
+    /// File holding the cluster bearer token (surrounding whitespace ignored; 16 to 4096
+    /// visible ASCII bytes). Wins over `CUMULUS_TOKEN` when both are given.
     #[arg(long, env = "CUMULUS_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 
-    /// The cluster bearer token. Prefer `CUMULUS_TOKEN` or `--token-file`: a value on the
-    /// command line is visible to every local user.
-    #[arg(long, env = "CUMULUS_TOKEN", hide_env_values = true)]
+    /// The cluster bearer token, from the environment only: `--token` on the command line
+    /// is refused (every local user sees it in `ps`).
+    #[arg(long, env = "CUMULUS_TOKEN", hide = true, hide_env_values = true)]
     pub token: Option<String>,
 
     /// Address of the agent HTTP API (logs, health) for coordinators.
@@ -136,6 +136,18 @@ pub struct Config {
     #[arg(long, env = "CUMULUS_DATASET_CACHE_MAX_BYTES", default_value_t = 10 * 1024 * 1024 * 1024,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub dataset_cache_max_bytes: u64,
+
+    /// Directories under which a rank's local dataset shards must lie, comma-separated
+    /// (default: anywhere). Checked as written and with symlinks resolved before a rank
+    /// starts; each root must exist. Set the same roots as the coordinators'.
+    #[arg(long, env = "CUMULUS_ALLOWED_DATASET_ROOTS", value_delimiter = ',')]
+    pub allowed_dataset_roots: Vec<PathBuf>,
+
+    /// Directories under which a job's checkpoint dir must lie, comma-separated (default:
+    /// anywhere): the agent creates staging and step directories there with its own
+    /// rights.
+    #[arg(long, env = "CUMULUS_ALLOWED_CKPT_ROOTS", value_delimiter = ',')]
+    pub allowed_ckpt_roots: Vec<PathBuf>,
 
     /// Most connections open at once on the agent API (`--listen`); more are closed at
     /// accept. Scaled down to fit the open-file limit, which keeps descriptors in
@@ -190,12 +202,13 @@ impl Config {
         validate::worker_id(&worker_id).context("invalid --worker-id")?;
         let token = match (&self.token_file, &self.token) {
             (Some(path), _) => read_token_file(path)?,
-            (None, Some(token)) => token.trim().to_string(),
+            (None, Some(token)) => {
+                cumulus_api::token::refuse_command_line(token, "--token", "CUMULUS_TOKEN")?;
+                token.trim().to_string()
+            }
             (None, None) => bail!("no cluster token: give --token-file or set CUMULUS_TOKEN"),
         };
-        if token.is_empty() {
-            bail!("the cluster token is empty");
-        }
+        cumulus_api::token::check(&token).context("the cluster token")?;
         if !self.rank_api_listen.ip().is_loopback() {
             bail!(
                 "--rank-api-listen {} is not a loopback address: the rank-local API must \
@@ -217,9 +230,9 @@ impl Config {
 fn read_token_file(path: &Path) -> anyhow::Result<String> {
     let meta = std::fs::metadata(path)
         .with_context(|| format!("cannot read token file {}", path.display()))?;
-    if meta.len() > MAX_TOKEN_BYTES {
+    if meta.len() > MAX_TOKEN_FILE_BYTES {
         bail!(
-            "token file {} is larger than {MAX_TOKEN_BYTES} bytes",
+            "token file {} is larger than {MAX_TOKEN_FILE_BYTES} bytes",
             path.display()
         );
     }
@@ -348,6 +361,10 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     let spawner = Spawner::start(tokio::runtime::Handle::current())
         .context("cannot start the spawner thread")?;
     let s3 = cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?;
+    let roots = cumulus_api::paths::JobRoots::new(
+        &config.allowed_dataset_roots,
+        &config.allowed_ckpt_roots,
+    )?;
     let supervisor = Supervisor::new(
         SupervisorSettings {
             worker_id: resolved.worker_id.clone(),
@@ -363,6 +380,7 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
                 config.dataset_cache_max_bytes,
                 s3,
             ))),
+            roots,
         },
         spawner,
         client.clone(),
@@ -497,7 +515,7 @@ mod tests {
             "--data-dir",
             "/tmp/x",
             "--token",
-            "t",
+            "tok-on-the-command-line",
         ])
         .expect("parse");
         assert_eq!(c.coordinators, ["a:1", "b:2"]);
@@ -507,7 +525,7 @@ mod tests {
         assert_eq!(c.log_max_bytes, 64 << 20);
         assert_eq!(c.listen.to_string(), "127.0.0.1:0");
         assert!(
-            !format!("{c:?}").contains("\"t\""),
+            !format!("{c:?}").contains("tok-on-the-command-line"),
             "token must be redacted"
         );
         assert!(
@@ -521,7 +539,10 @@ mod tests {
     fn resolve_checks() {
         let dir = tempfile::tempdir().expect("tempdir");
         let token_file = dir.path().join("token");
-        std::fs::write(&token_file, " secret-file \n").expect("write");
+        std::fs::write(&token_file, " secret-file-0123456789 \n").expect("write");
+        let short_file = dir.path().join("short");
+        std::fs::write(&short_file, "short\n").expect("write");
+        let tf = token_file.to_str().expect("utf8");
         let base = |extra: &[&str]| {
             let mut args = vec!["--coordinators", "a:1", "--data-dir", "/tmp/x"];
             args.extend_from_slice(extra);
@@ -537,13 +558,13 @@ mod tests {
         .expect("resolve");
         assert_eq!(
             (r.worker_id.as_str(), r.token.as_str()),
-            ("w1", "secret-file")
+            ("w1", "secret-file-0123456789")
         );
         let err = base(&[
             "--worker-id",
             "w1",
-            "--token",
-            "t",
+            "--token-file",
+            tf,
             "--rank-api-listen",
             "0.0.0.0:0",
         ])
@@ -552,15 +573,25 @@ mod tests {
         .expect("non-loopback refused");
         assert!(err.to_string().contains("loopback"), "{err}");
         assert!(
-            base(&["--worker-id", "bad/id", "--token", "t"])
+            base(&["--worker-id", "bad/id", "--token-file", tf])
                 .resolve()
                 .is_err()
         );
-        assert!(
-            base(&["--worker-id", "w", "--token", "  "])
-                .resolve()
-                .is_err()
-        );
+        let err = base(&[
+            "--worker-id",
+            "w",
+            "--token-file",
+            short_file.to_str().expect("utf8"),
+        ])
+        .resolve()
+        .err()
+        .expect("short token refused");
+        assert!(format!("{err:#}").contains("at least 16"), "{err:#}");
+        let err = base(&["--worker-id", "w", "--token", "0123456789abcdef0123"])
+            .resolve()
+            .err()
+            .expect("token on the command line refused");
+        assert!(err.to_string().contains("ps"), "{err}");
         assert_eq!(url_host("::1"), "[::1]");
         assert_eq!(url_host("node-1"), "node-1");
     }

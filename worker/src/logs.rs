@@ -149,12 +149,13 @@ impl ExitRecord {
         }
     }
 
-    fn check(&self) -> Result<(), String> {
+    /// Exactly one of exit code, signal and spawn error is set; else which rule fails.
+    fn check(&self) -> Result<(), &'static str> {
         match (self.exit_code, self.signal, &self.spawn_error) {
-            (Some(_), Some(_), _) => Err("both exit_code and signal are set".into()),
+            (Some(_), Some(_), _) => Err("both exit_code and signal are set"),
             (Some(_), None, None) | (None, Some(_), None) | (None, None, Some(_)) => Ok(()),
-            (None, None, None) => Err("none of exit_code, signal, spawn_error is set".into()),
-            _ => Err("spawn_error is set together with an exit status".into()),
+            (None, None, None) => Err("none of exit_code, signal, spawn_error is set"),
+            _ => Err("spawn_error is set together with an exit status"),
         }
     }
 }
@@ -222,7 +223,7 @@ pub async fn read_exit_record(path: &Path) -> Result<Option<ExitRecord>, ExitRec
         )));
     }
     let record: ExitRecord = serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()))?;
-    record.check().map_err(invalid)?;
+    record.check().map_err(|why| invalid(why.to_owned()))?;
     Ok(Some(record))
 }
 

@@ -87,7 +87,7 @@ pub async fn remove(data_dir: &Path, key: &AttemptKey) -> io::Result<()> {
 /// Reads every record in the directory (at most [`MAX_RECORDS_SCANNED`]). Each entry is
 /// the file and either its validated content or why it is invalid. Leftover temp files
 /// are reported as invalid too, so the caller removes them.
-pub async fn scan(data_dir: &Path) -> io::Result<Vec<(PathBuf, Result<PidRecord, String>)>> {
+pub async fn scan(data_dir: &Path) -> io::Result<Vec<(PathBuf, Result<PidRecord, RecordError>)>> {
     let dir = records_dir(data_dir);
     let mut entries = match tokio::fs::read_dir(&dir).await {
         Ok(e) => e,
@@ -111,37 +111,68 @@ pub async fn scan(data_dir: &Path) -> io::Result<Vec<(PathBuf, Result<PidRecord,
     Ok(out)
 }
 
-async fn read_one(path: &Path) -> Result<PidRecord, String> {
+/// Why a file in the pid-record directory is not a valid record; the agent removes it.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The file name is not UTF-8.
+    #[error("file name is not UTF-8")]
+    NameNotUtf8,
+    /// Not a `.json` record (a leftover temp file, or a stranger).
+    #[error("not a .json record")]
+    NotJson,
+    /// Not a regular file, or larger than [`MAX_RECORD_BYTES`].
+    #[error("not a regular file of at most {MAX_RECORD_BYTES} bytes")]
+    NotSmallFile,
+    /// It cannot be read.
+    #[error("cannot read it: {0}")]
+    Io(#[from] io::Error),
+    /// Its content does not parse.
+    #[error("its content does not parse: {0}")]
+    Parse(#[from] serde_json::Error),
+    /// Its job id is invalid.
+    #[error("{0}")]
+    Id(#[from] IdError),
+    /// Its content names another attempt than its file name.
+    #[error("content names {key} but the file is {name}")]
+    NameMismatch {
+        /// The attempt the content names.
+        key: AttemptKey,
+        /// The file name.
+        name: String,
+    },
+    /// A pid of 0, 1 or above `i32::MAX`.
+    #[error("invalid pid {0}")]
+    Pid(u32),
+}
+
+async fn read_one(path: &Path) -> Result<PidRecord, RecordError> {
     let name = path
         .file_name()
         .and_then(|n| n.to_str())
-        .ok_or("file name is not UTF-8")?;
+        .ok_or(RecordError::NameNotUtf8)?;
     if !name.ends_with(".json") {
-        return Err("not a .json record".into());
+        return Err(RecordError::NotJson);
     }
-    let meta = tokio::fs::metadata(path).await.map_err(|e| e.to_string())?;
+    let meta = tokio::fs::metadata(path).await?;
     if !meta.is_file() || meta.len() > MAX_RECORD_BYTES {
-        return Err(format!(
-            "not a regular file of at most {MAX_RECORD_BYTES} bytes"
-        ));
+        return Err(RecordError::NotSmallFile);
     }
-    let bytes = tokio::fs::read(path).await.map_err(|e| e.to_string())?;
-    let record: PidRecord = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+    let bytes = tokio::fs::read(path).await?;
+    let record: PidRecord = serde_json::from_slice(&bytes)?;
     let expected = record_path(
         path.parent()
             .and_then(Path::parent)
             .unwrap_or(Path::new("")),
         &record.key(),
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     if expected.file_name() != path.file_name() {
-        return Err(format!(
-            "content names {} but the file is {name}",
-            record.key()
-        ));
+        return Err(RecordError::NameMismatch {
+            key: record.key(),
+            name: name.to_owned(),
+        });
     }
-    if record.pid.is_some_and(|p| p <= 1 || p > i32::MAX as u32) {
-        return Err(format!("invalid pid {:?}", record.pid));
+    if let Some(pid) = record.pid.filter(|p| *p <= 1 || *p > i32::MAX as u32) {
+        return Err(RecordError::Pid(pid));
     }
     Ok(record)
 }
@@ -206,7 +237,7 @@ mod tests {
             found[0]
                 .1
                 .as_ref()
-                .is_err_and(|e| e.contains("content names"))
+                .is_err_and(|e| matches!(e, RecordError::NameMismatch { .. }))
         );
     }
 

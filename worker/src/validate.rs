@@ -64,25 +64,6 @@ pub fn worker_id(worker_id: &str) -> Result<(), IdError> {
     check_id("worker id", worker_id, MAX_WORKER_ID_BYTES)
 }
 
-/// Compares two secrets in time independent of where they first differ.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// Extracts the token of an `Authorization: Bearer <token>` header value.
-pub fn bearer_token(header_value: &str) -> Option<&str> {
-    let (scheme, token) = header_value.split_once(' ')?;
-    if scheme.eq_ignore_ascii_case("bearer") {
-        let token = token.trim();
-        (!token.is_empty()).then_some(token)
-    } else {
-        None
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,17 +90,5 @@ mod tests {
         assert!(worker_id("node-1.example").is_ok());
         assert!(worker_id(&"w".repeat(64)).is_ok());
         assert!(worker_id(&"w".repeat(65)).is_err());
-    }
-
-    #[test]
-    fn secrets_and_bearer() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
-        assert_eq!(bearer_token("Bearer tok"), Some("tok"));
-        assert_eq!(bearer_token("bearer  tok "), Some("tok"));
-        assert_eq!(bearer_token("Basic tok"), None);
-        assert_eq!(bearer_token("Bearer "), None);
-        assert_eq!(bearer_token("Bearer"), None);
     }
 }

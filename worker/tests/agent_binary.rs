@@ -14,7 +14,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 const DEADLINE: Duration = Duration::from_secs(30);
-const TOKEN: &str = "bin-test-token";
+const TOKEN: &str = "bin-test-token-0123456789";
 
 fn agent_command(data: &Path, token_file: &Path, extra: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cumulus-worker"));

@@ -530,14 +530,30 @@ impl S3Store {
 }
 
 /// The ETag (quotes stripped) must be the hex MD5 of what we sent.
-pub(super) fn check_etag(etag: Option<&str>, md5: &[u8]) -> Result<(), String> {
+///
+/// # Errors
+/// [`EtagMismatch`] when it is absent or another digest.
+pub(super) fn check_etag(etag: Option<&str>, md5: &[u8]) -> Result<(), EtagMismatch> {
     let expected = hex::encode(md5);
     match etag.map(|e| e.trim_matches('"')) {
         Some(e) if e.eq_ignore_ascii_case(&expected) => Ok(()),
-        other => Err(format!(
-            "server ETag {other:?} is not the MD5 {expected} of the bytes sent"
-        )),
+        other => Err(EtagMismatch {
+            etag: other.map(str::to_owned),
+            expected,
+        }),
     }
+}
+
+/// A single-part upload's ETag is not the MD5 of the bytes sent: the object the server
+/// stored is not the one we wrote (S3 gives a single-part, unencrypted upload's MD5 as
+/// its ETag).
+#[derive(Debug, thiserror::Error)]
+#[error("server ETag {etag:?} is not the MD5 {expected} of the bytes sent")]
+pub(super) struct EtagMismatch {
+    /// The ETag the server answered, quotes stripped (`None`: it sent none).
+    etag: Option<String>,
+    /// The hex MD5 of the bytes sent.
+    expected: String,
 }
 
 pub(super) fn base64_encode(bytes: &[u8]) -> String {
@@ -607,8 +623,9 @@ impl CheckpointStore for S3Store {
                     .send()
             })
             .await?;
-        check_etag(output.e_tag(), &md5)
-            .map_err(|why| self.remote_error("put manifest", &key, RemoteKind::Changed, why))
+        check_etag(output.e_tag(), &md5).map_err(|e| {
+            self.remote_error("put manifest", &key, RemoteKind::Changed, e.to_string())
+        })
     }
 
     async fn read_manifest(&self, job_id: &str, step: u64) -> Result<Manifest, CkptError> {

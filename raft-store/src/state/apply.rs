@@ -283,7 +283,7 @@ impl ClusterState {
             };
         }
         if let Err(e) = spec.validate(MAX_WORLD_SIZE) {
-            return reject(e);
+            return reject(e.to_string());
         }
         if shards.len() > MAX_SHARDS {
             return reject(format!(
@@ -499,10 +499,10 @@ impl ClusterState {
         job_id: &str,
         ranks: &BTreeSet<u32>,
         placements: &[(u32, String)],
-    ) -> Result<(), String> {
+    ) -> Result<(), PlacementError> {
         let placed: BTreeSet<u32> = placements.iter().map(|(r, _)| *r).collect();
         if placed != *ranks || placed.len() != placements.len() {
-            return Err("placement does not cover exactly the ranks to place".into());
+            return Err(PlacementError::RanksMismatch);
         }
         let mut wanted: BTreeMap<&str, u32> = BTreeMap::new();
         for (_, w) in placements {
@@ -511,14 +511,18 @@ impl ClusterState {
         let used = self.slots_used(Some((job_id, ranks)));
         for (w, n) in wanted {
             let Some(rec) = self.workers.get(w) else {
-                return Err(format!("unknown worker {w}"));
+                return Err(PlacementError::UnknownWorker(w.to_string()));
             };
             if rec.state != WorkerState::Alive {
-                return Err(format!("worker {w} is expired"));
+                return Err(PlacementError::ExpiredWorker(w.to_string()));
             }
             let free = rec.slots.saturating_sub(used.get(w).copied().unwrap_or(0));
             if n > free {
-                return Err(format!("worker {w} has {free} free slots, not {n}"));
+                return Err(PlacementError::NoSlots {
+                    worker_id: w.to_string(),
+                    free,
+                    wanted: n,
+                });
             }
         }
         Ok(())
@@ -564,7 +568,7 @@ impl ClusterState {
         }
         let all: BTreeSet<u32> = (0..job.spec.world_size).collect();
         if let Err(e) = self.check_placements(job_id, &all, placements) {
-            return reject(e);
+            return reject(e.to_string());
         }
         let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
         job.state = JobState::Running;
@@ -650,7 +654,7 @@ impl ClusterState {
             return reject(format!("step {step} is not a kept committed step"));
         }
         if let Err(e) = self.check_placements(job_id, &ranks, placements) {
-            return reject(e);
+            return reject(e.to_string());
         }
         let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
         job.restarts_used = number;
@@ -812,4 +816,29 @@ fn assign_placements(job: &mut Job, placements: &[(u32, String)], not_before_ms:
             r.local_world_size = local_world_size;
         }
     }
+}
+
+/// Why a `PlaceJob` or `RestartRanks` command's placements were refused by `apply`: a
+/// leader planned against a view that the log has since overtaken.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    /// The placements do not name each rank to place exactly once.
+    #[error("placement does not cover exactly the ranks to place")]
+    RanksMismatch,
+    /// A worker the state does not know.
+    #[error("unknown worker {0}")]
+    UnknownWorker(String),
+    /// A worker whose heartbeats have expired.
+    #[error("worker {0} is expired")]
+    ExpiredWorker(String),
+    /// A worker given more ranks than it has free slots.
+    #[error("worker {worker_id} has {free} free slots, not {wanted}")]
+    NoSlots {
+        /// The worker.
+        worker_id: String,
+        /// Its slots not used by other running ranks.
+        free: u32,
+        /// Ranks the placements give it.
+        wanted: u32,
+    },
 }

@@ -147,41 +147,37 @@ impl JobSpec {
     /// cluster's own limit (≤ [`MAX_WORLD_SIZE`]).
     ///
     /// # Errors
-    /// A message naming the first invalid field.
-    pub fn validate(&self, max_world_size: u32) -> Result<(), String> {
+    /// The first invalid field, as a [`SpecError`] (its text is what a user sees).
+    pub fn validate(&self, max_world_size: u32) -> Result<(), SpecError> {
         let max_world_size = max_world_size.min(MAX_WORLD_SIZE);
         if self.world_size == 0 || self.world_size > max_world_size {
-            return Err(format!(
-                "world size {} is out of range: it must be between 1 and {max_world_size}",
-                self.world_size
-            ));
+            return Err(SpecError::WorldSize {
+                world_size: self.world_size,
+                max: max_world_size,
+            });
         }
         if self.name.len() > MAX_JOB_NAME_BYTES {
-            return Err(format!(
-                "job name is longer than {MAX_JOB_NAME_BYTES} bytes"
-            ));
+            return Err(SpecError::NameTooLong);
         }
         if self.command.is_empty() || self.command[0].trim().is_empty() {
-            return Err("the command is empty: give the program to run after `--`".into());
+            return Err(SpecError::EmptyCommand);
         }
         if self.command.len() > MAX_COMMAND_ARGS {
-            return Err(format!(
-                "the command has {} arguments, more than the limit of {MAX_COMMAND_ARGS}",
-                self.command.len()
-            ));
+            return Err(SpecError::TooManyArgs {
+                count: self.command.len(),
+            });
         }
         if let Some(a) = self
             .command
             .iter()
             .find(|a| a.len() > MAX_ARG_BYTES || a.contains('\0'))
         {
-            return Err(format!(
-                "command argument {:?}… is longer than {MAX_ARG_BYTES} bytes or contains NUL",
-                a.chars().take(32).collect::<String>()
-            ));
+            return Err(SpecError::BadArg {
+                prefix: a.chars().take(32).collect(),
+            });
         }
         if self.env.len() > MAX_ENV_ENTRIES {
-            return Err(format!("more than {MAX_ENV_ENTRIES} env entries"));
+            return Err(SpecError::TooManyEnv);
         }
         for (k, v) in &self.env {
             let key_ok = !k.is_empty()
@@ -189,14 +185,10 @@ impl JobSpec {
                 && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
                 && !k.as_bytes()[0].is_ascii_digit();
             if !key_ok {
-                return Err(format!(
-                    "env key {k:?} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)"
-                ));
+                return Err(SpecError::BadEnvKey { key: k.clone() });
             }
             if v.len() > MAX_ARG_BYTES || v.contains('\0') {
-                return Err(format!(
-                    "env value of {k} is longer than {MAX_ARG_BYTES} bytes or contains NUL"
-                ));
+                return Err(SpecError::BadEnvValue { key: k.clone() });
             }
         }
         for (field, path) in [
@@ -210,7 +202,10 @@ impl JobSpec {
                     || path.len() > MAX_ARG_BYTES
                     || path.contains('\0'))
             {
-                return Err(format!("{field} {path:?} must be an absolute path"));
+                return Err(SpecError::NotAbsolute {
+                    field,
+                    path: path.clone(),
+                });
             }
         }
         if !self.ckpt_url.is_empty()
@@ -218,46 +213,139 @@ impl JobSpec {
                 || self.ckpt_url.len() > MAX_ARG_BYTES
                 || self.ckpt_url.contains('\0'))
         {
-            return Err(format!(
-                "ckpt_url {:?} must be an s3://bucket/prefix URL",
-                self.ckpt_url
-            ));
+            return Err(SpecError::BadCkptUrl {
+                url: self.ckpt_url.clone(),
+            });
         }
         let tier = CommitTier::from_spec(&self.ckpt_commit_tier).map_err(|_| {
-            format!(
-                "ckpt_commit_tier {:?} must be l1 or l2",
-                self.ckpt_commit_tier
-            )
+            SpecError::BadCommitTier {
+                tier: self.ckpt_commit_tier.clone(),
+            }
         })?;
         if tier == CommitTier::L1 && (self.ckpt_url.is_empty() || self.ckpt_dir.is_empty()) {
-            return Err(
-                "ckpt_commit_tier l1 needs both ckpt_url (L2) and a shared ckpt_dir (L1)".into(),
-            );
+            return Err(SpecError::L1NeedsBothTiers);
         }
         if self.ckpt_keep == 0 || self.ckpt_keep > MAX_CKPT_KEEP {
-            return Err(format!("ckpt_keep must be between 1 and {MAX_CKPT_KEEP}"));
+            return Err(SpecError::CkptKeep);
         }
         let r = &self.restart;
         if r.max_restarts > MAX_RESTART_BUDGET {
-            return Err(format!(
-                "max_restarts {} is above the limit of {MAX_RESTART_BUDGET}",
-                r.max_restarts
-            ));
+            return Err(SpecError::RestartBudget {
+                max_restarts: r.max_restarts,
+            });
         }
         if r.backoff_initial_ms > MAX_BACKOFF_MS || r.backoff_max_ms > MAX_BACKOFF_MS {
-            return Err(format!(
-                "backoff delays must be at most {MAX_BACKOFF_MS} ms"
-            ));
+            return Err(SpecError::BackoffTooLong);
         }
         if r.backoff_max_ms < r.backoff_initial_ms {
-            return Err(format!(
-                "backoff_max_ms ({}) is below backoff_initial_ms ({})",
-                r.backoff_max_ms, r.backoff_initial_ms
-            ));
+            return Err(SpecError::BackoffOrder {
+                initial_ms: r.backoff_initial_ms,
+                max_ms: r.backoff_max_ms,
+            });
         }
-        if self.progress_timeout_ms > 7 * 24 * 3_600_000 {
-            return Err("progress timeout is above 7 days".into());
+        if self.progress_timeout_ms > MAX_PROGRESS_TIMEOUT_MS {
+            return Err(SpecError::ProgressTimeout);
         }
         Ok(())
     }
+}
+
+/// Longest progress timeout a job may ask for: 7 days, in milliseconds.
+pub const MAX_PROGRESS_TIMEOUT_MS: u64 = 7 * 24 * 3_600_000;
+
+/// Why [`JobSpec::validate`] refused a spec: the first invalid field. The coordinator
+/// answers it as `InvalidArgument` (HTTP 400) with this text; `apply` rejects the
+/// command with it (a replica never applies an invalid spec, whichever leader sent it).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    /// `world_size` is 0 or above the cluster's limit `max`.
+    #[error("world size {world_size} is out of range: it must be between 1 and {max}")]
+    WorldSize {
+        /// The requested world size.
+        world_size: u32,
+        /// The cluster's limit (at most [`MAX_WORLD_SIZE`]).
+        max: u32,
+    },
+    /// The name is over [`MAX_JOB_NAME_BYTES`].
+    #[error("job name is longer than {MAX_JOB_NAME_BYTES} bytes")]
+    NameTooLong,
+    /// No program, or a blank one.
+    #[error("the command is empty: give the program to run after `--`")]
+    EmptyCommand,
+    /// More than [`MAX_COMMAND_ARGS`] arguments.
+    #[error("the command has {count} arguments, more than the limit of {MAX_COMMAND_ARGS}")]
+    TooManyArgs {
+        /// The number of arguments given (program included).
+        count: usize,
+    },
+    /// An argument over [`MAX_ARG_BYTES`] or holding NUL; `prefix` is its first 32
+    /// characters.
+    #[error("command argument {prefix:?}… is longer than {MAX_ARG_BYTES} bytes or contains NUL")]
+    BadArg {
+        /// The first 32 characters of the argument.
+        prefix: String,
+    },
+    /// More than [`MAX_ENV_ENTRIES`] environment entries.
+    #[error("more than {MAX_ENV_ENTRIES} env entries")]
+    TooManyEnv,
+    /// An environment key that is not `[A-Za-z_][A-Za-z0-9_]*` of at most
+    /// [`MAX_ARG_BYTES`].
+    #[error("env key {key:?} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)")]
+    BadEnvKey {
+        /// The key as given.
+        key: String,
+    },
+    /// An environment value over [`MAX_ARG_BYTES`] or holding NUL.
+    #[error("env value of {key} is longer than {MAX_ARG_BYTES} bytes or contains NUL")]
+    BadEnvValue {
+        /// The key whose value is invalid.
+        key: String,
+    },
+    /// `dataset`, `ckpt_dir` or `working_dir` is not an absolute path (a dataset may
+    /// also be `s3://`), is too long or holds NUL.
+    #[error("{field} {path:?} must be an absolute path")]
+    NotAbsolute {
+        /// The spec field: `dataset`, `ckpt_dir` or `working_dir`.
+        field: &'static str,
+        /// The path as given.
+        path: String,
+    },
+    /// `ckpt_url` is not an `s3://bucket/prefix` URL.
+    #[error("ckpt_url {url:?} must be an s3://bucket/prefix URL")]
+    BadCkptUrl {
+        /// The URL as given.
+        url: String,
+    },
+    /// `ckpt_commit_tier` is neither empty, `l1` nor `l2`.
+    #[error("ckpt_commit_tier {tier:?} must be l1 or l2")]
+    BadCommitTier {
+        /// The tier as given.
+        tier: String,
+    },
+    /// Tier `l1` without both a checkpoint URL and a shared checkpoint dir.
+    #[error("ckpt_commit_tier l1 needs both ckpt_url (L2) and a shared ckpt_dir (L1)")]
+    L1NeedsBothTiers,
+    /// `ckpt_keep` is 0 or above [`MAX_CKPT_KEEP`].
+    #[error("ckpt_keep must be between 1 and {MAX_CKPT_KEEP}")]
+    CkptKeep,
+    /// The restart budget is above [`MAX_RESTART_BUDGET`].
+    #[error("max_restarts {max_restarts} is above the limit of {MAX_RESTART_BUDGET}")]
+    RestartBudget {
+        /// The requested budget.
+        max_restarts: u32,
+    },
+    /// A backoff delay above [`MAX_BACKOFF_MS`].
+    #[error("backoff delays must be at most {MAX_BACKOFF_MS} ms")]
+    BackoffTooLong,
+    /// The backoff cap is below the first delay.
+    #[error("backoff_max_ms ({max_ms}) is below backoff_initial_ms ({initial_ms})")]
+    BackoffOrder {
+        /// The first delay, in milliseconds.
+        initial_ms: u64,
+        /// The cap, in milliseconds.
+        max_ms: u64,
+    },
+    /// The progress timeout is above [`MAX_PROGRESS_TIMEOUT_MS`].
+    #[error("progress timeout is above 7 days")]
+    ProgressTimeout,
 }

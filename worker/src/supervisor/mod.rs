@@ -71,6 +71,8 @@ pub struct SupervisorSettings {
     pub s3: Option<cumulus_ckpt::S3Connector>,
     /// Local cache of dataset shards given as `s3://` URLs; `None` without S3 settings.
     pub dataset_cache: Option<Arc<cumulus_ckpt::DatasetCache>>,
+    /// Where a rank's local shards and its job's checkpoint dir may lie (empty: anywhere).
+    pub roots: cumulus_api::paths::JobRoots,
 }
 
 /// The latest progress a rank reported (soft state).

@@ -54,6 +54,10 @@ pub enum PrepareError {
         /// What is wrong.
         why: String,
     },
+    /// A shard or the checkpoint dir is not a normalized path under this agent's allowed
+    /// roots (`--allowed-dataset-roots`, `--allowed-ckpt-roots`).
+    #[error("refused by this agent: {0}")]
+    Path(#[from] cumulus_api::paths::PathError),
     /// A file of the attempt could not be written on this worker.
     #[error("cannot write {}: {source}", path.display())]
     Write {
@@ -100,6 +104,7 @@ impl Supervisor {
             }
         }
 
+        self.check_paths(d).await?;
         let shards_path = shards_file(&settings.data_dir, key);
         if let Some(bad) = d.shards.iter().find(|s| s.contains(['\n', '\0'])) {
             return Err(PrepareError::Invalid(format!(
@@ -179,6 +184,40 @@ impl Supervisor {
 }
 
 impl Supervisor {
+    /// Checks the job's host paths against this agent's roots before anything is
+    /// created: the checkpoint dir and every local shard normalized and under their
+    /// roots as written, and with symlinks resolved (each shard directory once), on the
+    /// blocking pool.
+    async fn check_paths(&self, d: &DesiredRank) -> Result<(), PrepareError> {
+        use cumulus_api::paths::{PathKind, check_job_path};
+        let roots = &self.inner.settings.roots;
+        roots.check_spec_lexical("", &d.ckpt_dir, &d.working_dir)?;
+        let mut shard_dirs = std::collections::BTreeSet::new();
+        for s in d.shards.iter().filter(|s| !s.starts_with("s3://")) {
+            check_job_path(PathKind::Dataset, s)?;
+            roots.dataset.check_lexical(s)?;
+            if let Some(dir) = std::path::Path::new(s).parent().and_then(|p| p.to_str()) {
+                shard_dirs.insert(dir.to_owned());
+            }
+        }
+        if roots.dataset.is_any() && roots.ckpt.is_any() {
+            return Ok(());
+        }
+        let roots = roots.clone();
+        let ckpt_dir = d.ckpt_dir.clone();
+        tokio::task::spawn_blocking(move || {
+            for dir in &shard_dirs {
+                roots.dataset.check_resolved(dir)?;
+            }
+            if !ckpt_dir.is_empty() {
+                roots.ckpt.check_resolved(&ckpt_dir)?;
+            }
+            Ok::<_, PrepareError>(())
+        })
+        .await
+        .map_err(|e| PrepareError::Invalid(format!("the path check task failed: {e}")))?
+    }
+
     /// Local path of an `s3://` shard from the dataset cache (downloaded and verified on a
     /// miss), pinned in the cache for as long as the attempt's entry exists.
     pub(super) async fn fetch_shard(

@@ -22,6 +22,7 @@ struct Options {
     stop_grace: Duration,
     log_max_bytes: u64,
     rank_api_url: String,
+    roots: cumulus_api::paths::JobRoots,
 }
 
 impl Default for Options {
@@ -30,6 +31,7 @@ impl Default for Options {
             stop_grace: Duration::from_secs(5),
             log_max_bytes: 1 << 20,
             rank_api_url: "http://127.0.0.1:9".into(),
+            roots: Default::default(),
         }
     }
 }
@@ -69,6 +71,7 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
             },
             s3: None,
             dataset_cache: None,
+            roots: opts.roots,
         },
         spawner,
         client,
@@ -391,6 +394,86 @@ async fn spawn_failures_are_recorded_and_reported() {
     assert!(exited_events(&h.sup)[1].spawn_error.contains("job id"));
     assert!(h.sup.is_finished(&bad_key));
     assert!(!h.root.join("escape").exists());
+}
+
+#[tokio::test]
+async fn job_paths_outside_the_agents_roots_are_refused_before_anything_is_created() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = std::fs::canonicalize(dir.path()).expect("canonical");
+    for d in ["datasets", "ckpt", "elsewhere"] {
+        std::fs::create_dir_all(root.join(d)).expect("mkdir");
+    }
+    std::fs::write(root.join("datasets/shard-0.csv"), "1,0\n").expect("write");
+    std::fs::write(root.join("elsewhere/shard-0.csv"), "1,0\n").expect("write");
+    std::os::unix::fs::symlink(root.join("elsewhere"), root.join("ckpt/escape")).expect("symlink");
+    std::os::unix::fs::symlink(root.join("elsewhere"), root.join("datasets/escape"))
+        .expect("symlink");
+    let roots = cumulus_api::paths::JobRoots::new(&[root.join("datasets")], &[root.join("ckpt")])
+        .expect("roots");
+    let sup = supervisor_at(
+        &root,
+        Options {
+            roots,
+            ..Options::default()
+        },
+    );
+    let s = |p: &str| root.join(p).to_str().expect("utf-8").to_owned();
+    let refused = [
+        (
+            "job-000011",
+            s("datasets/shard-0.csv"),
+            s("ckpt/escape/job"),
+        ),
+        ("job-000012", s("elsewhere/shard-0.csv"), s("ckpt/job")),
+        (
+            "job-000013",
+            s("datasets/escape/shard-0.csv"),
+            s("ckpt/job"),
+        ),
+        (
+            "job-000014",
+            s("datasets/../elsewhere/shard-0.csv"),
+            s("ckpt/job"),
+        ),
+        ("job-000015", s("datasets/shard-0.csv"), s("elsewhere/job")),
+    ];
+    for (job, shard, ckpt_dir) in refused {
+        let mut d = desired(job, 0, 0, "true");
+        d.shards = vec![shard.clone()];
+        d.ckpt_dir = ckpt_dir.clone();
+        let key = AttemptKey::of(&d);
+        sup.apply_desired(std::slice::from_ref(&d));
+        let exit = wait_finished(&sup, &key).await;
+        let why = exit.spawn_error.expect("refused");
+        assert!(why.contains("refused by this agent"), "{job}: {why}");
+        assert!(
+            why.contains("allowed roots") || why.contains("normalized"),
+            "{why}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_dir(root.join("elsewhere"))
+            .expect("ls")
+            .count(),
+        1,
+        "nothing created outside the roots"
+    );
+    assert!(
+        !root.join("ckpt/job").exists(),
+        "no staging before the checks"
+    );
+
+    let mut d = desired("job-000016", 0, 0, "true");
+    d.shards = vec![s("datasets/shard-0.csv")];
+    d.ckpt_dir = s("ckpt/job");
+    let key = AttemptKey::of(&d);
+    sup.apply_desired(std::slice::from_ref(&d));
+    let exit = wait_finished(&sup, &key).await;
+    assert_eq!(
+        (exit.exit_code, exit.spawn_error),
+        (Some(0), None),
+        "inside the roots"
+    );
 }
 
 async fn commit_step(store: &LocalStore, job: &str, step: u64, rank: u32, attempt: u32) -> String {
