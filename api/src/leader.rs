@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
@@ -73,8 +73,46 @@ impl RetryPolicy {
     }
 }
 
+/// TLS of a client's channels: the CA that verifies the coordinators, and the client's
+/// own certificate for mutual TLS (coordinators and workers; users have none).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClientTls {
+    /// The cluster CA certificate(s), PEM.
+    pub ca_pem: Arc<[u8]>,
+    /// This client's certificate chain and key (`None`: no client certificate).
+    pub identity_pem: Option<IdentityPem>,
+}
+
+/// A client certificate chain and its private key, PEM.
+#[derive(Clone, PartialEq, Eq)]
+pub struct IdentityPem {
+    /// The certificate chain.
+    pub cert: Arc<[u8]>,
+    /// The private key.
+    pub key: Arc<[u8]>,
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("client_certificate", &self.identity_pem.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClientTls {
+    fn config(&self) -> tonic::transport::ClientTlsConfig {
+        let mut config = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(&*self.ca_pem));
+        if let Some(id) = &self.identity_pem {
+            config = config.identity(tonic::transport::Identity::from_pem(&*id.cert, &*id.key));
+        }
+        config
+    }
+}
+
 /// How the channels to the coordinators are made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChannelSettings {
     /// TCP connect timeout.
     pub connect_timeout: Duration,
@@ -84,6 +122,8 @@ pub struct ChannelSettings {
     /// HTTP/2 keep-alive `(interval, timeout)`: a connection to a coordinator that died
     /// or was cut off is dropped within their sum. `None` = no pings (short-lived CLI).
     pub keep_alive: Option<(Duration, Duration)>,
+    /// TLS (`https://`); `None`: plaintext (`--insecure`).
+    pub tls: Option<ClientTls>,
 }
 
 /// What to do after a failed attempt.
@@ -137,7 +177,10 @@ pub fn leader_hint(md: &MetadataMap) -> Option<String> {
 /// `host:port` from a configured address that may carry an `http://` scheme.
 fn host_port(addr: &str) -> &str {
     let a = addr.trim();
-    let a = a.strip_prefix("http://").unwrap_or(a);
+    let a = a
+        .strip_prefix("http://")
+        .or_else(|| a.strip_prefix("https://"))
+        .unwrap_or(a);
     a.strip_suffix('/').unwrap_or(a)
 }
 
@@ -499,7 +542,12 @@ impl LeaderClient {
 /// # Errors
 /// `http://{addr}` is not a valid URI.
 fn channel(addr: &str, settings: &ChannelSettings) -> Result<Channel, tonic::transport::Error> {
-    let mut endpoint = Endpoint::from_shared(format!("http://{addr}"))?
+    let scheme = if settings.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))?
         .connect_timeout(settings.connect_timeout)
         .timeout(settings.request_timeout);
     if let Some((interval, timeout)) = settings.keep_alive {
@@ -507,6 +555,9 @@ fn channel(addr: &str, settings: &ChannelSettings) -> Result<Channel, tonic::tra
             .http2_keep_alive_interval(interval)
             .keep_alive_timeout(timeout)
             .keep_alive_while_idle(true);
+    }
+    if let Some(tls) = &settings.tls {
+        endpoint = endpoint.tls_config(tls.config())?;
     }
     Ok(endpoint.connect_lazy())
 }
@@ -618,17 +669,18 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             request_timeout: Duration::from_secs(5),
             keep_alive: None,
+            tls: None,
         };
         assert!(matches!(
-            LeaderClient::new(&[], "t", s),
+            LeaderClient::new(&[], "t", s.clone()),
             Err(ConfigError::NoCoordinators)
         ));
         assert!(matches!(
-            LeaderClient::new(&["127.0.0.1:1".into()], "with space", s),
+            LeaderClient::new(&["127.0.0.1:1".into()], "with space", s.clone()),
             Err(ConfigError::BadToken)
         ));
         assert!(matches!(
-            LeaderClient::new(&["bad addr:1".into()], "t", s),
+            LeaderClient::new(&["bad addr:1".into()], "t", s.clone()),
             Err(ConfigError::BadAddress { .. })
         ));
         let c =
@@ -642,6 +694,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             request_timeout: Duration::from_secs(5),
             keep_alive: None,
+            tls: None,
         };
         let c = LeaderClient::new(&["127.0.0.1:1".into()], "t", s).expect("client");
         for port in 2..40 {

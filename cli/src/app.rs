@@ -5,8 +5,8 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 use crate::args::{
-    CkptCommand, Cli, ClusterCommand, Command, DatasetCommand, GlobalOpts, LocalCommand,
-    OutputFormat,
+    CertKind, CertsCommand, CkptCommand, Cli, ClusterCommand, Command, DatasetCommand, GlobalOpts,
+    LocalCommand, OutputFormat,
 };
 use crate::client::{Client, ClientError, RetryPolicy};
 use crate::config::{self, ClusterFile, ConfigError};
@@ -74,6 +74,7 @@ pub async fn run(cli: Cli) -> Result<()> {
                 slots: a.slots,
                 bin_dir: a.bin_dir,
                 ready_timeout: local::READY_TIMEOUT,
+                insecure: g.insecure,
             };
             let started = local::up(&opts, true).await?;
             match out {
@@ -123,7 +124,79 @@ pub async fn run(cli: Cli) -> Result<()> {
             })
             .await
         }
+        Command::Certs(c) => certs(c),
     }
+}
+
+/// `certs init` and `certs issue`: files written, one line each.
+fn certs(cmd: CertsCommand) -> Result<()> {
+    use cumulus_tls::Identity;
+    use cumulus_tls::generate::{CA_FILE, CA_KEY_FILE, ClusterCa};
+    match cmd {
+        CertsCommand::Init(a) => {
+            if a.dir.join(CA_FILE).exists() {
+                anyhow::bail!(
+                    "{} already holds a CA; issue more certificates with `cumulusctl certs issue`",
+                    a.dir.display()
+                );
+            }
+            let ca = ClusterCa::generate("cumulus cluster")?;
+            ca.write(&a.dir)?;
+            println!(
+                "CA: {} (key {})",
+                a.dir.join(CA_FILE).display(),
+                a.dir.join(CA_KEY_FILE).display()
+            );
+            for id in a.coordinators {
+                let files = ca
+                    .issue(&Identity::Coordinator(id), &a.hosts)?
+                    .write(&a.dir, &format!("coordinator-{id}"))?;
+                println!(
+                    "coordinator {id}: {} (key {})",
+                    files.cert.display(),
+                    files.key.display()
+                );
+            }
+            for id in a.workers {
+                if Identity::from_uri(&Identity::Worker(id.clone()).uri()).is_none() {
+                    anyhow::bail!("worker id {id:?} is not valid: use 1..=128 of [A-Za-z0-9._-@]");
+                }
+                let files = ca
+                    .issue(&Identity::Worker(id.clone()), &a.hosts)?
+                    .write(&a.dir, &id)?;
+                println!(
+                    "worker {id}: {} (key {})",
+                    files.cert.display(),
+                    files.key.display()
+                );
+            }
+        }
+        CertsCommand::Issue(a) => {
+            let ca = ClusterCa::load(&a.dir.join(CA_FILE), &a.dir.join(CA_KEY_FILE))?;
+            let (identity, name) = match a.kind {
+                CertKind::Coordinator => {
+                    let id: u64 = a.id.parse().ok().filter(|id| *id != 0).with_context(|| {
+                        format!("coordinator id {:?} is not a node id (1, 2, …)", a.id)
+                    })?;
+                    (Identity::Coordinator(id), format!("coordinator-{id}"))
+                }
+                CertKind::Worker => (Identity::Worker(a.id.clone()), a.id.clone()),
+            };
+            if Identity::from_uri(&identity.uri()).is_none() {
+                anyhow::bail!(
+                    "{:?} is not a valid id: use 1..=128 of [A-Za-z0-9._-@]",
+                    a.id
+                );
+            }
+            let files = ca.issue(&identity, &a.hosts)?.write(&a.dir, &name)?;
+            println!(
+                "{identity}: {} (key {})",
+                files.cert.display(),
+                files.key.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// ` --local-dir DIR` when it is not the default, for printed example commands.
@@ -147,6 +220,11 @@ async fn local_status(g: &GlobalOpts) -> Result<()> {
                 grpc: file.grpc_addrs(),
                 http: file.http_addrs(),
                 token: token.clone(),
+                tls: file
+                    .ca_file()
+                    .as_deref()
+                    .map(config::client_tls)
+                    .transpose()?,
             };
             Some(
                 Client::with_policy(&conn, RetryPolicy::single_pass(conn.grpc.len()))?

@@ -61,6 +61,20 @@ pub struct GlobalOpts {
     /// CUMULUS_TOKEN.
     #[arg(long, global = true, env = "CUMULUS_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// The cluster's CA certificate (PEM): coordinators are verified against it. Default:
+    /// the local cluster's, from `<local-dir>/cluster.json`.
+    #[arg(long, global = true, env = "CUMULUS_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Talk plaintext to a cluster started with `--insecure`.
+    #[arg(
+        long,
+        global = true,
+        env = "CUMULUS_INSECURE",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new(),
+        conflicts_with = "tls_ca"
+    )]
+    pub insecure: bool,
     /// Directory of the local cluster (`local up` writes `cluster.json` there).
     #[arg(
         long,
@@ -112,6 +126,65 @@ pub enum Command {
     Local(LocalCommand),
     /// End-to-end demo: local cluster, digits training job, a rank killed and resumed.
     Demo(DemoArgs),
+    /// TLS certificates: a cluster CA and the certificates it issues.
+    #[command(subcommand)]
+    Certs(CertsCommand),
+}
+
+/// `certs` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum CertsCommand {
+    /// Make a cluster CA in DIR (`ca.pem`, and `ca-key.pem` readable only by you: keep it
+    /// off the cluster's machines), plus a certificate per coordinator and worker named.
+    Init(CertsInitArgs),
+    /// Issue one more certificate with the CA in DIR.
+    Issue(CertsIssueArgs),
+}
+
+/// `certs init` options.
+#[derive(Debug, Args)]
+pub struct CertsInitArgs {
+    /// Directory for the CA and certificates (created 0700).
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Coordinator node ids to issue certificates for (`coordinator-ID.pem`),
+    /// comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub coordinators: Vec<u64>,
+    /// Worker ids to issue certificates for (`ID.pem`), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// Host names or IP addresses every certificate serves, besides localhost and the
+    /// loopback addresses (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub hosts: Vec<String>,
+}
+
+/// What `certs issue` issues for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CertKind {
+    /// A coordinator (ID: its node id).
+    Coordinator,
+    /// A worker agent (ID: its worker id).
+    Worker,
+}
+
+/// `certs issue` options.
+#[derive(Debug, Args)]
+pub struct CertsIssueArgs {
+    /// What the certificate is for.
+    #[arg(value_enum)]
+    pub kind: CertKind,
+    /// The coordinator's node id or the worker's id.
+    pub id: String,
+    /// Directory of the CA (`ca.pem`, `ca-key.pem`); the certificate is written there
+    /// as `coordinator-ID.pem` or `ID.pem` with its key.
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Host names or IP addresses it serves, besides localhost and the loopback
+    /// addresses (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub hosts: Vec<String>,
 }
 
 /// A job id argument.

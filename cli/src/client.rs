@@ -171,6 +171,7 @@ impl Client {
             connect_timeout: policy.connect_timeout,
             request_timeout: policy.request_timeout,
             keep_alive: None,
+            tls: conn.tls.clone(),
         };
         let inner = LeaderClient::new(&conn.grpc, &conn.token, settings).map_err(|e| match e {
             ConfigError::NoCoordinators => ClientError::BadAddress(String::new()),
@@ -538,6 +539,7 @@ mod tests {
                 grpc: addrs,
                 http: vec![],
                 token: token.into(),
+                tls: None,
             }
         }
 

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::args::GlobalOpts;
+use cumulus_api::leader::ClientTls;
 
 /// Name of the cluster description inside `--local-dir`.
 pub const CLUSTER_FILE: &str = "cluster.json";
@@ -54,6 +55,9 @@ pub enum ConfigError {
         /// The value.
         addr: String,
     },
+    /// The TLS files cannot be used.
+    #[error("{0}")]
+    Tls(cumulus_tls::TlsError),
     /// Nothing says where the cluster is.
     #[error(
         "no {what}: pass {flag}, or start a local cluster with `cumulusctl local up` (looked for {path})"
@@ -110,6 +114,10 @@ fn default_slots() -> u32 {
 pub struct ClusterFile {
     /// The cluster token file (absolute path, mode 0600).
     pub token_file: PathBuf,
+    /// The directory of the cluster's CA and certificates (`ca.pem`, `coordinator-N.pem`,
+    /// `worker-ID.pem`, keys 0600); `None`: the cluster runs with `--insecure`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_dir: Option<PathBuf>,
     /// Coordinators, by node id.
     pub coordinators: Vec<CoordinatorEntry>,
     /// Worker agents.
@@ -117,6 +125,13 @@ pub struct ClusterFile {
 }
 
 impl ClusterFile {
+    /// The CA certificate of a TLS cluster.
+    pub fn ca_file(&self) -> Option<PathBuf> {
+        self.tls_dir
+            .as_ref()
+            .map(|d| d.join(cumulus_tls::generate::CA_FILE))
+    }
+
     /// The peer token file beside the cluster token file (`peer-token`, mode 0600): what
     /// the local coordinators present to each other's Raft service.
     pub fn peer_token_file(&self) -> PathBuf {
@@ -269,10 +284,14 @@ pub fn check_token(token: &str, origin: &str) -> Result<String, ConfigError> {
     Ok(token.to_string())
 }
 
-/// Normalizes one address: strips `http://`, a trailing `/`, and requires `host:port`.
+/// Normalizes one address: strips `http://` or `https://`, a trailing `/`, and requires
+/// `host:port`.
 pub fn normalize_addr(raw: &str, flag: &'static str) -> Result<String, ConfigError> {
     let s = raw.trim();
-    let s = s.strip_prefix("http://").unwrap_or(s);
+    let s = s
+        .strip_prefix("http://")
+        .or_else(|| s.strip_prefix("https://"))
+        .unwrap_or(s);
     let s = s.strip_suffix('/').unwrap_or(s);
     let bad = || ConfigError::BadAddress {
         flag,
@@ -294,6 +313,27 @@ pub struct Conn {
     pub http: Vec<String>,
     /// The cluster bearer token.
     pub token: String,
+    /// TLS: the CA that verifies the coordinators (`None`: plaintext, `--insecure`).
+    pub tls: Option<ClientTls>,
+}
+
+impl Conn {
+    /// `https` with TLS, else `http`.
+    pub fn scheme(&self) -> &'static str {
+        if self.tls.is_some() { "https" } else { "http" }
+    }
+}
+
+/// Reads the CA certificate at `path` for a client's TLS.
+///
+/// # Errors
+/// [`ConfigError::Tls`] naming the file.
+pub fn client_tls(path: &Path) -> Result<ClientTls, ConfigError> {
+    let trust = cumulus_tls::Trust::load(path).map_err(ConfigError::Tls)?;
+    Ok(ClientTls {
+        ca_pem: trust.ca_pem().into(),
+        identity_pem: None,
+    })
 }
 
 /// Resolves the connection from flags/env, falling back to `<local-dir>/cluster.json`.
@@ -361,7 +401,28 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
             path: cluster_path,
         });
     };
-    Ok(Conn { grpc, http, token })
+    // TLS: --insecure, else --tls-ca, else the local cluster's CA when its addresses are
+    // the ones used; explicit addresses without a CA are refused (as kubectl does without
+    // a certificate authority).
+    let tls = if global.insecure {
+        None
+    } else if let Some(ca) = &global.tls_ca {
+        Some(client_tls(ca)?)
+    } else if let Some(f) = file.as_ref().filter(|_| global.addr.is_empty()) {
+        f.ca_file().as_deref().map(client_tls).transpose()?
+    } else {
+        return Err(ConfigError::Missing {
+            what: "TLS CA certificate",
+            flag: "--tls-ca FILE (or CUMULUS_TLS_CA), or --insecure for a plaintext cluster",
+            path: cluster_path,
+        });
+    };
+    Ok(Conn {
+        grpc,
+        http,
+        token,
+        tls,
+    })
 }
 
 #[cfg(test)]
@@ -372,6 +433,7 @@ mod tests {
     fn sample(dir: &Path) -> ClusterFile {
         ClusterFile {
             token_file: dir.join("token"),
+            tls_dir: None,
             coordinators: (1..=3)
                 .map(|i| CoordinatorEntry {
                     node_id: i,
@@ -398,6 +460,8 @@ mod tests {
             http: vec![],
             token: None,
             token_file: None,
+            tls_ca: None,
+            insecure: false,
             local_dir: dir.to_path_buf(),
             output: OutputFormat::Table,
         }
@@ -472,7 +536,12 @@ mod tests {
         let other = dir.path().join("other-token");
         fs::write(&other, "0123456789abcdef0123\n").expect("token");
         o.token_file = Some(other);
+        // Explicit addresses need a CA or --insecure.
+        let err = resolve(&o).expect_err("no CA for explicit addresses");
+        assert!(err.to_string().contains("--tls-ca"), "{err}");
+        o.insecure = true;
         let conn = resolve(&o).expect("resolve");
+        assert!(conn.tls.is_none());
         assert_eq!(conn.grpc, vec!["10.0.0.1:50051", "10.0.0.2:50051"]);
         assert!(conn.http.is_empty());
         assert_eq!(conn.token, "0123456789abcdef0123");

@@ -194,6 +194,7 @@ pub async fn run(opts: &DemoOptions) -> Result<()> {
         slots: Some(4),
         bin_dir: opts.bin_dir.clone(),
         ready_timeout: local::READY_TIMEOUT,
+        insecure: false,
     };
     let started = local::up(&up, false)
         .await
@@ -214,7 +215,7 @@ pub async fn run(opts: &DemoOptions) -> Result<()> {
             .join(", ")
     );
     steps.done("cluster ready");
-    let conn = started.conn();
+    let conn = started.conn()?;
     let children = started.children;
 
     let result = run_job(opts, &mut steps, &dir, &conn).await;

@@ -120,6 +120,9 @@ pub enum LocalError {
         /// Where the logs are.
         dir: PathBuf,
     },
+    /// The cluster's certificates could not be made or used.
+    #[error("TLS: {0}")]
+    Tls(#[from] cumulus_tls::TlsError),
     /// Something else (config, client), with context.
     #[error("{0}")]
     Other(String),
@@ -245,6 +248,7 @@ pub fn plan(dir: &Path, coordinators: u32, workers: u32, slots: u32, ports: &[u1
     );
     ClusterFile {
         token_file: dir.join("token"),
+        tls_dir: None,
         coordinators: (1..=coordinators)
             .map(|i| {
                 let k = (i - 1) as usize;
@@ -292,12 +296,55 @@ pub fn coordinator_args(file: &ClusterFile, c: &CoordinatorEntry) -> Vec<String>
         "--peer-token-file".into(),
         file.peer_token_file().display().to_string(),
     ]);
+    a.extend(tls_args(file, &format!("coordinator-{}", c.node_id)));
     a
+}
+
+/// The TLS flags of the process whose certificate files are named `name` in the
+/// cluster's TLS dir, or `--insecure` without one.
+fn tls_args(file: &ClusterFile, name: &str) -> Vec<String> {
+    match &file.tls_dir {
+        Some(dir) => {
+            let pair = cumulus_tls::generate::PairFiles::in_dir(dir, name);
+            vec![
+                "--tls-cert".into(),
+                pair.cert.display().to_string(),
+                "--tls-key".into(),
+                pair.key.display().to_string(),
+                "--tls-ca".into(),
+                dir.join(cumulus_tls::generate::CA_FILE)
+                    .display()
+                    .to_string(),
+            ]
+        }
+        None => vec!["--insecure".into()],
+    }
+}
+
+/// Makes the cluster CA and one certificate per coordinator (`coordinator-N`, naming
+/// `cumulus://coordinator/N`) and per worker (`worker-ID`) in `dir`, keys 0600. Every
+/// process of a local cluster listens on 127.0.0.1, which each certificate names.
+///
+/// # Errors
+/// [`LocalError::Tls`] when generating or writing fails.
+pub fn make_certificates(dir: &Path, file: &ClusterFile) -> Result<(), LocalError> {
+    use cumulus_tls::Identity;
+    let ca = cumulus_tls::generate::ClusterCa::generate("cumulus local cluster")?;
+    ca.write(dir)?;
+    for c in &file.coordinators {
+        ca.issue(&Identity::Coordinator(c.node_id), &[])?
+            .write(dir, &format!("coordinator-{}", c.node_id))?;
+    }
+    for w in &file.workers {
+        ca.issue(&Identity::Worker(w.worker_id.clone()), &[])?
+            .write(dir, &w.worker_id)?;
+    }
+    Ok(())
 }
 
 /// Arguments of worker `w` (after the binary).
 pub fn worker_args(file: &ClusterFile, w: &WorkerEntry) -> Vec<String> {
-    vec![
+    let mut a = vec![
         "--worker-id".into(),
         w.worker_id.clone(),
         "--coordinators".into(),
@@ -310,7 +357,9 @@ pub fn worker_args(file: &ClusterFile, w: &WorkerEntry) -> Vec<String> {
         w.slots.to_string(),
         "--listen".into(),
         "127.0.0.1:0".into(),
-    ]
+    ];
+    a.extend(tls_args(file, &w.worker_id));
+    a
 }
 
 /// Starts `bin args…` in its own process group, stdin null, stdout+stderr appended to `log`.
@@ -433,6 +482,9 @@ pub struct UpOptions {
     pub bin_dir: Option<PathBuf>,
     /// How long to wait for readiness.
     pub ready_timeout: Duration,
+    /// A new cluster runs plaintext (`--insecure`) instead of making a CA and
+    /// certificates; a recorded cluster keeps what it was made with.
+    pub insecure: bool,
 }
 
 /// A started local cluster.
@@ -456,12 +508,11 @@ pub struct Started {
 
 impl Started {
     /// How to reach this cluster.
-    pub fn conn(&self) -> Conn {
-        Conn {
-            grpc: self.file.grpc_addrs(),
-            http: self.file.http_addrs(),
-            token: self.token.clone(),
-        }
+    ///
+    /// # Errors
+    /// The cluster's CA certificate cannot be read.
+    pub fn conn(&self) -> Result<Conn, LocalError> {
+        local_conn(&self.file, &self.token)
     }
 }
 
@@ -527,6 +578,12 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
                     return Err(LocalError::StaleState(p.data_dir));
                 }
             }
+            let mut file = file;
+            if !opts.insecure {
+                let tls_dir = dir.join("tls");
+                make_certificates(&tls_dir, &file)?;
+                file.tls_dir = Some(tls_dir);
+            }
             let token = new_token();
             write_token(&file.token_file, &token)?;
             write_token(&file.peer_token_file(), &new_token())?;
@@ -570,10 +627,9 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
         return Err(fail(e, &file, children));
     }
 
-    let conn = Conn {
-        grpc: file.grpc_addrs(),
-        http: file.http_addrs(),
-        token: token.clone(),
+    let conn = match local_conn(&file, &token) {
+        Ok(conn) => conn,
+        Err(e) => return Err(fail(e, &file, children)),
     };
     let expected: Vec<String> = file.workers.iter().map(|w| w.worker_id.clone()).collect();
     match wait_ready(&conn, &expected, &mut children, opts.ready_timeout, &dir).await {
@@ -588,6 +644,25 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
         }),
         Err(e) => Err(fail(e, &file, children)),
     }
+}
+
+/// How to reach the cluster `file` records, with its token.
+///
+/// # Errors
+/// The cluster's CA certificate cannot be read.
+pub fn local_conn(file: &ClusterFile, token: &str) -> Result<Conn, LocalError> {
+    let tls = file
+        .ca_file()
+        .as_deref()
+        .map(crate::config::client_tls)
+        .transpose()
+        .map_err(|e| LocalError::Other(e.to_string()))?;
+    Ok(Conn {
+        grpc: file.grpc_addrs(),
+        http: file.http_addrs(),
+        token: token.to_owned(),
+        tls,
+    })
 }
 
 fn shape_text((c, w, s): (u32, u32, u32)) -> String {
@@ -893,6 +968,7 @@ mod tests {
                 "/tmp/c/token",
                 "--peer-token-file",
                 "/tmp/c/peer-token",
+                "--insecure",
             ]
         );
         assert_eq!(
@@ -910,10 +986,31 @@ mod tests {
                 "4",
                 "--listen",
                 "127.0.0.1:0",
+                "--insecure",
             ]
         );
         assert_eq!(f.coordinators[2].log, Path::new("/tmp/c/coord-3.log"));
         f.validate().expect("a plan is a valid cluster file");
+        // With a TLS dir, each process gets its own certificate and the CA.
+        let mut f = f;
+        f.tls_dir = Some(dir.join("tls"));
+        let args = worker_args(&f, &f.workers[1]);
+        assert_eq!(
+            &args[args.len() - 6..],
+            [
+                "--tls-cert",
+                "/tmp/c/tls/worker-2.pem",
+                "--tls-key",
+                "/tmp/c/tls/worker-2-key.pem",
+                "--tls-ca",
+                "/tmp/c/tls/ca.pem",
+            ]
+        );
+        let args = coordinator_args(&f, &f.coordinators[0]);
+        assert!(
+            args.contains(&"/tmp/c/tls/coordinator-1.pem".to_string()),
+            "{args:?}"
+        );
     }
 
     #[test]

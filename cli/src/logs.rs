@@ -201,7 +201,16 @@ where
     if conn.http.is_empty() {
         return Err(LogError::NoHttpAddress);
     }
-    let client = reqwest::Client::builder()
+    let mut client = reqwest::Client::builder();
+    if let Some(tls) = &conn.tls {
+        let ca =
+            reqwest::Certificate::from_pem_bundle(&tls.ca_pem).map_err(|e| LogError::Protocol {
+                addr: String::new(),
+                reason: format!("the TLS CA certificate: {e}"),
+            })?;
+        client = client.tls_certs_only(ca);
+    }
+    let client = client
         .connect_timeout(Duration::from_secs(2))
         // A healthy follow stream may be silent; the coordinator's keep-alives (if any)
         // and this bound decide when a silent connection is presumed dead and resumed.
@@ -215,7 +224,7 @@ where
     let mut failures = 0u32;
     loop {
         let addr = conn.http[index % conn.http.len()].clone();
-        let url = format!("http://{addr}/v1/jobs/{}/logs", req.job_id);
+        let url = format!("{}://{addr}/v1/jobs/{}/logs", conn.scheme(), req.job_id);
         let mut query: Vec<(&str, String)> = vec![("follow", req.follow.to_string())];
         if let Some(r) = req.rank {
             query.push(("rank", r.to_string()));
@@ -457,6 +466,7 @@ mod tests {
             grpc: vec!["127.0.0.1:1".into()],
             http: vec![addr],
             token: "secret".into(),
+            tls: None,
         };
         let req = LogRequest {
             job_id: "job-000001".into(),
@@ -541,6 +551,7 @@ mod tests {
                 grpc: vec![],
                 http: vec![addr],
                 token: "t".into(),
+                tls: None,
             };
             let req = LogRequest {
                 job_id: "job-000042".into(),

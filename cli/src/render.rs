@@ -350,6 +350,11 @@ pub fn checkpoints_table(resp: &ListCheckpointsResponse) -> String {
 pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
     let mut out = String::new();
     let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+    if resp.insecure {
+        out.push_str(
+            "WARNING: this cluster runs with --insecure: tokens and job data cross the network in plaintext\n",
+        );
+    }
     out.push_str(&format!(
         "answered by node {}; leader: {}; term {}; commit index {}; last applied {}; snapshot {}; purged {}\n\n",
         resp.node_id,
@@ -613,6 +618,7 @@ mod tests {
             last_applied_index: Some(16),
             snapshot_index: Some(10),
             purged_index: None,
+            insecure: false,
             members: vec![Member {
                 node_id: 1,
                 grpc_addr: "127.0.0.1:1".into(),

@@ -380,6 +380,7 @@ pub fn cluster_status(node: &Node) -> v1::ClusterStatusResponse {
         workers,
         snapshot_index: m.snapshot.map(|l| l.index),
         purged_index: m.purged.map(|l| l.index),
+        insecure: !node.tls,
     }
 }
 

@@ -34,6 +34,7 @@ use cumulus_api::v1::client_service_server::ClientServiceServer;
 use cumulus_api::v1::raft_service_server::RaftServiceServer;
 use cumulus_api::v1::worker_service_server::WorkerServiceServer;
 use cumulus_raft_store::{CumulusNode, NodeId};
+use cumulus_tls::Tls;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -143,6 +144,10 @@ pub struct Config {
     /// anywhere). The leader creates a missing checkpoint dir with its own rights.
     #[arg(long, env = "CUMULUS_ALLOWED_CKPT_ROOTS", value_delimiter = ',')]
     pub allowed_ckpt_roots: Vec<PathBuf>,
+    /// TLS: this coordinator's certificate (naming `cumulus://coordinator/ID`), key and
+    /// the cluster CA; or `--insecure`.
+    #[command(flatten)]
+    pub tls: cumulus_tls::args::TlsArgs,
     /// Raft heartbeat interval between coordinators, in milliseconds.
     #[arg(long, default_value_t = 50)]
     pub raft_heartbeat_ms: u64,
@@ -265,6 +270,23 @@ pub async fn run(
             "no --allowed-dataset-roots or --allowed-ckpt-roots: jobs may name any dataset or checkpoint dir this coordinator can list or create"
         );
     }
+    let tls = config.tls.load()?;
+    match &tls {
+        Tls::On(creds) => {
+            let want = cumulus_tls::Identity::Coordinator(config.node_id);
+            if creds.identity() != &want {
+                bail!(
+                    "--tls-cert names {}, but this is {want}: issue it a certificate of its own \
+                     (`cumulusctl certs issue coordinator {}`)",
+                    creds.identity(),
+                    config.node_id
+                );
+            }
+        }
+        Tls::Insecure => warn!(
+            "--insecure: every connection is plaintext; tokens and job data cross the network readable"
+        ),
+    }
     let token = auth::load_token(config.token_file.as_deref(), config.token.as_deref())?;
     let peer_token = auth::load_peer_token(
         config.peer_token_file.as_deref(),
@@ -282,6 +304,7 @@ pub async fn run(
             &config.peers,
             &config.data_dir,
             AddToken::new(&token)?,
+            network::client_tls(&tls),
         )
         .await?;
         if let Some(aside) = aside {
@@ -317,13 +340,25 @@ pub async fn run(
     let raft_config = Arc::new(raft_config.validate().context("raft configuration")?);
     let network = Network {
         auth: AddToken::new(&peer_token)?,
+        tls: network::client_tls(&tls),
     };
     let raft =
         cumulus_raft_store::Raft::new(config.node_id, raft_config, network, log_store, sm_store)
             .await
             .context("starting raft")?;
 
-    let http = reqwest::Client::builder()
+    let mut http = reqwest::Client::builder();
+    if let Tls::On(creds) = &tls {
+        let mut identity = creds.cert_pem().to_vec();
+        identity.extend_from_slice(creds.key_pem());
+        http = http
+            .tls_certs_only(
+                reqwest::Certificate::from_pem_bundle(creds.trust().ca_pem())
+                    .context("the CA for agent connections")?,
+            )
+            .identity(reqwest::Identity::from_pem(&identity).context("the agent client identity")?);
+    }
+    let http = http
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(10))
         // Agents close a keep-alive connection idle for their header deadline; drop it
@@ -348,6 +383,7 @@ pub async fn run(
             roots,
         },
         token: token.clone(),
+        tls: matches!(tls, Tls::On(_)),
         http,
         log_streams: Arc::new(Semaphore::new(config.max_log_streams)),
         s3: cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?,
@@ -401,17 +437,23 @@ pub async fn run(
             "connection caps lowered to fit the open-file limit"
         );
     }
+    let server_tls = match &tls {
+        Tls::On(creds) => Some(creds.server_config()?),
+        Tls::Insecure => None,
+    };
     let grpc_listener = cumulus_listen::BoundedListener::new(
         grpc_listener,
         "coordinator gRPC",
         cumulus_listen::Limits::connections(caps[0]),
-    );
+    )
+    .with_tls(server_tls.clone());
     let http_listener = cumulus_listen::BoundedListener::new(
         http_listener,
         "coordinator HTTP",
         cumulus_listen::Limits::connections(caps[1]),
-    );
-    info!(node_id = config.node_id, grpc = %me.grpc_addr, http = %me.http_addr, "coordinator listening");
+    )
+    .with_tls(server_tls);
+    info!(node_id = config.node_id, grpc = %me.grpc_addr, http = %me.http_addr, tls = node.tls, "coordinator listening");
 
     let interceptor = AuthInterceptor {
         token: token.clone(),

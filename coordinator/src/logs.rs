@@ -136,7 +136,11 @@ enum Fetch {
 }
 
 async fn fetch(node: &Node, http_addr: &str, job_id: &str, rank: u32, c: RankCursor) -> Fetch {
-    let url = format!("http://{http_addr}/v1/logs/{job_id}/{rank}/{}", c.attempt);
+    let scheme = if node.tls { "https" } else { "http" };
+    let url = format!(
+        "{scheme}://{http_addr}/v1/logs/{job_id}/{rank}/{}",
+        c.attempt
+    );
     let resp = node
         .http
         .get(&url)

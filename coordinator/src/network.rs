@@ -24,7 +24,7 @@ use openraft::raft::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::codegen::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::auth::AddToken;
 
@@ -143,11 +143,38 @@ pub enum CodecError {
     Task(#[from] tokio::task::JoinError),
 }
 
+/// The client TLS of this coordinator's outgoing gRPC (peers, `--rejoin-empty`): the
+/// cluster CA and its own certificate (mutual TLS); `None` with `--insecure`.
+pub fn client_tls(tls: &cumulus_tls::Tls) -> Option<ClientTlsConfig> {
+    let creds = tls.credentials()?;
+    Some(
+        ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(creds.trust().ca_pem()))
+            .identity(Identity::from_pem(creds.cert_pem(), creds.key_pem())),
+    )
+}
+
+/// `https://addr` with `tls` applied, or `http://addr` without.
+///
+/// # Errors
+/// The address is not a valid URI, or tonic refuses the TLS configuration.
+pub fn endpoint(
+    addr: &str,
+    tls: Option<&ClientTlsConfig>,
+) -> Result<Endpoint, tonic::transport::Error> {
+    match tls {
+        Some(tls) => Endpoint::from_shared(format!("https://{addr}"))?.tls_config(tls.clone()),
+        None => Endpoint::from_shared(format!("http://{addr}")),
+    }
+}
+
 /// Creates a [`PeerClient`] per target node.
 #[derive(Clone)]
 pub struct Network {
     /// Token interceptor for outgoing calls.
     pub auth: AddToken,
+    /// Client TLS ([`client_tls`]); `None`: plaintext.
+    pub tls: Option<ClientTlsConfig>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -157,7 +184,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         // HTTP/2 keepalive: a replication stream waits for answers without a deadline, so
         // a peer that stops answering (stopped process, dropped packets) must break the
         // connection, which ends the stream with an error.
-        let endpoint = Endpoint::from_shared(format!("http://{}", node.grpc_addr)).map(|e| {
+        let endpoint = endpoint(&node.grpc_addr, self.tls.as_ref()).map(|e| {
             e.connect_timeout(Duration::from_millis(500))
                 .tcp_nodelay(true)
                 .http2_keep_alive_interval(Duration::from_millis(KEEPALIVE_INTERVAL_MS))

@@ -47,6 +47,9 @@ pub struct Node {
     pub limits: NodeLimits,
     /// The cluster bearer token.
     pub token: Arc<str>,
+    /// Whether every connection is TLS (`false`: `--insecure`). With TLS, the Raft and
+    /// worker services check the caller's certificate, and agents are reached over HTTPS.
+    pub tls: bool,
     /// HTTP client for worker agents (log retrieval), with timeouts.
     pub http: reqwest::Client,
     /// Bounds concurrent SSE log streams.

@@ -153,6 +153,51 @@ pub fn check_sender(
     Ok(())
 }
 
+/// The coordinator a Raft request's connection proved to be: the node id its verified
+/// client certificate names (`None`: plaintext, no certificate, or not a coordinator's).
+fn peer_node_id<T>(req: &Request<T>) -> Option<cumulus_raft_store::NodeId> {
+    match req
+        .extensions()
+        .get::<cumulus_listen::ConnInfo>()?
+        .peer_identity()?
+    {
+        cumulus_tls::Identity::Coordinator(id) => Some(id),
+        _ => None,
+    }
+}
+
+/// With TLS on, a Raft request must come on a connection whose certificate names the
+/// coordinator that sends it (`sender`, from the request's vote): another member's
+/// certificate, a worker's, a user's or none is refused, so the peer token alone can no
+/// longer speak for a node.
+///
+/// # Errors
+/// `permission_denied` naming both ids; the refusal is logged.
+pub fn check_peer_certificate(
+    tls: bool,
+    rpc: RaftRpc,
+    certified: Option<cumulus_raft_store::NodeId>,
+    sender: cumulus_raft_store::NodeId,
+) -> Result<(), Status> {
+    if !tls || certified == Some(sender) {
+        return Ok(());
+    }
+    let what = rpc.as_str();
+    tracing::warn!(
+        sender,
+        ?certified,
+        "refused a raft {what} whose connection's certificate does not name its sender"
+    );
+    Err(Status::permission_denied(match certified {
+        Some(id) => format!(
+            "a raft {what} from node {sender} is refused: the connection's certificate names coordinator {id}"
+        ),
+        None => format!(
+            "a raft {what} from node {sender} is refused: the connection presents no coordinator certificate"
+        ),
+    }))
+}
+
 impl RaftSvc {
     /// Node ids of this node's current membership config (voters and learners).
     fn members(&self) -> Vec<cumulus_raft_store::NodeId> {
@@ -217,6 +262,7 @@ impl RaftService for RaftSvc {
         let served_in = served.clone();
         let metrics = self.node.raft.metrics();
         let initial = self.initial_members.clone();
+        let (tls, certified) = (self.node.tls, peer_node_id(&req));
         let requests = futures::stream::unfold(req.into_inner(), move |mut inbound| {
             let served = served_in.clone();
             let metrics = metrics.clone();
@@ -246,7 +292,15 @@ impl RaftService for RaftSvc {
                             .nodes()
                             .map(|(id, _)| *id)
                             .collect();
-                        if check_sender(RaftRpc::Append, &rpc.vote, &members, &initial).is_err() {
+                        if check_sender(RaftRpc::Append, &rpc.vote, &members, &initial).is_err()
+                            || check_peer_certificate(
+                                tls,
+                                RaftRpc::Append,
+                                certified,
+                                rpc.vote.leader_id.node_id,
+                            )
+                            .is_err()
+                        {
                             return None;
                         }
                         let last_index = rpc.entries.last().map(|e| e.log_id.index);
@@ -283,12 +337,19 @@ impl RaftService for RaftSvc {
         req: Request<RaftPayload>,
     ) -> Result<Response<RaftPayload>, Status> {
         let received_ns = stage::now_ns();
+        let certified = peer_node_id(&req);
         let rpc: AppendEntriesRequest<TypeConfig> = decode(req)?;
         check_sender(
             RaftRpc::Append,
             &rpc.vote,
             &self.members(),
             &self.initial_members,
+        )?;
+        check_peer_certificate(
+            self.node.tls,
+            RaftRpc::Append,
+            certified,
+            rpc.vote.leader_id.node_id,
         )?;
         let last_index = rpc.entries.last().map(|e| e.log_id.index);
         let decoded_ns = stage::now_ns();
@@ -300,12 +361,19 @@ impl RaftService for RaftSvc {
     }
 
     async fn vote(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
+        let certified = peer_node_id(&req);
         let rpc: VoteRequest<TypeConfig> = decode(req)?;
         check_sender(
             RaftRpc::Vote,
             &rpc.vote,
             &self.members(),
             &self.initial_members,
+        )?;
+        check_peer_certificate(
+            self.node.tls,
+            RaftRpc::Vote,
+            certified,
+            rpc.vote.leader_id.node_id,
         )?;
         encode(&self.node.raft.vote(rpc).await)
     }
@@ -325,6 +393,7 @@ impl RaftService for RaftSvc {
                 "another snapshot is being received; retry when it is installed",
             ));
         };
+        let certified = peer_node_id(&req);
         let mut chunks = req.into_inner();
         let Some(first) = chunks.message().await? else {
             return Err(Status::invalid_argument("an empty snapshot stream"));
@@ -341,6 +410,12 @@ impl RaftService for RaftSvc {
             &header.vote,
             &self.members(),
             &self.initial_members,
+        )?;
+        check_peer_certificate(
+            self.node.tls,
+            RaftRpc::Snapshot,
+            certified,
+            header.vote.leader_id.node_id,
         )?;
         let current = self.node.raft.metrics().borrow_watched().vote;
         if let Some(reply) = stale_snapshot_reply(&header.vote, &current) {
@@ -417,6 +492,19 @@ mod tests {
     fn a_sender_outside_the_membership_or_with_an_absurd_term_is_refused() {
         use RaftRpc::{Append, Snapshot, Vote as V};
         let members = [1, 2, 3];
+        assert!(check_peer_certificate(true, V, Some(2), 2).is_ok());
+        assert!(
+            check_peer_certificate(false, V, None, 2).is_ok(),
+            "--insecure"
+        );
+        assert!(
+            check_peer_certificate(true, V, Some(3), 2).is_err(),
+            "another member's"
+        );
+        assert!(
+            check_peer_certificate(true, V, None, 2).is_err(),
+            "no certificate"
+        );
         assert!(check_sender(V, &Vote::new(7, 2), &members, &[]).is_ok());
         assert!(
             check_sender(

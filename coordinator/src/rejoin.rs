@@ -18,7 +18,6 @@ use anyhow::{Context, bail};
 use cumulus_api::v1::ClusterStatusRequest;
 use cumulus_api::v1::client_service_client::ClientServiceClient;
 use cumulus_raft_store::NodeId;
-use tonic::transport::Endpoint;
 
 use crate::Peer;
 use crate::auth::AddToken;
@@ -42,6 +41,7 @@ pub async fn prepare(
     peers: &[Peer],
     data_dir: &Path,
     auth: AddToken,
+    tls: Option<tonic::transport::ClientTlsConfig>,
 ) -> anyhow::Result<Option<PathBuf>> {
     let others: Vec<&Peer> = peers.iter().filter(|p| p.id != node_id).collect();
     if others.is_empty() {
@@ -55,7 +55,7 @@ pub async fn prepare(
     let members = loop {
         let mut leader_members = None;
         for peer in &others {
-            match ask_members(&peer.node.grpc_addr, auth.clone()).await {
+            match ask_members(&peer.node.grpc_addr, auth.clone(), tls.as_ref()).await {
                 Ok(Some(members)) => {
                     leader_members = Some((peer.id, members));
                     break;
@@ -92,8 +92,12 @@ pub async fn prepare(
 /// Node ids of the voters, when the coordinator at `grpc_addr` is the leader (`None`
 /// when it is not). A learner never votes, so an operator may add the node back as a
 /// learner before or after it starts.
-async fn ask_members(grpc_addr: &str, auth: AddToken) -> anyhow::Result<Option<Vec<NodeId>>> {
-    let endpoint = Endpoint::from_shared(format!("http://{grpc_addr}"))
+async fn ask_members(
+    grpc_addr: &str,
+    auth: AddToken,
+    tls: Option<&tonic::transport::ClientTlsConfig>,
+) -> anyhow::Result<Option<Vec<NodeId>>> {
+    let endpoint = crate::network::endpoint(grpc_addr, tls)
         .with_context(|| format!("bad address {grpc_addr}"))?
         .connect_timeout(Duration::from_millis(ASK_TIMEOUT_MS))
         .timeout(Duration::from_millis(ASK_TIMEOUT_MS));

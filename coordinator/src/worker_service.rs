@@ -72,6 +72,40 @@ fn check_worker_id(id: &str) -> Result<(), Status> {
     }
 }
 
+/// The worker a request's connection proved to be: the worker id its verified client
+/// certificate names (`None`: plaintext, no certificate, or not a worker's).
+fn certified_worker<T>(req: &Request<T>) -> Option<String> {
+    match req
+        .extensions()
+        .get::<cumulus_listen::ConnInfo>()?
+        .peer_identity()?
+    {
+        cumulus_tls::Identity::Worker(id) => Some(id),
+        _ => None,
+    }
+}
+
+/// Checks the worker id a request claims and, with TLS on (`tls`), that the
+/// connection's certificate names that worker: a worker can no longer report, register
+/// or commit as another (the cluster token alone proves nothing about which worker).
+fn check_worker(tls: bool, certified: Option<String>, id: &str) -> Result<(), Status> {
+    check_worker_id(id)?;
+    if !tls || certified.as_deref() == Some(id) {
+        return Ok(());
+    }
+    tracing::warn!(
+        claimed = id,
+        ?certified,
+        "refused a worker request whose connection's certificate does not name the worker"
+    );
+    Err(Status::permission_denied(match certified {
+        Some(other) => {
+            format!("worker {id:?} is refused: the connection's certificate names worker {other:?}")
+        }
+        None => format!("worker {id:?} is refused: the connection presents no worker certificate"),
+    }))
+}
+
 fn check_job_id(id: &str) -> Result<(), Status> {
     if valid_id(id) {
         Ok(())
@@ -86,8 +120,9 @@ impl WorkerService for WorkerSvc {
         &self,
         req: Request<v1::RegisterWorkerRequest>,
     ) -> Result<Response<v1::RegisterWorkerResponse>, Status> {
+        let certified = certified_worker(&req);
         let r = req.into_inner();
-        check_worker_id(&r.worker_id)?;
+        check_worker(self.node.tls, certified, &r.worker_id)?;
         if r.host.is_empty() || r.http_addr.is_empty() || r.slots == 0 || r.slots > 4_096 {
             return Err(Status::invalid_argument(
                 "host, http_addr and 1..=4096 slots are required",
@@ -122,8 +157,9 @@ impl WorkerService for WorkerSvc {
         &self,
         req: Request<v1::HeartbeatRequest>,
     ) -> Result<Response<v1::HeartbeatResponse>, Status> {
+        let certified = certified_worker(&req);
         let r = req.into_inner();
-        check_worker_id(&r.worker_id)?;
+        check_worker(self.node.tls, certified, &r.worker_id)?;
         if r.observed.len() > MAX_OBSERVED_PER_HEARTBEAT {
             return Err(Status::invalid_argument(
                 "too many observed ranks in one heartbeat",
@@ -170,8 +206,9 @@ impl WorkerService for WorkerSvc {
         &self,
         req: Request<v1::WatchDesiredRequest>,
     ) -> Result<Response<v1::HeartbeatResponse>, Status> {
+        let certified = certified_worker(&req);
         let r = req.into_inner();
-        check_worker_id(&r.worker_id)?;
+        check_worker(self.node.tls, certified, &r.worker_id)?;
         if r.timeout_ms == 0 || r.timeout_ms > MAX_WATCH_MS {
             return Err(Status::invalid_argument(format!(
                 "timeout_ms must be 1..={MAX_WATCH_MS}"
@@ -210,8 +247,9 @@ impl WorkerService for WorkerSvc {
         &self,
         req: Request<v1::RankStartedRequest>,
     ) -> Result<Response<v1::Ack>, Status> {
+        let certified = certified_worker(&req);
         let r = req.into_inner();
-        check_worker_id(&r.worker_id)?;
+        check_worker(self.node.tls, certified, &r.worker_id)?;
         check_job_id(&r.job_id)?;
         self.node
             .propose_ok(Command::RankStarted {
@@ -231,8 +269,9 @@ impl WorkerService for WorkerSvc {
         &self,
         req: Request<v1::RankExitedRequest>,
     ) -> Result<Response<v1::Ack>, Status> {
+        let certified = certified_worker(&req);
         let r = req.into_inner();
-        check_worker_id(&r.worker_id)?;
+        check_worker(self.node.tls, certified, &r.worker_id)?;
         check_job_id(&r.job_id)?;
         if r.spawn_error.len() > 4_096 {
             return Err(Status::invalid_argument(
@@ -265,8 +304,9 @@ impl WorkerService for WorkerSvc {
         &self,
         req: Request<v1::CommitCheckpointPartRequest>,
     ) -> Result<Response<v1::Ack>, Status> {
+        let certified = certified_worker(&req);
         let r = req.into_inner();
-        check_worker_id(&r.worker_id)?;
+        check_worker(self.node.tls, certified, &r.worker_id)?;
         check_job_id(&r.job_id)?;
         let files: Vec<FileEntry> = r.files.into_iter().map(FileEntry::from).collect();
         // The part's paths, digests, directory and state are checked here, before a byte

@@ -10,12 +10,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use cumulus_api::JobState;
-use cumulus_api::leader::{ChannelSettings, LeaderClient, RetryPolicy};
+use cumulus_api::leader::{ChannelSettings, ClientTls, LeaderClient, RetryPolicy};
 use cumulus_api::v1;
 use cumulus_api::v1::client_service_client::ClientServiceClient;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tonic::transport::Endpoint;
 
 use crate::*;
 
@@ -105,6 +104,9 @@ pub struct ClusterOpts {
     pub worker_args: Vec<String>,
     /// Open-file limit (soft and hard) of the worker agents (`None`: inherited).
     pub worker_nofile: Option<u64>,
+    /// TLS on every connection, with a CA and certificates made for this cluster
+    /// (`false`: every process runs `--insecure`).
+    pub tls: bool,
 }
 
 impl Default for ClusterOpts {
@@ -123,6 +125,7 @@ impl Default for ClusterOpts {
             coordinator_args: Vec::new(),
             worker_args: Vec::new(),
             worker_nofile: None,
+            tls: true,
         }
     }
 }
@@ -145,6 +148,49 @@ pub struct Cluster {
     /// Held for the cluster's lifetime: test clusters run one at a time, so a 2-core CI
     /// machine never starves heartbeats of two clusters at once.
     _serial: std::sync::MutexGuard<'static, ()>,
+    /// The cluster's CA, when `opts.tls`.
+    pki: Option<Pki>,
+}
+
+/// A test cluster's CA, its files and a user's client TLS.
+struct Pki {
+    /// `ca.pem`, `ca-key.pem` and every issued `NAME.pem`/`NAME-key.pem`.
+    dir: PathBuf,
+    ca: cumulus_tls::generate::ClusterCa,
+    /// A user's TLS: the CA, no certificate.
+    user: ClientTls,
+}
+
+impl Pki {
+    fn new(dir: PathBuf) -> anyhow::Result<Pki> {
+        let ca = cumulus_tls::generate::ClusterCa::generate("e2e cluster")?;
+        ca.write(&dir)?;
+        let user = ClientTls {
+            ca_pem: ca.cert_pem().as_bytes().into(),
+            identity_pem: None,
+        };
+        Ok(Pki { dir, ca, user })
+    }
+
+    /// `--tls-cert`, `--tls-key`, `--tls-ca` for `identity`, issued once as `name`.
+    fn flags(&self, name: &str, identity: &cumulus_tls::Identity) -> anyhow::Result<Vec<String>> {
+        let files = cumulus_tls::generate::PairFiles::in_dir(&self.dir, name);
+        if !files.cert.exists() {
+            self.ca.issue(identity, &[])?.write(&self.dir, name)?;
+        }
+        Ok(vec![
+            "--tls-cert".into(),
+            files.cert.display().to_string(),
+            "--tls-key".into(),
+            files.key.display().to_string(),
+            "--tls-ca".into(),
+            self.ca_file().display().to_string(),
+        ])
+    }
+
+    fn ca_file(&self) -> PathBuf {
+        self.dir.join(cumulus_tls::generate::CA_FILE)
+    }
 }
 
 static ONE_CLUSTER_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -180,6 +226,11 @@ impl Cluster {
         let token_file = dir.path().join("token");
         std::fs::write(&token_file, TOKEN)?;
         std::fs::write(dir.path().join("peer-token"), PEER_TOKEN)?;
+        let pki = if opts.tls {
+            Some(Pki::new(dir.path().join("tls"))?)
+        } else {
+            None
+        };
         let mut coordinators = Vec::new();
         let net = net::Net::new();
         let mut proxies = Vec::new();
@@ -221,6 +272,7 @@ impl Cluster {
             net,
             _proxies: proxies,
             _serial: serial,
+            pki,
         };
         for i in 0..cluster.coordinators.len() {
             cluster.spawn_coordinator(i)?;
@@ -262,8 +314,12 @@ impl Cluster {
     /// joining coordinator is given only itself as peer, plus `--join`.
     pub fn spawn_coordinator(&mut self, i: usize) -> anyhow::Result<()> {
         let mut peers = self.peers();
+        let id = self.coordinators[i].id;
+        let mut extra: Vec<String> = self.tls_flags(
+            &format!("coordinator-{id}"),
+            &cumulus_tls::Identity::Coordinator(id),
+        )?;
         let c = &mut self.coordinators[i];
-        let mut extra: Vec<String> = Vec::new();
         if c.join {
             peers = vec!["--peer".into(), format!("{}={}@{}", c.id, c.grpc, c.http)];
             extra.push("--join".into());
@@ -421,6 +477,8 @@ impl Cluster {
             .map(|c| c.grpc.clone())
             .collect::<Vec<_>>()
             .join(",");
+        let name = self.workers[i].name.clone();
+        let tls = self.tls_flags(&name, &cumulus_tls::Identity::Worker(name.clone()))?;
         let w = &mut self.workers[i];
         let log = File::options().create(true).append(true).open(&w.log)?;
         let mut command = Command::new(bin("cumulus-worker"));
@@ -451,6 +509,7 @@ impl Cluster {
             .arg(self.opts.slots.to_string())
             .arg("--listen")
             .arg("127.0.0.1:0")
+            .args(&tls)
             .args(&self.opts.worker_args)
             .envs(self.opts.s3.iter().flat_map(S3Access::env))
             .env("RUST_LOG", "info")
@@ -463,6 +522,68 @@ impl Cluster {
         self.net.register(child.id(), &w.name);
         w.child = Some(child);
         Ok(())
+    }
+
+    /// The TLS flags of a process: its certificate `name` (issued for `identity` on first
+    /// use), key and the CA; or `--insecure`.
+    fn tls_flags(
+        &self,
+        name: &str,
+        identity: &cumulus_tls::Identity,
+    ) -> anyhow::Result<Vec<String>> {
+        match &self.pki {
+            Some(pki) => pki.flags(name, identity),
+            None => Ok(vec!["--insecure".into()]),
+        }
+    }
+
+    /// A user's client TLS (the CA, no certificate); `None` on an insecure cluster.
+    pub fn client_tls(&self) -> Option<ClientTls> {
+        self.pki.as_ref().map(|p| p.user.clone())
+    }
+
+    /// Client TLS presenting a certificate issued now for `identity` (a fake worker, a
+    /// coordinator impostor); `None` on an insecure cluster.
+    ///
+    /// # Errors
+    /// Issuing fails.
+    pub fn member_tls(
+        &self,
+        identity: &cumulus_tls::Identity,
+    ) -> anyhow::Result<Option<ClientTls>> {
+        let Some(pki) = &self.pki else {
+            return Ok(None);
+        };
+        let issued = pki.ca.issue(identity, &[])?;
+        Ok(Some(ClientTls {
+            ca_pem: pki.user.ca_pem.clone(),
+            identity_pem: Some(cumulus_api::leader::IdentityPem {
+                cert: issued.cert_pem.into_bytes().into(),
+                key: issued.key_pem.into_bytes().into(),
+            }),
+        }))
+    }
+
+    /// An HTTP client of the coordinators' and agents' HTTP APIs: it trusts the
+    /// cluster's CA (on a TLS cluster).
+    pub fn http_client(&self) -> reqwest::Client {
+        let mut builder = reqwest::Client::builder();
+        if let Some(pki) = &self.pki {
+            let ca = reqwest::Certificate::from_pem(&pki.user.ca_pem).expect("the test CA");
+            builder = builder.tls_certs_only([ca]);
+        }
+        builder.build().expect("an HTTP client")
+    }
+
+    /// `https://addr/path` on a TLS cluster, else `http://addr/path`.
+    pub fn url(&self, addr: &str, path: &str) -> String {
+        let scheme = if self.pki.is_some() { "https" } else { "http" };
+        format!("{scheme}://{addr}{path}")
+    }
+
+    /// The CA certificate file (`None` on an insecure cluster).
+    pub fn ca_file(&self) -> Option<PathBuf> {
+        self.pki.as_ref().map(Pki::ca_file)
     }
 
     /// The token file path.
@@ -490,7 +611,8 @@ impl Cluster {
 
     /// A client of coordinator `i`.
     pub async fn client_of(&self, i: usize) -> anyhow::Result<Client> {
-        let ch = coordinator_channel(&self.coordinators[i].grpc).await?;
+        let ch =
+            coordinator_channel(&self.coordinators[i].grpc, self.client_tls().as_ref()).await?;
         Ok(ClientServiceClient::with_interceptor(ch, Auth::new(TOKEN)))
     }
 
@@ -600,7 +722,12 @@ impl Cluster {
 
     /// Runs `cumulusctl` against this cluster and returns its output.
     pub fn cumulusctl(&self, args: &[&str]) -> anyhow::Result<std::process::Output> {
+        let tls = match self.ca_file() {
+            Some(ca) => vec!["--tls-ca".to_string(), ca.display().to_string()],
+            None => vec!["--insecure".to_string()],
+        };
         Ok(Command::new(bin("cumulusctl"))
+            .args(&tls)
             .arg("--addr")
             .arg(self.grpc_addrs())
             .arg("--http")
@@ -617,6 +744,7 @@ impl Cluster {
     pub fn view(&self) -> View {
         View {
             grpc: self.coordinators.iter().map(|c| c.grpc.clone()).collect(),
+            tls: self.client_tls(),
         }
     }
 
@@ -669,12 +797,14 @@ impl Cluster {
 pub struct View {
     /// gRPC address of each coordinator.
     pub grpc: Vec<String>,
+    /// A user's client TLS (`None`: the cluster is insecure).
+    pub tls: Option<ClientTls>,
 }
 
 impl View {
     /// A client of coordinator `i`.
     pub async fn client_of(&self, i: usize) -> anyhow::Result<Client> {
-        let ch = Endpoint::from_shared(format!("http://{}", self.grpc[i]))?
+        let ch = crate::endpoint(&self.grpc[i], self.tls.as_ref())?
             .connect_timeout(Duration::from_secs(1))
             .timeout(Duration::from_secs(5))
             .connect()
@@ -701,6 +831,7 @@ impl View {
                 connect_timeout: Duration::from_secs(1),
                 request_timeout: Duration::from_secs(5),
                 keep_alive: None,
+                tls: self.tls.clone(),
             },
         )?;
         let policy = RetryPolicy {

@@ -20,6 +20,7 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use cumulus_api::leader::ClientTls;
 use cumulus_api::v1;
 use cumulus_api::v1::client_service_client::ClientServiceClient;
 use tonic::codegen::InterceptedService;
@@ -137,16 +138,42 @@ pub type WorkerClient =
     v1::worker_service_client::WorkerServiceClient<InterceptedService<Channel, Auth>>;
 
 /// A channel to the coordinator at `grpc_addr` (host:port): 1 s to connect, 10 s per call.
-pub async fn coordinator_channel(grpc_addr: &str) -> anyhow::Result<Channel> {
-    Ok(Endpoint::from_shared(format!("http://{grpc_addr}"))?
+pub async fn coordinator_channel(
+    grpc_addr: &str,
+    tls: Option<&ClientTls>,
+) -> anyhow::Result<Channel> {
+    Ok(endpoint(grpc_addr, tls)?
         .connect_timeout(Duration::from_secs(1))
         .timeout(Duration::from_secs(10))
         .connect()
         .await?)
 }
 
-/// A worker-API client of the coordinator at `grpc_addr`.
-pub async fn worker_client(grpc_addr: &str) -> anyhow::Result<WorkerClient> {
-    let ch = coordinator_channel(grpc_addr).await?;
+/// `https://addr` with the client TLS `tls` (CA, and a client certificate when it has
+/// one), or `http://addr` without.
+///
+/// # Errors
+/// A bad address, or a TLS configuration tonic refuses.
+pub fn endpoint(addr: &str, tls: Option<&ClientTls>) -> anyhow::Result<Endpoint> {
+    Ok(match tls {
+        None => Endpoint::from_shared(format!("http://{addr}"))?,
+        Some(tls) => {
+            let mut config = tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(&*tls.ca_pem));
+            if let Some(id) = &tls.identity_pem {
+                config = config.identity(tonic::transport::Identity::from_pem(&*id.cert, &*id.key));
+            }
+            Endpoint::from_shared(format!("https://{addr}"))?.tls_config(config)?
+        }
+    })
+}
+
+/// A worker-API client of the coordinator at `grpc_addr`, over `tls` (which must name
+/// the worker whose id the calls carry, on a TLS cluster).
+pub async fn worker_client(
+    grpc_addr: &str,
+    tls: Option<&ClientTls>,
+) -> anyhow::Result<WorkerClient> {
+    let ch = coordinator_channel(grpc_addr, tls).await?;
     Ok(v1::worker_service_client::WorkerServiceClient::with_interceptor(ch, Auth::new(TOKEN)))
 }

@@ -662,7 +662,8 @@ async fn forge_raft_rpcs(cluster: &Cluster, anomalies: &mut Vec<Anomaly>) {
         if c.proc.child.is_none() {
             continue;
         }
-        let Ok(channel) = crate::coordinator_channel(&c.grpc).await else {
+        let Ok(channel) = crate::coordinator_channel(&c.grpc, cluster.client_tls().as_ref()).await
+        else {
             continue;
         };
         for (token, rpc, what) in [

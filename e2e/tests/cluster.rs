@@ -461,12 +461,12 @@ async fn bad_input_gets_clear_errors_and_changes_nothing() {
         .expect_err("unknown");
     assert_eq!(err.code(), tonic::Code::NotFound);
     // Wrong token: rejected by gRPC and HTTP.
-    let ch =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.coordinators[0].grpc))
-            .expect("endpoint")
-            .connect()
-            .await
-            .expect("connect");
+    let ch = cumulus_e2e::coordinator_channel(
+        &cluster.coordinators[0].grpc,
+        cluster.client_tls().as_ref(),
+    )
+    .await
+    .expect("connect");
     let mut bad = v1::client_service_client::ClientServiceClient::with_interceptor(
         ch,
         cumulus_e2e::Auth::new("wrong-token-0123456789"),
@@ -483,16 +483,16 @@ async fn bad_input_gets_clear_errors_and_changes_nothing() {
         .await
         .expect_err("wrong token");
     assert_eq!(err.code(), tonic::Code::Unauthenticated);
-    let http = reqwest::Client::new();
+    let http = cluster.http_client();
     let resp = http
-        .get(format!("http://{}/v1/jobs", cluster.coordinators[0].http))
+        .get(cluster.url(&cluster.coordinators[0].http, "/v1/jobs"))
         .bearer_auth("wrong-token-0123456789")
         .send()
         .await
         .expect("http");
     assert_eq!(resp.status(), reqwest::StatusCode::UNAUTHORIZED);
     let resp = http
-        .get(format!("http://{}/v1/jobs", cluster.coordinators[0].http))
+        .get(cluster.url(&cluster.coordinators[0].http, "/v1/jobs"))
         .bearer_auth(TOKEN)
         .send()
         .await
@@ -641,13 +641,14 @@ async fn corrupted_manifest_falls_back_to_the_previous_good_step() {
 /// Reads SSE `log` events from `url` until `end` or until `limit` events; returns
 /// `(rank, attempt, line)` triples and the last event id.
 async fn read_sse(
+    http: &reqwest::Client,
     url: &str,
     last_event_id: Option<&str>,
     limit: usize,
 ) -> (Vec<(u64, u64, String)>, Option<String>, bool) {
     use eventsource_stream::Eventsource;
     use futures::StreamExt;
-    let mut req = reqwest::Client::new().get(url).bearer_auth(TOKEN);
+    let mut req = http.get(url).bearer_auth(TOKEN);
     if let Some(id) = last_event_id {
         req = req.header("Last-Event-ID", id);
     }
@@ -700,15 +701,16 @@ async fn logs_of_every_attempt_stream_over_sse_and_resume_on_another_coordinator
     let job = cluster.wait_finished(&job_id, LONG).await;
     assert_eq!(job.state, "succeeded", "{job:?}");
     let url = |i: usize| {
-        format!(
-            "http://{}/v1/jobs/{job_id}/logs?follow=true",
-            cluster.coordinators[i].http
+        cluster.url(
+            &cluster.coordinators[i].http,
+            &format!("/v1/jobs/{job_id}/logs?follow=true"),
         )
     };
+    let http = cluster.http_client();
     // Read part of the stream from coordinator 0, then resume on coordinator 2.
-    let (first, last_id, ended) = read_sse(&url(0), None, 55).await;
+    let (first, last_id, ended) = read_sse(&http, &url(0), None, 55).await;
     assert!(!ended);
-    let (rest, _, ended) = read_sse(&url(2), last_id.as_deref(), usize::MAX).await;
+    let (rest, _, ended) = read_sse(&http, &url(2), last_id.as_deref(), usize::MAX).await;
     assert!(ended, "the stream ends once the job is over and drained");
     let all: Vec<_> = first.into_iter().chain(rest).collect();
     for rank in 0..2u64 {
@@ -917,6 +919,8 @@ struct FakeAgent {
     addrs: Vec<String>,
     /// The agent's worker id.
     worker_id: String,
+    /// TLS with a certificate naming `worker_id` (`None`: insecure cluster).
+    tls: Option<cumulus_api::leader::ClientTls>,
 }
 
 impl FakeAgent {
@@ -929,7 +933,7 @@ impl FakeAgent {
     {
         let mut last = tonic::Status::unavailable("no coordinator answered");
         for addr in &self.addrs {
-            let Ok(client) = worker_client(addr).await else {
+            let Ok(client) = worker_client(addr, self.tls.as_ref()).await else {
                 continue;
             };
             match call(client).await {
@@ -979,6 +983,9 @@ async fn checkpoint_part_retried_at_a_new_leader_after_its_step_committed_is_ack
             .map(|c| c.grpc.clone())
             .collect(),
         worker_id: "fake-agent".into(),
+        tls: cluster
+            .member_tls(&cumulus_tls::Identity::Worker("fake-agent".into()))
+            .expect("certificate"),
     });
     agent
         .call(|mut c| async move {

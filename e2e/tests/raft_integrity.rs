@@ -1,5 +1,6 @@
 //! The probes of issue 21, rerun against real 3-coordinator clusters: forged Raft RPCs
-//! (with the client token, from a non-member, with an absurd term), and a flipped byte in
+//! (with the client token, from a non-member, with an absurd term, and with the peer
+//! token over a connection whose certificate does not name the sender), and a flipped byte in
 //! a stopped node's raft log. Each must end with no acknowledged job lost, no divergence,
 //! no panic, and a clear refusal or recovery. Every wait is on a condition with a
 //! generous deadline.
@@ -9,14 +10,15 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use cumulus_api::leader::ClientTls;
 use cumulus_api::v1;
 use cumulus_api::v1::RaftPayload;
 use cumulus_api::v1::raft_service_client::RaftServiceClient;
 use cumulus_e2e::{Auth, Cluster, ClusterOpts, PEER_TOKEN, TOKEN, wait_for};
 use cumulus_raft_store::state::Command;
 use cumulus_raft_store::{Entry, EntryPayload, LeaderId, LogId, TypeConfig, Vote};
+use cumulus_tls::Identity;
 use openraft::raft::{AppendEntriesRequest, VoteRequest};
-use tonic::transport::Endpoint;
 
 const LONG: Duration = Duration::from_secs(300);
 
@@ -32,10 +34,11 @@ fn pending_spec() -> v1::JobSpec {
 async fn raft_client(
     grpc_addr: &str,
     token: &str,
+    tls: Option<&ClientTls>,
 ) -> RaftServiceClient<
     tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Auth>,
 > {
-    let channel = Endpoint::from_shared(format!("http://{grpc_addr}"))
+    let channel = cumulus_e2e::endpoint(grpc_addr, tls)
         .expect("endpoint")
         .connect_timeout(Duration::from_secs(5))
         .connect()
@@ -133,6 +136,7 @@ async fn forged_raft_rpcs_are_refused_and_change_nothing() {
     .await
     .expect("cluster");
     let job = cluster.submit("j-1", pending_spec()).await.expect("submit");
+    let user = cluster.client_tls();
     let leader = cluster.wait_leader(LONG).await;
     let before = cluster.status().await.expect("status");
     let f = cluster.follower_of(leader);
@@ -146,7 +150,7 @@ async fn forged_raft_rpcs_are_refused_and_change_nothing() {
 
     // 1. The client token opens no Raft RPC.
     for i in 0..cluster.coordinators.len() {
-        let mut c = raft_client(&cluster.coordinators[i].grpc, TOKEN).await;
+        let mut c = raft_client(&cluster.coordinators[i].grpc, TOKEN, user.as_ref()).await;
         let vote = c
             .vote(forged_vote(cluster.coordinators[f].id, before.term + 1))
             .await
@@ -160,7 +164,7 @@ async fn forged_raft_rpcs_are_refused_and_change_nothing() {
     }
 
     // 2. With the peer token: a node id outside the membership is refused.
-    let mut c = raft_client(&cluster.coordinators[f].grpc, PEER_TOKEN).await;
+    let mut c = raft_client(&cluster.coordinators[f].grpc, PEER_TOKEN, user.as_ref()).await;
     let outsider = c
         .vote(forged_vote(9, before.term + 1))
         .await
@@ -172,10 +176,55 @@ async fn forged_raft_rpcs_are_refused_and_change_nothing() {
         .expect_err("an append from node 9");
     assert_eq!(outsider.code(), tonic::Code::PermissionDenied, "{outsider}");
 
+    // 2b. With TLS, the peer token and a member's node id are not enough: the connection's
+    //     certificate must name that coordinator. A user's connection (no certificate), a
+    //     worker's certificate, and another coordinator's certificate are refused.
+    if cluster.opts.tls {
+        let other = cluster
+            .coordinators
+            .iter()
+            .map(|c| c.id)
+            .find(|id| *id != leader && *id != cluster.coordinators[f].id)
+            .expect("a third member");
+        let impostors = [
+            ("no certificate", user.clone()),
+            (
+                "a worker's certificate",
+                cluster
+                    .member_tls(&Identity::Worker("worker-1".into()))
+                    .expect("issue"),
+            ),
+            (
+                "another coordinator's certificate",
+                cluster
+                    .member_tls(&Identity::Coordinator(other))
+                    .expect("issue"),
+            ),
+        ];
+        for (what, tls) in impostors {
+            let mut c = raft_client(&cluster.coordinators[f].grpc, PEER_TOKEN, tls.as_ref()).await;
+            let vote = c
+                .vote(forged_vote(leader, before.term + 1))
+                .await
+                .expect_err(what);
+            assert_eq!(vote.code(), tonic::Code::PermissionDenied, "{what}: {vote}");
+            assert!(vote.message().contains("certificate"), "{what}: {vote}");
+            let append = c
+                .append_entries(forged_append(leader, before.term, Some(last), &job.job_id))
+                .await
+                .expect_err(what);
+            assert_eq!(
+                append.code(),
+                tonic::Code::PermissionDenied,
+                "{what}: {append}"
+            );
+        }
+    }
+
     // 3. A vote of term u64::MAX to every node (it overflowed the next election and
     //    panicked all three, on every restart) is refused and never persisted.
     for i in 0..cluster.coordinators.len() {
-        let mut c = raft_client(&cluster.coordinators[i].grpc, PEER_TOKEN).await;
+        let mut c = raft_client(&cluster.coordinators[i].grpc, PEER_TOKEN, user.as_ref()).await;
         let absurd = c
             .vote(forged_vote(cluster.coordinators[f].id, u64::MAX))
             .await

@@ -5,16 +5,17 @@
 
 use std::time::Duration;
 
+use cumulus_api::leader::ClientTls;
 use cumulus_api::v1::SnapshotChunk;
 use cumulus_api::v1::raft_service_client::RaftServiceClient;
 use cumulus_coordinator::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader};
 use cumulus_e2e::{Auth, Cluster, ClusterOpts, PEER_TOKEN, wait_for};
 use cumulus_raft_store::{SnapshotMeta, TypeConfig, Vote};
+use cumulus_tls::Identity;
 use futures::channel::mpsc;
 use openraft::error::Fatal;
 use openraft::raft::SnapshotResponse;
 use tokio::task::JoinHandle;
-use tonic::transport::Endpoint;
 
 const LONG: Duration = Duration::from_secs(120);
 
@@ -28,8 +29,13 @@ struct OpenSend {
 }
 
 /// Opens an `InstallSnapshot` call to `grpc_addr` and sends only the header chunk.
-async fn open_send(grpc_addr: &str, vote: Vote, data_bytes: Option<u64>) -> OpenSend {
-    let channel = Endpoint::from_shared(format!("http://{grpc_addr}"))
+async fn open_send(
+    grpc_addr: &str,
+    tls: Option<&ClientTls>,
+    vote: Vote,
+    data_bytes: Option<u64>,
+) -> OpenSend {
+    let channel = cumulus_e2e::endpoint(grpc_addr, tls)
         .expect("endpoint")
         .connect_timeout(Duration::from_secs(5))
         .connect()
@@ -98,15 +104,26 @@ async fn install_snapshot_decides_on_the_header_for_stale_oversized_and_concurre
         (own.leader_id == Some(leader) && own.term == status.term).then_some(own.last_applied_index)
     })
     .await;
+    // The sender speaks as the leader: on a TLS cluster it needs the leader's
+    // certificate (the follower checks that the connection names the vote's node).
+    let as_leader = cluster
+        .member_tls(&Identity::Coordinator(leader))
+        .expect("certificate");
     let current = Vote::new_committed(status.term, leader);
     let stale = Vote::new_committed(status.term - 1, leader);
 
     // A size over the limit is refused from the header.
-    let big = open_send(&addr, current, Some(MAX_SNAPSHOT_BYTES as u64 + 1)).await;
+    let big = open_send(
+        &addr,
+        as_leader.as_ref(),
+        current,
+        Some(MAX_SNAPSHOT_BYTES as u64 + 1),
+    )
+    .await;
     assert_exhausted(answer(big).await, "an oversized snapshot");
 
     // A deposed leader's snapshot is answered with the follower's vote at once.
-    let old = open_send(&addr, stale, Some(1 << 30)).await;
+    let old = open_send(&addr, as_leader.as_ref(), stale, Some(1 << 30)).await;
     let reply = answer(old)
         .await
         .expect("a stale sender gets an answer")
@@ -119,8 +136,8 @@ async fn install_snapshot_decides_on_the_header_for_stale_oversized_and_concurre
 
     // Two senders of the current term: the second to arrive is refused while the first
     // holds the only receive slot (its stream open, no data yet).
-    let mut a = open_send(&addr, current, Some(1 << 20)).await;
-    let mut b = open_send(&addr, current, Some(1 << 20)).await;
+    let mut a = open_send(&addr, as_leader.as_ref(), current, Some(1 << 20)).await;
+    let mut b = open_send(&addr, as_leader.as_ref(), current, Some(1 << 20)).await;
     let (first_answer, b_answered) = tokio::time::timeout(LONG, async {
         tokio::select! {
             answered = &mut a.call => (answered, false),
@@ -143,7 +160,7 @@ async fn install_snapshot_decides_on_the_header_for_stale_oversized_and_concurre
     held.call.abort();
     drop(held._open);
     wait_for("the receive slot to be free again", LONG, || async {
-        let old = open_send(&addr, stale, Some(1 << 20)).await;
+        let old = open_send(&addr, as_leader.as_ref(), stale, Some(1 << 20)).await;
         match answer(old).await {
             Ok(Ok(reply)) if reply.vote >= current => Some(()),
             _ => None,

@@ -18,6 +18,12 @@
 //!
 //! HTTP/2 connections (gRPC) are kept honest by the server's keepalive PINGs, set where
 //! the tonic server is built.
+//!
+//! With [`BoundedListener::with_tls`] a listener speaks TLS only: each accepted
+//! connection's handshake runs in its own task (a slow client never holds up the next
+//! accept) within [`TLS_HANDSHAKE_TIMEOUT_MS`], and every request carries a [`ConnInfo`]
+//! in its extensions with the verified client certificate, when one was presented, so a
+//! service can tell which coordinator or worker is calling ([`ConnInfo::peer_identity`]).
 
 use std::future::Future;
 use std::io;
@@ -28,6 +34,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use cumulus_tls::Identity;
+use cumulus_tls::rustls::ServerConfig;
+use cumulus_tls::rustls::pki_types::CertificateDer;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::server::graceful::GracefulShutdown;
@@ -53,6 +62,8 @@ pub const FIRST_BYTES: usize = 24;
 /// How long the accept loop waits after a failed `accept` (descriptors exhausted, say)
 /// before it tries again, in milliseconds.
 pub const ACCEPT_RETRY_MS: u64 = 50;
+/// Deadline for a TLS handshake after accept, in milliseconds.
+pub const TLS_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// Least interval between two warnings of one listener about refused connections, in
 /// milliseconds (a flood must not flood the log too).
 pub const WARN_INTERVAL_MS: u64 = 5_000;
@@ -130,10 +141,12 @@ pub struct BoundedListener {
     /// Connections refused since the last warning.
     refused: Arc<AtomicU64>,
     last_warning: Option<Instant>,
+    /// TLS for every connection (`None`: plaintext).
+    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 impl BoundedListener {
-    /// Wraps `listener`.
+    /// Wraps `listener` (plaintext until [`BoundedListener::with_tls`]).
     pub fn new(listener: TcpListener, name: &'static str, limits: Limits) -> BoundedListener {
         BoundedListener {
             listener,
@@ -142,7 +155,19 @@ impl BoundedListener {
             slots: Arc::new(Semaphore::new(limits.max_connections)),
             refused: Arc::default(),
             last_warning: None,
+            tls: None,
         }
+    }
+
+    /// Makes every connection TLS with `config` (`None` keeps plaintext).
+    pub fn with_tls(mut self, config: Option<Arc<ServerConfig>>) -> BoundedListener {
+        self.tls = config.map(tokio_rustls::TlsAcceptor::from);
+        self
+    }
+
+    /// The listener's name, for logs.
+    pub fn name(&self) -> &'static str {
+        self.name
     }
 
     /// The bound address.
@@ -215,14 +240,180 @@ impl BoundedListener {
         }
     }
 
-    /// The accepted connections as a stream, for tonic's `serve_with_incoming*`.
+    /// The accepted connections as a stream, for tonic's `serve_with_incoming*`. With
+    /// TLS, handshakes run in their own tasks and only completed ones are yielded; the
+    /// accept loop ends when the stream is dropped.
     pub fn into_incoming(
-        self,
-    ) -> impl futures::Stream<Item = Result<BoundedStream, io::Error>> + Send + 'static {
-        futures::stream::unfold(self, |mut listener| async move {
-            let (stream, _) = listener.accept_bounded().await;
-            Some((Ok(stream), listener))
+        mut self,
+    ) -> impl futures::Stream<Item = Result<ServedStream, io::Error>> + Send + 'static {
+        let (tx, rx) = tokio::sync::mpsc::channel::<ServedStream>(64);
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = tokio::select! {
+                    accepted = self.accept_bounded() => accepted,
+                    () = tx.closed() => return,
+                };
+                let tls = self.tls.clone();
+                let name = self.name;
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    if let Some(served) = handshake(name, tls.as_ref(), stream).await {
+                        let _ = tx.send(served).await;
+                    }
+                });
+            }
+        });
+        futures::stream::unfold(rx, |mut rx| async move {
+            let served = rx.recv().await?;
+            Some((Ok(served), rx))
         })
+    }
+}
+
+/// Completes a connection: the TLS handshake (within [`TLS_HANDSHAKE_TIMEOUT_MS`]) when
+/// `tls` is set. `None` when the handshake fails or times out (logged at debug: a
+/// scanner or a client of another cluster is not the server's error).
+async fn handshake(
+    name: &'static str,
+    tls: Option<&tokio_rustls::TlsAcceptor>,
+    stream: BoundedStream,
+) -> Option<ServedStream> {
+    let Some(acceptor) = tls else {
+        return Some(ServedStream::Plain(stream));
+    };
+    let remote = stream.peer_addr().ok();
+    match tokio::time::timeout(
+        Duration::from_millis(TLS_HANDSHAKE_TIMEOUT_MS),
+        acceptor.accept(stream),
+    )
+    .await
+    {
+        Ok(Ok(tls)) => Some(ServedStream::Tls(Box::new(tls))),
+        Ok(Err(e)) => {
+            tracing::debug!(listener = name, ?remote, error = %e, "TLS handshake failed");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(listener = name, ?remote, "TLS handshake timed out");
+            None
+        }
+    }
+}
+
+/// What a service knows of the connection a request came on; in every request's
+/// extensions (tonic puts it there for gRPC, [`serve_http`] for HTTP).
+#[derive(Clone, Debug, Default)]
+pub struct ConnInfo {
+    /// The peer's address.
+    pub remote_addr: Option<SocketAddr>,
+    /// The client's certificate chain, verified against the cluster CA, when the
+    /// connection is TLS and the client presented one.
+    pub peer_certs: Option<Arc<Vec<CertificateDer<'static>>>>,
+    /// Whether the connection is TLS.
+    pub tls: bool,
+}
+
+impl ConnInfo {
+    /// Who the client's verified certificate names (`None`: plaintext, no certificate,
+    /// or a certificate naming no identity).
+    pub fn peer_identity(&self) -> Option<Identity> {
+        let chain = self.peer_certs.as_ref()?;
+        cumulus_tls::identity_of(chain.first()?).ok()
+    }
+}
+
+/// A served connection: plaintext or TLS over a [`BoundedStream`].
+pub enum ServedStream {
+    /// Plaintext.
+    Plain(BoundedStream),
+    /// TLS, handshake done.
+    Tls(Box<tokio_rustls::server::TlsStream<BoundedStream>>),
+}
+
+impl ServedStream {
+    /// The connection's [`ConnInfo`].
+    pub fn conn_info(&self) -> ConnInfo {
+        match self {
+            ServedStream::Plain(s) => ConnInfo {
+                remote_addr: s.peer_addr().ok(),
+                peer_certs: None,
+                tls: false,
+            },
+            ServedStream::Tls(t) => {
+                let (s, session) = t.get_ref();
+                ConnInfo {
+                    remote_addr: s.peer_addr().ok(),
+                    peer_certs: session.peer_certificates().map(|c| Arc::new(c.to_vec())),
+                    tls: true,
+                }
+            }
+        }
+    }
+}
+
+impl AsyncRead for ServedStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ServedStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            ServedStream::Tls(t) => Pin::new(t.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for ServedStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            ServedStream::Plain(s) => Pin::new(s).poll_write(cx, data),
+            ServedStream::Tls(t) => Pin::new(t.as_mut()).poll_write(cx, data),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ServedStream::Plain(s) => Pin::new(s).poll_flush(cx),
+            ServedStream::Tls(t) => Pin::new(t.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ServedStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            ServedStream::Tls(t) => Pin::new(t.as_mut()).poll_shutdown(cx),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            ServedStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            ServedStream::Tls(t) => Pin::new(t.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            ServedStream::Plain(s) => s.is_write_vectored(),
+            ServedStream::Tls(t) => t.is_write_vectored(),
+        }
+    }
+}
+
+impl tonic::transport::server::Connected for ServedStream {
+    type ConnectInfo = ConnInfo;
+
+    fn connect_info(&self) -> ConnInfo {
+        self.conn_info()
     }
 }
 
@@ -307,17 +498,10 @@ impl AsyncWrite for BoundedStream {
     }
 }
 
-impl tonic::transport::server::Connected for BoundedStream {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
-    }
-}
-
-/// Serves `router` on `listener` (HTTP/1 and HTTP/2) until `shutdown` is cancelled, then
-/// lets open requests finish. HTTP/1 headers must arrive within
-/// [`HTTP_HEADER_READ_TIMEOUT_MS`].
+/// Serves `router` on `listener` (HTTP/1 and HTTP/2; TLS when the listener has it) until
+/// `shutdown` is cancelled, then lets open requests finish. HTTP/1 headers must arrive
+/// within [`HTTP_HEADER_READ_TIMEOUT_MS`]. Every request carries the connection's
+/// [`ConnInfo`] as an `axum::Extension`.
 ///
 /// # Errors
 /// None today (accept errors are retried); the `Result` is for the callers' task sets.
@@ -337,10 +521,17 @@ pub async fn serve_http(
             accepted = listener.accept_bounded() => accepted,
             () = shutdown.cancelled() => break,
         };
-        let service = TowerToHyperService::new(router.clone());
+        let router = router.clone();
         let builder = builder.clone();
         let watcher = graceful.watcher();
+        let tls = listener.tls.clone();
+        let name = listener.name;
         tokio::spawn(async move {
+            let Some(stream) = handshake(name, tls.as_ref(), stream).await else {
+                return;
+            };
+            let service =
+                TowerToHyperService::new(router.layer(axum::Extension(stream.conn_info())));
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             if let Err(e) = watcher.watch(conn).await {
                 tracing::trace!(error = %e, "HTTP connection ended with an error");
@@ -425,6 +616,84 @@ mod tests {
         })
         .await;
         assert_eq!(body.as_deref(), Some("ok"));
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn tls_listeners_serve_only_tls_and_name_the_client_certificate() {
+        use cumulus_tls::generate::ClusterCa;
+        cumulus_tls::install_default_provider();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ca = ClusterCa::generate("listen test").expect("ca");
+        ca.write(dir.path()).expect("write ca");
+        let ca_file = dir.path().join(cumulus_tls::generate::CA_FILE);
+        let issue = |identity: Identity, name: &str| {
+            let files = ca
+                .issue(&identity, &[])
+                .expect("issue")
+                .write(dir.path(), name)
+                .expect("write");
+            cumulus_tls::Credentials::load(&files.cert, &files.key, &ca_file).expect("load")
+        };
+        let server = issue(Identity::Coordinator(1), "server");
+        let worker = issue(Identity::Worker("w-9".into()), "worker");
+
+        let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = BoundedListener::new(tcp, "test", Limits::connections(8))
+            .with_tls(Some(server.server_config().expect("config")));
+        let addr = listener.local_addr().expect("addr");
+        let router = axum::Router::new().route(
+            "/",
+            axum::routing::get(
+                |axum::Extension(info): axum::Extension<ConnInfo>| async move {
+                    format!("tls={} peer={:?}", info.tls, info.peer_identity())
+                },
+            ),
+        );
+        let stop = CancellationToken::new();
+        tokio::spawn(serve_http(listener, router, stop.clone()));
+        let url = format!("https://127.0.0.1:{}/", addr.port());
+        let ca_cert = reqwest::Certificate::from_pem(server.trust().ca_pem()).expect("ca");
+
+        let user = reqwest::Client::builder()
+            .tls_certs_only([ca_cert.clone()])
+            .build()
+            .expect("client");
+        let body = user
+            .get(&url)
+            .send()
+            .await
+            .expect("get")
+            .text()
+            .await
+            .expect("body");
+        assert_eq!(body, "tls=true peer=None");
+
+        let mut pem = worker.cert_pem().to_vec();
+        pem.extend_from_slice(worker.key_pem());
+        let member = reqwest::Client::builder()
+            .tls_certs_only([ca_cert])
+            .identity(reqwest::Identity::from_pem(&pem).expect("identity"))
+            .build()
+            .expect("client");
+        let body = member
+            .get(&url)
+            .send()
+            .await
+            .expect("get")
+            .text()
+            .await
+            .expect("body");
+        assert_eq!(body, "tls=true peer=Some(Worker(\"w-9\"))");
+
+        // Plaintext to a TLS listener, and TLS without the cluster CA, get nothing.
+        let plain = format!("http://127.0.0.1:{}/", addr.port());
+        assert!(reqwest::get(&plain).await.is_err());
+        let stranger = reqwest::Client::builder()
+            .tls_certs_only([])
+            .build()
+            .expect("client");
+        assert!(stranger.get(&url).send().await.is_err());
         stop.cancel();
     }
 

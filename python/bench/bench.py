@@ -690,9 +690,7 @@ def local_cluster(tmp: Path) -> Iterator[cumulus.Client]:
         raise BenchError(reason)
     with (
         LocalCluster(tmp / "cluster", coordinators=1, workers=1, slots=4) as cluster,
-        cumulus.Client(
-            cluster.http_addrs, token_file=cluster.token_file, retry_total_s=30
-        ) as client,
+        cluster.client() as client,
     ):
         yield client
 

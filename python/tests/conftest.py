@@ -14,6 +14,22 @@ from localcluster import DIGITS, LocalCluster, binaries_missing
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 #: The rank program of the integration tests, run by this interpreter (it has cumulus).
 TRAINER = [sys.executable, str(PROGRAMS / "counting_trainer.py")]
+#: A self-signed CA certificate (P-256, valid until 2126) that signed nothing a cluster
+#: presents: a well-formed CA for the configuration tests, and the wrong CA for a real
+#: cluster.
+UNRELATED_CA_PEM = """\
+-----BEGIN CERTIFICATE-----
+MIIBjDCCATGgAwIBAgIUJ/QHw5TKMPv1qf832CwM3PoJDEwwCgYIKoZIzj0EAwIw
+GjEYMBYGA1UEAwwPY3VtdWx1cyB0ZXN0IENBMCAXDTI2MTEyNjE2MjMxNloYDzIx
+MjYxMTAyMTYyMzE2WjAaMRgwFgYDVQQDDA9jdW11bHVzIHRlc3QgQ0EwWTATBgcq
+hkjOPQIBBggqhkjOPQMBBwNCAAQotvqWtZcC686FWz8tMz5j3Zu7Vwp59UBCc5oc
+eMoOGEY0H1n5rMzJLXkoWOg3w9RTRBlxAYGoUBBmZyGBOdlGo1MwUTAdBgNVHQ4E
+FgQUTNtku6wAiC1VjRbC1Xeb4EY7sBAwHwYDVR0jBBgwFoAUTNtku6wAiC1VjRbC
+1Xeb4EY7sBAwDwYDVR0TAQH/BAUwAwEB/zAKBggqhkjOPQQDAgNJADBGAiEAyd5f
+eVyUpxlvysah4VHE6o4QTTzFNE7J4Zh/iTBQLAICIQDTHzF0QGQTvQlJeTZF596P
+DWKoYxyBUKkcHE+KUCEt3Q==
+-----END CERTIFICATE-----
+"""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -26,10 +42,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def _client(cluster: LocalCluster) -> cumulus.Client:
-    return cumulus.Client(cluster.http_addrs, token_file=cluster.token_file, retry_total_s=30)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """One coordinator and one worker with 4 slots, shared by a test module."""
@@ -39,7 +51,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[cumulus.Client]:
-    with _client(cluster) as c:
+    with cluster.client() as c:
         yield c
 
 
@@ -52,7 +64,7 @@ def ha_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluste
 
 @pytest.fixture
 def ha_client(ha_cluster: LocalCluster) -> Iterator[cumulus.Client]:
-    with _client(ha_cluster) as c:
+    with ha_cluster.client() as c:
         yield c
 
 

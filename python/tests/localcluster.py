@@ -1,6 +1,7 @@
 """A real local Cumulus cluster for the integration tests: ``cumulusctl local up`` in a
-temp dir, torn down with ``local down --purge``. Every process it starts is recorded in
-that dir's ``cluster.json``; teardown stops them all, and SIGKILLs any left."""
+temp dir (TLS, with a CA in ``<dir>/tls``, unless ``insecure``), torn down with ``local
+down --purge``. Every process it starts is recorded in that dir's ``cluster.json``;
+teardown stops them all, and SIGKILLs any left."""
 
 from __future__ import annotations
 
@@ -70,13 +71,23 @@ def pid_alive(pid: int) -> bool:
 
 
 class LocalCluster:
-    """``cumulusctl local up`` under ``directory``; use as a context manager."""
+    """``cumulusctl local up`` under ``directory`` (``cumulusctl --insecure local up`` with
+    ``insecure``: plaintext); use as a context manager."""
 
-    def __init__(self, directory: Path, *, coordinators: int = 1, workers: int = 1, slots: int = 4):
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        coordinators: int = 1,
+        workers: int = 1,
+        slots: int = 4,
+        insecure: bool = False,
+    ):
         self.dir = directory
         self.coordinators = coordinators
         self.workers = workers
         self.slots = slots
+        self.insecure = insecure
         self.ctl = bin_dir() / "cumulusctl"
         self._pids: list[int] = []
 
@@ -96,6 +107,7 @@ class LocalCluster:
     def up(self) -> LocalCluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         r = self.cumulusctl(
+            *(["--insecure"] if self.insecure else []),
             "local",
             "up",
             "--coordinators",
@@ -150,7 +162,31 @@ class LocalCluster:
 
     @property
     def http_addrs(self) -> list[str]:
+        """The coordinators' HTTP ``host:port`` (HTTPS unless the cluster is insecure)."""
         return [c["http"] for c in self.file["coordinators"]]
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The cluster CA certificate (``<tls_dir>/ca.pem``), ``None`` when plaintext."""
+        tls_dir = self.file.get("tls_dir")
+        return Path(tls_dir) / "ca.pem" if tls_dir else None
+
+    @property
+    def scheme(self) -> str:
+        """``https``, or ``http`` for an insecure cluster."""
+        return "http" if self.ca_file is None else "https"
+
+    def client(self, **kwargs: Any) -> cumulus.Client:
+        """An SDK client of this cluster by its explicit addresses, token file and TLS
+        settings (``kwargs`` override or add :class:`cumulus.Client` arguments)."""
+        ca = self.ca_file
+        args: dict[str, Any] = {
+            "token_file": self.token_file,
+            "tls_ca": ca,
+            "insecure": ca is None,
+            "retry_total_s": 30,
+        }
+        return cumulus.Client(self.http_addrs, **{**args, **kwargs})
 
     def coordinator_pid(self, http_addr: str) -> int:
         for c in self.file["coordinators"]:

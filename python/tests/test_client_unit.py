@@ -1,9 +1,12 @@
-"""The client SDK against scripted coordinators (httpx.MockTransport): configuration,
-leader following, retries, error mapping, waiting and the SSE log stream."""
+"""The client SDK against scripted coordinators (httpx.MockTransport): configuration
+(addresses, token, TLS), leader following, retries, error mapping, waiting and the SSE log
+stream."""
 
 from __future__ import annotations
 
 import json
+import re
+import ssl
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +15,9 @@ import httpx
 import pytest
 
 import cumulus
+from conftest import UNRELATED_CA_PEM
 from cumulus import errors
-from cumulus._config import normalize_address, resolve
+from cumulus._config import MAX_PEM_FILE_BYTES, load_ca, normalize_address, resolve
 from cumulus.client import Client
 
 A, B, C = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
@@ -77,6 +81,24 @@ def refused(r: httpx.Request) -> httpx.Response:
     raise httpx.ConnectError("connection refused", request=r)
 
 
+#: What the client reads from the environment (the tests say what they mean instead).
+CONNECTION_VARIABLES = (
+    "CUMULUS_HTTP",
+    "CUMULUS_ADDR",
+    "CUMULUS_TOKEN",
+    "CUMULUS_TOKEN_FILE",
+    "CUMULUS_TLS_CA",
+    "CUMULUS_INSECURE",
+    "CUMULUS_LOCAL_DIR",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in CONNECTION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 def script() -> Script:
     return Script()
@@ -84,7 +106,13 @@ def script() -> Script:
 
 @pytest.fixture
 def client(script: Script) -> Iterator[Client]:
-    c = Client([A, B, C], token="tok", transport=httpx.MockTransport(script), retry_total_s=5)
+    c = Client(
+        [A, B, C],
+        token="tok",
+        insecure=True,
+        transport=httpx.MockTransport(script),
+        retry_total_s=5,
+    )
     yield c
     c.close()
 
@@ -92,21 +120,34 @@ def client(script: Script) -> Iterator[Client]:
 # -- configuration ---------------------------------------------------------------------
 
 
-def write_cluster(dir: Path, token: str = "file-token") -> None:
+def write_cluster(dir: Path, token: str = "file-token", *, tls: bool = False) -> None:
+    """A ``cluster.json`` as ``cumulusctl local up`` writes it (``cumulusctl --insecure
+    local up`` without ``tls``: no ``tls_dir``)."""
     dir.mkdir(parents=True, exist_ok=True)
     (dir / "token").write_text(token + "\n")
-    cluster = {
+    cluster: dict[str, Any] = {
         "token_file": str(dir / "token"),
         "coordinators": [{"node_id": i, "grpc": "x", "http": f"127.0.0.1:800{i}"} for i in (1, 2)],
         "workers": [],
     }
+    if tls:
+        (dir / "tls").mkdir(exist_ok=True)
+        (dir / "tls" / "ca.pem").write_text(UNRELATED_CA_PEM)
+        cluster["tls_dir"] = str(dir / "tls")
     (dir / "cluster.json").write_text(json.dumps(cluster))
+
+
+def write_ca(path: Path) -> Path:
+    path.write_text(UNRELATED_CA_PEM)
+    return path
 
 
 def test_config_from_the_local_cluster_file(tmp_path: Path) -> None:
     write_cluster(tmp_path / "lc")
     conn = resolve(environ={"CUMULUS_LOCAL_DIR": str(tmp_path / "lc")})
+    # No tls_dir: a cluster started with `cumulusctl --insecure local up`, plaintext.
     assert conn.addresses == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert conn.ca_file is None and conn.ssl_context is None and conn.scheme == "http"
     assert conn.token == "file-token"
     assert "file-token" not in repr(conn)
 
@@ -118,6 +159,7 @@ def test_config_from_the_environment_wins(tmp_path: Path) -> None:
         "CUMULUS_LOCAL_DIR": str(tmp_path),
         "CUMULUS_HTTP": "http://h1:1/, h2:2",
         "CUMULUS_TOKEN_FILE": str(tmp_path / "other"),
+        "CUMULUS_INSECURE": "1",
     }
     conn = resolve(environ=env)
     assert conn.addresses == ("http://h1:1", "http://h2:2")
@@ -143,6 +185,243 @@ def test_config_errors_say_what_is_missing(tmp_path: Path) -> None:
 def test_bad_addresses_are_refused(bad: str) -> None:
     with pytest.raises(errors.ConfigError, match="host:port"):
         normalize_address(bad, "test")
+
+
+def test_an_address_takes_the_scheme_tls_decides() -> None:
+    assert normalize_address("https://h:1/", "test") == "http://h:1"
+    assert normalize_address("http://h:1", "test", scheme="https") == "https://h:1"
+
+
+# -- TLS resolution (cumulusctl's --insecure / --tls-ca / cluster.json tls_dir) --------
+
+
+def test_a_tls_local_cluster_is_https_verified_by_its_own_ca_only(tmp_path: Path) -> None:
+    write_cluster(tmp_path, tls=True)
+    conn = resolve(environ={"CUMULUS_LOCAL_DIR": str(tmp_path)})
+    assert conn.addresses == ("https://127.0.0.1:8001", "https://127.0.0.1:8002")
+    assert conn.ca_file == tmp_path / "tls" / "ca.pem"
+    assert conn.tls and conn.scheme == "https"
+    ctx = conn.ssl_context
+    assert ctx is not None
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    # The cluster CA and nothing else (no system CAs).
+    assert [c["subject"] for c in ctx.get_ca_certs()] == [((("commonName", "cumulus test CA"),),)]
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "Yes"])
+def test_insecure_is_plaintext_even_for_a_tls_local_cluster(tmp_path: Path, value: str) -> None:
+    write_cluster(tmp_path, tls=True)
+    conn = resolve(environ={"CUMULUS_LOCAL_DIR": str(tmp_path), "CUMULUS_INSECURE": value})
+    assert conn.addresses[0] == "http://127.0.0.1:8001"
+    assert conn.ca_file is None and conn.ssl_context is None
+    explicit = resolve(["https://h:1"], token="t", environ={"CUMULUS_INSECURE": value})
+    assert explicit.addresses == ("http://h:1",)
+    assert resolve(["h:1"], token="t", insecure=True, environ={}).addresses == ("http://h:1",)
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", ""])
+def test_a_false_insecure_variable_is_not_set(tmp_path: Path, value: str) -> None:
+    write_cluster(tmp_path, tls=True)
+    conn = resolve(environ={"CUMULUS_LOCAL_DIR": str(tmp_path), "CUMULUS_INSECURE": value})
+    assert conn.scheme == "https"
+
+
+def test_the_insecure_argument_wins_over_the_variable(tmp_path: Path) -> None:
+    write_cluster(tmp_path, tls=True)
+    env = {"CUMULUS_LOCAL_DIR": str(tmp_path), "CUMULUS_INSECURE": "1"}
+    assert resolve(insecure=False, environ=env).scheme == "https"
+
+
+def test_a_malformed_insecure_variable_is_refused() -> None:
+    with pytest.raises(errors.ConfigError, match="CUMULUS_INSECURE='maybe'"):
+        resolve(["h:1"], token="t", environ={"CUMULUS_INSECURE": "maybe"})
+
+
+def test_a_ca_argument_or_variable_makes_any_addresses_https(tmp_path: Path) -> None:
+    ca = write_ca(tmp_path / "ca.pem")
+    conn = resolve(["h:1", "http://h:2"], token="t", tls_ca=ca, environ={})
+    assert conn.addresses == ("https://h:1", "https://h:2") and conn.ca_file == ca
+    env = {"CUMULUS_HTTP": "h:1", "CUMULUS_TOKEN": "t", "CUMULUS_TLS_CA": str(ca)}
+    assert resolve(environ=env).addresses == ("https://h:1",)
+    assert resolve(environ=env).ca_file == ca
+    # The argument wins over the variable.
+    other = write_ca(tmp_path / "other.pem")
+    assert resolve(tls_ca=other, environ=env).ca_file == other
+
+
+def test_a_ca_wins_over_the_local_cluster_files(tmp_path: Path) -> None:
+    write_cluster(tmp_path / "lc", tls=True)
+    ca = write_ca(tmp_path / "ca.pem")
+    conn = resolve(environ={"CUMULUS_LOCAL_DIR": str(tmp_path / "lc"), "CUMULUS_TLS_CA": str(ca)})
+    assert conn.ca_file == ca and conn.addresses[0] == "https://127.0.0.1:8001"
+    # A CA for a plaintext local cluster: TLS all the same (as cumulusctl --tls-ca).
+    write_cluster(tmp_path / "plain")
+    assert resolve(local_dir=tmp_path / "plain", tls_ca=ca, environ={}).scheme == "https"
+
+
+@pytest.mark.parametrize(
+    ("addresses", "env"),
+    [
+        (["127.0.0.1:8001"], {"CUMULUS_TOKEN": "t"}),
+        ("https://127.0.0.1:8001", {"CUMULUS_TOKEN": "t"}),
+        (None, {"CUMULUS_HTTP": "127.0.0.1:8001", "CUMULUS_TOKEN": "t"}),
+    ],
+)
+def test_explicit_addresses_need_a_ca_or_insecure(
+    tmp_path: Path, addresses: list[str] | str | None, env: dict[str, str]
+) -> None:
+    # The local cluster's CA is for the local cluster's addresses only, as in cumulusctl.
+    write_cluster(tmp_path, tls=True)
+    with pytest.raises(errors.ConfigError, match="CUMULUS_TLS_CA") as e:
+        resolve(addresses, environ={"CUMULUS_LOCAL_DIR": str(tmp_path), **env})
+    assert "CUMULUS_INSECURE" in str(e.value)
+
+
+def test_explicit_addresses_need_a_ca_or_insecure_in_the_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(errors.ConfigError, match=r"CUMULUS_TLS_CA.*CUMULUS_INSECURE"):
+        Client([A], token="tok")
+    monkeypatch.setenv("CUMULUS_INSECURE", "true")
+    with Client([A], token="tok") as c:
+        assert c.addresses == (f"http://{A}",)
+
+
+@pytest.mark.parametrize(
+    ("insecure", "tls_ca", "env"),
+    [
+        (True, "ca.pem", {}),
+        (None, None, {"CUMULUS_INSECURE": "1", "CUMULUS_TLS_CA": "ca.pem"}),
+        (True, None, {"CUMULUS_TLS_CA": "ca.pem"}),
+        (None, "ca.pem", {"CUMULUS_INSECURE": "yes"}),
+    ],
+)
+def test_insecure_and_a_ca_together_are_refused(
+    tmp_path: Path, insecure: bool | None, tls_ca: str | None, env: dict[str, str]
+) -> None:
+    write_ca(tmp_path / "ca.pem")
+    env = {k: str(tmp_path / v) if k == "CUMULUS_TLS_CA" else v for k, v in env.items()}
+    ca = None if tls_ca is None else tmp_path / tls_ca
+    # Refused before anything else is resolved (there is no address nor token here).
+    with pytest.raises(errors.ConfigError, match=r"both .* set"):
+        resolve(insecure=insecure, tls_ca=ca, local_dir=tmp_path, environ=env)
+
+
+def _bad_ca(tmp_path: Path, case: str) -> Path:
+    path = tmp_path / "ca.pem"
+    if case == "missing":
+        return tmp_path / "nope.pem"
+    if case == "a directory":
+        path.mkdir()
+    elif case == "too large":
+        path.write_text(UNRELATED_CA_PEM + "#" * MAX_PEM_FILE_BYTES)
+    elif case == "not PEM":
+        path.write_bytes(b"\x00\x01 binary DER, say")
+    elif case == "a key, no certificate":
+        path.write_text("-----BEGIN PRIVATE KEY-----\nMEECAQAw\n-----END PRIVATE KEY-----\n")
+    elif case == "a broken certificate":
+        path.write_text(
+            "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n"
+        )
+    return path
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "a directory",
+        "too large",
+        "not PEM",
+        "a key, no certificate",
+        "a broken certificate",
+    ],
+)
+def test_a_bad_ca_file_is_a_config_error_naming_it(tmp_path: Path, case: str) -> None:
+    path = _bad_ca(tmp_path, case)
+    named = re.escape(str(path))
+    with pytest.raises(errors.ConfigError, match=f"CA certificate {named}"):
+        load_ca(path)
+    with pytest.raises(errors.ConfigError, match=named):
+        resolve(["h:1"], token="t", tls_ca=path, environ={})
+    with pytest.raises(errors.ConfigError, match=named):
+        Client([A], token="t", tls_ca=path)
+
+
+def test_a_local_cluster_whose_ca_is_gone_is_a_config_error(tmp_path: Path) -> None:
+    write_cluster(tmp_path, tls=True)
+    (tmp_path / "tls" / "ca.pem").unlink()
+    with pytest.raises(errors.ConfigError, match=re.escape(str(tmp_path / "tls" / "ca.pem"))):
+        resolve(environ={"CUMULUS_LOCAL_DIR": str(tmp_path)})
+
+
+def test_every_call_of_a_tls_client_is_https_with_the_cluster_ca(
+    tmp_path: Path, script: Script, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[dict[str, Any]] = []
+    real = httpx.Client
+
+    def spy(**kwargs: Any) -> httpx.Client:
+        made.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(httpx, "Client", spy)
+    ca = write_ca(tmp_path / "ca.pem")
+    # A leader hint is host:port (or written with http://): it is followed over TLS.
+    hint = {"x-cumulus-leader-http": f"http://{C}"}
+    script.on(A, "POST", "/v1/jobs", status(503, "not the leader", hint))
+    script.on(C, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    script.on(C, "GET", "/v1/jobs/job-000001", ok({"job": job_json()}))
+    script.on(C, "GET", "/v1/jobs", ok({"jobs": [job_json()]}))
+    script.on(C, "POST", "/v1/jobs/job-000001/cancel", ok({"job": job_json(state="cancelled")}))
+    script.on(C, "GET", "/v1/jobs/job-000001/checkpoints", ok({"checkpoints": []}))
+    script.on(C, "GET", "/v1/cluster", ok({"node_id": 3, "members": [], "workers": []}))
+    script.on(B, "GET", "/health", ok({"node_id": 2, "leader_id": 3, "term": 1}))
+    script.on(A, "GET", "/v1/jobs/job-000001/logs", status(503, "busy"))
+    script.on(
+        B,
+        "GET",
+        "/v1/jobs/job-000001/logs",
+        lambda r: httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream"},
+            content=sse(("log", "c1", line(0, 0, 0, "hi")), ("end", "c1", {})),
+        ),
+    )
+    with Client(
+        [A, B, C], token="tok", tls_ca=ca, transport=httpx.MockTransport(script), retry_total_s=5
+    ) as c:
+        assert c.addresses == (f"https://{A}", f"https://{B}", f"https://{C}")
+        assert made[-1]["verify"] is c.connection.ssl_context is not None
+        job = c.submit(["true"])
+        assert job.status().state == "running"
+        assert [j.id for j in c.jobs()] == ["job-000001"]
+        assert job.cancel().state == "cancelled"
+        assert job.checkpoints() == []
+        assert c.cluster().node_id == 3
+        assert c.health(B)["node_id"] == 2
+        assert [x.line for x in job.logs(follow=True)] == ["hi"]
+    assert {r.url.scheme for r in script.calls} == {"https"}
+    assert f"{C} POST /v1/jobs" in script.where()
+    assert f"{B} GET /v1/jobs/job-000001/logs" in script.where()
+
+
+def test_a_plaintext_client_keeps_default_verification_and_http(
+    script: Script, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[dict[str, Any]] = []
+    real = httpx.Client
+
+    def spy(**kwargs: Any) -> httpx.Client:
+        made.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(httpx, "Client", spy)
+    script.on(A, "GET", "/v1/jobs", ok({"jobs": []}))
+    with Client([A], token="tok", insecure=True, transport=httpx.MockTransport(script)) as c:
+        assert c.jobs() == [] and c.connection.ssl_context is None
+    assert made[-1]["verify"] is True
+    assert [r.url.scheme for r in script.calls] == ["http"]
 
 
 # -- leader following and retries ------------------------------------------------------
@@ -186,7 +465,9 @@ def test_a_retried_submit_reuses_its_request_id(client: Client, script: Script) 
 
 
 def test_no_coordinator_is_unavailable_within_the_budget(script: Script) -> None:
-    c = Client([A, B], token="t", transport=httpx.MockTransport(script), retry_total_s=0.3)
+    c = Client(
+        [A, B], token="t", insecure=True, transport=httpx.MockTransport(script), retry_total_s=0.3
+    )
     with pytest.raises(errors.Unavailable, match="no coordinator answered") as e:
         c.jobs()
     assert e.value.status is None

@@ -8,10 +8,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import httpx
 import pytest
 
 import cumulus
-from conftest import RECORDS_PER_SHARD, SHARDS, TRAINER
+from conftest import RECORDS_PER_SHARD, SHARDS, TRAINER, UNRELATED_CA_PEM
 from cumulus import errors
 from localcluster import LocalCluster, explain, wait_for
 
@@ -140,7 +141,7 @@ def test_sdk_errors_cancel_and_should_stop(
     with pytest.raises(errors.InvalidSpec):
         client.submit(["true"], world_size=100_000)
     with (
-        cumulus.Client(cluster.http_addrs, token="wrong-token") as bad,
+        cluster.client(token="wrong-token") as bad,
         pytest.raises(errors.Unauthorized),
     ):
         bad.jobs()
@@ -176,6 +177,67 @@ def test_sdk_errors_cancel_and_should_stop(
     )
 
 
+CONNECTION_VARIABLES = (
+    "CUMULUS_HTTP",
+    "CUMULUS_ADDR",
+    "CUMULUS_TOKEN",
+    "CUMULUS_TOKEN_FILE",
+    "CUMULUS_TLS_CA",
+    "CUMULUS_INSECURE",
+    "CUMULUS_LOCAL_DIR",
+)
+
+
+def test_the_sdk_speaks_https_to_a_tls_local_cluster(
+    cluster: LocalCluster, client: cumulus.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in CONNECTION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    ca = cluster.ca_file
+    assert ca is not None and ca.is_file(), "cumulusctl local up makes a TLS cluster by default"
+    addr = cluster.http_addrs[0]
+    # Found through cluster.json alone, as cumulusctl does: https, verified by its CA.
+    with cumulus.Client(local_dir=cluster.dir) as local:
+        assert local.addresses == tuple(f"https://{a}" for a in cluster.http_addrs)
+        assert local.connection.ca_file == ca
+        assert local.cluster().leader is not None
+        assert local.health(addr)["node_id"] >= 1
+    assert client.addresses[0] == f"https://{addr}" and client.jobs() is not None
+    # Plaintext HTTP to the TLS port gets no answer, raw or through the SDK.
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://{addr}/health", timeout=5, trust_env=False)
+    with cluster.client(insecure=True, tls_ca=None, retry_total_s=0.5) as plain:
+        assert plain.addresses[0] == f"http://{addr}"
+        with pytest.raises(errors.Unavailable):
+            plain.jobs()
+    # A CA that did not sign the coordinators' certificates is not trusted.
+    other = tmp_path / "other-ca.pem"
+    other.write_text(UNRELATED_CA_PEM)
+    with cluster.client(tls_ca=other, retry_total_s=0.5) as wrong:
+        with pytest.raises(errors.Unavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            wrong.jobs()
+        with pytest.raises(errors.Unavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            wrong.health(addr)
+
+
+def test_the_sdk_speaks_plaintext_to_an_insecure_local_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in CONNECTION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with LocalCluster(tmp_path / "plain", insecure=True) as plain:
+        assert "tls_dir" not in plain.file and plain.ca_file is None
+        with cumulus.Client(local_dir=plain.dir) as c:
+            assert c.addresses == tuple(f"http://{a}" for a in plain.http_addrs)
+            assert c.connection.ca_file is None
+            assert c.cluster().leader is not None
+        # Explicit addresses need insecure=True (or CUMULUS_INSECURE) to be plaintext.
+        with pytest.raises(errors.ConfigError, match="CUMULUS_INSECURE"):
+            cumulus.Client(plain.http_addrs, token_file=plain.token_file)
+        with plain.client() as c:
+            assert c.jobs() == []
+
+
 def test_submit_across_a_leader_kill_creates_exactly_one_job(
     ha_cluster: LocalCluster, ha_client: cumulus.Client
 ) -> None:
@@ -184,7 +246,7 @@ def test_submit_across_a_leader_kill_creates_exactly_one_job(
     # A linearizable read is served by the leader, which the client then prefers: kill it
     # under the client's feet, so the submit meets a dead node, then an election.
     ha_client.jobs(linearizable=True)
-    assert ha_client._preferred == f"http://{leader.http_addr}"
+    assert ha_client._preferred == f"{ha_cluster.scheme}://{leader.http_addr}"
     ha_cluster.kill_coordinator(leader.http_addr)
     rid = "python-sdk-leader-kill"
     job = ha_client.submit(["true"], request_id=rid, name="leader-kill")
@@ -216,7 +278,7 @@ def test_logs_follow_across_a_coordinator_kill_yield_every_line_once(
     )
     job = ha_client.submit([sys.executable, "-c", script], name="logs-across-kill")
     # The stream starts at the coordinator that took the submit (the leader).
-    serving = ha_client._preferred.removeprefix("http://")
+    serving = ha_client._preferred.removeprefix(f"{ha_cluster.scheme}://")
     got: list[str] = []
     for entry in job.logs(follow=True):
         got.append(entry.line)

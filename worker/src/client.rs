@@ -116,10 +116,22 @@ impl CoordinatorClient {
         token: &str,
         cancel: CancellationToken,
     ) -> Result<Self, ClientConfigError> {
+        Self::with_tls(coordinators, token, None, cancel)
+    }
+
+    /// [`CoordinatorClient::new`] over TLS (`tls`: the CA and this worker's certificate,
+    /// which the coordinators check against the worker id of every call).
+    pub fn with_tls(
+        coordinators: &[String],
+        token: &str,
+        tls: Option<cumulus_api::leader::ClientTls>,
+        cancel: CancellationToken,
+    ) -> Result<Self, ClientConfigError> {
         let settings = ChannelSettings {
             connect_timeout: CONNECT_TIMEOUT,
             request_timeout: REQUEST_TIMEOUT,
             keep_alive: Some((KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)),
+            tls,
         };
         Ok(Self {
             inner: LeaderClient::new(coordinators, token, settings)?,

@@ -38,6 +38,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use cumulus_api::RegisterWorkerRequest;
+use cumulus_tls::Tls;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
@@ -148,6 +149,12 @@ pub struct Config {
     /// rights.
     #[arg(long, env = "CUMULUS_ALLOWED_CKPT_ROOTS", value_delimiter = ',')]
     pub allowed_ckpt_roots: Vec<PathBuf>,
+
+    /// TLS: this agent's certificate (naming `cumulus://worker/WORKER_ID`), key and the
+    /// cluster CA, for its connections to the coordinators and its agent API; or
+    /// `--insecure`. The rank-local API stays plaintext on loopback.
+    #[command(flatten)]
+    pub tls: cumulus_tls::args::TlsArgs,
 
     /// Most connections open at once on the agent API (`--listen`); more are closed at
     /// accept. Scaled down to fit the open-file limit, which keeps descriptors in
@@ -307,6 +314,33 @@ async fn write_agent_info(data_dir: &Path, info: &AgentInfo) -> std::io::Result<
 /// configuration, a data dir in use by another agent, or an address that cannot be bound.
 pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     let resolved = config.resolve().context("invalid configuration")?;
+    let tls = config.tls.load()?;
+    let client_tls = match &tls {
+        Tls::On(creds) => {
+            let want = cumulus_tls::Identity::Worker(resolved.worker_id.clone());
+            if creds.identity() != &want {
+                bail!(
+                    "--tls-cert names {}, but this is {want}: issue it a certificate of its own \
+                     (`cumulusctl certs issue worker {}`)",
+                    creds.identity(),
+                    resolved.worker_id
+                );
+            }
+            Some(cumulus_api::leader::ClientTls {
+                ca_pem: creds.trust().ca_pem().into(),
+                identity_pem: Some(cumulus_api::leader::IdentityPem {
+                    cert: creds.cert_pem().into(),
+                    key: creds.key_pem().into(),
+                }),
+            })
+        }
+        Tls::Insecure => {
+            tracing::warn!(
+                "--insecure: the agent's connections are plaintext; tokens and logs cross the network readable"
+            );
+            None
+        }
+    };
     tokio::fs::create_dir_all(&config.data_dir)
         .await
         .with_context(|| format!("cannot create --data-dir {}", config.data_dir.display()))?;
@@ -339,7 +373,11 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
         agent_listener,
         "agent API",
         cumulus_listen::Limits::connections(caps[0]),
-    );
+    )
+    .with_tls(match &tls {
+        Tls::On(creds) => Some(creds.server_config()?),
+        Tls::Insecure => None,
+    });
     let rank_listener = cumulus_listen::BoundedListener::new(
         rank_listener,
         "rank API",
@@ -354,8 +392,13 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
 
     let client_cancel = CancellationToken::new();
     let client = Arc::new(
-        CoordinatorClient::new(&config.coordinators, &resolved.token, client_cancel.clone())
-            .context("invalid coordinator client configuration")?,
+        CoordinatorClient::with_tls(
+            &config.coordinators,
+            &resolved.token,
+            client_tls,
+            client_cancel.clone(),
+        )
+        .context("invalid coordinator client configuration")?,
     );
     let events = EventReporter::new(client.clone(), heartbeat_interval);
     let spawner = Spawner::start(tokio::runtime::Handle::current())

@@ -16,7 +16,15 @@ use nix::unistd::Pid;
 const DEADLINE: Duration = Duration::from_secs(30);
 const TOKEN: &str = "bin-test-token-0123456789";
 
+/// The agent, plaintext (`--insecure`: these tests read its HTTP API with a plain
+/// client; TLS is covered by the listener's and the cluster's tests).
 fn agent_command(data: &Path, token_file: &Path, extra: &[&str]) -> Command {
+    let mut cmd = agent_command_without_tls(data, token_file, extra);
+    cmd.arg("--insecure");
+    cmd
+}
+
+fn agent_command_without_tls(data: &Path, token_file: &Path, extra: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cumulus-worker"));
     for (key, _) in std::env::vars_os() {
         if key.to_string_lossy().starts_with("CUMULUS_") {
@@ -221,4 +229,16 @@ fn refuses_unsafe_or_incomplete_configuration() {
     let status = wait_exit(&mut agent);
     assert!(!status.success());
     assert!(stderr_of(&mut agent).contains("token file"));
+
+    // Neither TLS files nor --insecure: TLS is required.
+    let mut agent = agent_command_without_tls(&s.data, &s.token_file, &[])
+        .spawn()
+        .expect("start");
+    let status = wait_exit(&mut agent);
+    assert!(!status.success());
+    let stderr = stderr_of(&mut agent);
+    assert!(
+        stderr.contains("TLS is required") && stderr.contains("--insecure"),
+        "{stderr}"
+    );
 }

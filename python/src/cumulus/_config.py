@@ -1,14 +1,16 @@
-"""Where the cluster is and its token, resolved as ``cumulusctl`` does
+"""Where the cluster is, its token and its TLS, resolved as ``cumulusctl`` does
 (``cli/src/config.rs``): explicit arguments, then the environment (``CUMULUS_HTTP``,
-``CUMULUS_TOKEN``, ``CUMULUS_TOKEN_FILE``), then the local cluster's ``cluster.json`` in
-``CUMULUS_LOCAL_DIR`` (default ``.cumulus``), as written by ``cumulusctl local up``.
-Standard library only.
+``CUMULUS_TOKEN``, ``CUMULUS_TOKEN_FILE``, ``CUMULUS_TLS_CA``, ``CUMULUS_INSECURE``), then
+the local cluster's ``cluster.json`` in ``CUMULUS_LOCAL_DIR`` (default ``.cumulus``), as
+written by ``cumulusctl local up``. Standard library only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,11 +18,14 @@ from pathlib import Path
 from cumulus.errors import ConfigError
 
 __all__ = [
+    "CA_FILE",
     "CLUSTER_FILE",
     "DEFAULT_LOCAL_DIR",
+    "MAX_PEM_FILE_BYTES",
     "MAX_TOKEN_BYTES",
     "Connection",
     "check_token",
+    "load_ca",
     "normalize_address",
     "read_token_file",
     "resolve",
@@ -34,15 +39,48 @@ DEFAULT_LOCAL_DIR = ".cumulus"
 MAX_CLUSTER_FILE_BYTES = 1024 * 1024
 #: Largest token accepted, in bytes.
 MAX_TOKEN_BYTES = 4096
+#: The CA certificate's name in a local cluster's TLS directory (``tls_dir``).
+CA_FILE = "ca.pem"
+#: Largest CA certificate file read, in bytes (as ``cumulus_tls::MAX_PEM_FILE_BYTES``).
+MAX_PEM_FILE_BYTES = 1024 * 1024
+
+_TRUE = frozenset({"1", "true", "yes"})
+_FALSE = frozenset({"", "0", "false", "no"})
+_PEM_CERTIFICATE = re.compile(
+    r"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CERTIFICATE-----", re.DOTALL
+)
 
 
 @dataclass(frozen=True)
 class Connection:
-    """Coordinator HTTP base URLs (``http://host:port``, at least one) and the cluster
-    bearer token (never shown in ``repr``)."""
+    """Where and how to reach the cluster: coordinator base URLs (at least one;
+    ``https://host:port`` with TLS, ``http://host:port`` without), the cluster bearer
+    token (never shown in ``repr``), and the CA certificate file that verifies the
+    coordinators (``None``: plaintext, as ``cumulusctl --insecure``).
+
+    :raises ConfigError: ``ca_file`` is missing, unreadable or not a PEM certificate (it
+        is loaded once, here, into :attr:`ssl_context`).
+    """
 
     addresses: tuple[str, ...]
     token: str = field(repr=False)
+    ca_file: Path | None = None
+    #: Verifies the coordinators against ``ca_file`` only; ``None`` without TLS.
+    ssl_context: ssl.SSLContext | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.ca_file is not None:
+            object.__setattr__(self, "ssl_context", load_ca(self.ca_file))
+
+    @property
+    def tls(self) -> bool:
+        """Whether the coordinators are spoken to over TLS."""
+        return self.ca_file is not None
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with TLS, else ``http``."""
+        return "https" if self.tls else "http"
 
 
 def _read_limited(path: Path, limit: int) -> bytes:
@@ -83,16 +121,34 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     return check_token(text.strip(), str(p))
 
 
-def normalize_address(raw: str, origin: str) -> str:
-    """``host:port``, ``http://host:port/`` or ``https://host:port`` → a base URL
-    ``http(s)://host:port``.
+def load_ca(path: str | os.PathLike[str]) -> ssl.SSLContext:
+    """The TLS context of a cluster client: it trusts only the CA certificate(s) in
+    ``path`` (PEM, at most 1 MiB; not the system's CAs), and checks that the server's
+    certificate names the host dialled (coordinators' name 127.0.0.1, ::1 and localhost).
 
-    :raises ConfigError: not ``host:port`` with a port in 1..=65535."""
+    :raises ConfigError: naming the file: missing, unreadable, too large, or no usable
+        PEM certificate."""
+    p = Path(path)
+    try:
+        data = _read_limited(p, MAX_PEM_FILE_BYTES)
+    except ConfigError as e:
+        raise ConfigError(f"TLS CA certificate {e}") from e
+    blocks = _PEM_CERTIFICATE.findall(data.decode("utf-8", errors="replace"))
+    if not blocks:
+        raise ConfigError(
+            f"TLS CA certificate {p}: holds no PEM certificate (-----BEGIN CERTIFICATE-----)"
+        )
+    try:
+        return ssl.create_default_context(cadata="\n".join(blocks))
+    except (ssl.SSLError, ValueError) as e:
+        reason = getattr(e, "reason", None) or str(e)
+        raise ConfigError(f"TLS CA certificate {p}: not a usable PEM certificate: {reason}") from e
+
+
+def _host_port(raw: str, origin: str) -> str:
     s = raw.strip()
-    scheme = "http"
     for prefix in ("http://", "https://"):
         if s.startswith(prefix):
-            scheme = prefix[:-3]
             s = s[len(prefix) :]
     s = s.rstrip("/")
     host, sep, port = s.rpartition(":")
@@ -101,12 +157,31 @@ def normalize_address(raw: str, origin: str) -> str:
         raise bad
     if not 0 < int(port) <= 65535:
         raise bad
-    return f"{scheme}://{host}:{int(port)}"
+    return f"{host}:{int(port)}"
+
+
+def normalize_address(raw: str, origin: str, *, scheme: str = "http") -> str:
+    """``host:port``, ``http://host:port/`` or ``https://host:port`` → a base URL
+    ``<scheme>://host:port``. A scheme written in ``raw`` is dropped, as ``cumulusctl``
+    does: whether a cluster speaks TLS is decided by its CA (see :func:`resolve`).
+
+    :raises ConfigError: not ``host:port`` with a port in 1..=65535."""
+    return f"{scheme}://{_host_port(raw, origin)}"
 
 
 def _split(value: str | Sequence[str]) -> list[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     return [a for a in items if a.strip()]
+
+
+def _env_flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"bad {name}={raw!r}: expected 1, true or yes (or 0, false, no)")
 
 
 def _load_cluster_file(local_dir: Path) -> Mapping[str, object] | None:
@@ -120,6 +195,8 @@ def _load_cluster_file(local_dir: Path) -> Mapping[str, object] | None:
         raise ConfigError(f"{path} is not a valid cluster file: {e}") from e
     if not isinstance(parsed, dict) or not isinstance(parsed.get("coordinators"), list):
         raise ConfigError(f"{path} is not a valid cluster file: no coordinators list")
+    if not isinstance(parsed.get("tls_dir", ""), (str, type(None))):
+        raise ConfigError(f"{path} is not a valid cluster file: tls_dir is not a path")
     return parsed
 
 
@@ -128,10 +205,12 @@ def resolve(
     *,
     token: str | None = None,
     token_file: str | os.PathLike[str] | None = None,
+    tls_ca: str | os.PathLike[str] | None = None,
+    insecure: bool | None = None,
     local_dir: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Connection:
-    """Resolves the coordinator HTTP addresses and the token.
+    """Resolves the coordinator HTTP addresses, the token and TLS.
 
     Addresses: ``addresses`` (a list, or a comma-separated string), else
     ``$CUMULUS_HTTP``, else the ``http`` of every coordinator in
@@ -139,8 +218,22 @@ def resolve(
     ``.cumulus``). Token: ``token``, else ``token_file``, else ``$CUMULUS_TOKEN``, else
     ``$CUMULUS_TOKEN_FILE``, else the cluster file's ``token_file``.
 
-    :raises ConfigError: nothing says where the cluster is or what the token is, or a
-        value is malformed (the message names where it came from).
+    TLS (as ``cumulusctl --insecure`` / ``--tls-ca``):
+
+    1. ``insecure`` (default ``$CUMULUS_INSECURE``: ``1``, ``true`` or ``yes``) →
+       plaintext ``http://``;
+    2. else ``tls_ca`` (default ``$CUMULUS_TLS_CA``) → ``https://``, the coordinators
+       verified against that CA certificate only;
+    3. else, with the addresses from the cluster file, ``https://`` verified against
+       ``<tls_dir>/ca.pem`` when the file has a ``tls_dir``, plaintext when it has none
+       (a cluster started with ``cumulusctl --insecure local up``);
+    4. else (explicit addresses) a :class:`ConfigError`: say which CA, or that the
+       cluster is plaintext.
+
+    Both ``insecure`` and a CA is an error.
+
+    :raises ConfigError: nothing says where the cluster is, what the token is or how to
+        verify it, or a value is malformed (the message names where it came from).
     """
     env = os.environ if environ is None else environ
     local = Path(
@@ -155,6 +248,25 @@ def resolve(
             file = _load_cluster_file(local)
         return file
 
+    # The TLS settings conflict before anything else is looked at (cumulusctl's flags do).
+    if insecure is not None:
+        plaintext, insecure_origin = bool(insecure), "insecure=True"
+    else:
+        plaintext, insecure_origin = _env_flag(env, "CUMULUS_INSECURE"), "CUMULUS_INSECURE"
+    if tls_ca is not None:
+        ca: Path | None = Path(tls_ca)
+        ca_origin = "tls_ca="
+    elif env.get("CUMULUS_TLS_CA", "").strip():
+        ca, ca_origin = Path(env["CUMULUS_TLS_CA"].strip()), "CUMULUS_TLS_CA"
+    else:
+        ca, ca_origin = None, ""
+    if plaintext and ca is not None:
+        raise ConfigError(
+            f"both {insecure_origin} (plaintext) and {ca_origin} (TLS CA {ca}) are set: set "
+            "only one (as cumulusctl requires)"
+        )
+
+    from_file = False
     if addresses is not None:
         raw, origin = _split(addresses), "addresses"
     elif env.get("CUMULUS_HTTP", "").strip():
@@ -176,12 +288,13 @@ def resolve(
             if isinstance(c, dict) and isinstance(c.get("http"), str)
         ]
         origin = str(cluster_path)
+        from_file = True
     if not raw:
         raise ConfigError(
             "no coordinator HTTP address: pass addresses=[...], set CUMULUS_HTTP, or start "
             f"a local cluster with `cumulusctl local up` (looked for {cluster_path})"
         )
-    urls = tuple(dict.fromkeys(normalize_address(a, origin) for a in raw))
+    host_ports = list(dict.fromkeys(_host_port(a, origin) for a in raw))
 
     if token is not None:
         tok = check_token(token.strip(), "token argument")
@@ -205,4 +318,22 @@ def resolve(
                 f"local cluster with `cumulusctl local up` (looked for {cluster_path})"
             )
         tok = read_token_file(token_path)
-    return Connection(addresses=urls, token=tok)
+
+    if plaintext:
+        ca_file = None
+    elif ca is not None:
+        ca_file = ca
+    elif from_file:
+        f = cluster_file()
+        tls_dir = f.get("tls_dir") if f else None
+        ca_file = Path(tls_dir) / CA_FILE if isinstance(tls_dir, str) and tls_dir else None
+    else:
+        raise ConfigError(
+            f"no TLS CA certificate for the coordinators at {origin}: set CUMULUS_TLS_CA (or "
+            "pass tls_ca=) to the cluster's CA certificate (a local cluster's is "
+            "<local-dir>/tls/ca.pem), or CUMULUS_INSECURE=1 (insecure=True) for a cluster "
+            "started with --insecure"
+        )
+    scheme = "http" if ca_file is None else "https"
+    urls = tuple(f"{scheme}://{hp}" for hp in host_ports)
+    return Connection(addresses=urls, token=tok, ca_file=ca_file)

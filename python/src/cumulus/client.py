@@ -1,9 +1,12 @@
 """Client SDK of the coordinators' HTTP API (docs/architecture.md, "Coordinator HTTP API";
 ``coordinator/src/http.rs``), with leader following.
 
-Every request carries ``Authorization: Bearer <cluster token>``. A follower answers a
-write (and a linearizable read) with 503 and the leader's address in the
-``x-cumulus-leader-http`` header: the request is sent there at once. A refused or
+Every request carries ``Authorization: Bearer <cluster token>``. Every connection is TLS
+(``https://``), the coordinators verified against the cluster's CA certificate only, unless
+the cluster runs plaintext (``--insecure``): see :func:`cumulus._config.resolve`.
+
+A follower answers a write (and a linearizable read) with 503 and the leader's address in
+the ``x-cumulus-leader-http`` header: the request is sent there at once. A refused or
 dropped connection, a timeout, or a 503 without a leader (an election in progress)
 moves on to the next configured address after a backoff (0.1 s doubling up to 2 s). Both
 are bounded by ``retry_max_tries`` (20) and ``retry_total_s`` (30 s), as ``cumulusctl``.
@@ -14,7 +17,7 @@ Example::
 
     import cumulus
 
-    client = cumulus.Client()                 # CUMULUS_HTTP + CUMULUS_TOKEN_FILE, or ./.cumulus
+    client = cumulus.Client()  # CUMULUS_HTTP + CUMULUS_TOKEN_FILE + CUMULUS_TLS_CA, or ./.cumulus
     job = client.submit(["python", "train.py"], world_size=2, ckpt_dir="/shared/ckpt")
     for line in job.logs(follow=True):
         print(line.rank, line.line)
@@ -107,14 +110,22 @@ class Client:
         ``cluster.json``.
     :param token: the cluster bearer token; default from ``token_file``,
         ``$CUMULUS_TOKEN``, ``$CUMULUS_TOKEN_FILE`` or the local cluster's token file.
+    :param tls_ca: the cluster's CA certificate (PEM), as ``cumulusctl --tls-ca``: talk
+        HTTPS and trust only this CA; default ``$CUMULUS_TLS_CA``, else the local
+        cluster's (``<tls_dir>/ca.pem`` in ``cluster.json``) when the addresses come from
+        it. Explicit addresses need it (or ``insecure``).
+    :param insecure: talk plaintext HTTP to a cluster started with ``--insecure``, as
+        ``cumulusctl --insecure``; default ``$CUMULUS_INSECURE`` (``1``, ``true``,
+        ``yes``). Not together with a CA.
     :param local_dir: the local cluster's directory (default ``$CUMULUS_LOCAL_DIR``, else
         ``.cumulus``).
     :param timeout_s: time limit of one HTTP request, in seconds.
     :param connect_timeout_s: TCP connect time limit, in seconds.
     :param retry_max_tries: most tries of one call over all addresses.
     :param retry_total_s: no new try starts this many seconds after the first.
-    :param transport: an httpx transport (tests).
-    :raises ConfigError: no address or token could be resolved.
+    :param transport: an httpx transport (tests; it brings its own TLS settings).
+    :raises ConfigError: no address, token or TLS setting could be resolved, or the CA
+        file is missing, unreadable or not PEM.
     """
 
     def __init__(
@@ -123,6 +134,8 @@ class Client:
         *,
         token: str | None = None,
         token_file: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
+        insecure: bool | None = None,
         local_dir: str | os.PathLike[str] | None = None,
         timeout_s: float = 10.0,
         connect_timeout_s: float = 2.0,
@@ -131,16 +144,26 @@ class Client:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.connection: Connection = resolve(
-            addresses, token=token, token_file=token_file, local_dir=local_dir
+            addresses,
+            token=token,
+            token_file=token_file,
+            tls_ca=tls_ca,
+            insecure=insecure,
+            local_dir=local_dir,
         )
         self.retry_max_tries = max(1, retry_max_tries)
         self.retry_total_s = retry_total_s
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        tls = self.connection.ssl_context
         self._http = httpx.Client(
             timeout=self._timeout,
             transport=transport,
             headers={"Authorization": f"Bearer {self.connection.token}"},
-            # Coordinators are addressed directly (often on loopback): no proxies.
+            # Only the cluster's CA: every URL (configured, leader hint, log stream) is
+            # https:// with it, http:// without.
+            verify=tls if tls is not None else True,
+            # Coordinators are addressed directly (often on loopback): no proxies, and no
+            # SSL_CERT_FILE from the environment.
             trust_env=False,
         )
         # The address that answered last (maybe a leader hint outside the configured list).
@@ -148,7 +171,8 @@ class Client:
 
     @property
     def addresses(self) -> tuple[str, ...]:
-        """The configured coordinator base URLs (``http://host:port``)."""
+        """The configured coordinator base URLs (``https://host:port`` with TLS, else
+        ``http://host:port``)."""
         return self.connection.addresses
 
     def __repr__(self) -> str:
@@ -222,7 +246,9 @@ class Client:
             hinted = None
             if leader:
                 try:
-                    hinted = normalize_address(leader, LEADER_HTTP_HEADER)
+                    hinted = normalize_address(
+                        leader, LEADER_HTTP_HEADER, scheme=self.connection.scheme
+                    )
                 except ValueError:
                     hinted = None
             # Follow a hint at once, but not around in circles between stale hints.
@@ -439,11 +465,11 @@ class Client:
         return ClusterInfo.from_json(self._request("GET", "/v1/cluster"))
 
     def health(self, address: str) -> Mapping[str, Any]:
-        """``GET /health`` of one coordinator (no token needed, no retry): its
-        ``node_id``, ``leader_id`` and ``term``.
+        """``GET /health`` of one coordinator (``host:port``; no token needed, no retry),
+        over this client's scheme and TLS: its ``node_id``, ``leader_id`` and ``term``.
 
         :raises Unavailable: it did not answer."""
-        base = normalize_address(address, "address")
+        base = normalize_address(address, "address", scheme=self.connection.scheme)
         try:
             resp = self._http.get(base + "/health")
         except httpx.TransportError as e:

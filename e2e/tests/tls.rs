@@ -1,0 +1,212 @@
+//! TLS on a real cluster (the probes of the security issue): a sniffer between a client
+//! and the leader sees only TLS records and never the token; plaintext gRPC and HTTP to
+//! a TLS coordinator or agent get nothing; a client of another CA is refused; a worker's
+//! certificate cannot speak for another worker; and `cluster status` says whether the
+//! cluster is insecure.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cumulus_api::v1;
+use cumulus_e2e::{Cluster, ClusterOpts, TOKEN, worker_client};
+use cumulus_tls::Identity;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const LONG: Duration = Duration::from_secs(120);
+
+/// Copies `from` to `to`, appending every byte to `record`, until either side ends.
+async fn pump(
+    mut from: impl AsyncRead + Unpin,
+    mut to: impl AsyncWrite + Unpin,
+    record: Arc<Mutex<Vec<u8>>>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                record
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .extend_from_slice(&buf[..n]);
+                if to.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = to.shutdown().await;
+}
+
+/// A port on 127.0.0.1 forwarding to `target`, recording every byte both ways.
+async fn recording_proxy(target: String) -> (String, Arc<Mutex<Vec<u8>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let record = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = TcpStream::connect(&target).await else {
+                continue;
+            };
+            let (cr, cw) = client.into_split();
+            let (sr, sw) = server.into_split();
+            tokio::spawn(pump(cr, sw, record.clone()));
+            tokio::spawn(pump(sr, cw, record.clone()));
+        }
+    });
+    (addr, seen)
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_hides_the_token_refuses_plaintext_and_binds_worker_identities() {
+    let cluster = Cluster::start(ClusterOpts {
+        coordinators: 1,
+        workers: 1,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    cluster.wait_leader(LONG).await;
+    let coord = &cluster.coordinators[0];
+
+    // 1. A sniffer between cumulusctl and the coordinator: TLS records only (each starts
+    //    with content type 22 = handshake, version 3.x), never the token or the job name.
+    let (proxy, seen) = recording_proxy(coord.grpc.clone()).await;
+    let ca = cluster.ca_file().expect("a TLS cluster");
+    let out = std::process::Command::new(cumulus_e2e::bin("cumulusctl"))
+        .args(["--tls-ca", ca.to_str().expect("utf-8")])
+        .args(["--addr", &proxy, "--token-file"])
+        .arg(cluster.token_file())
+        .args([
+            "submit",
+            "--name",
+            "sniffed-job-name",
+            "--world-size",
+            "1",
+            "--",
+            "true",
+        ])
+        .output()
+        .expect("cumulusctl");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = seen.lock().expect("lock").clone();
+    assert!(bytes.len() > 100, "the sniffer saw the exchange");
+    assert_eq!(&bytes[..2], &[0x16, 0x03], "a TLS handshake record first");
+    assert!(
+        !contains(&bytes, TOKEN.as_bytes()),
+        "the token crossed in clear"
+    );
+    assert!(
+        !contains(&bytes, b"sniffed-job-name"),
+        "the job name crossed in clear"
+    );
+
+    // 2. Plaintext to a TLS coordinator (gRPC and HTTP) and to a TLS agent gets nothing.
+    let plain = cumulus_e2e::coordinator_channel(&coord.grpc, None).await;
+    if let Ok(ch) = plain {
+        let mut c = v1::client_service_client::ClientServiceClient::with_interceptor(
+            ch,
+            cumulus_e2e::Auth::new(TOKEN),
+        );
+        assert!(c.list_jobs(v1::ListJobsRequest::default()).await.is_err());
+    }
+    let http = reqwest::Client::new();
+    assert!(
+        http.get(format!("http://{}/health", coord.http))
+            .send()
+            .await
+            .is_err(),
+        "plain HTTP to the coordinator"
+    );
+    let status = cluster.status().await.expect("status");
+    assert!(!status.insecure, "cluster status says TLS is on");
+    let agent = status.workers.first().expect("a worker").http_addr.clone();
+    assert!(
+        http.get(format!("http://{agent}/health"))
+            .send()
+            .await
+            .is_err(),
+        "plain HTTP to the agent"
+    );
+
+    // 3. A client that trusts another CA refuses the cluster's certificate.
+    let other_ca = cumulus_tls::generate::ClusterCa::generate("another cluster").expect("ca");
+    let stranger = cumulus_api::leader::ClientTls {
+        ca_pem: other_ca.cert_pem().as_bytes().into(),
+        identity_pem: None,
+    };
+    assert!(
+        cumulus_e2e::coordinator_channel(&coord.grpc, Some(&stranger))
+            .await
+            .is_err(),
+        "a server certificate of another CA"
+    );
+
+    // 4. A worker certificate speaks only for its own worker id; none speaks for none.
+    let impostor = cluster
+        .member_tls(&Identity::Worker("impostor".into()))
+        .expect("issue");
+    let register = |worker_id: &str| v1::RegisterWorkerRequest {
+        worker_id: worker_id.into(),
+        host: "127.0.0.1".into(),
+        http_addr: "127.0.0.1:1".into(),
+        slots: 1,
+    };
+    let mut as_impostor = worker_client(&coord.grpc, impostor.as_ref())
+        .await
+        .expect("client");
+    let refused = as_impostor
+        .register(register("worker-1"))
+        .await
+        .expect_err("registering as another worker");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+    let refused = as_impostor
+        .heartbeat(v1::HeartbeatRequest {
+            worker_id: "worker-1".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("a heartbeat as another worker");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+    as_impostor
+        .register(register("impostor"))
+        .await
+        .expect("its own id is fine");
+    let mut no_cert = worker_client(&coord.grpc, cluster.client_tls().as_ref())
+        .await
+        .expect("client");
+    let refused = no_cert
+        .register(register("worker-2"))
+        .await
+        .expect_err("a worker call without a worker certificate");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_insecure_cluster_says_so() {
+    let cluster = Cluster::start(ClusterOpts {
+        coordinators: 1,
+        workers: 0,
+        tls: false,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let status = cluster.status().await.expect("status");
+    assert!(status.insecure);
+    let out = cluster
+        .cumulusctl(&["cluster", "status"])
+        .expect("cumulusctl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("--insecure"), "{text}");
+}

@@ -1,0 +1,229 @@
+//! A cluster CA and the certificates it issues, generated with rcgen: what `cumulusctl
+//! certs`, `cumulusctl local up`, the compose cluster's init step and the tests use.
+//!
+//! Keys are ECDSA P-256. A leaf certificate names its holder as a URI subject
+//! alternative name ([`Identity::uri`]), the hosts it serves as DNS and IP names
+//! (always `localhost`, `127.0.0.1` and `::1` too), and may serve and connect
+//! (extended key usages server and client auth), so one certificate per process is
+//! enough. The CA is valid for 10 years, leaves for [`LEAF_VALIDITY_DAYS`]; both from one
+//! day before they are made, which absorbs small clock differences between machines.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+
+use crate::{Identity, TlsError};
+
+/// Days a leaf certificate is valid.
+pub const LEAF_VALIDITY_DAYS: i64 = 825;
+/// Days the CA is valid.
+pub const CA_VALIDITY_DAYS: i64 = 3650;
+/// Host names every leaf certificate carries besides the ones asked for.
+pub const LOCAL_HOSTS: [&str; 3] = ["localhost", "127.0.0.1", "::1"];
+/// File name of the CA certificate in a certificate directory.
+pub const CA_FILE: &str = "ca.pem";
+/// File name of the CA key in a certificate directory (mode 0600).
+pub const CA_KEY_FILE: &str = "ca-key.pem";
+
+fn gen_err(e: rcgen::Error) -> TlsError {
+    TlsError::Generate(e.to_string())
+}
+
+fn validity(params: &mut CertificateParams, days: i64) {
+    let now = time::OffsetDateTime::now_utc();
+    params.not_before = now - time::Duration::days(1);
+    params.not_after = now + time::Duration::days(days);
+}
+
+/// A certificate and its key, as PEM.
+#[derive(Clone, Debug)]
+pub struct Issued {
+    /// The certificate.
+    pub cert_pem: String,
+    /// Its private key (PKCS#8).
+    pub key_pem: String,
+}
+
+/// A cluster CA that can issue certificates.
+pub struct ClusterCa {
+    issuer: Issuer<'static, KeyPair>,
+    cert_pem: String,
+    key_pem: String,
+}
+
+impl ClusterCa {
+    /// Generates a new CA named `name` (its common name).
+    ///
+    /// # Errors
+    /// [`TlsError::Generate`] when rcgen fails.
+    pub fn generate(name: &str) -> Result<ClusterCa, TlsError> {
+        let key = KeyPair::generate().map_err(gen_err)?;
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(gen_err)?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        params.distinguished_name.push(DnType::CommonName, name);
+        validity(&mut params, CA_VALIDITY_DAYS);
+        let cert = params.self_signed(&key).map_err(gen_err)?;
+        let key_pem = key.serialize_pem();
+        Ok(ClusterCa {
+            issuer: Issuer::new(params, key),
+            cert_pem: cert.pem(),
+            key_pem,
+        })
+    }
+
+    /// Loads a CA made by [`ClusterCa::generate`] from its certificate and key files.
+    ///
+    /// # Errors
+    /// [`TlsError`] when a file cannot be read or does not parse.
+    pub fn load(cert: &Path, key: &Path) -> Result<ClusterCa, TlsError> {
+        let read = |what, path: &Path| {
+            std::fs::read_to_string(path).map_err(|source| TlsError::Read {
+                what,
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        let cert_pem = read("CA certificate", cert)?;
+        let key_pem = read("CA key", key)?;
+        let key_pair = KeyPair::from_pem(&key_pem).map_err(gen_err)?;
+        let issuer = Issuer::from_ca_cert_pem(&cert_pem, key_pair).map_err(gen_err)?;
+        Ok(ClusterCa {
+            issuer,
+            cert_pem,
+            key_pem,
+        })
+    }
+
+    /// The CA certificate as PEM.
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    /// Issues a certificate for `identity` serving `hosts` (DNS names or IP addresses;
+    /// [`LOCAL_HOSTS`] are added).
+    ///
+    /// # Errors
+    /// [`TlsError::Generate`] for a host name rcgen cannot encode, or when signing fails.
+    pub fn issue(&self, identity: &Identity, hosts: &[String]) -> Result<Issued, TlsError> {
+        let mut names: Vec<String> = LOCAL_HOSTS.iter().map(|h| h.to_string()).collect();
+        for h in hosts {
+            if !names.contains(h) {
+                names.push(h.clone());
+            }
+        }
+        let mut params = CertificateParams::new(names).map_err(gen_err)?;
+        params
+            .subject_alt_names
+            .push(SanType::URI(identity.uri().try_into().map_err(gen_err)?));
+        params
+            .distinguished_name
+            .push(DnType::CommonName, identity.to_string());
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        params.use_authority_key_identifier_extension = true;
+        validity(&mut params, LEAF_VALIDITY_DAYS);
+        let key = KeyPair::generate().map_err(gen_err)?;
+        let cert = params.signed_by(&key, &self.issuer).map_err(gen_err)?;
+        Ok(Issued {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+
+    /// Writes `ca.pem` (0644) and `ca-key.pem` (0600) into `dir` (created 0700 if
+    /// missing).
+    ///
+    /// # Errors
+    /// [`TlsError::Write`] naming the file.
+    pub fn write(&self, dir: &Path) -> Result<(), TlsError> {
+        create_private_dir(dir)?;
+        write_file(&dir.join(CA_FILE), self.cert_pem.as_bytes(), 0o644)?;
+        write_file(&dir.join(CA_KEY_FILE), self.key_pem.as_bytes(), 0o600)
+    }
+}
+
+/// The two files of an issued certificate in a directory: `<name>.pem` and
+/// `<name>-key.pem`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PairFiles {
+    /// The certificate.
+    pub cert: PathBuf,
+    /// Its key.
+    pub key: PathBuf,
+}
+
+impl PairFiles {
+    /// The file names of `name` in `dir`.
+    pub fn in_dir(dir: &Path, name: &str) -> PairFiles {
+        PairFiles {
+            cert: dir.join(format!("{name}.pem")),
+            key: dir.join(format!("{name}-key.pem")),
+        }
+    }
+}
+
+impl Issued {
+    /// Writes `<name>.pem` (0644) and `<name>-key.pem` (0600) into `dir`.
+    ///
+    /// # Errors
+    /// [`TlsError::Write`] naming the file.
+    pub fn write(&self, dir: &Path, name: &str) -> Result<PairFiles, TlsError> {
+        create_private_dir(dir)?;
+        let files = PairFiles::in_dir(dir, name);
+        write_file(&files.cert, self.cert_pem.as_bytes(), 0o644)?;
+        write_file(&files.key, self.key_pem.as_bytes(), 0o600)?;
+        Ok(files)
+    }
+}
+
+fn create_private_dir(dir: &Path) -> Result<(), TlsError> {
+    use std::os::unix::fs::DirBuilderExt;
+    match std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+    {
+        Ok(()) => Ok(()),
+        Err(source) => Err(TlsError::Write {
+            path: dir.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Writes `bytes` to `path` with `mode`, atomically (temp file, fsync, rename): a key is
+/// never readable by others, even for a moment.
+fn write_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), TlsError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let err = |source| TlsError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(err)?;
+    f.write_all(bytes).map_err(err)?;
+    f.sync_all().map_err(err)?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(err)
+}

@@ -1,0 +1,193 @@
+use std::net::SocketAddr;
+
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+use super::generate::{CA_FILE, ClusterCa, PairFiles};
+use super::*;
+
+struct Pki {
+    _dir: tempfile::TempDir,
+    dir: PathBuf,
+    ca: ClusterCa,
+}
+
+fn pki() -> Pki {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tls");
+    let ca = ClusterCa::generate("test cluster").expect("ca");
+    ca.write(&path).expect("write ca");
+    Pki {
+        _dir: dir,
+        dir: path,
+        ca,
+    }
+}
+
+impl Pki {
+    fn credentials(&self, name: &str, identity: Identity) -> Credentials {
+        let files = self
+            .ca
+            .issue(&identity, &["node-a.example".into()])
+            .expect("issue")
+            .write(&self.dir, name)
+            .expect("write");
+        Credentials::load(&files.cert, &files.key, &self.dir.join(CA_FILE)).expect("load")
+    }
+}
+
+#[test]
+fn identities_round_trip_and_malformed_ones_are_refused() {
+    for id in [
+        Identity::Coordinator(3),
+        Identity::Worker("node-7.rack_2".into()),
+        Identity::User("alice@example".into()),
+    ] {
+        assert_eq!(Identity::from_uri(&id.uri()), Some(id));
+    }
+    for bad in [
+        "cumulus://coordinator/0",
+        "cumulus://coordinator/x",
+        "cumulus://worker/",
+        "cumulus://worker/a/b",
+        "cumulus://admin/root",
+        "https://worker/a",
+        "cumulus://worker/a b",
+    ] {
+        assert_eq!(Identity::from_uri(bad), None, "{bad}");
+    }
+}
+
+#[test]
+fn issued_certificates_load_with_their_identity() {
+    let pki = pki();
+    let c = pki.credentials("coordinator-1", Identity::Coordinator(1));
+    assert_eq!(c.identity(), &Identity::Coordinator(1));
+    assert!(c.client_config().is_ok());
+    let w = pki.credentials("worker-1", Identity::Worker("w-1".into()));
+    assert_eq!(w.identity(), &Identity::Worker("w-1".into()));
+    let mode = |p: &Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).expect("stat").permissions().mode() & 0o777
+    };
+    let files = PairFiles::in_dir(&pki.dir, "worker-1");
+    assert_eq!(mode(&files.key), 0o600, "keys are private");
+    assert_eq!(mode(&pki.dir.join(generate::CA_KEY_FILE)), 0o600);
+    assert_eq!(mode(&pki.dir), 0o700);
+
+    // A CA loaded back from its files issues certificates the first one verifies.
+    let again = ClusterCa::load(&pki.dir.join(CA_FILE), &pki.dir.join(generate::CA_KEY_FILE))
+        .expect("load ca");
+    let files = again
+        .issue(&Identity::Worker("w-2".into()), &[])
+        .expect("issue")
+        .write(&pki.dir, "worker-2")
+        .expect("write");
+    Credentials::load(&files.cert, &files.key, &pki.dir.join(CA_FILE)).expect("same CA");
+}
+
+#[test]
+fn unusable_files_are_refused_with_their_name() {
+    let pki = pki();
+    let a = PairFiles::in_dir(&pki.dir, "a");
+    let b = PairFiles::in_dir(&pki.dir, "b");
+    pki.credentials("a", Identity::Worker("a".into()));
+    pki.credentials("b", Identity::Worker("b".into()));
+    let ca = pki.dir.join(CA_FILE);
+    let err = Credentials::load(&a.cert, &b.key, &ca).expect_err("key of another certificate");
+    assert!(matches!(err, TlsError::Config(_)), "{err}");
+    let missing = pki.dir.join("missing.pem");
+    let err = Credentials::load(&missing, &a.key, &ca).expect_err("missing file");
+    assert!(err.to_string().contains("missing.pem"), "{err}");
+    let err = Credentials::load(&a.key, &a.key, &ca).expect_err("a key is no certificate");
+    assert!(err.to_string().contains("no usable PEM"), "{err}");
+
+    // A certificate without a cumulus:// identity is refused.
+    let key = rcgen::KeyPair::generate().expect("key");
+    let plain = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .expect("params")
+        .self_signed(&key)
+        .expect("self-signed");
+    let err = identity_of(plain.der()).expect_err("no identity");
+    assert!(err.to_string().contains("no cumulus:// identity"), "{err}");
+}
+
+/// One TLS connection on loopback: the server's view of the client's identity (`None`
+/// when it presented no certificate), or the handshake error of either side.
+async fn handshake(
+    server: &Credentials,
+    client: Arc<ClientConfig>,
+) -> Result<Option<Identity>, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr: SocketAddr = listener.local_addr().expect("addr");
+    let acceptor = TlsAcceptor::from(server.server_config().expect("server config"));
+    let serve = tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.expect("accept");
+        let mut tls = acceptor.accept(tcp).await.map_err(|e| e.to_string())?;
+        let peer = match tls.get_ref().1.peer_certificates() {
+            Some(chain) => Some(identity_of(&chain[0]).map_err(|e| e.to_string())?),
+            None => None,
+        };
+        let mut buf = [0u8; 4];
+        tls.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
+        tls.write_all(b"pong").await.map_err(|e| e.to_string())?;
+        tls.shutdown().await.ok();
+        Ok::<_, String>(peer)
+    });
+    let connector = TlsConnector::from(client);
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = ServerName::try_from("127.0.0.1").expect("name");
+    let client_side = async {
+        let mut tls = connector
+            .connect(name, tcp)
+            .await
+            .map_err(|e| e.to_string())?;
+        tls.write_all(b"ping").await.map_err(|e| e.to_string())?;
+        let mut buf = [0u8; 4];
+        tls.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(())
+    }
+    .await;
+    let server_side = serve.await.expect("server task");
+    client_side?;
+    server_side
+}
+
+#[tokio::test]
+async fn mutual_tls_names_the_member_and_users_need_no_certificate() {
+    let pki = pki();
+    let coordinator = pki.credentials("coordinator-1", Identity::Coordinator(1));
+    let worker = pki.credentials("worker-1", Identity::Worker("w-1".into()));
+    let peer = handshake(&coordinator, worker.client_config().expect("client"))
+        .await
+        .expect("mutual TLS");
+    assert_eq!(peer, Some(Identity::Worker("w-1".into())));
+    let user = handshake(
+        &coordinator,
+        worker.trust().client_config().expect("client"),
+    )
+    .await
+    .expect("server-only TLS");
+    assert_eq!(user, None, "a user presents no certificate");
+
+    // A client of another cluster (another CA) can verify nothing and is refused.
+    let other = pki_other();
+    let err = handshake(&coordinator, other.trust().client_config().expect("client"))
+        .await
+        .expect_err("another CA");
+    assert!(
+        err.contains("certificate") || err.contains("Unknown"),
+        "{err}"
+    );
+    let err = handshake(&coordinator, other.client_config().expect("client"))
+        .await
+        .expect_err("a client certificate of another CA");
+    assert!(!err.is_empty());
+}
+
+fn pki_other() -> Credentials {
+    // Loaded into memory: the files may go with their temp dir.
+    pki().credentials("x", Identity::Worker("x".into()))
+}
