@@ -121,7 +121,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         let mut etcd_clients = Vec::with_capacity(channels);
         for _ in 0..channels {
             etcd_clients.push(
-                connect_etcd(std::slice::from_ref(&etcd_leader))
+                connect_etcd(std::slice::from_ref(&etcd_leader), &etcd.tls)
                     .await?
                     .kv_client(),
             );
@@ -470,22 +470,31 @@ pub(crate) async fn measure_system(
     Ok(m)
 }
 
-/// An etcd client of `endpoints` with the scenario's timeouts.
-async fn connect_etcd(endpoints: &[String]) -> anyhow::Result<etcd_client::Client> {
+/// An etcd client of `endpoints` (`https://`, verified with `tls`) with the scenario's
+/// timeouts.
+async fn connect_etcd(
+    endpoints: &[String],
+    tls: &etcd_client::TlsOptions,
+) -> anyhow::Result<etcd_client::Client> {
     let opts = etcd_client::ConnectOptions::new()
         .with_connect_timeout(WRITE_TIMEOUT)
-        .with_timeout(WRITE_TIMEOUT);
+        .with_timeout(WRITE_TIMEOUT)
+        .with_tls(tls.clone());
     etcd_client::Client::connect(endpoints, Some(opts))
         .await
         .with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
 }
 
-/// Three etcd members on 127.0.0.1, killed (SIGKILL) and reaped on drop, their data removed.
+/// Three etcd members on 127.0.0.1 with TLS for clients and peers (as Cumulus has: one CA,
+/// server certificates, mutual TLS between members), killed (SIGKILL) and reaped on drop,
+/// their data removed.
 struct EtcdCluster {
     /// The member processes started here.
     children: Vec<Child>,
-    /// Client URL of every member, e.g. `http://127.0.0.1:12345`.
+    /// Client URL of every member, e.g. `https://127.0.0.1:12345`.
     client_urls: Vec<String>,
+    /// Client TLS: the CA of the members' certificates.
+    tls: etcd_client::TlsOptions,
     /// Log file of every member.
     logs: Vec<PathBuf>,
     /// Directory holding every member's data dir and log (removed on drop).
@@ -497,12 +506,26 @@ impl EtcdCluster {
     /// is fsynced), as a new cluster.
     fn start(etcd: &Path, dir: &Path) -> anyhow::Result<EtcdCluster> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let tls_dir = dir.join("tls");
+        let ca = cumulus_tls::generate::ClusterCa::generate("etcd bench")?;
+        ca.write(&tls_dir)?;
+        let pair = ca
+            .issue(&cumulus_tls::Identity::User("etcd".into()), &[])?
+            .write(&tls_dir, "etcd")?;
+        let ca_file = tls_dir.join(cumulus_tls::generate::CA_FILE);
+        let tls_flags = [
+            ("--cert-file", &pair.cert),
+            ("--key-file", &pair.key),
+            ("--peer-cert-file", &pair.cert),
+            ("--peer-key-file", &pair.key),
+            ("--peer-trusted-ca-file", &ca_file),
+        ];
         let members: Vec<(String, String, String)> = (1..=3)
             .map(|i| {
                 (
                     format!("etcd-{i}"),
-                    format!("http://127.0.0.1:{}", free_port()),
-                    format!("http://127.0.0.1:{}", free_port()),
+                    format!("https://127.0.0.1:{}", free_port()),
+                    format!("https://127.0.0.1:{}", free_port()),
                 )
             })
             .collect();
@@ -514,6 +537,8 @@ impl EtcdCluster {
         let mut cluster = EtcdCluster {
             children: Vec::new(),
             client_urls: Vec::new(),
+            tls: etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(ca.cert_pem())),
             logs: Vec::new(),
             dir: dir.to_path_buf(),
         };
@@ -544,6 +569,12 @@ impl EtcdCluster {
                 .arg("zap")
                 .arg("--log-outputs")
                 .arg("stderr")
+                .args(
+                    tls_flags
+                        .iter()
+                        .flat_map(|(flag, path)| [std::ffi::OsStr::new(flag), path.as_os_str()]),
+                )
+                .arg("--peer-client-cert-auth")
                 .stdin(Stdio::null())
                 .stdout(log.try_clone().context("cloning the etcd log handle")?)
                 .stderr(log)
@@ -589,13 +620,13 @@ impl EtcdCluster {
 
     /// One readiness check: a `Put`, then each member's `Status` until the leader is found.
     async fn try_find_leader(&self) -> anyhow::Result<String> {
-        let mut all = connect_etcd(&self.client_urls).await?;
+        let mut all = connect_etcd(&self.client_urls, &self.tls).await?;
         tokio::time::timeout(WRITE_TIMEOUT, all.put("/cumulus/bench/ready", "1", None))
             .await
             .context("readiness Put timed out")?
             .context("readiness Put")?;
         for url in &self.client_urls {
-            let mut one = connect_etcd(std::slice::from_ref(url)).await?;
+            let mut one = connect_etcd(std::slice::from_ref(url), &self.tls).await?;
             let status = tokio::time::timeout(WRITE_TIMEOUT, one.status())
                 .await
                 .context("Status timed out")?
