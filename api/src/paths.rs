@@ -270,6 +270,36 @@ impl Roots {
     }
 }
 
+/// `--allowed-dataset-roots` and `--allowed-ckpt-roots`, the same on coordinators and
+/// agents (feature `clap`).
+#[cfg(feature = "clap")]
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct RootsArgs {
+    /// Directories under which a job's local dataset must lie, comma-separated (default:
+    /// anywhere). The leader lists a dataset and the agents hand its files to ranks with
+    /// their own rights: on a shared cluster, set this so a submitter cannot make them
+    /// list `/etc`. Checked as written and with symlinks resolved; each root must exist.
+    /// Give coordinators and agents the same roots.
+    #[arg(long, env = "CUMULUS_ALLOWED_DATASET_ROOTS", value_delimiter = ',')]
+    pub allowed_dataset_roots: Vec<PathBuf>,
+    /// Directories under which a job's checkpoint dir must lie, comma-separated (default:
+    /// anywhere). The leader creates a missing checkpoint dir, and the agents staging and
+    /// step directories under it, with their own rights.
+    #[arg(long, env = "CUMULUS_ALLOWED_CKPT_ROOTS", value_delimiter = ',')]
+    pub allowed_ckpt_roots: Vec<PathBuf>,
+}
+
+#[cfg(feature = "clap")]
+impl RootsArgs {
+    /// The roots the flags name.
+    ///
+    /// # Errors
+    /// [`RootError`] for the first root that is not an existing, normalized directory.
+    pub fn load(&self) -> Result<JobRoots, RootError> {
+        JobRoots::new(&self.allowed_dataset_roots, &self.allowed_ckpt_roots)
+    }
+}
+
 /// The roots of one process (coordinator or agent) for every kind of job path.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct JobRoots {

@@ -134,16 +134,9 @@ pub struct Config {
     /// most the default (half the 2 GiB snapshot a follower accepts).
     #[arg(long, default_value_t = cumulus_raft_store::state::MAX_STATE_BYTES)]
     pub max_state_bytes: u64,
-    /// Directories under which a job's local dataset must lie, comma-separated (default:
-    /// anywhere). The leader lists a dataset with its own rights: set this on a shared
-    /// cluster so a submitter cannot make it list `/etc`. Checked as written and with
-    /// symlinks resolved; each root must exist.
-    #[arg(long, env = "CUMULUS_ALLOWED_DATASET_ROOTS", value_delimiter = ',')]
-    pub allowed_dataset_roots: Vec<PathBuf>,
-    /// Directories under which a job's checkpoint dir must lie, comma-separated (default:
-    /// anywhere). The leader creates a missing checkpoint dir with its own rights.
-    #[arg(long, env = "CUMULUS_ALLOWED_CKPT_ROOTS", value_delimiter = ',')]
-    pub allowed_ckpt_roots: Vec<PathBuf>,
+    /// Where a job's dataset and checkpoint dir may lie.
+    #[command(flatten)]
+    pub roots: cumulus_api::paths::RootsArgs,
     /// TLS: this coordinator's certificate (naming `cumulus://coordinator/ID`), key and
     /// the cluster CA; or `--insecure`.
     #[command(flatten)]
@@ -261,10 +254,7 @@ pub async fn run(
     if let Some(t) = &config.peer_token {
         cumulus_api::token::refuse_command_line(t, "--peer-token", "CUMULUS_PEER_TOKEN")?;
     }
-    let roots = cumulus_api::paths::JobRoots::new(
-        &config.allowed_dataset_roots,
-        &config.allowed_ckpt_roots,
-    )?;
+    let roots = config.roots.load()?;
     if roots.dataset.is_any() || roots.ckpt.is_any() {
         tracing::info!(
             "no --allowed-dataset-roots or --allowed-ckpt-roots: jobs may name any dataset or checkpoint dir this coordinator can list or create"

@@ -138,17 +138,9 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub dataset_cache_max_bytes: u64,
 
-    /// Directories under which a rank's local dataset shards must lie, comma-separated
-    /// (default: anywhere). Checked as written and with symlinks resolved before a rank
-    /// starts; each root must exist. Set the same roots as the coordinators'.
-    #[arg(long, env = "CUMULUS_ALLOWED_DATASET_ROOTS", value_delimiter = ',')]
-    pub allowed_dataset_roots: Vec<PathBuf>,
-
-    /// Directories under which a job's checkpoint dir must lie, comma-separated (default:
-    /// anywhere): the agent creates staging and step directories there with its own
-    /// rights.
-    #[arg(long, env = "CUMULUS_ALLOWED_CKPT_ROOTS", value_delimiter = ',')]
-    pub allowed_ckpt_roots: Vec<PathBuf>,
+    /// Where a job's dataset shards and checkpoint dir may lie.
+    #[command(flatten)]
+    pub roots: cumulus_api::paths::RootsArgs,
 
     /// TLS: this agent's certificate (naming `cumulus://worker/WORKER_ID`), key and the
     /// cluster CA, for its connections to the coordinators and its agent API; or
@@ -404,10 +396,7 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     let spawner = Spawner::start(tokio::runtime::Handle::current())
         .context("cannot start the spawner thread")?;
     let s3 = cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?;
-    let roots = cumulus_api::paths::JobRoots::new(
-        &config.allowed_dataset_roots,
-        &config.allowed_ckpt_roots,
-    )?;
+    let roots = config.roots.load()?;
     let supervisor = Supervisor::new(
         SupervisorSettings {
             worker_id: resolved.worker_id.clone(),
