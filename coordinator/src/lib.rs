@@ -260,22 +260,13 @@ pub async fn run(
             "no --allowed-dataset-roots or --allowed-ckpt-roots: jobs may name any dataset or checkpoint dir this coordinator can list or create"
         );
     }
-    let tls = config.tls.load()?;
-    match &tls {
-        Tls::On(creds) => {
-            let want = cumulus_tls::Identity::Coordinator(config.node_id);
-            if creds.identity() != &want {
-                bail!(
-                    "--tls-cert names {}, but this is {want}: issue it a certificate of its own \
-                     (`cumulusctl certs issue coordinator {}`)",
-                    creds.identity(),
-                    config.node_id
-                );
-            }
-        }
-        Tls::Insecure => warn!(
+    let tls = config
+        .tls
+        .load_for(&cumulus_tls::Identity::Coordinator(config.node_id))?;
+    if matches!(tls, Tls::Insecure) {
+        warn!(
             "--insecure: every connection is plaintext; tokens and job data cross the network readable"
-        ),
+        );
     }
     let token = auth::load_token(config.token_file.as_deref(), config.token.as_deref())?;
     let peer_token = auth::load_peer_token(

@@ -311,14 +311,16 @@ pub struct ConnInfo {
     pub peer_certs: Option<Arc<Vec<CertificateDer<'static>>>>,
     /// Whether the connection is TLS.
     pub tls: bool,
+    /// Who the verified client certificate names, parsed once per connection (not per
+    /// request: a worker's heartbeats arrive every second on the same connection).
+    pub identity: Option<Identity>,
 }
 
 impl ConnInfo {
     /// Who the client's verified certificate names (`None`: plaintext, no certificate,
     /// or a certificate naming no identity).
     pub fn peer_identity(&self) -> Option<Identity> {
-        let chain = self.peer_certs.as_ref()?;
-        cumulus_tls::identity_of(chain.first()?).ok()
+        self.identity.clone()
     }
 }
 
@@ -338,13 +340,18 @@ impl ServedStream {
                 remote_addr: s.peer_addr().ok(),
                 peer_certs: None,
                 tls: false,
+                identity: None,
             },
             ServedStream::Tls(t) => {
                 let (s, session) = t.get_ref();
+                let certs = session.peer_certificates();
                 ConnInfo {
                     remote_addr: s.peer_addr().ok(),
-                    peer_certs: session.peer_certificates().map(|c| Arc::new(c.to_vec())),
+                    peer_certs: certs.map(|c| Arc::new(c.to_vec())),
                     tls: true,
+                    identity: certs
+                        .and_then(|c| c.first())
+                        .and_then(|c| cumulus_tls::identity_of(c).ok()),
                 }
             }
         }
@@ -659,15 +666,14 @@ mod tests {
             .tls_certs_only([ca_cert.clone()])
             .build()
             .expect("client");
-        let body = user
-            .get(&url)
-            .send()
-            .await
-            .expect("get")
-            .text()
-            .await
-            .expect("body");
-        assert_eq!(body, "tls=true peer=None");
+        let body = |client: reqwest::Client| {
+            let url = url.clone();
+            async move {
+                let resp = client.get(&url).send().await.expect("get");
+                resp.text().await.expect("body")
+            }
+        };
+        assert_eq!(body(user).await, "tls=true peer=None");
 
         let mut pem = worker.cert_pem().to_vec();
         pem.extend_from_slice(worker.key_pem());
@@ -676,15 +682,7 @@ mod tests {
             .identity(reqwest::Identity::from_pem(&pem).expect("identity"))
             .build()
             .expect("client");
-        let body = member
-            .get(&url)
-            .send()
-            .await
-            .expect("get")
-            .text()
-            .await
-            .expect("body");
-        assert_eq!(body, "tls=true peer=Some(Worker(\"w-9\"))");
+        assert_eq!(body(member).await, "tls=true peer=Some(Worker(\"w-9\"))");
 
         // Plaintext to a TLS listener, and TLS without the cluster CA, get nothing.
         let plain = format!("http://127.0.0.1:{}/", addr.port());

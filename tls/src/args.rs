@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::{Credentials, Tls, TlsError};
+use crate::{Credentials, Identity, Tls, TlsError};
 
 /// `--tls-cert`, `--tls-key`, `--tls-ca`, `--insecure`. TLS is required: either all three
 /// files, or `--insecure` for plaintext (which the process logs as a warning).
@@ -46,9 +46,47 @@ pub enum TlsArgsError {
     /// The files cannot be used.
     #[error(transparent)]
     Files(#[from] TlsError),
+    /// The certificate names another process than this one.
+    #[error(
+        "--tls-cert names {found}, but this is {want}: issue it a certificate of its own \
+         (`cumulusctl certs issue {}`)",
+        issue_args(want)
+    )]
+    WrongIdentity {
+        /// Who the certificate names.
+        found: Identity,
+        /// Who this process is.
+        want: Identity,
+    },
+}
+
+/// The `certs issue` arguments that make a certificate for `identity`.
+fn issue_args(identity: &Identity) -> String {
+    match identity {
+        Identity::Coordinator(id) => format!("coordinator {id}"),
+        Identity::Worker(id) => format!("worker {id}"),
+        Identity::User(name) => format!("user {name}"),
+    }
 }
 
 impl TlsArgs {
+    /// [`TlsArgs::load`] for the process `want`: its certificate must name it.
+    ///
+    /// # Errors
+    /// [`TlsArgsError`], [`TlsArgsError::WrongIdentity`] for another's certificate.
+    pub fn load_for(&self, want: &Identity) -> Result<Tls, TlsArgsError> {
+        let tls = self.load()?;
+        if let Some(creds) = tls.credentials()
+            && creds.identity() != want
+        {
+            return Err(TlsArgsError::WrongIdentity {
+                found: creds.identity().clone(),
+                want: want.clone(),
+            });
+        }
+        Ok(tls)
+    }
+
     /// Loads the credentials, or returns [`Tls::Insecure`] with `--insecure`.
     ///
     /// # Errors

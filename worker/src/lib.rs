@@ -306,26 +306,17 @@ async fn write_agent_info(data_dir: &Path, info: &AgentInfo) -> std::io::Result<
 /// configuration, a data dir in use by another agent, or an address that cannot be bound.
 pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     let resolved = config.resolve().context("invalid configuration")?;
-    let tls = config.tls.load()?;
+    let tls = config
+        .tls
+        .load_for(&cumulus_tls::Identity::Worker(resolved.worker_id.clone()))?;
     let client_tls = match &tls {
-        Tls::On(creds) => {
-            let want = cumulus_tls::Identity::Worker(resolved.worker_id.clone());
-            if creds.identity() != &want {
-                bail!(
-                    "--tls-cert names {}, but this is {want}: issue it a certificate of its own \
-                     (`cumulusctl certs issue worker {}`)",
-                    creds.identity(),
-                    resolved.worker_id
-                );
-            }
-            Some(cumulus_api::leader::ClientTls {
-                ca_pem: creds.trust().ca_pem().into(),
-                identity_pem: Some(cumulus_api::leader::IdentityPem {
-                    cert: creds.cert_pem().into(),
-                    key: creds.key_pem().into(),
-                }),
-            })
-        }
+        Tls::On(creds) => Some(cumulus_api::leader::ClientTls {
+            ca_pem: creds.trust().ca_pem().into(),
+            identity_pem: Some(cumulus_api::leader::IdentityPem {
+                cert: creds.cert_pem().into(),
+                key: creds.key_pem().into(),
+            }),
+        }),
         Tls::Insecure => {
             tracing::warn!(
                 "--insecure: the agent's connections are plaintext; tokens and logs cross the network readable"
