@@ -8,15 +8,20 @@
 # and PyTorch (`pip install -e './python[test,torch]'`). It
 #   1. starts a local cluster (`cumulusctl local up`, one worker with N slots) in a temp dir;
 #   2. runs examples/python/ddp_digits.py with NCCL at world size N = the number of GPUs
-#      (`nvidia-smi -L`) twice: fault-free, and with the last rank SIGKILLing itself after a
-#      committed checkpoint; checks that the second run restarted once, resumed from the
-#      checkpoint and ended with weights byte-identical to the first (SHA-256 of every
-#      rank's final weights, and rank 0's model.safetensors);
-#   3. measures steps/s of the same script under Cumulus (checkpoints off) and under
+#      (`nvidia-smi -L`) and `--gpus-per-rank 1` (each rank its own GPU, by
+#      CUDA_VISIBLE_DEVICES) twice: fault-free, and with the last rank SIGKILLing itself
+#      after a committed checkpoint; checks that the ranks got distinct GPUs, that the
+#      second run restarted once, resumed from the checkpoint and ended with weights
+#      byte-identical to the first (SHA-256 of every rank's final weights, and rank 0's
+#      model.safetensors);
+#   3. runs two world-size-1 jobs with `--gpu-memory-fraction 0.5` side by side and checks
+#      that both ran at the same time on the same GPU and succeeded;
+#   4. measures steps/s of the same script under Cumulus (checkpoints off) and under
 #      `torchrun --standalone --nproc-per-node N`, alternated, --reps times each, and prints
 #      the medians and their ratio (steps/s is measured inside the script, from the first
 #      training step to the last: start-up is not counted).
-# --cpu: a dry run of the same steps without GPUs (gloo, world size 2 unless given).
+# --cpu: a dry run of steps 1, 2 and 4 without GPUs (gloo, world size 2 unless given, no
+# GPU flags).
 # Exit status 0 only if the resume was exact.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +37,7 @@ while [ $# -gt 0 ]; do
     --kill-at-step) kill_at="$2"; shift ;;
     --bench-steps) bench_steps="$2"; shift ;;
     --reps) reps="$2"; shift ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -74,6 +79,8 @@ else
   nvidia-smi -L
 fi
 kill_rank=$((world - 1))
+gpu_flags=()
+[ "$backend" = nccl ] && gpu_flags=(--gpus-per-rank 1)
 EXAMPLE=$ROOT/examples/python/ddp_digits.py
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/cumulus-gpu-check.XXXXXX")
@@ -98,13 +105,21 @@ submit() {
   while [ "$1" != -- ]; do opts+=("$1"); shift; done
   shift
   if ! "${CTL[@]}" submit --world-size "$world" --dataset "$WORK/digits" --name "gpu-$name" \
-    --max-restarts 2 --backoff-initial-ms 100 --backoff-max-ms 500 "${opts[@]}" \
+    --max-restarts 2 --backoff-initial-ms 100 --backoff-max-ms 500 "${gpu_flags[@]}" "${opts[@]}" \
     --wait --wait-timeout-s 900 -- \
     "$PY" "$EXAMPLE" --backend "$backend" --out "$WORK/out-$name" "$@" >"$WORK/$name.submit" 2>&1; then
     cat "$WORK/$name.submit" >&2
     "${CTL[@]}" list >&2 || true
     die "job $name failed"
   fi
+}
+
+# job_of NAME: the id of the job named gpu-NAME
+job_of() {
+  "${CTL[@]}" -o json list | "$PY" -c 'import json,sys
+name = "gpu-" + sys.argv[1]
+jobs = json.load(sys.stdin)["jobs"]
+print([j["id"] for j in jobs if j["spec"]["name"] == name][-1])' "$1"
 }
 
 # field OUT RANK KEY: a value of rank-RANK.json
@@ -133,10 +148,50 @@ for r in $(seq 0 $((world - 1))); do
 done
 cmp -s "$WORK/out-clean/model.safetensors" "$WORK/out-killed/model.safetensors" \
   || { echo "model.safetensors differ" >&2; ok=0; }
+if [ "$backend" = nccl ]; then
+  # Each rank its own GPU: distinct UUIDs in the job's rank table.
+  "${CTL[@]}" -o json status "$(job_of clean)" >"$WORK/clean.json"
+  "$PY" - "$WORK/clean.json" "$world" <<'EOF' || ok=0
+import json, sys
+job = json.load(open(sys.argv[1]))["job"]
+gpus = [tuple(r.get("gpus", [])) for r in job["ranks"]]
+print("GPUs per rank:", gpus)
+flat = [g for rank in gpus for g in rank]
+if len(flat) != int(sys.argv[2]) or len(set(flat)) != len(flat):
+    sys.exit("ranks did not get one distinct GPU each")
+EOF
+fi
 if [ "$ok" = 1 ]; then
   echo "EXACT RESUME: OK (weights sha256 $want)"
 else
   echo "EXACT RESUME: FAILED" >&2
+fi
+
+# -- 2b. two jobs of half a GPU side by side --------------------------------------------------
+if [ "$backend" = nccl ]; then
+  echo "== sharing: two world-size-1 jobs with --gpu-memory-fraction 0.5 at once"
+  for half in half-a half-b; do
+    "${CTL[@]}" submit --world-size 1 --dataset "$WORK/digits" --name "gpu-$half" \
+      --gpu-memory-fraction 0.5 --max-restarts 0 --wait --wait-timeout-s 600 -- \
+      "$PY" "$EXAMPLE" --backend nccl --out "$WORK/out-$half" --steps "$bench_steps" \
+      --log-every "$bench_steps" >"$WORK/$half.submit" 2>&1 &
+  done
+  wait || true
+  for half in half-a half-b; do
+    "${CTL[@]}" -o json status "$(job_of "$half")" >"$WORK/$half.json" || ok=0
+  done
+  "$PY" - "$WORK/half-a.json" "$WORK/half-b.json" <<'EOF' || { echo "SHARING: FAILED" >&2; ok=0; }
+import json, sys
+a, b = (json.load(open(p))["job"] for p in sys.argv[1:3])
+for j in (a, b):
+    r = j["ranks"][0]
+    print(f'{j["id"]}: {j["state"]} on {r.get("gpus")} from {r.get("started_at_ms")} to {r.get("exited_at_ms")}')
+    assert j["state"] == "succeeded", j.get("failure_cause")
+ra, rb = a["ranks"][0], b["ranks"][0]
+assert ra["gpus"] == rb["gpus"] and len(ra["gpus"]) == 1, "not the same GPU"
+assert ra["started_at_ms"] < rb["exited_at_ms"] and rb["started_at_ms"] < ra["exited_at_ms"], "not at the same time"
+print("SHARING: OK (both on", ra["gpus"][0] + ")")
+EOF
 fi
 
 # -- 2. steps/s: Cumulus vs torchrun ---------------------------------------------------------

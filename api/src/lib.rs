@@ -10,6 +10,7 @@
 //!   one wire spelling.
 //! - [`rank_env`]: the environment variables of the rank contract.
 //! - [`limits`]: the limits more than one process checks.
+//! - [`gpus`]: GPU UUIDs, memory shares in thousandths, `CUDA_VISIBLE_DEVICES`.
 //! - [`files`]: one file of a checkpoint part, with its format-1 compatibility.
 //! - [`attempt`]: [`AttemptKey`], the identity of a rank attempt.
 //! - [`paths`]: which host paths a job may name (normalized, under the allowed roots).
@@ -23,6 +24,7 @@
 
 pub mod attempt;
 pub mod files;
+pub mod gpus;
 #[cfg(feature = "grpc")]
 pub mod leader;
 pub mod limits;

@@ -35,3 +35,11 @@ pub const MAX_STATE_JSON_BYTES: usize = 64 * 1024;
 pub const MAX_METRICS: usize = 64;
 /// Longest metric name in a progress report, in bytes.
 pub const MAX_METRIC_NAME_BYTES: usize = 128;
+/// Most GPUs one worker may register, and most GPUs one rank may ask for.
+pub const MAX_GPUS_PER_WORKER: usize = 64;
+/// Longest GPU UUID, in bytes (NVML's are 40: `GPU-` and a hyphenated UUID).
+pub const MAX_GPU_UUID_BYTES: usize = 128;
+/// Longest GPU product name, in bytes.
+pub const MAX_GPU_NAME_BYTES: usize = 128;
+/// Longest GPU error text in a heartbeat, in bytes (the agent cuts NVML's messages to it).
+pub const MAX_GPU_ERROR_BYTES: usize = 512;

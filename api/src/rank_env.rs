@@ -36,6 +36,14 @@ pub const CKPT_STAGING: &str = "CUMULUS_CKPT_STAGING";
 pub const RESUME_DIR: &str = "CUMULUS_RESUME_DIR";
 /// Checkpoint step this attempt resumes from.
 pub const RESUME_STEP: &str = "CUMULUS_RESUME_STEP";
+/// The GPUs a rank may use, by UUID, comma-separated (CUDA's own variable). Set by an
+/// agent that has GPUs for every rank it starts: empty for a rank that asked for none, so
+/// it cannot take a GPU another rank was given.
+pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
+/// The rank's share of its GPU's memory, a decimal fraction in `(0, 1]` (set only for a
+/// job with `gpu_memory_fraction`); the Python runtime passes it to
+/// `torch.cuda.set_per_process_memory_fraction`. Cooperative: nothing enforces it.
+pub const GPU_MEMORY_FRACTION: &str = "CUMULUS_GPU_MEMORY_FRACTION";
 
 /// Every variable of the rank contract. A job's own `env` entry with one of these names is
 /// dropped by the agent (even when it does not set that variable for this attempt), so a
@@ -55,4 +63,9 @@ pub const CONTRACT_VARS: &[&str] = &[
     CKPT_STAGING,
     RESUME_DIR,
     RESUME_STEP,
+    GPU_MEMORY_FRACTION,
 ];
+
+/// Variables an agent with GPUs sets for every rank; a job's own `env` entry with one of
+/// these names is dropped there (on an agent without GPUs the job's value stays).
+pub const GPU_VARS: &[&str] = &[CUDA_VISIBLE_DEVICES];

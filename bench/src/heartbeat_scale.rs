@@ -219,6 +219,7 @@ async fn simulated_worker(
             host: "127.0.0.1".into(),
             http_addr: "127.0.0.1:1".into(),
             slots: 1,
+            gpus: Vec::new(),
         };
         for _ in 0..20 {
             if client.register(req.clone()).await.is_ok() {
@@ -235,13 +236,14 @@ async fn simulated_worker(
         cpu_percent: 5.0,
         memory_used_bytes: 1 << 30,
         memory_total_bytes: 8 << 30,
+        gpus: Vec::new(),
     };
     while stop.load(Ordering::Relaxed) == 0 {
         tick.tick().await;
         let req = v1::HeartbeatRequest {
             worker_id: worker_id.clone(),
             observed: vec![],
-            resources: Some(resources),
+            resources: Some(resources.clone()),
         };
         let t = Instant::now();
         let ok = client.heartbeat(req).await.is_ok();

@@ -137,6 +137,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
                     host: "127.0.0.1".into(),
                     http_addr: "127.0.0.1:1".into(),
                     slots: 1 + (e % 7) as u32,
+                    gpus: Vec::new(),
                 };
                 register_via_leader(cluster_ref, req).await
             })

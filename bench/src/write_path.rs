@@ -285,6 +285,8 @@ impl Template {
             working_dir: path(dir),
             ckpt_url: String::new(),
             ckpt_commit_tier: String::new(),
+            gpus_per_rank: 0,
+            gpu_memory_fraction: None,
         };
         let placeholder = "#".repeat(REQUEST_ID_LEN);
         let request = v1::SubmitJobRequest {

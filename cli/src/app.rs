@@ -34,6 +34,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Cluster(ClusterCommand::Status) => {
             jobs::cluster_status(&config::resolve(g)?, out).await
         }
+        Command::Workers => jobs::workers(&config::resolve(g)?, out).await,
         Command::Cluster(ClusterCommand::AddLearner(a)) => {
             jobs::add_learner(&config::resolve(g)?, a.id, &a.member_addr, out).await
         }

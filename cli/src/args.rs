@@ -118,6 +118,8 @@ pub enum Command {
     /// The coordinator cluster.
     #[command(subcommand)]
     Cluster(ClusterCommand),
+    /// The worker agents: slots, heartbeats, resources and GPUs.
+    Workers,
     /// Dataset preparation.
     #[command(subcommand)]
     Dataset(DatasetCommand),
@@ -236,6 +238,17 @@ pub struct SubmitArgs {
     /// hung and restarted (0 or absent: off).
     #[arg(long)]
     pub progress_timeout_s: Option<u64>,
+    /// Whole GPUs per rank (as Slurm's `--gpus-per-task`): each rank gets distinct GPUs
+    /// of its worker, named in its `CUDA_VISIBLE_DEVICES`; a job's ranks are packed onto
+    /// as few workers as possible. 0 or absent: none.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub gpus_per_rank: Option<u32>,
+    /// Share of one GPU each rank gets, 0 < F <= 1 (as Ray's `num_gpus=0.5`): ranks of
+    /// this and other jobs share a GPU while their fractions sum to at most 1. Implies one
+    /// GPU per rank. Set as `CUMULUS_GPU_MEMORY_FRACTION` for the rank (cooperative: the
+    /// Python runtime passes it to PyTorch; nothing enforces it).
+    #[arg(long, value_parser = parse_gpu_fraction)]
+    pub gpu_memory_fraction: Option<f64>,
     /// Extra environment variable for every rank, `KEY=VALUE` (repeatable).
     #[arg(long = "env", value_name = "KEY=VALUE")]
     pub env: Vec<String>,
@@ -400,6 +413,17 @@ pub struct DemoArgs {
     /// Directory holding the cumulus binaries (default: next to this executable, else PATH).
     #[arg(long)]
     pub bin_dir: Option<PathBuf>,
+}
+
+/// Parses `--gpu-memory-fraction`: a number with 0 < F <= 1 in steps of 0.001.
+fn parse_gpu_fraction(text: &str) -> Result<f64, String> {
+    let value: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number"))?;
+    cumulus_api::gpus::fraction_to_permille(value)
+        .map(|_| value)
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

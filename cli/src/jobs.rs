@@ -128,6 +128,8 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
             .ckpt_commit_tier
             .map(|t| t.as_str().to_string())
             .unwrap_or_default(),
+        gpus_per_rank: args.gpus_per_rank.unwrap_or(0),
+        gpu_memory_fraction: args.gpu_memory_fraction,
     };
     Ok(SubmitJobRequest {
         request_id,
@@ -275,6 +277,26 @@ pub async fn cluster_status(conn: &Conn, output: OutputFormat) -> Result<()> {
     match output {
         OutputFormat::Json => print_json(&resp),
         OutputFormat::Table => print_text(&render::cluster_status(&resp)),
+    }
+}
+
+/// `workers`: the workers and their GPUs (`-o json`: the list of workers).
+///
+/// # Errors
+/// When no coordinator answers.
+pub async fn workers(conn: &Conn, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.cluster_status().await?;
+    match output {
+        OutputFormat::Json => print_json(&resp.workers),
+        OutputFormat::Table => {
+            let mut text = render::workers_text(&resp);
+            if resp.leader_id != Some(resp.node_id) {
+                text.push_str(
+                    "(answered by a follower: heartbeats and GPU readings are known to the leader only)\n",
+                );
+            }
+            print_text(&text)
+        }
     }
 }
 

@@ -197,10 +197,22 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
         },
     );
     row("state", job.state.clone());
+    if !job.pending_reason.is_empty() {
+        row("waiting", job.pending_reason.clone());
+    }
     row(
         "world size",
         format!("{} ({} shards)", spec.world_size, job.shard_count),
     );
+    if spec.gpus_per_rank > 0 {
+        row(
+            "GPUs",
+            match spec.gpu_memory_fraction {
+                Some(f) => format!("{f} of one GPU per rank"),
+                None => format!("{} per rank", spec.gpus_per_rank),
+            },
+        );
+    }
     row(
         "restarts",
         format!(
@@ -266,24 +278,30 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
     out.push_str(&table_text(&kv));
 
     out.push('\n');
-    let mut ranks = table(&["RANK", "ATTEMPT", "WORKER", "STATE", "PID", "EXIT", "STEP"]);
+    let gpus = spec.gpus_per_rank > 0;
+    let mut header = vec!["RANK", "ATTEMPT", "WORKER", "STATE", "PID", "EXIT", "STEP"];
+    if gpus {
+        header.push("GPUS");
+    }
+    let mut ranks = table(&header);
     for r in &job.ranks {
-        add_row(
-            &mut ranks,
-            vec![
-                r.rank.to_string(),
-                r.attempt.to_string(),
-                or_dash(&r.worker_id),
-                r.state.clone(),
-                if r.pid == 0 {
-                    "-".into()
-                } else {
-                    r.pid.to_string()
-                },
-                exit_text(r),
-                step_text(r),
-            ],
-        );
+        let mut cells = vec![
+            r.rank.to_string(),
+            r.attempt.to_string(),
+            or_dash(&r.worker_id),
+            r.state.clone(),
+            if r.pid == 0 {
+                "-".into()
+            } else {
+                r.pid.to_string()
+            },
+            exit_text(r),
+            step_text(r),
+        ];
+        if gpus {
+            cells.push(or_dash(&r.gpus.join(",")));
+        }
+        add_row(&mut ranks, cells);
     }
     out.push_str(&table_text(&ranks));
 
@@ -383,6 +401,14 @@ pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
     }
     out.push_str(&table_text(&m));
     out.push('\n');
+    out.push_str(&workers_text(resp));
+    out
+}
+
+/// The workers (slots, heartbeat, CPU, memory) and their GPUs, as `cumulusctl workers`
+/// prints them.
+pub fn workers_text(resp: &ClusterStatusResponse) -> String {
+    let mut out = String::new();
     if resp.workers.is_empty() {
         out.push_str("no workers registered\n");
         return out;
@@ -419,7 +445,69 @@ pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
         );
     }
     out.push_str(&table_text(&w));
+    let gpus = gpus_table(resp);
+    if !gpus.is_empty() {
+        out.push('\n');
+        out.push_str(&gpus);
+    }
     out
+}
+
+/// The workers' GPUs, one row each ("" when no worker has one): what was registered,
+/// the share given to ranks, and the last heartbeat's reading (known on the leader).
+pub fn gpus_table(resp: &ClusterStatusResponse) -> String {
+    if resp.workers.iter().all(|w| w.gpus.is_empty()) {
+        return String::new();
+    }
+    let mut t = table(&[
+        "WORKER",
+        "GPU",
+        "UUID",
+        "NAME",
+        "MEMORY",
+        "UTIL",
+        "ALLOCATED",
+        "HEALTH",
+    ]);
+    for wk in &resp.workers {
+        for g in &wk.gpus {
+            let device = g.device.clone().unwrap_or_default();
+            let (memory, util, health) = match &g.status {
+                Some(s) => (
+                    format!(
+                        "{} / {}",
+                        bytes(s.memory_used_bytes),
+                        bytes(device.memory_total_bytes)
+                    ),
+                    format!("{}%", s.utilization_percent),
+                    if s.healthy {
+                        "healthy".to_string()
+                    } else {
+                        format!("UNHEALTHY: {}", s.error)
+                    },
+                ),
+                None => (
+                    format!("- / {}", bytes(device.memory_total_bytes)),
+                    "-".into(),
+                    "unknown (ask the leader)".into(),
+                ),
+            };
+            add_row(
+                &mut t,
+                vec![
+                    wk.worker_id.clone(),
+                    device.index.to_string(),
+                    device.uuid.clone(),
+                    device.name.clone(),
+                    memory,
+                    util,
+                    format!("{:.2}", g.allocated),
+                    health,
+                ],
+            );
+        }
+    }
+    table_text(&t)
 }
 
 #[cfg(test)]

@@ -284,7 +284,7 @@ pub async fn get_job(
         .read_state(|s| {
             s.jobs
                 .get(job_id)
-                .map(|j| job_to_proto(j, &progress, now_ms()))
+                .map(|j| job_to_proto(j, &progress, now_ms(), s.pending_reason(j)))
         })
         .ok_or_else(|| {
             ApiError::NotFound(format!(
@@ -310,7 +310,7 @@ pub async fn list_jobs(node: &Node, linearizable: bool) -> Result<v1::ListJobsRe
     let jobs = node.read_state(|s| {
         s.jobs
             .values()
-            .map(|j| job_to_proto(j, &progress, now))
+            .map(|j| job_to_proto(j, &progress, now, None))
             .collect()
     });
     Ok(v1::ListJobsResponse { jobs })

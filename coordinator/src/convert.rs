@@ -24,6 +24,20 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
     let r = p.restart.clone().unwrap_or_default();
     let scope = RestartScope::from_spec(r.scope.as_deref().unwrap_or(""))
         .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
+    // A fraction implies one GPU per rank; a fraction of 1 is a whole GPU.
+    let (gpus_per_rank, gpu_memory_permille) = match p.gpu_memory_fraction {
+        None => (p.gpus_per_rank, 0),
+        Some(f) => {
+            let permille = cumulus_api::gpus::fraction_to_permille(f)
+                .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
+            let permille = if permille == cumulus_api::gpus::WHOLE_GPU_PERMILLE {
+                0
+            } else {
+                permille
+            };
+            (p.gpus_per_rank.max(1), permille)
+        }
+    };
     let spec = JobSpec {
         name: p.name.clone(),
         world_size: p.world_size,
@@ -46,6 +60,8 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
         working_dir: p.working_dir.clone(),
         ckpt_url: p.ckpt_url.clone(),
         ckpt_commit_tier: p.ckpt_commit_tier.to_ascii_lowercase(),
+        gpus_per_rank,
+        gpu_memory_permille,
     };
     spec.validate(max_world_size)
         .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
@@ -76,6 +92,9 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         working_dir: s.working_dir.clone(),
         ckpt_url: s.ckpt_url.clone(),
         ckpt_commit_tier: s.ckpt_commit_tier.clone(),
+        gpus_per_rank: s.gpus_per_rank,
+        gpu_memory_fraction: (s.gpu_memory_permille > 0)
+            .then(|| f64::from(s.gpu_memory_permille) / 1000.0),
     }
 }
 
@@ -92,10 +111,13 @@ fn rank_phase(job: &Job, r: &cumulus_raft_store::state::RankRecord, now_ms: u64)
 }
 
 /// The API view of a job; `progress` is the leader's soft progress (empty on followers).
+/// `pending_reason` is [`ClusterState::pending_reason`] where the caller computed it
+/// (one job's view: it costs a pass over the workers).
 pub fn job_to_proto(
     job: &Job,
     progress: &HashMap<AttemptKey, ProgressSoft>,
     now_ms: u64,
+    pending_reason: Option<String>,
 ) -> v1::Job {
     v1::Job {
         id: job.id.clone(),
@@ -128,6 +150,7 @@ pub fn job_to_proto(
                         .map_or(0, |s| s.len() as u32),
                     not_before_ms: r.not_before_ms,
                     pid: r.pid,
+                    gpus: r.gpus.clone(),
                 }
             })
             .collect(),
@@ -147,6 +170,7 @@ pub fn job_to_proto(
             .collect(),
         request_id: job.request_id.clone(),
         shard_count: job.shard_count,
+        pending_reason: pending_reason.unwrap_or_default(),
     }
 }
 
@@ -209,6 +233,8 @@ pub fn desired_for_worker(
                 working_dir: job.spec.working_dir.clone(),
                 ckpt_url: job.spec.ckpt_url.clone(),
                 ckpt_commit_tier: job.spec.ckpt_commit_tier.clone(),
+                gpus: r.gpus.clone(),
+                gpu_memory_permille: job.spec.gpu_memory_permille,
             });
         }
     }
@@ -221,12 +247,27 @@ pub fn workers_to_proto(
     soft: &HashMap<String, crate::soft::WorkerSoft>,
 ) -> Vec<v1::WorkerInfo> {
     let used = state.slots_used(None);
+    let gpus_used = state.gpus_used(None);
     state
         .workers
         .values()
         .map(|w| {
             let s = soft.get(&w.worker_id);
-            let res = s.map(|s| s.resources).unwrap_or_default();
+            let res = s.map(|s| s.resources.clone()).unwrap_or_default();
+            let gpus = w
+                .gpus
+                .iter()
+                .map(|g| v1::GpuInfo {
+                    device: Some(v1::GpuDevice {
+                        index: g.index,
+                        uuid: g.uuid.clone(),
+                        name: g.name.clone(),
+                        memory_total_bytes: g.memory_total_bytes,
+                    }),
+                    status: res.gpus.iter().find(|st| st.uuid == g.uuid).cloned(),
+                    allocated: f64::from(gpus_used.get(&g.uuid).copied().unwrap_or(0)) / 1000.0,
+                })
+                .collect();
             v1::WorkerInfo {
                 worker_id: w.worker_id.clone(),
                 host: w.host.clone(),
@@ -242,6 +283,7 @@ pub fn workers_to_proto(
                 cpu_percent: res.cpu_percent,
                 memory_used_bytes: res.memory_used_bytes,
                 memory_total_bytes: res.memory_total_bytes,
+                gpus,
             }
         })
         .collect()

@@ -128,6 +128,23 @@ impl WorkerService for WorkerSvc {
                 "host, http_addr and 1..=4096 slots are required",
             ));
         }
+        if r.gpus.len() > cumulus_api::limits::MAX_GPUS_PER_WORKER {
+            return Err(Status::invalid_argument(format!(
+                "{} GPUs, more than the limit of {}",
+                r.gpus.len(),
+                cumulus_api::limits::MAX_GPUS_PER_WORKER
+            )));
+        }
+        let gpus = r
+            .gpus
+            .iter()
+            .map(|g| cumulus_raft_store::state::GpuDevice {
+                index: g.index,
+                uuid: g.uuid.clone(),
+                name: g.name.clone(),
+                memory_total_bytes: g.memory_total_bytes,
+            })
+            .collect();
         self.node.require_leader().map_err(to_status)?;
         self.node
             .propose_ok(Command::RegisterWorker {
@@ -135,10 +152,15 @@ impl WorkerService for WorkerSvc {
                 host: r.host,
                 http_addr: r.http_addr,
                 slots: r.slots,
+                gpus,
                 at_ms: now_ms(),
             })
             .await
-            .map_err(to_status)?;
+            .map_err(|e| match e {
+                // apply's refusal of the inventory is the request's fault.
+                ApiError::FailedPrecondition(reason) => Status::invalid_argument(reason),
+                e => to_status(e),
+            })?;
         self.node.soft().workers.insert(
             r.worker_id,
             WorkerSoft {
@@ -164,6 +186,21 @@ impl WorkerService for WorkerSvc {
             return Err(Status::invalid_argument(
                 "too many observed ranks in one heartbeat",
             ));
+        }
+        if let Some(res) = &r.resources
+            && (res.gpus.len() > cumulus_api::limits::MAX_GPUS_PER_WORKER
+                || res.gpus.iter().any(|g| {
+                    g.uuid.len() > cumulus_api::limits::MAX_GPU_UUID_BYTES
+                        || g.error.len() > cumulus_api::limits::MAX_GPU_ERROR_BYTES
+                }))
+        {
+            return Err(Status::invalid_argument(format!(
+                "a heartbeat carries at most {} GPUs, UUIDs of at most {} bytes and errors of \
+                 at most {} bytes",
+                cumulus_api::limits::MAX_GPUS_PER_WORKER,
+                cumulus_api::limits::MAX_GPU_UUID_BYTES,
+                cumulus_api::limits::MAX_GPU_ERROR_BYTES
+            )));
         }
         self.node.require_leader().map_err(to_status)?;
         let registered = self.node.read_state(|s| {

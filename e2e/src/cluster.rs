@@ -102,6 +102,8 @@ pub struct ClusterOpts {
     pub coordinator_args: Vec<String>,
     /// More arguments for every worker agent.
     pub worker_args: Vec<String>,
+    /// More arguments for worker agent `i` alone (index `i`; e.g. its `--gpus` file).
+    pub per_worker_args: Vec<Vec<String>>,
     /// Open-file limit (soft and hard) of the worker agents (`None`: inherited).
     pub worker_nofile: Option<u64>,
     /// TLS on every connection, with a CA and certificates made for this cluster
@@ -124,6 +126,7 @@ impl Default for ClusterOpts {
             max_state_bytes: None,
             coordinator_args: Vec::new(),
             worker_args: Vec::new(),
+            per_worker_args: Vec::new(),
             worker_nofile: None,
             tls: true,
         }
@@ -511,6 +514,7 @@ impl Cluster {
             .arg("127.0.0.1:0")
             .args(&tls)
             .args(&self.opts.worker_args)
+            .args(self.opts.per_worker_args.get(i).into_iter().flatten())
             .envs(self.opts.s3.iter().flat_map(S3Access::env))
             .env("RUST_LOG", "info")
             .env("RUST_BACKTRACE", "0")

@@ -994,6 +994,7 @@ async fn checkpoint_part_retried_at_a_new_leader_after_its_step_committed_is_ack
                 host: "127.0.0.1".into(),
                 http_addr: "127.0.0.1:9".into(),
                 slots: 1,
+                gpus: Vec::new(),
             })
             .await
         })

@@ -161,6 +161,7 @@ async fn tls_hides_the_token_refuses_plaintext_and_binds_worker_identities() {
         host: "127.0.0.1".into(),
         http_addr: "127.0.0.1:1".into(),
         slots: 1,
+        gpus: Vec::new(),
     };
     let mut as_impostor = worker_client(&coord.grpc, impostor.as_ref())
         .await

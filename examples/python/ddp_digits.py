@@ -120,9 +120,16 @@ def main() -> int:
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available() and args.backend != "gloo"
     backend = args.backend if args.backend != "auto" else ("nccl" if cuda else "gloo")
-    device = torch.device("cuda", ctx.local_rank) if cuda else torch.device("cpu")
+    # Under Cumulus CUDA_VISIBLE_DEVICES shows a rank only its own GPU(s); under torchrun
+    # every rank sees them all: LOCAL_RANK modulo the visible count fits both.
+    device = (
+        torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
+        if cuda
+        else torch.device("cpu")
+    )
     if cuda:
         torch.cuda.set_device(device)
+        runtime.apply_gpu_memory_fraction()  # --gpu-memory-fraction, when the job has one
     # torchrun sets these too; Cumulus sets them for every rank.
     os.environ.setdefault("MASTER_ADDR", ctx.master_addr)
     os.environ.setdefault("MASTER_PORT", str(ctx.master_port))

@@ -148,6 +148,37 @@ def test_invalid_values_are_named(full_env: dict[str, str], name: str, value: st
 
 
 @pytest.mark.parametrize(
+    ("value", "expected"),
+    [("0.5", 0.5), ("1", 1.0), ("0.125", 0.125), ("0.001", 0.001), ("", None), (None, None)],
+)
+def test_gpu_memory_fraction(
+    full_env: dict[str, str], value: str | None, expected: float | None
+) -> None:
+    if value is not None:
+        full_env["CUMULUS_GPU_MEMORY_FRACTION"] = value
+    assert context_from_env(full_env).gpu_memory_fraction == expected
+
+
+@pytest.mark.parametrize(
+    "value", ["0", "0.0", "-0.1", "1.5", "1.0001", "nan", "inf", "1e-1", "0_5", "abc"]
+)
+def test_invalid_gpu_memory_fractions_are_named(full_env: dict[str, str], value: str) -> None:
+    full_env["CUMULUS_GPU_MEMORY_FRACTION"] = value
+    with pytest.raises(RankEnvironmentError, match="CUMULUS_GPU_MEMORY_FRACTION") as e:
+        context_from_env(full_env)
+    assert e.value.name == "CUMULUS_GPU_MEMORY_FRACTION"
+    assert repr(value) in str(e.value)
+
+
+def test_standalone_reads_the_gpu_memory_fraction_too() -> None:
+    assert context_from_env({}, standalone=True).gpu_memory_fraction is None
+    env = {"CUMULUS_GPU_MEMORY_FRACTION": "0.25"}
+    assert context_from_env(env, standalone=True).gpu_memory_fraction == 0.25
+    with pytest.raises(RankEnvironmentError, match="CUMULUS_GPU_MEMORY_FRACTION"):
+        context_from_env({"CUMULUS_GPU_MEMORY_FRACTION": "2"}, standalone=True)
+
+
+@pytest.mark.parametrize(
     ("drop", "step"),
     [("CUMULUS_RESUME_DIR", "100"), ("CUMULUS_RESUME_STEP", "100"), (None, "-1"), (None, "x")],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -10,7 +11,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -361,6 +363,106 @@ def test_resume_falls_back_to_the_manifest(agent: FakeAgent, staging: Path, tmp_
 def test_no_resume_on_a_fresh_start(rt: Runtime) -> None:
     assert rt.resume() is None
     assert Runtime(runtime.context_from_env({}, standalone=True)).resume() is None
+
+
+# -- GPU memory fraction -----------------------------------------------------------------
+
+
+@pytest.fixture
+def with_fraction(monkeypatch: pytest.MonkeyPatch) -> Callable[[float | None], Runtime]:
+    """Makes the process-wide runtime (restored after the test) one whose context has the
+    given ``gpu_memory_fraction``."""
+
+    def make(fraction: float | None) -> Runtime:
+        ctx = dataclasses.replace(make_context(None, None), gpu_memory_fraction=fraction)
+        r = Runtime(ctx)
+        monkeypatch.setattr(runtime, "_default", r)
+        return r
+
+    return make
+
+
+class FakeCuda:
+    """``torch.cuda`` as far as ``apply_gpu_memory_fraction`` uses it."""
+
+    def __init__(self, available: bool) -> None:
+        self.available = available
+        self.calls: list[tuple[float, object]] = []
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def current_device(self) -> int:
+        return 3
+
+    def set_per_process_memory_fraction(self, fraction: float, device: object) -> None:
+        self.calls.append((fraction, device))
+
+
+def fake_torch(monkeypatch: pytest.MonkeyPatch, *, cuda: bool) -> FakeCuda:
+    fake = FakeCuda(cuda)
+    module = types.ModuleType("torch")
+    module.cuda = fake  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", module)
+    return fake
+
+
+def test_no_fraction_does_nothing_and_imports_no_torch(
+    monkeypatch: pytest.MonkeyPatch, with_fraction: Callable[[float | None], Runtime]
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # importing torch now fails
+    with_fraction(None)
+    assert runtime.apply_gpu_memory_fraction() is None
+    assert runtime.apply_gpu_memory_fraction("cuda:1") is None
+    # The same runtime with a fraction does import torch (so the check above means it).
+    with_fraction(0.5)
+    with pytest.raises(ImportError, match="CUMULUS_GPU_MEMORY_FRACTION"):
+        runtime.apply_gpu_memory_fraction()
+
+
+def test_the_fraction_goes_to_torch_for_the_current_or_given_device(
+    monkeypatch: pytest.MonkeyPatch, with_fraction: Callable[[float | None], Runtime]
+) -> None:
+    cuda = fake_torch(monkeypatch, cuda=True)
+    rt = with_fraction(0.25)
+    assert runtime.apply_gpu_memory_fraction() == 0.25
+    assert runtime.apply_gpu_memory_fraction("cuda:1") == 0.25
+    assert rt.apply_gpu_memory_fraction(0) == 0.25
+    assert cuda.calls == [(0.25, 3), (0.25, "cuda:1"), (0.25, 0)]
+
+
+def test_a_fraction_without_cuda_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, with_fraction: Callable[[float | None], Runtime]
+) -> None:
+    cuda = fake_torch(monkeypatch, cuda=False)
+    with_fraction(0.5)
+    with pytest.raises(errors.RankEnvironmentError, match="is_available") as e:
+        runtime.apply_gpu_memory_fraction()
+    assert e.value.name == "CUMULUS_GPU_MEMORY_FRACTION"
+    assert cuda.calls == []
+
+
+def test_a_fraction_with_a_cpu_only_torch_is_a_clear_error(
+    with_fraction: Callable[[float | None], Runtime],
+) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: this test needs a torch without a GPU")
+    with_fraction(0.5)
+    with pytest.raises(errors.RankEnvironmentError, match=r"FRACTION=0\.5 .*is_available"):
+        runtime.apply_gpu_memory_fraction()
+
+
+def test_the_fraction_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = fake_torch(monkeypatch, cuda=True)
+    for name in list(os.environ):
+        if name.startswith("CUMULUS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("CUMULUS_GPU_MEMORY_FRACTION", "0.125")
+    monkeypatch.setattr(runtime, "_default", None)  # made from the environment on first use
+    assert runtime.apply_gpu_memory_fraction() == 0.125
+    assert runtime.get_runtime().context.standalone
+    assert cuda.calls == [(0.125, 3)]
 
 
 # -- stop --------------------------------------------------------------------------------

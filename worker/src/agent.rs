@@ -33,6 +33,8 @@ pub struct ControlLoop {
     pub supervisor: Supervisor,
     /// What this agent registers as.
     pub registration: RegisterWorkerRequest,
+    /// The agent's GPUs, sampled at every heartbeat.
+    pub gpus: Arc<std::sync::Mutex<crate::gpus::GpuMonitor>>,
     /// Time between heartbeats.
     pub heartbeat_interval: Duration,
     /// Version `(applied log index, leader ms)` of the newest desired set applied; replies
@@ -194,7 +196,14 @@ impl ControlLoop {
             let request = HeartbeatRequest {
                 worker_id: self.registration.worker_id.clone(),
                 observed: self.supervisor.observed(),
-                resources: Some(resources.sample()),
+                resources: Some(cumulus_api::Resources {
+                    gpus: self
+                        .gpus
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .sample(),
+                    ..resources.sample()
+                }),
             };
             let call = self
                 .client

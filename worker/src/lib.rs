@@ -20,6 +20,7 @@ pub mod agent;
 pub mod agent_api;
 pub mod client;
 pub mod events;
+pub mod gpus;
 pub mod http;
 pub mod logs;
 pub mod orphans;
@@ -110,6 +111,12 @@ pub struct Config {
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub slots: u32,
 
+    /// GPUs this worker offers: `auto` (NVML; no driver: none), `none`, NVML indices
+    /// (`0,1`), or a JSON inventory file (read again at every heartbeat; for tests and
+    /// machines NVML cannot see).
+    #[arg(long, env = "CUMULUS_GPUS", default_value = "auto")]
+    pub gpus: String,
+
     /// Milliseconds between heartbeats (10..=600000); also the retry interval of
     /// unacknowledged exit reports.
     #[arg(long, env = "CUMULUS_HEARTBEAT_INTERVAL_MS", default_value_t = 1000,
@@ -173,6 +180,7 @@ impl std::fmt::Debug for Config {
             .field("rank_api_listen", &self.rank_api_listen)
             .field("data_dir", &self.data_dir)
             .field("slots", &self.slots)
+            .field("gpus", &self.gpus)
             .field("heartbeat_interval_ms", &self.heartbeat_interval_ms)
             .field("stop_grace_ms", &self.stop_grace_ms)
             .field("log_max_bytes", &self.log_max_bytes)
@@ -306,6 +314,13 @@ async fn write_agent_info(data_dir: &Path, info: &AgentInfo) -> std::io::Result<
 /// configuration, a data dir in use by another agent, or an address that cannot be bound.
 pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     let resolved = config.resolve().context("invalid configuration")?;
+    let gpu_setting = config.gpus.clone();
+    let gpu_monitor = tokio::task::spawn_blocking(move || gpus::GpuMonitor::open(&gpu_setting))
+        .await
+        .context("GPU detection task failed")??;
+    if !gpu_monitor.inventory().is_empty() {
+        tracing::info!(gpus = ?gpu_monitor.inventory(), "GPUs offered");
+    }
     let tls = config
         .tls
         .load_for(&cumulus_tls::Identity::Worker(resolved.worker_id.clone()))?;
@@ -404,6 +419,7 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
                 s3,
             ))),
             roots,
+            has_gpus: !gpu_monitor.inventory().is_empty(),
         },
         spawner,
         client.clone(),
@@ -468,7 +484,9 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
             host: config.advertise_host.trim().to_string(),
             http_addr,
             slots: config.slots,
+            gpus: gpu_monitor.inventory().to_vec(),
         },
+        gpus: Arc::new(std::sync::Mutex::new(gpu_monitor)),
         heartbeat_interval,
         applied: Default::default(),
     };

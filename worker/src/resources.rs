@@ -55,6 +55,7 @@ impl ResourceSampler {
             },
             memory_used_bytes: system.used_memory(),
             memory_total_bytes: system.total_memory(),
+            gpus: Vec::new(),
         }
     }
 }

@@ -37,17 +37,23 @@ pub(super) async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopM
                 at_ms: now,
             }
         }
-        Action::Place { job_id, placements } => {
-            info!(job = %job_id, ?placements, "placing job");
+        Action::Place {
+            job_id,
+            placements,
+            gpus,
+        } => {
+            info!(job = %job_id, ?placements, ?gpus, "placing job");
             Command::PlaceJob {
                 job_id,
                 placements,
+                gpus,
                 at_ms: now,
             }
         }
         Action::Restart {
             job_id,
             placements,
+            gpus,
             failed_at_ms,
             delay_ms,
             cause,
@@ -63,6 +69,7 @@ pub(super) async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopM
                 let cmd = Command::ScheduleRestart {
                     job_id: task_job,
                     placements,
+                    gpus,
                     failed_at_ms,
                     delay_ms,
                     cause,

@@ -94,6 +94,17 @@ pub(super) fn observe(node: &Node) -> Observations {
             .get(w)
             .map_or(0, |s| now.duration_since(s.last_seen).as_millis() as u64);
         obs.worker_silence_ms.insert(w.clone(), silence);
+        if let Some(s) = soft.workers.get(w) {
+            for g in s.resources.gpus.iter().filter(|g| !g.healthy) {
+                let error = if g.error.is_empty() {
+                    "reported unhealthy"
+                } else {
+                    g.error.as_str()
+                };
+                obs.unhealthy_gpus
+                    .insert(g.uuid.clone(), format!("on worker {w}: {error}"));
+            }
+        }
     }
     let lost_after_ms = LOST_AFTER_HEARTBEATS * node.limits.heartbeat_interval_ms;
     for (key, worker, started_at_ms, pending) in running {

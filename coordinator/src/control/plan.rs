@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use cumulus_raft_store::state::{
     ClusterState, Job, JobState, MAX_AGENT_FAULT_RESTARTS, RankState, RestartScope, WorkerState,
 };
-use shard_planner::WorkerSlots;
+use shard_planner::{GpuFree, WorkerGpus, WorkerSlots};
 
 use cumulus_api::AttemptKey;
 
@@ -23,6 +23,71 @@ pub struct Observations {
     pub progress_stall_ms: HashMap<AttemptKey, u64>,
     /// Running attempts their worker stopped reporting (lost by the agent).
     pub lost: HashSet<AttemptKey>,
+    /// GPUs (by UUID) whose worker's last heartbeat reported them unhealthy, with why:
+    /// nothing new is placed on them and the ranks using them fail.
+    pub unhealthy_gpus: HashMap<String, String>,
+}
+
+/// Slots and GPU shares taken so far, as the planner places ranks in one pass.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Used {
+    /// Slots in use per worker.
+    pub slots: BTreeMap<String, u32>,
+    /// Share in use per GPU UUID, in thousandths.
+    pub gpus: BTreeMap<String, u32>,
+}
+
+impl Used {
+    /// Counts `placements` (and their GPUs, each holding `share` thousandths).
+    fn add(&mut self, placements: &[(u32, String)], gpus: &[(u32, Vec<String>)], share: u32) {
+        for (_, w) in placements {
+            *self.slots.entry(w.clone()).or_insert(0) += 1;
+        }
+        for g in gpus.iter().flat_map(|(_, g)| g) {
+            *self.gpus.entry(g.clone()).or_insert(0) += share;
+        }
+    }
+}
+
+/// The GPU planner's view of the alive workers (`alive`) given what is `used`: free
+/// slots, and the free share of each GPU not reported unhealthy.
+fn gpu_capacity(
+    state: &ClusterState,
+    obs: &Observations,
+    alive: &dyn Fn(&str) -> bool,
+    used: &Used,
+) -> Vec<WorkerGpus> {
+    state
+        .workers
+        .values()
+        .filter(|w| alive(&w.worker_id) && !w.gpus.is_empty())
+        .map(|w| WorkerGpus {
+            worker_id: w.worker_id.clone(),
+            free_slots: w
+                .slots
+                .saturating_sub(used.slots.get(&w.worker_id).copied().unwrap_or(0)),
+            gpus: w
+                .gpus
+                .iter()
+                .filter(|g| !obs.unhealthy_gpus.contains_key(&g.uuid))
+                .map(|g| GpuFree {
+                    uuid: g.uuid.clone(),
+                    free_permille: shard_planner::WHOLE_GPU_PERMILLE
+                        .saturating_sub(used.gpus.get(&g.uuid).copied().unwrap_or(0)),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// Splits a GPU plan into the commands' two lists.
+#[allow(clippy::type_complexity)]
+fn split_gpu_plan(
+    plan: Vec<shard_planner::GpuPlacement>,
+) -> (Vec<(u32, String)>, Vec<(u32, Vec<String>)>) {
+    plan.into_iter()
+        .map(|(rank, worker, gpus)| ((rank, worker), (rank, gpus)))
+        .unzip()
 }
 
 /// One decision of the planner.
@@ -50,6 +115,8 @@ pub enum Action {
         job_id: String,
         /// `(rank, worker)` for every rank.
         placements: Vec<(u32, String)>,
+        /// `(rank, GPU UUIDs)` for every rank of a job with GPUs (empty otherwise).
+        gpus: Vec<(u32, Vec<String>)>,
     },
     /// Restart failed ranks (or the group) after a delay.
     Restart {
@@ -57,6 +124,9 @@ pub enum Action {
         job_id: String,
         /// `(rank, worker)` of every restarted rank.
         placements: Vec<(u32, String)>,
+        /// `(rank, GPU UUIDs)` of every restarted rank of a job with GPUs (empty
+        /// otherwise).
+        gpus: Vec<(u32, Vec<String>)>,
         /// Leader time of the failure.
         failed_at_ms: u64,
         /// Restart delay with its ±20% jitter already drawn, in ms.
@@ -132,7 +202,10 @@ pub fn plan(
                 .get(id)
                 .is_some_and(|w| w.state == WorkerState::Alive)
     };
-    let mut used = state.slots_used(None);
+    let mut used = Used {
+        slots: state.slots_used(None),
+        gpus: state.gpus_used(None),
+    };
     let mut free_slots = |used: &BTreeMap<String, u32>| -> Vec<WorkerSlots> {
         state
             .workers
@@ -151,7 +224,7 @@ pub fn plan(
     // in `plan_running` may use slots it still counts, which costs an exact check, never
     // a wrong plan). Most pending jobs wait for capacity that is not there, and this
     // turns each of them into one comparison instead of a walk over every worker.
-    let mut free_upper_bound: u64 = free_slots(&used)
+    let mut free_upper_bound: u64 = free_slots(&used.slots)
         .iter()
         .map(|w| u64::from(w.free_slots))
         .sum();
@@ -175,19 +248,32 @@ pub fn plan(
                     continue;
                 }
                 let ranks: Vec<u32> = (0..job.spec.world_size).collect();
-                if let Ok(Some(placements)) = shard_planner::place_ranks(&ranks, &free_slots(&used))
-                {
+                let planned = match job.spec.gpu_demand() {
+                    None => shard_planner::place_ranks(&ranks, &free_slots(&used.slots))
+                        .ok()
+                        .flatten()
+                        .map(|placements| (placements, Vec::new())),
+                    Some(demand) => shard_planner::place_gpu_ranks(
+                        &ranks,
+                        &gpu_capacity(state, obs, &alive, &used),
+                        demand,
+                    )
+                    .ok()
+                    .flatten()
+                    .map(split_gpu_plan),
+                };
+                if let Some((placements, gpus)) = planned {
                     free_upper_bound -= placements.len() as u64;
-                    for (_, w) in &placements {
-                        *used.entry(w.clone()).or_insert(0) += 1;
-                    }
+                    used.add(&placements, &gpus, job.spec.gpu_share_permille());
                     actions.push(Action::Place {
                         job_id: job.id.clone(),
                         placements,
+                        gpus,
                     });
                 }
             }
             JobState::Running => plan_running(
+                state,
                 job,
                 obs,
                 &mut used,
@@ -204,9 +290,10 @@ pub fn plan(
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn plan_running(
+    state: &ClusterState,
     job: &Job,
     obs: &Observations,
-    used: &mut BTreeMap<String, u32>,
+    used: &mut Used,
     free_slots: &mut dyn FnMut(&BTreeMap<String, u32>) -> Vec<WorkerSlots>,
     alive: &dyn Fn(&str) -> bool,
     jitter: &mut dyn FnMut() -> f64,
@@ -225,6 +312,12 @@ pub(super) fn plan_running(
             } else {
                 "lost: its worker no longer reports the process".to_string()
             })
+        } else if let Some((uuid, why)) = r
+            .gpus
+            .iter()
+            .find_map(|g| obs.unhealthy_gpus.get(g).map(|why| (g, why)))
+        {
+            Some(format!("GPU {uuid} is unhealthy {why}"))
         } else if r.state != RankState::Running {
             None
         } else if job.spec.progress_timeout_ms > 0
@@ -303,57 +396,91 @@ pub(super) fn plan_running(
         RestartScope::Group => job.ranks.iter().map(|r| r.rank).collect(),
         RestartScope::Rank => failed.iter().map(|r| r.rank).collect(),
     };
-    // Keep each restarted rank on its worker when that worker is alive (and could start
-    // it); re-place the rest.
+    // Keep each restarted rank on its worker (and its GPUs) when that worker is alive
+    // (and could start it) and its GPUs are healthy; re-place the rest.
     let faulty: BTreeSet<&str> = failed
         .iter()
         .filter(|r| r.agent_fault)
         .filter_map(|r| r.worker_id.as_deref())
         .collect();
+    let demand = job.spec.gpu_demand();
+    let share = job.spec.gpu_share_permille();
     let mut placements = Vec::new();
+    let mut gpus = Vec::new();
     let mut homeless = Vec::new();
     let restarting: BTreeSet<u32> = to_restart.iter().copied().collect();
     for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
+        let gpus_ok = demand.is_none()
+            || (r.gpus.len() == job.spec.gpus_per_rank as usize
+                && r.gpus.iter().all(|g| !obs.unhealthy_gpus.contains_key(g)));
         match &r.worker_id {
-            Some(w) if alive(w) && !faulty.contains(w.as_str()) => {
-                placements.push((r.rank, w.clone()))
+            Some(w) if alive(w) && !faulty.contains(w.as_str()) && gpus_ok => {
+                placements.push((r.rank, w.clone()));
+                if demand.is_some() {
+                    gpus.push((r.rank, r.gpus.clone()));
+                }
             }
             _ => homeless.push(r.rank),
         }
     }
     if !homeless.is_empty() {
-        // Free the slots of the ranks being restarted before placing the homeless ones.
+        // Free the slots and GPUs of the ranks being restarted before placing the
+        // homeless ones; count those of the ranks that stay.
         let mut used_without = used.clone();
         for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
-            if let (Some(w), RankState::Pending | RankState::Running) = (&r.worker_id, r.state)
-                && let Some(n) = used_without.get_mut(w)
-            {
-                *n = n.saturating_sub(1);
+            if let (Some(w), RankState::Pending | RankState::Running) = (&r.worker_id, r.state) {
+                if let Some(n) = used_without.slots.get_mut(w) {
+                    *n = n.saturating_sub(1);
+                }
+                for g in &r.gpus {
+                    if let Some(n) = used_without.gpus.get_mut(g) {
+                        *n = n.saturating_sub(share);
+                    }
+                }
             }
         }
-        for (_, w) in &placements {
-            *used_without.entry(w.clone()).or_insert(0) += 1;
-        }
+        used_without.add(&placements, &gpus, share);
         // Away from a worker that could not start its ranks, when others have room;
         // back on it otherwise (its trouble may have passed).
-        let mut elsewhere = free_slots(&used_without);
-        elsewhere.retain(|w| !faulty.contains(w.worker_id.as_str()));
-        let placed = match shard_planner::place_ranks(&homeless, &elsewhere) {
-            Ok(Some(more)) => Some(more),
-            _ => match shard_planner::place_ranks(&homeless, &free_slots(&used_without)) {
-                Ok(Some(more)) => Some(more),
-                _ => None,
-            },
+        let placed = match demand {
+            None => {
+                let mut elsewhere = free_slots(&used_without.slots);
+                elsewhere.retain(|w| !faulty.contains(w.worker_id.as_str()));
+                match shard_planner::place_ranks(&homeless, &elsewhere) {
+                    Ok(Some(more)) => Some((more, Vec::new())),
+                    _ => match shard_planner::place_ranks(
+                        &homeless,
+                        &free_slots(&used_without.slots),
+                    ) {
+                        Ok(Some(more)) => Some((more, Vec::new())),
+                        _ => None,
+                    },
+                }
+            }
+            Some(demand) => {
+                let all = gpu_capacity(state, obs, alive, &used_without);
+                let mut elsewhere = all.clone();
+                elsewhere.retain(|w| !faulty.contains(w.worker_id.as_str()));
+                match shard_planner::place_gpu_ranks(&homeless, &elsewhere, demand) {
+                    Ok(Some(more)) => Some(split_gpu_plan(more)),
+                    _ => match shard_planner::place_gpu_ranks(&homeless, &all, demand) {
+                        Ok(Some(more)) => Some(split_gpu_plan(more)),
+                        _ => None,
+                    },
+                }
+            }
         };
         match placed {
-            Some(more) => placements.extend(more),
+            Some((more, more_gpus)) => {
+                placements.extend(more);
+                gpus.extend(more_gpus);
+            }
             None => return, // wait for capacity
         }
         placements.sort();
+        gpus.sort();
     }
-    for (_, w) in &placements {
-        *used.entry(w.clone()).or_insert(0) += 1;
-    }
+    used.add(&placements, &gpus, share);
     let number = if agent_fault {
         job.agent_fault_restarts + 1
     } else {
@@ -363,6 +490,7 @@ pub(super) fn plan_running(
     actions.push(Action::Restart {
         job_id: job.id.clone(),
         placements,
+        gpus,
         failed_at_ms,
         delay_ms: policy.jittered_delay_ms(number, jitter()),
         cause: causes,

@@ -75,6 +75,7 @@ fn state_with_running_job(world_size: u32, scope: RestartScope) -> (ClusterState
     for w in ["w1", "w2"] {
         s.apply(
             &Command::RegisterWorker {
+                gpus: Vec::new(),
                 worker_id: w.into(),
                 host: "h".into(),
                 http_addr: "h:1".into(),
@@ -116,6 +117,7 @@ fn state_with_running_job(world_size: u32, scope: RestartScope) -> (ClusterState
     );
     s.apply(
         &Command::PlaceJob {
+            gpus: Vec::new(),
             job_id: job_id.clone(),
             placements: placements.clone(),
             at_ms: 1,
@@ -195,6 +197,7 @@ fn group_restart_then_budget_exhaustion() {
     assert_eq!((*failed_at_ms, *delay_ms), (50, 600));
     assert!(cause.contains("exited with code 1"), "{cause}");
     let cmd = Command::ScheduleRestart {
+        gpus: Vec::new(),
         job_id: job_id.clone(),
         placements: placements.clone(),
         failed_at_ms: 50,
@@ -295,6 +298,7 @@ fn agent_resource_errors_restart_elsewhere_without_spending_budget() {
         delay = 3_600_000;
         s.apply(
             &Command::ScheduleRestart {
+                gpus: Vec::new(),
                 job_id: job_id.clone(),
                 placements,
                 failed_at_ms: 50,
@@ -399,6 +403,7 @@ fn gang_placement_waits_for_capacity() {
     let mut d = BTreeSet::new();
     s.apply(
         &Command::RegisterWorker {
+            gpus: Vec::new(),
             worker_id: "w1".into(),
             host: "h".into(),
             http_addr: "h:1".into(),

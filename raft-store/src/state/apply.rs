@@ -60,10 +60,14 @@ impl ClusterState {
                 host,
                 http_addr,
                 slots,
+                gpus,
                 at_ms,
             } => {
                 if !valid_id(worker_id) || host.is_empty() || http_addr.is_empty() || *slots == 0 {
                     return reject("invalid worker registration");
+                }
+                if let Err(e) = self.check_gpus(worker_id, gpus) {
+                    return reject(e.to_string());
                 }
                 self.workers.insert(
                     worker_id.clone(),
@@ -75,6 +79,7 @@ impl ClusterState {
                         state: WorkerState::Alive,
                         registered_at_ms: *at_ms,
                         expired_at_ms: 0,
+                        gpus: gpus.clone(),
                     },
                 );
                 dirty.insert(DirtyKey::Worker(worker_id.clone()));
@@ -86,8 +91,9 @@ impl ClusterState {
             Command::PlaceJob {
                 job_id,
                 placements,
+                gpus,
                 at_ms: _,
-            } => self.place_job(job_id, placements, dirty),
+            } => self.place_job(job_id, placements, gpus, dirty),
             Command::RankStarted {
                 job_id,
                 rank,
@@ -181,6 +187,7 @@ impl ClusterState {
             Command::ScheduleRestart {
                 job_id,
                 placements,
+                gpus,
                 failed_at_ms,
                 delay_ms,
                 cause,
@@ -188,7 +195,7 @@ impl ClusterState {
                 agent_fault,
             } => self.schedule_restart(
                 job_id,
-                placements,
+                (placements, gpus),
                 *failed_at_ms,
                 *delay_ms,
                 cause,
@@ -318,6 +325,7 @@ impl ClusterState {
                 resume_dir: String::new(),
                 attempt_workers: Vec::new(),
                 agent_fault: false,
+                gpus: Vec::new(),
             })
             .collect();
         let job = Job {
@@ -492,14 +500,252 @@ impl ClusterState {
         Response::Ok
     }
 
-    /// Validates that `placements` put each of `ranks` on an alive worker exactly once
-    /// and that no worker gets more ranks than its free slots.
+    /// Validates a registration's GPUs: at most [`MAX_GPUS_PER_WORKER`], valid and
+    /// distinct UUIDs that no other alive worker registered, printable names of at most
+    /// [`MAX_GPU_NAME_BYTES`].
+    fn check_gpus(&self, worker_id: &str, gpus: &[GpuDevice]) -> Result<(), PlacementError> {
+        if gpus.len() > MAX_GPUS_PER_WORKER {
+            return Err(PlacementError::BadGpu(format!(
+                "{} GPUs, more than the limit of {MAX_GPUS_PER_WORKER}",
+                gpus.len()
+            )));
+        }
+        let mut seen = BTreeSet::new();
+        for g in gpus {
+            if !cumulus_api::gpus::is_valid_uuid(&g.uuid) {
+                return Err(PlacementError::BadGpu(format!(
+                    "GPU {} has an invalid UUID {:?}",
+                    g.index,
+                    cumulus_api::text::escape_control(&g.uuid)
+                )));
+            }
+            if g.name.len() > MAX_GPU_NAME_BYTES || !cumulus_api::text::is_printable(&g.name) {
+                return Err(PlacementError::BadGpu(format!(
+                    "GPU {} has a name that is too long or not printable",
+                    g.uuid
+                )));
+            }
+            if !seen.insert(g.uuid.as_str()) {
+                return Err(PlacementError::BadGpu(format!(
+                    "GPU {} is listed twice",
+                    g.uuid
+                )));
+            }
+        }
+        if let Some(other) = self.workers.values().find(|w| {
+            w.worker_id != worker_id
+                && w.state == WorkerState::Alive
+                && w.gpus.iter().any(|g| seen.contains(g.uuid.as_str()))
+        }) {
+            return Err(PlacementError::BadGpu(format!(
+                "a GPU of this registration is already registered by worker {}",
+                other.worker_id
+            )));
+        }
+        Ok(())
+    }
+
+    /// Free capacity of every alive worker for the GPU planner: free slots and each
+    /// GPU's free share (`all_free`: as if nothing ran, for "could it ever fit"). GPU
+    /// health is soft state the replicated state does not hold: every GPU counts here.
+    pub fn gpu_capacity(&self, all_free: bool) -> Vec<shard_planner::WorkerGpus> {
+        let (slots, gpus) = if all_free {
+            (BTreeMap::new(), BTreeMap::new())
+        } else {
+            (self.slots_used(None), self.gpus_used(None))
+        };
+        self.workers
+            .values()
+            .filter(|w| w.state == WorkerState::Alive)
+            .map(|w| shard_planner::WorkerGpus {
+                worker_id: w.worker_id.clone(),
+                free_slots: w
+                    .slots
+                    .saturating_sub(slots.get(&w.worker_id).copied().unwrap_or(0)),
+                gpus: w
+                    .gpus
+                    .iter()
+                    .map(|g| shard_planner::GpuFree {
+                        uuid: g.uuid.clone(),
+                        free_permille: cumulus_api::gpus::WHOLE_GPU_PERMILLE
+                            .saturating_sub(gpus.get(&g.uuid).copied().unwrap_or(0)),
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// Why a pending job is not placed: what it needs against what the alive workers
+    /// offer in all ("cannot be placed") or have free now ("waiting"). `None` for a job
+    /// that is not pending, or one that would fit now (the leader places it at its next
+    /// pass). O(workers + running ranks).
+    pub fn pending_reason(&self, job: &Job) -> Option<String> {
+        if job.state != JobState::Pending {
+            return None;
+        }
+        let world = job.spec.world_size;
+        let ranks: Vec<u32> = (0..world).collect();
+        let Some(demand) = job.spec.gpu_demand() else {
+            let capacity = self.gpu_capacity(false);
+            let total: u64 = self
+                .workers
+                .values()
+                .filter(|w| w.state == WorkerState::Alive)
+                .map(|w| u64::from(w.slots))
+                .sum();
+            let free: u64 = capacity.iter().map(|w| u64::from(w.free_slots)).sum();
+            return if total < u64::from(world) {
+                Some(format!(
+                    "cannot be placed: it needs {world} slots and the alive workers offer {total} in all"
+                ))
+            } else if free < u64::from(world) {
+                Some(format!(
+                    "waiting for {world} free slots: {free} of {total} are free now"
+                ))
+            } else {
+                None
+            };
+        };
+        let need = if demand.permille == shard_planner::WHOLE_GPU_PERMILLE {
+            format!(
+                "{world} ranks x {} GPU{}",
+                demand.gpus_per_rank,
+                if demand.gpus_per_rank == 1 { "" } else { "s" }
+            )
+        } else {
+            format!(
+                "{world} ranks x {} of a GPU",
+                cumulus_api::gpus::permille_to_fraction(demand.permille)
+            )
+        };
+        let total_gpus: usize = self
+            .workers
+            .values()
+            .filter(|w| w.state == WorkerState::Alive)
+            .map(|w| w.gpus.len())
+            .sum();
+        let fits = |all_free: bool| {
+            matches!(
+                shard_planner::place_gpu_ranks(&ranks, &self.gpu_capacity(all_free), demand),
+                Ok(Some(_))
+            )
+        };
+        if !fits(true) {
+            return Some(format!(
+                "cannot be placed: it needs {need} (gang, each rank's GPUs on its worker) and \
+                 the alive workers have {total_gpus} GPUs in all"
+            ));
+        }
+        if fits(false) {
+            return None;
+        }
+        let free_gpus = self
+            .gpu_capacity(false)
+            .iter()
+            .flat_map(|w| &w.gpus)
+            .filter(|g| g.free_permille >= demand.permille)
+            .count();
+        Some(format!(
+            "waiting for GPUs: it needs {need}; {free_gpus} of {total_gpus} GPUs have room for a rank now"
+        ))
+    }
+
+    /// Share of each GPU (by UUID) held by ranks of running jobs that are placed and not
+    /// ended, in thousandths (a whole GPU: 1000), leaving out the ranks named in
+    /// `except` (which are being re-placed).
+    pub fn gpus_used(&self, except: Option<(&str, &BTreeSet<u32>)>) -> BTreeMap<String, u32> {
+        let mut used: BTreeMap<String, u32> = BTreeMap::new();
+        for job in self.index.running.iter().filter_map(|id| self.jobs.get(id)) {
+            let share = job.spec.gpu_share_permille();
+            if share == 0 {
+                continue;
+            }
+            for r in &job.ranks {
+                if let Some((j, ranks)) = except
+                    && j == job.id
+                    && ranks.contains(&r.rank)
+                {
+                    continue;
+                }
+                if r.worker_id.is_some()
+                    && matches!(r.state, RankState::Pending | RankState::Running)
+                {
+                    for g in &r.gpus {
+                        *used.entry(g.clone()).or_insert(0) += share;
+                    }
+                }
+            }
+        }
+        used
+    }
+
+    /// The GPU half of [`ClusterState::check_placements`].
+    fn check_gpu_placements(
+        &self,
+        job_id: &str,
+        ranks: &BTreeSet<u32>,
+        placements: &[(u32, String)],
+        gpus: &[RankGpus],
+    ) -> Result<(), PlacementError> {
+        let demand = self.jobs.get(job_id).and_then(|j| j.spec.gpu_demand());
+        let Some(demand) = demand else {
+            return if gpus.is_empty() {
+                Ok(())
+            } else {
+                Err(PlacementError::GpusMismatch)
+            };
+        };
+        let by_rank: BTreeMap<u32, &Vec<String>> = gpus.iter().map(|(r, g)| (*r, g)).collect();
+        if by_rank.len() != gpus.len() || by_rank.keys().ne(ranks.iter()) {
+            return Err(PlacementError::GpusMismatch);
+        }
+        let mut wanted: BTreeMap<&str, u32> = BTreeMap::new();
+        for (rank, worker_id) in placements {
+            let Some(list) = by_rank.get(rank) else {
+                return Err(PlacementError::GpusMismatch);
+            };
+            let distinct: BTreeSet<&String> = list.iter().collect();
+            if list.len() != demand.gpus_per_rank as usize || distinct.len() != list.len() {
+                return Err(PlacementError::GpusMismatch);
+            }
+            let inventory = self.workers.get(worker_id).map(|w| &w.gpus);
+            for uuid in list.iter() {
+                if !inventory.is_some_and(|inv| inv.iter().any(|g| &g.uuid == uuid)) {
+                    return Err(PlacementError::ForeignGpu {
+                        uuid: uuid.clone(),
+                        worker_id: worker_id.clone(),
+                    });
+                }
+                *wanted.entry(uuid.as_str()).or_default() += demand.permille;
+            }
+        }
+        let used = self.gpus_used(Some((job_id, ranks)));
+        for (uuid, wanted_permille) in wanted {
+            let free_permille = cumulus_api::gpus::WHOLE_GPU_PERMILLE
+                .saturating_sub(used.get(uuid).copied().unwrap_or(0));
+            if wanted_permille > free_permille {
+                return Err(PlacementError::GpuFull {
+                    uuid: uuid.to_string(),
+                    free_permille,
+                    wanted_permille,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates that `placements` put each of `ranks` on an alive worker exactly once,
+    /// that no worker gets more ranks than its free slots, and, for a job with GPUs,
+    /// that `gpus` gives each rank as many distinct GPUs of its worker as it needs with
+    /// no GPU shared past a whole one (none for a job without GPUs).
     fn check_placements(
         &self,
         job_id: &str,
         ranks: &BTreeSet<u32>,
         placements: &[(u32, String)],
+        gpus: &[RankGpus],
     ) -> Result<(), PlacementError> {
+        self.check_gpu_placements(job_id, ranks, placements, gpus)?;
         let placed: BTreeSet<u32> = placements.iter().map(|(r, _)| *r).collect();
         if placed != *ranks || placed.len() != placements.len() {
             return Err(PlacementError::RanksMismatch);
@@ -555,6 +801,7 @@ impl ClusterState {
         &mut self,
         job_id: &str,
         placements: &[(u32, String)],
+        gpus: &[RankGpus],
         dirty: &mut BTreeSet<DirtyKey>,
     ) -> Response {
         let Some(job) = self.jobs.get(job_id) else {
@@ -567,12 +814,12 @@ impl ClusterState {
             ));
         }
         let all: BTreeSet<u32> = (0..job.spec.world_size).collect();
-        if let Err(e) = self.check_placements(job_id, &all, placements) {
+        if let Err(e) = self.check_placements(job_id, &all, placements, gpus) {
             return reject(e.to_string());
         }
         let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
         job.state = JobState::Running;
-        assign_placements(job, placements, 0);
+        assign_placements(job, placements, gpus, 0);
         dirty.insert(DirtyKey::Job(job_id.to_string()));
         Response::Ok
     }
@@ -581,7 +828,7 @@ impl ClusterState {
     fn schedule_restart(
         &mut self,
         job_id: &str,
-        placements: &[(u32, String)],
+        (placements, gpus): (&[(u32, String)], &[RankGpus]),
         failed_at_ms: u64,
         delay_ms: u64,
         cause: &str,
@@ -653,7 +900,7 @@ impl ClusterState {
         {
             return reject(format!("step {step} is not a kept committed step"));
         }
-        if let Err(e) = self.check_placements(job_id, &ranks, placements) {
+        if let Err(e) = self.check_placements(job_id, &ranks, placements, gpus) {
             return reject(e.to_string());
         }
         let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
@@ -713,7 +960,7 @@ impl ClusterState {
                 .map(|p| p.dir.clone())
                 .unwrap_or_default();
         }
-        assign_placements(job, placements, not_before_ms);
+        assign_placements(job, placements, gpus, not_before_ms);
         dirty.insert(DirtyKey::Job(job_id.to_string()));
         Response::Ok
     }
@@ -795,9 +1042,16 @@ pub fn master_port(seq: u64, restart: u32) -> u32 {
 
 /// Places the given ranks (a fresh attempt, state Pending) and recomputes local ranks
 /// of the whole job.
-fn assign_placements(job: &mut Job, placements: &[(u32, String)], not_before_ms: u64) {
+fn assign_placements(
+    job: &mut Job,
+    placements: &[(u32, String)],
+    gpus: &[RankGpus],
+    not_before_ms: u64,
+) {
+    let gpus: BTreeMap<u32, &Vec<String>> = gpus.iter().map(|(r, g)| (*r, g)).collect();
     for (rank, worker) in placements {
         let r = &mut job.ranks[*rank as usize];
+        r.gpus = gpus.get(rank).map(|g| (*g).clone()).unwrap_or_default();
         r.worker_id = Some(worker.clone());
         r.state = RankState::Pending;
         r.not_before_ms = not_before_ms;
@@ -840,5 +1094,29 @@ pub enum PlacementError {
         free: u32,
         /// Ranks the placements give it.
         wanted: u32,
+    },
+    /// A registration's GPU inventory broke a rule.
+    #[error("invalid GPU inventory: {0}")]
+    BadGpu(String),
+    /// GPUs given to a job without GPUs, or not exactly the placed ranks of a job with.
+    #[error("the GPUs do not match the job's ranks and gpus_per_rank")]
+    GpusMismatch,
+    /// A GPU that is not its rank's worker's.
+    #[error("GPU {uuid} is not a GPU of worker {worker_id}")]
+    ForeignGpu {
+        /// The GPU's UUID.
+        uuid: String,
+        /// The worker the rank is placed on.
+        worker_id: String,
+    },
+    /// A GPU whose shares would add up past a whole GPU.
+    #[error("GPU {uuid} has {free_permille}/1000 free, not {wanted_permille}/1000")]
+    GpuFull {
+        /// The GPU's UUID.
+        uuid: String,
+        /// Its share not held by other running ranks, in thousandths.
+        free_permille: u32,
+        /// What the placements give out of it, in thousandths.
+        wanted_permille: u32,
     },
 }

@@ -5,6 +5,9 @@ use serde::{Deserialize, Serialize};
 
 use super::*;
 
+/// The GPUs of one rank in a placement: `(rank, GPU UUIDs)`.
+pub type RankGpus = (u32, Vec<String>);
+
 /// A state change, proposed by a coordinator and applied by every replica.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Command {
@@ -36,6 +39,9 @@ pub enum Command {
         http_addr: String,
         /// Rank slots the worker offers.
         slots: u32,
+        /// Its GPUs, in index order (empty: none).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gpus: Vec<GpuDevice>,
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
@@ -52,6 +58,9 @@ pub enum Command {
         job_id: String,
         /// `(rank, worker_id)` for every rank.
         placements: Vec<(u32, String)>,
+        /// `(rank, GPU UUIDs)` for every rank of a job with GPUs (empty otherwise).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gpus: Vec<RankGpus>,
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
@@ -111,6 +120,9 @@ pub enum Command {
         job_id: String,
         /// `(rank, worker_id)` of every restarted rank.
         placements: Vec<(u32, String)>,
+        /// `(rank, GPU UUIDs)` of every restarted rank of a job with GPUs (empty otherwise).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gpus: Vec<RankGpus>,
         /// Leader time of the failure.
         failed_at_ms: u64,
         /// Restart delay with its ±20% jitter already drawn, in ms.

@@ -47,6 +47,9 @@ pub struct RankRecord {
     /// local resource (descriptors, memory, disk, process slots): not the rank's fault.
     #[serde(default)]
     pub agent_fault: bool,
+    /// UUIDs of the GPUs of the current attempt (empty for a job without GPUs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<String>,
 }
 
 /// One restart decided by the leader.
@@ -162,6 +165,10 @@ impl Job {
                     + r.worker_id.as_ref().map_or(0, String::len)
                     + r.failure.as_ref().map_or(0, String::len)
                     + r.resume_dir.len()
+                    + r.gpus
+                        .iter()
+                        .map(|g| g.len() + PER_STRING_BYTES)
+                        .sum::<usize>()
                     + r.attempt_workers
                         .iter()
                         .map(|(_, w)| w.len() + 2 * PER_STRING_BYTES)
@@ -231,6 +238,19 @@ pub enum WorkerState {
     Expired,
 }
 
+/// One GPU of a worker, as its agent registered it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuDevice {
+    /// NVML index on the worker.
+    pub index: u32,
+    /// NVML UUID (unique among the alive workers; [`cumulus_api::gpus::is_valid_uuid`]).
+    pub uuid: String,
+    /// Product name (printable, at most [`MAX_GPU_NAME_BYTES`]).
+    pub name: String,
+    /// Its memory, in bytes.
+    pub memory_total_bytes: u64,
+}
+
 /// A worker agent known to the cluster.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerRecord {
@@ -248,6 +268,9 @@ pub struct WorkerRecord {
     pub registered_at_ms: u64,
     /// Leader time of expiry (0 = alive).
     pub expired_at_ms: u64,
+    /// Its GPUs, in index order (at most [`MAX_GPUS_PER_WORKER`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<GpuDevice>,
 }
 
 /// The whole replicated state.

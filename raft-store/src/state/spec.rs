@@ -93,6 +93,13 @@ pub struct JobSpec {
     /// Commit tier with an S3 target: "l1" or "l2" ("" = l2).
     #[serde(default)]
     pub ckpt_commit_tier: String,
+    /// Distinct GPUs each rank gets (0 = none), at most [`MAX_GPUS_PER_WORKER`].
+    #[serde(default)]
+    pub gpus_per_rank: u32,
+    /// Share of its GPU each rank gets, in thousandths: `1..=999` (then `gpus_per_rank`
+    /// is 1), or 0 for whole GPUs.
+    #[serde(default)]
+    pub gpu_memory_permille: u32,
 }
 
 impl JobSpec {
@@ -114,7 +121,26 @@ impl JobSpec {
             working_dir: String::new(),
             ckpt_url: String::new(),
             ckpt_commit_tier: String::new(),
+            gpus_per_rank: 0,
+            gpu_memory_permille: 0,
         }
+    }
+
+    /// What each rank needs of GPUs for the planner, or `None` for a job without GPUs.
+    pub fn gpu_demand(&self) -> Option<shard_planner::GpuDemand> {
+        (self.gpus_per_rank > 0).then_some(shard_planner::GpuDemand {
+            gpus_per_rank: self.gpus_per_rank,
+            permille: if self.gpu_memory_permille == 0 {
+                shard_planner::WHOLE_GPU_PERMILLE
+            } else {
+                self.gpu_memory_permille
+            },
+        })
+    }
+
+    /// Share of a GPU one rank holds on each of its GPUs, in thousandths (0 without GPUs).
+    pub fn gpu_share_permille(&self) -> u32 {
+        self.gpu_demand().map_or(0, |d| d.permille)
     }
 
     /// The bytes of the spec's variable-size strings, each with a per-string allowance
@@ -246,6 +272,16 @@ impl JobSpec {
         if self.progress_timeout_ms > MAX_PROGRESS_TIMEOUT_MS {
             return Err(SpecError::ProgressTimeout);
         }
+        if self.gpus_per_rank as usize > MAX_GPUS_PER_WORKER {
+            return Err(SpecError::GpusPerRank {
+                gpus_per_rank: self.gpus_per_rank,
+            });
+        }
+        if self.gpu_memory_permille >= cumulus_api::gpus::WHOLE_GPU_PERMILLE
+            || (self.gpu_memory_permille > 0 && self.gpus_per_rank != 1)
+        {
+            return Err(SpecError::GpuShare);
+        }
         Ok(())
     }
 }
@@ -348,4 +384,15 @@ pub enum SpecError {
     /// The progress timeout is above [`MAX_PROGRESS_TIMEOUT_MS`].
     #[error("progress timeout is above 7 days")]
     ProgressTimeout,
+    /// More GPUs per rank than [`MAX_GPUS_PER_WORKER`]: no worker could hold a rank.
+    #[error("gpus_per_rank {gpus_per_rank} is above the limit of {MAX_GPUS_PER_WORKER}")]
+    GpusPerRank {
+        /// The requested count.
+        gpus_per_rank: u32,
+    },
+    /// A GPU memory share with several GPUs per rank, or not below a whole GPU.
+    #[error(
+        "a GPU memory fraction below 1 applies to one GPU per rank (gpus_per_rank 1), in thousandths 1..=999"
+    )]
+    GpuShare,
 }

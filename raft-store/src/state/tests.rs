@@ -24,6 +24,7 @@ fn cluster_with_job(world_size: u32) -> (ClusterState, String) {
         let r = apply(
             &mut s,
             Command::RegisterWorker {
+                gpus: Vec::new(),
                 worker_id: w.into(),
                 host: "127.0.0.1".into(),
                 http_addr: "127.0.0.1:1".into(),
@@ -56,6 +57,7 @@ fn cluster_with_job(world_size: u32) -> (ClusterState, String) {
         apply(
             &mut s,
             Command::PlaceJob {
+                gpus: Vec::new(),
                 job_id: job_id.clone(),
                 placements,
                 at_ms: 3
@@ -354,6 +356,7 @@ fn stale_attempt_reports_are_rejected() {
     assert_eq!(apply(&mut s, exit(&job_id, 1, 0, "w2", 1)), Response::Ok);
     let placements = vec![(0, "w1".to_string()), (1, "w2".to_string())];
     let restart = Command::ScheduleRestart {
+        gpus: Vec::new(),
         job_id: job_id.clone(),
         placements,
         failed_at_ms: 100,
@@ -394,6 +397,7 @@ fn restart_budget_and_delay_floor_are_enforced() {
         let n = attempt + 1;
         let floor = s.jobs[&job_id].spec.restart.min_delay_ms(n);
         let too_short = Command::ScheduleRestart {
+            gpus: Vec::new(),
             job_id: job_id.clone(),
             placements: vec![(0, "w1".into())],
             failed_at_ms: 100,
@@ -407,6 +411,7 @@ fn restart_budget_and_delay_floor_are_enforced() {
             Response::Rejected { .. }
         ));
         let ok = Command::ScheduleRestart {
+            gpus: Vec::new(),
             job_id: job_id.clone(),
             placements: vec![(0, "w1".into())],
             failed_at_ms: 100,
@@ -419,6 +424,7 @@ fn restart_budget_and_delay_floor_are_enforced() {
     }
     assert_eq!(apply(&mut s, exit(&job_id, 0, 2, "w1", 1)), Response::Ok);
     let over = Command::ScheduleRestart {
+        gpus: Vec::new(),
         job_id: job_id.clone(),
         placements: vec![(0, "w1".into())],
         failed_at_ms: 100,
@@ -437,6 +443,7 @@ fn placement_respects_slots_and_expiry() {
     apply(
         &mut s,
         Command::RegisterWorker {
+            gpus: Vec::new(),
             worker_id: "w1".into(),
             host: "h".into(),
             http_addr: "h:1".into(),
@@ -456,6 +463,7 @@ fn placement_respects_slots_and_expiry() {
         panic!()
     };
     let over = Command::PlaceJob {
+        gpus: Vec::new(),
         job_id: job_id.clone(),
         placements: vec![(0, "w1".into()), (1, "w1".into())],
         at_ms: 1,
@@ -469,6 +477,7 @@ fn placement_respects_slots_and_expiry() {
         },
     );
     let on_expired = Command::PlaceJob {
+        gpus: Vec::new(),
         job_id: job_id.clone(),
         placements: vec![(0, "w1".into())],
         at_ms: 3,
@@ -586,6 +595,7 @@ fn checkpoint_commits_only_with_every_part_and_keeps_k() {
     // Restart resumes each rank from its own committed part.
     apply(&mut s, exit(&job_id, 0, 0, "w1", 1));
     let restart = Command::ScheduleRestart {
+        gpus: Vec::new(),
         job_id: job_id.clone(),
         placements: vec![(0, "w1".into()), (1, "w2".into())],
         failed_at_ms: 0,
@@ -651,6 +661,7 @@ fn resuming_from_an_older_step_forgets_newer_steps_and_stale_parts() {
     assert_eq!(apply(&mut s, c), Response::Ok);
     apply(&mut s, exit(&job_id, 1, 0, "w2", 1));
     let restart = Command::ScheduleRestart {
+        gpus: Vec::new(),
         job_id: job_id.clone(),
         placements: vec![(0, "w1".into()), (1, "w2".into())],
         failed_at_ms: 0,
@@ -718,6 +729,7 @@ fn a_jobs_size_estimate_covers_its_encoding() {
     check(&s.jobs[&job_id], "with checkpoints");
     assert_eq!(apply(&mut s, exit(&job_id, 1, 0, "w2", 1)), Response::Ok);
     let restart = Command::ScheduleRestart {
+        gpus: Vec::new(),
         job_id: job_id.clone(),
         placements: vec![(0, "w1".to_string()), (1, "w2".to_string())],
         failed_at_ms: 100,
@@ -812,4 +824,204 @@ fn finished_jobs_are_dropped_to_stay_within_the_byte_budget() {
     evict(&mut s, 1);
     let kept: Vec<&String> = s.jobs.keys().collect();
     assert_eq!(kept, vec![&ids[4], &ids[5]]);
+}
+
+fn gpu(index: u32, uuid: &str) -> GpuDevice {
+    GpuDevice {
+        index,
+        uuid: uuid.into(),
+        name: "Fake".into(),
+        memory_total_bytes: 1 << 30,
+    }
+}
+
+fn register_gpus(s: &mut ClusterState, worker: &str, gpus: Vec<GpuDevice>) -> Response {
+    apply(
+        s,
+        Command::RegisterWorker {
+            gpus,
+            worker_id: worker.into(),
+            host: "h".into(),
+            http_addr: "h:1".into(),
+            slots: 4,
+            at_ms: 0,
+        },
+    )
+}
+
+fn submit_gpu_job(s: &mut ClusterState, id: &str, gpus_per_rank: u32, permille: u32) -> String {
+    let Response::JobSubmitted { job_id, .. } = apply(
+        s,
+        Command::SubmitJob {
+            request_id: id.into(),
+            spec: JobSpec {
+                gpus_per_rank,
+                gpu_memory_permille: permille,
+                ..spec(1)
+            },
+            shards: vec![],
+            submitted_at_ms: 0,
+        },
+    ) else {
+        panic!("submit refused")
+    };
+    job_id
+}
+
+fn place_gpu(s: &mut ClusterState, job_id: &str, worker: &str, gpus: &[&str]) -> Response {
+    apply(
+        s,
+        Command::PlaceJob {
+            job_id: job_id.into(),
+            placements: vec![(0, worker.into())],
+            gpus: vec![(0, gpus.iter().map(|g| g.to_string()).collect())],
+            at_ms: 1,
+        },
+    )
+}
+
+#[test]
+fn gpu_inventories_are_checked_at_registration() {
+    let mut s = ClusterState::default();
+    assert_eq!(
+        register_gpus(&mut s, "w1", vec![gpu(0, "GPU-a")]),
+        Response::Ok
+    );
+    for bad in [
+        vec![gpu(0, "GPU-b"), gpu(1, "GPU-b")],
+        vec![gpu(0, "GPU,b")],
+        vec![gpu(0, "GPU-a")], // w1's
+        (0..65).map(|i| gpu(i, &format!("GPU-{i}"))).collect(),
+    ] {
+        assert!(
+            matches!(
+                register_gpus(&mut s, "w2", bad.clone()),
+                Response::Rejected { .. }
+            ),
+            "{bad:?}"
+        );
+    }
+    assert!(!s.workers.contains_key("w2"));
+    // The same worker registering again keeps its own GPUs.
+    assert_eq!(
+        register_gpus(&mut s, "w1", vec![gpu(0, "GPU-a")]),
+        Response::Ok
+    );
+}
+
+#[test]
+fn gpu_placements_are_checked_and_shares_never_pass_a_whole_gpu() {
+    let mut s = ClusterState::default();
+    register_gpus(&mut s, "w1", vec![gpu(0, "GPU-a"), gpu(1, "GPU-b")]);
+    register_gpus(&mut s, "w2", vec![gpu(0, "GPU-c")]);
+    let whole = submit_gpu_job(&mut s, "whole", 1, 0);
+    // Wrong count, foreign GPU, none at all: refused.
+    for gpus in [&["GPU-a", "GPU-b"][..], &["GPU-c"][..], &[][..]] {
+        assert!(
+            matches!(
+                place_gpu(&mut s, &whole, "w1", gpus),
+                Response::Rejected { .. }
+            ),
+            "{gpus:?}"
+        );
+    }
+    assert_eq!(place_gpu(&mut s, &whole, "w1", &["GPU-a"]), Response::Ok);
+    assert_eq!(s.jobs[&whole].ranks[0].gpus, vec!["GPU-a".to_string()]);
+    // A half on the taken GPU is refused; two halves share the other, a third does not fit.
+    let halves: Vec<String> = (0..3)
+        .map(|i| submit_gpu_job(&mut s, &format!("half-{i}"), 1, 500))
+        .collect();
+    assert!(matches!(
+        place_gpu(&mut s, &halves[0], "w1", &["GPU-a"]),
+        Response::Rejected { .. }
+    ));
+    assert_eq!(
+        place_gpu(&mut s, &halves[0], "w1", &["GPU-b"]),
+        Response::Ok
+    );
+    assert_eq!(
+        place_gpu(&mut s, &halves[1], "w1", &["GPU-b"]),
+        Response::Ok
+    );
+    assert!(matches!(
+        place_gpu(&mut s, &halves[2], "w1", &["GPU-b"]),
+        Response::Rejected { .. }
+    ));
+    assert_eq!(s.gpus_used(None).get("GPU-b"), Some(&1000));
+    assert!(
+        s.pending_reason(&s.jobs[&halves[2]])
+            .is_none_or(|r| r.contains("waiting")),
+        "GPU-c is still free: no reason, or a waiting one"
+    );
+    // GPUs to a job without GPUs: refused.
+    let plain = submit_gpu_job(&mut s, "plain", 0, 0);
+    assert!(matches!(
+        place_gpu(&mut s, &plain, "w2", &["GPU-c"]),
+        Response::Rejected { .. }
+    ));
+    // Cancelling frees the share.
+    apply(
+        &mut s,
+        Command::CancelJob {
+            job_id: halves[0].clone(),
+            at_ms: 5,
+        },
+    );
+    assert_eq!(s.gpus_used(None).get("GPU-b"), Some(&500));
+}
+
+#[test]
+fn gpu_specs_are_validated() {
+    let ok = JobSpec {
+        gpus_per_rank: 1,
+        gpu_memory_permille: 500,
+        ..spec(1)
+    };
+    assert_eq!(ok.validate(8), Ok(()));
+    for (gpus_per_rank, gpu_memory_permille) in [(2, 500), (0, 500), (1, 1000), (65, 0)] {
+        let bad = JobSpec {
+            gpus_per_rank,
+            gpu_memory_permille,
+            ..spec(1)
+        };
+        assert!(
+            bad.validate(8).is_err(),
+            "{gpus_per_rank} {gpu_memory_permille}"
+        );
+    }
+}
+
+#[test]
+fn pending_reasons_say_what_is_missing() {
+    let mut s = ClusterState::default();
+    register_gpus(&mut s, "w1", vec![gpu(0, "GPU-a")]);
+    let big = submit_gpu_job(&mut s, "big", 2, 0);
+    let reason = s.pending_reason(&s.jobs[&big]).expect("a reason");
+    assert!(
+        reason.contains("cannot be placed") && reason.contains("1 GPUs in all"),
+        "{reason}"
+    );
+    let one = submit_gpu_job(&mut s, "one", 1, 0);
+    assert_eq!(s.pending_reason(&s.jobs[&one]), None, "it fits now");
+    assert_eq!(place_gpu(&mut s, &one, "w1", &["GPU-a"]), Response::Ok);
+    let two = submit_gpu_job(&mut s, "two", 1, 0);
+    let reason = s.pending_reason(&s.jobs[&two]).expect("a reason");
+    assert!(reason.contains("waiting for GPUs"), "{reason}");
+    let cpu = apply(
+        &mut s,
+        Command::SubmitJob {
+            request_id: "cpu".into(),
+            spec: spec(9),
+            shards: vec![],
+            submitted_at_ms: 0,
+        },
+    );
+    let Response::JobSubmitted { job_id, .. } = cpu else {
+        panic!()
+    };
+    let reason = s.pending_reason(&s.jobs[&job_id]).expect("a reason");
+    assert!(
+        reason.contains("needs 9 slots") && reason.contains("offer 4 in all"),
+        "{reason}"
+    );
 }

@@ -73,6 +73,9 @@ pub struct SupervisorSettings {
     pub dataset_cache: Option<Arc<cumulus_ckpt::DatasetCache>>,
     /// Where a rank's local shards and its job's checkpoint dir may lie (empty: anywhere).
     pub roots: cumulus_api::paths::JobRoots,
+    /// The agent has GPUs: every rank gets `CUDA_VISIBLE_DEVICES` (empty without GPUs of
+    /// its own) and a job's own value of it is dropped.
+    pub has_gpus: bool,
 }
 
 /// The latest progress a rank reported (soft state).

@@ -99,7 +99,9 @@ impl Supervisor {
                     "invalid environment variable {name:?}"
                 )));
             }
-            if !rank_env::CONTRACT_VARS.contains(&name.as_str()) {
+            let agent_sets = rank_env::CONTRACT_VARS.contains(&name.as_str())
+                || (settings.has_gpus && rank_env::GPU_VARS.contains(&name.as_str()));
+            if !agent_sets {
                 env.push((name.into(), value.into()));
             }
         }
@@ -149,6 +151,25 @@ impl Supervisor {
             (rank_env::AGENT_URL, settings.rank_api_url.clone().into()),
             (rank_env::AGENT_TOKEN, token.into()),
         ];
+        if d.gpus.iter().any(|g| !cumulus_api::gpus::is_valid_uuid(g)) {
+            return Err(PrepareError::Invalid("a GPU UUID is invalid".into()));
+        }
+        if settings.has_gpus || !d.gpus.is_empty() {
+            contract.push((
+                rank_env::CUDA_VISIBLE_DEVICES,
+                cumulus_api::gpus::cuda_visible_devices(&d.gpus).into(),
+            ));
+        }
+        if d.gpu_memory_permille > 0 && !d.gpus.is_empty() {
+            contract.push((
+                rank_env::GPU_MEMORY_FRACTION,
+                cumulus_api::gpus::permille_to_fraction(
+                    d.gpu_memory_permille
+                        .min(cumulus_api::gpus::WHOLE_GPU_PERMILLE),
+                )
+                .into(),
+            ));
+        }
 
         if !d.ckpt_dir.is_empty() || !d.ckpt_url.is_empty() {
             let store = self.job_store(d).await?;

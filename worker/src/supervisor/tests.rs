@@ -72,6 +72,7 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
             s3: None,
             dataset_cache: None,
             roots: opts.roots,
+            has_gpus: false,
         },
         spawner,
         client,

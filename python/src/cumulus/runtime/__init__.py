@@ -20,6 +20,11 @@ A ten-line loop::
         if runtime.should_stop():                # SIGTERM from the agent
             break
 
+:func:`apply_gpu_memory_fraction` passes a job's ``--gpu-memory-fraction``
+(``CUMULUS_GPU_MEMORY_FRACTION``, :attr:`Context.gpu_memory_fraction`) to
+``torch.cuda.set_per_process_memory_fraction``; call it once CUDA's device is chosen (it
+does nothing, and imports nothing, for a job without a fraction).
+
 :func:`rng_state` / :func:`set_rng_state` capture and restore every random number
 generator (Python, NumPy, torch CPU and CUDA, and generators passed in) as plain JSON;
 :mod:`cumulus.ckpt` saves them with the model.
@@ -36,12 +41,14 @@ SIGTERM, which :func:`should_stop` reports).
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from cumulus.errors import RankEnvironmentError
 from cumulus.runtime._agent import AgentClient
 from cumulus.runtime._checkpoint import (
     COMMIT_DEADLINE_S,
@@ -86,6 +93,7 @@ __all__ = [
     "Runtime",
     "ShardReader",
     "StagedCheckpoint",
+    "apply_gpu_memory_fraction",
     "checkpoint",
     "checkpoints_enabled",
     "context_from_env",
@@ -205,6 +213,33 @@ class Runtime:
         :func:`cumulus.runtime.should_stop`."""
         return should_stop()
 
+    def apply_gpu_memory_fraction(self, device: Any = None) -> float | None:
+        """Applies :attr:`Context.gpu_memory_fraction`; see
+        :func:`cumulus.runtime.apply_gpu_memory_fraction`."""
+        fraction = self.context.gpu_memory_fraction
+        if fraction is None:
+            return None
+        try:
+            torch = importlib.import_module("torch")
+        except ImportError as e:
+            raise ImportError(
+                f"CUMULUS_GPU_MEMORY_FRACTION={fraction} is set (the job was submitted with "
+                "--gpu-memory-fraction) but PyTorch cannot be imported here: "
+                f"apply_gpu_memory_fraction() needs torch with CUDA ({e})"
+            ) from e
+        if not torch.cuda.is_available():
+            raise RankEnvironmentError(
+                f"CUMULUS_GPU_MEMORY_FRACTION={fraction} is set (the job was submitted with "
+                "--gpu-memory-fraction) but torch.cuda.is_available() is False: this rank "
+                "sees no CUDA GPU (a CPU-only torch, no driver, or an empty "
+                "CUDA_VISIBLE_DEVICES), so there is no GPU memory to limit",
+                "CUMULUS_GPU_MEMORY_FRACTION",
+            )
+        if device is None:
+            device = torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        return fraction
+
     def close(self, timeout_s: float = 2.0) -> None:
         """Flushes the last progress report (up to ``timeout_s`` seconds) and stops the
         sender thread. Reports made after it are dropped."""
@@ -299,3 +334,30 @@ def checkpoints_enabled() -> bool:
 def resume() -> ResumePoint | None:
     """Where this attempt resumes, or ``None``; see :meth:`Runtime.resume`."""
     return get_runtime().resume()
+
+
+def apply_gpu_memory_fraction(device: Any = None) -> float | None:
+    """Limits this process's PyTorch CUDA memory to the job's ``--gpu-memory-fraction``
+    (``CUMULUS_GPU_MEMORY_FRACTION``, :attr:`Context.gpu_memory_fraction`) of ``device``'s
+    memory, and returns the fraction; returns ``None`` and does nothing (not even import
+    torch) when the job has no fraction, as every job without ``--gpu-memory-fraction``
+    and every standalone run without the variable.
+
+    Call it once, after choosing the CUDA device (``torch.cuda.set_device``) and before
+    allocating on it. The agent's ``CUDA_VISIBLE_DEVICES`` already restricts which GPUs
+    the rank sees (its own, as ``cuda:0``, ``cuda:1``...); the fraction is how several
+    ranks or jobs share one of them.
+
+    Cooperative, not enforced: it calls ``torch.cuda.set_per_process_memory_fraction``,
+    so PyTorch's caching allocator refuses (raises out-of-memory for) allocations past
+    the fraction in this process. Nothing stops CUDA memory allocated outside that
+    allocator (CUDA contexts, NCCL buffers, other libraries) or by other processes; an
+    enforced limit needs NVIDIA MPS (its per-client pinned memory limit) or MIG.
+
+    :param device: the CUDA device to limit (a ``torch.device``, ``"cuda:0"`` or an
+        index); ``None``: the current device (``torch.cuda.current_device()``).
+    :raises RankEnvironmentError: the fraction is set but ``torch.cuda.is_available()`` is
+        false (no CUDA GPU visible to this rank), or the variable is malformed.
+    :raises ImportError: the fraction is set but PyTorch is not installed.
+    """
+    return get_runtime().apply_gpu_memory_fraction(device)

@@ -3,7 +3,9 @@ environment"), parsed into a frozen :class:`Context`."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ CONTRACT_VARS: tuple[str, ...] = (
     "CUMULUS_CKPT_STAGING",
     "CUMULUS_RESUME_DIR",
     "CUMULUS_RESUME_STEP",
+    "CUMULUS_GPU_MEMORY_FRACTION",
 )
 
 #: Variables the agent always sets for a rank (the others depend on the job).
@@ -84,7 +87,8 @@ class Context:
     (``get_context(standalone=True)`` outside Cumulus, e.g. under ``torchrun`` or plain
     ``python``) the torchrun variables are used when set, with defaults rank 0 of world
     size 1; ``job_id``, ``staging_dir`` and the resume fields are ``None`` and
-    ``standalone`` is true.
+    ``standalone`` is true (``CUMULUS_SHARDS_FILE`` and ``CUMULUS_GPU_MEMORY_FRACTION``
+    are still read when set).
     """
 
     #: ``RANK``: this rank, ``0 <= rank < world_size``.
@@ -122,6 +126,11 @@ class Context:
     agent_token: str | None = field(default=None, repr=False)
     #: True when not run by Cumulus.
     standalone: bool = False
+    #: ``CUMULUS_GPU_MEMORY_FRACTION``: this rank's share of its GPU's memory, ``0 < f <=
+    #: 1``, set only for a job submitted with ``--gpu-memory-fraction`` (``None``
+    #: otherwise). Cooperative: :func:`cumulus.runtime.apply_gpu_memory_fraction` passes it
+    #: to ``torch.cuda.set_per_process_memory_fraction``; nothing else enforces it.
+    gpu_memory_fraction: float | None = None
 
     @property
     def is_resuming(self) -> bool:
@@ -169,6 +178,26 @@ def _int(
     if value < minimum or (maximum is not None and value > maximum):
         raise RankEnvironmentError(
             f"environment variable {name}={_cut(raw)!r} is invalid: expected {what}", name
+        )
+    return value
+
+
+_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)", re.ASCII)
+
+
+def _gpu_memory_fraction(env: Mapping[str, str]) -> float | None:
+    """``CUMULUS_GPU_MEMORY_FRACTION`` as a float ``0 < f <= 1``, ``None`` when unset."""
+    raw = _get(env, "CUMULUS_GPU_MEMORY_FRACTION")
+    if raw is None:
+        return None
+    text = raw.strip()
+    # float() also takes "nan", "inf", "1e-3" and "0_5"; the agent writes plain decimals.
+    value = float(text) if _DECIMAL.fullmatch(text) else math.nan
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise RankEnvironmentError(
+            f"environment variable CUMULUS_GPU_MEMORY_FRACTION={_cut(raw)!r} is invalid: "
+            "expected a decimal fraction 0 < f <= 1 (e.g. 0.5)",
+            "CUMULUS_GPU_MEMORY_FRACTION",
         )
     return value
 
@@ -311,6 +340,7 @@ def context_from_env(env: Mapping[str, str], *, standalone: bool = False) -> Con
     staging_raw = _get(env, "CUMULUS_CKPT_STAGING")
     staging_dir = Path(staging_raw) if staging_raw is not None else None
     resume_step, resume_dir = _resume(env)
+    gpu_memory_fraction = _gpu_memory_fraction(env)
     if resume_step is not None and staging_dir is None:
         raise RankEnvironmentError(
             "CUMULUS_RESUME_STEP is set but CUMULUS_CKPT_STAGING is not: a resumed job "
@@ -333,6 +363,7 @@ def context_from_env(env: Mapping[str, str], *, standalone: bool = False) -> Con
         agent_url=agent_url,
         agent_token=agent_token,
         standalone=False,
+        gpu_memory_fraction=gpu_memory_fraction,
     )
 
 
@@ -363,6 +394,7 @@ def _standalone(env: Mapping[str, str]) -> Context:
         resume_step=None,
         resume_dir=None,
         standalone=True,
+        gpu_memory_fraction=_gpu_memory_fraction(env),
     )
 
 
