@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: PyTorch DDP with NCCL under Cumulus on every GPU of this machine.
 #
-#   scripts/gpu-check.sh [--cpu] [--world-size N] [--steps S] [--reps R]
+#   scripts/gpu-check.sh [--cpu [--fake-gpus N]] [--world-size N] [--steps S] [--reps R]
 #
 # Builds nothing: it expects the Cumulus binaries in target/release (else target/debug, or
 # $CUMULUS_BIN_DIR) and the Python virtualenv python/.venv (or $PYTHON) with the package
@@ -21,16 +21,19 @@
 #      the medians and their ratio (steps/s is measured inside the script, from the first
 #      training step to the last: start-up is not counted).
 # --cpu: a dry run of steps 1, 2 and 4 without GPUs (gloo, world size 2 unless given, no
-# GPU flags).
-# Exit status 0 only if the resume was exact.
+# GPU flags). --cpu --fake-gpus N: the whole GPU path (step 3 too) with gloo on CPU, the
+# worker given N made-up GPUs by an inventory file (`cumulus-worker --gpus FILE`).
+# Exit status 0 only if the resume was exact and, on the GPU path, every rank had its own
+# GPU and the two half-GPU jobs shared one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-cpu=0 world="" steps=300 ckpt_every=50 kill_at=130 bench_steps=2000 reps=3
+cpu=0 fake_gpus=0 world="" steps=300 ckpt_every=50 kill_at=130 bench_steps=2000 reps=3
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) cpu=1 ;;
+    --fake-gpus) fake_gpus="$2"; shift ;;
     --world-size) world="$2"; shift ;;
     --steps) steps="$2"; shift ;;
     --ckpt-every) ckpt_every="$2"; shift ;;
@@ -60,6 +63,11 @@ for b in cumulusctl cumulus-coordinator cumulus-worker; do
   [ -x "$BIN/$b" ] || die "$BIN/$b not found: build first (cargo build --release)"
 done
 PY=${PYTHON:-$ROOT/python/.venv/bin/python}
+# An absolute path: the torchrun runs start in the work dir.
+case "$PY" in
+  */*) PY=$(cd "$(dirname "$PY")" 2>/dev/null && pwd)/$(basename "$PY") ;;
+  *) PY=$(command -v "$PY" || echo "$PY") ;;
+esac
 [ -x "$PY" ] || die "$PY not found: make the venv (python3 -m venv python/.venv && python/.venv/bin/pip install -e './python[test,torch]')"
 "$PY" -c 'import cumulus, torch, safetensors' 2>/dev/null \
   || die "$PY lacks cumulus, torch or safetensors: pip install -e './python[test,torch]'"
@@ -79,8 +87,14 @@ else
   nvidia-smi -L
 fi
 kill_rank=$((world - 1))
+[ "$fake_gpus" -eq 0 ] || [ "$world" -le "$fake_gpus" ] || die "world size $world > --fake-gpus $fake_gpus"
+# The GPU path: real GPUs, or made-up ones (--fake-gpus) for a dry run on CPU.
+gpu_path=0
 gpu_flags=()
-[ "$backend" = nccl ] && gpu_flags=(--gpus-per-rank 1)
+if [ "$backend" = nccl ] || [ "$fake_gpus" -gt 0 ]; then
+  gpu_path=1
+  gpu_flags=(--gpus-per-rank 1)
+fi
 EXAMPLE=$ROOT/examples/python/ddp_digits.py
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/cumulus-gpu-check.XXXXXX")
@@ -93,7 +107,19 @@ trap cleanup EXIT
 
 echo "== gpu-check: backend $backend, world size $world, binaries $BIN, work dir $WORK"
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-"${CTL[@]}" local up --coordinators 1 --workers 1 --slots "$world" --bin-dir "$BIN" >/dev/null
+if [ "$fake_gpus" -gt 0 ]; then
+  "$PY" - "$WORK/gpus.json" "$fake_gpus" <<'EOF'
+import json, sys
+gpus = [{"index": i, "uuid": f"GPU-fake-{i}", "name": "Made-up GPU", "memory_total_bytes": 80 << 30}
+        for i in range(int(sys.argv[2]))]
+json.dump(gpus, open(sys.argv[1], "w"))
+EOF
+  export CUMULUS_GPUS=$WORK/gpus.json
+fi
+# Two slots at least: step 3 runs two jobs at once.
+"${CTL[@]}" local up --coordinators 1 --workers 1 --slots $((world < 2 ? 2 : world)) \
+  --bin-dir "$BIN" >/dev/null
+"${CTL[@]}" workers
 "${CTL[@]}" dataset split data/digits/digits.csv.gz --shards $((2 * world)) \
   --out "$WORK/digits" >/dev/null
 
@@ -148,7 +174,7 @@ for r in $(seq 0 $((world - 1))); do
 done
 cmp -s "$WORK/out-clean/model.safetensors" "$WORK/out-killed/model.safetensors" \
   || { echo "model.safetensors differ" >&2; ok=0; }
-if [ "$backend" = nccl ]; then
+if [ "$gpu_path" = 1 ]; then
   # Each rank its own GPU: distinct UUIDs in the job's rank table.
   "${CTL[@]}" -o json status "$(job_of clean)" >"$WORK/clean.json"
   "$PY" - "$WORK/clean.json" "$world" <<'EOF' || ok=0
@@ -168,12 +194,12 @@ else
 fi
 
 # -- 2b. two jobs of half a GPU side by side --------------------------------------------------
-if [ "$backend" = nccl ]; then
+if [ "$gpu_path" = 1 ]; then
   echo "== sharing: two world-size-1 jobs with --gpu-memory-fraction 0.5 at once"
   for half in half-a half-b; do
     "${CTL[@]}" submit --world-size 1 --dataset "$WORK/digits" --name "gpu-$half" \
       --gpu-memory-fraction 0.5 --max-restarts 0 --wait --wait-timeout-s 600 -- \
-      "$PY" "$EXAMPLE" --backend nccl --out "$WORK/out-$half" --steps "$bench_steps" \
+      "$PY" "$EXAMPLE" --backend "$backend" --out "$WORK/out-$half" --steps "$bench_steps" \
       --log-every "$bench_steps" >"$WORK/$half.submit" 2>&1 &
   done
   wait || true
@@ -202,7 +228,7 @@ for i in $(seq 1 "$reps"); do
   cum+=("$(field "$WORK/out-bench-$i" 0 steps_per_s)")
   # torchrun's own rendezvous (--standalone); each rank takes every N-th row of the
   # bundled file instead of shards: the same shapes, the same work per step.
-  if ! (cd "$WORK" && "$(dirname "$PY")/torchrun" --standalone --nproc-per-node "$world" \
+  if ! (cd "$WORK" && "$PY" -m torch.distributed.run --standalone --nproc-per-node "$world" \
     "$EXAMPLE" --backend "$backend" --out "$WORK/out-torchrun-$i" --steps "$bench_steps" \
     --log-every "$bench_steps" >"$WORK/torchrun-$i.log" 2>&1); then
     cat "$WORK/torchrun-$i.log" >&2
