@@ -15,6 +15,7 @@
 //! - [`attempt`]: [`AttemptKey`], the identity of a rank attempt.
 //! - [`paths`]: which host paths a job may name (normalized, under the allowed roots).
 //! - [`token`]: what a bearer token must look like.
+//! - [`users`]: users' tokens (`cu.<name>.<secret>`), their names and stored hashes.
 //! - [`text`]: user-supplied text on a terminal (printable names, escaped output).
 //! - [`leader`] (feature `grpc`): how a client follows the leader (the metadata naming it,
 //!   what is retried, backoff).
@@ -33,10 +34,11 @@ pub mod rank_env;
 pub mod states;
 pub mod text;
 pub mod token;
+pub mod users;
 
 pub use attempt::AttemptKey;
 pub use files::FileEntry;
-pub use states::{CommitTier, JobState, RankPhase, RankState, RestartScope, UnknownName};
+pub use states::{CommitTier, JobState, RankPhase, RankState, RestartScope, Role, UnknownName};
 
 /// Generated code for `cumulus.v1`.
 #[cfg(feature = "grpc")]

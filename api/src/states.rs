@@ -183,6 +183,26 @@ impl RestartScope {
     }
 }
 
+/// What a user may do (`cumulusctl token create --role`), from most to least.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Reads everything (jobs, logs, checkpoints, the cluster); changes nothing.
+    Read,
+    /// As `read`, plus submits jobs and cancels its own; reads the logs of its own jobs
+    /// only.
+    Submit,
+    /// Anything: any job, membership, users' tokens. The cluster token is an admin's.
+    Admin,
+}
+
+wire_enum!(Role, "role", "admin, submit, read", {
+    Read => "read",
+    Submit => "submit",
+    Admin => "admin",
+});
+
 /// Where a checkpoint step with an S3 target counts as committed
 /// (`JobSpec.ckpt_commit_tier`; `""` means the default, `l2`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -239,6 +259,7 @@ mod tests {
         round_trips(RankPhase::ALL);
         round_trips(RestartScope::ALL);
         round_trips(CommitTier::ALL);
+        round_trips(Role::ALL);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 
 use crate::args::{
     CertKind, CertsCommand, CkptCommand, Cli, ClusterCommand, Command, DatasetCommand, GlobalOpts,
-    LocalCommand, OutputFormat,
+    LocalCommand, OutputFormat, TokenCommand,
 };
 use crate::client::{Client, ClientError, RetryPolicy};
 use crate::config::{self, ClusterFile, ConfigError};
@@ -35,6 +35,14 @@ pub async fn run(cli: Cli) -> Result<()> {
             jobs::cluster_status(&config::resolve(g)?, out).await
         }
         Command::Workers => jobs::workers(&config::resolve(g)?, out).await,
+        Command::Token(TokenCommand::Create(a)) => {
+            jobs::token_create(&config::resolve(g)?, &a, out).await
+        }
+        Command::Token(TokenCommand::Ls) => jobs::token_ls(&config::resolve(g)?, out).await,
+        Command::Token(TokenCommand::Revoke(a)) => {
+            jobs::token_revoke(&config::resolve(g)?, &a.name, out).await
+        }
+        Command::Whoami => jobs::whoami(&config::resolve(g)?, out).await,
         Command::Cluster(ClusterCommand::AddLearner(a)) => {
             jobs::add_learner(&config::resolve(g)?, a.id, &a.member_addr, out).await
         }

@@ -120,6 +120,11 @@ pub enum Command {
     Cluster(ClusterCommand),
     /// The worker agents: slots, heartbeats, resources and GPUs.
     Workers,
+    /// Users' tokens (administrators): create, list, revoke.
+    #[command(subcommand)]
+    Token(TokenCommand),
+    /// Who the token in use names, and its role.
+    Whoami,
     /// Dataset preparation.
     #[command(subcommand)]
     Dataset(DatasetCommand),
@@ -297,6 +302,41 @@ pub struct LogsArgs {
 pub enum CkptCommand {
     /// List a job's checkpoints.
     Ls(JobArg),
+}
+
+/// `token` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum TokenCommand {
+    /// Create a user with a role and print their token (shown once: the cluster keeps
+    /// only its SHA-256). Give it to the user; they pass it with `--token-file` or
+    /// `CUMULUS_TOKEN`.
+    Create(TokenCreateArgs),
+    /// List the users (names, roles, who created them; never a token).
+    Ls,
+    /// Revoke a user's token; their running jobs go on.
+    Revoke(TokenNameArg),
+}
+
+/// `token create NAME --role ROLE`.
+#[derive(Debug, Args)]
+pub struct TokenCreateArgs {
+    /// The user's name: 1..=32 bytes of [a-z0-9-], starting with a letter.
+    pub name: String,
+    /// `admin` (anything), `submit` (submit and cancel own jobs, read everything but
+    /// others' logs) or `read` (read only).
+    #[arg(long, value_enum)]
+    pub role: cumulus_api::Role,
+    /// Write the token to this file (created with mode 0600, never overwritten) instead
+    /// of printing it.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// A user's name.
+#[derive(Debug, Args)]
+pub struct TokenNameArg {
+    /// The user's name.
+    pub name: String,
 }
 
 /// `cluster` subcommands.

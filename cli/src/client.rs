@@ -272,6 +272,48 @@ impl Client {
         .await
     }
 
+    /// `CreateUser`: the new user's token, answered once.
+    pub async fn create_user(
+        &self,
+        req: cumulus_api::CreateUserRequest,
+    ) -> Result<cumulus_api::CreateUserResponse, ClientError> {
+        self.call("CreateUser", req, |mut c, r| async move {
+            c.create_user(r).await
+        })
+        .await
+    }
+
+    /// `RevokeUser`.
+    pub async fn revoke_user(&self, name: &str) -> Result<(), ClientError> {
+        self.call(
+            "RevokeUser",
+            cumulus_api::RevokeUserRequest { name: name.into() },
+            |mut c, r| async move { c.revoke_user(r).await },
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// `ListUsers`.
+    pub async fn list_users(&self) -> Result<cumulus_api::ListUsersResponse, ClientError> {
+        self.call(
+            "ListUsers",
+            cumulus_api::ListUsersRequest {},
+            |mut c, r| async move { c.list_users(r).await },
+        )
+        .await
+    }
+
+    /// `WhoAmI`.
+    pub async fn who_am_i(&self) -> Result<cumulus_api::WhoAmIResponse, ClientError> {
+        self.call(
+            "WhoAmI",
+            cumulus_api::WhoAmIRequest {},
+            |mut c, r| async move { c.who_am_i(r).await },
+        )
+        .await
+    }
+
     /// `AddLearner` (waits until the learner caught up).
     pub async fn add_learner(
         &self,
@@ -510,6 +552,38 @@ mod tests {
                 &self,
                 req: Request<cumulus_api::RemoveMemberRequest>,
             ) -> Result<Response<ClusterStatusResponse>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::unimplemented("not served by this test node"))
+            }
+
+            async fn create_user(
+                &self,
+                req: Request<cumulus_api::CreateUserRequest>,
+            ) -> Result<Response<cumulus_api::CreateUserResponse>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::unimplemented("not served by this test node"))
+            }
+
+            async fn revoke_user(
+                &self,
+                req: Request<cumulus_api::RevokeUserRequest>,
+            ) -> Result<Response<cumulus_api::Ack>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::unimplemented("not served by this test node"))
+            }
+
+            async fn list_users(
+                &self,
+                req: Request<cumulus_api::ListUsersRequest>,
+            ) -> Result<Response<cumulus_api::ListUsersResponse>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::unimplemented("not served by this test node"))
+            }
+
+            async fn who_am_i(
+                &self,
+                req: Request<cumulus_api::WhoAmIRequest>,
+            ) -> Result<Response<cumulus_api::WhoAmIResponse>, Status> {
                 self.0.gate(&req)?;
                 Err(Status::unimplemented("not served by this test node"))
             }

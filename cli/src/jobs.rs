@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use cumulus_api::{JobSpec, RestartPolicy, SubmitJobRequest};
 
-use crate::args::{OutputFormat, SubmitArgs};
+use crate::args::{OutputFormat, SubmitArgs, TokenCreateArgs};
 use crate::client::{Client, new_request_id};
 use crate::config::Conn;
 use crate::dataset::{absolute, canonical_lenient};
@@ -277,6 +277,85 @@ pub async fn cluster_status(conn: &Conn, output: OutputFormat) -> Result<()> {
     match output {
         OutputFormat::Json => print_json(&resp),
         OutputFormat::Table => print_text(&render::cluster_status(&resp)),
+    }
+}
+
+/// `token create`: creates the user and prints (or writes) their token.
+///
+/// # Errors
+/// Refused by the cluster (not an administrator, a bad or taken name), or the file
+/// cannot be created.
+pub async fn token_create(conn: &Conn, args: &TokenCreateArgs, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?
+        .create_user(cumulus_api::CreateUserRequest {
+            name: args.name.clone(),
+            role: args.role.to_string(),
+        })
+        .await?;
+    if let Some(path) = &args.out {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .with_context(|| format!("creating the token file {}", path.display()))?;
+        file.write_all(format!("{}\n", resp.token).as_bytes())
+            .and_then(|()| file.sync_all())
+            .with_context(|| format!("writing the token file {}", path.display()))?;
+        return print_text(&format!(
+            "user {} (role {}) created; token written to {}\n",
+            resp.name,
+            resp.role,
+            path.display()
+        ));
+    }
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => print_text(&format!(
+            "user {} (role {}) created. Its token, shown once:\n{}\n",
+            resp.name, resp.role, resp.token
+        )),
+    }
+}
+
+/// `token ls`.
+///
+/// # Errors
+/// Refused by the cluster (not an administrator) or no coordinator answers.
+pub async fn token_ls(conn: &Conn, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.list_users().await?;
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => print_text(&render::users_table(&resp, render::now_ms())),
+    }
+}
+
+/// `token revoke NAME`.
+///
+/// # Errors
+/// Refused by the cluster (not an administrator, no such user).
+pub async fn token_revoke(conn: &Conn, name: &str, output: OutputFormat) -> Result<()> {
+    Client::new(conn)?.revoke_user(name).await?;
+    match output {
+        OutputFormat::Json => print_json(&serde_json::json!({ "revoked": name })),
+        OutputFormat::Table => print_text(&format!(
+            "user {} revoked\n",
+            cumulus_api::text::escape_control(name)
+        )),
+    }
+}
+
+/// `whoami`.
+///
+/// # Errors
+/// When no coordinator answers or the token is refused.
+pub async fn whoami(conn: &Conn, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.who_am_i().await?;
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => print_text(&format!("{} (role {})\n", resp.name, resp.role)),
     }
 }
 

@@ -139,6 +139,7 @@ pub fn jobs_table(resp: &ListJobsResponse, now_ms: u64) -> String {
     let mut t = table(&[
         "ID",
         "NAME",
+        "OWNER",
         "STATE",
         "WORLD",
         "RESTARTS",
@@ -163,6 +164,7 @@ pub fn jobs_table(resp: &ListJobsResponse, now_ms: u64) -> String {
             vec![
                 j.id.clone(),
                 or_dash(&spec.name),
+                or_dash(&j.owner),
                 j.state.clone(),
                 spec.world_size.to_string(),
                 format!("{}/{}", j.restarts_used, budget(j)),
@@ -197,6 +199,9 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
         },
     );
     row("state", job.state.clone());
+    if !job.owner.is_empty() {
+        row("owner", job.owner.clone());
+    }
     if !job.pending_reason.is_empty() {
         row("waiting", job.pending_reason.clone());
     }
@@ -506,6 +511,26 @@ pub fn gpus_table(resp: &ClusterStatusResponse) -> String {
                 ],
             );
         }
+    }
+    table_text(&t)
+}
+
+/// `token ls`: one row per user.
+pub fn users_table(resp: &cumulus_api::ListUsersResponse, now_ms: u64) -> String {
+    if resp.users.is_empty() {
+        return "no users (the cluster token is the only credential)\n".into();
+    }
+    let mut t = table(&["USER", "ROLE", "CREATED BY", "CREATED"]);
+    for u in &resp.users {
+        add_row(
+            &mut t,
+            vec![
+                u.name.clone(),
+                u.role.clone(),
+                u.created_by.clone(),
+                age(u.created_at_ms, now_ms),
+            ],
+        );
     }
     table_text(&t)
 }

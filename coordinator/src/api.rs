@@ -23,6 +23,53 @@ use crate::localfs;
 use crate::localfs::MAX_DATASET_FILES;
 use crate::node::Node;
 use crate::soft::now_ms;
+use cumulus_api::Role;
+use cumulus_api::users::{self, Principal};
+
+/// Refuses `who` unless their role is at least `needed`; `what` names the action.
+///
+/// # Errors
+/// `PermissionDenied` naming the user, their role and the action.
+pub fn require_role(who: &Principal, needed: Role, what: &str) -> Result<(), ApiError> {
+    if who.role >= needed {
+        Ok(())
+    } else {
+        Err(ApiError::PermissionDenied(format!(
+            "user {} (role {}) may not {what}: that needs role {needed} or above",
+            who.name, who.role
+        )))
+    }
+}
+
+/// Refuses `who` unless they submitted job `job_id` or are an administrator; `what`
+/// names the action. A job submitted before users existed (no owner) is an
+/// administrator's.
+///
+/// # Errors
+/// `NotFound` for an unknown job; `PermissionDenied` for another user's job.
+pub fn require_owner(
+    node: &Node,
+    who: &Principal,
+    job_id: &str,
+    what: &str,
+) -> Result<(), ApiError> {
+    let owner = node
+        .read_state(|s| s.jobs.get(job_id).map(|j| j.owner.clone()))
+        .ok_or_else(|| ApiError::NotFound(format!("no job {job_id:?}")))?;
+    if who.owns_or_administers(&owner) {
+        Ok(())
+    } else {
+        Err(ApiError::PermissionDenied(format!(
+            "user {} may not {what} {job_id}: it belongs to {}",
+            who.name,
+            if owner.is_empty() {
+                "an administrator"
+            } else {
+                owner.as_str()
+            }
+        )))
+    }
+}
 
 /// Lists a dataset directory's regular files (not hidden), sorted by name, as
 /// absolute paths. Blocking; call it off the runtime thread.
@@ -122,11 +169,13 @@ async fn list_s3_dataset(node: &Node, url: &str) -> Result<Vec<String>, ApiError
 /// byte budget ([`Node::reserve_state_bytes`]); `NotLeader`/`Unavailable` from Raft.
 pub async fn submit(
     node: &Node,
+    who: &Principal,
     req: v1::SubmitJobRequest,
 ) -> Result<v1::SubmitJobResponse, ApiError> {
+    require_role(who, Role::Submit, "submit jobs")?;
     let start_ns = stage::now_ns();
     let mut proposed_ns = None;
-    let result = submit_checked(node, req, &mut proposed_ns).await;
+    let result = submit_checked(node, &who.name, req, &mut proposed_ns).await;
     if let Some(proposed_ns) = proposed_ns {
         tracing::trace!(
             target: stage::TARGET,
@@ -143,6 +192,7 @@ pub async fn submit(
 /// command goes to Raft.
 async fn submit_checked(
     node: &Node,
+    owner: &str,
     req: v1::SubmitJobRequest,
     proposed_ns: &mut Option<u64>,
 ) -> Result<v1::SubmitJobResponse, ApiError> {
@@ -256,6 +306,7 @@ async fn submit_checked(
         spec,
         shards,
         submitted_at_ms: now_ms(),
+        owner: owner.to_string(),
     };
     *proposed_ns = Some(stage::now_ns());
     match node.propose(cmd).await? {
@@ -320,11 +371,14 @@ pub async fn list_jobs(node: &Node, linearizable: bool) -> Result<v1::ListJobsRe
 ///
 /// # Errors
 /// `NotFound`, `FailedPrecondition` (already finished), `NotLeader`.
-pub async fn cancel(node: &Node, job_id: &str) -> Result<v1::JobResponse, ApiError> {
+pub async fn cancel(
+    node: &Node,
+    who: &Principal,
+    job_id: &str,
+) -> Result<v1::JobResponse, ApiError> {
+    require_role(who, Role::Submit, "cancel jobs")?;
     node.require_leader()?;
-    if !node.read_state(|s| s.jobs.contains_key(job_id)) {
-        return Err(ApiError::NotFound(format!("no job {job_id:?}")));
-    }
+    require_owner(node, who, job_id, "cancel")?;
     node.propose_ok(Command::CancelJob {
         job_id: job_id.to_string(),
         at_ms: now_ms(),
@@ -430,8 +484,10 @@ fn membership_error(
 /// catch up in time (it stays a learner; retry or remove it).
 pub async fn add_learner(
     node: &Node,
+    who: &Principal,
     req: v1::AddLearnerRequest,
 ) -> Result<v1::ClusterStatusResponse, ApiError> {
+    require_role(who, Role::Admin, "change the membership")?;
     node.require_leader()?;
     if req.node_id == 0 {
         return Err(ApiError::InvalidArgument("node_id must be >= 1".into()));
@@ -480,8 +536,10 @@ pub async fn add_learner(
 /// another membership change is in progress; `Unavailable` from Raft.
 pub async fn promote_member(
     node: &Node,
+    who: &Principal,
     node_id: u64,
 ) -> Result<v1::ClusterStatusResponse, ApiError> {
+    require_role(who, Role::Admin, "change the membership")?;
     node.require_leader()?;
     let (is_member, is_voter) = {
         let m = node.raft.metrics().borrow_watched().clone();
@@ -514,8 +572,10 @@ pub async fn promote_member(
 /// `NotLeader`; `Unavailable` from Raft.
 pub async fn remove_member(
     node: &Node,
+    who: &Principal,
     node_id: u64,
 ) -> Result<v1::ClusterStatusResponse, ApiError> {
+    require_role(who, Role::Admin, "change the membership")?;
     node.require_leader()?;
     let (is_member, voters) = {
         let m = node.raft.metrics().borrow_watched().clone();
@@ -640,4 +700,93 @@ pub async fn list_checkpoints(
         });
     }
     Ok(v1::ListCheckpointsResponse { checkpoints })
+}
+
+/// Creates user `req.name` with `req.role` and a token drawn here (32 random bytes); the
+/// state keeps the secret's SHA-256 only. Administrators only.
+///
+/// # Errors
+/// `PermissionDenied`; `InvalidArgument` for a bad name or role; `FailedPrecondition`
+/// when the user exists (revoke first) or the cluster has [`users::MAX_USERS`];
+/// `NotLeader`/`Unavailable` from Raft.
+pub async fn create_user(
+    node: &Node,
+    who: &Principal,
+    req: v1::CreateUserRequest,
+) -> Result<v1::CreateUserResponse, ApiError> {
+    require_role(who, Role::Admin, "create users")?;
+    node.require_leader()?;
+    if !users::is_valid_user_name(&req.name) {
+        return Err(ApiError::InvalidArgument(format!(
+            "user name {:?}: 1..={} bytes of [a-z0-9-] starting with a letter, not {:?}",
+            cumulus_api::text::escape_control(&req.name),
+            users::MAX_USER_NAME_BYTES,
+            users::CLUSTER_ADMIN
+        )));
+    }
+    let role: Role = req
+        .role
+        .parse()
+        .map_err(|e: cumulus_api::UnknownName| ApiError::InvalidArgument(e.to_string()))?;
+    let secret = {
+        use base64::Engine;
+        let mut bytes = [0u8; 32];
+        rand::fill(&mut bytes);
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+    };
+    node.propose_ok(Command::CreateUser {
+        name: req.name.clone(),
+        role,
+        secret_sha256: users::secret_digest(&secret),
+        created_by: who.name.clone(),
+        at_ms: now_ms(),
+    })
+    .await?;
+    tracing::info!(user = %req.name, %role, by = %who.name, "user created");
+    Ok(v1::CreateUserResponse {
+        token: users::format_user_token(&req.name, &secret),
+        name: req.name,
+        role: role.to_string(),
+    })
+}
+
+/// Revokes user `name`'s token. Administrators only.
+///
+/// # Errors
+/// `PermissionDenied`; `NotFound` for an unknown user; `NotLeader`/`Unavailable`.
+pub async fn revoke_user(node: &Node, who: &Principal, name: &str) -> Result<(), ApiError> {
+    require_role(who, Role::Admin, "revoke users")?;
+    node.require_leader()?;
+    if !node.read_state(|s| s.users.contains_key(name)) {
+        return Err(ApiError::NotFound(format!(
+            "no user {:?}",
+            cumulus_api::text::escape_control(name)
+        )));
+    }
+    node.propose_ok(Command::RevokeUser {
+        name: name.to_string(),
+    })
+    .await?;
+    tracing::info!(user = %name, by = %who.name, "user revoked");
+    Ok(())
+}
+
+/// Every user (names, roles, who created them; never a secret). Administrators only.
+///
+/// # Errors
+/// `PermissionDenied`.
+pub fn list_users(node: &Node, who: &Principal) -> Result<v1::ListUsersResponse, ApiError> {
+    require_role(who, Role::Admin, "list users")?;
+    let users = node.read_state(|s| {
+        s.users
+            .values()
+            .map(|u| v1::UserInfo {
+                name: u.name.clone(),
+                role: u.role.to_string(),
+                created_by: u.created_by.clone(),
+                created_at_ms: u.created_at_ms,
+            })
+            .collect()
+    });
+    Ok(v1::ListUsersResponse { users })
 }

@@ -1,15 +1,21 @@
-//! Bearer-token authentication for every gRPC and HTTP endpoint. Clients and workers
-//! present the cluster token; coordinators present the peer token to each other's Raft
-//! service, which refuses every other credential (a client holding the cluster token
-//! could otherwise vote, append entries and install snapshots). A job runs arbitrary
-//! commands on workers, so an unauthenticated API would be remote code execution.
+//! Bearer-token authentication for every gRPC and HTTP endpoint. Users present the
+//! cluster token (an administrator's) or their own token (`cumulus_api::users`), which
+//! names them and their role; workers present the cluster token (and, with TLS, their
+//! certificate); coordinators present the peer token to each other's Raft service, which
+//! refuses every other credential (a client holding the cluster token could otherwise
+//! vote, append entries and install snapshots). A job runs arbitrary commands on
+//! workers, so an unauthenticated API would be remote code execution. What each role may
+//! do is checked in `crate::api`.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use cumulus_api::token::{self, bearer_matches};
+use cumulus_api::users::{self, Principal};
 use tonic::{Request, Status};
+
+use crate::node::Node;
 
 /// Loads the token from `file` (trimmed) or `value` (the environment); exactly one must
 /// be given, and it must pass [`cumulus_api::token::check`].
@@ -86,6 +92,66 @@ impl tonic::service::Interceptor for AuthInterceptor {
             Err(Status::unauthenticated("missing or wrong bearer token"))
         }
     }
+}
+
+/// Who the bearer token in `header` names: the cluster token is the cluster's
+/// administrator ([`Principal::cluster_admin`]); a user token (`cu.<name>.<secret>`)
+/// is its user while the state holds that user with the secret's digest. `None` for a
+/// missing, malformed, unknown or revoked token (the caller answers one message for all,
+/// which tells nothing about which users exist).
+pub fn authenticate(node: &Node, header: Option<&str>) -> Option<Principal> {
+    if bearer_matches(header, &node.token) {
+        return Some(Principal::cluster_admin());
+    }
+    let presented = header.and_then(token::bearer_token)?;
+    let (name, secret) = users::parse_user_token(presented)?;
+    let digest = users::secret_digest(secret);
+    node.read_state(|s| {
+        s.users
+            .get(name)
+            .filter(|u| token::constant_time_eq(u.secret_sha256.as_bytes(), digest.as_bytes()))
+            .map(|u| Principal {
+                name: u.name.clone(),
+                role: u.role,
+            })
+    })
+}
+
+/// A tonic interceptor for the client API: authenticates the bearer token (the cluster
+/// token or a user's) and puts the [`Principal`] into the request's extensions, where
+/// [`principal_of`] finds it.
+#[derive(Clone)]
+pub struct UserAuth {
+    /// The node whose state holds the users.
+    pub node: Arc<Node>,
+}
+
+impl tonic::service::Interceptor for UserAuth {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        let header = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        match authenticate(&self.node, header) {
+            Some(principal) => {
+                req.extensions_mut().insert(principal);
+                Ok(req)
+            }
+            None => Err(Status::unauthenticated("missing or wrong bearer token")),
+        }
+    }
+}
+
+/// The principal [`UserAuth`] put into a request.
+///
+/// # Errors
+/// `Unauthenticated` when there is none (a service mounted without [`UserAuth`]: a
+/// programming error, answered safely).
+pub fn principal_of<T>(req: &Request<T>) -> Result<Principal, Status> {
+    req.extensions()
+        .get::<Principal>()
+        .cloned()
+        .ok_or_else(|| Status::unauthenticated("no authenticated user"))
 }
 
 /// Adds `authorization: Bearer <token>` to outgoing gRPC calls (peer RPCs).

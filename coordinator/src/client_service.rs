@@ -7,6 +7,7 @@ use cumulus_api::v1::client_service_server::ClientService;
 use tonic::{Request, Response, Status};
 
 use crate::api;
+use crate::auth::principal_of;
 use crate::error::to_status;
 use crate::node::Node;
 
@@ -22,7 +23,8 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::SubmitJobRequest>,
     ) -> Result<Response<v1::SubmitJobResponse>, Status> {
-        api::submit(&self.node, req.into_inner())
+        let who = principal_of(&req)?;
+        api::submit(&self.node, &who, req.into_inner())
             .await
             .map(Response::new)
             .map_err(to_status)
@@ -53,7 +55,8 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::CancelJobRequest>,
     ) -> Result<Response<v1::JobResponse>, Status> {
-        api::cancel(&self.node, &req.into_inner().job_id)
+        let who = principal_of(&req)?;
+        api::cancel(&self.node, &who, &req.into_inner().job_id)
             .await
             .map(Response::new)
             .map_err(to_status)
@@ -80,7 +83,8 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::AddLearnerRequest>,
     ) -> Result<Response<v1::ClusterStatusResponse>, Status> {
-        api::add_learner(&self.node, req.into_inner())
+        let who = principal_of(&req)?;
+        api::add_learner(&self.node, &who, req.into_inner())
             .await
             .map(Response::new)
             .map_err(to_status)
@@ -90,7 +94,8 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::PromoteMemberRequest>,
     ) -> Result<Response<v1::ClusterStatusResponse>, Status> {
-        api::promote_member(&self.node, req.into_inner().node_id)
+        let who = principal_of(&req)?;
+        api::promote_member(&self.node, &who, req.into_inner().node_id)
             .await
             .map(Response::new)
             .map_err(to_status)
@@ -100,9 +105,53 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::RemoveMemberRequest>,
     ) -> Result<Response<v1::ClusterStatusResponse>, Status> {
-        api::remove_member(&self.node, req.into_inner().node_id)
+        let who = principal_of(&req)?;
+        api::remove_member(&self.node, &who, req.into_inner().node_id)
             .await
             .map(Response::new)
             .map_err(to_status)
+    }
+
+    async fn create_user(
+        &self,
+        req: Request<v1::CreateUserRequest>,
+    ) -> Result<Response<v1::CreateUserResponse>, Status> {
+        let who = principal_of(&req)?;
+        api::create_user(&self.node, &who, req.into_inner())
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn revoke_user(
+        &self,
+        req: Request<v1::RevokeUserRequest>,
+    ) -> Result<Response<v1::Ack>, Status> {
+        let who = principal_of(&req)?;
+        api::revoke_user(&self.node, &who, &req.into_inner().name)
+            .await
+            .map(|()| Response::new(v1::Ack {}))
+            .map_err(to_status)
+    }
+
+    async fn list_users(
+        &self,
+        req: Request<v1::ListUsersRequest>,
+    ) -> Result<Response<v1::ListUsersResponse>, Status> {
+        let who = principal_of(&req)?;
+        api::list_users(&self.node, &who)
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn who_am_i(
+        &self,
+        req: Request<v1::WhoAmIRequest>,
+    ) -> Result<Response<v1::WhoAmIResponse>, Status> {
+        let who = principal_of(&req)?;
+        Ok(Response::new(v1::WhoAmIResponse {
+            name: who.name,
+            role: who.role.to_string(),
+        }))
     }
 }

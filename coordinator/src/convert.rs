@@ -171,6 +171,7 @@ pub fn job_to_proto(
         request_id: job.request_id.clone(),
         shard_count: job.shard_count,
         pending_reason: pending_reason.unwrap_or_default(),
+        owner: job.owner.clone(),
     }
 }
 

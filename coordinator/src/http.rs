@@ -1,6 +1,7 @@
 //! The coordinator's HTTP API (axum): `/health`, the JSON mirror of the client API
-//! under `/v1/jobs…`, and the SSE log stream (see [`crate::logs`]). Everything but
-//! `/health` requires the cluster bearer token.
+//! under `/v1/jobs…` and `/v1/users…`, and the SSE log stream (see [`crate::logs`]).
+//! Everything but `/health` requires a bearer token: the cluster token or a user's
+//! (`crate::auth::authenticate`); what each role may do is checked in `crate::api`.
 
 use openraft::async_runtime::watch::WatchReceiver;
 use std::sync::Arc;
@@ -18,7 +19,8 @@ use serde_json::json;
 use crate::api;
 use crate::error::{ApiError, HttpError};
 use crate::node::Node;
-use cumulus_api::token::bearer_matches;
+use axum::Extension;
+use cumulus_api::users::Principal;
 
 /// Largest JSON request body accepted, in bytes.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
@@ -32,6 +34,9 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/jobs/{id}/checkpoints", get(checkpoints))
         .route("/v1/jobs/{id}/logs", get(crate::logs::stream))
         .route("/v1/cluster", get(cluster))
+        .route("/v1/users", get(list_users).post(create_user))
+        .route("/v1/users/{name}", axum::routing::delete(revoke_user))
+        .route("/v1/whoami", get(who_am_i))
         .layer(axum::middleware::from_fn_with_state(
             node.clone(),
             require_token,
@@ -43,12 +48,13 @@ pub fn router(node: Arc<Node>) -> Router {
         .with_state(node)
 }
 
-async fn require_token(State(node): State<Arc<Node>>, req: Request, next: Next) -> Response {
+async fn require_token(State(node): State<Arc<Node>>, mut req: Request, next: Next) -> Response {
     let header = req
         .headers()
         .get("authorization")
         .and_then(|v| v.to_str().ok());
-    if bearer_matches(header, &node.token) {
+    if let Some(principal) = crate::auth::authenticate(&node, header) {
+        req.extensions_mut().insert(principal);
         next.run(req).await
     } else {
         (
@@ -88,19 +94,54 @@ async fn get_job(
 
 async fn submit(
     State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
     _headers: HeaderMap,
     body: Result<Json<v1::SubmitJobRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<v1::SubmitJobResponse>, HttpError> {
     let Json(req) =
         body.map_err(|e| ApiError::InvalidArgument(format!("invalid JSON body: {e}")))?;
-    Ok(Json(api::submit(&node, req).await?))
+    Ok(Json(api::submit(&node, &who, req).await?))
 }
 
 async fn cancel(
     State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<v1::JobResponse>, HttpError> {
-    Ok(Json(api::cancel(&node, &id).await?))
+    Ok(Json(api::cancel(&node, &who, &id).await?))
+}
+
+async fn create_user(
+    State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
+    body: Result<Json<v1::CreateUserRequest>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<v1::CreateUserResponse>, HttpError> {
+    let Json(req) =
+        body.map_err(|e| ApiError::InvalidArgument(format!("invalid JSON body: {e}")))?;
+    Ok(Json(api::create_user(&node, &who, req).await?))
+}
+
+async fn revoke_user(
+    State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
+    Path(name): Path<String>,
+) -> Result<Json<v1::Ack>, HttpError> {
+    api::revoke_user(&node, &who, &name).await?;
+    Ok(Json(v1::Ack {}))
+}
+
+async fn list_users(
+    State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
+) -> Result<Json<v1::ListUsersResponse>, HttpError> {
+    Ok(Json(api::list_users(&node, &who)?))
+}
+
+async fn who_am_i(Extension(who): Extension<Principal>) -> Json<v1::WhoAmIResponse> {
+    Json(v1::WhoAmIResponse {
+        name: who.name,
+        role: who.role.to_string(),
+    })
 }
 
 async fn checkpoints(

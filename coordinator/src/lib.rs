@@ -40,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::auth::{AddToken, AuthInterceptor};
+// Workers: the cluster token only (never a user's).
 use crate::network::{MAX_RAFT_MESSAGE_BYTES, Network};
 use crate::node::{Node, NodeLimits};
 use crate::soft::SoftState;
@@ -451,9 +452,10 @@ pub async fn run(
                 .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
             AuthInterceptor { token: peer_token },
         ))
+        // Users: the cluster token or a user's token, with its role.
         .add_service(ClientServiceServer::with_interceptor(
             client_service::ClientSvc { node: node.clone() },
-            interceptor.clone(),
+            auth::UserAuth { node: node.clone() },
         ))
         .add_service(WorkerServiceServer::with_interceptor(
             worker_service::WorkerSvc { node: node.clone() },

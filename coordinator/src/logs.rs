@@ -89,10 +89,15 @@ pub fn parse_cursor(s: &str) -> Result<BTreeMap<u32, RankCursor>, String> {
 /// The SSE handler.
 pub async fn stream(
     State(node): State<Arc<Node>>,
+    axum::Extension(who): axum::Extension<cumulus_api::users::Principal>,
     Path(job_id): Path<String>,
     Query(p): Query<LogParams>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, HttpError> {
+    // Readers and administrators read every job's logs; a submitter only their own.
+    if who.role == cumulus_api::Role::Submit {
+        crate::api::require_owner(&node, &who, &job_id, "read the logs of")?;
+    }
     let world_size = node
         .read_state(|s| s.jobs.get(&job_id).map(|j| j.spec.world_size))
         .ok_or_else(|| ApiError::NotFound(format!("no job {job_id:?}")))?;

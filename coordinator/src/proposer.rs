@@ -282,6 +282,7 @@ mod tests {
 
     fn submit(shards: Vec<String>) -> Command {
         Command::SubmitJob {
+            owner: String::new(),
             request_id: "r".into(),
             spec: JobSpec {
                 dataset: "/data".into(),

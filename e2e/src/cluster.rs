@@ -677,6 +677,20 @@ impl Cluster {
         self.client_of(i).await
     }
 
+    /// A client of the current leader that presents `token` (a user's) instead of the
+    /// cluster token.
+    pub async fn leader_client_as(&self, token: &str) -> anyhow::Result<Client> {
+        let id = self.wait_leader(Duration::from_secs(60)).await;
+        let i = self
+            .coordinators
+            .iter()
+            .position(|c| c.id == id)
+            .context("leader is a member")?;
+        let ch =
+            coordinator_channel(&self.coordinators[i].grpc, self.client_tls().as_ref()).await?;
+        Ok(ClientServiceClient::with_interceptor(ch, Auth::new(token)))
+    }
+
     /// Submits through the leader (following it across leader changes with the same
     /// request id, for up to 60 s).
     pub async fn submit(

@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,7 +72,11 @@ def pid_alive(pid: int) -> bool:
 
 class LocalCluster:
     """``cumulusctl local up`` under ``directory`` (``cumulusctl --insecure local up`` with
-    ``insecure``: plaintext); use as a context manager."""
+    ``insecure``: plaintext); use as a context manager.
+
+    ``env``: extra environment of ``local up``, which the coordinators and workers it
+    starts inherit (e.g. ``CUMULUS_GPUS``: every worker's ``--gpus``); otherwise no
+    ``CUMULUS_*`` variable of the test process reaches them."""
 
     def __init__(
         self,
@@ -82,25 +86,32 @@ class LocalCluster:
         workers: int = 1,
         slots: int = 4,
         insecure: bool = False,
+        env: Mapping[str, str] | None = None,
     ):
         self.dir = directory
         self.coordinators = coordinators
         self.workers = workers
         self.slots = slots
         self.insecure = insecure
+        self.env = dict(env or {})
         self.ctl = bin_dir() / "cumulusctl"
         self._pids: list[int] = []
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def cumulusctl(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CUMULUS_")}
+    def cumulusctl(
+        self, *args: str, timeout_s: float = 60, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs ``cumulusctl --local-dir <dir> args...`` without the test process's
+        ``CUMULUS_*`` variables (plus ``env``)."""
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("CUMULUS_")}
+        environ.update(env or {})
         return subprocess.run(
             [str(self.ctl), "--local-dir", str(self.dir), *args],
             capture_output=True,
             text=True,
             timeout=timeout_s,
-            env=env,
+            env=environ,
             check=False,
         )
 
@@ -118,6 +129,7 @@ class LocalCluster:
             str(self.slots),
             "--bin-dir",
             str(bin_dir()),
+            env=self.env,
         )
         self._pids = self._recorded_pids()
         if r.returncode != 0:

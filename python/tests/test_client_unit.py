@@ -8,6 +8,7 @@ import json
 import re
 import ssl
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from conftest import UNRELATED_CA_PEM
 from cumulus import errors
 from cumulus._config import MAX_PEM_FILE_BYTES, load_ca, normalize_address, resolve
 from cumulus.client import Client
+from cumulus.models import WorkerInfo
 
 A, B, C = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
 
@@ -535,6 +537,71 @@ def test_submit_checks_its_arguments(client: Client) -> None:
         client.submit(["x"], request_id="r" * 129)
 
 
+def test_submit_sends_the_gpu_arguments_only_when_given(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    client.submit(["x"])
+    client.submit(["x"], gpus_per_rank=2)
+    # Any real number goes out as a JSON float.
+    client.submit(["x"], gpu_memory_fraction=Fraction(1, 4))  # type: ignore[arg-type]
+    client.submit(["x"], gpus_per_rank=1, gpu_memory_fraction=1)
+    specs = [json.loads(r.content)["spec"] for r in script.calls]
+    gpu_fields = [{k: v for k, v in s.items() if k.startswith("gpu")} for s in specs]
+    assert gpu_fields == [
+        {},
+        {"gpus_per_rank": 2},
+        {"gpu_memory_fraction": 0.25},
+        {"gpus_per_rank": 1, "gpu_memory_fraction": 1.0},
+    ]
+    assert isinstance(gpu_fields[2]["gpu_memory_fraction"], float)
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 64])
+def test_submit_takes_gpus_per_rank_in_range(client: Client, script: Script, gpus: int) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    client.submit(["x"], gpus_per_rank=gpus)
+    assert json.loads(script.calls[0].content)["spec"]["gpus_per_rank"] == gpus
+
+
+@pytest.mark.parametrize("fraction", [0.0005, 0.001, 0.5, 1])
+def test_submit_takes_gpu_fractions_in_range(
+    client: Client, script: Script, fraction: float
+) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    client.submit(["x"], gpu_memory_fraction=fraction, gpus_per_rank=0)
+    assert json.loads(script.calls[0].content)["spec"]["gpu_memory_fraction"] == fraction
+
+
+@pytest.mark.parametrize("gpus", [-1, 65, True, 1.0, "1"])
+def test_submit_refuses_bad_gpus_per_rank(client: Client, script: Script, gpus: Any) -> None:
+    with pytest.raises(errors.InvalidSpec, match=r"gpus_per_rank must be an int 0\.\.=64") as e:
+        client.submit(["x"], gpus_per_rank=gpus)
+    assert e.value.status is None and script.calls == []
+
+
+@pytest.mark.parametrize(
+    "fraction",
+    [0, -0.5, 1.0001, 2, 0.0004, float("nan"), float("inf"), True, "0.5", [0.5]],
+)
+def test_submit_refuses_bad_gpu_fractions(client: Client, script: Script, fraction: Any) -> None:
+    with pytest.raises(errors.InvalidSpec, match="gpu_memory_fraction must be a number") as e:
+        client.submit(["x"], gpu_memory_fraction=fraction)
+    assert e.value.status is None and script.calls == []
+
+
+def test_submit_refuses_a_fraction_of_several_gpus(client: Client, script: Script) -> None:
+    with pytest.raises(errors.InvalidSpec, match="applies to one GPU per rank") as e:
+        client.submit(["x"], gpus_per_rank=2, gpu_memory_fraction=0.5)
+    assert e.value.status is None and script.calls == []
+
+
+def test_run_passes_the_gpu_arguments_on(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    script.on(A, "GET", "/v1/jobs/job-000001", ok({"job": job_json(state="succeeded")}))
+    client.run(["x"], timeout_s=5, gpus_per_rank=1, gpu_memory_fraction=0.5)
+    spec = json.loads(script.calls[0].content)["spec"]
+    assert (spec["gpus_per_rank"], spec["gpu_memory_fraction"]) == (1, 0.5)
+
+
 # -- jobs ------------------------------------------------------------------------------
 
 
@@ -641,6 +708,145 @@ def test_malformed_answers_are_protocol_errors(client: Client, script: Script) -
     script.on(A, "GET", "/v1/jobs/job-1", ok({"job": {"id": "job-1", "state": 3}}))
     with pytest.raises(errors.ProtocolError, match="state"):
         client.get_job("job-1")
+
+
+# -- GPUs in the answers ---------------------------------------------------------------
+
+
+def test_gpu_fields_of_a_job_are_typed(client: Client, script: Script) -> None:
+    job = job_json(state="pending", pending_reason="cannot be placed: it needs 2 GPUs")
+    job["spec"] = {**job["spec"], "gpus_per_rank": 1, "gpu_memory_fraction": 0.25}
+    job["ranks"][0]["gpus"] = ["GPU-a"]
+    job["ranks"][1]["gpus"] = []
+    script.on(A, "GET", "/v1/jobs/job-000001", ok({"job": job}))
+    info = client.get_job("job-000001")
+    assert info.pending_reason == "cannot be placed: it needs 2 GPUs"
+    assert (info.gpus_per_rank, info.gpu_memory_fraction) == (1, 0.25)
+    assert [r.gpus for r in info.ranks] == [("GPU-a",), ()]
+
+
+def test_answers_without_gpu_fields_have_the_defaults() -> None:
+    info = cumulus.JobInfo.from_json(job_json())
+    assert info.pending_reason == "" and info.gpus_per_rank == 0
+    assert info.gpu_memory_fraction is None
+    assert all(r.gpus == () for r in info.ranks)
+    # A null optional double (serde's None) is absent too; a whole number is a float.
+    spec: dict[str, Any] = {"gpu_memory_fraction": None}
+    assert cumulus.JobInfo.from_json({"id": "j", "spec": spec}).gpu_memory_fraction is None
+    spec = {"gpu_memory_fraction": 1}
+    fraction = cumulus.JobInfo.from_json({"id": "j", "spec": spec}).gpu_memory_fraction
+    assert fraction == 1.0 and isinstance(fraction, float)
+    # The models are still built without the new fields.
+    worker = WorkerInfo("w", "h", "a", 4, 0, "alive", 0, 0.0, 0, 0)
+    assert worker.gpus == ()
+    rank = cumulus.RankInfo(0, 0, "w", "running", None, None, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert rank.gpus == ()
+
+
+def gpu_json(uuid: str = "GPU-a", *, known: bool = True, **extra: Any) -> dict[str, Any]:
+    """A ``GpuInfo`` JSON object (``known``: with a status), ``extra`` fields replaced."""
+    gpu: dict[str, Any] = {
+        "device": {"index": 1, "uuid": uuid, "name": "Fake 80GB", "memory_total_bytes": 80 << 30},
+        "status": (
+            {
+                "uuid": uuid,
+                "memory_used_bytes": 1 << 30,
+                "utilization_percent": 42,
+                "healthy": False,
+                "error": "Xid 79",
+            }
+            if known
+            else None
+        ),
+        "allocated": 0.5,
+    }
+    return {**gpu, **extra}
+
+
+def test_the_gpus_of_a_worker_are_typed(client: Client, script: Script) -> None:
+    no_status = gpu_json("GPU-b", known=False)
+    del no_status["status"]  # a follower's answer may leave it out or say null
+    worker = {"worker_id": "w", "state": "alive", "slots": 4}
+    workers = [
+        {**worker, "gpus": [gpu_json(), gpu_json("GPU-c", known=False), no_status]},
+        {**worker, "worker_id": "cpu-only"},
+    ]
+    script.on(A, "GET", "/v1/cluster", ok({"node_id": 1, "members": [], "workers": workers}))
+    gpus_worker, cpu_worker = client.cluster().workers
+    assert cpu_worker.gpus == ()
+    known, *unknown = gpus_worker.gpus
+    assert known == cumulus.GpuInfo(
+        index=1,
+        uuid="GPU-a",
+        name="Fake 80GB",
+        memory_total_bytes=80 << 30,
+        memory_used_bytes=1 << 30,
+        utilization_percent=42,
+        healthy=False,
+        error="Xid 79",
+        allocated=0.5,
+    )
+    assert [g.uuid for g in unknown] == ["GPU-c", "GPU-b"]
+    for g in unknown:
+        assert (g.memory_used_bytes, g.utilization_percent, g.healthy, g.error) == (
+            None,
+            None,
+            None,
+            "",
+        )
+        assert g.memory_total_bytes == 80 << 30 and g.allocated == 0.5
+    # allocated is a JSON number: an integral one is a float too.
+    whole = cumulus.GpuInfo.from_json(gpu_json(allocated=1))
+    assert whole.allocated == 1.0 and isinstance(whole.allocated, float)
+
+
+@pytest.mark.parametrize(
+    ("rank", "match"),
+    [({"gpus": "GPU-a"}, "'gpus'"), ({"gpus": ["GPU-a", 1]}, "'gpus'"), ({"gpus": [None]}, "None")],
+)
+def test_malformed_rank_gpus_are_protocol_errors(rank: dict[str, Any], match: str) -> None:
+    with pytest.raises(errors.ProtocolError, match=match):
+        cumulus.RankInfo.from_json(rank)
+
+
+@pytest.mark.parametrize(
+    ("job", "match"),
+    [
+        ({"pending_reason": 7}, "pending_reason"),
+        ({"spec": {"gpus_per_rank": True}}, "gpus_per_rank"),
+        ({"spec": {"gpus_per_rank": 1.5}}, "gpus_per_rank"),
+        ({"spec": {"gpu_memory_fraction": "0.5"}}, "gpu_memory_fraction"),
+        ({"spec": {"gpu_memory_fraction": False}}, "gpu_memory_fraction"),
+    ],
+)
+def test_malformed_job_gpu_fields_are_protocol_errors(job: dict[str, Any], match: str) -> None:
+    with pytest.raises(errors.ProtocolError, match=match):
+        cumulus.JobInfo.from_json({"id": "job-1", **job})
+
+
+@pytest.mark.parametrize(
+    ("gpu", "match"),
+    [
+        ("GPU-a", "a GPU"),
+        (gpu_json(device=["GPU-a"]), "device"),
+        (gpu_json(device={"index": "0"}), "index"),
+        (gpu_json(device={"uuid": 1}), "uuid"),
+        (gpu_json(device={"memory_total_bytes": 1.5}), "memory_total_bytes"),
+        (gpu_json(status="healthy"), "status"),
+        (gpu_json(status={"healthy": "yes"}), "healthy"),
+        (gpu_json(status={"utilization_percent": True}), "utilization_percent"),
+        (gpu_json(status={"memory_used_bytes": "1"}), "memory_used_bytes"),
+        (gpu_json(status={"error": None, "healthy": 1}), "healthy"),
+        (gpu_json(allocated="0.5"), "allocated"),
+        (gpu_json(allocated=True), "allocated"),
+    ],
+)
+def test_malformed_gpus_are_protocol_errors(gpu: Any, match: str) -> None:
+    cluster = {"node_id": 1, "workers": [{"worker_id": "w", "gpus": [gpu]}]}
+    with pytest.raises(errors.ProtocolError, match=match):
+        cumulus.ClusterInfo.from_json(cluster)
+    with pytest.raises(errors.ProtocolError, match="'gpus'"):
+        cumulus.ClusterInfo.from_json({"workers": [{"worker_id": "w", "gpus": gpu_json()}]})
 
 
 # -- logs ------------------------------------------------------------------------------

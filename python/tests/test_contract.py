@@ -150,6 +150,8 @@ class RustContract:
     limits: dict[str, int]
     #: ``leader.rs``: ``&str`` constants.
     leader: dict[str, str]
+    #: ``gpus.rs``: integer constants.
+    gpus: dict[str, int]
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +175,7 @@ def rust() -> RustContract:
         contract_vars=_str_list_const(rank_env, "CONTRACT_VARS"),
         limits=_int_consts(_code(API_SRC / "limits.rs")),
         leader=_str_consts(_code(API_SRC / "leader.rs")),
+        gpus=_int_consts(_code(API_SRC / "gpus.rs")),
     )
 
 
@@ -326,6 +329,8 @@ def test_python_required_vars_are_what_the_agent_always_sets(rust: RustContract)
 MIRRORED_LIMITS = [
     (client_module, "MAX_REQUEST_ID_BYTES", "MAX_REQUEST_ID_BYTES"),
     (client_module, "MAX_ENV", "MAX_ENV_ENTRIES"),
+    # One limit in Rust: most GPUs a worker registers and a rank asks for.
+    (client_module, "MAX_GPUS_PER_RANK", "MAX_GPUS_PER_WORKER"),
     (runtime_module, "MAX_METRICS", "MAX_METRICS"),
     (runtime_module, "MAX_METRIC_NAME_BYTES", "MAX_METRIC_NAME_BYTES"),
     (runtime_module, "MAX_STATE_BYTES", "MAX_STATE_JSON_BYTES"),
@@ -352,3 +357,8 @@ def test_client_submit_documents_the_rust_request_id_limit(rust: RustContract) -
 
 def test_python_leader_header_is_the_rust_one(rust: RustContract) -> None:
     assert rust.leader["LEADER_HTTP_HEADER"] == client_module.LEADER_HTTP_HEADER
+
+
+def test_python_gpu_share_steps_are_the_rust_ones(rust: RustContract) -> None:
+    # A GPU memory fraction is kept in thousandths of a GPU.
+    assert rust.gpus["WHOLE_GPU_PERMILLE"] == client_module.WHOLE_GPU_PERMILLE

@@ -14,6 +14,7 @@ use openraft::storage::{RaftLogStorage, RaftStateMachine};
 async fn the_vote_and_the_snapshotted_state_survive_reopen() {
     let dir = tempfile::tempdir().expect("temp dir");
     let submit = |req: &str| Command::SubmitJob {
+        owner: String::new(),
         request_id: req.into(),
         spec: common::spec("t"),
         shards: vec!["/d/a".into(), "/d/b".into(), "/d/c".into()],
@@ -77,6 +78,7 @@ async fn snapshot_one_job(dir: &std::path::Path) -> Vec<u8> {
         1,
         1,
         Command::SubmitJob {
+            owner: String::new(),
             request_id: "r1".into(),
             spec: common::spec("t"),
             shards: vec!["/d/a".into()],

@@ -22,6 +22,7 @@ fn entry(term: u64, index: u64, shard_bytes: usize) -> Entry {
         term,
         index,
         Command::SubmitJob {
+            owner: String::new(),
             request_id: format!("r{term}-{index}"),
             spec: common::spec(&format!("t{term}")),
             shards: vec!["s".repeat(shard_bytes)],

@@ -96,6 +96,7 @@ fn state_with_running_job(world_size: u32, scope: RestartScope) -> (ClusterState
     };
     let Response::JobSubmitted { job_id, .. } = s.apply(
         &Command::SubmitJob {
+            owner: String::new(),
             request_id: "r".into(),
             spec,
             shards: vec![],
@@ -415,6 +416,7 @@ fn gang_placement_waits_for_capacity() {
     let spec = JobSpec::new(3, vec!["x".into()]);
     s.apply(
         &Command::SubmitJob {
+            owner: String::new(),
             request_id: "r".into(),
             spec,
             shards: vec![],

@@ -35,7 +35,7 @@ from cumulus.errors import (
     Unsupported,
     WaitTimeout,
 )
-from cumulus.models import CheckpointInfo, ClusterInfo, JobInfo, LogLine, RankInfo
+from cumulus.models import CheckpointInfo, ClusterInfo, GpuInfo, JobInfo, LogLine, RankInfo
 from cumulus.runtime import (
     Context,
     ResumePoint,
@@ -62,6 +62,7 @@ __all__ = [
     "ConfigError",
     "Context",
     "CumulusError",
+    "GpuInfo",
     "InvalidMetric",
     "InvalidSpec",
     "Job",

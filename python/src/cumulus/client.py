@@ -28,6 +28,8 @@ Example::
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import secrets
 import time
@@ -62,6 +64,10 @@ LEADER_HTTP_HEADER = "x-cumulus-leader-http"
 MAX_REQUEST_ID_BYTES = 128
 #: Most ``env`` entries of a job.
 MAX_ENV = 256
+#: Most whole GPUs one rank may ask for (``gpus_per_rank``).
+MAX_GPUS_PER_RANK = 64
+#: Thousandths of a GPU in one whole GPU: a ``gpu_memory_fraction`` is kept in these steps.
+WHOLE_GPU_PERMILLE = 1000
 #: Consecutive failed log-stream connections before :meth:`Job.logs` gives up.
 LOG_MAX_CONSECUTIVE_FAILURES = 20
 #: A silent log stream is presumed dead (and resumed elsewhere) after this, in seconds.
@@ -100,6 +106,44 @@ def _raise_for(resp: httpx.Response, address: str) -> None:
         message = f"{message} (check the token: CUMULUS_TOKEN_FILE / token_file=)"
     cls = _STATUS_ERRORS.get(status, ServerError)
     raise cls(message, status=status, address=address)
+
+
+def _check_gpus(gpus_per_rank: int | None, fraction: float | None) -> None:
+    """Refuses GPU arguments the coordinator would refuse (as ``cumulusctl submit``).
+
+    :raises InvalidSpec: ``gpus_per_rank`` is not an int ``0..=64``, ``fraction`` is not a
+        finite number with ``0 < f <= 1`` that is at least 0.0005 (it would round to no
+        thousandth), or both are given with more than one GPU per rank."""
+    if gpus_per_rank is not None and (
+        isinstance(gpus_per_rank, bool)
+        or not isinstance(gpus_per_rank, int)
+        or not 0 <= gpus_per_rank <= MAX_GPUS_PER_RANK
+    ):
+        raise InvalidSpec(
+            f"gpus_per_rank must be an int 0..={MAX_GPUS_PER_RANK}, got {gpus_per_rank!r}",
+            status=None,
+        )
+    if fraction is None:
+        return
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, numbers.Real)
+        or not math.isfinite(fraction)
+        or not 0 < fraction <= 1
+        # The coordinator keeps thousandths, rounded: below half of one is nothing.
+        or float(fraction) * WHOLE_GPU_PERMILLE < 0.5
+    ):
+        raise InvalidSpec(
+            "gpu_memory_fraction must be a number with 0 < fraction <= 1 (steps of 0.001, "
+            f"at least 0.0005), got {fraction!r}",
+            status=None,
+        )
+    if gpus_per_rank is not None and gpus_per_rank > 1:
+        raise InvalidSpec(
+            f"gpu_memory_fraction applies to one GPU per rank, but gpus_per_rank is "
+            f"{gpus_per_rank}: leave gpus_per_rank out (or 1) with a fraction",
+            status=None,
+        )
 
 
 class Client:
@@ -281,6 +325,8 @@ class Client:
         progress_timeout_s: float | None = None,
         ckpt_url: str | None = None,
         ckpt_commit_tier: str | None = None,
+        gpus_per_rank: int | None = None,
+        gpu_memory_fraction: float | None = None,
         request_id: str | None = None,
     ) -> Job:
         """Submits a job: ``command`` (argv; ``argv[0]`` is looked up in the worker's
@@ -300,6 +346,16 @@ class Client:
             many seconds is declared hung and restarted (``None``/0: off).
         :param ckpt_url: S3 checkpoint target ``s3://bucket/prefix``.
         :param ckpt_commit_tier: with ``ckpt_url``: ``"l2"`` (default) or ``"l1"``.
+        :param gpus_per_rank: whole GPUs each rank gets (0..=64; ``None``/0: none), distinct
+            GPUs of its worker named (by UUID) in its ``CUDA_VISIBLE_DEVICES``; the job's
+            ranks are packed onto as few workers as possible. A job the alive workers can
+            never hold stays pending (``JobInfo.pending_reason`` says why).
+        :param gpu_memory_fraction: share of one GPU each rank gets, ``0 < f <= 1`` in
+            steps of 0.001: ranks of this and other jobs share a GPU while their fractions
+            sum to at most 1. Implies one GPU per rank (``gpus_per_rank`` ``None``, 0 or
+            1). Cooperative: the rank sees it as ``CUMULUS_GPU_MEMORY_FRACTION`` and
+            :func:`cumulus.runtime.apply_gpu_memory_fraction` passes it to PyTorch; nothing
+            enforces it.
         :param request_id: idempotency key (1..=128 bytes); default a random one, reused
             by every retry of this call.
         :returns: the job's handle (``created`` says whether this call created it).
@@ -331,6 +387,7 @@ class Client:
                     "without '='",
                     status=None,
                 )
+        _check_gpus(gpus_per_rank, gpu_memory_fraction)
         if (
             backoff_initial_ms is not None
             and backoff_max_ms is not None
@@ -372,6 +429,10 @@ class Client:
         }
         if ckpt_keep is not None:
             spec["ckpt_keep"] = ckpt_keep
+        if gpus_per_rank is not None:
+            spec["gpus_per_rank"] = gpus_per_rank
+        if gpu_memory_fraction is not None:
+            spec["gpu_memory_fraction"] = float(gpu_memory_fraction)
         body = self._request("POST", "/v1/jobs", body={"request_id": rid, "spec": spec})
         if not isinstance(body, dict) or not isinstance(body.get("job_id"), str):
             raise ProtocolError(f"submit: malformed answer {body!r}")

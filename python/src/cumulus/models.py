@@ -18,6 +18,7 @@ __all__ = [
     "FINISHED_STATES",
     "CheckpointInfo",
     "ClusterInfo",
+    "GpuInfo",
     "JobInfo",
     "LogLine",
     "MemberInfo",
@@ -55,6 +56,12 @@ def _opt_int(d: Mapping[str, Any], key: str) -> int | None:
     return value
 
 
+def _opt_float(d: Mapping[str, Any], key: str) -> float | None:
+    if d.get(key) is None:
+        return None
+    return _get(d, key, float, 0.0)
+
+
 def _obj(value: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ProtocolError(f"{what} in the coordinator's answer is not a JSON object: {value!r}")
@@ -68,6 +75,16 @@ def _list(d: Mapping[str, Any], key: str) -> list[Any]:
     if not isinstance(value, list):
         raise ProtocolError(f"field {key!r} of the coordinator's answer is not a list")
     return value
+
+
+def _str_tuple(d: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    items = _list(d, key)
+    for item in items:
+        if not isinstance(item, str):
+            raise ProtocolError(
+                f"field {key!r} of the coordinator's answer holds {item!r}, not a str"
+            )
+    return tuple(items)
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,9 @@ class RankInfo:
     not_before_ms: int
     #: OS process id of the attempt on its worker (0 when not started).
     pid: int
+    #: UUIDs of the GPUs the current attempt was given: its ``CUDA_VISIBLE_DEVICES``
+    #: (empty for a job without GPUs, or before the attempt is placed).
+    gpus: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankInfo:
@@ -116,6 +136,7 @@ class RankInfo:
             shard_count=_get(d, "shard_count", int, 0),
             not_before_ms=_get(d, "not_before_ms", int, 0),
             pid=_get(d, "pid", int, 0),
+            gpus=_str_tuple(d, "gpus"),
         )
 
 
@@ -179,6 +200,15 @@ class JobInfo:
     spec: Mapping[str, Any] = field(repr=False)
     #: The whole JSON object.
     raw: Mapping[str, Any] = field(repr=False)
+    #: Why a pending job is not placed yet: what it needs against what the alive workers
+    #: offer in all (``cannot be placed: ...``) and have free now. ``""`` when the job is
+    #: not pending, and in :meth:`Client.jobs <cumulus.Client.jobs>` (only a single job's
+    #: status has it).
+    pending_reason: str = ""
+    #: Whole GPUs each rank gets (0: none; 1 with a ``gpu_memory_fraction``).
+    gpus_per_rank: int = 0
+    #: Share of one GPU each rank gets, ``0 < f < 1``; ``None``: whole GPUs (or none).
+    gpu_memory_fraction: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -217,6 +247,9 @@ class JobInfo:
             shard_count=_get(d, "shard_count", int, 0),
             spec=spec,
             raw=d,
+            pending_reason=_get(d, "pending_reason", str, ""),
+            gpus_per_rank=_get(spec, "gpus_per_rank", int, 0),
+            gpu_memory_fraction=_opt_float(spec, "gpu_memory_fraction"),
         )
 
 
@@ -263,6 +296,55 @@ class MemberInfo:
 
 
 @dataclass(frozen=True)
+class GpuInfo:
+    """One GPU of a worker: what the agent registered, its last heartbeat's reading and
+    the share of it given to running ranks."""
+
+    #: NVML index on its worker (0-based).
+    index: int
+    #: NVML UUID (``GPU-...``): what ``CUDA_VISIBLE_DEVICES`` names.
+    uuid: str
+    #: Product name, e.g. ``NVIDIA H100 80GB HBM3``.
+    name: str
+    memory_total_bytes: int
+    #: From the last heartbeat; ``None`` when unknown (the answer came from a follower,
+    #: or no heartbeat carried it yet), as are ``utilization_percent`` and ``healthy``.
+    memory_used_bytes: int | None = None
+    #: 0..=100: time a kernel ran over NVML's last sample period.
+    utilization_percent: int | None = None
+    #: ``False``: NVML answered an error for it, or it is gone; the leader places nothing
+    #: new on it and fails the ranks using it. ``None``: unknown.
+    healthy: bool | None = None
+    #: Why it is unhealthy (``""`` otherwise).
+    error: str = ""
+    #: Sum of the shares given to running ranks, 0..=1 (a whole GPU counts 1).
+    allocated: float = 0.0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GpuInfo:
+        """Builds it from a ``GpuInfo`` JSON object (``device``, ``status``, ``allocated``).
+
+        :raises ProtocolError: a field has the wrong type."""
+        d = _obj(d, "a GPU")
+        device = _obj(d.get("device") or {}, "a GPU's device")
+        raw_status = d.get("status")
+        status = None if raw_status is None else _obj(raw_status, "a GPU's status")
+        return cls(
+            index=_get(device, "index", int, 0),
+            uuid=_get(device, "uuid", str, ""),
+            name=_get(device, "name", str, ""),
+            memory_total_bytes=_get(device, "memory_total_bytes", int, 0),
+            memory_used_bytes=None if status is None else _get(status, "memory_used_bytes", int, 0),
+            utilization_percent=(
+                None if status is None else _get(status, "utilization_percent", int, 0)
+            ),
+            healthy=None if status is None else _get(status, "healthy", bool, False),
+            error="" if status is None else _get(status, "error", str, ""),
+            allocated=_get(d, "allocated", float, 0.0),
+        )
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """One worker agent as the leader sees it."""
 
@@ -277,6 +359,8 @@ class WorkerInfo:
     cpu_percent: float
     memory_used_bytes: int
     memory_total_bytes: int
+    #: The worker's GPUs, in index order.
+    gpus: tuple[GpuInfo, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -324,6 +408,7 @@ class ClusterInfo:
                 cpu_percent=_get(w, "cpu_percent", float, 0.0),
                 memory_used_bytes=_get(w, "memory_used_bytes", int, 0),
                 memory_total_bytes=_get(w, "memory_total_bytes", int, 0),
+                gpus=tuple(GpuInfo.from_json(g) for g in _list(w, "gpus")),
             )
             for w in (_obj(x, "a worker") for x in _list(d, "workers"))
         )

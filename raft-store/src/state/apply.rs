@@ -48,7 +48,55 @@ impl ClusterState {
                 spec,
                 shards,
                 submitted_at_ms,
-            } => self.submit(request_id, spec, shards, *submitted_at_ms, dirty),
+                owner,
+            } => self.submit(request_id, (spec, owner), shards, *submitted_at_ms, dirty),
+            Command::CreateUser {
+                name,
+                role,
+                secret_sha256,
+                created_by,
+                at_ms,
+            } => {
+                if !cumulus_api::users::is_valid_user_name(name) {
+                    return reject(format!("invalid user name {name:?}"));
+                }
+                if self.users.contains_key(name) {
+                    return reject(format!(
+                        "user {name} exists: revoke its token first to issue a new one"
+                    ));
+                }
+                if self.users.len() >= cumulus_api::users::MAX_USERS {
+                    return reject(format!(
+                        "the cluster has {} users, the limit",
+                        cumulus_api::users::MAX_USERS
+                    ));
+                }
+                if secret_sha256.len() != 64
+                    || !secret_sha256
+                        .bytes()
+                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+                {
+                    return reject("a token digest is 64 lowercase hex digits");
+                }
+                self.users.insert(
+                    name.clone(),
+                    UserRecord {
+                        name: name.clone(),
+                        role: *role,
+                        secret_sha256: secret_sha256.clone(),
+                        created_by: created_by.clone(),
+                        created_at_ms: *at_ms,
+                    },
+                );
+                Response::Ok
+            }
+            Command::RevokeUser { name } => {
+                if self.users.remove(name).is_some() {
+                    Response::Ok
+                } else {
+                    reject(format!("no user {name:?}"))
+                }
+            }
             Command::CancelJob { job_id, at_ms } => self.with_live_job(job_id, dirty, |job| {
                 job.state = JobState::Cancelled;
                 job.finished_at_ms = *at_ms;
@@ -268,7 +316,7 @@ impl ClusterState {
     fn submit(
         &mut self,
         request_id: &str,
-        spec: &JobSpec,
+        (spec, owner): (&JobSpec, &str),
         shards: &[String],
         submitted_at_ms: u64,
         dirty: &mut BTreeSet<DirtyKey>,
@@ -347,6 +395,7 @@ impl ClusterState {
             pending_parts: BTreeMap::new(),
             committed: BTreeMap::new(),
             committed_step: None,
+            owner: owner.to_string(),
         };
         // Indexed now (its fixed size computed once, kept by the index), so that the
         // eviction below counts it.

@@ -21,6 +21,29 @@ pub enum Command {
         shards: Vec<String>,
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         submitted_at_ms: u64,
+        /// Who submitted it: the authenticated user's name
+        /// ([`cumulus_api::users::CLUSTER_ADMIN`] for the cluster token; "" in entries
+        /// written before users existed).
+        #[serde(default)]
+        owner: String,
+    },
+    /// Create a user with a token (only its secret's digest is stored).
+    CreateUser {
+        /// The user's name ([`cumulus_api::users::is_valid_user_name`]).
+        name: String,
+        /// What the user may do.
+        role: cumulus_api::Role,
+        /// SHA-256 of the token's secret, lowercase hex.
+        secret_sha256: String,
+        /// The administrator who created it.
+        created_by: String,
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
+        at_ms: u64,
+    },
+    /// Revoke a user's token: the user can no longer authenticate.
+    RevokeUser {
+        /// The user's name.
+        name: String,
     },
     /// Cancel a job.
     CancelJob {
@@ -188,6 +211,8 @@ impl std::fmt::Display for Command {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let name = match self {
             Command::SubmitJob { .. } => "SubmitJob",
+            Command::CreateUser { .. } => "CreateUser",
+            Command::RevokeUser { .. } => "RevokeUser",
             Command::CancelJob { .. } => "CancelJob",
             Command::RegisterWorker { .. } => "RegisterWorker",
             Command::ExpireWorker { .. } => "ExpireWorker",
@@ -234,11 +259,20 @@ impl Command {
                     + spec.approx_string_bytes()
                     + strings(shards)
             }
-            Command::PlaceJob { placements, .. } | Command::ScheduleRestart { placements, .. } => {
+            Command::PlaceJob {
+                placements, gpus, ..
+            }
+            | Command::ScheduleRestart {
+                placements, gpus, ..
+            } => {
                 COMMAND_OVERHEAD_BYTES
                     + placements
                         .iter()
                         .map(|(_, w)| w.len() + 2 * PER_STRING)
+                        .sum::<usize>()
+                    + gpus
+                        .iter()
+                        .map(|(_, g)| strings(g) + 2 * PER_STRING)
                         .sum::<usize>()
             }
             Command::CheckpointPartCommitted { part, .. } => {

@@ -131,6 +131,10 @@ pub struct Job {
     pub committed: BTreeMap<u64, Vec<PartInfo>>,
     /// Newest committed step.
     pub committed_step: Option<u64>,
+    /// Who submitted it ([`cumulus_api::users::CLUSTER_ADMIN`] for the cluster token; ""
+    /// for a job submitted before users existed, which only administrators may act on).
+    #[serde(default)]
+    pub owner: String,
 }
 
 impl Job {
@@ -251,6 +255,21 @@ pub struct GpuDevice {
     pub memory_total_bytes: u64,
 }
 
+/// A user of the cluster and the digest of their token.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserRecord {
+    /// The user's name.
+    pub name: String,
+    /// What the user may do.
+    pub role: cumulus_api::Role,
+    /// SHA-256 of the token's secret, lowercase hex ([`cumulus_api::users::secret_digest`]).
+    pub secret_sha256: String,
+    /// The administrator who created it.
+    pub created_by: String,
+    /// Leader time of the creation, ms since the Unix epoch.
+    pub created_at_ms: u64,
+}
+
 /// A worker agent known to the cluster.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerRecord {
@@ -291,6 +310,9 @@ pub struct ClusterState {
     pub request_ids: BTreeMap<String, String>,
     /// Workers by id.
     pub workers: BTreeMap<String, WorkerRecord>,
+    /// Users by name (at most [`cumulus_api::users::MAX_USERS`]).
+    #[serde(default)]
+    pub users: BTreeMap<String, UserRecord>,
     /// Job ids by lifecycle class (derived from `jobs`).
     #[serde(skip)]
     pub(super) index: JobIndex,
@@ -304,6 +326,8 @@ struct ClusterStateData {
     jobs: BTreeMap<String, Arc<Job>>,
     request_ids: BTreeMap<String, String>,
     workers: BTreeMap<String, WorkerRecord>,
+    #[serde(default)]
+    users: BTreeMap<String, UserRecord>,
 }
 
 impl From<ClusterStateData> for ClusterState {
@@ -313,6 +337,7 @@ impl From<ClusterStateData> for ClusterState {
             jobs: d.jobs,
             request_ids: d.request_ids,
             workers: d.workers,
+            users: d.users,
             index: JobIndex::default(),
         };
         state.rebuild_index();

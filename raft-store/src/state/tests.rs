@@ -37,6 +37,7 @@ fn cluster_with_job(world_size: u32) -> (ClusterState, String) {
     let r = apply(
         &mut s,
         Command::SubmitJob {
+            owner: String::new(),
             request_id: "req".into(),
             spec: spec(world_size),
             shards: vec![],
@@ -85,6 +86,7 @@ fn exit(job_id: &str, rank: u32, attempt: u32, worker: &str, code: i32) -> Comma
 #[test]
 fn a_batch_applies_each_command_in_order_as_if_alone() {
     let submit = |req: &str| Command::SubmitJob {
+        owner: String::new(),
         request_id: req.into(),
         spec: spec(2),
         shards: vec![],
@@ -150,6 +152,7 @@ fn the_job_index_follows_every_state_change_and_survives_serialization() {
     assert_index_current(&s);
     assert!(s.job_index().running.contains(&placed));
     let submit = |req: String| Command::SubmitJob {
+        owner: String::new(),
         request_id: req,
         spec: spec(1),
         shards: vec![],
@@ -195,6 +198,7 @@ fn the_job_index_follows_every_state_change_and_survives_serialization() {
 fn past_the_retention_limit_the_oldest_terminal_jobs_are_evicted() {
     let mut s = ClusterState::default();
     let submit = |i: usize| Command::SubmitJob {
+        owner: String::new(),
         request_id: format!("r{i}"),
         spec: spec(1),
         shards: vec![],
@@ -247,6 +251,7 @@ fn the_size_estimate_of_a_submit_bounds_its_json_encoding() {
         ),
     ] {
         let cmd = Command::SubmitJob {
+            owner: String::new(),
             request_id: "r".repeat(24),
             spec: s,
             shards,
@@ -283,6 +288,7 @@ fn submit_is_idempotent_by_request_id() {
     let again = apply(
         &mut s,
         Command::SubmitJob {
+            owner: String::new(),
             request_id: "req".into(),
             spec: spec(2),
             shards: vec![],
@@ -300,6 +306,7 @@ fn submit_is_idempotent_by_request_id() {
     let different = apply(
         &mut s,
         Command::SubmitJob {
+            owner: String::new(),
             request_id: "req".into(),
             spec: spec(3),
             shards: vec![],
@@ -339,6 +346,7 @@ fn invalid_specs_are_rejected_and_change_nothing() {
         let r = apply(
             &mut s,
             Command::SubmitJob {
+                owner: String::new(),
                 request_id: "x".into(),
                 spec: bad,
                 shards: vec![],
@@ -454,6 +462,7 @@ fn placement_respects_slots_and_expiry() {
     let Response::JobSubmitted { job_id, .. } = apply(
         &mut s,
         Command::SubmitJob {
+            owner: String::new(),
             request_id: "a".into(),
             spec: spec(2),
             shards: vec![],
@@ -747,6 +756,7 @@ fn a_jobs_size_estimate_covers_its_encoding() {
     let r = apply(
         &mut s,
         Command::SubmitJob {
+            owner: String::new(),
             request_id: "many-shards".into(),
             spec: spec(64),
             shards: shards.clone(),
@@ -781,6 +791,7 @@ fn finished_jobs_are_dropped_to_stay_within_the_byte_budget() {
         let r = apply(
             &mut s,
             Command::SubmitJob {
+                owner: String::new(),
                 request_id: format!("r{i}"),
                 spec: spec(1),
                 shards: (0..10)
@@ -853,6 +864,7 @@ fn submit_gpu_job(s: &mut ClusterState, id: &str, gpus_per_rank: u32, permille: 
     let Response::JobSubmitted { job_id, .. } = apply(
         s,
         Command::SubmitJob {
+            owner: String::new(),
             request_id: id.into(),
             spec: JobSpec {
                 gpus_per_rank,
@@ -1010,6 +1022,7 @@ fn pending_reasons_say_what_is_missing() {
     let cpu = apply(
         &mut s,
         Command::SubmitJob {
+            owner: String::new(),
             request_id: "cpu".into(),
             spec: spec(9),
             shards: vec![],
@@ -1024,4 +1037,58 @@ fn pending_reasons_say_what_is_missing() {
         reason.contains("needs 9 slots") && reason.contains("offer 4 in all"),
         "{reason}"
     );
+}
+
+#[test]
+fn users_are_created_once_revoked_and_kept_in_snapshots() {
+    let mut s = ClusterState::default();
+    let create = |name: &str, digest: &str| Command::CreateUser {
+        name: name.into(),
+        role: cumulus_api::Role::Submit,
+        secret_sha256: digest.into(),
+        created_by: "admin".into(),
+        at_ms: 7,
+    };
+    let digest = "ab".repeat(32);
+    assert_eq!(apply(&mut s, create("alice", &digest)), Response::Ok);
+    for bad in [
+        create("alice", &digest),        // exists
+        create("admin", &digest),        // reserved
+        create("Bob", &digest),          // not a user name
+        create("bob", "AB"),             // not a digest
+        create("bob", &"AB".repeat(32)), // upper case
+    ] {
+        assert!(
+            matches!(apply(&mut s, bad.clone()), Response::Rejected { .. }),
+            "{bad:?}"
+        );
+    }
+    // A snapshot (the serialized state) keeps them.
+    let json = serde_json::to_string(&s).expect("encode");
+    let back: ClusterState = serde_json::from_str(&json).expect("decode");
+    assert_eq!(back.users, s.users);
+    assert_eq!(s.users["alice"].created_at_ms, 7);
+    assert_eq!(
+        apply(
+            &mut s,
+            Command::RevokeUser {
+                name: "alice".into()
+            }
+        ),
+        Response::Ok
+    );
+    assert!(matches!(
+        apply(
+            &mut s,
+            Command::RevokeUser {
+                name: "alice".into()
+            }
+        ),
+        Response::Rejected { .. }
+    ));
+    // A state written before users existed decodes with none.
+    let mut old: serde_json::Value = serde_json::from_str(&json).expect("json");
+    old.as_object_mut().expect("object").remove("users");
+    let back: ClusterState = serde_json::from_value(old).expect("decode old");
+    assert!(back.users.is_empty());
 }

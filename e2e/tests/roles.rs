@@ -1,0 +1,217 @@
+//! Users and roles against a real cluster: an administrator (the cluster token) creates
+//! users with `submit` and `read` roles; a job records who submitted it; a reader can
+//! look but not submit or cancel; a submitter cannot cancel another user's job, read its
+//! logs, create users or change the membership; the owner can cancel their own job; a
+//! revoked token is refused; users survive a change of leader (they are replicated);
+//! `cumulusctl token create/ls/revoke` and `whoami` work.
+
+use std::time::Duration;
+
+use cumulus_api::{JobState, v1};
+use cumulus_e2e::{Client, Cluster, ClusterOpts, wait_for};
+use tonic::Code;
+
+const LONG: Duration = Duration::from_secs(120);
+
+async fn create_user(admin: &mut Client, name: &str, role: &str) -> String {
+    admin
+        .create_user(v1::CreateUserRequest {
+            name: name.into(),
+            role: role.into(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("create {name}: {e}"))
+        .into_inner()
+        .token
+}
+
+fn sleeper() -> v1::JobSpec {
+    v1::JobSpec {
+        world_size: 1,
+        command: vec!["sh".into(), "-c".into(), "exec sleep 600".into()],
+        ..Default::default()
+    }
+}
+
+fn code<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> Code {
+    match r {
+        Ok(v) => panic!("expected a refusal, got {v:?}"),
+        Err(s) => s.code(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn roles_limit_what_each_user_may_do() {
+    let mut cluster = Cluster::start(ClusterOpts {
+        workers: 1,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    cluster.wait_leader(LONG).await;
+    let mut admin = cluster.leader_client().await.expect("admin client");
+    let alice = create_user(&mut admin, "alice", "submit").await;
+    let bob = create_user(&mut admin, "bob", "submit").await;
+    let reader = create_user(&mut admin, "reader", "read").await;
+    assert!(alice.starts_with("cu.alice."), "{alice}");
+    // The same name twice, a reserved or bad name, an unknown role: refused.
+    for (name, role) in [
+        ("alice", "read"),
+        ("admin", "read"),
+        ("Bad", "read"),
+        ("carl", "root"),
+    ] {
+        let r = admin
+            .create_user(v1::CreateUserRequest {
+                name: name.into(),
+                role: role.into(),
+            })
+            .await;
+        assert!(r.is_err(), "{name} {role}");
+    }
+
+    // Alice submits: the job is hers.
+    let mut as_alice = cluster.leader_client_as(&alice).await.expect("alice");
+    let job = as_alice
+        .submit_job(v1::SubmitJobRequest {
+            request_id: "alice-1".into(),
+            spec: Some(sleeper()),
+        })
+        .await
+        .expect("alice submits")
+        .into_inner()
+        .job_id;
+    let seen = cluster
+        .wait_job(&job, "running", LONG, |j| {
+            j.job_state() == Ok(JobState::Running)
+        })
+        .await;
+    assert_eq!(seen.owner, "alice");
+
+    // A reader reads, but neither submits nor cancels.
+    let mut as_reader = cluster.leader_client_as(&reader).await.expect("reader");
+    let listed = as_reader
+        .list_jobs(v1::ListJobsRequest { linearizable: true })
+        .await
+        .expect("reader lists")
+        .into_inner();
+    assert!(listed.jobs.iter().any(|j| j.id == job));
+    let r = as_reader
+        .submit_job(v1::SubmitJobRequest {
+            request_id: "reader-1".into(),
+            spec: Some(sleeper()),
+        })
+        .await;
+    assert_eq!(code(r), Code::PermissionDenied);
+    let r = as_reader
+        .cancel_job(v1::CancelJobRequest {
+            job_id: job.clone(),
+        })
+        .await;
+    assert_eq!(code(r), Code::PermissionDenied);
+
+    // Bob may not cancel Alice's job, create users or change the membership.
+    let mut as_bob = cluster.leader_client_as(&bob).await.expect("bob");
+    let refused = as_bob
+        .cancel_job(v1::CancelJobRequest {
+            job_id: job.clone(),
+        })
+        .await
+        .expect_err("bob cancels alice's job");
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    assert!(refused.message().contains("belongs to alice"), "{refused}");
+    let r = as_bob
+        .create_user(v1::CreateUserRequest {
+            name: "mallory".into(),
+            role: "admin".into(),
+        })
+        .await;
+    assert_eq!(code(r), Code::PermissionDenied);
+    let r = as_bob
+        .remove_member(v1::RemoveMemberRequest { node_id: 1 })
+        .await;
+    assert_eq!(code(r), Code::PermissionDenied);
+    let me = as_bob
+        .who_am_i(v1::WhoAmIRequest {})
+        .await
+        .expect("whoami")
+        .into_inner();
+    assert_eq!((me.name.as_str(), me.role.as_str()), ("bob", "submit"));
+
+    // Logs over HTTPS: Bob may not read Alice's, the reader may.
+    let http = cluster.http_client();
+    let leader = cluster.wait_leader(LONG).await;
+    let i = cluster.index_of(leader).expect("leader index");
+    let url = cluster.url(
+        &cluster.coordinators[i].http,
+        &format!("/v1/jobs/{job}/logs?follow=false"),
+    );
+    for (token, want) in [(&bob, 403), (&reader, 200), (&alice, 200)] {
+        let status = http
+            .get(&url)
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("GET logs")
+            .status();
+        assert_eq!(status.as_u16(), want, "logs as {}", &token[..9]);
+    }
+
+    // Users are replicated: after the leader dies, the new leader knows them.
+    cluster.coordinators[i].proc.kill9();
+    let mut as_bob = wait_for("a new leader that knows bob", LONG, || async {
+        let mut c = cluster.leader_client_as(&bob).await.ok()?;
+        c.who_am_i(v1::WhoAmIRequest {}).await.ok()?;
+        Some(c)
+    })
+    .await;
+    let r = as_bob
+        .cancel_job(v1::CancelJobRequest {
+            job_id: job.clone(),
+        })
+        .await;
+    assert_eq!(code(r), Code::PermissionDenied);
+
+    // Alice cancels her own job.
+    let mut as_alice = cluster.leader_client_as(&alice).await.expect("alice");
+    as_alice
+        .cancel_job(v1::CancelJobRequest {
+            job_id: job.clone(),
+        })
+        .await
+        .expect("alice cancels her job");
+    cluster.wait_finished(&job, LONG).await;
+
+    // Revoked: refused as unauthenticated, like any wrong token.
+    let mut admin = cluster.leader_client().await.expect("admin");
+    admin
+        .revoke_user(v1::RevokeUserRequest {
+            name: "alice".into(),
+        })
+        .await
+        .expect("revoke");
+    let r = as_alice.who_am_i(v1::WhoAmIRequest {}).await;
+    assert_eq!(code(r), Code::Unauthenticated);
+
+    // The CLI: create (token printed once), list, revoke.
+    let out = cluster
+        .cumulusctl(&["token", "create", "carol", "--role", "read"])
+        .expect("cumulusctl token create");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("cu.carol."),
+        "{stdout}"
+    );
+    let out = cluster.cumulusctl(&["token", "ls"]).expect("token ls");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for user in ["bob", "carol", "reader"] {
+        assert!(stdout.contains(user), "{stdout}");
+    }
+    assert!(
+        !stdout.contains("alice"),
+        "revoked users are gone: {stdout}"
+    );
+    assert!(!stdout.contains("cu."), "ls never shows a token: {stdout}");
+    let out = cluster.cumulusctl(&["whoami"]).expect("whoami");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("admin (role admin)"));
+}
