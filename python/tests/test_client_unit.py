@@ -897,3 +897,10 @@ def test_the_sdk_is_loaded_lazily() -> None:
     assert cumulus.Client is Client
     with pytest.raises(AttributeError):
         _ = cumulus.Nope
+
+
+def test_a_job_names_its_owner() -> None:
+    assert cumulus.JobInfo.from_json(job_json(owner="alice")).owner == "alice"
+    assert cumulus.JobInfo.from_json(job_json()).owner == ""
+    with pytest.raises(errors.ProtocolError):
+        cumulus.JobInfo.from_json(job_json(owner=7))

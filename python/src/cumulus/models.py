@@ -205,6 +205,8 @@ class JobInfo:
     #: not pending, and in :meth:`Client.jobs <cumulus.Client.jobs>` (only a single job's
     #: status has it).
     pending_reason: str = ""
+    #: Who submitted it: a user's name, or ``"admin"`` for the cluster token.
+    owner: str = ""
     #: Whole GPUs each rank gets (0: none; 1 with a ``gpu_memory_fraction``).
     gpus_per_rank: int = 0
     #: Share of one GPU each rank gets, ``0 < f < 1``; ``None``: whole GPUs (or none).
@@ -248,6 +250,7 @@ class JobInfo:
             spec=spec,
             raw=d,
             pending_reason=_get(d, "pending_reason", str, ""),
+            owner=_get(d, "owner", str, ""),
             gpus_per_rank=_get(spec, "gpus_per_rank", int, 0),
             gpu_memory_fraction=_opt_float(spec, "gpu_memory_fraction"),
         )
