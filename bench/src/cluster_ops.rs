@@ -43,6 +43,7 @@ async fn try_write(cluster: &Cluster, request_id: &str) -> anyhow::Result<()> {
             continue;
         };
         let req = v1::SubmitJobRequest {
+            allow_pending: false,
             request_id: request_id.into(),
             spec: Some(spec.clone()),
         };

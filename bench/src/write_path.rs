@@ -290,6 +290,7 @@ impl Template {
         };
         let placeholder = "#".repeat(REQUEST_ID_LEN);
         let request = v1::SubmitJobRequest {
+            allow_pending: false,
             request_id: placeholder.clone(),
             spec: Some(spec),
         };

@@ -27,7 +27,15 @@ pub async fn run(cli: Cli) -> Result<()> {
             jobs::submit(&config::resolve(g)?, &a, out).await
         }
         Command::Status(j) => jobs::status(&config::resolve(g)?, &j.job, out).await,
-        Command::List => jobs::list(&config::resolve(g)?, out).await,
+        Command::List(l) => jobs::list(&config::resolve(g)?, &l, out).await,
+        Command::Completion(c) => {
+            // Into memory first: clap_complete panics on a write error (a closed pipe).
+            let mut command = <Cli as clap::CommandFactory>::command();
+            let mut script = Vec::new();
+            clap_complete::generate(c.shell, &mut command, "cumulusctl", &mut script);
+            std::io::Write::write_all(&mut std::io::stdout().lock(), &script)
+                .context("writing to stdout")
+        }
         Command::Cancel(j) => jobs::cancel(&config::resolve(g)?, &j.job, out).await,
         Command::Logs(l) => jobs::logs(&config::resolve(g)?, &l.job, l.rank, l.follow, out).await,
         Command::Ckpt(CkptCommand::Ls(j)) => jobs::ckpt_ls(&config::resolve(g)?, &j.job, out).await,
@@ -292,7 +300,7 @@ pub fn hint(err: &anyhow::Error) -> Option<String> {
                 ClientError::Exhausted(_) => Some(
                     "is the cluster running? check --addr/CUMULUS_ADDR, or `cumulusctl local status` for a local cluster".into(),
                 ),
-                ClientError::Unauthenticated => Some("the token must be the cluster's (for a local cluster: <local-dir>/token)".into()),
+                ClientError::Unauthenticated => Some("the token must be the cluster's (for a local cluster: <local-dir>/token) or a user's (`cumulusctl token create`)".into()),
                 _ => None,
             };
         }
@@ -302,7 +310,7 @@ pub fn hint(err: &anyhow::Error) -> Option<String> {
                     Some("check --http/CUMULUS_HTTP and that the coordinators are up".into())
                 }
                 LogError::Unauthenticated => Some(
-                    "the token must be the cluster's (for a local cluster: <local-dir>/token)"
+                    "the token must be the cluster's (for a local cluster: <local-dir>/token) or a user's (`cumulusctl token create`)"
                         .into(),
                 ),
                 _ => None,

@@ -86,6 +86,10 @@ pub struct GlobalOpts {
     /// Output format: human tables or JSON for scripts.
     #[arg(short = 'o', long, global = true, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
+    /// Show the client's own diagnostics on stderr (retries, leader changes): `-v`
+    /// warnings, `-vv` info, `-vvv` debug. `RUST_LOG` overrides.
+    #[arg(short = 'v', long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
 }
 
 /// Output format of every command.
@@ -106,8 +110,8 @@ pub enum Command {
     Submit(SubmitArgs),
     /// Show one job: state, ranks, restarts.
     Status(JobArg),
-    /// List every job.
-    List,
+    /// List jobs, oldest first (filters: `--state`, `--name`, `--limit`).
+    List(ListArgs),
     /// Cancel a job (its ranks are stopped).
     Cancel(JobArg),
     /// Print the logs of a job's ranks (all attempts), `-f` to follow.
@@ -125,6 +129,10 @@ pub enum Command {
     Token(TokenCommand),
     /// Who the token in use names, and its role.
     Whoami,
+    /// Print a shell completion script: `source <(cumulusctl completion bash)`, or
+    /// `cumulusctl completion zsh > "${fpath[1]}/_cumulusctl"`, or
+    /// `cumulusctl completion fish > ~/.config/fish/completions/cumulusctl.fish`.
+    Completion(CompletionArgs),
     /// Dataset preparation.
     #[command(subcommand)]
     Dataset(DatasetCommand),
@@ -204,8 +212,9 @@ pub struct JobArg {
 /// `submit` options.
 #[derive(Debug, Args)]
 pub struct SubmitArgs {
-    /// Number of ranks (processes) of the job.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Number of ranks (processes) of the job: at least 1, at most the cluster's maximum
+    /// (its coordinators' `--max-world-size`, 1024 by default).
+    #[arg(long, value_parser = parse_world_size)]
     pub world_size: u32,
     /// Dataset directory: its regular files, sorted by name, are the shards; shard i goes
     /// to rank i mod world-size. Must be readable at this path on the workers. Or an S3
@@ -243,6 +252,10 @@ pub struct SubmitArgs {
     /// hung and restarted (0 or absent: off).
     #[arg(long)]
     pub progress_timeout_s: Option<u64>,
+    /// Accept a job larger than the alive workers offer in all (slots, GPUs): it stays
+    /// pending until workers join. Without it such a submit is refused.
+    #[arg(long)]
+    pub allow_pending: bool,
     /// Whole GPUs per rank (as Slurm's `--gpus-per-task`): each rank gets distinct GPUs
     /// of its worker, named in its `CUDA_VISIBLE_DEVICES`; a job's ranks are packed onto
     /// as few workers as possible. 0 or absent: none.
@@ -302,6 +315,33 @@ pub struct LogsArgs {
 pub enum CkptCommand {
     /// List a job's checkpoints.
     Ls(JobArg),
+}
+
+/// `list` filters.
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// Only jobs in these states (comma-separated: pending, running, succeeded, failed,
+    /// cancelled).
+    #[arg(long, value_delimiter = ',', value_parser = parse_job_state)]
+    pub state: Vec<cumulus_api::JobState>,
+    /// Only jobs whose name contains this text.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Only the newest N jobs (after the other filters).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub limit: Option<u32>,
+}
+
+/// `completion SHELL`.
+#[derive(Debug, Args)]
+pub struct CompletionArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+fn parse_job_state(text: &str) -> Result<cumulus_api::JobState, String> {
+    text.trim().parse().map_err(|e: cumulus_api::UnknownName| e.to_string())
 }
 
 /// `token` subcommands.
@@ -453,6 +493,18 @@ pub struct DemoArgs {
     /// Directory holding the cumulus binaries (default: next to this executable, else PATH).
     #[arg(long)]
     pub bin_dir: Option<PathBuf>,
+}
+
+/// Parses `--world-size`: a whole number of ranks, at least 1 (the cluster checks its
+/// own maximum).
+fn parse_world_size(text: &str) -> Result<u32, String> {
+    match text.trim().parse::<u32>() {
+        Ok(0) => Err("a job has at least 1 rank".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!(
+            "{text:?} is not a number of ranks (1 or more, up to the cluster's --max-world-size)"
+        )),
+    }
 }
 
 /// Parses `--gpu-memory-fraction`: a number with 0 < F <= 1 in steps of 0.001.

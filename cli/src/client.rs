@@ -641,6 +641,7 @@ mod tests {
                 Client::with_policy(&conn(vec![dead_addr(), follower_addr], TOKEN), fast())
                     .expect("client");
             let req = SubmitJobRequest {
+                allow_pending: false,
                 request_id: new_request_id(),
                 spec: None,
             };

@@ -22,6 +22,16 @@ pub const MAX_TOKEN_BYTES: usize = cumulus_api::token::MAX_TOKEN_BYTES;
 /// Errors of reading or resolving the cluster configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The token file cannot be read.
+    #[error(
+        "cannot read the token file {path} (--token-file or CUMULUS_TOKEN_FILE): {source}"
+    )]
+    TokenFile {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
     /// An I/O error on a named file.
     #[error("{path}: {source}")]
     Io {
@@ -267,7 +277,10 @@ fn read_limited(path: &Path, limit: u64) -> Result<Vec<u8>, ConfigError> {
 
 /// Reads a token file: trimmed, non-empty, ≤ [`MAX_TOKEN_BYTES`], visible ASCII only.
 pub fn read_token_file(path: &Path) -> Result<String, ConfigError> {
-    let bytes = read_limited(path, MAX_TOKEN_BYTES as u64 + 64)?;
+    let bytes = read_limited(path, MAX_TOKEN_BYTES as u64 + 64).map_err(|e| match e {
+        ConfigError::Io { path, source } => ConfigError::TokenFile { path, source },
+        other => other,
+    })?;
     let text = String::from_utf8(bytes).map_err(|_| ConfigError::BadToken {
         origin: path.display().to_string(),
         reason: "not UTF-8".into(),
@@ -464,6 +477,7 @@ mod tests {
             insecure: false,
             local_dir: dir.to_path_buf(),
             output: OutputFormat::Table,
+            verbose: 0,
         }
     }
 

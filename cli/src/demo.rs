@@ -299,6 +299,7 @@ async fn run_job(opts: &DemoOptions, steps: &mut Steps, dir: &Path, conn: &Conn)
     ];
     println!("    command: {}", render::shell_words(&command));
     let req = SubmitJobRequest {
+        allow_pending: false,
         request_id: new_request_id(),
         spec: Some(JobSpec {
             name: "digits-demo".into(),

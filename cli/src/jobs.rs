@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use cumulus_api::{JobSpec, RestartPolicy, SubmitJobRequest};
 
-use crate::args::{OutputFormat, SubmitArgs, TokenCreateArgs};
+use crate::args::{ListArgs, OutputFormat, SubmitArgs, TokenCreateArgs};
 use crate::client::{Client, new_request_id};
 use crate::config::Conn;
 use crate::dataset::{absolute, canonical_lenient};
@@ -132,6 +132,7 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
         gpu_memory_fraction: args.gpu_memory_fraction,
     };
     Ok(SubmitJobRequest {
+        allow_pending: args.allow_pending,
         request_id,
         spec: Some(spec),
     })
@@ -237,8 +238,22 @@ pub async fn status(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<(
 }
 
 /// `list`.
-pub async fn list(conn: &Conn, output: OutputFormat) -> Result<()> {
-    let resp = Client::new(conn)?.list_jobs(true).await?;
+pub async fn list(conn: &Conn, filters: &ListArgs, output: OutputFormat) -> Result<()> {
+    let mut resp = Client::new(conn)?.list_jobs(true).await?;
+    resp.jobs.retain(|j| {
+        (filters.state.is_empty() || j.job_state().is_ok_and(|s| filters.state.contains(&s)))
+            && filters.name.as_ref().is_none_or(|n| {
+                j.spec
+                    .as_ref()
+                    .is_some_and(|spec| spec.name.contains(n.as_str()))
+            })
+    });
+    // Ids sort by submission (job-NNNNNN): the newest are last.
+    resp.jobs.sort_by(|a, b| a.id.cmp(&b.id));
+    if let Some(limit) = filters.limit {
+        let drop = resp.jobs.len().saturating_sub(limit as usize);
+        resp.jobs.drain(..drop);
+    }
     match output {
         OutputFormat::Json => print_json(&resp),
         OutputFormat::Table => print_text(&render::jobs_table(&resp, render::now_ms())),
@@ -271,9 +286,35 @@ pub async fn ckpt_ls(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<
     }
 }
 
+/// The cluster status, from the leader when the first answer names one: only the
+/// leader knows the workers' heartbeats, resources and GPU readings. Falls back to the
+/// first answer when the leader cannot be reached.
+async fn leader_cluster_status(conn: &Conn) -> Result<cumulus_api::ClusterStatusResponse> {
+    let first = Client::new(conn)?.cluster_status().await?;
+    let Some(leader) = first.leader_id.filter(|l| *l != first.node_id) else {
+        return Ok(first);
+    };
+    let Some(addr) = first
+        .members
+        .iter()
+        .find(|m| m.node_id == leader)
+        .map(|m| m.grpc_addr.clone())
+    else {
+        return Ok(first);
+    };
+    let at_leader = Conn {
+        grpc: vec![addr],
+        ..conn.clone()
+    };
+    match Client::new(&at_leader)?.cluster_status().await {
+        Ok(resp) if resp.leader_id == Some(resp.node_id) => Ok(resp),
+        _ => Ok(first),
+    }
+}
+
 /// `cluster status`.
 pub async fn cluster_status(conn: &Conn, output: OutputFormat) -> Result<()> {
-    let resp = Client::new(conn)?.cluster_status().await?;
+    let resp = leader_cluster_status(conn).await?;
     match output {
         OutputFormat::Json => print_json(&resp),
         OutputFormat::Table => print_text(&render::cluster_status(&resp)),
@@ -364,18 +405,10 @@ pub async fn whoami(conn: &Conn, output: OutputFormat) -> Result<()> {
 /// # Errors
 /// When no coordinator answers.
 pub async fn workers(conn: &Conn, output: OutputFormat) -> Result<()> {
-    let resp = Client::new(conn)?.cluster_status().await?;
+    let resp = leader_cluster_status(conn).await?;
     match output {
         OutputFormat::Json => print_json(&resp.workers),
-        OutputFormat::Table => {
-            let mut text = render::workers_text(&resp);
-            if resp.leader_id != Some(resp.node_id) {
-                text.push_str(
-                    "(answered by a follower: heartbeats and GPU readings are known to the leader only)\n",
-                );
-            }
-            print_text(&text)
-        }
+        OutputFormat::Table => print_text(&render::workers_text(&resp)),
     }
 }
 

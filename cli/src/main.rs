@@ -8,10 +8,18 @@ use cumulusctl::args::Cli;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The client's own diagnostics (retries during a failover) only when asked for: a
+    // user's terminal shows results and errors, not tracing lines.
+    let level = match cli.global.verbose {
+        0 => "error",
+        1 => "warn",
+        2 => "info",
+        _ => "debug",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
         )
         .with_writer(std::io::stderr)
         // Colour codes only on a terminal: logs redirected to a file stay plain text.
@@ -30,6 +38,18 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(app::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader went away (`cumulusctl list -o json | head`): not an error of ours.
+        Err(err)
+            if err.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>().map(std::io::Error::kind)
+                    == Some(std::io::ErrorKind::BrokenPipe)
+                    || c.downcast_ref::<serde_json::Error>()
+                        .and_then(serde_json::Error::io_error_kind)
+                        == Some(std::io::ErrorKind::BrokenPipe)
+            }) =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(err) => {
             eprintln!("error: {err:#}");
             if let Some(hint) = app::hint(&err) {

@@ -427,14 +427,13 @@ pub fn workers_text(resp: &ClusterStatusResponse) -> String {
         "CPU",
         "MEMORY",
     ]);
+    // Heartbeats and resources are the leader's soft state: a follower does not know them.
+    let from_leader = resp.leader_id == Some(resp.node_id);
     for wk in &resp.workers {
-        add_row(
-            &mut w,
-            vec![
-                wk.worker_id.clone(),
-                wk.host.clone(),
-                format!("{}/{}", wk.slots_used, wk.slots),
-                wk.state.clone(),
+        let (heartbeat, cpu, memory) = if !from_leader {
+            ("unknown".into(), "unknown".into(), "unknown".into())
+        } else {
+            (
                 if wk.last_heartbeat_age_ms == 0 {
                     "-".into()
                 } else {
@@ -446,10 +445,28 @@ pub fn workers_text(resp: &ClusterStatusResponse) -> String {
                     bytes(wk.memory_used_bytes),
                     bytes(wk.memory_total_bytes)
                 ),
+            )
+        };
+        add_row(
+            &mut w,
+            vec![
+                wk.worker_id.clone(),
+                wk.host.clone(),
+                format!("{}/{}", wk.slots_used, wk.slots),
+                wk.state.clone(),
+                heartbeat,
+                cpu,
+                memory,
             ],
         );
     }
     out.push_str(&table_text(&w));
+    if !from_leader {
+        out.push_str(&format!(
+            "(answered by node {}, not the leader: heartbeats, CPU, memory and GPU readings are known to the leader only)\n",
+            resp.node_id
+        ));
+    }
     let gpus = gpus_table(resp);
     if !gpus.is_empty() {
         out.push('\n');

@@ -162,6 +162,51 @@ async fn list_s3_dataset(node: &Node, url: &str) -> Result<Vec<String>, ApiError
         .collect())
 }
 
+/// Admission checks a user would otherwise learn of only after the restart budget is
+/// spent, or never: a dataset with fewer shards than ranks (a rank would get none), and,
+/// unless `allow_pending`, a job larger than the alive workers offer in all (it would
+/// stay pending for ever). A cluster with no alive worker (still starting) accepts it.
+///
+/// # Errors
+/// `InvalidArgument` saying what is wrong and how to fix it.
+fn check_fits(
+    node: &Node,
+    spec: &cumulus_raft_store::state::JobSpec,
+    shard_count: usize,
+    allow_pending: bool,
+) -> Result<(), ApiError> {
+    if !spec.dataset.is_empty() && shard_count < spec.world_size as usize {
+        return Err(ApiError::InvalidArgument(format!(
+            "the dataset {} has {shard_count} shard{} for {} ranks: ranks {}..{} would get \
+             none; split it into at least {} shards (cumulusctl dataset split --shards N) \
+             or lower --world-size",
+            spec.dataset,
+            if shard_count == 1 { "" } else { "s" },
+            spec.world_size,
+            shard_count,
+            spec.world_size - 1,
+            spec.world_size
+        )));
+    }
+    if allow_pending {
+        return Ok(());
+    }
+    let outlook = node.read_state(|s| {
+        let any_alive = s
+            .workers
+            .values()
+            .any(|w| w.state == cumulus_raft_store::state::WorkerState::Alive);
+        any_alive.then(|| s.capacity_outlook(spec))
+    });
+    match outlook {
+        Some(cumulus_raft_store::state::Outlook::Never(why)) => Err(ApiError::InvalidArgument(
+            format!("the job is larger than the cluster: it {}; submit with --allow-pending (allow_pending) to queue it until workers join",
+                why.trim_start_matches("cannot be placed: it ")),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Submits a job (idempotent by request id).
 ///
 /// # Errors
@@ -295,6 +340,9 @@ async fn submit_checked(
         }
     }
     shards.sort();
+    if existing.is_none() {
+        check_fits(node, &spec, shards.len(), req.allow_pending)?;
+    }
     // A new job must fit the state's byte budget; a retried request id adds nothing.
     let _reservation = if existing.is_none() {
         Some(node.reserve_state_bytes(submit_bytes(&spec, &shards))?)

@@ -331,6 +331,9 @@ impl WorkerService for WorkerSvc {
                 spawn_error: r.spawn_error,
                 at_ms: now_ms(),
                 agent_fault: r.agent_fault,
+                exec_failed: r.exec_failed,
+                step: r.step,
+                total_steps: r.total_steps,
             })
             .await
             .map_err(to_status)?;

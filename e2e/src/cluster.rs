@@ -862,6 +862,7 @@ impl View {
             warn_after_attempts: 0,
         };
         let req = v1::SubmitJobRequest {
+            allow_pending: false,
             request_id: request_id.into(),
             spec: Some(spec),
         };

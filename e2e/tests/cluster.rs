@@ -440,6 +440,7 @@ async fn bad_input_gets_clear_errors_and_changes_nothing() {
     for (i, (spec, needle)) in cases.into_iter().enumerate() {
         let err = c
             .submit_job(v1::SubmitJobRequest {
+                allow_pending: false,
                 request_id: format!("bad-{i}"),
                 spec: Some(spec),
             })
@@ -473,6 +474,7 @@ async fn bad_input_gets_clear_errors_and_changes_nothing() {
     );
     let err = bad
         .submit_job(v1::SubmitJobRequest {
+            allow_pending: false,
             request_id: "x".into(),
             spec: Some(v1::JobSpec {
                 world_size: 1,
@@ -846,6 +848,7 @@ async fn concurrent_submits_are_each_committed_exactly_once() {
             let request_id = format!("concurrent-{i:03}");
             let r = c
                 .submit_job(v1::SubmitJobRequest {
+                    allow_pending: false,
                     request_id: request_id.clone(),
                     spec: Some(v1::JobSpec {
                         name: format!("c{i}"),

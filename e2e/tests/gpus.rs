@@ -149,10 +149,40 @@ async fn whole_gpus_are_disjoint_packed_and_replaced_when_unhealthy() {
         assert!(seen.insert(env[0].clone()), "GPU {} given twice", env[0]);
     }
 
-    // 2. More GPUs than the cluster has: pending, with the reason.
+    // 2. More GPUs than the cluster has: refused at submit, or with allow_pending
+    // pending with the reason.
     let mut spec = env_job(3, &out_dir(&base, "big"), false);
     spec.gpus_per_rank = 2;
-    let big = submit(&cluster, "gpu-big", spec).await;
+    let refused = cluster
+        .leader_client()
+        .await
+        .expect("client")
+        .submit_job(v1::SubmitJobRequest {
+            request_id: "gpu-big-refused".into(),
+            spec: Some(spec.clone()),
+            allow_pending: false,
+        })
+        .await
+        .expect_err("larger than the cluster");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().contains("larger than the cluster")
+            && refused.message().contains("--allow-pending"),
+        "{refused}"
+    );
+    let big = cluster
+        .leader_client()
+        .await
+        .expect("client")
+        .submit_job(v1::SubmitJobRequest {
+            request_id: "gpu-big".into(),
+            spec: Some(spec),
+            allow_pending: true,
+        })
+        .await
+        .expect("submit with allow_pending")
+        .into_inner()
+        .job_id;
     let pending = cluster
         .wait_job(&big, "a pending reason", LONG, |j| {
             !j.pending_reason.is_empty()

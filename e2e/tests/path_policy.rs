@@ -62,6 +62,7 @@ async fn submits_outside_the_allowed_roots_are_refused_and_touch_nothing() {
         ..Default::default()
     };
     let submit = |n: usize, spec: v1::JobSpec| v1::SubmitJobRequest {
+        allow_pending: false,
         request_id: format!("policy-{n}"),
         spec: Some(spec),
     };

@@ -467,6 +467,7 @@ async fn a_majority_of_damaged_logs_stops_writes_rather_than_diverge() {
     let write = tokio::time::timeout(
         Duration::from_secs(20),
         c.submit_job(v1::SubmitJobRequest {
+            allow_pending: false,
             request_id: "after-damage".into(),
             spec: Some(pending_spec()),
         }),

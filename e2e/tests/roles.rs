@@ -74,6 +74,7 @@ async fn roles_limit_what_each_user_may_do() {
     let mut as_alice = cluster.leader_client_as(&alice).await.expect("alice");
     let job = as_alice
         .submit_job(v1::SubmitJobRequest {
+            allow_pending: false,
             request_id: "alice-1".into(),
             spec: Some(sleeper()),
         })
@@ -98,6 +99,7 @@ async fn roles_limit_what_each_user_may_do() {
     assert!(listed.jobs.iter().any(|j| j.id == job));
     let r = as_reader
         .submit_job(v1::SubmitJobRequest {
+            allow_pending: false,
             request_id: "reader-1".into(),
             spec: Some(sleeper()),
         })

@@ -123,6 +123,7 @@ async fn a_submit_larger_than_one_raft_entry_is_refused_and_changes_nothing() {
         .into_inner();
     let err = c
         .submit_job(v1::SubmitJobRequest {
+            allow_pending: false,
             request_id: "too-large".into(),
             spec: Some(spec(&deep)),
         })
@@ -176,6 +177,7 @@ async fn submits_past_the_state_byte_budget_are_refused_until_jobs_finish() {
         assert!(admitted.len() < 10, "1 MiB cannot hold 10 jobs of ~300 KB");
         let result = c
             .submit_job(v1::SubmitJobRequest {
+                allow_pending: false,
                 request_id: format!("budget-{}", admitted.len()),
                 spec: Some(spec.clone()),
             })
@@ -214,6 +216,7 @@ async fn submits_past_the_state_byte_budget_are_refused_until_jobs_finish() {
     .expect("cancel");
     let again = c
         .submit_job(v1::SubmitJobRequest {
+            allow_pending: false,
             request_id: "budget-after-cancel".into(),
             spec: Some(spec),
         })

@@ -94,7 +94,11 @@ def test_a_rank_gets_its_gpu_memory_fraction(
 def test_a_job_needing_more_gpus_than_exist_stays_pending_with_the_reason(
     gpu_client: cumulus.Client, tmp_path: Path
 ) -> None:
-    job = gpu_client.submit(WRITE_GPU_ENV, env={"OUT": str(tmp_path / "never")}, gpus_per_rank=2)
+    with pytest.raises(cumulus.InvalidSpec, match="larger than the cluster"):
+        gpu_client.submit(WRITE_GPU_ENV, gpus_per_rank=2)
+    job = gpu_client.submit(
+        WRITE_GPU_ENV, env={"OUT": str(tmp_path / "never")}, gpus_per_rank=2, allow_pending=True
+    )
     try:
 
         def with_reason() -> cumulus.JobInfo | None:

@@ -245,6 +245,7 @@ mod tests {
         write_exit_record(
             &paths.exit,
             &ExitRecord {
+                exec_failed: false,
                 exit_code: Some(1),
                 signal: None,
                 spawn_error: None,

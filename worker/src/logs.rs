@@ -87,6 +87,22 @@ pub struct ExitRecord {
     /// disk, process slots); not the rank's failure ([`is_agent_resource_error`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub agent_fault: bool,
+    /// With `spawn_error`: the program cannot be executed ([`is_exec_error`]); no
+    /// restart can fix that.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exec_failed: bool,
+}
+
+/// Whether `e`, from starting a rank's program, says the program cannot be executed at
+/// all: missing (`ENOENT`), not executable or not permitted (`EACCES`), or not a valid
+/// executable (`ENOEXEC`). The same command fails the same way on every restart.
+pub fn is_exec_error(e: &io::Error) -> bool {
+    use nix::errno::Errno;
+    e.raw_os_error().is_some_and(|code| {
+        [Errno::ENOENT, Errno::EACCES, Errno::ENOEXEC]
+            .iter()
+            .any(|errno| *errno as i32 == code)
+    })
 }
 
 /// Whether `e` is the agent's own lack of a resource rather than something about the
@@ -117,6 +133,7 @@ impl ExitRecord {
             signal: status.signal(),
             spawn_error: None,
             agent_fault: false,
+            exec_failed: false,
         }
     }
 
@@ -127,6 +144,7 @@ impl ExitRecord {
             signal: None,
             spawn_error: Some(error.into()),
             agent_fault: false,
+            exec_failed: false,
         }
     }
 
@@ -747,6 +765,7 @@ mod tests {
         let path = dir.path().join("attempt-0.exit");
         assert!(read_exit_record(&path).await.expect("read").is_none());
         let rec = ExitRecord {
+            exec_failed: false,
             exit_code: Some(3),
             signal: None,
             spawn_error: None,

@@ -377,6 +377,19 @@ pub(super) fn plan_running(
             .collect::<Vec<_>>()
             .join("; "),
     );
+    // A program that cannot be executed fails the same way on every restart: the job
+    // fails now instead of spending its budget on it.
+    if let Some(r) = failed.iter().find(|r| r.exec_failed) {
+        actions.push(Action::FailJob {
+            job_id: job.id.clone(),
+            cause: truncate(format!(
+                "{}: the program cannot be executed, and no restart can fix that (check the \
+                 command, its path and permissions on the workers, then submit again)",
+                r.failure.clone().unwrap_or_default()
+            )),
+        });
+        return;
+    }
     let policy = &job.spec.restart;
     // Attempts the agent could not start for its own lack of a resource are not the
     // ranks' failures: their restart spends no budget (a bounded number of them).

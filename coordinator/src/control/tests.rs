@@ -168,6 +168,9 @@ fn group_restart_then_budget_exhaustion() {
     let w = s.jobs[&job_id].ranks[2].worker_id.clone().expect("placed");
     s.apply(
         &Command::RankExited {
+            step: 0,
+            total_steps: 0,
+            exec_failed: false,
             job_id: job_id.clone(),
             rank: 2,
             attempt: 0,
@@ -223,6 +226,9 @@ fn group_restart_then_budget_exhaustion() {
     );
     s.apply(
         &Command::RankExited {
+            step: 0,
+            total_steps: 0,
+            exec_failed: false,
             job_id: job_id.clone(),
             rank: 0,
             attempt: 1,
@@ -259,6 +265,9 @@ fn agent_resource_errors_restart_elsewhere_without_spending_budget() {
     let mut agent_fails = |s: &mut ClusterState, attempt: u32, worker: &str| {
         s.apply(
             &Command::RankExited {
+                step: 0,
+                total_steps: 0,
+                exec_failed: false,
                 job_id: job_id.clone(),
                 rank: 0,
                 attempt,

@@ -328,6 +328,7 @@ class Client:
         gpus_per_rank: int | None = None,
         gpu_memory_fraction: float | None = None,
         request_id: str | None = None,
+        allow_pending: bool = False,
     ) -> Job:
         """Submits a job: ``command`` (argv; ``argv[0]`` is looked up in the worker's
         ``PATH``) run by ``world_size`` ranks. Relative paths are made absolute here, as
@@ -358,6 +359,9 @@ class Client:
             enforces it.
         :param request_id: idempotency key (1..=128 bytes); default a random one, reused
             by every retry of this call.
+        :param allow_pending: accept a job larger than the alive workers offer in all
+            (slots, GPUs); it stays pending until workers join. Without it the
+            coordinator refuses such a job (:class:`InvalidSpec`).
         :returns: the job's handle (``created`` says whether this call created it).
         :raises InvalidSpec: the coordinator refused the spec (the message says why),
             or an argument is invalid (checked here first).
@@ -433,7 +437,10 @@ class Client:
             spec["gpus_per_rank"] = gpus_per_rank
         if gpu_memory_fraction is not None:
             spec["gpu_memory_fraction"] = float(gpu_memory_fraction)
-        body = self._request("POST", "/v1/jobs", body={"request_id": rid, "spec": spec})
+        request: dict[str, Any] = {"request_id": rid, "spec": spec}
+        if allow_pending:
+            request["allow_pending"] = True
+        body = self._request("POST", "/v1/jobs", body=request)
         if not isinstance(body, dict) or not isinstance(body.get("job_id"), str):
             raise ProtocolError(f"submit: malformed answer {body!r}")
         return Job(self, body["job_id"], created=bool(body.get("created", True)), request_id=rid)

@@ -168,8 +168,37 @@ impl ClusterState {
                 worker_id,
                 exit_code,
                 signal,
+                at_ms,
+                step,
+                total_steps,
+                ..
+            } if self
+                .jobs
+                .get(job_id)
+                .is_some_and(|j| j.state.is_terminal()) =>
+            {
+                self.final_exit(
+                    job_id,
+                    (*rank, *attempt),
+                    worker_id,
+                    (*exit_code, *signal),
+                    (*step, *total_steps),
+                    *at_ms,
+                    dirty,
+                )
+            }
+            Command::RankExited {
+                job_id,
+                rank,
+                attempt,
+                worker_id,
+                exit_code,
+                signal,
                 spawn_error,
                 agent_fault,
+                exec_failed,
+                step,
+                total_steps,
                 at_ms,
             } => self.with_current_rank(job_id, *rank, *attempt, Some(worker_id), dirty, |_, r| {
                 if !matches!(r.state, RankState::Pending | RankState::Running) {
@@ -181,12 +210,14 @@ impl ClusterState {
                 r.exit_code = *exit_code;
                 r.signal = *signal;
                 r.exited_at_ms = *at_ms;
+                r.last_progress = (*step, *total_steps);
                 if *exit_code == Some(0) && spawn_error.is_empty() {
                     r.state = RankState::Exited;
                     r.failure = None;
                 } else {
                     r.state = RankState::Failed;
                     r.agent_fault = *agent_fault && !spawn_error.is_empty();
+                    r.exec_failed = *exec_failed && !spawn_error.is_empty();
                     r.failure = Some(if r.agent_fault {
                         format!(
                             "rank {} attempt {} could not start on {worker_id}, for a \
@@ -373,6 +404,8 @@ impl ClusterState {
                 resume_dir: String::new(),
                 attempt_workers: Vec::new(),
                 agent_fault: false,
+                exec_failed: false,
+                last_progress: (0, 0),
                 gpus: Vec::new(),
             })
             .collect();
@@ -466,6 +499,50 @@ impl ClusterState {
             dirty.insert(DirtyKey::Job(job_id.to_string()));
         }
         resp
+    }
+
+    /// Records the exit of a rank of a job that already ended (failed, cancelled, or
+    /// succeeded while this rank was still stopping), so that its status stops showing
+    /// a process that is gone. Changes nothing else of the job. Rejects a stale attempt,
+    /// another worker's report, or a rank that already ended.
+    #[allow(clippy::too_many_arguments)]
+    fn final_exit(
+        &mut self,
+        job_id: &str,
+        (rank, attempt): (u32, u32),
+        worker_id: &str,
+        (exit_code, signal): (Option<i32>, Option<i32>),
+        last_progress: (u64, u64),
+        at_ms: u64,
+        dirty: &mut BTreeSet<DirtyKey>,
+    ) -> Response {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return reject(format!("unknown job {job_id}"));
+        };
+        let Some(r) = job.ranks.get(rank as usize) else {
+            return reject(format!("job {job_id} has no rank {rank}"));
+        };
+        if r.attempt != attempt
+            || r.worker_id.as_deref() != Some(worker_id)
+            || !matches!(r.state, RankState::Pending | RankState::Running)
+        {
+            return reject(format!(
+                "job {job_id} is {}: rank {rank} attempt {attempt} is not live on {worker_id}",
+                job.state.as_str()
+            ));
+        }
+        let r = &mut Arc::make_mut(job).ranks[rank as usize];
+        r.exit_code = exit_code;
+        r.signal = signal;
+        r.exited_at_ms = at_ms;
+        r.last_progress = last_progress;
+        r.state = if exit_code == Some(0) {
+            RankState::Exited
+        } else {
+            RankState::Failed
+        };
+        dirty.insert(DirtyKey::Job(job_id.to_string()));
+        Response::Ok
     }
 
     /// Runs `f` on the current attempt of a rank; rejects a stale attempt, another
@@ -632,9 +709,19 @@ impl ClusterState {
         if job.state != JobState::Pending {
             return None;
         }
-        let world = job.spec.world_size;
+        match self.capacity_outlook(&job.spec) {
+            Outlook::FitsNow => None,
+            Outlook::Waits(why) | Outlook::Never(why) => Some(why),
+        }
+    }
+
+    /// Whether a job of `spec` fits the alive workers now, later (once running jobs end),
+    /// or never (more than they offer in all), with the reason in words. GPU health is
+    /// soft state the replicated state does not hold: every GPU counts here.
+    pub fn capacity_outlook(&self, spec: &JobSpec) -> Outlook {
+        let world = spec.world_size;
         let ranks: Vec<u32> = (0..world).collect();
-        let Some(demand) = job.spec.gpu_demand() else {
+        let Some(demand) = spec.gpu_demand() else {
             let capacity = self.gpu_capacity(false);
             let total: u64 = self
                 .workers
@@ -644,15 +731,15 @@ impl ClusterState {
                 .sum();
             let free: u64 = capacity.iter().map(|w| u64::from(w.free_slots)).sum();
             return if total < u64::from(world) {
-                Some(format!(
+                Outlook::Never(format!(
                     "cannot be placed: it needs {world} slots and the alive workers offer {total} in all"
                 ))
             } else if free < u64::from(world) {
-                Some(format!(
+                Outlook::Waits(format!(
                     "waiting for {world} free slots: {free} of {total} are free now"
                 ))
             } else {
-                None
+                Outlook::FitsNow
             };
         };
         let need = if demand.permille == shard_planner::WHOLE_GPU_PERMILLE {
@@ -680,13 +767,13 @@ impl ClusterState {
             )
         };
         if !fits(true) {
-            return Some(format!(
+            return Outlook::Never(format!(
                 "cannot be placed: it needs {need} (gang, each rank's GPUs on its worker) and \
                  the alive workers have {total_gpus} GPUs in all"
             ));
         }
         if fits(false) {
-            return None;
+            return Outlook::FitsNow;
         }
         let free_gpus = self
             .gpu_capacity(false)
@@ -694,7 +781,7 @@ impl ClusterState {
             .flat_map(|w| &w.gpus)
             .filter(|g| g.free_permille >= demand.permille)
             .count();
-        Some(format!(
+        Outlook::Waits(format!(
             "waiting for GPUs: it needs {need}; {free_gpus} of {total_gpus} GPUs have room for a rank now"
         ))
     }
@@ -998,6 +1085,8 @@ impl ClusterState {
             r.signal = None;
             r.failure = None;
             r.agent_fault = false;
+            r.exec_failed = false;
+            r.last_progress = (0, 0);
             r.started_at_ms = 0;
             r.exited_at_ms = 0;
             r.pid = 0;
@@ -1168,4 +1257,15 @@ pub enum PlacementError {
         /// What the placements give out of it, in thousandths.
         wanted_permille: u32,
     },
+}
+
+/// Whether a job fits the cluster's alive workers ([`ClusterState::capacity_outlook`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outlook {
+    /// It would be placed at the leader's next pass.
+    FitsNow,
+    /// It fits the alive workers, once running jobs free slots or GPUs (why, in words).
+    Waits(String),
+    /// It needs more than the alive workers offer in all (why, in words).
+    Never(String),
 }

@@ -121,6 +121,16 @@ pub enum Command {
         /// It could not start for lack of a resource on the agent (not the rank's fault).
         #[serde(default)]
         agent_fault: bool,
+        /// Its program cannot be executed (missing, not executable): no restart can fix
+        /// it, the leader fails the job.
+        #[serde(default)]
+        exec_failed: bool,
+        /// The last step the rank reported before it exited (0: none).
+        #[serde(default)]
+        step: u64,
+        /// The total steps of that report (0: unknown).
+        #[serde(default)]
+        total_steps: u64,
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },

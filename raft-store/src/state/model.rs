@@ -47,6 +47,14 @@ pub struct RankRecord {
     /// local resource (descriptors, memory, disk, process slots): not the rank's fault.
     #[serde(default)]
     pub agent_fault: bool,
+    /// The last progress `(step, total_steps)` the current attempt reported before it
+    /// exited, kept for the job's status once the process is gone ((0, 0): none).
+    #[serde(default, skip_serializing_if = "is_zero_pair")]
+    pub last_progress: (u64, u64),
+    /// The current attempt's program cannot be executed (missing, not executable): the
+    /// leader fails the job instead of restarting it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exec_failed: bool,
     /// UUIDs of the GPUs of the current attempt (empty for a job without GPUs).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus: Vec<String>,
@@ -343,4 +351,8 @@ impl From<ClusterStateData> for ClusterState {
         state.rebuild_index();
         state
     }
+}
+
+fn is_zero_pair(p: &(u64, u64)) -> bool {
+    *p == (0, 0)
 }

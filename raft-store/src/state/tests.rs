@@ -71,6 +71,9 @@ fn cluster_with_job(world_size: u32) -> (ClusterState, String) {
 
 fn exit(job_id: &str, rank: u32, attempt: u32, worker: &str, code: i32) -> Command {
     Command::RankExited {
+        step: 0,
+        total_steps: 0,
+        exec_failed: false,
         job_id: job_id.into(),
         rank,
         attempt,

@@ -309,6 +309,9 @@ impl Supervisor {
                 signal: None,
                 spawn_error: format!("the agent already runs {MAX_LIVE_ATTEMPTS} rank attempts"),
                 agent_fault: true,
+                exec_failed: false,
+                step: 0,
+                total_steps: 0,
             }));
             return;
         }
@@ -509,6 +512,7 @@ impl Supervisor {
                         signal: Some(Signal::SIGKILL as i32),
                         spawn_error: None,
                         agent_fault: false,
+                        exec_failed: false,
                     }
                 } else {
                     ExitRecord::spawn_failed("the agent stopped before the process started")
@@ -525,11 +529,16 @@ impl Supervisor {
         };
         let _ = tokio::fs::remove_file(shards_file(&self.inner.settings.data_dir, &key)).await;
         self.table().finished.insert(key.clone());
-        self.push_exit(&key, &exit);
+        // An attempt lost across an agent restart: its progress was in the old agent's
+        // memory.
+        self.push_exit(&key, &exit, Progress::default());
     }
 
-    fn push_exit(&self, key: &AttemptKey, exit: &ExitRecord) {
+    /// Queues the exit report of `key`, with `last`, the progress it reported last.
+    fn push_exit(&self, key: &AttemptKey, exit: &ExitRecord, last: Progress) {
         self.inner.events.push(RankEvent::Exited(RankExitedRequest {
+            step: last.step,
+            total_steps: last.total_steps,
             worker_id: self.inner.settings.worker_id.clone(),
             job_id: key.job_id.clone(),
             rank: key.rank,
@@ -538,6 +547,7 @@ impl Supervisor {
             signal: exit.signal,
             spawn_error: exit.spawn_error.clone().unwrap_or_default(),
             agent_fault: exit.agent_fault,
+            exec_failed: exit.exec_failed,
         }));
     }
 
@@ -564,12 +574,12 @@ impl Supervisor {
             }
             let _ = tokio::fs::remove_file(shards_file(&data_dir, &key)).await;
         }
-        let ckpt = {
+        let (ckpt, last) = {
             let mut table = self.table();
             let entry = table.entries.remove(&key);
             table.tokens.remove(&token);
             table.finished.insert(key.clone());
-            entry.and_then(|e| e.ckpt)
+            entry.map_or((None, None), |e| (e.ckpt, e.progress))
         };
         // The attempt never runs again: whatever it left uncommitted in staging is garbage.
         if let Some(ckpt) = ckpt {
@@ -590,7 +600,7 @@ impl Supervisor {
             spawn_error = exit.spawn_error.as_deref().unwrap_or(""),
             "rank attempt finished"
         );
-        self.push_exit(&key, &exit);
+        self.push_exit(&key, &exit, last.unwrap_or_default());
     }
 
     async fn run_process(
@@ -648,9 +658,10 @@ impl Supervisor {
             Ok(s) => s,
             Err(e) => {
                 let exit = match &e {
-                    SpawnError::Io { source, .. } => {
-                        ExitRecord::start_failed(e.to_string(), source)
-                    }
+                    SpawnError::Io { source, .. } => ExitRecord {
+                        exec_failed: crate::logs::is_exec_error(source),
+                        ..ExitRecord::start_failed(e.to_string(), source)
+                    },
                     SpawnError::Stopped => ExitRecord::spawn_failed(e.to_string()),
                 };
                 return fail_start(log, exit).await;

@@ -179,6 +179,7 @@ async fn spawns_with_the_full_env_contract() {
     assert_eq!(
         exit,
         ExitRecord {
+            exec_failed: false,
             exit_code: Some(0),
             signal: None,
             spawn_error: None,
