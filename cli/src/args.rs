@@ -341,7 +341,9 @@ pub struct CompletionArgs {
 }
 
 fn parse_job_state(text: &str) -> Result<cumulus_api::JobState, String> {
-    text.trim().parse().map_err(|e: cumulus_api::UnknownName| e.to_string())
+    text.trim()
+        .parse()
+        .map_err(|e: cumulus_api::UnknownName| e.to_string())
 }
 
 /// `token` subcommands.

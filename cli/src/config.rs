@@ -23,9 +23,7 @@ pub const MAX_TOKEN_BYTES: usize = cumulus_api::token::MAX_TOKEN_BYTES;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The token file cannot be read.
-    #[error(
-        "cannot read the token file {path} (--token-file or CUMULUS_TOKEN_FILE): {source}"
-    )]
+    #[error("cannot read the token file {path} (--token-file or CUMULUS_TOKEN_FILE): {source}")]
     TokenFile {
         /// The file.
         path: PathBuf,

@@ -740,8 +740,9 @@ mod tests {
             "{text}"
         );
 
+        // The leader's own answer: it knows the workers' heartbeats and resources.
         let text = cluster_status(&ClusterStatusResponse {
-            node_id: 2,
+            node_id: 1,
             leader_id: Some(1),
             term: 3,
             commit_index: Some(17),

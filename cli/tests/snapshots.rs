@@ -55,7 +55,12 @@ fn job() -> Job {
         spec: Some(JobSpec {
             name: "digits".into(),
             world_size: 2,
-            command: vec!["python".into(), "train.py".into(), "--lr".into(), "0.1".into()],
+            command: vec![
+                "python".into(),
+                "train.py".into(),
+                "--lr".into(),
+                "0.1".into(),
+            ],
             restart: Some(RestartPolicy {
                 max_restarts: Some(3),
                 ..Default::default()

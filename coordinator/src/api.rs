@@ -199,10 +199,12 @@ fn check_fits(
         any_alive.then(|| s.capacity_outlook(spec))
     });
     match outlook {
-        Some(cumulus_raft_store::state::Outlook::Never(why)) => Err(ApiError::InvalidArgument(
-            format!("the job is larger than the cluster: it {}; submit with --allow-pending (allow_pending) to queue it until workers join",
-                why.trim_start_matches("cannot be placed: it ")),
-        )),
+        Some(cumulus_raft_store::state::Outlook::Never(why)) => {
+            Err(ApiError::InvalidArgument(format!(
+                "the job is larger than the cluster: it {}; submit with --allow-pending (allow_pending) to queue it until workers join",
+                why.trim_start_matches("cannot be placed: it ")
+            )))
+        }
         _ => Ok(()),
     }
 }

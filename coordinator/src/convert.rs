@@ -144,7 +144,8 @@ pub fn job_to_proto(
                     // The leader's live view while the attempt runs; once it has exited,
                     // the last report it made (replicated with its exit).
                     step: p.map_or(r.last_progress.0, |p| p.step.max(r.last_progress.0)),
-                    total_steps: p.map_or(r.last_progress.1, |p| p.total_steps.max(r.last_progress.1)),
+                    total_steps: p
+                        .map_or(r.last_progress.1, |p| p.total_steps.max(r.last_progress.1)),
                     local_rank: r.local_rank,
                     shard_count: job
                         .shard_plan

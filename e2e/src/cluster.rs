@@ -666,15 +666,9 @@ impl Cluster {
         .await
     }
 
-    /// A client of the current leader.
+    /// A client of the current leader (with the cluster token).
     pub async fn leader_client(&self) -> anyhow::Result<Client> {
-        let id = self.wait_leader(Duration::from_secs(60)).await;
-        let i = self
-            .coordinators
-            .iter()
-            .position(|c| c.id == id)
-            .context("leader is a member")?;
-        self.client_of(i).await
+        self.leader_client_as(TOKEN).await
     }
 
     /// A client of the current leader that presents `token` (a user's) instead of the

@@ -69,7 +69,9 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
     let big: serde_json::Value = serde_json::from_str(&stdout(&out)).expect("json");
     let big = big["job_id"].as_str().expect("job id").to_string();
     let pending = cluster
-        .wait_job(&big, "a pending reason", LONG, |j| !j.pending_reason.is_empty())
+        .wait_job(&big, "a pending reason", LONG, |j| {
+            !j.pending_reason.is_empty()
+        })
         .await;
     assert!(
         pending.pending_reason.contains("cannot be placed"),
@@ -79,7 +81,13 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
 
     // 2. Fewer shards than ranks: refused, saying how to fix it.
     let work = prepare_digits(dir.path(), 1).expect("one shard");
-    let mut spec = trainer_spec(&work, 2, &dir.path().join("ckpt"), &dir.path().join("out"), &[]);
+    let mut spec = trainer_spec(
+        &work,
+        2,
+        &dir.path().join("ckpt"),
+        &dir.path().join("out"),
+        &[],
+    );
     spec.name = "underfed".into();
     let refused = cluster
         .leader_client()
@@ -172,7 +180,11 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
         &["--epochs", "2"],
     );
     spec.name = "finisher".into();
-    let done = cluster.submit("finisher", spec).await.expect("submit").job_id;
+    let done = cluster
+        .submit("finisher", spec)
+        .await
+        .expect("submit")
+        .job_id;
     let done = cluster.wait_finished(&done, LONG).await;
     assert_eq!(done.job_state(), Ok(JobState::Succeeded), "{done:?}");
     for r in &done.ranks {
@@ -197,9 +209,14 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
         .filter_map(|j| j["id"].as_str())
         .collect();
     assert_eq!(ids, vec![missing.as_str()]);
-    let out = cluster.cumulusctl(&["list", "--name", "sleep"]).expect("list");
+    let out = cluster
+        .cumulusctl(&["list", "--name", "sleep"])
+        .expect("list");
     let text = stdout(&out);
-    assert!(text.contains(&cancel_me) && !text.contains(&missing), "{text}");
+    assert!(
+        text.contains(&cancel_me) && !text.contains(&missing),
+        "{text}"
+    );
     let out = cluster
         .cumulusctl(&["-o", "json", "list", "--limit", "1"])
         .expect("list");

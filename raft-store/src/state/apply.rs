@@ -172,21 +172,15 @@ impl ClusterState {
                 step,
                 total_steps,
                 ..
-            } if self
-                .jobs
-                .get(job_id)
-                .is_some_and(|j| j.state.is_terminal()) =>
-            {
-                self.final_exit(
-                    job_id,
-                    (*rank, *attempt),
-                    worker_id,
-                    (*exit_code, *signal),
-                    (*step, *total_steps),
-                    *at_ms,
-                    dirty,
-                )
-            }
+            } if self.jobs.get(job_id).is_some_and(|j| j.state.is_terminal()) => self.final_exit(
+                job_id,
+                (*rank, *attempt),
+                worker_id,
+                (*exit_code, *signal),
+                (*step, *total_steps),
+                *at_ms,
+                dirty,
+            ),
             Command::RankExited {
                 job_id,
                 rank,
