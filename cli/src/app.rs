@@ -37,7 +37,16 @@ pub async fn run(cli: Cli) -> Result<()> {
                 .context("writing to stdout")
         }
         Command::Cancel(j) => jobs::cancel(&config::resolve(g)?, &j.job, out).await,
-        Command::Logs(l) => jobs::logs(&config::resolve(g)?, &l.job, l.rank, l.follow, out).await,
+        Command::Logs(l) => {
+            jobs::logs(
+                &config::resolve(g)?,
+                &l.job,
+                (l.rank, l.tail),
+                l.follow,
+                out,
+            )
+            .await
+        }
         Command::Ckpt(CkptCommand::Ls(j)) => jobs::ckpt_ls(&config::resolve(g)?, &j.job, out).await,
         Command::Cluster(ClusterCommand::Status) => {
             jobs::cluster_status(&config::resolve(g)?, out).await
@@ -234,6 +243,7 @@ async fn local_status(g: &GlobalOpts) -> Result<()> {
     let status = match (&token, alive.iter().any(|a| *a)) {
         (Some(token), true) => {
             let conn = config::Conn {
+                retry_total: std::time::Duration::from_secs(g.timeout),
                 grpc: file.grpc_addrs(),
                 http: file.http_addrs(),
                 token: token.clone(),

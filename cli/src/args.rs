@@ -86,6 +86,12 @@ pub struct GlobalOpts {
     /// Output format: human tables or JSON for scripts.
     #[arg(short = 'o', long, global = true, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
+    /// Give up on an unreachable or leaderless cluster after this many seconds
+    /// (1..=3600): every call retries the other coordinators and follows the leader
+    /// until then (a failover takes about a second).
+    #[arg(long, global = true, env = "CUMULUS_TIMEOUT", value_name = "SECONDS",
+          default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub timeout: u64,
     /// Show the client's own diagnostics on stderr (retries, leader changes): `-v`
     /// warnings, `-vv` info, `-vvv` debug. `RUST_LOG` overrides.
     #[arg(short = 'v', long, global = true, action = clap::ArgAction::Count)]
@@ -308,6 +314,10 @@ pub struct LogsArgs {
     /// Only this rank (default: every rank).
     #[arg(long)]
     pub rank: Option<u32>,
+    /// Only the last N lines of each rank's logs so far (with `-f`, then follow from
+    /// there), as `kubectl logs --tail`.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub tail: Option<u32>,
 }
 
 /// `ckpt` subcommands.

@@ -162,7 +162,13 @@ pub struct Client {
 impl Client {
     /// A client of the coordinators in `conn` with the default policy.
     pub fn new(conn: &Conn) -> Result<Self, ClientError> {
-        Self::with_policy(conn, RetryPolicy::default())
+        Self::with_policy(
+            conn,
+            RetryPolicy {
+                max_total: conn.retry_total,
+                ..RetryPolicy::default()
+            },
+        )
     }
 
     /// A client with an explicit retry policy.
@@ -610,6 +616,7 @@ mod tests {
 
         fn conn(addrs: Vec<String>, token: &str) -> Conn {
             Conn {
+                retry_total: std::time::Duration::from_secs(30),
                 grpc: addrs,
                 http: vec![],
                 token: token.into(),

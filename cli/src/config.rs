@@ -326,6 +326,8 @@ pub struct Conn {
     pub token: String,
     /// TLS: the CA that verifies the coordinators (`None`: plaintext, `--insecure`).
     pub tls: Option<ClientTls>,
+    /// How long a call keeps retrying an unreachable or leaderless cluster (`--timeout`).
+    pub retry_total: std::time::Duration,
 }
 
 impl Conn {
@@ -433,6 +435,7 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
         http,
         token,
         tls,
+        retry_total: std::time::Duration::from_secs(global.timeout),
     })
 }
 
@@ -476,6 +479,7 @@ mod tests {
             local_dir: dir.to_path_buf(),
             output: OutputFormat::Table,
             verbose: 0,
+            timeout: 30,
         }
     }
 

@@ -12,7 +12,7 @@ use crate::args::{ListArgs, OutputFormat, SubmitArgs, TokenCreateArgs};
 use crate::client::{Client, new_request_id};
 use crate::config::Conn;
 use crate::dataset::{absolute, canonical_lenient};
-use crate::logs::{CursorState, LogRequest, follow_logs};
+use crate::logs::{CursorState, LogLine, LogRequest, follow_logs};
 use crate::render;
 
 /// Poll interval of `submit --wait`.
@@ -181,6 +181,93 @@ pub async fn submit(conn: &Conn, args: &SubmitArgs, output: OutputFormat) -> Res
     Ok(())
 }
 
+/// What `submit --wait` shows while the job runs: on a terminal, a live line (indicatif)
+/// with the slowest rank's step, the restarts and the pending reason; otherwise a line
+/// on stderr whenever that text changes, at most every [`WAIT_LINE_EVERY`].
+struct WaitProgress {
+    job_id: String,
+    bar: Option<indicatif::ProgressBar>,
+    last_line: String,
+    last_printed: Option<Instant>,
+}
+
+/// Least time between two progress lines of `submit --wait` when stderr is not a
+/// terminal.
+const WAIT_LINE_EVERY: Duration = Duration::from_secs(10);
+
+impl WaitProgress {
+    fn new(job_id: &str) -> Self {
+        let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
+            let bar = indicatif::ProgressBar::new_spinner();
+            bar.enable_steady_tick(Duration::from_millis(200));
+            bar
+        });
+        Self {
+            job_id: job_id.to_string(),
+            bar,
+            last_line: String::new(),
+            last_printed: None,
+        }
+    }
+
+    /// A line of its own (above the live line on a terminal).
+    fn println(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+
+    fn update(&mut self, job: &cumulus_api::Job) {
+        let text = progress_text(job);
+        if let Some(bar) = &self.bar {
+            bar.set_message(text);
+            return;
+        }
+        let due = self
+            .last_printed
+            .is_none_or(|t| t.elapsed() >= WAIT_LINE_EVERY);
+        if text != self.last_line && due && !text.is_empty() {
+            eprintln!("{}: {text}", self.job_id);
+            self.last_line = text;
+            self.last_printed = Some(Instant::now());
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// One line on a job's progress: its state, the slowest rank's step of the total (the
+/// job is as far as its slowest rank), the restarts used of the budget, and why it is
+/// pending.
+fn progress_text(job: &cumulus_api::Job) -> String {
+    let mut parts = vec![job.state.clone()];
+    let slowest = job
+        .ranks
+        .iter()
+        .filter(|r| r.total_steps > 0)
+        .min_by_key(|r| r.step);
+    if let Some(r) = slowest {
+        parts.push(format!(
+            "step {}/{} ({:.0}%)",
+            r.step,
+            r.total_steps,
+            100.0 * r.step as f64 / r.total_steps as f64
+        ));
+    }
+    if job.restarts_used > 0 {
+        parts.push(format!("{} restarts", job.restarts_used));
+    }
+    if !job.pending_reason.is_empty() {
+        parts.push(job.pending_reason.clone());
+    }
+    cumulus_api::text::escape_control(&parts.join(", ")).into_owned()
+}
+
 /// Polls a job until it finishes; `Ok` only when it succeeded.
 pub async fn wait_for(
     client: &Client,
@@ -190,6 +277,7 @@ pub async fn wait_for(
 ) -> Result<()> {
     let start = Instant::now();
     let mut last_state = String::new();
+    let mut progress = WaitProgress::new(job_id);
     loop {
         let resp = client.get_job(job_id, true).await?;
         let job = resp
@@ -197,10 +285,12 @@ pub async fn wait_for(
             .clone()
             .context("the coordinator returned no job")?;
         if job.state != last_state {
-            eprintln!("{job_id}: {}", job.state);
+            progress.println(&format!("{job_id}: {}", job.state));
             last_state = job.state.clone();
         }
+        progress.update(&job);
         if is_finished(&job.state) {
+            progress.finish();
             match output {
                 OutputFormat::Json => print_json(&resp)?,
                 OutputFormat::Table => print_text(&render::job_status(&resp, render::now_ms()))?,
@@ -466,19 +556,37 @@ pub async fn remove(conn: &Conn, id: u64, output: OutputFormat) -> Result<()> {
 pub async fn logs(
     conn: &Conn,
     job_id: &str,
-    rank: Option<u32>,
+    (rank, tail): (Option<u32>, Option<u32>),
     follow: bool,
     output: OutputFormat,
 ) -> Result<()> {
-    let req = LogRequest {
+    let mut req = LogRequest {
         job_id: job_id.to_string(),
         rank,
         follow,
     };
     let mut state = CursorState::default();
+    // With --tail: read what there is so far, keep the last N lines of each rank, print
+    // them, then (with -f) follow on from the same cursor.
+    let mut backlog: Vec<LogLine> = Vec::new();
+    if let Some(n) = tail {
+        req.follow = false;
+        let mut last: std::collections::BTreeMap<u32, std::collections::VecDeque<LogLine>> =
+            std::collections::BTreeMap::new();
+        follow_logs(conn, &req, &mut state, |l| {
+            let lines = last.entry(l.rank).or_default();
+            if lines.len() == n as usize {
+                lines.pop_front();
+            }
+            lines.push_back(l.clone());
+        })
+        .await?;
+        backlog = last.into_values().flatten().collect();
+        req.follow = follow;
+    }
     let mut out = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
-    let result = follow_logs(conn, &req, &mut state, |l| {
+    let mut print = |l: &LogLine| {
         if write_err.is_some() {
             return;
         }
@@ -491,8 +599,13 @@ pub async fn logs(
         if let Err(e) = r.and_then(|_| out.flush()) {
             write_err = Some(e);
         }
-    })
-    .await;
+    };
+    backlog.iter().for_each(&mut print);
+    let result = if tail.is_some() && !follow {
+        Ok(())
+    } else {
+        follow_logs(conn, &req, &mut state, &mut print).await
+    };
     if let Some(e) = write_err {
         // A closed pipe (`| head`) is a normal way to stop reading.
         if e.kind() == std::io::ErrorKind::BrokenPipe {

@@ -529,12 +529,15 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
     let recorded = ClusterFile::load(&dir).map_err(|e| LocalError::Other(e.to_string()))?;
     let (mut file, token, restarted) = match recorded {
         Some(mut file) => {
-            let live: Vec<String> = processes(&file)
+            let procs = processes(&file);
+            let live: Vec<String> = procs
                 .iter()
                 .filter(|p| p.alive())
                 .map(|p| p.pid.unwrap_or(0).to_string())
                 .collect();
-            if !live.is_empty() {
+            // Every process up: nothing to do. Some up: the dead ones are started again
+            // below, the live ones kept (a partly dead cluster is restarted in place).
+            if live.len() == procs.len() {
                 return Err(LocalError::AlreadyRunning {
                     dir,
                     pids: live.join(", "),
@@ -564,7 +567,7 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
             if !file.peer_token_file().exists() {
                 write_token(&file.peer_token_file(), &new_token())?;
             }
-            clear_pids(&mut file);
+            clear_dead_pids(&mut file);
             (file, token, true)
         }
         None => {
@@ -597,6 +600,9 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
     let spawned = (|| -> Result<(), LocalError> {
         for i in 0..file.coordinators.len() {
             let c = file.coordinators[i].clone();
+            if c.pid.is_some() {
+                continue; // alive (a partial restart keeps it)
+            }
             fs::create_dir_all(&c.data_dir).map_err(io_err(&c.data_dir))?;
             let child = spawn_detached(&coord_bin, &coordinator_args(&file, &c), &c.log)?;
             file.coordinators[i].pid = Some(child.id());
@@ -604,6 +610,9 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
         }
         for j in 0..file.workers.len() {
             let w = file.workers[j].clone();
+            if w.pid.is_some() {
+                continue; // alive (a partial restart keeps it)
+            }
             fs::create_dir_all(&w.data_dir).map_err(io_err(&w.data_dir))?;
             let child = spawn_detached(&worker_bin, &worker_args(&file, &w), &w.log)?;
             file.workers[j].pid = Some(child.id());
@@ -615,10 +624,25 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
         .map_err(|e| LocalError::Other(e.to_string()))?;
     let fail = |e: LocalError, file: &ClusterFile, children: Vec<(String, PathBuf, Child)>| {
         if !keep_on_failure {
-            let _ = stop_processes(&processes(file), TERM_GRACE);
+            // Only what this call started: processes that were up before are left alone.
+            let started: Vec<u32> = children.iter().map(|(_, _, c)| c.id()).collect();
+            let ours: Vec<Proc> = processes(file)
+                .into_iter()
+                .filter(|p| p.pid.is_some_and(|pid| started.contains(&pid)))
+                .collect();
+            let _ = stop_processes(&ours, TERM_GRACE);
             reap(children.into_iter().map(|(_, _, c)| c).collect());
             let mut f = file.clone();
-            clear_pids(&mut f);
+            for p in f
+                .coordinators
+                .iter_mut()
+                .map(|c| &mut c.pid)
+                .chain(f.workers.iter_mut().map(|w| &mut w.pid))
+            {
+                if p.is_some_and(|pid| started.contains(&pid)) {
+                    *p = None;
+                }
+            }
             let _ = f.store(&dir);
         }
         e
@@ -658,6 +682,7 @@ pub fn local_conn(file: &ClusterFile, token: &str) -> Result<Conn, LocalError> {
         .transpose()
         .map_err(|e| LocalError::Other(e.to_string()))?;
     Ok(Conn {
+        retry_total: std::time::Duration::from_secs(30),
         grpc: file.grpc_addrs(),
         http: file.http_addrs(),
         token: token.to_owned(),
@@ -667,6 +692,22 @@ pub fn local_conn(file: &ClusterFile, token: &str) -> Result<Conn, LocalError> {
 
 fn shape_text((c, w, s): (u32, u32, u32)) -> String {
     format!("{c} coordinators, {w} workers × {s} slots")
+}
+
+/// Sets the recorded pid of every process that is not running (as [`Proc::alive`]
+/// says) to `None`.
+pub fn clear_dead_pids(file: &mut ClusterFile) {
+    let alive: Vec<bool> = processes(file).iter().map(Proc::alive).collect();
+    let pids = file
+        .coordinators
+        .iter_mut()
+        .map(|c| &mut c.pid)
+        .chain(file.workers.iter_mut().map(|w| &mut w.pid));
+    for (pid, alive) in pids.zip(alive) {
+        if !alive {
+            *pid = None;
+        }
+    }
 }
 
 /// Sets every recorded pid to `None`.

@@ -222,6 +222,8 @@ where
         })?;
     let mut index = 0usize;
     let mut failures = 0u32;
+    // Since when the stream has failed without a line in between (`--timeout` bounds it).
+    let mut failing_since: Option<std::time::Instant> = None;
     loop {
         let addr = conn.http[index % conn.http.len()].clone();
         let url = format!("{}://{addr}/v1/jobs/{}/logs", conn.scheme(), req.job_id);
@@ -257,6 +259,7 @@ where
                     format!("{status}: {}", error_message(&body).unwrap_or_default())
                 } else {
                     failures = 0;
+                    failing_since = None;
                     let mut events = resp.bytes_stream().eventsource();
                     let mut dropped = "the stream closed without an end event".to_string();
                     while let Some(item) = events.next().await {
@@ -283,8 +286,9 @@ where
             }
         };
         failures += 1;
+        let since = *failing_since.get_or_insert_with(std::time::Instant::now);
         tracing::debug!(%addr, failures, %failure, "log stream interrupted; resuming elsewhere");
-        if failures >= MAX_CONSECUTIVE_FAILURES {
+        if failures >= MAX_CONSECUTIVE_FAILURES || since.elapsed() >= conn.retry_total {
             return Err(LogError::Exhausted {
                 failures,
                 addr,
@@ -463,6 +467,7 @@ mod tests {
         ])
         .await;
         let conn = Conn {
+            retry_total: std::time::Duration::from_secs(30),
             grpc: vec!["127.0.0.1:1".into()],
             http: vec![addr],
             token: "secret".into(),
@@ -548,6 +553,7 @@ mod tests {
                 sock.flush().await.expect("flush");
             });
             let conn = Conn {
+                retry_total: std::time::Duration::from_secs(30),
                 grpc: vec![],
                 http: vec![addr],
                 token: "t".into(),

@@ -193,3 +193,108 @@ fn without_a_cluster_the_error_says_what_to_pass() {
     let err = text(&out.stderr);
     assert!(err.contains("cannot find cumulus-coordinator"), "{err}");
 }
+
+/// The pid `cluster.json` records for the first coordinator or the first worker.
+fn recorded_pid(local_dir: &Path, kind: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(local_dir.join("cluster.json")).expect("cluster.json");
+    let file: serde_json::Value = serde_json::from_str(&text).expect("json");
+    file[kind][0]["pid"].as_u64()
+}
+
+#[test]
+fn local_up_restarts_the_dead_processes_of_a_partly_dead_cluster_in_place() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_cumulusctl"))
+        .parent()
+        .expect("bin dir")
+        .to_str()
+        .expect("utf-8")
+        .to_string();
+    let local = dir.path().join("cluster");
+    let local_s = local.to_str().expect("utf-8");
+    let up = |extra: &[&str]| {
+        let mut args = vec!["--local-dir", local_s, "local", "up", "--bin-dir", &bin_dir];
+        args.extend_from_slice(extra);
+        ctl(dir.path(), &args)
+    };
+    let out = up(&["--coordinators", "1", "--workers", "1", "--slots", "1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let coordinator = recorded_pid(&local, "coordinators").expect("coordinator pid");
+    let worker = recorded_pid(&local, "workers").expect("worker pid");
+
+    // All up: nothing to do, and it says so.
+    let out = up(&[]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("already running"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // The worker dies: `local up` starts it again and keeps the coordinator.
+    let pid = i32::try_from(worker).expect("pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the worker this test started");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while Path::new(&format!("/proc/{pid}/stat")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z "))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker did not die"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = up(&[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(recorded_pid(&local, "coordinators"), Some(coordinator));
+    let restarted = recorded_pid(&local, "workers").expect("new worker pid");
+    assert_ne!(restarted, worker);
+
+    let out = ctl(
+        dir.path(),
+        &["--local-dir", local_s, "local", "down", "--purge"],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn timeout_bounds_how_long_an_unreachable_cluster_is_retried() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "0123456789abcdef0123\n").expect("token");
+    // A port nothing listens on: every attempt is refused at once.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let started = std::time::Instant::now();
+    let out = ctl(
+        dir.path(),
+        &[
+            "--addr",
+            &addr,
+            "--insecure",
+            "--token-file",
+            token.to_str().expect("utf-8"),
+            "--timeout",
+            "1",
+            "list",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    // Well below the default of 30 s: the flag took effect.
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "gave up after {:?}",
+        started.elapsed()
+    );
+    let err = text(&out.stderr);
+    assert!(err.contains("is the cluster running?"), "{err}");
+    assert!(!err.contains("WARN"), "no tracing lines without -v: {err}");
+}

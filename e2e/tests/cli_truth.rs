@@ -3,7 +3,7 @@
 //! dataset with fewer shards than ranks), a program that cannot be executed fails the
 //! job at once instead of spending its restart budget, the ranks of a cancelled job stop
 //! showing a live process once they exit, a finished rank keeps the last step it
-//! reported, and `list` filters.
+//! reported, `logs --tail`, and `list` filters.
 
 use std::time::Duration;
 
@@ -195,6 +195,33 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
             r.step,
             r.total_steps
         );
+    }
+
+    // logs --tail N: the last N lines of each rank, the same as the end of the full logs.
+    let full = cluster
+        .cumulusctl(&["-o", "json", "logs", &done.id])
+        .expect("logs");
+    let tail = cluster
+        .cumulusctl(&["-o", "json", "logs", &done.id, "--tail", "2"])
+        .expect("logs --tail");
+    assert!(tail.status.success(), "{}", stderr(&tail));
+    let lines = |out: &std::process::Output| -> Vec<serde_json::Value> {
+        stdout(out)
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .collect()
+    };
+    let (full, tail) = (lines(&full), lines(&tail));
+    for rank in 0..2u64 {
+        let of = |v: &[serde_json::Value]| -> Vec<String> {
+            v.iter()
+                .filter(|l| l["rank"].as_u64() == Some(rank))
+                .map(|l| l["line"].as_str().unwrap_or_default().to_string())
+                .collect()
+        };
+        let all = of(&full);
+        assert!(all.len() > 2, "rank {rank} logged {} lines", all.len());
+        assert_eq!(of(&tail), all[all.len() - 2..].to_vec(), "rank {rank}");
     }
 
     // 6. list filters: by state, by name, the newest N.
