@@ -27,6 +27,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             jobs::submit(&config::resolve(g)?, &a, out).await
         }
         Command::Status(j) => jobs::status(&config::resolve(g)?, &j.job, out).await,
+        Command::Describe(j) => jobs::describe(&config::resolve(g)?, &j.job, out).await,
         Command::List(l) => jobs::list(&config::resolve(g)?, &l, out).await,
         Command::Completion(c) => {
             // Into memory first: clap_complete panics on a write error (a closed pipe).

@@ -116,6 +116,9 @@ pub enum Command {
     Submit(SubmitArgs),
     /// Show one job: state, ranks, restarts.
     Status(JobArg),
+    /// Show one job with its events in time order (submitted, failures, restarts and
+    /// their causes, the end), as `kubectl describe`.
+    Describe(JobArg),
     /// List jobs, oldest first (filters: `--state`, `--name`, `--limit`).
     List(ListArgs),
     /// Cancel a job (its ranks are stopped).

@@ -318,6 +318,26 @@ pub async fn wait_for(
     }
 }
 
+/// `describe JOB`: the status and the job's events (`-o json`: the job as `status`).
+///
+/// # Errors
+/// When no coordinator answers or the job does not exist.
+pub async fn describe(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.get_job(job_id, true).await?;
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => {
+            let now_ms = render::now_ms();
+            let mut text = render::job_status(&resp, now_ms);
+            if let Some(job) = &resp.job {
+                text.push('\n');
+                text.push_str(&render::events_table(job));
+            }
+            print_text(&text)
+        }
+    }
+}
+
 /// `status JOB`.
 pub async fn status(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
     let resp = Client::new(conn)?.get_job(job_id, true).await?;

@@ -317,6 +317,93 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
     out
 }
 
+/// A job's events in time order, from its record: submitted, each failure and the
+/// restart it caused (with the delay and the step resumed from), the ranks' current
+/// attempts starting and ending, and the job's end with its cause. Times are UTC,
+/// `HH:MM:SS.mmm` of the leader's clock.
+pub fn events_table(job: &Job) -> String {
+    let mut events: Vec<(u64, String)> = Vec::new();
+    let owner = if job.owner.is_empty() {
+        String::new()
+    } else {
+        format!(" by {}", job.owner)
+    };
+    events.push((job.submitted_at_ms, format!("submitted{owner}")));
+    for r in &job.restarts {
+        events.push((r.failed_at_ms, format!("failure: {}", r.cause)));
+        events.push((
+            r.not_before_ms,
+            format!(
+                "restart #{} of ranks {} after {} ms{}",
+                r.number,
+                r.ranks
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+                r.delay_ms,
+                r.resume_step.map_or(", from scratch".into(), |s| format!(
+                    ", resuming from step {s}"
+                ))
+            ),
+        ));
+    }
+    for r in &job.ranks {
+        if r.started_at_ms > 0 {
+            events.push((
+                r.started_at_ms,
+                format!(
+                    "rank {} attempt {} started on {} (pid {})",
+                    r.rank, r.attempt, r.worker_id, r.pid
+                ),
+            ));
+        }
+        if r.exited_at_ms > 0 {
+            events.push((
+                r.exited_at_ms,
+                format!(
+                    "rank {} attempt {} {}",
+                    r.rank,
+                    r.attempt,
+                    match (r.exit_code, r.signal) {
+                        (Some(c), _) => format!("exited with code {c}"),
+                        (None, Some(s)) => format!("was killed by signal {s}"),
+                        (None, None) => "could not start".into(),
+                    }
+                ),
+            ));
+        }
+    }
+    if job.finished_at_ms > 0 {
+        let cause = if job.failure_cause.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", job.failure_cause)
+        };
+        events.push((job.finished_at_ms, format!("{}{cause}", job.state)));
+    } else if !job.pending_reason.is_empty() {
+        events.push((u64::MAX, format!("pending: {}", job.pending_reason)));
+    }
+    events.sort_by_key(|(at, _)| *at);
+    let mut t = table(&["TIME (UTC)", "EVENT"]);
+    for (at, what) in events {
+        let when = if at == u64::MAX {
+            "now".to_string()
+        } else {
+            let ms = at % 86_400_000;
+            format!(
+                "{:02}:{:02}:{:02}.{:03}",
+                ms / 3_600_000,
+                ms / 60_000 % 60,
+                ms / 1000 % 60,
+                ms % 1000
+            )
+        };
+        add_row(&mut t, vec![when, what]);
+    }
+    table_text(&t)
+}
+
 /// The restart records of a job.
 pub fn restarts_table(restarts: &[RestartRecord]) -> String {
     let mut t = table(&["RESTART", "CAUSE", "RANKS", "DELAY MS", "RESUME STEP"]);

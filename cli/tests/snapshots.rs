@@ -141,6 +141,18 @@ fn tables() {
             now_ms,
         ),
     );
+    let mut finished = job();
+    finished.state = "failed".into();
+    finished.failure_cause =
+        "restart budget of 3 exhausted; last failure: rank 1 attempt 3 exited with code 1".into();
+    finished.finished_at_ms = 1_094_000;
+    finished.restarts[0].failed_at_ms = 1_020_000;
+    finished.restarts[0].not_before_ms = 1_020_512;
+    finished.ranks[0].started_at_ms = 1_021_000;
+    finished.ranks[1].started_at_ms = 1_021_100;
+    finished.ranks[1].exited_at_ms = 1_093_000;
+    finished.ranks[1].exit_code = Some(1);
+    check("describe-events", &render::events_table(&finished));
     let worker = WorkerInfo {
         worker_id: "worker-1".into(),
         host: "10.0.0.5".into(),

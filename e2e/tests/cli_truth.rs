@@ -137,6 +137,16 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
         failed.failure_cause
     );
 
+    let out = cluster
+        .cumulusctl(&["describe", &missing])
+        .expect("describe");
+    let text = stdout(&out);
+    assert!(
+        text.contains("submitted by admin")
+            && text.contains("failed: rank 0 attempt 0 could not start"),
+        "{text}"
+    );
+
     // 4. A cancelled job's ranks stop showing a running process once they exit.
     let cancel_me = cluster
         .submit(
