@@ -237,6 +237,9 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
         "committed step",
         job.committed_step.map_or("none".into(), |s| s.to_string()),
     );
+    if let Some(p) = progress_summary(job) {
+        row("progress", p);
+    }
     if !job.failure_cause.is_empty() {
         row("failure cause", job.failure_cause.clone());
     }
@@ -284,9 +287,13 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
 
     out.push('\n');
     let gpus = spec.gpus_per_rank > 0;
+    let metrics = job.ranks.iter().any(|r| !r.metrics.is_empty());
     let mut header = vec!["RANK", "ATTEMPT", "WORKER", "STATE", "PID", "EXIT", "STEP"];
     if gpus {
         header.push("GPUS");
+    }
+    if metrics {
+        header.push("METRICS");
     }
     let mut ranks = table(&header);
     for r in &job.ranks {
@@ -305,6 +312,17 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
         ];
         if gpus {
             cells.push(or_dash(&r.gpus.join(",")));
+        }
+        if metrics {
+            let mut named: Vec<(&String, &f64)> = r.metrics.iter().collect();
+            named.sort_by(|a, b| a.0.cmp(b.0));
+            cells.push(or_dash(
+                &named
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v:.4}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ));
         }
         add_row(&mut ranks, cells);
     }
@@ -402,6 +420,41 @@ pub fn events_table(job: &Job) -> String {
         add_row(&mut t, vec![when, what]);
     }
     table_text(&t)
+}
+
+/// A running job's progress: its slowest rank's step of the total, its rate and the
+/// time left at that rate (the job is as far as its slowest rank); `None` without a
+/// rank that reported a total.
+pub fn progress_summary(job: &Job) -> Option<String> {
+    let slowest = job
+        .ranks
+        .iter()
+        .filter(|r| r.total_steps > 0 && r.state == "running")
+        .min_by_key(|r| r.step)?;
+    let mut text = format!(
+        "{}/{} steps ({:.0}%)",
+        slowest.step,
+        slowest.total_steps,
+        100.0 * slowest.step as f64 / slowest.total_steps as f64
+    );
+    if slowest.steps_per_s > 0.0 {
+        text.push_str(&format!(", {:.1} steps/s", slowest.steps_per_s));
+    }
+    if slowest.eta_ms > 0 {
+        text.push_str(&format!(", about {} left", duration_text(slowest.eta_ms)));
+    }
+    Some(text)
+}
+
+/// `950 ms`, `42s`, `7m 05s`, `3h 12m`.
+pub fn duration_text(ms: u64) -> String {
+    let s = ms / 1000;
+    match s {
+        0 => format!("{ms} ms"),
+        1..=119 => format!("{s}s"),
+        120..=7199 => format!("{}m {:02}s", s / 60, s % 60),
+        _ => format!("{}h {:02}m", s / 3600, s / 60 % 60),
+    }
 }
 
 /// The restart records of a job.

@@ -85,6 +85,9 @@ fn job() -> Job {
                 step: 260,
                 total_steps: 690,
                 gpus: vec!["GPU-0f3a".into()],
+                metrics: [("loss".to_string(), 0.2314), ("accuracy".to_string(), 0.91)].into(),
+                steps_per_s: 12.34,
+                eta_ms: 34_850,
                 ..Default::default()
             },
             RankStatus {
@@ -96,6 +99,9 @@ fn job() -> Job {
                 step: 258,
                 total_steps: 690,
                 gpus: vec!["GPU-9c1e".into()],
+                metrics: [("loss".to_string(), 0.2502)].into(),
+                steps_per_s: 12.1,
+                eta_ms: 35_700,
                 ..Default::default()
             },
         ],

@@ -154,6 +154,11 @@ pub fn job_to_proto(
                     not_before_ms: r.not_before_ms,
                     pid: r.pid,
                     gpus: r.gpus.clone(),
+                    metrics: p
+                        .map(|p| p.metrics.iter().map(|(k, v)| (k.clone(), *v)).collect())
+                        .unwrap_or_default(),
+                    steps_per_s: p.map_or(0.0, |p| p.steps_per_s),
+                    eta_ms: p.map_or(0, ProgressSoft::eta_ms),
                 }
             })
             .collect(),

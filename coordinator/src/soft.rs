@@ -38,6 +38,43 @@ pub struct ProgressSoft {
     pub changed_at: Instant,
     /// When the attempt was last seen in its worker's heartbeat.
     pub seen_at: Instant,
+    /// The metrics of its latest report (bounded by the heartbeat's checks).
+    pub metrics: std::collections::BTreeMap<String, f64>,
+    /// Steps per second, an exponentially weighted mean of the rate between the
+    /// reports that advanced `step` (0: not yet known).
+    pub steps_per_s: f64,
+}
+
+/// Weight of the newest rate in [`ProgressSoft::steps_per_s`].
+pub const RATE_SMOOTHING: f64 = 0.3;
+
+impl ProgressSoft {
+    /// Takes a report of `step` seen at `at`: updates the rate when the step advanced.
+    pub fn advance(&mut self, at: Instant, step: u64) {
+        if step > self.step {
+            let secs = at.duration_since(self.changed_at).as_secs_f64();
+            if secs > 0.0 && self.step > 0 {
+                let rate = (step - self.step) as f64 / secs;
+                self.steps_per_s = if self.steps_per_s > 0.0 {
+                    RATE_SMOOTHING * rate + (1.0 - RATE_SMOOTHING) * self.steps_per_s
+                } else {
+                    rate
+                };
+            }
+        }
+        if step != self.step {
+            self.changed_at = at;
+        }
+        self.step = step;
+    }
+
+    /// Milliseconds left to `total_steps` at the current rate (0: unknown).
+    pub fn eta_ms(&self) -> u64 {
+        if self.steps_per_s <= 0.0 || self.total_steps <= self.step {
+            return 0;
+        }
+        ((self.total_steps - self.step) as f64 / self.steps_per_s * 1000.0) as u64
+    }
 }
 
 impl ProgressSoft {
@@ -48,6 +85,8 @@ impl ProgressSoft {
             total_steps,
             changed_at: now,
             seen_at: now,
+            metrics: std::collections::BTreeMap::new(),
+            steps_per_s: 0.0,
         }
     }
 }

@@ -220,18 +220,35 @@ impl WorkerService for WorkerSvc {
                     .progress
                     .entry(key)
                     .or_insert(ProgressSoft::observed_at(at, o.step, o.total_steps));
-                if p.step != o.step {
-                    p.changed_at = at;
-                }
-                p.step = o.step;
+                p.advance(at, o.step);
                 p.total_steps = o.total_steps;
                 p.seen_at = at;
+                // Finite values under bounded names only (the agent checks them too).
+                p.metrics = o
+                    .metrics
+                    .iter()
+                    .filter(|(k, v)| {
+                        v.is_finite()
+                            && !k.is_empty()
+                            && k.len() <= cumulus_api::limits::MAX_METRIC_NAME_BYTES
+                    })
+                    .take(cumulus_api::limits::MAX_METRICS)
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect();
             }
             soft.workers.insert(
                 r.worker_id.clone(),
                 WorkerSoft {
                     last_seen: at,
-                    observed: r.observed,
+                    // The metrics live in `progress`; kept once, not twice.
+                    observed: r
+                        .observed
+                        .into_iter()
+                        .map(|mut o| {
+                            o.metrics.clear();
+                            o
+                        })
+                        .collect(),
                     resources: r.resources.unwrap_or_default(),
                 },
             );

@@ -3,7 +3,8 @@
 //! dataset with fewer shards than ranks), a program that cannot be executed fails the
 //! job at once instead of spending its restart budget, the ranks of a cancelled job stop
 //! showing a live process once they exit, a finished rank keeps the last step it
-//! reported, `logs --tail`, and `list` filters.
+//! reported, a running job shows its ranks' metrics, rate and time left, `logs --tail`,
+//! and `list` filters.
 
 use std::time::Duration;
 
@@ -206,6 +207,35 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
             r.total_steps
         );
     }
+
+    // Live metrics, rate and time left of a running job, in the API and `status`.
+    let mut spec = trainer_spec(
+        &work,
+        2,
+        &dir.path().join("live-ckpt"),
+        &dir.path().join("live-out"),
+        &["--epochs", "100000"],
+    );
+    spec.name = "live".into();
+    let live = cluster.submit("live", spec).await.expect("submit").job_id;
+    let seen = cluster
+        .wait_job(&live, "metrics, a rate and a time left", LONG, |j| {
+            j.ranks.iter().all(|r| {
+                r.metrics.get("loss").is_some_and(|l| l.is_finite())
+                    && r.steps_per_s > 0.0
+                    && r.eta_ms > 0
+            })
+        })
+        .await;
+    assert_eq!(seen.job_state(), Ok(JobState::Running));
+    let out = cluster.cumulusctl(&["status", &live]).expect("status");
+    let text = stdout(&out);
+    assert!(
+        text.contains("steps/s") && text.contains("left") && text.contains("loss="),
+        "{text}"
+    );
+    let out = cluster.cumulusctl(&["cancel", &live]).expect("cancel");
+    assert!(out.status.success(), "{}", stderr(&out));
 
     // logs --tail N: the last N lines of each rank, the same as the end of the full logs.
     let full = cluster

@@ -904,3 +904,18 @@ def test_a_job_names_its_owner() -> None:
     assert cumulus.JobInfo.from_json(job_json()).owner == ""
     with pytest.raises(errors.ProtocolError):
         cumulus.JobInfo.from_json(job_json(owner=7))
+
+
+def test_a_rank_shows_its_metrics_rate_and_time_left() -> None:
+    job = job_json()
+    job["ranks"][0].update(
+        {"metrics": {"loss": 0.25, "acc": 1}, "steps_per_s": 12.5, "eta_ms": 3000}
+    )
+    info = cumulus.JobInfo.from_json(job)
+    r = info.ranks[0]
+    assert dict(r.metrics) == {"loss": 0.25, "acc": 1.0}
+    assert (r.steps_per_s, r.eta_ms) == (12.5, 3000)
+    assert info.ranks[1].metrics == {} and info.ranks[1].steps_per_s == 0.0
+    job["ranks"][0]["metrics"] = {"loss": "high"}
+    with pytest.raises(errors.ProtocolError):
+        cumulus.JobInfo.from_json(job)

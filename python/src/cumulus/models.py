@@ -87,6 +87,19 @@ def _str_tuple(d: Mapping[str, Any], key: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _float_map(d: Mapping[str, Any], key: str) -> dict[str, float]:
+    value = d.get(key)
+    if value is None:
+        return {}
+    m = _obj(value, f"field {key!r}")
+    out: dict[str, float] = {}
+    for name in m:
+        if not isinstance(name, str):
+            raise ProtocolError(f"field {key!r} of the coordinator's answer has a non-str key")
+        out[name] = _get(m, name, float, 0.0)
+    return out
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """One rank as the cluster sees it."""
@@ -114,6 +127,14 @@ class RankInfo:
     #: UUIDs of the GPUs the current attempt was given: its ``CUDA_VISIBLE_DEVICES``
     #: (empty for a job without GPUs, or before the attempt is placed).
     gpus: tuple[str, ...] = ()
+    #: The metrics of the attempt's latest progress report (``runtime.report(step,
+    #: loss=...)``), as the leader last saw them; empty when unknown.
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    #: Steps per second of the running attempt, smoothed over its recent reports (0.0:
+    #: not known yet).
+    steps_per_s: float = 0.0
+    #: Time left to ``total_steps`` at that rate, in milliseconds (0: unknown).
+    eta_ms: int = 0
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankInfo:
@@ -137,6 +158,9 @@ class RankInfo:
             not_before_ms=_get(d, "not_before_ms", int, 0),
             pid=_get(d, "pid", int, 0),
             gpus=_str_tuple(d, "gpus"),
+            metrics=_float_map(d, "metrics"),
+            steps_per_s=_get(d, "steps_per_s", float, 0.0),
+            eta_ms=_get(d, "eta_ms", int, 0),
         )
 
 

@@ -365,6 +365,7 @@ impl Supervisor {
                         pid,
                         step: progress.step,
                         total_steps: progress.total_steps,
+                        metrics: progress.metrics.into_iter().collect(),
                     },
                 ))
             })
@@ -384,6 +385,7 @@ impl Supervisor {
                             pid: 0,
                             step: 0,
                             total_steps: 0,
+                            metrics: Default::default(),
                         },
                     )
                 }),
