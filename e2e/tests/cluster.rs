@@ -1030,6 +1030,7 @@ async fn checkpoint_part_retried_at_a_new_leader_after_its_step_committed_is_ack
         pid,
         step: 10,
         total_steps: 100,
+        metrics: Default::default(),
     }];
     agent
         .call(|mut c| {
