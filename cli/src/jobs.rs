@@ -643,7 +643,9 @@ pub fn warn_missing_dir(flag: &str, p: &Option<std::path::PathBuf>) {
         && !Path::new(p).is_dir()
     {
         eprintln!(
-            "warning: {flag} {} is not a directory here (fine if it exists on the workers)",
+            "warning: {flag} {} is not a directory on this machine: the leader checks it at \
+             submit (it lists a dataset and creates a checkpoint dir), so it must exist on the \
+             coordinators' hosts, and on the workers",
             p.display()
         );
     }
