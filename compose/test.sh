@@ -284,9 +284,7 @@ wait_step_past() { # job step what
 }
 
 t0=$(date +%s)
-# 400 ms a step: room for three faults (a leader kill, a partition, a worker kill), each
-# waiting for a checkpoint after it, on a loaded 2-core host.
-job2="$(submit faults "$EPOCHS" 400)"
+job2="$(submit faults "$EPOCHS" 250)"
 wait_step_past "$job2" 0 "a first committed checkpoint"
 old="$(leader_id)"
 say "test 2: killing the leader coord-$old (committed step $(committed_step "$job2"))"

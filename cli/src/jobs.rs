@@ -398,7 +398,7 @@ pub async fn ckpt_ls(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<
 
 /// The cluster status, from the leader when the first answer names one: only the
 /// leader knows the workers' heartbeats, resources and GPU readings. Falls back to the
-/// first answer when the leader cannot be reached.
+/// first answer when the leader does not answer at once (one try).
 async fn leader_cluster_status(conn: &Conn) -> Result<cumulus_api::ClusterStatusResponse> {
     let first = Client::new(conn)?.cluster_status().await?;
     let Some(leader) = first.leader_id.filter(|l| *l != first.node_id) else {
@@ -416,7 +416,10 @@ async fn leader_cluster_status(conn: &Conn) -> Result<cumulus_api::ClusterStatus
         grpc: vec![addr],
         ..conn.clone()
     };
-    match Client::new(&at_leader)?.cluster_status().await {
+    // One quick try: the named leader may be the one that just died (a follower learns
+    // of an election only after it), and the first answer is good enough then.
+    let quick = crate::client::RetryPolicy::single_pass(1);
+    match Client::with_policy(&at_leader, quick)?.cluster_status().await {
         Ok(resp) if resp.leader_id == Some(resp.node_id) => Ok(resp),
         _ => Ok(first),
     }
