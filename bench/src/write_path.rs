@@ -287,6 +287,7 @@ impl Template {
             ckpt_commit_tier: String::new(),
             gpus_per_rank: 0,
             gpu_memory_fraction: None,
+            stop_grace_ms: 0,
         };
         let placeholder = "#".repeat(REQUEST_ID_LEN);
         let request = v1::SubmitJobRequest {

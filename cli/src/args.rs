@@ -261,6 +261,10 @@ pub struct SubmitArgs {
     /// hung and restarted (0 or absent: off).
     #[arg(long)]
     pub progress_timeout_s: Option<u64>,
+    /// Seconds between SIGTERM and SIGKILL when a rank is stopped (cancel, restart):
+    /// room for a last checkpoint (0..=3600; default: the agent's --stop-grace-ms, 5 s).
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub stop_grace_s: Option<u64>,
     /// Accept a job larger than the alive workers offer in all (slots, GPUs): it stays
     /// pending until workers join. Without it such a submit is refused.
     #[arg(long)]

@@ -130,6 +130,7 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
             .unwrap_or_default(),
         gpus_per_rank: args.gpus_per_rank.unwrap_or(0),
         gpu_memory_fraction: args.gpu_memory_fraction,
+        stop_grace_ms: args.stop_grace_s.map_or(0, |s| s * 1000),
     };
     Ok(SubmitJobRequest {
         allow_pending: args.allow_pending,
@@ -419,7 +420,10 @@ async fn leader_cluster_status(conn: &Conn) -> Result<cumulus_api::ClusterStatus
     // One quick try: the named leader may be the one that just died (a follower learns
     // of an election only after it), and the first answer is good enough then.
     let quick = crate::client::RetryPolicy::single_pass(1);
-    match Client::with_policy(&at_leader, quick)?.cluster_status().await {
+    match Client::with_policy(&at_leader, quick)?
+        .cluster_status()
+        .await
+    {
         Ok(resp) if resp.leader_id == Some(resp.node_id) => Ok(resp),
         _ => Ok(first),
     }

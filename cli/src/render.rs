@@ -240,6 +240,9 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
     if let Some(p) = progress_summary(job) {
         row("progress", p);
     }
+    if spec.stop_grace_ms > 0 {
+        row("stop grace", duration_text(spec.stop_grace_ms));
+    }
     if !job.failure_cause.is_empty() {
         row("failure cause", job.failure_cause.clone());
     }

@@ -62,6 +62,7 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
         ckpt_commit_tier: p.ckpt_commit_tier.to_ascii_lowercase(),
         gpus_per_rank,
         gpu_memory_permille,
+        stop_grace_ms: p.stop_grace_ms,
     };
     spec.validate(max_world_size)
         .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
@@ -95,6 +96,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         gpus_per_rank: s.gpus_per_rank,
         gpu_memory_fraction: (s.gpu_memory_permille > 0)
             .then(|| f64::from(s.gpu_memory_permille) / 1000.0),
+        stop_grace_ms: s.stop_grace_ms,
     }
 }
 
@@ -244,6 +246,7 @@ pub fn desired_for_worker(
                 ckpt_commit_tier: job.spec.ckpt_commit_tier.clone(),
                 gpus: r.gpus.clone(),
                 gpu_memory_permille: job.spec.gpu_memory_permille,
+                stop_grace_ms: job.spec.stop_grace_ms,
             });
         }
     }

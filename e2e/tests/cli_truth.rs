@@ -3,8 +3,8 @@
 //! dataset with fewer shards than ranks), a program that cannot be executed fails the
 //! job at once instead of spending its restart budget, the ranks of a cancelled job stop
 //! showing a live process once they exit, a finished rank keeps the last step it
-//! reported, a running job shows its ranks' metrics, rate and time left, `logs --tail`,
-//! and `list` filters.
+//! reported, a running job shows its ranks' metrics, rate and time left, a job's stop
+//! grace wins over the agent's, `logs --tail`, and `list` filters.
 
 use std::time::Duration;
 
@@ -28,6 +28,8 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
     let cluster = Cluster::start(ClusterOpts {
         workers: 1,
         slots: 2,
+        // A long agent-wide grace: a job's own --stop-grace-s must win over it.
+        worker_args: vec!["--stop-grace-ms".into(), "60000".into()],
         ..ClusterOpts::default()
     })
     .await
@@ -290,7 +292,48 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
     let listed: serde_json::Value = serde_json::from_str(&stdout(&out)).expect("json");
     assert_eq!(listed["jobs"].as_array().map(Vec::len), Some(1));
 
-    // 7. Cancelling twice says what happened, in words.
+    // 7. A job's stop grace: a rank that ignores SIGTERM is killed after the job's 200 ms,
+    // not the agent's 60 s.
+    let stubborn = cluster
+        .submit(
+            "stubborn",
+            v1::JobSpec {
+                world_size: 1,
+                command: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    "trap '' TERM; exec sleep 600".into(),
+                ],
+                stop_grace_ms: 200,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("submit")
+        .job_id;
+    cluster
+        .wait_job(&stubborn, "its rank running", LONG, |j| {
+            j.ranks[0].phase() == Ok(RankPhase::Running)
+        })
+        .await;
+    let cancelled_at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64;
+    let out = cluster.cumulusctl(&["cancel", &stubborn]).expect("cancel");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let killed = cluster
+        .wait_job(&stubborn, "its rank killed", LONG, |j| {
+            j.ranks[0].signal == Some(9)
+        })
+        .await;
+    let took_ms = killed.ranks[0].exited_at_ms.saturating_sub(cancelled_at_ms);
+    assert!(
+        took_ms < 30_000,
+        "SIGKILL came {took_ms} ms after the cancel: the job's 200 ms grace was not used"
+    );
+
+    // 8. Cancelling twice says what happened, in words.
     let out = cluster.cumulusctl(&["cancel", &cancel_me]).expect("cancel");
     assert!(!out.status.success());
     let err = stderr(&out);

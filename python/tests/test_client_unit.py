@@ -919,3 +919,12 @@ def test_a_rank_shows_its_metrics_rate_and_time_left() -> None:
     job["ranks"][0]["metrics"] = {"loss": "high"}
     with pytest.raises(errors.ProtocolError):
         cumulus.JobInfo.from_json(job)
+
+
+def test_stop_grace_is_sent_in_milliseconds_and_checked(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    client.submit(["true"], stop_grace_s=90)
+    assert json.loads(script.calls[-1].content)["spec"]["stop_grace_ms"] == 90_000
+    for bad in (-1, 3601, True, "5"):
+        with pytest.raises(errors.InvalidSpec, match="stop_grace_s"):
+            client.submit(["true"], stop_grace_s=bad)  # type: ignore[arg-type]

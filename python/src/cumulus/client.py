@@ -329,6 +329,7 @@ class Client:
         gpu_memory_fraction: float | None = None,
         request_id: str | None = None,
         allow_pending: bool = False,
+        stop_grace_s: float | None = None,
     ) -> Job:
         """Submits a job: ``command`` (argv; ``argv[0]`` is looked up in the worker's
         ``PATH``) run by ``world_size`` ranks. Relative paths are made absolute here, as
@@ -359,6 +360,8 @@ class Client:
             enforces it.
         :param request_id: idempotency key (1..=128 bytes); default a random one, reused
             by every retry of this call.
+        :param stop_grace_s: seconds between SIGTERM and SIGKILL when a rank is stopped
+            (0..=3600; room for a last checkpoint); default: the agent's (5 s).
         :param allow_pending: accept a job larger than the alive workers offer in all
             (slots, GPUs); it stays pending until workers join. Without it the
             coordinator refuses such a job (:class:`InvalidSpec`).
@@ -437,6 +440,17 @@ class Client:
             spec["gpus_per_rank"] = gpus_per_rank
         if gpu_memory_fraction is not None:
             spec["gpu_memory_fraction"] = float(gpu_memory_fraction)
+        if stop_grace_s is not None:
+            if (
+                isinstance(stop_grace_s, bool)
+                or not isinstance(stop_grace_s, (int, float))
+                or not 0 <= stop_grace_s <= 3600
+            ):
+                raise InvalidSpec(
+                    f"stop_grace_s must be a number of seconds in 0..=3600, got {stop_grace_s!r}",
+                    status=None,
+                )
+            spec["stop_grace_ms"] = round(stop_grace_s * 1000)
         request: dict[str, Any] = {"request_id": rid, "spec": spec}
         if allow_pending:
             request["allow_pending"] = True

@@ -100,7 +100,14 @@ pub struct JobSpec {
     /// is 1), or 0 for whole GPUs.
     #[serde(default)]
     pub gpu_memory_permille: u32,
+    /// Time between SIGTERM and SIGKILL when a rank is stopped, in milliseconds (0: the
+    /// agent's own), at most [`MAX_STOP_GRACE_MS`].
+    #[serde(default)]
+    pub stop_grace_ms: u64,
 }
+
+/// Longest stop grace a job may ask for: 1 hour, in milliseconds.
+pub const MAX_STOP_GRACE_MS: u64 = 3_600_000;
 
 impl JobSpec {
     /// The smallest spec: `world_size` ranks running `command`, every other field at the
@@ -123,6 +130,7 @@ impl JobSpec {
             ckpt_commit_tier: String::new(),
             gpus_per_rank: 0,
             gpu_memory_permille: 0,
+            stop_grace_ms: 0,
         }
     }
 
@@ -272,6 +280,9 @@ impl JobSpec {
         if self.progress_timeout_ms > MAX_PROGRESS_TIMEOUT_MS {
             return Err(SpecError::ProgressTimeout);
         }
+        if self.stop_grace_ms > MAX_STOP_GRACE_MS {
+            return Err(SpecError::StopGrace);
+        }
         if self.gpus_per_rank as usize > MAX_GPUS_PER_WORKER {
             return Err(SpecError::GpusPerRank {
                 gpus_per_rank: self.gpus_per_rank,
@@ -384,6 +395,9 @@ pub enum SpecError {
     /// The progress timeout is above [`MAX_PROGRESS_TIMEOUT_MS`].
     #[error("progress timeout is above 7 days")]
     ProgressTimeout,
+    /// A stop grace above [`MAX_STOP_GRACE_MS`].
+    #[error("stop grace is above 1 hour")]
+    StopGrace,
     /// More GPUs per rank than [`MAX_GPUS_PER_WORKER`]: no worker could hold a rank.
     #[error("gpus_per_rank {gpus_per_rank} is above the limit of {MAX_GPUS_PER_WORKER}")]
     GpusPerRank {

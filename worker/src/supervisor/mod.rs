@@ -688,7 +688,14 @@ impl Supervisor {
                 attempt: key.attempt,
                 pid,
             }));
-        let status = supervise(key, spawned, stop, settings.stop_grace, &mut log).await;
+        // The job's own grace when it set one (room for a last checkpoint), else the
+        // agent's.
+        let grace = if desired.stop_grace_ms > 0 {
+            Duration::from_millis(desired.stop_grace_ms.min(3_600_000))
+        } else {
+            settings.stop_grace
+        };
+        let status = supervise(key, spawned, stop, grace, &mut log).await;
         if let Err(e) = log.finish().await {
             tracing::warn!(attempt = %key, "cannot finish log: {e}");
         }
