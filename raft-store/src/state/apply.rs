@@ -168,77 +168,71 @@ impl ClusterState {
                 worker_id,
                 exit_code,
                 signal,
-                at_ms,
-                step,
-                total_steps,
-                ..
-            } if self.jobs.get(job_id).is_some_and(|j| j.state.is_terminal()) => self.final_exit(
-                job_id,
-                (*rank, *attempt),
-                worker_id,
-                (*exit_code, *signal),
-                (*step, *total_steps),
-                *at_ms,
-                dirty,
-            ),
-            Command::RankExited {
-                job_id,
-                rank,
-                attempt,
-                worker_id,
-                exit_code,
-                signal,
                 spawn_error,
                 agent_fault,
                 exec_failed,
                 step,
                 total_steps,
                 at_ms,
-            } => self.with_current_rank(job_id, *rank, *attempt, Some(worker_id), dirty, |_, r| {
-                if !matches!(r.state, RankState::Pending | RankState::Running) {
-                    return reject(format!(
-                        "rank {} attempt {} already ended",
-                        r.rank, r.attempt
-                    ));
+            } => {
+                // A job that already ended still records its ranks' exits.
+                if self.jobs.get(job_id).is_some_and(|j| j.state.is_terminal()) {
+                    return self.final_exit(
+                        job_id,
+                        (*rank, *attempt),
+                        worker_id,
+                        (*exit_code, *signal),
+                        (*step, *total_steps),
+                        *at_ms,
+                        dirty,
+                    );
                 }
-                r.exit_code = *exit_code;
-                r.signal = *signal;
-                r.exited_at_ms = *at_ms;
-                r.last_progress = (*step, *total_steps);
-                if *exit_code == Some(0) && spawn_error.is_empty() {
-                    r.state = RankState::Exited;
-                    r.failure = None;
-                } else {
-                    r.state = RankState::Failed;
-                    r.agent_fault = *agent_fault && !spawn_error.is_empty();
-                    r.exec_failed = *exec_failed && !spawn_error.is_empty();
-                    r.failure = Some(if r.agent_fault {
-                        format!(
-                            "rank {} attempt {} could not start on {worker_id}, for a \
-                             resource error of the agent (not the rank's): {spawn_error}",
+                self.with_current_rank(job_id, *rank, *attempt, Some(worker_id), dirty, |_, r| {
+                    if !matches!(r.state, RankState::Pending | RankState::Running) {
+                        return reject(format!(
+                            "rank {} attempt {} already ended",
                             r.rank, r.attempt
-                        )
-                    } else if !spawn_error.is_empty() {
-                        format!(
-                            "rank {} attempt {} could not start: {spawn_error}",
-                            r.rank, r.attempt
-                        )
-                    } else if let Some(sig) = signal {
-                        format!(
-                            "rank {} attempt {} was killed by signal {sig}",
-                            r.rank, r.attempt
-                        )
+                        ));
+                    }
+                    r.exit_code = *exit_code;
+                    r.signal = *signal;
+                    r.exited_at_ms = *at_ms;
+                    r.last_progress = (*step, *total_steps);
+                    if *exit_code == Some(0) && spawn_error.is_empty() {
+                        r.state = RankState::Exited;
+                        r.failure = None;
                     } else {
-                        format!(
-                            "rank {} attempt {} exited with code {}",
-                            r.rank,
-                            r.attempt,
-                            exit_code.map_or("?".to_string(), |c| c.to_string())
-                        )
-                    });
-                }
-                Response::Ok
-            }),
+                        r.state = RankState::Failed;
+                        r.agent_fault = *agent_fault && !spawn_error.is_empty();
+                        r.exec_failed = *exec_failed && !spawn_error.is_empty();
+                        r.failure = Some(if r.agent_fault {
+                            format!(
+                                "rank {} attempt {} could not start on {worker_id}, for a \
+                             resource error of the agent (not the rank's): {spawn_error}",
+                                r.rank, r.attempt
+                            )
+                        } else if !spawn_error.is_empty() {
+                            format!(
+                                "rank {} attempt {} could not start: {spawn_error}",
+                                r.rank, r.attempt
+                            )
+                        } else if let Some(sig) = signal {
+                            format!(
+                                "rank {} attempt {} was killed by signal {sig}",
+                                r.rank, r.attempt
+                            )
+                        } else {
+                            format!(
+                                "rank {} attempt {} exited with code {}",
+                                r.rank,
+                                r.attempt,
+                                exit_code.map_or("?".to_string(), |c| c.to_string())
+                            )
+                        });
+                    }
+                    Response::Ok
+                })
+            }
             Command::RankFailed {
                 job_id,
                 rank,
@@ -754,23 +748,23 @@ impl ClusterState {
             .filter(|w| w.state == WorkerState::Alive)
             .map(|w| w.gpus.len())
             .sum();
-        let fits = |all_free: bool| {
+        let now = self.gpu_capacity(false);
+        let fits = |capacity: &[shard_planner::WorkerGpus]| {
             matches!(
-                shard_planner::place_gpu_ranks(&ranks, &self.gpu_capacity(all_free), demand),
+                shard_planner::place_gpu_ranks(&ranks, capacity, demand),
                 Ok(Some(_))
             )
         };
-        if !fits(true) {
+        if !fits(&self.gpu_capacity(true)) {
             return Outlook::Never(format!(
                 "cannot be placed: it needs {need} (gang, each rank's GPUs on its worker) and \
                  the alive workers have {total_gpus} GPUs in all"
             ));
         }
-        if fits(false) {
+        if fits(&now) {
             return Outlook::FitsNow;
         }
-        let free_gpus = self
-            .gpu_capacity(false)
+        let free_gpus = now
             .iter()
             .flat_map(|w| &w.gpus)
             .filter(|g| g.free_permille >= demand.permille)

@@ -106,6 +106,9 @@ pub struct JobSpec {
     pub stop_grace_ms: u64,
 }
 
+// The planner (no dependency on the contract crate) spells a whole GPU too.
+const _: () = assert!(shard_planner::WHOLE_GPU_PERMILLE == cumulus_api::gpus::WHOLE_GPU_PERMILLE);
+
 /// Longest stop grace a job may ask for: 1 hour, in milliseconds.
 pub const MAX_STOP_GRACE_MS: u64 = 3_600_000;
 
