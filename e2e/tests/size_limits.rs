@@ -135,6 +135,9 @@ async fn a_submit_larger_than_one_raft_entry_is_refused_and_changes_nothing() {
         "{}",
         err.message()
     );
+    // The leader may have changed while the 20,000 paths were listed (a loaded host):
+    // read through whichever node leads now.
+    let mut c = cluster.leader_client().await.expect("client");
     let after = c
         .list_jobs(v1::ListJobsRequest { linearizable: true })
         .await
