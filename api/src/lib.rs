@@ -38,7 +38,9 @@ pub mod users;
 
 pub use attempt::AttemptKey;
 pub use files::FileEntry;
-pub use states::{CommitTier, JobState, RankPhase, RankState, RestartScope, Role, UnknownName};
+pub use states::{
+    CommitTier, JobState, RankPhase, RankState, RestartScope, Role, StopAction, UnknownName,
+};
 
 /// Generated code for `cumulus.v1`.
 #[cfg(feature = "grpc")]

@@ -71,7 +71,9 @@ macro_rules! wire_enum {
     };
 }
 
-/// Lifecycle of a job: `pending` → `running` → `succeeded` | `failed` | `cancelled`.
+/// Lifecycle of a job: `pending` → `running` → `succeeded` | `failed` | `cancelled` |
+/// `timed_out`; a pause takes `pending` or `running` to `paused`, and a resume takes
+/// `paused` back to `pending`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
@@ -85,25 +87,61 @@ pub enum JobState {
     Failed,
     /// Cancelled by a user.
     Cancelled,
+    /// Paused by a user: its ranks stopped (at a committed step when they checkpointed
+    /// on request) and hold no slots; a resume queues it again. Not terminal.
+    Paused,
+    /// Its time limit ran out: its ranks were asked to checkpoint and stop.
+    #[serde(rename = "timed_out")]
+    TimedOut,
 }
 
-wire_enum!(JobState, "job state", "pending, running, succeeded, failed, cancelled", {
+wire_enum!(JobState, "job state", "pending, running, succeeded, failed, cancelled, paused, timed_out", {
     Pending => "pending",
     Running => "running",
     Succeeded => "succeeded",
     Failed => "failed",
     Cancelled => "cancelled",
+    Paused => "paused",
+    TimedOut => "timed_out",
 });
 
 impl JobState {
-    /// Succeeded, Failed or Cancelled: nothing will run for the job again.
+    /// Succeeded, Failed, Cancelled or TimedOut: nothing will run for the job again.
     pub const fn is_terminal(self) -> bool {
         matches!(
             self,
-            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled | JobState::TimedOut
         )
     }
 }
+
+/// Why the ranks of a running job are asked to stop: what the rank-local API answers
+/// (`GET /v1/control`, progress replies) and the Python runtime's `stop_request()`.
+/// Every stop follows one protocol (docs/architecture.md, "Stopping a rank"): the rank is
+/// told, then its process group gets SIGTERM after a notice, then SIGKILL after the
+/// job's stop grace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopAction {
+    /// The attempt is no longer wanted (cancel, a group restart, the job ended): exit.
+    Stop,
+    /// The user paused the job: commit a checkpoint at this step and exit 0; the job
+    /// resumes from it.
+    Pause,
+    /// The job's time limit is near: commit a checkpoint and exit 0; the job ends
+    /// `timed_out`.
+    TimeLimit,
+    /// The scheduler needs the slots for a job of higher priority: commit a checkpoint
+    /// and exit 0; the job is queued again.
+    Preempt,
+}
+
+wire_enum!(StopAction, "stop action", "stop, pause, time_limit, preempt", {
+    Stop => "stop",
+    Pause => "pause",
+    TimeLimit => "time_limit",
+    Preempt => "preempt",
+});
 
 /// State of a rank's current attempt, as the Raft log and snapshots store it (serde
 /// names `unplaced`, `pending`, …). The APIs show a [`RankPhase`] instead.
@@ -260,6 +298,7 @@ mod tests {
         round_trips(RestartScope::ALL);
         round_trips(CommitTier::ALL);
         round_trips(Role::ALL);
+        round_trips(StopAction::ALL);
     }
 
     #[test]
@@ -283,5 +322,6 @@ mod tests {
     fn only_finished_jobs_are_terminal() {
         assert!(JobState::Cancelled.is_terminal() && JobState::Succeeded.is_terminal());
         assert!(!JobState::Running.is_terminal() && !JobState::Pending.is_terminal());
+        assert!(JobState::TimedOut.is_terminal() && !JobState::Paused.is_terminal());
     }
 }

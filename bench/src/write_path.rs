@@ -288,6 +288,8 @@ impl Template {
             gpus_per_rank: 0,
             gpu_memory_fraction: None,
             stop_grace_ms: 0,
+            time_limit_ms: 0,
+            signal_before_ms: 0,
         };
         let placeholder = "#".repeat(REQUEST_ID_LEN);
         let request = v1::SubmitJobRequest {

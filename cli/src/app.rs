@@ -38,6 +38,8 @@ pub async fn run(cli: Cli) -> Result<()> {
                 .context("writing to stdout")
         }
         Command::Cancel(j) => jobs::cancel(&config::resolve(g)?, &j.job, out).await,
+        Command::Pause(j) => jobs::pause(&config::resolve(g)?, &j.job, out).await,
+        Command::Resume(j) => jobs::resume(&config::resolve(g)?, &j.job, out).await,
         Command::Logs(l) => {
             jobs::logs(
                 &config::resolve(g)?,

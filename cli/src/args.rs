@@ -123,6 +123,12 @@ pub enum Command {
     List(ListArgs),
     /// Cancel a job (its ranks are stopped).
     Cancel(JobArg),
+    /// Pause a job: its ranks are asked to checkpoint and stop, then it holds no slots
+    /// until `resume` (a pending job is parked at once). No restart budget is spent.
+    Pause(JobArg),
+    /// Resume a paused job: it is queued again and continues from its newest committed
+    /// step, on any workers.
+    Resume(JobArg),
     /// Print the logs of a job's ranks (all attempts), `-f` to follow.
     Logs(LogsArgs),
     /// Checkpoints of a job.
@@ -265,6 +271,14 @@ pub struct SubmitArgs {
     /// room for a last checkpoint (0..=3600; default: the agent's --stop-grace-ms, 5 s).
     #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub stop_grace_s: Option<u64>,
+    /// Running time the job may use, e.g. `90m`, `2h`, `1d` (time paused or queued is
+    /// not counted); then it ends `timed_out`.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration_ms)]
+    pub time_limit: Option<u64>,
+    /// Ask the ranks to checkpoint and stop this long before the time limit, e.g. `5m`
+    /// (as Slurm's `--signal`); SIGTERM comes at the limit.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration_ms, requires = "time_limit")]
+    pub signal_before: Option<u64>,
     /// Accept a job larger than the alive workers offer in all (slots, GPUs): it stays
     /// pending until workers join. Without it such a submit is refused.
     #[arg(long)]
@@ -677,4 +691,23 @@ mod tests {
             .is_ok()
         );
     }
+}
+
+/// Parses a human duration (`90s`, `5m`, `2h`, `1d 12h`: the `humantime` syntax) into
+/// milliseconds; a bare number is seconds.
+///
+/// # Errors
+/// Text that is not a duration, or zero.
+pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let duration = match text.parse::<u64>() {
+        Ok(seconds) => std::time::Duration::from_secs(seconds),
+        Err(_) => humantime::parse_duration(text)
+            .map_err(|e| format!("{text:?} is not a duration like 90s, 5m, 2h or 1d ({e})"))?,
+    };
+    let ms = u64::try_from(duration.as_millis()).map_err(|_| "duration too long".to_string())?;
+    if ms == 0 {
+        return Err("the duration must be above zero".into());
+    }
+    Ok(ms)
 }

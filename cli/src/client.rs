@@ -16,7 +16,7 @@ use cumulus_api::leader::{self, CallError, ChannelSettings, ConfigError, LeaderC
 use cumulus_api::{
     CancelJobRequest, ClusterStatusRequest, ClusterStatusResponse, GetJobRequest, JobResponse,
     ListCheckpointsRequest, ListCheckpointsResponse, ListJobsRequest, ListJobsResponse,
-    SubmitJobRequest, SubmitJobResponse,
+    PauseJobRequest, ResumeJobRequest, SubmitJobRequest, SubmitJobResponse,
 };
 use tonic::transport::Channel;
 use tonic::{Code, Status};
@@ -265,6 +265,28 @@ impl Client {
             req,
             |mut c, r| async move { c.cancel_job(r).await },
         )
+        .await
+    }
+
+    /// `PauseJob`.
+    pub async fn pause_job(&self, job_id: &str) -> Result<JobResponse, ClientError> {
+        let req = PauseJobRequest {
+            job_id: job_id.to_string(),
+        };
+        self.call("PauseJob", req, |mut c, r| async move {
+            c.pause_job(r).await
+        })
+        .await
+    }
+
+    /// `ResumeJob`.
+    pub async fn resume_job(&self, job_id: &str) -> Result<JobResponse, ClientError> {
+        let req = ResumeJobRequest {
+            job_id: job_id.to_string(),
+        };
+        self.call("ResumeJob", req, |mut c, r| async move {
+            c.resume_job(r).await
+        })
         .await
     }
 
@@ -525,6 +547,20 @@ mod tests {
             ) -> Result<Response<JobResponse>, Status> {
                 self.0.gate(&req)?;
                 Err(Status::invalid_argument("cannot cancel a finished job"))
+            }
+            async fn pause_job(
+                &self,
+                req: Request<PauseJobRequest>,
+            ) -> Result<Response<JobResponse>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::failed_precondition("job is already paused"))
+            }
+            async fn resume_job(
+                &self,
+                req: Request<ResumeJobRequest>,
+            ) -> Result<Response<JobResponse>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::failed_precondition("job is running, not paused"))
             }
             async fn cluster_status(
                 &self,

@@ -131,6 +131,8 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
         gpus_per_rank: args.gpus_per_rank.unwrap_or(0),
         gpu_memory_fraction: args.gpu_memory_fraction,
         stop_grace_ms: args.stop_grace_s.map_or(0, |s| s * 1000),
+        time_limit_ms: args.time_limit.unwrap_or(0),
+        signal_before_ms: args.signal_before.unwrap_or(0),
     };
     Ok(SubmitJobRequest {
         allow_pending: args.allow_pending,
@@ -374,14 +376,30 @@ pub async fn list(conn: &Conn, filters: &ListArgs, output: OutputFormat) -> Resu
 /// `cancel JOB`.
 pub async fn cancel(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
     let resp = Client::new(conn)?.cancel_job(job_id).await?;
+    print_job_state(job_id, &resp, output)
+}
+
+/// `pause JOB`.
+pub async fn pause(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.pause_job(job_id).await?;
+    print_job_state(job_id, &resp, output)
+}
+
+/// `resume JOB`.
+pub async fn resume(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
+    let resp = Client::new(conn)?.resume_job(job_id).await?;
+    print_job_state(job_id, &resp, output)
+}
+
+/// `JOB: state` (with a stop in flight: `running, pausing`), or the JSON answer.
+fn print_job_state(job_id: &str, resp: &cumulus_api::JobResponse, output: OutputFormat) -> Result<()> {
     match output {
         OutputFormat::Json => print_json(&resp),
         OutputFormat::Table => {
             let state = resp
                 .job
                 .as_ref()
-                .map(|j| j.state.as_str())
-                .unwrap_or("unknown");
+                .map_or_else(|| "unknown".to_string(), render::job_state_text);
             println!("{job_id}: {state}");
             Ok(())
         }

@@ -165,7 +165,7 @@ pub fn jobs_table(resp: &ListJobsResponse, now_ms: u64) -> String {
                 j.id.clone(),
                 or_dash(&spec.name),
                 or_dash(&j.owner),
-                j.state.clone(),
+                job_state_text(j),
                 spec.world_size.to_string(),
                 format!("{}/{}", j.restarts_used, budget(j)),
                 j.committed_step.map_or("-".into(), |s| s.to_string()),
@@ -175,6 +175,19 @@ pub fn jobs_table(resp: &ListJobsResponse, now_ms: u64) -> String {
         );
     }
     table_text(&t)
+}
+
+/// A job's state as shown: with a stop in flight, what it is doing (`running, pausing`,
+/// `running, stopping for its time limit`, `running, giving way`).
+pub fn job_state_text(job: &cumulus_api::Job) -> String {
+    let doing = match job.stop_action.as_str() {
+        "" => return cumulus_api::text::escape_control(&job.state).into_owned(),
+        "pause" => "pausing",
+        "time_limit" => "stopping for its time limit",
+        "preempt" => "giving way",
+        _ => "stopping",
+    };
+    format!("{}, {doing}", cumulus_api::text::escape_control(&job.state))
 }
 
 /// `status`: summary, ranks table, restarts table.
@@ -198,7 +211,7 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
             format!("{} ({})", job.id, spec.name)
         },
     );
-    row("state", job.state.clone());
+    row("state", job_state_text(job));
     if !job.owner.is_empty() {
         row("owner", job.owner.clone());
     }
@@ -242,6 +255,20 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
     }
     if spec.stop_grace_ms > 0 {
         row("stop grace", duration_text(spec.stop_grace_ms));
+    }
+    if spec.time_limit_ms > 0 {
+        let mut limit = format!(
+            "{} (ran {})",
+            duration_text(spec.time_limit_ms),
+            duration_text(job.running_ms)
+        );
+        if spec.signal_before_ms > 0 {
+            limit.push_str(&format!(
+                "; ranks asked to stop {} before",
+                duration_text(spec.signal_before_ms)
+            ));
+        }
+        row("time limit", limit);
     }
     if !job.failure_cause.is_empty() {
         row("failure cause", job.failure_cause.clone());

@@ -437,6 +437,49 @@ pub async fn cancel(
     get_job(node, job_id, false).await
 }
 
+/// Pauses a job: a running job's ranks are asked to checkpoint and stop (then it is
+/// `paused`, holding no slots); a pending job is parked at once.
+///
+/// # Errors
+/// `NotFound`, `FailedPrecondition` (finished, already paused, a stop in flight),
+/// `PermissionDenied` (not the owner), `NotLeader`.
+pub async fn pause(
+    node: &Node,
+    who: &Principal,
+    job_id: &str,
+) -> Result<v1::JobResponse, ApiError> {
+    require_role(who, Role::Submit, "pause jobs")?;
+    node.require_leader()?;
+    require_owner(node, who, job_id, "pause")?;
+    node.propose_ok(Command::PauseJob {
+        job_id: job_id.to_string(),
+        at_ms: now_ms(),
+    })
+    .await?;
+    get_job(node, job_id, false).await
+}
+
+/// Resumes a paused job: it is queued again and resumes from its newest committed step.
+///
+/// # Errors
+/// `NotFound`, `FailedPrecondition` (not paused, or still pausing), `PermissionDenied`
+/// (not the owner), `NotLeader`.
+pub async fn resume(
+    node: &Node,
+    who: &Principal,
+    job_id: &str,
+) -> Result<v1::JobResponse, ApiError> {
+    require_role(who, Role::Submit, "resume jobs")?;
+    node.require_leader()?;
+    require_owner(node, who, job_id, "resume")?;
+    node.propose_ok(Command::ResumeJob {
+        job_id: job_id.to_string(),
+        at_ms: now_ms(),
+    })
+    .await?;
+    get_job(node, job_id, false).await
+}
+
 /// The cluster as this node sees it.
 pub fn cluster_status(node: &Node) -> v1::ClusterStatusResponse {
     let m = node.raft.metrics().borrow_watched().clone();

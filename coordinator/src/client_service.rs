@@ -62,6 +62,28 @@ impl ClientService for ClientSvc {
             .map_err(to_status)
     }
 
+    async fn pause_job(
+        &self,
+        req: Request<v1::PauseJobRequest>,
+    ) -> Result<Response<v1::JobResponse>, Status> {
+        let who = principal_of(&req)?;
+        api::pause(&self.node, &who, &req.into_inner().job_id)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn resume_job(
+        &self,
+        req: Request<v1::ResumeJobRequest>,
+    ) -> Result<Response<v1::JobResponse>, Status> {
+        let who = principal_of(&req)?;
+        api::resume(&self.node, &who, &req.into_inner().job_id)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
     async fn cluster_status(
         &self,
         _req: Request<v1::ClusterStatusRequest>,

@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use cumulus_api::{RankPhase, v1};
 use cumulus_raft_store::state::{
-    ClusterState, Job, JobSpec, JobState, RankState, RestartPolicy, RestartScope, WorkerState,
+    ClusterState, Job, JobSpec, JobState, RankState, RestartPolicy, RestartScope, StopAction,
+    WorkerState,
 };
 
 use crate::error::ApiError;
@@ -63,6 +64,8 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
         gpus_per_rank,
         gpu_memory_permille,
         stop_grace_ms: p.stop_grace_ms,
+        time_limit_ms: p.time_limit_ms,
+        signal_before_ms: p.signal_before_ms,
     };
     spec.validate(max_world_size)
         .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
@@ -97,6 +100,8 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         gpu_memory_fraction: (s.gpu_memory_permille > 0)
             .then(|| f64::from(s.gpu_memory_permille) / 1000.0),
         stop_grace_ms: s.stop_grace_ms,
+        time_limit_ms: s.time_limit_ms,
+        signal_before_ms: s.signal_before_ms,
     }
 }
 
@@ -182,12 +187,19 @@ pub fn job_to_proto(
         shard_count: job.shard_count,
         pending_reason: pending_reason.unwrap_or_default(),
         owner: job.owner.clone(),
+        stop_action: job
+            .stop
+            .as_ref()
+            .map_or("", |s| s.action.as_str())
+            .to_string(),
+        running_ms: job.running_ms_at(now_ms),
     }
 }
 
 /// The rank attempts the leader wants running on `worker_id` at `now_ms`: every
-/// placed rank of a running job whose current attempt is pending (and past its
-/// backoff) or running.
+/// placed rank of a running job whose current attempt is running, or pending and past
+/// its backoff while the job is not stopping. A stopping job's ranks carry its stop
+/// action (and, for a time limit, the notice before SIGTERM: its `signal_before_ms`).
 pub fn desired_for_worker(
     state: &ClusterState,
     worker_id: &str,
@@ -211,7 +223,7 @@ pub fn desired_for_worker(
             }
             let wanted = match r.state {
                 RankState::Running => true,
-                RankState::Pending => r.not_before_ms <= now_ms,
+                RankState::Pending => job.stop.is_none() && r.not_before_ms <= now_ms,
                 _ => false,
             };
             if !wanted {
@@ -247,6 +259,15 @@ pub fn desired_for_worker(
                 gpus: r.gpus.clone(),
                 gpu_memory_permille: job.spec.gpu_memory_permille,
                 stop_grace_ms: job.spec.stop_grace_ms,
+                stop_action: job
+                    .stop
+                    .as_ref()
+                    .map_or("", |s| s.action.as_str())
+                    .to_string(),
+                stop_notice_ms: match job.stop.as_ref().map(|s| s.action) {
+                    Some(StopAction::TimeLimit) => job.spec.signal_before_ms,
+                    _ => 0,
+                },
             });
         }
     }
@@ -301,14 +322,15 @@ pub fn workers_to_proto(
         .collect()
 }
 
-/// Digest of a desired set: a hash of its sorted `(job, rank, attempt)` keys (the rest of
-/// a desired attempt never changes for the same key). `WatchDesired` compares it with
-/// the agent's to tell whether the agent is current. Never 0 (0 means "none known").
+/// Digest of a desired set: a hash of its sorted `(job, rank, attempt, stop action)`
+/// tuples (nothing else of a desired attempt changes for the same key). `WatchDesired`
+/// compares it with the agent's to tell whether the agent is current. Never 0 (0 means
+/// "none known").
 pub fn desired_digest(desired: &[v1::DesiredRank]) -> u64 {
     use std::hash::{Hash, Hasher};
-    let mut keys: Vec<(&str, u32, u32)> = desired
+    let mut keys: Vec<(&str, u32, u32, &str)> = desired
         .iter()
-        .map(|d| (d.job_id.as_str(), d.rank, d.attempt))
+        .map(|d| (d.job_id.as_str(), d.rank, d.attempt, d.stop_action.as_str()))
         .collect();
     keys.sort_unstable();
     let mut h = std::collections::hash_map::DefaultHasher::new();

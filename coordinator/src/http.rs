@@ -31,6 +31,8 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/jobs", get(list_jobs).post(submit))
         .route("/v1/jobs/{id}", get(get_job))
         .route("/v1/jobs/{id}/cancel", post(cancel))
+        .route("/v1/jobs/{id}/pause", post(pause))
+        .route("/v1/jobs/{id}/resume", post(resume))
         .route("/v1/jobs/{id}/checkpoints", get(checkpoints))
         .route("/v1/jobs/{id}/logs", get(crate::logs::stream))
         .route("/v1/cluster", get(cluster))
@@ -109,6 +111,22 @@ async fn cancel(
     Path(id): Path<String>,
 ) -> Result<Json<v1::JobResponse>, HttpError> {
     Ok(Json(api::cancel(&node, &who, &id).await?))
+}
+
+async fn pause(
+    State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<v1::JobResponse>, HttpError> {
+    Ok(Json(api::pause(&node, &who, &id).await?))
+}
+
+async fn resume(
+    State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<v1::JobResponse>, HttpError> {
+    Ok(Json(api::resume(&node, &who, &id).await?))
 }
 
 async fn create_user(

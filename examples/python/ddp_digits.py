@@ -24,6 +24,13 @@ At the end rank 0 writes ``<out>/model.safetensors`` (the final weights), and ev
 weights and the digest of every record it consumed, in order (the chain
 ``d = sha256(d ‖ "epoch:shard:line\\n")`` from 32 zero bytes).
 
+Stopping: every step each rank checks ``runtime.should_stop()`` (a pause, a time limit,
+a preemption or a cancel, told by the worker agent; or SIGTERM) and the ranks all-reduce
+it, so that all of them stop at the same step: each commits its part of a checkpoint at
+that step and exits 0. A paused job (``cumulusctl pause`` / ``Job.pause()``) thus resumes
+exactly where it stopped, and its final weights are still a fault-free run's. Under plain
+``torchrun`` only SIGTERM asks to stop, and nothing is committed.
+
 Fault injection, for tests: ``--kill-rank R --kill-at-step S`` makes rank R's first
 attempt SIGKILL itself after step S, once the last checkpoint before S is committed.
 """
@@ -42,7 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from cumulus import ckpt, runtime
+from cumulus import ckpt, errors, runtime
 from safetensors.torch import save as st_save
 from torch import nn
 
@@ -110,6 +117,14 @@ def committed_step(ctx: runtime.Context) -> int:
     except FileNotFoundError:
         return 0
     return int(text.removeprefix("step-"))
+
+
+def stop_everywhere(rt: runtime.Runtime, device: torch.device) -> bool:
+    """Whether any rank was asked to stop (``should_stop()``), agreed by all: a
+    collective, so call it on every rank at every step."""
+    flag = torch.tensor([1.0 if rt.should_stop() else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 def main() -> int:
@@ -206,19 +221,34 @@ def main() -> int:
                 f"step {step}/{args.steps} epoch {epoch} loss {value:.4f}", flush=True
             )
 
-        if step % args.ckpt_every == 0 and rt.checkpoints_enabled:
+        # Every rank stops at the same step: the step's checkpoint needs all their parts.
+        stop = stop_everywhere(rt, device)
+        if (step % args.ckpt_every == 0 or stop) and rt.checkpoints_enabled:
             state = {
                 "epoch": epoch,
                 "pos": pos,
                 "records": records,
                 "digest": digest.hex(),
             }
-            part = ckpt.save_checkpoint(
-                step, state, model=model, optimizer=opt, perm=perm, rng=ckpt.RNG(order)
-            )
-            print(
-                f"rank={ctx.rank} checkpoint {step} committed: {part.dir}", flush=True
-            )
+            try:
+                part = ckpt.save_checkpoint(
+                    step,
+                    state,
+                    model=model,
+                    optimizer=opt,
+                    perm=perm,
+                    rng=ckpt.RNG(order),
+                )
+            except errors.StaleAttempt as e:
+                if not stop:
+                    raise
+                # Cancelled, or replaced by a restart: nothing to keep.
+                print(f"rank={ctx.rank} stop checkpoint refused: {e}", flush=True)
+            else:
+                print(
+                    f"rank={ctx.rank} checkpoint {step} committed: {part.dir}",
+                    flush=True,
+                )
 
         if (
             ctx.rank == args.kill_rank
@@ -234,8 +264,11 @@ def main() -> int:
                     time.sleep(0.02)
             print(f"rank={ctx.rank} killing itself at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if rt.should_stop():
-            print(f"rank={ctx.rank} asked to stop at step {step}", flush=True)
+        if stop:
+            asked = rt.stop_request() or "another rank was asked"
+            print(f"rank={ctx.rank} asked to stop at step {step} ({asked})", flush=True)
+            rt.close()
+            dist.destroy_process_group()
             return 0
 
     elapsed = time.monotonic() - t0

@@ -1,13 +1,29 @@
 //! Client of the worker agent's rank-local HTTP API (docs/architecture.md, "Rank-local HTTP
 //! API"): `POST /v1/progress` and `POST /v1/checkpoint`, both with
-//! `Authorization: Bearer $CUMULUS_AGENT_TOKEN`.
+//! `Authorization: Bearer $CUMULUS_AGENT_TOKEN`. A progress reply carries the agent's
+//! request to stop, when there is one.
 
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::time::Duration;
 
+use cumulus_api::StopAction;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
+
+/// The action of a control reply `{"action": "pause"}`: `None` for `"none"` or a body
+/// without one; an unknown action is a plain stop.
+fn parse_action(body: &str) -> Option<StopAction> {
+    #[derive(Deserialize)]
+    struct Reply {
+        action: String,
+    }
+    let reply: Reply = serde_json::from_str(body).ok()?;
+    if reply.action == "none" {
+        return None;
+    }
+    Some(reply.action.parse().unwrap_or(StopAction::Stop))
+}
 
 /// Time limit of one progress request, in milliseconds.
 pub const PROGRESS_TIMEOUT_MS: u64 = 2_000;
@@ -138,10 +154,14 @@ impl AgentClient {
     }
 
     /// `POST /v1/progress` (time limit [`PROGRESS_TIMEOUT_MS`]); any 2xx is success.
-    pub fn progress(&self, report: &ProgressReport) -> Result<(), AgentError> {
+    /// Returns what the agent asks of the rank: `None` to go on (204), or the stop
+    /// action of a 200 reply `{"action": ..}` (an action this client does not know is
+    /// taken for a plain [`StopAction::Stop`]).
+    pub fn progress(&self, report: &ProgressReport) -> Result<Option<StopAction>, AgentError> {
         let (status, body) = self.post("/v1/progress", report, PROGRESS_TIMEOUT_MS)?;
         match status {
-            200..=299 => Ok(()),
+            200 => Ok(parse_action(&body)),
+            201..=299 => Ok(None),
             401 | 409 => Err(AgentError::Stale {
                 status,
                 message: error_message(&body),
@@ -183,6 +203,14 @@ impl AgentClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stop_actions_are_read_from_replies() {
+        assert_eq!(parse_action(r#"{"action":"pause"}"#), Some(StopAction::Pause));
+        assert_eq!(parse_action(r#"{"action":"none"}"#), None);
+        assert_eq!(parse_action(""), None);
+        assert_eq!(parse_action(r#"{"action":"drain"}"#), Some(StopAction::Stop));
+    }
 
     #[test]
     fn error_bodies_are_read() {

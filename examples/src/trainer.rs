@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::agent::{AgentClient, AgentError, ProgressReport};
+use cumulus_api::StopAction;
 use crate::data::{self, DataError, Dataset, MAX_CLASSES};
 use crate::digest::RecordDigest;
 use crate::env::{EnvError, RankEnv};
@@ -770,6 +771,8 @@ struct ProgressSender<'c> {
     client: Option<&'c AgentClient>,
     last_sent: Option<Instant>,
     failures: u64,
+    /// The first stop request a reply carried.
+    asked: Option<StopAction>,
 }
 
 impl ProgressSender<'_> {
@@ -792,13 +795,20 @@ impl ProgressSender<'_> {
             total_steps,
             metrics,
         };
-        if let Err(e) = client.progress(&report) {
-            self.failures += 1;
+        match client.progress(&report) {
+            Ok(action) => {
+                if self.asked.is_none() {
+                    self.asked = action;
+                }
+            }
+            Err(e) => {
+                self.failures += 1;
             if self.failures <= PROGRESS_FAILURES_LOGGED || self.failures.is_multiple_of(100) {
                 eprintln!(
                     "warning: progress report failed ({} so far, ignored): {e}",
                     self.failures
                 );
+                }
             }
         }
     }
@@ -898,11 +908,16 @@ fn commit_checkpoint(
 /// resumes when the environment says so, trains with progress reports and checkpoints,
 /// and writes `weights.bin` and `result.json` into `<out>/rank-<RANK>/`. Human-readable
 /// lines go to `log`.
+///
+/// Returns `None` when the agent asked the rank to pause, give way or stop for a time
+/// limit (a progress reply's action): it then trains on to the next checkpoint step,
+/// commits it and stops there without writing results (the job resumes from that step).
+/// A plain stop request is left to the agent's SIGTERM.
 pub fn run(
     config: &TrainConfig,
     env: &RankEnv,
     log: &mut dyn Write,
-) -> Result<TrainOutcome, TrainError> {
+) -> Result<Option<TrainOutcome>, TrainError> {
     config.hyper.validate()?;
     let agent = match (&env.agent_url, &env.agent_token) {
         (Some(url), Some(token)) => {
@@ -969,6 +984,7 @@ pub fn run(
         client: agent.as_ref(),
         last_sent: None,
         failures: 0,
+        asked: None,
     };
     while let Some(report) = trainer.train_step() {
         let step = report.step;
@@ -987,6 +1003,21 @@ pub fn run(
             && step.is_multiple_of(config.ckpt_every)
         {
             commit_checkpoint(&trainer, staging, agent, log)?;
+            // Asked to pause, give way or stop for a time limit: stop at this
+            // checkpoint. Every rank stops at the same step (the next multiple of
+            // `ckpt_every`), so the step is complete and the job resumes from it.
+            if let Some(action) = progress
+                .asked
+                .filter(|a| *a != StopAction::Stop)
+            {
+                let _ = writeln!(
+                    log,
+                    "rank={} asked to {action}: stopped at checkpoint step {step}",
+                    env.rank
+                );
+                let _ = log.flush();
+                return Ok(None);
+            }
         }
         if config.step_sleep_ms > 0 {
             std::thread::sleep(Duration::from_millis(config.step_sleep_ms));
@@ -1040,11 +1071,11 @@ pub fn run(
         result.digest
     );
     let _ = log.flush();
-    Ok(TrainOutcome {
+    Ok(Some(TrainOutcome {
         result,
         weights_path,
         result_path,
-    })
+    }))
 }
 
 /// Result of `cumulus-trainer eval`.

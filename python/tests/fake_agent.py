@@ -17,6 +17,7 @@ class Request:
     path: str
     authorization: str | None
     body: Any
+    method: str = "POST"
 
 
 #: (status, JSON body or None). A callable gets the request and returns one.
@@ -24,9 +25,11 @@ Response = tuple[int, Any]
 
 
 class FakeAgent:
-    """Answers ``POST /v1/progress`` with 204 and ``POST /v1/checkpoint`` by "committing"
-    the staging dir (moving its files to ``<job dir>/<part>``) unless a scripted response
-    is queued for the path."""
+    """Answers ``POST /v1/progress`` with 204 (200 ``{"action": ...}`` once
+    :attr:`action` is set to anything but ``"none"``), ``GET /v1/control`` with 200
+    ``{"action": <action>}``, and ``POST /v1/checkpoint`` by "committing" the staging dir
+    (moving its files to ``<job dir>/<part>``), unless a scripted response is queued for
+    the path."""
 
     def __init__(self, staging: Path | None = None, *, rank: int = 0, attempt: int = 0) -> None:
         self.staging = staging
@@ -36,6 +39,9 @@ class FakeAgent:
         self.script: dict[str, list[Response | Callable[[Request], Response]]] = {}
         self.lock = threading.Lock()
         self.progress_delay_s = 0.0
+        self.control_delay_s = 0.0
+        #: The control action asked of the rank: ``"none"``, ``"stop"``, ``"pause"``...
+        self.action = "none"
         agent = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -46,13 +52,26 @@ class FakeAgent:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length)
                 req = Request(self.path, self.headers.get("Authorization"), json.loads(raw))
-                status, body = agent.answer(req)
-                data = b"" if body is None else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.reply(agent.answer(req))
+
+            def do_GET(self) -> None:
+                req = Request(self.path, self.headers.get("Authorization"), None, "GET")
+                self.reply(agent.answer(req))
+
+            def reply(self, response: Response) -> None:
+                status, body = response
+                if isinstance(body, bytes):  # a raw (e.g. malformed) body
+                    data = body
+                else:
+                    data = b"" if body is None else json.dumps(body).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up waiting (a slow answer, on purpose)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -89,11 +108,16 @@ class FakeAgent:
             return response(req)
         if response is not None:
             return response
-        if req.path == "/v1/progress":
+        if req.path == "/v1/progress" and req.method == "POST":
             if self.progress_delay_s:
                 threading.Event().wait(self.progress_delay_s)
-            return 204, None
-        if req.path == "/v1/checkpoint":
+            action = self.action
+            return (204, None) if action == "none" else (200, {"action": action})
+        if req.path == "/v1/control" and req.method == "GET":
+            if self.control_delay_s:
+                threading.Event().wait(self.control_delay_s)
+            return 200, {"action": self.action}
+        if req.path == "/v1/checkpoint" and req.method == "POST":
             return self.commit(req)
         return 404, {"error": "no such route"}
 

@@ -20,7 +20,7 @@ from conftest import UNRELATED_CA_PEM
 from cumulus import errors
 from cumulus._config import MAX_PEM_FILE_BYTES, load_ca, normalize_address, resolve
 from cumulus.client import Client
-from cumulus.models import WorkerInfo
+from cumulus.models import FINISHED_STATES, JOB_STATES, WorkerInfo
 
 A, B, C = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
 
@@ -481,6 +481,7 @@ def test_no_coordinator_is_unavailable_within_the_budget(script: Script) -> None
     [
         (400, errors.InvalidSpec),
         (401, errors.Unauthorized),
+        (403, errors.Forbidden),
         (404, errors.NotFound),
         (409, errors.Conflict),
         (429, errors.ResourceExhausted),
@@ -695,13 +696,224 @@ def test_checkpoints_are_typed(client: Client, script: Script) -> None:
     assert (c.step, c.size_bytes, c.latest, c.verified, c.tiers) == (20, 42, True, True, ("L1",))
 
 
-def test_pause_and_resume_name_the_missing_server_feature(client: Client) -> None:
+def test_pause_and_resume_post_and_return_the_job(client: Client, script: Script) -> None:
+    script.on(
+        A,
+        "POST",
+        "/v1/jobs/job-000001/pause",
+        ok({"job": job_json(stop_action="pause", running_ms=1234)}),
+    )
+    script.on(A, "POST", "/v1/jobs/job-000001/resume", ok({"job": job_json(state="pending")}))
     job = client.job("job-000001")
-    with pytest.raises(errors.Unsupported, match="pause") as e:
-        job.pause()
-    assert isinstance(e.value, NotImplementedError)
-    with pytest.raises(errors.Unsupported, match="resume"):
-        job.resume()
+    info = job.pause()
+    assert (info.state, info.stop_action, info.running_ms) == ("running", "pause", 1234)
+    assert not info.finished
+    assert client.resume("job-000001").state == "pending"
+    assert client.pause("job-000001").stop_action == "pause"
+    assert script.where() == [
+        f"{A} POST /v1/jobs/job-000001/pause",
+        f"{A} POST /v1/jobs/job-000001/resume",
+        f"{A} POST /v1/jobs/job-000001/pause",
+    ]
+    assert all(r.content == b"" for r in script.calls)  # no body
+    assert all(r.headers["authorization"] == "Bearer tok" for r in script.calls)
+
+
+def test_pause_and_resume_follow_the_leader(client: Client, script: Script) -> None:
+    not_leader = status(503, "not the leader", {"x-cumulus-leader-http": B})
+    script.on(A, "POST", "/v1/jobs/job-000001/pause", not_leader)
+    script.on(B, "POST", "/v1/jobs/job-000001/pause", ok({"job": job_json(state="paused")}))
+    assert client.job("job-000001").pause().paused
+    assert script.where()[-1] == f"{B} POST /v1/jobs/job-000001/pause"
+
+
+def test_pause_is_idempotent_but_not_for_finished_jobs(client: Client, script: Script) -> None:
+    script.on(
+        A,
+        "POST",
+        "/v1/jobs/job-000001/pause",
+        status(409, "job job-000001 is already paused"),
+        status(409, "a pause of job job-000001 is already in flight"),
+    )
+    script.on(
+        A,
+        "GET",
+        "/v1/jobs/job-000001",
+        ok({"job": job_json(state="paused")}),
+        ok({"job": job_json(stop_action="pause")}),
+    )
+    job = client.job("job-000001")
+    assert job.pause().state == "paused"
+    assert job.pause().stop_action == "pause"
+    for state, stop_action, message in [
+        ("succeeded", "", "job job-000002 already succeeded"),
+        ("running", "time_limit", "a time_limit stop of job job-000002 is in flight"),
+    ]:
+        script.routes.pop((A, "POST", "/v1/jobs/job-000002/pause"), None)
+        script.routes.pop((A, "GET", "/v1/jobs/job-000002"), None)
+        script.on(A, "POST", "/v1/jobs/job-000002/pause", status(409, message))
+        script.on(
+            A,
+            "GET",
+            "/v1/jobs/job-000002",
+            ok({"job": job_json("job-000002", state, stop_action=stop_action)}),
+        )
+        with pytest.raises(errors.Conflict, match=message):
+            client.job("job-000002").pause()
+
+
+def test_resume_is_idempotent_but_refuses_what_is_not_paused(
+    client: Client, script: Script
+) -> None:
+    # A retried resume whose first try went through: the job is queued already.
+    script.on(A, "POST", "/v1/jobs/job-000001/resume", status(409, "job is not paused"))
+    script.on(A, "GET", "/v1/jobs/job-000001", ok({"job": job_json(state="pending")}))
+    assert client.job("job-000001").resume().state == "pending"
+    for state, stop_action in [("running", "pause"), ("timed_out", ""), ("cancelled", "")]:
+        script.routes.pop((A, "GET", "/v1/jobs/job-000002"), None)
+        script.on(A, "POST", "/v1/jobs/job-000002/resume", status(409, "cannot resume"))
+        script.on(
+            A,
+            "GET",
+            "/v1/jobs/job-000002",
+            ok({"job": job_json("job-000002", state, stop_action=stop_action)}),
+        )
+        with pytest.raises(errors.Conflict, match="cannot resume"):
+            client.job("job-000002").resume()
+
+
+@pytest.mark.parametrize("op", ["pause", "resume"])
+@pytest.mark.parametrize(
+    ("code", "cls"), [(404, errors.NotFound), (403, errors.Forbidden), (400, errors.InvalidSpec)]
+)
+def test_pause_and_resume_errors_are_typed(
+    client: Client, script: Script, op: str, code: int, cls: type[errors.ApiError]
+) -> None:
+    script.on(A, "POST", f"/v1/jobs/job-000009/{op}", status(code, f"{op} refused"))
+    with pytest.raises(cls, match=f"{op} refused") as e:
+        getattr(client.job("job-000009"), op)()
+    assert e.value.status == code
+    assert len(script.calls) == 1
+
+
+def test_a_pause_answer_without_a_job_is_a_protocol_error(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs/job-000001/pause", ok({}))
+    with pytest.raises(errors.ProtocolError, match="pause: the answer has no job"):
+        client.pause("job-000001")
+
+
+def test_paused_and_timed_out_states() -> None:
+    paused = cumulus.JobInfo.from_json(job_json(state="paused", committed_step=30))
+    assert paused.paused and not paused.finished and not paused.timed_out
+    timed_out = cumulus.JobInfo.from_json(job_json(state="timed_out", running_ms=3000))
+    assert timed_out.finished and timed_out.timed_out and not timed_out.succeeded
+    assert timed_out.running_ms == 3000
+    assert "timed_out" in FINISHED_STATES and "paused" not in FINISHED_STATES
+    assert set(JOB_STATES) >= FINISHED_STATES | {"paused", "pending", "running"}
+    # Answers of an older coordinator, without the new fields, have the defaults.
+    old = cumulus.JobInfo.from_json(job_json())
+    assert (old.stop_action, old.running_ms, old.time_limit_ms, old.signal_before_ms) == (
+        "",
+        0,
+        0,
+        0,
+    )
+    job = job_json()
+    job["spec"] = {**job["spec"], "time_limit_ms": 3000, "signal_before_ms": 2000}
+    info = cumulus.JobInfo.from_json(job)
+    assert (info.time_limit_ms, info.signal_before_ms) == (3000, 2000)
+    with pytest.raises(errors.ProtocolError, match="stop_action"):
+        cumulus.JobInfo.from_json(job_json(stop_action=1))
+    with pytest.raises(errors.ProtocolError, match="running_ms"):
+        cumulus.JobInfo.from_json(job_json(running_ms="1"))
+
+
+def test_wait_goes_on_through_a_pause_and_ends_at_timed_out(client: Client, script: Script) -> None:
+    script.on(
+        A,
+        "GET",
+        "/v1/jobs/job-000001",
+        *[
+            ok({"job": job_json(state=state)})
+            for state in ("running", "paused", "paused", "pending", "running", "timed_out")
+        ],
+    )
+    info = client.job("job-000001").wait(timeout_s=10, poll_interval_s=0.01)
+    assert info.state == "timed_out"
+    assert len(script.calls) == 6
+
+
+def test_wait_times_out_on_a_paused_job(client: Client, script: Script) -> None:
+    script.on(A, "GET", "/v1/jobs/job-000001", ok({"job": job_json(state="paused")}))
+    with pytest.raises(errors.WaitTimeout, match="paused"):
+        client.job("job-000001").wait(timeout_s=0.2, poll_interval_s=0.05)
+
+
+def test_run_raises_when_the_job_times_out(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    script.on(
+        A,
+        "GET",
+        "/v1/jobs/job-000001",
+        ok({"job": job_json(state="timed_out", failure_cause="time limit of 3 s reached")}),
+    )
+    with pytest.raises(errors.JobFailed, match="timed_out: time limit") as e:
+        client.run(["sleep", "60"], timeout_s=5, time_limit_s=3)
+    assert e.value.job.timed_out
+    assert json.loads(script.calls[0].content)["spec"]["time_limit_ms"] == 3000
+
+
+def test_submit_sends_the_time_limit_in_milliseconds(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    client.submit(["x"])
+    client.submit(["x"], time_limit_s=3, signal_before_s=2)
+    client.submit(["x"], time_limit_s=1.5)
+    client.submit(["x"], time_limit_s=Fraction(1, 4), signal_before_s=0.001)  # type: ignore[arg-type]
+    client.submit(["x"], time_limit_s=7 * 24 * 3600, signal_before_s=600)
+    client.submit(["x"], time_limit_s=365 * 86_400)
+    specs = [json.loads(r.content)["spec"] for r in script.calls]
+    fields = [
+        {k: v for k, v in s.items() if k in ("time_limit_ms", "signal_before_ms")} for s in specs
+    ]
+    assert fields == [
+        {},
+        {"time_limit_ms": 3000, "signal_before_ms": 2000},
+        {"time_limit_ms": 1500},
+        {"time_limit_ms": 250, "signal_before_ms": 1},
+        {"time_limit_ms": 604_800_000, "signal_before_ms": 600_000},
+        {"time_limit_ms": 31_536_000_000},
+    ]
+    assert all(isinstance(v, int) for f in fields for v in f.values())
+
+
+@pytest.mark.parametrize(
+    ("limit", "before", "match"),
+    [
+        (0, None, "time_limit_s must be a positive number of seconds"),
+        (-3, None, "time_limit_s must be a positive number"),
+        (float("nan"), None, "time_limit_s must be a positive number"),
+        (float("inf"), None, "time_limit_s must be a positive number"),
+        (True, None, "time_limit_s must be a positive number"),
+        ("3", None, "time_limit_s must be a positive number"),
+        (0.0001, None, "time_limit_s must be at least 0.001 s"),
+        (1e30, None, "time_limit_s must be at most 31536000 s"),
+        (365 * 86_400 + 0.001, None, "time_limit_s must be at most"),
+        (None, 2, "signal_before_s needs a time_limit_s"),
+        (3, 0, "signal_before_s must be a positive number"),
+        (3, -1, "signal_before_s must be a positive number"),
+        (3, "1", "signal_before_s must be a positive number"),
+        (3, 3, r"signal_before_s \(3 s\) must be less than time_limit_s \(3 s\)"),
+        (3, 5.5, "must be less than time_limit_s"),
+        (0.002, 0.0019, "must be less than time_limit_s"),  # both 2 ms once rounded
+    ],
+)
+def test_submit_refuses_bad_time_limits(
+    client: Client, script: Script, limit: Any, before: Any, match: str
+) -> None:
+    with pytest.raises(errors.InvalidSpec, match=match) as e:
+        client.submit(["x"], time_limit_s=limit, signal_before_s=before)
+    assert isinstance(e.value, ValueError)
+    assert e.value.status is None and script.calls == []
 
 
 def test_malformed_answers_are_protocol_errors(client: Client, script: Script) -> None:

@@ -156,7 +156,8 @@ def test_sdk_errors_cancel_and_should_stop(
         print("ready", flush=True)
         while not runtime.should_stop():
             time.sleep(0.02)
-        print("stopped by SIGTERM", flush=True)
+        # "stop" when the agent's request came first, "signal" when SIGTERM did.
+        print(f"stopped gracefully: {runtime.stop_request()}", flush=True)
         """
     )
     job = client.submit([sys.executable, "-c", script], name="python-cancel")
@@ -171,7 +172,10 @@ def test_sdk_errors_cancel_and_should_stop(
     assert job in [client.job(j.id) for j in client.jobs()]
     assert job.checkpoints() == []  # no checkpoint dir
     wait_for(
-        lambda: "stopped by SIGTERM" in [x.line for x in job.logs(follow=False)],
+        lambda: (
+            {"stopped gracefully: stop", "stopped gracefully: signal"}
+            & {x.line for x in job.logs(follow=False)}
+        ),
         30,
         "the rank to log its graceful stop",
     )

@@ -20,7 +20,7 @@ import pytest
 from cumulus import client as client_module
 from cumulus import runtime as runtime_module
 from cumulus.client import Client
-from cumulus.models import FINISHED_STATES, JobInfo, RankInfo
+from cumulus.models import FINISHED_STATES, JOB_STATES, STOP_ACTIONS, JobInfo, RankInfo
 from cumulus.runtime import _env
 
 API_SRC = Path(__file__).resolve().parents[2] / "api" / "src"
@@ -167,7 +167,14 @@ def rust() -> RustContract:
     return RustContract(
         wire={
             ty: _wire_table(states, ty)
-            for ty in ("JobState", "RankState", "RankPhase", "RestartScope", "CommitTier")
+            for ty in (
+                "JobState",
+                "RankState",
+                "RankPhase",
+                "RestartScope",
+                "CommitTier",
+                "StopAction",
+            )
         },
         defaults={ty: _default_variant(states, ty) for ty in ("RestartScope", "CommitTier")},
         terminal_job_states=frozenset(job_states[v] for v in _terminal_job_variants(states)),
@@ -247,8 +254,22 @@ def _env_names_read_by_the_runtime() -> set[str]:
 
 
 def test_python_finished_states_are_the_rust_terminal_job_states(rust: RustContract) -> None:
-    assert rust.terminal_job_states == {"succeeded", "failed", "cancelled"}
+    assert rust.terminal_job_states == {"succeeded", "failed", "cancelled", "timed_out"}
     assert rust.terminal_job_states == FINISHED_STATES
+    assert "paused" not in FINISHED_STATES
+
+
+def test_python_job_state_list_is_the_rust_one_in_order(rust: RustContract) -> None:
+    assert tuple(rust.wire["JobState"].values()) == JOB_STATES
+
+
+def test_python_stop_actions_are_the_rust_ones(rust: RustContract) -> None:
+    actions = set(rust.wire["StopAction"].values())
+    # What a rank is asked (GET /v1/control, progress replies)...
+    assert actions == runtime_module.STOP_ACTIONS
+    assert runtime_module.PAUSE_ACTIONS == {"pause", "preempt"} <= actions
+    # ...and what a job shows while its ranks are asked to checkpoint and stop.
+    assert actions - {"stop"} == STOP_ACTIONS
 
 
 def test_python_job_states_match_the_rust_contract(rust: RustContract) -> None:
@@ -353,6 +374,22 @@ def test_python_limit_equals_the_rust_limit(
 def test_client_submit_documents_the_rust_request_id_limit(rust: RustContract) -> None:
     doc = _param_doc(Client.submit, "request_id")
     assert f"(1..={rust.limits['MAX_REQUEST_ID_BYTES']} bytes)" in doc, doc
+
+
+def test_python_time_limit_bound_is_the_rust_one() -> None:
+    """``MAX_TIME_LIMIT_MS``, wherever the Rust defines it (the spec validation)."""
+    roots = [API_SRC, API_SRC.parents[1] / "raft-store" / "src"]
+    if not all(r.is_dir() for r in roots):
+        pytest.skip("the Rust sources are only in a checkout of the repository")
+    const = re.compile(r"^\s*pub const MAX_TIME_LIMIT_MS: u64 = ([^;]+);", re.MULTILINE)
+    found = {
+        str(path): _int_expr(m.group(1))
+        for root in roots
+        for path in sorted(root.rglob("*.rs"))
+        if (m := const.search(_code(path))) is not None
+    }
+    assert found, "no `pub const MAX_TIME_LIMIT_MS` in api/src or raft-store/src"
+    assert set(found.values()) == {client_module.MAX_TIME_LIMIT_S * 1000}, found
 
 
 def test_python_leader_header_is_the_rust_one(rust: RustContract) -> None:

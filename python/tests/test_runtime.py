@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cumulus import errors, runtime
-from cumulus.runtime import Context, Runtime
+from cumulus.runtime import Context, Runtime, StopControl, _stop
 from fake_agent import FakeAgent, Request
 from localcluster import wait_for
 
@@ -49,6 +50,14 @@ def make_context(
         agent_token="tok-1",
         standalone=False,
     )
+
+
+@pytest.fixture(autouse=True)
+def _no_sigterm_handler_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop checks install a SIGTERM handler on first use: not in the pytest process
+    (the SIGTERM tests run their own processes). Also a fresh stop flag for each test."""
+    monkeypatch.setattr(_stop, "_installed", True)
+    monkeypatch.setattr(_stop, "_stop", threading.Event())
 
 
 @pytest.fixture
@@ -153,6 +162,8 @@ def test_a_stale_attempt_stops_reporting(rt: Runtime, agent: FakeAgent) -> None:
     rt.report(2)
     rt.flush(1)
     assert len(agent.of("/v1/progress")) == 1
+    # The agent no longer knows the attempt: it has ended, so the rank should stop.
+    assert rt.control.known == "stop"
 
 
 def test_standalone_reports_are_validated_and_dropped() -> None:
@@ -466,6 +477,307 @@ def test_the_fraction_is_read_from_the_environment(monkeypatch: pytest.MonkeyPat
 
 
 # -- stop --------------------------------------------------------------------------------
+
+
+def make_runtime(agent_url: str | None, staging: Path | None, poll_s: float) -> Runtime:
+    return Runtime(
+        make_context(agent_url, staging),
+        progress_interval_s=0.01,
+        control_poll_interval_s=poll_s,
+    )
+
+
+def test_nothing_asked_is_no_stop(rt: Runtime, agent: FakeAgent) -> None:
+    assert rt.should_stop() is False
+    assert rt.should_pause() is False
+    assert rt.stop_request() is None
+    # The first check polled GET /v1/control with the token; the next ones within the
+    # poll interval (1 s) did not.
+    (req,) = agent.of("/v1/control")
+    assert (req.method, req.authorization) == ("GET", "Bearer tok-1")
+    assert runtime.CONTROL_POLL_INTERVAL_S == 1.0
+
+
+@pytest.mark.parametrize(
+    ("action", "pause"),
+    [
+        ("stop", False),
+        ("pause", True),
+        ("time_limit", False),
+        ("preempt", True),
+        ("a_newer_action", False),  # an action this runtime does not know still stops
+    ],
+)
+def test_a_polled_action_is_a_stop_request(
+    agent: FakeAgent, staging: Path, action: str, pause: bool
+) -> None:
+    r = make_runtime(agent.url, staging, 3600)
+    agent.action = action
+    assert r.should_stop() is True
+    assert r.should_pause() is pause
+    assert r.stop_request() == action
+    assert len(agent.of("/v1/control")) == 1
+    r.close(1)
+
+
+def test_an_action_in_a_progress_reply_is_seen_without_polling(
+    agent: FakeAgent, staging: Path
+) -> None:
+    r = make_runtime(agent.url, staging, 3600)
+    assert r.should_stop() is False  # the one poll this interval allows: "none"
+    r.report(1, 10)
+    assert r.flush(5)
+    assert agent.of("/v1/progress")[0].body["step"] == 1
+    assert r.should_stop() is False  # a 204: nothing asked
+
+    agent.action = "pause"
+    r.report(2, 10)
+    assert r.flush(5)  # the reply is recorded before the send counts as done
+    assert r.control.known == "pause"
+    assert r.should_stop() and r.should_pause() and r.stop_request() == "pause"
+    assert len(agent.of("/v1/control")) == 1  # learned from the reply alone
+    r.close(1)
+
+
+def test_a_later_progress_reply_replaces_the_action(agent: FakeAgent, staging: Path) -> None:
+    r = make_runtime(agent.url, staging, 3600)
+    agent.action = "pause"
+    r.report(1)
+    assert r.flush(5)
+    agent.action = "stop"  # e.g. the job being paused was cancelled
+    r.report(2)
+    assert r.flush(5)
+    assert r.stop_request() == "stop" and not r.should_pause()
+    r.close(1)
+
+
+def test_polls_are_rate_limited(agent: FakeAgent, staging: Path) -> None:
+    r = make_runtime(agent.url, staging, 0.25)
+    start = time.monotonic()
+    checks = 0
+    while time.monotonic() - start < 1.0:
+        assert r.should_stop() is False
+        checks += 1
+    polls = len(agent.of("/v1/control"))
+    # At most one poll per started interval, however many checks.
+    assert 2 <= polls <= 5 < checks, (polls, checks)
+    agent.action = "time_limit"
+    wait_for(r.should_stop, 5, "the next poll to see the action")
+    assert r.stop_request() == "time_limit" and not r.should_pause()
+    # Once an action is known the checks stop polling.
+    polled = len(agent.of("/v1/control"))
+    time.sleep(0.3)
+    assert r.should_stop() and len(agent.of("/v1/control")) == polled
+    r.close(1)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_poll_interval_is_kept_to_the_clock(agent: FakeAgent) -> None:
+    clock = FakeClock()
+    control = StopControl(runtime.AgentClient(agent.url, "tok-1"), clock=clock)
+    for at in (100.0, 100.5, 100.999):
+        clock.now = at
+        assert control.action() is None
+    assert control.polls == 1
+    clock.now = 101.0
+    agent.action = "preempt"
+    assert control.action() == "preempt"
+    assert control.polls == 2
+    clock.now = 200.0
+    assert control.action() == "preempt" and control.polls == 2  # known: no more polls
+
+
+def test_an_unknown_token_never_raises_and_means_the_attempt_ended(
+    agent: FakeAgent, staging: Path
+) -> None:
+    agent.queue("/v1/control", (401, {"error": "unknown agent token: the attempt has ended"}))
+    r = make_runtime(agent.url, staging, 0)
+    assert r.should_stop() is True
+    assert r.stop_request() == "stop" and not r.should_pause()
+    assert r.control.stale
+    r.should_stop()
+    assert len(agent.of("/v1/control")) == 1  # no polls after it
+    r.close(1)
+
+
+def test_an_agent_that_is_down_never_raises(
+    staging: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    r = make_runtime(f"http://127.0.0.1:{closed_port()}", staging, 0)
+    for _ in range(3):
+        assert r.should_stop() is False
+        assert r.should_pause() is False
+        assert r.stop_request() is None
+    assert r.control.polls == 9 and r.control.poll_failures == 9
+    err = capfd.readouterr().err
+    assert err.count("polling the agent's control action failed") == 1, err
+    r.close(0)
+
+
+def test_a_slow_agent_delays_a_check_by_the_poll_timeout_at_most(
+    agent: FakeAgent, staging: Path
+) -> None:
+    agent.control_delay_s = 3
+    r = make_runtime(agent.url, staging, 0)
+    start = time.monotonic()
+    assert r.should_stop() is False
+    assert time.monotonic() - start < 1.5  # the poll gave up after 0.5 s
+    assert r.control.poll_failures == 1
+    r.close(0)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        (200, b"not json"),
+        (200, {"action": 3}),
+        (200, {"action": ""}),
+        (200, {"action": "Pause!"}),
+        (200, {}),
+        (500, {"error": "internal"}),
+        (404, {"error": "no such route"}),  # an agent older than the control endpoint
+    ],
+)
+def test_bad_control_replies_are_ignored_and_polled_again(
+    agent: FakeAgent, staging: Path, reply: tuple[int, object]
+) -> None:
+    agent.queue("/v1/control", reply)
+    r = make_runtime(agent.url, staging, 0)
+    assert r.should_stop() is False and r.control.poll_failures == 1
+    agent.action = "pause"
+    assert r.should_stop() is True and r.stop_request() == "pause"
+    r.close(0)
+
+
+def test_odd_progress_replies_are_still_sent_reports(agent: FakeAgent, staging: Path) -> None:
+    agent.queue(
+        "/v1/progress",
+        (200, None),
+        (200, {"action": "none"}),
+        (202, b"not json"),
+    )
+    r = make_runtime(agent.url, staging, 3600)
+    for step in (1, 2, 3):
+        r.report(step)
+        assert r.flush(5)
+    assert r._reporter is not None and (r._reporter.sent, r._reporter.failures) == (3, 0)
+    assert r.control.known is None
+    r.close(1)
+
+
+def test_outside_a_rank_nothing_is_polled() -> None:
+    r = Runtime(runtime.context_from_env({}, standalone=True))
+    assert r.agent is None
+    assert r.should_stop() is False and r.stop_request() is None and not r.should_pause()
+    assert r.control.polls == 0
+    # A rank context without an agent URL: no polls either.
+    r = Runtime(make_context(None, None))
+    assert r.should_stop() is False and r.control.polls == 0
+
+
+def test_sigterm_without_an_action_is_a_signal(agent: FakeAgent, staging: Path) -> None:
+    r = make_runtime(agent.url, staging, 0)
+    assert r.stop_request() is None
+    runtime.request_stop()  # as the SIGTERM handler does
+    assert r.should_stop() is True
+    assert r.stop_request() == "signal" and r.should_pause() is False
+    # An action learned later names the request better.
+    agent.action = "pause"
+    assert r.stop_request() == "pause" and r.should_pause()
+    r.close(0)
+
+
+def test_the_module_functions_use_the_process_runtime(
+    agent: FakeAgent, staging: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime, "_default", make_runtime(agent.url, staging, 0))
+    assert runtime.should_stop() is False and runtime.stop_request() is None
+    agent.action = "preempt"
+    assert runtime.should_stop() and runtime.should_pause()
+    assert runtime.stop_request() == "preempt"
+
+
+def test_the_module_functions_survive_a_broken_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("CUMULUS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("CUMULUS_AGENT_URL", "http://127.0.0.1:1")  # without CUMULUS_JOB_ID
+    monkeypatch.setattr(runtime, "_default", None)
+    with pytest.raises(errors.RankEnvironmentError):
+        runtime.get_runtime()
+    assert runtime.should_stop() is False
+    assert runtime.should_pause() is False
+    assert runtime.stop_request() is None
+    runtime.request_stop()
+    assert runtime.should_stop() and runtime.stop_request() == "signal"
+
+
+RANK_STOP_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from cumulus import runtime
+    print("first", runtime.stop_request(), flush=True)
+    if sys.argv[1] == "signal":
+        os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while not runtime.should_stop():
+        assert time.monotonic() < deadline, "no stop seen"
+        time.sleep(0.01)
+    print("then", runtime.stop_request(), runtime.should_pause(), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [("signal", "then signal False"), ("pause", "then pause True")],
+)
+def test_a_rank_process_sees_the_agent_action_or_sigterm(
+    agent: FakeAgent, tmp_path: Path, how: str, expected: str
+) -> None:
+    shards = tmp_path / "shards"
+    shards.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUMULUS_")}
+    env.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        CUMULUS_JOB_ID="job-000001",
+        CUMULUS_ATTEMPT="0",
+        CUMULUS_SHARDS_FILE=str(shards),
+        CUMULUS_AGENT_URL=agent.url,
+        CUMULUS_AGENT_TOKEN="tok-1",
+    )
+
+    def asked(req: Request) -> tuple[int, object]:
+        # "none" to the first poll, then the action (the rank polls once a second).
+        return 200, {"action": "none" if len(agent.of("/v1/control")) == 1 else how}
+
+    if how != "signal":
+        agent.queue("/v1/control", *[asked] * 5)
+    r = subprocess.run(
+        [sys.executable, "-c", RANK_STOP_SCRIPT, how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["first None", expected], r.stdout + r.stderr
+    assert all(q.authorization == "Bearer tok-1" for q in agent.of("/v1/control"))
+
 
 STOP_SCRIPT = textwrap.dedent(
     """

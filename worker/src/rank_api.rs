@@ -3,7 +3,13 @@
 //! Every request carries `Authorization: Bearer $CUMULUS_AGENT_TOKEN`; the token names the
 //! attempt, and is unknown (401) once the attempt has ended.
 //! - `POST /v1/progress` `{"step": u64, "total_steps": u64, "metrics": {"name": f64}}` →
-//!   204 (`total_steps` and `metrics` may be left out; ≤ 64 metrics, names ≤ 128 bytes).
+//!   204 while the rank may go on, 200 `{"action": A}` once it has been asked to stop
+//!   (`total_steps` and `metrics` may be left out; ≤ 64 metrics, names ≤ 128 bytes).
+//! - `GET /v1/control` → 200 `{"action": A}`: `none` (go on), `stop` (no longer wanted:
+//!   exit), `pause` or `preempt` (commit a checkpoint at this step and exit 0; the job
+//!   resumes from it), `time_limit` (commit a checkpoint and exit 0; the job ends). SIGTERM
+//!   to the rank's group follows the request after a notice (docs/architecture.md,
+//!   "Stopping a rank").
 //! - `POST /v1/checkpoint` `{"step": u64, "state": {..}}` (state: a JSON object of at most
 //!   64 KiB) → 200 `{"dir": "step-00000100/rank-0/attempt-1"}` once the leader
 //!   acknowledged the part; 409 when the attempt is no longer desired or the leader rejects
@@ -18,7 +24,7 @@ use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use cumulus_ckpt::CkptError;
 use serde::Deserialize;
 
@@ -37,6 +43,7 @@ pub fn router(supervisor: Supervisor) -> Router {
     Router::new()
         .route("/v1/progress", post(progress))
         .route("/v1/checkpoint", post(checkpoint))
+        .route("/v1/control", get(control))
         .with_state(supervisor)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn_with_state(
@@ -112,7 +119,25 @@ async fn progress(State(sup): State<Supervisor>, headers: HeaderMap, body: Bytes
         metrics: body.metrics,
     };
     match sup.record_progress(token, progress) {
-        Some(_) => StatusCode::NO_CONTENT.into_response(),
+        Some(None) => StatusCode::NO_CONTENT.into_response(),
+        Some(Some(action)) => action_response(Some(action)),
+        None => unknown_token(),
+    }
+}
+
+fn action_response(action: Option<cumulus_api::StopAction>) -> Response {
+    axum::Json(serde_json::json!({
+        "action": action.map_or("none", cumulus_api::StopAction::as_str)
+    }))
+    .into_response()
+}
+
+async fn control(State(sup): State<Supervisor>, headers: HeaderMap) -> Response {
+    let Some(token) = request_token(&headers) else {
+        return missing_token();
+    };
+    match sup.control(token) {
+        Some(action) => action_response(action),
         None => unknown_token(),
     }
 }

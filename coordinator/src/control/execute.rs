@@ -93,30 +93,57 @@ pub(super) async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopM
             info!(job = %job_id, "job succeeded");
             Command::JobSucceeded { job_id, at_ms: now }
         }
+        Action::RequestStop { job_id, action } => {
+            info!(job = %job_id, %action, "asking the job's ranks to checkpoint and stop");
+            Command::RequestStop {
+                job_id,
+                action,
+                at_ms: now,
+            }
+        }
+        Action::Stopped { job_id, finalize } => {
+            if memory.io_busy(&job_id) {
+                return; // a restart or a commit of this job is still in flight
+            }
+            if let Some(step) = finalize
+                && !memory.bad_steps.contains(&(job_id.clone(), step))
+            {
+                // The checkpoint the ranks took on request is committed first; the stop
+                // completes on a later pass.
+                return spawn_finalize(node, memory, job_id, step);
+            }
+            info!(job = %job_id, "every rank stopped");
+            Command::JobStopped { job_id, at_ms: now }
+        }
         Action::Finalize { job_id, step } => {
             if memory.bad_steps.contains(&(job_id.clone(), step)) {
                 return;
             }
-            let task_node = node.clone();
-            let task_job = job_id.clone();
-            memory.spawn_io(&job_id, async move {
-                match finalize(&task_node, &task_job, step).await {
-                    Ok(()) => IoOutcome::Done,
-                    Err(e) => {
-                        let transient = e.is_transient();
-                        warn!(job = %task_job, step, error = %e, transient, "checkpoint step not committed");
-                        if transient {
-                            IoOutcome::Done
-                        } else {
-                            IoOutcome::BadStep(step)
-                        }
-                    }
-                }
-            });
-            return;
+            return spawn_finalize(node, memory, job_id, step);
         }
     };
     commit_planned(node, cmd, &describe).await;
+}
+
+/// Verifies `step`'s parts and commits it, in an I/O task; a step that fails its
+/// checks is remembered as bad and never finalized again.
+fn spawn_finalize(node: &Arc<Node>, memory: &mut LoopMemory, job_id: String, step: u64) {
+    let task_node = node.clone();
+    let task_job = job_id.clone();
+    memory.spawn_io(&job_id, async move {
+        match finalize(&task_node, &task_job, step).await {
+            Ok(()) => IoOutcome::Done,
+            Err(e) => {
+                let transient = e.is_transient();
+                warn!(job = %task_job, step, error = %e, transient, "checkpoint step not committed");
+                if transient {
+                    IoOutcome::Done
+                } else {
+                    IoOutcome::BadStep(step)
+                }
+            }
+        }
+    });
 }
 
 /// Commits the command of a planned action; a rejection (the state moved on) or a lost

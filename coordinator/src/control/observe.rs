@@ -87,7 +87,10 @@ pub(super) fn observe(node: &Node) -> Observations {
                 .or_insert(crate::soft::ProgressSoft::observed_at(now, 0, 0));
         }
     }
-    let mut obs = Observations::default();
+    let mut obs = Observations {
+        now_ms: now_wall,
+        ..Observations::default()
+    };
     for w in &workers {
         let silence = soft
             .workers

@@ -5,7 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use cumulus_raft_store::state::{
-    ClusterState, Job, JobState, MAX_AGENT_FAULT_RESTARTS, RankState, RestartScope, WorkerState,
+    ClusterState, Job, JobState, MAX_AGENT_FAULT_RESTARTS, RankState, RestartScope, StopAction,
+    WorkerState,
 };
 use shard_planner::{GpuFree, WorkerGpus, WorkerSlots};
 
@@ -26,6 +27,8 @@ pub struct Observations {
     /// GPUs (by UUID) whose worker's last heartbeat reported them unhealthy, with why:
     /// nothing new is placed on them and the ranks using them fail.
     pub unhealthy_gpus: HashMap<String, String>,
+    /// The leader's clock, in ms since the Unix epoch (time limits are measured with it).
+    pub now_ms: u64,
 }
 
 /// Slots and GPU shares taken so far, as the planner places ranks in one pass.
@@ -155,6 +158,22 @@ pub enum Action {
         /// Checkpoint step.
         step: u64,
     },
+    /// Ask a running job's ranks to checkpoint and stop (its time limit is near).
+    RequestStop {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// Why.
+        action: StopAction,
+    },
+    /// No rank of a stopping job runs any more: commit `finalize` first when its
+    /// parts are all in (the checkpoint the ranks took on request), then complete the
+    /// stop.
+    Stopped {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// The newest step whose every part arrived and that is not committed yet.
+        finalize: Option<u64>,
+    },
 }
 
 pub(super) fn truncate(mut s: String) -> String {
@@ -272,6 +291,13 @@ pub fn plan(
                     });
                 }
             }
+            JobState::Running if job.stop.is_some() => plan_stopping(job, obs, &mut actions),
+            JobState::Running if time_is_up(job, obs.now_ms) => {
+                actions.push(Action::RequestStop {
+                    job_id: job.id.clone(),
+                    action: StopAction::TimeLimit,
+                });
+            }
             JobState::Running => plan_running(
                 state,
                 job,
@@ -286,6 +312,46 @@ pub fn plan(
         }
     }
     actions
+}
+
+/// True when a running job's time limit, less its `signal_before_ms`, has run out at
+/// leader time `now_ms`.
+fn time_is_up(job: &Job, now_ms: u64) -> bool {
+    job.spec.time_limit_ms > 0
+        && job.running_ms_at(now_ms) + job.spec.signal_before_ms >= job.spec.time_limit_ms
+}
+
+/// A job whose ranks were asked to stop ([`Job::stop`]): nothing restarts; once no rank
+/// runs, the stop completes (after the step the ranks completed is committed).
+fn plan_stopping(job: &Job, obs: &Observations, actions: &mut Vec<Action>) {
+    let mut running = false;
+    for r in job.ranks.iter().filter(|r| r.state == RankState::Running) {
+        running = true;
+        let key = AttemptKey::new(job.id.clone(), r.rank, r.attempt);
+        // A stopping rank may well make no progress: only a lost one is failed (its
+        // agent's stop escalation ends one that does not stop).
+        if obs.lost.contains(&key) {
+            actions.push(Action::FailRank {
+                job_id: job.id.clone(),
+                rank: r.rank,
+                attempt: r.attempt,
+                cause: "lost: its worker no longer reports the process".to_string(),
+            });
+        }
+    }
+    if running {
+        return;
+    }
+    let finalize = job
+        .pending_parts
+        .iter()
+        .rev()
+        .find(|(_, parts)| parts.len() == job.spec.world_size as usize)
+        .map(|(step, _)| *step);
+    actions.push(Action::Stopped {
+        job_id: job.id.clone(),
+        finalize,
+    });
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -3,7 +3,8 @@
 * :mod:`cumulus.runtime` — what a training script running as a Cumulus rank calls:
   :func:`~cumulus.runtime.get_context`, :func:`~cumulus.runtime.report`,
   :func:`~cumulus.runtime.checkpoint`, :func:`~cumulus.runtime.resume`,
-  :func:`~cumulus.runtime.should_stop`, :class:`~cumulus.runtime.ShardReader`. Standard
+  :func:`~cumulus.runtime.should_stop`, :func:`~cumulus.runtime.should_pause`,
+  :func:`~cumulus.runtime.stop_request`, :class:`~cumulus.runtime.ShardReader`. Standard
   library only.
 * :mod:`cumulus.ckpt` — framework checkpoints (PyTorch, NumPy, JSON values, RNG state)
   written into a checkpoint part and restored bit for bit; frameworks imported lazily.
@@ -23,6 +24,7 @@ from cumulus.errors import (
     CheckpointsDisabled,
     ConfigError,
     CumulusError,
+    Forbidden,
     InvalidMetric,
     InvalidSpec,
     JobFailed,
@@ -44,7 +46,9 @@ from cumulus.runtime import (
     get_context,
     report,
     resume,
+    should_pause,
     should_stop,
+    stop_request,
 )
 
 if TYPE_CHECKING:
@@ -62,6 +66,7 @@ __all__ = [
     "ConfigError",
     "Context",
     "CumulusError",
+    "Forbidden",
     "GpuInfo",
     "InvalidMetric",
     "InvalidSpec",
@@ -87,7 +92,9 @@ __all__ = [
     "report",
     "resume",
     "runtime",
+    "should_pause",
     "should_stop",
+    "stop_request",
 ]
 
 

@@ -23,6 +23,12 @@ Example::
         print(line.rank, line.line)
     info = job.wait()
     print(info.state, [c.step for c in job.checkpoints()])
+
+Pausing: ``job.pause()`` asks the ranks to commit a checkpoint and exit (they see
+:func:`cumulus.runtime.should_stop` and :func:`~cumulus.runtime.should_pause`), and the
+job becomes ``paused``; ``job.resume()`` queues it again, from that checkpoint. A time
+limit (``submit(..., time_limit_s=3600, signal_before_s=60)``) ends a job ``timed_out``,
+its ranks asked to checkpoint ``signal_before_s`` before it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from cumulus._config import Connection, normalize_address, resolve
 from cumulus.errors import (
     ApiError,
     Conflict,
+    Forbidden,
     InvalidSpec,
     JobFailed,
     NotFound,
@@ -51,7 +58,6 @@ from cumulus.errors import (
     ServerError,
     Unauthorized,
     Unavailable,
-    Unsupported,
     WaitTimeout,
 )
 from cumulus.models import CheckpointInfo, ClusterInfo, JobInfo, LogLine
@@ -72,6 +78,9 @@ WHOLE_GPU_PERMILLE = 1000
 LOG_MAX_CONSECUTIVE_FAILURES = 20
 #: A silent log stream is presumed dead (and resumed elsewhere) after this, in seconds.
 LOG_READ_TIMEOUT_S = 30.0
+#: Longest time limit a job may ask for, in seconds (365 days; the coordinator's
+#: ``MAX_TIME_LIMIT_MS``).
+MAX_TIME_LIMIT_S = 365 * 86_400
 
 
 def new_request_id() -> str:
@@ -93,6 +102,7 @@ def _error_text(resp: httpx.Response) -> str:
 _STATUS_ERRORS: dict[int, type[ApiError]] = {
     400: InvalidSpec,
     401: Unauthorized,
+    403: Forbidden,
     404: NotFound,
     409: Conflict,
     429: ResourceExhausted,
@@ -144,6 +154,59 @@ def _check_gpus(gpus_per_rank: int | None, fraction: float | None) -> None:
             f"{gpus_per_rank}: leave gpus_per_rank out (or 1) with a fraction",
             status=None,
         )
+
+
+def _duration_ms(name: str, value: object) -> int:
+    """``value`` seconds as whole milliseconds, refusing what is not a positive duration.
+
+    :raises InvalidSpec: not a real number (``bool`` included), not finite, not positive,
+        under half a millisecond, or over :data:`MAX_TIME_LIMIT_S`."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or not float(value) > 0
+    ):
+        raise InvalidSpec(
+            f"{name} must be a positive number of seconds (None: no limit), got {value!r}",
+            status=None,
+        )
+    ms = round(float(value) * 1000)
+    if ms < 1:
+        raise InvalidSpec(f"{name} must be at least 0.001 s, got {value!r}", status=None)
+    if ms > MAX_TIME_LIMIT_S * 1000:
+        raise InvalidSpec(
+            f"{name} must be at most {MAX_TIME_LIMIT_S} s (365 days), got {value!r}",
+            status=None,
+        )
+    return ms
+
+
+def _time_limit_ms(
+    time_limit_s: float | None, signal_before_s: float | None
+) -> tuple[int | None, int | None]:
+    """``(time_limit_ms, signal_before_ms)`` of :meth:`Client.submit`'s arguments, each
+    ``None`` when not given.
+
+    :raises InvalidSpec: a value is not a positive duration, ``signal_before_s`` is given
+        without ``time_limit_s``, or it is not less than ``time_limit_s``."""
+    limit_ms = None if time_limit_s is None else _duration_ms("time_limit_s", time_limit_s)
+    if signal_before_s is None:
+        return limit_ms, None
+    if limit_ms is None:
+        raise InvalidSpec(
+            "signal_before_s needs a time_limit_s: it says how long before the time limit "
+            "the ranks are asked to checkpoint and stop",
+            status=None,
+        )
+    signal_ms = _duration_ms("signal_before_s", signal_before_s)
+    if signal_ms >= limit_ms:
+        raise InvalidSpec(
+            f"signal_before_s ({signal_before_s!r} s) must be less than time_limit_s "
+            f"({time_limit_s!r} s): the ranks are asked to stop that long before the limit",
+            status=None,
+        )
+    return limit_ms, signal_ms
 
 
 class Client:
@@ -330,6 +393,8 @@ class Client:
         request_id: str | None = None,
         allow_pending: bool = False,
         stop_grace_s: float | None = None,
+        time_limit_s: float | None = None,
+        signal_before_s: float | None = None,
     ) -> Job:
         """Submits a job: ``command`` (argv; ``argv[0]`` is looked up in the worker's
         ``PATH``) run by ``world_size`` ranks. Relative paths are made absolute here, as
@@ -362,12 +427,21 @@ class Client:
             by every retry of this call.
         :param stop_grace_s: seconds between SIGTERM and SIGKILL when a rank is stopped
             (0..=3600; room for a last checkpoint); default: the agent's (5 s).
+        :param time_limit_s: the job's running time limit, in seconds (``0 <
+            time_limit_s <= 365 days``; kept in milliseconds); pending and paused time
+            does not count (``JobInfo.running_ms``). At the limit the job ends
+            ``timed_out``. ``None``: no limit.
+        :param signal_before_s: with ``time_limit_s``: how long before the limit the ranks
+            are asked to checkpoint and stop (they see
+            :func:`cumulus.runtime.stop_request` ``== "time_limit"``), in seconds, ``0 <
+            signal_before_s < time_limit_s``; their SIGTERM still comes at the limit.
+            ``None``: no earlier request (0 ms).
         :param allow_pending: accept a job larger than the alive workers offer in all
             (slots, GPUs); it stays pending until workers join. Without it the
             coordinator refuses such a job (:class:`InvalidSpec`).
         :returns: the job's handle (``created`` says whether this call created it).
         :raises InvalidSpec: the coordinator refused the spec (the message says why),
-            or an argument is invalid (checked here first).
+            or an argument is invalid (checked here first; a ``ValueError``).
         :raises Unauthorized: wrong token.
         :raises Unavailable: no coordinator could take the write.
         """
@@ -395,6 +469,7 @@ class Client:
                     status=None,
                 )
         _check_gpus(gpus_per_rank, gpu_memory_fraction)
+        time_limit_ms, signal_before_ms = _time_limit_ms(time_limit_s, signal_before_s)
         if (
             backoff_initial_ms is not None
             and backoff_max_ms is not None
@@ -451,6 +526,10 @@ class Client:
                     status=None,
                 )
             spec["stop_grace_ms"] = round(stop_grace_s * 1000)
+        if time_limit_ms is not None:
+            spec["time_limit_ms"] = time_limit_ms
+        if signal_before_ms is not None:
+            spec["signal_before_ms"] = signal_before_ms
         request: dict[str, Any] = {"request_id": rid, "spec": spec}
         if allow_pending:
             request["allow_pending"] = True
@@ -470,7 +549,8 @@ class Client:
 
         :param timeout_s: give up waiting after this many seconds (the job keeps running).
         :returns: the final status of a job that succeeded.
-        :raises JobFailed: the job failed or was cancelled (``.job.failure_cause``).
+        :raises JobFailed: the job failed, was cancelled or timed out
+            (``.job.failure_cause``).
         :raises WaitTimeout: ``timeout_s`` passed first.
         :raises: as :meth:`submit`.
         """
@@ -526,9 +606,59 @@ class Client:
             if info.state == "cancelled":
                 return info
             raise
+        return self._job_answer(f"/v1/jobs/{job_id}/cancel", body)
+
+    def pause(self, job_id: str) -> JobInfo:
+        """Pauses a job: its ranks are asked to commit a checkpoint at their current step
+        and exit (:func:`cumulus.runtime.should_pause` is true for them), then SIGTERM
+        and SIGKILL follow as for a cancel; the job's state becomes ``paused`` (its
+        ``stop_action`` is ``"pause"`` meanwhile) and it holds no slots. A pending job is
+        paused at once. :meth:`resume` continues it from its latest committed step.
+        Pausing a job already paused, or whose pause is in flight, returns its status.
+
+        :raises NotFound: no such job.
+        :raises Conflict: the job cannot be paused now (it finished, or another stop of
+            it is in flight).
+        :raises Forbidden: the job is another user's.
+        """
+        path = f"/v1/jobs/{job_id}/pause"
+        try:
+            body = self._request("POST", path)
+        except Conflict:
+            # A retried pause whose first try went through, or a second pause.
+            info = self.get_job(job_id)
+            if info.state == "paused" or (info.stop_action == "pause" and not info.finished):
+                return info
+            raise
+        return self._job_answer(path, body)
+
+    def resume(self, job_id: str) -> JobInfo:
+        """Resumes a paused job: it is queued again (state ``pending``) and its ranks
+        restart from its latest committed step (:func:`cumulus.runtime.resume`).
+        Resuming a job that is pending or running with no stop in flight returns its
+        status (a retried resume).
+
+        :raises NotFound: no such job.
+        :raises Conflict: the job is not paused (it finished, or its pause is still in
+            flight: wait until it is ``paused``).
+        :raises Forbidden: the job is another user's.
+        """
+        path = f"/v1/jobs/{job_id}/resume"
+        try:
+            body = self._request("POST", path)
+        except Conflict:
+            # A retried resume whose first try went through.
+            info = self.get_job(job_id)
+            if info.state in ("pending", "running") and not info.stop_action:
+                return info
+            raise
+        return self._job_answer(path, body)
+
+    @staticmethod
+    def _job_answer(path: str, body: Any) -> JobInfo:
         job = body.get("job") if isinstance(body, dict) else None
         if job is None:
-            raise ProtocolError(f"POST /v1/jobs/{job_id}/cancel: the answer has no job")
+            raise ProtocolError(f"POST {path}: the answer has no job")
         return JobInfo.from_json(job)
 
     def checkpoints(self, job_id: str) -> list[CheckpointInfo]:
@@ -686,8 +816,9 @@ class Job:
         return self.client.get_job(self.id, linearizable=linearizable)
 
     def wait(self, timeout_s: float | None = None, *, poll_interval_s: float = 1.0) -> JobInfo:
-        """Polls until the job finished (succeeded, failed or cancelled) and returns its
-        final status; check ``.succeeded`` / ``.failure_cause``.
+        """Polls until the job finished (succeeded, failed, cancelled or timed_out) and
+        returns its final status; check ``.succeeded`` / ``.failure_cause``. A paused job
+        has not finished: this waits on until it is resumed and ends (or ``timeout_s``).
 
         :param timeout_s: give up after this many seconds (``None``: wait forever).
         :param poll_interval_s: longest time between two polls (the first polls come
@@ -728,22 +859,11 @@ class Job:
         return self.client.logs(self.id, follow=follow, rank=rank, cursor=cursor)
 
     def pause(self) -> JobInfo:
-        """Not available: the coordinator API has no pause endpoint yet.
-
-        :raises Unsupported: always (names the missing server feature)."""
-        raise Unsupported(
-            "Job.pause() needs a pause operation in the coordinator API (e.g. POST "
-            "/v1/jobs/{id}/pause, with a job state 'paused' and a rank-local stop signal), "
-            "which Cumulus does not have yet",
-            feature="job pause",
-        )
+        """Pauses the job: its ranks checkpoint and exit, it becomes ``paused`` (see
+        :meth:`Client.pause`)."""
+        return self.client.pause(self.id)
 
     def resume(self) -> JobInfo:
-        """Not available: the coordinator API has no resume endpoint (nor pause) yet.
-
-        :raises Unsupported: always (names the missing server feature)."""
-        raise Unsupported(
-            "Job.resume() needs a resume operation for paused jobs in the coordinator API "
-            "(e.g. POST /v1/jobs/{id}/resume), which Cumulus does not have yet",
-            feature="job resume",
-        )
+        """Resumes the paused job from its latest committed step (see
+        :meth:`Client.resume`)."""
+        return self.client.resume(self.id)

@@ -28,6 +28,7 @@ __all__ = [
     "ConfigError",
     "Conflict",
     "CumulusError",
+    "Forbidden",
     "InvalidMetric",
     "InvalidSpec",
     "InvalidState",
@@ -159,13 +160,19 @@ class Unauthorized(ApiError, PermissionError):
     """HTTP 401: the cluster bearer token is missing or wrong."""
 
 
+class Forbidden(ApiError, PermissionError):
+    """HTTP 403: the token is valid but may not do this (e.g. pausing or cancelling
+    another user's job)."""
+
+
 class NotFound(ApiError, LookupError):
     """HTTP 404: no such job."""
 
 
 class Conflict(ApiError):
     """HTTP 409: the operation does not apply in the job's current state (e.g. cancelling
-    a job that already finished)."""
+    a job that already finished, resuming a job that is not paused, pausing one whose
+    stop is already in flight)."""
 
 
 class ResourceExhausted(ApiError):
@@ -195,8 +202,8 @@ class WaitTimeout(CumulusError, TimeoutError):
 
 
 class JobFailed(CumulusError):
-    """``Client.run`` waited for a job that ended ``failed`` or ``cancelled``. :attr:`job`
-    is its final status (``job.failure_cause`` says why)."""
+    """``Client.run`` waited for a job that ended ``failed``, ``cancelled`` or
+    ``timed_out``. :attr:`job` is its final status (``job.failure_cause`` says why)."""
 
     def __init__(self, message: str, job: JobInfo) -> None:
         super().__init__(message)

@@ -16,6 +16,8 @@ from cumulus.errors import ProtocolError
 
 __all__ = [
     "FINISHED_STATES",
+    "JOB_STATES",
+    "STOP_ACTIONS",
     "CheckpointInfo",
     "ClusterInfo",
     "GpuInfo",
@@ -27,8 +29,21 @@ __all__ = [
     "WorkerInfo",
 ]
 
-#: Job states after which nothing changes.
-FINISHED_STATES = frozenset({"succeeded", "failed", "cancelled"})
+#: Every job state, in the order of the Rust ``JobState``.
+JOB_STATES: tuple[str, ...] = (
+    "pending",
+    "running",
+    "succeeded",
+    "failed",
+    "cancelled",
+    "paused",
+    "timed_out",
+)
+#: Job states after which nothing changes (``paused`` is not one: a paused job can be
+#: resumed or cancelled).
+FINISHED_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
+#: Values of :attr:`JobInfo.stop_action` while a stop of the job's ranks is in flight.
+STOP_ACTIONS = frozenset({"pause", "time_limit", "preempt"})
 
 T = TypeVar("T")
 
@@ -203,7 +218,9 @@ class JobInfo:
     #: e.g. ``job-000001``.
     id: str
     name: str
-    #: ``pending`` | ``running`` | ``succeeded`` | ``failed`` | ``cancelled``.
+    #: ``pending`` | ``running`` | ``succeeded`` | ``failed`` | ``cancelled`` | ``paused``
+    #: | ``timed_out``. A paused job is not finished: :meth:`Job.resume
+    #: <cumulus.Job.resume>` queues it again (it resumes from its committed step).
     state: str
     world_size: int
     command: tuple[str, ...]
@@ -211,7 +228,7 @@ class JobInfo:
     #: 0 while the job runs.
     finished_at_ms: int
     restarts_used: int
-    #: Why the job failed or was cancelled (``""`` otherwise).
+    #: Why the job failed, was cancelled or timed out (``""`` otherwise).
     failure_cause: str
     ranks: tuple[RankInfo, ...]
     #: Latest committed checkpoint step, ``None`` before the first.
@@ -235,11 +252,34 @@ class JobInfo:
     gpus_per_rank: int = 0
     #: Share of one GPU each rank gets, ``0 < f < 1``; ``None``: whole GPUs (or none).
     gpu_memory_fraction: float | None = None
+    #: The stop of the job's ranks in flight: ``"pause"``, ``"time_limit"`` or
+    #: ``"preempt"`` while its ranks are asked to checkpoint and exit; ``""`` when none.
+    stop_action: str = ""
+    #: Time the job has run so far, in milliseconds, pending and paused time excluded
+    #: (what its time limit counts).
+    running_ms: int = 0
+    #: The job's time limit on :attr:`running_ms`, in milliseconds (0: none).
+    time_limit_ms: int = 0
+    #: How long before the time limit the ranks are asked to checkpoint and stop, in
+    #: milliseconds (0: not set).
+    signal_before_ms: int = 0
 
     @property
     def finished(self) -> bool:
-        """Whether the job reached a final state (succeeded, failed or cancelled)."""
+        """Whether the job reached a final state (succeeded, failed, cancelled or
+        timed_out). A paused job is not finished."""
         return self.state in FINISHED_STATES
+
+    @property
+    def paused(self) -> bool:
+        """Whether the job is paused (:meth:`Job.resume <cumulus.Job.resume>` continues
+        it)."""
+        return self.state == "paused"
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether the job ended at its time limit."""
+        return self.state == "timed_out"
 
     @property
     def succeeded(self) -> bool:
@@ -277,6 +317,10 @@ class JobInfo:
             owner=_get(d, "owner", str, ""),
             gpus_per_rank=_get(spec, "gpus_per_rank", int, 0),
             gpu_memory_fraction=_opt_float(spec, "gpu_memory_fraction"),
+            stop_action=_get(d, "stop_action", str, ""),
+            running_ms=_get(d, "running_ms", int, 0),
+            time_limit_ms=_get(spec, "time_limit_ms", int, 0),
+            signal_before_ms=_get(spec, "signal_before_ms", int, 0),
         )
 
 

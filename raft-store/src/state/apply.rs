@@ -98,9 +98,105 @@ impl ClusterState {
                 }
             }
             Command::CancelJob { job_id, at_ms } => self.with_live_job(job_id, dirty, |job| {
+                job.end_run(*at_ms);
+                job.stop = None;
                 job.state = JobState::Cancelled;
                 job.finished_at_ms = *at_ms;
                 job.failure_cause = Some("cancelled by user".into());
+                Response::Ok
+            }),
+            Command::PauseJob { job_id, at_ms } => self.with_live_job(job_id, dirty, |job| {
+                if let Some(stop) = &job.stop {
+                    return reject(format!(
+                        "job {job_id} is already stopping ({}): one pause or resume at a time",
+                        stop.action
+                    ));
+                }
+                match job.state {
+                    JobState::Paused => reject(format!("job {job_id} is already paused")),
+                    JobState::Pending => {
+                        job.state = JobState::Paused;
+                        Response::Ok
+                    }
+                    JobState::Running => {
+                        job.stop = Some(StopRequest {
+                            action: StopAction::Pause,
+                            requested_at_ms: *at_ms,
+                        });
+                        Response::Ok
+                    }
+                    other => reject(format!("job {job_id} is {other}")),
+                }
+            }),
+            Command::ResumeJob { job_id, at_ms: _ } => self.with_live_job(job_id, dirty, |job| {
+                if job.stop.as_ref().is_some_and(|s| s.action == StopAction::Pause) {
+                    return reject(format!(
+                        "job {job_id} is still pausing: resume it once it is paused"
+                    ));
+                }
+                if job.state != JobState::Paused {
+                    return reject(format!("job {job_id} is {}, not paused", job.state));
+                }
+                job.requeue_ranks();
+                job.state = JobState::Pending;
+                Response::Ok
+            }),
+            Command::RequestStop {
+                job_id,
+                action,
+                at_ms,
+            } => self.with_live_job(job_id, dirty, |job| {
+                if !matches!(action, StopAction::TimeLimit | StopAction::Preempt) {
+                    return reject(format!("the leader cannot request a {action} stop"));
+                }
+                if job.state != JobState::Running {
+                    return reject(format!("job {job_id} is {}, not running", job.state));
+                }
+                if let Some(stop) = &job.stop {
+                    return reject(format!("job {job_id} is already stopping ({})", stop.action));
+                }
+                job.stop = Some(StopRequest {
+                    action: *action,
+                    requested_at_ms: *at_ms,
+                });
+                Response::Ok
+            }),
+            Command::JobStopped { job_id, at_ms } => self.with_live_job(job_id, dirty, |job| {
+                let Some(stop) = job.stop.clone() else {
+                    return reject(format!("job {job_id} has no stop in flight"));
+                };
+                if job.state != JobState::Running {
+                    return reject(format!("job {job_id} is {}, not running", job.state));
+                }
+                if let Some(r) = job.ranks.iter().find(|r| r.state == RankState::Running) {
+                    return reject(format!(
+                        "rank {} attempt {} of {job_id} still runs",
+                        r.rank, r.attempt
+                    ));
+                }
+                job.end_run(*at_ms);
+                job.stop = None;
+                match stop.action {
+                    StopAction::Pause | StopAction::Preempt => {
+                        job.requeue_ranks();
+                        job.state = if stop.action == StopAction::Pause {
+                            JobState::Paused
+                        } else {
+                            JobState::Pending
+                        };
+                    }
+                    StopAction::TimeLimit | StopAction::Stop => {
+                        job.state = JobState::TimedOut;
+                        job.finished_at_ms = *at_ms;
+                        job.failure_cause = Some(format!(
+                            "time limit of {} ms reached (ran {} ms); newest committed step: {}",
+                            job.spec.time_limit_ms,
+                            job.running_ms,
+                            job.committed_step
+                                .map_or_else(|| "none".to_string(), |s| s.to_string())
+                        ));
+                    }
+                }
                 Response::Ok
             }),
             Command::RegisterWorker {
@@ -140,8 +236,8 @@ impl ClusterState {
                 job_id,
                 placements,
                 gpus,
-                at_ms: _,
-            } => self.place_job(job_id, placements, gpus, dirty),
+                at_ms,
+            } => self.place_job(job_id, placements, gpus, *at_ms, dirty),
             Command::RankStarted {
                 job_id,
                 rank,
@@ -275,6 +371,8 @@ impl ClusterState {
                 cause,
                 at_ms,
             } => self.with_live_job(job_id, dirty, |job| {
+                job.end_run(*at_ms);
+                job.stop = None;
                 job.state = JobState::Failed;
                 job.finished_at_ms = *at_ms;
                 job.failure_cause = Some(cause.clone());
@@ -311,6 +409,8 @@ impl ClusterState {
                 if job.state != JobState::Running || !job.all_ranks_succeeded() {
                     return reject("not every rank of the current attempt exited 0");
                 }
+                job.end_run(*at_ms);
+                job.stop = None;
                 job.state = JobState::Succeeded;
                 job.finished_at_ms = *at_ms;
                 Response::Ok
@@ -417,6 +517,9 @@ impl ClusterState {
             committed: BTreeMap::new(),
             committed_step: None,
             owner: owner.to_string(),
+            stop: None,
+            running_ms: 0,
+            run_started_at_ms: 0,
         };
         // Indexed now (its fixed size computed once, kept by the index), so that the
         // eviction below counts it.
@@ -926,6 +1029,7 @@ impl ClusterState {
         job_id: &str,
         placements: &[(u32, String)],
         gpus: &[RankGpus],
+        at_ms: u64,
         dirty: &mut BTreeSet<DirtyKey>,
     ) -> Response {
         let Some(job) = self.jobs.get(job_id) else {
@@ -943,6 +1047,7 @@ impl ClusterState {
         }
         let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
         job.state = JobState::Running;
+        job.run_started_at_ms = at_ms;
         assign_placements(job, placements, gpus, 0);
         dirty.insert(DirtyKey::Job(job_id.to_string()));
         Response::Ok
@@ -967,6 +1072,12 @@ impl ClusterState {
             return reject(format!(
                 "job {job_id} is {}, not running",
                 job.state.as_str()
+            ));
+        }
+        if let Some(stop) = &job.stop {
+            return reject(format!(
+                "job {job_id} is stopping ({}): its ranks are not restarted",
+                stop.action
             ));
         }
         if agent_fault {

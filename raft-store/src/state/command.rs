@@ -52,6 +52,43 @@ pub enum Command {
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
+    /// A user pauses a job: a pending job is parked at once; a running one's ranks are
+    /// asked to checkpoint and stop ([`Job::stop`]), and [`Command::JobStopped`] then
+    /// parks it.
+    PauseJob {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
+        at_ms: u64,
+    },
+    /// A user resumes a paused job: it is queued again and resumes from its newest
+    /// committed step. Spends no restart budget.
+    ResumeJob {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
+        at_ms: u64,
+    },
+    /// The leader asks a running job's ranks to checkpoint and stop: its time limit is
+    /// near ([`StopAction::TimeLimit`]) or its slots are wanted
+    /// ([`StopAction::Preempt`]).
+    RequestStop {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// Why ([`StopAction::Stop`] and [`StopAction::Pause`] are refused here).
+        action: StopAction,
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
+        at_ms: u64,
+    },
+    /// No rank of a job with a stop in flight runs any more (and a step they completed
+    /// is committed): a pause parks it, a preemption queues it again, a time limit ends
+    /// it `timed_out`.
+    JobStopped {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
+        at_ms: u64,
+    },
     /// A worker (re-)registers.
     RegisterWorker {
         /// The worker agent's id.
@@ -224,6 +261,10 @@ impl std::fmt::Display for Command {
             Command::CreateUser { .. } => "CreateUser",
             Command::RevokeUser { .. } => "RevokeUser",
             Command::CancelJob { .. } => "CancelJob",
+            Command::PauseJob { .. } => "PauseJob",
+            Command::ResumeJob { .. } => "ResumeJob",
+            Command::RequestStop { .. } => "RequestStop",
+            Command::JobStopped { .. } => "JobStopped",
             Command::RegisterWorker { .. } => "RegisterWorker",
             Command::ExpireWorker { .. } => "ExpireWorker",
             Command::PlaceJob { .. } => "PlaceJob",

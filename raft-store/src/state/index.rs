@@ -16,6 +16,8 @@ pub struct JobIndex {
     pub pending: BTreeSet<String>,
     /// Running jobs (placed).
     pub running: BTreeSet<String>,
+    /// Paused jobs (neither placed nor queued; never evicted).
+    pub paused: BTreeSet<String>,
     /// Succeeded, failed or cancelled jobs.
     pub terminal: BTreeSet<String>,
     /// Each job's estimated encoded size ([`Job::approx_encoded_bytes`]), as of the last
@@ -42,6 +44,7 @@ impl JobIndex {
     pub(super) fn update(&mut self, job_id: &str, job: Option<&Job>) {
         self.pending.remove(job_id);
         self.running.remove(job_id);
+        self.paused.remove(job_id);
         let was_terminal = self.terminal.remove(job_id);
         let old = self.bytes.get(job_id).copied();
         if let Some(old) = old {
@@ -62,7 +65,8 @@ impl JobIndex {
         let class = match job.state {
             JobState::Pending => &mut self.pending,
             JobState::Running => &mut self.running,
-            _ => {
+            JobState::Paused => &mut self.paused,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled | JobState::TimedOut => {
                 self.terminal_bytes += total;
                 &mut self.terminal
             }
@@ -75,7 +79,7 @@ impl JobIndex {
         self.total_bytes
     }
 
-    /// Estimated encoded size of the pending and running jobs, in bytes.
+    /// Estimated encoded size of the pending, running and paused jobs, in bytes.
     pub fn unfinished_bytes(&self) -> u64 {
         self.total_bytes - self.terminal_bytes
     }

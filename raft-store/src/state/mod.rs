@@ -24,7 +24,7 @@ pub use cumulus_api::limits::{
     MAX_GPU_NAME_BYTES, MAX_GPU_UUID_BYTES, MAX_GPUS_PER_WORKER, MAX_JOB_NAME_BYTES,
     MAX_REQUEST_ID_BYTES, MAX_RESTART_BUDGET, MAX_SHARDS, MAX_WORLD_SIZE,
 };
-pub use cumulus_api::{CommitTier, FileEntry, JobState, RankState, RestartScope};
+pub use cumulus_api::{CommitTier, FileEntry, JobState, RankState, RestartScope, StopAction};
 
 pub use apply::*;
 pub use command::*;

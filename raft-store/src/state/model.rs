@@ -143,9 +143,85 @@ pub struct Job {
     /// for a job submitted before users existed, which only administrators may act on).
     #[serde(default)]
     pub owner: String,
+    /// A stop in flight (pause, time limit, preemption): its ranks are being asked to
+    /// checkpoint and stop; none is restarted meanwhile. Cleared when the stop
+    /// completes ([`Command::JobStopped`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopRequest>,
+    /// Running time of the job's earlier runs (before its latest pause or preemption),
+    /// in milliseconds.
+    #[serde(default)]
+    pub running_ms: u64,
+    /// Leader time the current run began (its placement), in ms since the Unix epoch;
+    /// 0 while it is not running.
+    #[serde(default)]
+    pub run_started_at_ms: u64,
+}
+
+/// A request that a running job's ranks checkpoint and stop.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopRequest {
+    /// Why: [`StopAction::Pause`], [`StopAction::TimeLimit`] or [`StopAction::Preempt`].
+    pub action: StopAction,
+    /// Leader time of the request, in ms since the Unix epoch.
+    pub requested_at_ms: u64,
 }
 
 impl Job {
+    /// Running time at leader time `now_ms`, in milliseconds: the earlier runs' plus the
+    /// current run's (time paused or queued is not counted).
+    pub fn running_ms_at(&self, now_ms: u64) -> u64 {
+        let current = if self.state == JobState::Running && self.run_started_at_ms > 0 {
+            now_ms.saturating_sub(self.run_started_at_ms)
+        } else {
+            0
+        };
+        self.running_ms.saturating_add(current)
+    }
+
+    /// Ends the current run at `at_ms`: its time joins `running_ms`.
+    pub(super) fn end_run(&mut self, at_ms: u64) {
+        if self.run_started_at_ms > 0 {
+            self.running_ms = self
+                .running_ms
+                .saturating_add(at_ms.saturating_sub(self.run_started_at_ms));
+            self.run_started_at_ms = 0;
+        }
+    }
+
+    /// Takes every rank off its worker for a later placement (after a pause or a
+    /// preemption): a placed rank gets a new attempt number (an attempt never runs
+    /// twice), and every rank resumes from the newest committed step. Parts of steps
+    /// that never completed are dropped (their attempts are gone).
+    pub(super) fn requeue_ranks(&mut self) {
+        let resume_step = self.committed_step;
+        for r in &mut self.ranks {
+            if r.worker_id.is_some() || r.state != RankState::Unplaced {
+                r.attempt += 1;
+            }
+            r.worker_id = None;
+            r.state = RankState::Unplaced;
+            r.exit_code = None;
+            r.signal = None;
+            r.failure = None;
+            r.agent_fault = false;
+            r.exec_failed = false;
+            r.last_progress = (0, 0);
+            r.started_at_ms = 0;
+            r.exited_at_ms = 0;
+            r.pid = 0;
+            r.not_before_ms = 0;
+            r.gpus.clear();
+            r.resume_step = resume_step;
+            r.resume_dir = resume_step
+                .and_then(|s| self.committed.get(&s))
+                .and_then(|parts| parts.get(r.rank as usize))
+                .map(|p| p.dir.clone())
+                .unwrap_or_default();
+        }
+        self.pending_parts.clear();
+    }
+
     /// True when every rank's current attempt exited 0.
     pub fn all_ranks_succeeded(&self) -> bool {
         self.ranks.iter().all(|r| r.state == RankState::Exited)

@@ -104,6 +104,16 @@ pub struct JobSpec {
     /// agent's own), at most [`MAX_STOP_GRACE_MS`].
     #[serde(default)]
     pub stop_grace_ms: u64,
+    /// Running time the job may use (time paused or queued is not counted), in
+    /// milliseconds (0: no limit), at most [`MAX_TIME_LIMIT_MS`]. Its ranks are asked
+    /// to checkpoint and stop `signal_before_ms` before it; the job ends `timed_out`.
+    #[serde(default)]
+    pub time_limit_ms: u64,
+    /// How long before the time limit the ranks are asked to checkpoint and stop, in
+    /// milliseconds (below `time_limit_ms`; as Slurm's `--signal`). Their SIGTERM comes
+    /// at the limit itself.
+    #[serde(default)]
+    pub signal_before_ms: u64,
 }
 
 // The planner (no dependency on the contract crate) spells a whole GPU too.
@@ -111,6 +121,8 @@ const _: () = assert!(shard_planner::WHOLE_GPU_PERMILLE == cumulus_api::gpus::WH
 
 /// Longest stop grace a job may ask for: 1 hour, in milliseconds.
 pub const MAX_STOP_GRACE_MS: u64 = 3_600_000;
+/// Longest time limit a job may ask for: 365 days, in milliseconds.
+pub const MAX_TIME_LIMIT_MS: u64 = 365 * 86_400_000;
 
 impl JobSpec {
     /// The smallest spec: `world_size` ranks running `command`, every other field at the
@@ -134,6 +146,8 @@ impl JobSpec {
             gpus_per_rank: 0,
             gpu_memory_permille: 0,
             stop_grace_ms: 0,
+            time_limit_ms: 0,
+            signal_before_ms: 0,
         }
     }
 
@@ -286,6 +300,15 @@ impl JobSpec {
         if self.stop_grace_ms > MAX_STOP_GRACE_MS {
             return Err(SpecError::StopGrace);
         }
+        if self.time_limit_ms > MAX_TIME_LIMIT_MS {
+            return Err(SpecError::TimeLimit);
+        }
+        if self.signal_before_ms > 0 && self.signal_before_ms >= self.time_limit_ms {
+            return Err(SpecError::SignalBefore {
+                signal_before_ms: self.signal_before_ms,
+                time_limit_ms: self.time_limit_ms,
+            });
+        }
         if self.gpus_per_rank as usize > MAX_GPUS_PER_WORKER {
             return Err(SpecError::GpusPerRank {
                 gpus_per_rank: self.gpus_per_rank,
@@ -401,6 +424,19 @@ pub enum SpecError {
     /// A stop grace above [`MAX_STOP_GRACE_MS`].
     #[error("stop grace is above 1 hour")]
     StopGrace,
+    /// A time limit above [`MAX_TIME_LIMIT_MS`].
+    #[error("time limit is above 365 days")]
+    TimeLimit,
+    /// A signal-before without a time limit, or not shorter than it.
+    #[error(
+        "signal_before_ms ({signal_before_ms}) must be below the time limit ({time_limit_ms} ms; 0 = none)"
+    )]
+    SignalBefore {
+        /// The requested notice, in milliseconds.
+        signal_before_ms: u64,
+        /// The job's time limit, in milliseconds.
+        time_limit_ms: u64,
+    },
     /// More GPUs per rank than [`MAX_GPUS_PER_WORKER`]: no worker could hold a rank.
     #[error("gpus_per_rank {gpus_per_rank} is above the limit of {MAX_GPUS_PER_WORKER}")]
     GpusPerRank {

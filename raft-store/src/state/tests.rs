@@ -1095,3 +1095,280 @@ fn users_are_created_once_revoked_and_kept_in_snapshots() {
     let back: ClusterState = serde_json::from_value(old).expect("decode old");
     assert!(back.users.is_empty());
 }
+
+fn started(s: &mut ClusterState, job_id: &str, rank: u32, attempt: u32, worker: &str) {
+    let r = apply(
+        s,
+        Command::RankStarted {
+            job_id: job_id.into(),
+            rank,
+            attempt,
+            worker_id: worker.into(),
+            pid: 10 + rank,
+            at_ms: 4,
+        },
+    );
+    assert_eq!(r, Response::Ok);
+}
+
+fn commit_step(s: &mut ClusterState, job_id: &str, attempt: u32, step: u64, world_size: u32) {
+    for rank in 0..world_size {
+        let r = apply(
+            s,
+            Command::CheckpointPartCommitted {
+                job_id: job_id.into(),
+                step,
+                part: part(rank, attempt, step),
+            },
+        );
+        assert_eq!(r, Response::Ok);
+    }
+    let r = apply(
+        s,
+        Command::CheckpointCommitted {
+            job_id: job_id.into(),
+            step,
+            at_ms: 5,
+        },
+    );
+    assert_eq!(r, Response::Ok);
+}
+
+#[test]
+fn a_pause_stops_the_ranks_then_parks_the_job_and_a_resume_queues_it_from_its_step() {
+    let (mut s, job) = cluster_with_job(2);
+    started(&mut s, &job, 0, 0, "w1");
+    started(&mut s, &job, 1, 0, "w2");
+    commit_step(&mut s, &job, 0, 10, 2);
+    let pause = |at_ms| Command::PauseJob {
+        job_id: job.clone(),
+        at_ms,
+    };
+    assert_eq!(apply(&mut s, pause(50)), Response::Ok);
+    assert_eq!(s.jobs[&job].state, JobState::Running, "running until its ranks stop");
+    assert_eq!(
+        s.jobs[&job].stop.as_ref().map(|r| r.action),
+        Some(StopAction::Pause)
+    );
+    // One pause at a time; a resume waits for the pause to complete.
+    assert!(matches!(apply(&mut s, pause(51)), Response::Rejected { .. }));
+    let resume = |at_ms| Command::ResumeJob {
+        job_id: job.clone(),
+        at_ms,
+    };
+    let r = apply(&mut s, resume(52));
+    assert!(
+        matches!(&r, Response::Rejected { reason } if reason.contains("still pausing")),
+        "{r:?}"
+    );
+    // The ranks checkpoint at step 20 and exit 0; a failure is not restarted meanwhile.
+    commit_step(&mut s, &job, 0, 20, 2);
+    assert_eq!(apply(&mut s, exit(&job, 0, 0, "w1", 0)), Response::Ok);
+    let stopped = Command::JobStopped {
+        job_id: job.clone(),
+        at_ms: 103,
+    };
+    let r = apply(&mut s, stopped.clone());
+    assert!(
+        matches!(&r, Response::Rejected { reason } if reason.contains("still runs")),
+        "{r:?}"
+    );
+    assert_eq!(apply(&mut s, exit(&job, 1, 0, "w2", 1)), Response::Ok);
+    let restart = Command::ScheduleRestart {
+        job_id: job.clone(),
+        placements: vec![(0, "w1".into()), (1, "w2".into())],
+        gpus: Vec::new(),
+        failed_at_ms: 100,
+        delay_ms: 10_000,
+        cause: "x".into(),
+        resume_step: Some(20),
+        agent_fault: false,
+    };
+    assert!(matches!(apply(&mut s, restart), Response::Rejected { .. }));
+    assert_eq!(apply(&mut s, stopped), Response::Ok);
+    let j = &s.jobs[&job];
+    assert_eq!(j.state, JobState::Paused);
+    assert_eq!(j.stop, None);
+    assert_eq!(j.restarts_used, 0, "a pause spends no restart budget");
+    assert_eq!(j.running_ms, 100, "placed at 3, stopped at 103");
+    assert_eq!(j.running_ms_at(10_000), 100, "paused time is not counted");
+    for r in &j.ranks {
+        assert_eq!(
+            (r.state, r.attempt, r.worker_id.as_deref()),
+            (RankState::Unplaced, 1, None)
+        );
+        assert_eq!(r.resume_step, Some(20));
+        assert_eq!(r.resume_dir, part(r.rank, 0, 20).dir);
+    }
+    assert!(s.slots_used(None).values().all(|n| *n == 0), "no slot held");
+    assert!(s.job_index().paused.contains(&job));
+    assert_index_current(&s);
+    // Resume: queued again, placed like a new job, on other workers if need be.
+    assert_eq!(apply(&mut s, resume(200)), Response::Ok);
+    assert_eq!(s.jobs[&job].state, JobState::Pending);
+    assert!(matches!(apply(&mut s, resume(201)), Response::Rejected { .. }));
+    let place = Command::PlaceJob {
+        job_id: job.clone(),
+        placements: vec![(0, "w2".into()), (1, "w2".into())],
+        gpus: Vec::new(),
+        at_ms: 300,
+    };
+    assert_eq!(apply(&mut s, place), Response::Ok);
+    let j = &s.jobs[&job];
+    assert_eq!(j.state, JobState::Running);
+    assert_eq!(j.running_ms_at(350), 150);
+    assert!(
+        j.ranks
+            .iter()
+            .all(|r| r.attempt == 1 && r.state == RankState::Pending)
+    );
+    assert_index_current(&s);
+}
+
+#[test]
+fn a_pending_job_is_parked_at_once_and_a_paused_job_can_be_cancelled() {
+    let mut s = ClusterState::default();
+    let Response::JobSubmitted { job_id: job, .. } = apply(
+        &mut s,
+        Command::SubmitJob {
+            owner: String::new(),
+            request_id: "r".into(),
+            spec: spec(2),
+            shards: vec![],
+            submitted_at_ms: 1,
+        },
+    ) else {
+        panic!()
+    };
+    let pause = Command::PauseJob {
+        job_id: job.clone(),
+        at_ms: 2,
+    };
+    assert_eq!(apply(&mut s, pause.clone()), Response::Ok);
+    assert_eq!(s.jobs[&job].state, JobState::Paused);
+    let r = apply(&mut s, pause);
+    assert!(
+        matches!(&r, Response::Rejected { reason } if reason.contains("already paused")),
+        "{r:?}"
+    );
+    assert_eq!(
+        s.jobs[&job].ranks.iter().map(|r| r.attempt).max(),
+        Some(0),
+        "an attempt that never ran keeps its number"
+    );
+    let cancel = Command::CancelJob {
+        job_id: job.clone(),
+        at_ms: 3,
+    };
+    assert_eq!(apply(&mut s, cancel), Response::Ok);
+    assert_eq!(s.jobs[&job].state, JobState::Cancelled);
+    assert_index_current(&s);
+}
+
+#[test]
+fn a_time_limit_stop_ends_the_job_timed_out_and_only_the_leader_kinds_are_requested() {
+    let (mut s, job) = cluster_with_job(1);
+    started(&mut s, &job, 0, 0, "w1");
+    let request = |action| Command::RequestStop {
+        job_id: job.clone(),
+        action,
+        at_ms: 40,
+    };
+    for action in [StopAction::Stop, StopAction::Pause] {
+        assert!(matches!(
+            apply(&mut s, request(action)),
+            Response::Rejected { .. }
+        ));
+    }
+    assert_eq!(apply(&mut s, request(StopAction::TimeLimit)), Response::Ok);
+    assert!(matches!(
+        apply(&mut s, request(StopAction::Preempt)),
+        Response::Rejected { .. }
+    ));
+    // A user's pause cannot overtake the stop in flight.
+    assert!(matches!(
+        apply(
+            &mut s,
+            Command::PauseJob {
+                job_id: job.clone(),
+                at_ms: 41
+            }
+        ),
+        Response::Rejected { .. }
+    ));
+    commit_step(&mut s, &job, 0, 7, 1);
+    assert_eq!(apply(&mut s, exit(&job, 0, 0, "w1", 0)), Response::Ok);
+    assert_eq!(
+        apply(
+            &mut s,
+            Command::JobStopped {
+                job_id: job.clone(),
+                at_ms: 103
+            }
+        ),
+        Response::Ok
+    );
+    let j = &s.jobs[&job];
+    assert_eq!(j.state, JobState::TimedOut);
+    assert!(j.state.is_terminal());
+    assert_eq!(j.finished_at_ms, 103);
+    assert_eq!(j.committed_step, Some(7));
+    assert!(
+        j.failure_cause
+            .as_deref()
+            .is_some_and(|c| c.contains("time limit") && c.contains('7')),
+        "{:?}",
+        j.failure_cause
+    );
+    assert_index_current(&s);
+}
+
+#[test]
+fn a_preempted_job_is_queued_again_with_its_ranks_from_the_committed_step() {
+    let (mut s, job) = cluster_with_job(2);
+    started(&mut s, &job, 0, 0, "w1");
+    commit_step(&mut s, &job, 0, 3, 2);
+    assert_eq!(
+        apply(
+            &mut s,
+            Command::RequestStop {
+                job_id: job.clone(),
+                action: StopAction::Preempt,
+                at_ms: 10,
+            }
+        ),
+        Response::Ok
+    );
+    // Rank 1 never started (its attempt was pending): it does not hold the stop up.
+    assert_eq!(apply(&mut s, exit(&job, 0, 0, "w1", 0)), Response::Ok);
+    let r = apply(
+        &mut s,
+        Command::JobStopped {
+            job_id: job.clone(),
+            at_ms: 20,
+        },
+    );
+    assert_eq!(r, Response::Ok);
+    let j = &s.jobs[&job];
+    assert_eq!(j.state, JobState::Pending);
+    assert!(
+        j.ranks
+            .iter()
+            .all(|r| r.attempt == 1 && r.resume_step == Some(3))
+    );
+    assert_index_current(&s);
+}
+
+#[test]
+fn time_limits_are_validated() {
+    let limited = |time_limit_ms, signal_before_ms| JobSpec {
+        time_limit_ms,
+        signal_before_ms,
+        ..spec(1)
+    };
+    assert!(limited(60_000, 5_000).validate(8).is_ok());
+    assert!(limited(0, 0).validate(8).is_ok());
+    assert!(limited(5_000, 5_000).validate(8).is_err());
+    assert!(limited(0, 1).validate(8).is_err());
+    assert!(limited(MAX_TIME_LIMIT_MS + 1, 0).validate(8).is_err());
+}

@@ -20,7 +20,9 @@ use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cumulus_api::{AttemptKey, DesiredRank, ObservedRank, RankExitedRequest, RankStartedRequest};
+use cumulus_api::{
+    AttemptKey, DesiredRank, ObservedRank, RankExitedRequest, RankStartedRequest, StopAction,
+};
 use cumulus_ckpt::{CheckpointStore, CkptError, PartRecord};
 use nix::sys::signal::Signal;
 use thiserror::Error;
@@ -40,6 +42,9 @@ use crate::spawn::{SpawnError, SpawnedChild, Spawner, signal_group};
 pub const MAX_LIVE_ATTEMPTS: usize = 1024;
 /// Most finished attempts remembered in memory (the exit files on disk remember the rest).
 pub const MAX_FINISHED_REMEMBERED: usize = 4096;
+/// Longest notice between telling a rank of its time limit and its SIGTERM: the longest
+/// time limit (365 days), in milliseconds.
+pub const MAX_STOP_NOTICE_MS: u64 = 365 * 86_400_000;
 /// How long a rank's output pipe is still read after its process exited (a background process
 /// that escaped the rank's process group may hold it open).
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -131,8 +136,13 @@ struct CkptTarget {
 
 struct Entry {
     pid: Option<u32>,
+    /// SIGTERM is sent (or about to be): `stop` is cancelled.
     stopping: bool,
+    /// Cancelled to send SIGTERM to the attempt's group (SIGKILL follows after the grace).
     stop: CancellationToken,
+    /// What the rank has been asked (the rank-local API's `GET /v1/control`): set when
+    /// the leader asks the job to stop, or the attempt is no longer desired.
+    control: Option<StopAction>,
     progress: Option<Progress>,
     ckpt_enabled: bool,
     ckpt: Option<CkptTarget>,
@@ -279,6 +289,7 @@ impl Supervisor {
                 Action::Stop(key) => {
                     if let Some(entry) = table.entries.get_mut(key) {
                         tracing::info!(attempt = %key, "stopping: no longer desired");
+                        entry.control.get_or_insert(StopAction::Stop);
                         entry.stopping = true;
                         entry.stop.cancel();
                     }
@@ -286,7 +297,67 @@ impl Supervisor {
                 Action::Start(d) => self.start_locked(&mut table, d),
             }
         }
+        for d in desired.iter().filter(|d| !d.stop_action.is_empty()) {
+            self.ask_to_stop_locked(&mut table, d);
+        }
         actions
+    }
+
+    /// The time between SIGTERM and SIGKILL for `desired`: the job's own stop grace when
+    /// it set one (room for a last checkpoint), else the agent's.
+    fn stop_grace(&self, desired: &DesiredRank) -> Duration {
+        if desired.stop_grace_ms > 0 {
+            Duration::from_millis(desired.stop_grace_ms.min(3_600_000))
+        } else {
+            self.inner.settings.stop_grace
+        }
+    }
+
+    /// The leader asks a live attempt to stop (`desired.stop_action`): the rank is told
+    /// at once (its control action), and its group gets SIGTERM after the notice — a
+    /// time limit's `stop_notice_ms` (the limit itself), otherwise the stop grace — and
+    /// SIGKILL a stop grace later (docs/architecture.md, "Stopping a rank"). Asked once
+    /// per attempt; an unknown action is taken for a plain stop.
+    fn ask_to_stop_locked(&self, table: &mut Table, desired: &DesiredRank) {
+        let key = AttemptKey::of(desired);
+        let Some(entry) = table.entries.get_mut(&key) else {
+            return;
+        };
+        if entry.control.is_some() || entry.stopping {
+            return;
+        }
+        let action = desired
+            .stop_action
+            .parse::<StopAction>()
+            .unwrap_or(StopAction::Stop);
+        let notice = if action == StopAction::TimeLimit {
+            Duration::from_millis(desired.stop_notice_ms.min(MAX_STOP_NOTICE_MS))
+        } else {
+            self.stop_grace(desired)
+        };
+        tracing::info!(attempt = %key, %action, notice_ms = notice.as_millis() as u64, "asking the rank to stop");
+        entry.control = Some(action);
+        let stop = entry.stop.clone();
+        let this = self.clone();
+        self.inner.tracker.spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep(notice) => {}
+                _ = stop.cancelled() => return,
+            }
+            if let Some(entry) = this.table().entries.get_mut(&key) {
+                tracing::info!(attempt = %key, %action, "still running after the stop notice: SIGTERM");
+                entry.stopping = true;
+                entry.stop.cancel();
+            }
+        });
+    }
+
+    /// What the rank holding `token` has been asked: `None` for an unknown token,
+    /// `Some(None)` when it may go on.
+    pub fn control(&self, token: &str) -> Option<Option<StopAction>> {
+        let table = self.table();
+        let key = table.tokens.get(token)?;
+        Some(table.entries.get(key)?.control)
     }
 
     fn exit_recorded(&self, key: &AttemptKey) -> bool {
@@ -324,6 +395,7 @@ impl Supervisor {
                 pid: None,
                 stopping: false,
                 stop: stop.clone(),
+                control: None,
                 progress: None,
                 ckpt_enabled: !desired.ckpt_dir.is_empty() || !desired.ckpt_url.is_empty(),
                 ckpt: None,
@@ -411,6 +483,7 @@ impl Supervisor {
         for (key, entry) in table.entries.iter_mut() {
             if !entry.stopping {
                 tracing::info!(attempt = %key, "stopping");
+                entry.control.get_or_insert(StopAction::Stop);
                 entry.stopping = true;
                 entry.stop.cancel();
             }
@@ -431,13 +504,14 @@ impl Supervisor {
         self.table().tokens.get(token).cloned()
     }
 
-    /// Stores the progress a rank reported; `None` when the token is unknown.
-    pub fn record_progress(&self, token: &str, progress: Progress) -> Option<AttemptKey> {
+    /// Stores the progress a rank reported; `None` when the token is unknown, else what
+    /// the rank has been asked ([`Supervisor::control`]).
+    pub fn record_progress(&self, token: &str, progress: Progress) -> Option<Option<StopAction>> {
         let mut table = self.table();
         let key = table.tokens.get(token)?.clone();
         let entry = table.entries.get_mut(&key)?;
         entry.progress = Some(progress);
-        Some(key)
+        Some(entry.control)
     }
 
     /// The latest progress of a live attempt.
@@ -688,13 +762,7 @@ impl Supervisor {
                 attempt: key.attempt,
                 pid,
             }));
-        // The job's own grace when it set one (room for a last checkpoint), else the
-        // agent's.
-        let grace = if desired.stop_grace_ms > 0 {
-            Duration::from_millis(desired.stop_grace_ms.min(3_600_000))
-        } else {
-            settings.stop_grace
-        };
+        let grace = self.stop_grace(desired);
         let status = supervise(key, spawned, stop, grace, &mut log).await;
         if let Err(e) = log.finish().await {
             tracing::warn!(attempt = %key, "cannot finish log: {e}");

@@ -2,23 +2,46 @@
 
 Standard library only, so it never clashes with a trainer's own environment.
 
-A ten-line loop::
+A short loop::
 
+    import sys
     from cumulus import runtime
 
     ctx = runtime.get_context(standalone=True)  # also runs under plain python/torchrun
     start = 0
-    if (r := runtime.resume()) is not None:      # a restarted attempt
+    if (r := runtime.resume()) is not None:      # a restarted or resumed attempt
         model.load(r.dir / "model.bin")
         start = r.step
     for step in range(start + 1, total + 1):
         loss = train_step()
         runtime.report(step, total, loss=loss)   # never blocks, never raises for I/O
-        if step % 100 == 0 and runtime.checkpoints_enabled():
+        stop = runtime.should_stop()             # paused, time limit, cancelled, SIGTERM
+        if (stop or step % 100 == 0) and runtime.checkpoints_enabled():
             with runtime.checkpoint(step) as part:
                 model.save(part / "model.bin")
-        if runtime.should_stop():                # SIGTERM from the agent
-            break
+        if stop:
+            sys.exit(0)                          # a paused job resumes from this step
+
+Stopping: the worker agent tells a rank to stop before it signals it. Its control action
+(``"stop"``, ``"pause"``, ``"time_limit"``, ``"preempt"``) comes in the replies to the
+progress reports and from ``GET /v1/control``, which :func:`should_stop` polls at most
+every :data:`CONTROL_POLL_INTERVAL_S` seconds (waiting at most 0.5 s, never raising;
+outside a Cumulus rank it never polls, and only SIGTERM counts); SIGTERM follows after a
+notice period, SIGKILL after the job's stop grace.
+
+* :func:`should_stop` is true once any stop was asked (an action, or SIGTERM): commit a
+  checkpoint at the current step and exit 0. For a pause or a preemption the job resumes
+  from that checkpoint later (:func:`resume`); at a time limit it ends ``timed_out`` with
+  it. For ``"stop"`` (cancelled, or replaced by a group restart) the checkpoint is not
+  needed and may be refused (:class:`~cumulus.errors.StaleAttempt`): just exit.
+* :func:`should_pause` is true when the job will continue later (``"pause"`` or
+  ``"preempt"``).
+* :func:`stop_request` names what was asked: the action, ``"signal"`` for a SIGTERM
+  without a known action, ``None`` when nothing was.
+
+A distributed job should stop every rank at the same step (each rank's part of a step
+is needed for that step to be committed): make the decision collective, e.g. all-reduce
+``should_stop()`` as a flag every step.
 
 :func:`apply_gpu_memory_fraction` passes a job's ``--gpu-memory-fraction``
 (``CUMULUS_GPU_MEMORY_FRACTION``, :attr:`Context.gpu_memory_fraction`) to
@@ -33,10 +56,6 @@ The module-level functions use one process-wide :class:`Runtime`, made on first 
 (or by :func:`init`). Outside a Cumulus rank that runtime is standalone: reports are
 validated and dropped, :func:`resume` returns ``None``, and :func:`checkpoint` raises
 :class:`~cumulus.errors.NotInCumulusRank`.
-
-Not here yet (they need server support that does not exist): ``should_pause()`` (the
-rank-local API has no pause or control endpoint; the agent's only stop request is
-SIGTERM, which :func:`should_stop` reports).
 """
 
 from __future__ import annotations
@@ -48,7 +67,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from cumulus.errors import RankEnvironmentError
+from cumulus.errors import CumulusError, RankEnvironmentError
 from cumulus.runtime._agent import AgentClient
 from cumulus.runtime._checkpoint import (
     COMMIT_DEADLINE_S,
@@ -58,6 +77,12 @@ from cumulus.runtime._checkpoint import (
     CommittedPart,
     ResumePoint,
     StagedCheckpoint,
+)
+from cumulus.runtime._control import (
+    CONTROL_POLL_INTERVAL_S,
+    PAUSE_ACTIONS,
+    STOP_ACTIONS,
+    StopControl,
 )
 from cumulus.runtime._env import (
     CONTRACT_VARS,
@@ -75,16 +100,19 @@ from cumulus.runtime._progress import (
 )
 from cumulus.runtime._rng import RNG_STATE_VERSION, rng_state, set_rng_state
 from cumulus.runtime._shards import ShardReader, shard_format
-from cumulus.runtime._stop import install_stop_handler, request_stop, should_stop
+from cumulus.runtime._stop import install_stop_handler, request_stop, stop_signalled
 
 __all__ = [
     "COMMIT_DEADLINE_S",
     "CONTRACT_VARS",
+    "CONTROL_POLL_INTERVAL_S",
     "MAX_METRICS",
     "MAX_METRIC_NAME_BYTES",
     "MAX_STATE_BYTES",
+    "PAUSE_ACTIONS",
     "RNG_STATE_VERSION",
     "STATE_FILE",
+    "STOP_ACTIONS",
     "AgentClient",
     "Checkpointer",
     "CommittedPart",
@@ -93,6 +121,7 @@ __all__ = [
     "Runtime",
     "ShardReader",
     "StagedCheckpoint",
+    "StopControl",
     "apply_gpu_memory_fraction",
     "checkpoint",
     "checkpoints_enabled",
@@ -110,7 +139,9 @@ __all__ = [
     "save_checkpoint",
     "set_rng_state",
     "shard_format",
+    "should_pause",
     "should_stop",
+    "stop_request",
 ]
 
 
@@ -121,6 +152,8 @@ class Runtime:
     :param context: the rank's context (see :func:`get_context`).
     :param commit_deadline_s: how long a checkpoint commit is retried, in seconds.
     :param progress_interval_s: least time between two progress reports sent, in seconds.
+    :param control_poll_interval_s: least time between two polls of the agent's control
+        action by :meth:`should_stop` (and the other stop checks), in seconds.
     """
 
     def __init__(
@@ -129,6 +162,7 @@ class Runtime:
         *,
         commit_deadline_s: float = COMMIT_DEADLINE_S,
         progress_interval_s: float = MIN_INTERVAL_S,
+        control_poll_interval_s: float = CONTROL_POLL_INTERVAL_S,
     ) -> None:
         self.context = context
         agent = None
@@ -138,8 +172,12 @@ class Runtime:
         self.agent = agent
         #: Commits and resumes this rank's checkpoint parts.
         self.checkpointer = Checkpointer(context, agent, commit_deadline_s=commit_deadline_s)
+        #: What the agent asked of this rank (see :meth:`stop_request`).
+        self.control = StopControl(agent, poll_interval_s=control_poll_interval_s)
         self._reporter = (
-            ProgressReporter(agent, min_interval_s=progress_interval_s) if agent else None
+            ProgressReporter(agent, min_interval_s=progress_interval_s, control=self.control)
+            if agent
+            else None
         )
 
     def __repr__(self) -> str:
@@ -209,9 +247,39 @@ class Runtime:
         return self.checkpointer.resume()
 
     def should_stop(self) -> bool:
-        """True once the agent asked this rank to stop (SIGTERM); see
-        :func:`cumulus.runtime.should_stop`."""
-        return should_stop()
+        """True once this rank was asked to stop: the agent's control action is one
+        (learned from a progress reply, or polled from ``GET /v1/control`` at most every
+        ``control_poll_interval_s``), or SIGTERM came. Commit a checkpoint at the current
+        step and exit 0. Never raises for I/O; a poll waits at most 0.5 s.
+
+        The first stop check installs the SIGTERM handler (see
+        :func:`install_stop_handler`).
+
+        :raises RuntimeError: the first stop check is made from a thread other than the
+            main thread.
+        """
+        if stop_signalled():
+            return True
+        return self.control.action() is not None
+
+    def should_pause(self) -> bool:
+        """True when the job will continue later from the checkpoint committed now: the
+        action is ``"pause"`` (the user paused the job) or ``"preempt"`` (the scheduler
+        requeues it). Implies :meth:`should_stop`. Raises as :meth:`should_stop`."""
+        stop_signalled()
+        return self.control.action() in PAUSE_ACTIONS
+
+    def stop_request(self) -> str | None:
+        """What this rank was asked: the agent's action (``"stop"``, ``"pause"``,
+        ``"time_limit"``, ``"preempt"``; a newer agent may name others), ``"signal"``
+        for a SIGTERM with no action known, ``None`` while nothing was asked. An attempt
+        the agent no longer knows (HTTP 401: it has ended) counts as ``"stop"``. Raises
+        as :meth:`should_stop`."""
+        signalled = stop_signalled()
+        action = self.control.action()
+        if action is not None:
+            return action
+        return "signal" if signalled else None
 
     def apply_gpu_memory_fraction(self, device: Any = None) -> float | None:
         """Applies :attr:`Context.gpu_memory_fraction`; see
@@ -334,6 +402,49 @@ def checkpoints_enabled() -> bool:
 def resume() -> ResumePoint | None:
     """Where this attempt resumes, or ``None``; see :meth:`Runtime.resume`."""
     return get_runtime().resume()
+
+
+def _current_runtime() -> Runtime | None:
+    """The process-wide runtime, or ``None`` when the environment cannot make one (a
+    malformed rank variable: the stop checks then fall back to SIGTERM alone)."""
+    try:
+        return get_runtime()
+    except CumulusError:
+        return None
+
+
+def should_stop() -> bool:
+    """True once this rank was asked to stop (paused, time limit near, preempted,
+    cancelled or replaced: the agent's control action; or SIGTERM): commit a checkpoint at
+    the current step and exit 0. Call it once per step; it polls the agent at most every
+    :data:`CONTROL_POLL_INTERVAL_S` seconds, never raises for I/O, and does no I/O
+    outside a Cumulus rank. See :meth:`Runtime.should_stop`.
+
+    :raises RuntimeError: the first call is made from a thread other than the main thread
+        (it installs the SIGTERM handler).
+    """
+    rt = _current_runtime()
+    return rt.should_stop() if rt is not None else stop_signalled()
+
+
+def should_pause() -> bool:
+    """True when the job continues later from the checkpoint committed now (``"pause"``
+    or ``"preempt"``); see :meth:`Runtime.should_pause`."""
+    rt = _current_runtime()
+    if rt is None:
+        stop_signalled()
+        return False
+    return rt.should_pause()
+
+
+def stop_request() -> str | None:
+    """What this rank was asked: ``"stop"``, ``"pause"``, ``"time_limit"``,
+    ``"preempt"``, ``"signal"`` (SIGTERM, no action known) or ``None``; see
+    :meth:`Runtime.stop_request`."""
+    rt = _current_runtime()
+    if rt is None:
+        return "signal" if stop_signalled() else None
+    return rt.stop_request()
 
 
 def apply_gpu_memory_fraction(device: Any = None) -> float | None:

@@ -1,6 +1,6 @@
 """Client of the worker agent's rank-local HTTP API (docs/architecture.md, "Rank-local HTTP
-API"), standard library only: ``POST /v1/progress`` and ``POST /v1/checkpoint``, both
-with ``Authorization: Bearer $CUMULUS_AGENT_TOKEN``.
+API"), standard library only: ``POST /v1/progress``, ``POST /v1/checkpoint`` and ``GET
+/v1/control``, all with ``Authorization: Bearer $CUMULUS_AGENT_TOKEN``.
 
 It mirrors the Rust example trainer's client (``examples/src/agent.rs``): 2xx is success,
 401 and 409 mean this attempt is stale (:class:`~cumulus.errors.StaleAttempt`), any other
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -20,10 +21,14 @@ from urllib.parse import urlsplit
 from cumulus.errors import AgentError, StaleAttempt
 
 __all__ = [
+    "ACTION_NONE",
     "CHECKPOINT_TIMEOUT_S",
+    "CONTROL_TIMEOUT_S",
+    "MAX_ACTION_BYTES",
     "MAX_REPLY_BYTES",
     "PROGRESS_TIMEOUT_S",
     "AgentClient",
+    "parse_action",
 ]
 
 #: Time limit of one progress request, in seconds.
@@ -31,8 +36,16 @@ PROGRESS_TIMEOUT_S = 2.0
 #: Time limit of one checkpoint commit request, in seconds (the agent hashes and fsyncs
 #: every file and waits for the leader before it answers).
 CHECKPOINT_TIMEOUT_S = 60.0
+#: Time limit of one ``GET /v1/control`` poll, in seconds: short, since the training loop
+#: waits for it (see :func:`cumulus.runtime.should_stop`).
+CONTROL_TIMEOUT_S = 0.5
 #: Most bytes of a reply body that are read.
 MAX_REPLY_BYTES = 64 * 1024
+#: The control action that asks nothing ("keep going").
+ACTION_NONE = "none"
+#: Longest action accepted in a reply, in bytes (the known ones are far shorter).
+MAX_ACTION_BYTES = 64
+_ACTION_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 def _error_message(body: bytes) -> str:
@@ -45,6 +58,23 @@ def _error_message(body: bytes) -> str:
     if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
         return str(parsed["error"])
     return text.strip()[:500]
+
+
+def parse_action(data: bytes) -> str:
+    """The ``action`` of an ``{"action": "..."}`` reply body.
+
+    :raises ValueError: the body is not such a JSON object, or the action is empty, too
+        long or not a plain lowercase name."""
+    try:
+        reply = json.loads(data)
+    except ValueError as e:
+        raise ValueError("not JSON") from e
+    action = reply.get("action") if isinstance(reply, dict) else None
+    if not isinstance(action, str):
+        raise ValueError("no 'action' string")
+    if not action or len(action) > MAX_ACTION_BYTES or not _ACTION_NAME.fullmatch(action):
+        raise ValueError(f"action {action[:MAX_ACTION_BYTES]!r} is not a lowercase name")
+    return action
 
 
 class AgentClient:
@@ -72,35 +102,38 @@ class AgentClient:
     def __repr__(self) -> str:
         return f"AgentClient({self.base_url!r})"
 
-    def _post(self, path: str, body: Mapping[str, Any], timeout_s: float) -> tuple[int, bytes]:
-        payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    def _request(
+        self, method: str, path: str, body: Mapping[str, Any] | None, timeout_s: float
+    ) -> tuple[int, bytes]:
+        payload = (
+            None
+            if body is None
+            else json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        )
+        headers = {"Authorization": f"Bearer {self._token}", "Connection": "close"}
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
         conn: http.client.HTTPConnection
         if self._https:
             conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s)
         else:
             conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
         try:
-            conn.request(
-                "POST",
-                self._prefix + path,
-                body=payload,
-                headers={
-                    "Authorization": f"Bearer {self._token}",
-                    "Content-Type": "application/json",
-                    "Connection": "close",
-                },
-            )
+            conn.request(method, self._prefix + path, body=payload, headers=headers)
             resp = conn.getresponse()
             data = resp.read(MAX_REPLY_BYTES)
             return resp.status, data
         except (OSError, http.client.HTTPException) as e:
             kind = "timed out" if isinstance(e, (TimeoutError, socket.timeout)) else "failed"
             raise AgentError(
-                f"POST {path} to the agent at {self.base_url} {kind}: {e or type(e).__name__}",
+                f"{method} {path} to the agent at {self.base_url} {kind}: {e or type(e).__name__}",
                 status=None,
             ) from e
         finally:
             conn.close()
+
+    def _post(self, path: str, body: Mapping[str, Any], timeout_s: float) -> tuple[int, bytes]:
+        return self._request("POST", path, body, timeout_s)
 
     @staticmethod
     def _check(path: str, status: int, body: bytes) -> None:
@@ -121,8 +154,11 @@ class AgentClient:
         metrics: Mapping[str, float],
         *,
         timeout_s: float = PROGRESS_TIMEOUT_S,
-    ) -> None:
-        """``POST /v1/progress``.
+    ) -> str | None:
+        """``POST /v1/progress``. Returns the action the agent asks of this rank (see
+        :meth:`control`) when its reply carries one other than ``"none"`` (a 200 with
+        ``{"action": ...}``), else ``None`` (204, or a reply without a readable action:
+        any 2xx is a success).
 
         :raises StaleAttempt: 401/409.
         :raises AgentError: any other failure.
@@ -132,6 +168,34 @@ class AgentClient:
             body["total_steps"] = total_steps
         status, data = self._post("/v1/progress", body, timeout_s)
         self._check("/v1/progress", status, data)
+        if not data.strip():
+            return None
+        try:
+            action = parse_action(data)
+        except ValueError:
+            return None
+        return None if action == ACTION_NONE else action
+
+    def control(self, *, timeout_s: float = CONTROL_TIMEOUT_S) -> str:
+        """``GET /v1/control``: what the agent asks of this rank now, one of ``"none"``
+        (keep going), ``"stop"`` (the attempt is no longer wanted: exit), ``"pause"``
+        (checkpoint and exit 0: the job resumes later), ``"time_limit"`` (checkpoint and
+        exit 0: the job's time limit is near) and ``"preempt"`` (as a pause; the
+        scheduler requeues the job). A newer agent may answer other actions: each is a
+        request to stop.
+
+        :raises StaleAttempt: 401/409: the attempt has ended.
+        :raises AgentError: any other failure, or a malformed reply.
+        """
+        status, data = self._request("GET", "/v1/control", None, timeout_s)
+        self._check("/v1/control", status, data)
+        try:
+            return parse_action(data)
+        except ValueError as e:
+            raise AgentError(
+                f"the agent's reply to GET /v1/control is malformed ({e}): {data[:200]!r}",
+                status=status,
+            ) from e
 
     def commit_checkpoint(
         self,

@@ -5,6 +5,10 @@ daemon thread sends the newest report to the agent at most every
 :data:`MIN_INTERVAL_S` seconds. Reports made in between are coalesced (the newest wins:
 the agent keeps only the latest progress anyway), so a loop reporting every step costs
 one lock and one notify per step, whatever the agent does.
+
+The agent's reply to a report may carry the action it asks of the rank (``{"action":
+"pause"}``...): the sender thread records it in the runtime's
+:class:`~cumulus.runtime._control.StopControl`, where ``should_stop()`` reads it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 from cumulus.errors import AgentError, InvalidMetric, InvalidStep, StaleAttempt
 from cumulus.runtime._agent import AgentClient
+from cumulus.runtime._control import StopControl
 
 __all__ = [
     "FAILURES_LOGGED",
@@ -100,6 +105,9 @@ class ProgressReporter:
     :meth:`submit` never blocks on the network and never raises; failures are counted
     and logged on stderr (the first :data:`FAILURES_LOGGED`, then every 100th). At exit
     the newest pending report is sent (waiting up to ``exit_flush_s``).
+
+    The action a reply carries, and a stale verdict (401/409), are recorded in
+    ``control`` when given.
     """
 
     def __init__(
@@ -108,8 +116,10 @@ class ProgressReporter:
         *,
         min_interval_s: float = MIN_INTERVAL_S,
         exit_flush_s: float = 2.0,
+        control: StopControl | None = None,
     ) -> None:
         self._agent = agent
+        self._control = control
         self._min_interval_s = min_interval_s
         self._cond = threading.Condition()
         self._pending: ProgressReport | None = None
@@ -196,9 +206,11 @@ class ProgressReporter:
                 self._last_sent_at = time.monotonic()
             assert report is not None
             try:
-                self._agent.progress(report.step, report.total_steps, report.metrics)
+                action = self._agent.progress(report.step, report.total_steps, report.metrics)
             except StaleAttempt as e:
                 self.stale = True
+                if self._control is not None:
+                    self._control.record_stale()
                 print(
                     f"cumulus: progress reports stopped: {e} (this attempt has ended)",
                     file=sys.stderr,
@@ -215,6 +227,8 @@ class ProgressReporter:
                 print(f"cumulus: progress sender error (ignored): {e!r}", file=sys.stderr)
             else:
                 self.sent += 1
+                if action is not None and self._control is not None:
+                    self._control.record(action)
             finally:
                 with self._cond:
                     self._sending = False

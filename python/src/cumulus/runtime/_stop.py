@@ -1,14 +1,14 @@
-"""``should_stop()``: whether the worker agent asked this rank to stop.
+"""The SIGTERM half of ``should_stop()``: whether the worker agent signalled this rank.
 
-The agent stops a rank (job cancelled, group restart, worker shutting down) with SIGTERM
-to its process group, then SIGKILL after a grace time (``--stop-grace-ms``, 5 s by
-default). The rank-local API has no pause or stop endpoint yet, so SIGTERM is the only
-stop request there is; the lifecycle work will add pause and time limits behind the same
-call.
+The agent stops a rank (job cancelled or paused, time limit, group restart, worker
+shutting down) by telling it first (the control action, :mod:`cumulus.runtime._control`),
+then with SIGTERM to its process group after a notice period, then SIGKILL after a grace
+time (``--stop-grace-ms``, 5 s by default). A rank that missed the action (it never asked)
+still sees the SIGTERM here.
 
 The SIGTERM handler is installed only once asked for (:func:`install_stop_handler`, or
-the first :func:`should_stop` call from the main thread): a script that never checks
-keeps Python's default, dying at once on SIGTERM.
+the first stop check from the main thread): a script that never checks keeps Python's
+default, dying at once on SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-__all__ = ["install_stop_handler", "request_stop", "should_stop", "stop_handler_installed"]
+__all__ = [
+    "install_stop_handler",
+    "request_stop",
+    "stop_handler_installed",
+    "stop_signalled",
+]
 
 _stop = threading.Event()
 _lock = threading.Lock()
@@ -69,9 +74,8 @@ def stop_handler_installed() -> bool:
     return _installed
 
 
-def should_stop() -> bool:
-    """True once this rank was asked to stop (SIGTERM from the worker agent): save what
-    must be saved and exit promptly, before the agent's SIGKILL.
+def stop_signalled() -> bool:
+    """True once this rank got SIGTERM (or :func:`request_stop` was called).
 
     The first call installs the SIGTERM handler (see :func:`install_stop_handler`).
 

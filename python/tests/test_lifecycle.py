@@ -1,0 +1,157 @@
+"""Integration tests of the job lifecycle against a real local cluster: pausing and
+resuming a job, and a time limit, with a Python rank that checkpoints when asked to stop
+(``tests/programs/lifecycle_trainer.py``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cumulus
+from conftest import PROGRAMS
+from localcluster import LocalCluster, explain, wait_for
+
+pytestmark = pytest.mark.cluster
+
+LIFECYCLE_TRAINER = [sys.executable, str(PROGRAMS / "lifecycle_trainer.py")]
+JOB_TIMEOUT_S = 180
+#: Deadline of one condition (a state, a step reached), in seconds.
+STEP_TIMEOUT_S = 90
+
+
+def events(out: Path, rank: int = 0) -> list[dict[str, Any]]:
+    path = out / f"events-rank-{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def of_kind(out: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in events(out) if e["event"] == kind]
+
+
+def status_when(
+    job: cumulus.Job, condition: Callable[[cumulus.JobInfo], bool]
+) -> Callable[[], cumulus.JobInfo | None]:
+    """A predicate for ``wait_for``: the job's status when ``condition(status)`` holds,
+    else ``None``."""
+
+    def check() -> cumulus.JobInfo | None:
+        info = job.status()
+        return info if condition(info) else None
+
+    return check
+
+
+def committed_state(info: cumulus.JobInfo, ckpt_dir: Path, rank: int = 0) -> dict[str, Any]:
+    """The ``state`` rank ``rank`` committed at the job's committed step."""
+    assert info.committed_step is not None
+    step_dir = ckpt_dir / info.id / f"step-{info.committed_step:08d}"
+    (state_file,) = step_dir.glob(f"rank-{rank}/attempt-*/cumulus-state.json")
+    state: dict[str, Any] = json.loads(state_file.read_text())
+    return state
+
+
+def test_a_paused_job_checkpoints_and_resumes_where_it_stopped(
+    cluster: LocalCluster, client: cumulus.Client, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    ckpt = tmp_path / "ckpt"
+    steps = 600
+    job = client.submit(
+        # 600 steps of 50 ms: about 30 s, much longer than the pause takes to land.
+        # Checkpoints only when asked to stop: the one resumed from is the pause's.
+        [*LIFECYCLE_TRAINER, "--out", str(out), "--steps", str(steps), "--sleep-ms", "50"],
+        ckpt_dir=ckpt,
+        name="python-pause-resume",
+    )
+    wait_for(
+        lambda: any(r.step >= 5 for r in job.status().ranks),
+        STEP_TIMEOUT_S,
+        f"{job.id} to report a few steps",
+    )
+
+    info = job.pause()
+    assert info.state in ("running", "paused") and not info.finished, explain(job, cluster)
+    paused: cumulus.JobInfo = wait_for(
+        status_when(job, lambda i: i.paused and i.committed_step is not None),
+        STEP_TIMEOUT_S,
+        f"{job.id} to be paused with a committed step",
+    )
+    assert not paused.finished
+    pause_step = paused.committed_step
+    assert pause_step is not None and 5 <= pause_step < steps, explain(job, cluster)
+
+    # The rank saw a pause (should_pause), committed at the step it had reached, and exited.
+    (stop,) = of_kind(out, "stop")
+    assert (stop["action"], stop["pause"], stop["step"]) == ("pause", True, pause_step), stop
+    assert stop["committed"].startswith(f"step-{pause_step:08d}/rank-0/"), stop
+    assert committed_state(paused, ckpt) == {"action": "pause", "pause": True}
+    assert not (out / "rank-0.json").exists()
+    assert pause_step in [c.step for c in job.checkpoints()]
+    # A paused job holds no running rank, and stays paused.
+    assert all(r.state != "running" for r in paused.ranks), paused
+    assert job.status().paused
+    assert job.pause().paused  # pausing it again changes nothing
+
+    resumed = job.resume()
+    assert resumed.state in ("pending", "running"), resumed
+    info = job.wait(timeout_s=JOB_TIMEOUT_S)
+    assert info.succeeded, explain(job, cluster)
+    assert info.running_ms >= 0
+
+    # The second run started from the paused step and went on to the end: every step ran
+    # exactly once over both runs (the sum says so).
+    starts = of_kind(out, "start")
+    assert [s["resumed_from"] for s in starts] == [None, pause_step], starts
+    assert starts[1]["start"] == pause_step
+    assert starts[1]["resumed_state"] == {"action": "pause", "pause": True}
+    result = json.loads((out / "rank-0.json").read_text())
+    assert result["resumed_from"] == pause_step, result
+    assert result["steps"] == steps and result["sum"] == steps * (steps + 1) // 2, result
+    lines = [x.line for x in job.logs(follow=False)]
+    assert any(f'"step": {pause_step}, "action": "pause"' in line for line in lines), lines
+
+
+def test_a_time_limit_asks_the_rank_to_checkpoint_then_times_the_job_out(
+    cluster: LocalCluster, client: cumulus.Client, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    ckpt = tmp_path / "ckpt"
+    steps = 100_000
+    job = client.submit(
+        # 100000 steps of 50 ms: over an hour, far past the 3 s limit.
+        [*LIFECYCLE_TRAINER, "--out", str(out), "--steps", str(steps), "--sleep-ms", "50"],
+        ckpt_dir=ckpt,
+        name="python-time-limit",
+        time_limit_s=3,
+        signal_before_s=2,
+    )
+    assert job.status().time_limit_ms == 3000
+    info: cumulus.JobInfo = wait_for(
+        status_when(job, lambda i: i.finished),
+        STEP_TIMEOUT_S,
+        f"{job.id} to end at its time limit",
+    )
+    assert info.state == "timed_out" and info.timed_out, explain(job, cluster)
+    assert not info.succeeded
+    assert (info.time_limit_ms, info.signal_before_ms) == (3000, 2000)
+    assert info.running_ms < 60_000, info
+
+    # The rank was told "time_limit" (not a pause), committed the step it had reached
+    # then (after the request: it commits nothing else), and exited 0.
+    (stop,) = of_kind(out, "stop")
+    assert (stop["action"], stop["pause"]) == ("time_limit", False), stop
+    assert info.committed_step == stop["step"], explain(job, cluster)
+    assert 0 < stop["step"] < steps
+    assert committed_state(info, ckpt) == {"action": "time_limit", "pause": False}
+    assert [c.step for c in job.checkpoints()] == [stop["step"]]
+    assert not (out / "rank-0.json").exists()
+    assert all(r.exit_code in (0, None) for r in info.ranks), info
