@@ -1,0 +1,266 @@
+//! End-to-end tests of the job lifecycle (issue #27): pause and resume on another worker
+//! to byte-identical weights, the stop escalation for a rank that ignores the request,
+//! and a time limit that ends a job `timed_out` with a checkpoint taken in its window.
+//! Real coordinators, agents and the example trainer on loopback; every wait is on a
+//! condition with a generous deadline.
+
+use std::time::Duration;
+
+use cumulus_api::{JobState, RankPhase, v1};
+use cumulus_e2e::{Cluster, ClusterOpts, prepare_digits, trainer_spec};
+
+const LONG: Duration = Duration::from_secs(300);
+
+fn stdout(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn train_args(epochs: u32) -> Vec<String> {
+    [
+        "--epochs",
+        &epochs.to_string(),
+        "--ckpt-every",
+        "20",
+        "--step-sleep-ms",
+        "10",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_job_resumes_on_another_worker_to_identical_weights() {
+    // Three workers of two slots: a two-rank job uses at most two of them, so once the
+    // workers it ran on are gone, the third still fits it whole.
+    let mut cluster = Cluster::start(ClusterOpts {
+        workers: 3,
+        slots: 2,
+        heartbeat_timeout_ms: 3_000,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 4).expect("shards");
+    let args = train_args(6);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let spec = |name: &str| {
+        let mut s = trainer_spec(
+            &w,
+            2,
+            &root.join(format!("ckpt-{name}")),
+            &root.join(format!("out-{name}")),
+            &args,
+        );
+        s.name = name.into();
+        s
+    };
+
+    // The reference: the same job, never interrupted.
+    let clean = cluster
+        .submit("clean", spec("clean"))
+        .await
+        .expect("submit")
+        .job_id;
+    let clean = cluster.wait_finished(&clean, LONG).await;
+    assert_eq!(clean.job_state(), Ok(JobState::Succeeded), "{clean:?}");
+
+    let paused = cluster
+        .submit("paused", spec("paused"))
+        .await
+        .expect("submit")
+        .job_id;
+    let before = cluster
+        .wait_job(&paused, "a committed step, ranks running", LONG, |j| {
+            j.committed_step.is_some_and(|s| s >= 40)
+                && j.ranks.iter().all(|r| r.phase() == Ok(RankPhase::Running))
+        })
+        .await;
+    let used: Vec<String> = before.ranks.iter().map(|r| r.worker_id.clone()).collect();
+    let out = cluster.cumulusctl(&["pause", &paused]).expect("pause");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("pausing"), "{}", stdout(&out));
+    let stopped = cluster
+        .wait_job(&paused, "paused", LONG, |j| {
+            j.job_state() == Ok(JobState::Paused)
+        })
+        .await;
+    let pause_step = stopped.committed_step.expect("a committed step");
+    // Both ranks stop at the next multiple of --ckpt-every after they were asked; the
+    // lower of the two is complete (the other rank passed it and committed it too).
+    assert!(
+        pause_step >= before.committed_step.unwrap_or(0),
+        "paused at {pause_step}, before {:?}",
+        before.committed_step
+    );
+    assert_eq!(stopped.restarts_used, 0, "a pause spends no budget");
+    assert!(stopped.ranks.iter().all(|r| r.worker_id.is_empty()));
+    assert_eq!(stopped.stop_action, "");
+    // Twice: refused with the reason.
+    let again = cluster.cumulusctl(&["pause", &paused]).expect("pause");
+    assert!(!again.status.success());
+    assert!(stderr(&again).contains("already paused"), "{}", stderr(&again));
+
+    let logs = cluster.cumulusctl(&["logs", &paused]).expect("logs");
+    let text = stdout(&logs);
+    assert!(
+        text.contains(&format!("asked to pause: stopped at checkpoint step {pause_step}")),
+        "{text}"
+    );
+
+    // The workers it ran on go away; the resume places it on the one left.
+    for id in &used {
+        if let Some(p) = cluster.workers.iter_mut().find(|p| &p.name == id) {
+            p.kill9();
+        }
+    }
+    cluster
+        .wait_status("the job's workers expired", LONG, |s| {
+            s.workers
+                .iter()
+                .filter(|wk| used.contains(&wk.worker_id))
+                .all(|wk| wk.state == "expired")
+        })
+        .await;
+    let out = cluster.cumulusctl(&["resume", &paused]).expect("resume");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let resumed = cluster
+        .wait_job(&paused, "running again", LONG, |j| {
+            j.ranks.iter().all(|r| r.phase() == Ok(RankPhase::Running))
+        })
+        .await;
+    for r in &resumed.ranks {
+        assert!(!used.contains(&r.worker_id), "rank {} back on {}", r.rank, r.worker_id);
+        assert_eq!(r.attempt, 1, "a new attempt");
+    }
+    let done = cluster.wait_finished(&paused, LONG).await;
+    assert_eq!(done.job_state(), Ok(JobState::Succeeded), "{done:?}");
+    assert_eq!(done.restarts_used, 0);
+    let logs = cluster
+        .cumulusctl(&["logs", &paused])
+        .expect("logs");
+    let text = stdout(&logs);
+    assert!(
+        text.contains(&format!("resumed from step {pause_step}")),
+        "{text}"
+    );
+    for rank in 0..2 {
+        let a = std::fs::read(root.join(format!("out-clean/rank-{rank}/weights.bin")))
+            .expect("weights");
+        let b = std::fs::read(root.join(format!("out-paused/rank-{rank}/weights.bin")))
+            .expect("weights");
+        assert!(a == b, "rank {rank}: weights differ from the uninterrupted run");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_ignores_the_request_is_killed_and_a_time_limit_ends_the_job() {
+    let cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+
+    // A rank that ignores both the request and SIGTERM: told, SIGTERM after the notice
+    // (the job's 300 ms grace), SIGKILL 300 ms later; the job is paused all the same.
+    let stubborn = cluster
+        .submit(
+            "stubborn",
+            v1::JobSpec {
+                world_size: 1,
+                command: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    "trap '' TERM; exec sleep 600".into(),
+                ],
+                stop_grace_ms: 300,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("submit")
+        .job_id;
+    cluster
+        .wait_job(&stubborn, "its rank running", LONG, |j| {
+            j.ranks[0].phase() == Ok(RankPhase::Running)
+        })
+        .await;
+    let asked_at_ms = now_ms();
+    let out = cluster.cumulusctl(&["pause", &stubborn]).expect("pause");
+    assert!(out.status.success(), "{}", stderr(&out));
+    // A resume while the pause is in flight is refused.
+    let early = cluster.cumulusctl(&["resume", &stubborn]).expect("resume");
+    let early_text = stderr(&early);
+    assert!(
+        !early.status.success() && early_text.contains("still pausing"),
+        "{early_text}"
+    );
+    let paused = cluster
+        .wait_job(&stubborn, "paused", LONG, |j| {
+            j.job_state() == Ok(JobState::Paused)
+        })
+        .await;
+    assert_eq!(paused.committed_step, None);
+    let took_ms = now_ms().saturating_sub(asked_at_ms);
+    assert!(
+        took_ms >= 600,
+        "paused {took_ms} ms after the request: before the notice and grace ran out"
+    );
+    let out = cluster.cumulusctl(&["cancel", &stubborn]).expect("cancel");
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // A time limit: the trainer is asked `signal_before` ahead, stops at its next
+    // checkpoint and the job ends timed_out with that step committed.
+    let w = prepare_digits(&root, 2).expect("shards");
+    let args = train_args(100_000);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut spec = trainer_spec(&w, 2, &root.join("ckpt-tl"), &root.join("out-tl"), &args);
+    spec.name = "limited".into();
+    spec.time_limit_ms = 6_000;
+    spec.signal_before_ms = 4_000;
+    let limited = cluster
+        .submit("limited", spec)
+        .await
+        .expect("submit")
+        .job_id;
+    let ended = cluster.wait_finished(&limited, LONG).await;
+    assert_eq!(ended.job_state(), Ok(JobState::TimedOut), "{ended:?}");
+    let step = ended.committed_step.expect("a checkpoint in the window");
+    assert!(
+        ended.failure_cause.contains("time limit"),
+        "{}",
+        ended.failure_cause
+    );
+    assert!(
+        ended.running_ms >= 2_000 && ended.running_ms < 6_000 + 10_000,
+        "ran {} ms",
+        ended.running_ms
+    );
+    let logs = cluster.cumulusctl(&["logs", &limited]).expect("logs");
+    let text = stdout(&logs);
+    assert!(
+        text.contains(&format!("asked to time_limit: stopped at checkpoint step {step}")),
+        "{text}"
+    );
+    // Every rank exited on its own (code 0), none was killed.
+    assert!(
+        ended.ranks.iter().all(|r| r.exit_code == Some(0)),
+        "{:?}",
+        ended.ranks
+    );
+    // The CLI spells the new states and flags.
+    let out = cluster.cumulusctl(&["status", &limited]).expect("status");
+    let text = stdout(&out);
+    assert!(text.contains("timed_out") && text.contains("time limit"), "{text}");
+}
