@@ -267,8 +267,9 @@ pub struct SubmitArgs {
     /// hung and restarted (0 or absent: off).
     #[arg(long)]
     pub progress_timeout_s: Option<u64>,
-    /// Seconds between SIGTERM and SIGKILL when a rank is stopped (cancel, restart):
-    /// room for a last checkpoint (0..=3600; default: the agent's --stop-grace-ms, 5 s).
+    /// Seconds between SIGTERM and SIGKILL when a rank is stopped (cancel, restart),
+    /// and between a pause request and SIGTERM: room for a last checkpoint (0..=3600;
+    /// default: the agent's --stop-grace-ms, 5 s).
     #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub stop_grace_s: Option<u64>,
     /// Running time the job may use, e.g. `90m`, `2h`, `1d` (time paused or queued is
@@ -690,6 +691,23 @@ mod tests {
             ])
             .is_ok()
         );
+    }
+}
+
+#[cfg(test)]
+mod duration_tests {
+    use super::parse_duration_ms;
+
+    #[test]
+    fn durations_are_human_or_seconds() {
+        assert_eq!(parse_duration_ms("2h"), Ok(7_200_000));
+        assert_eq!(parse_duration_ms("5m"), Ok(300_000));
+        assert_eq!(parse_duration_ms("1d 12h"), Ok(129_600_000));
+        assert_eq!(parse_duration_ms("90"), Ok(90_000));
+        assert_eq!(parse_duration_ms("1500ms"), Ok(1_500));
+        assert!(parse_duration_ms("0s").is_err());
+        let e = parse_duration_ms("soon").expect_err("not a duration");
+        assert!(e.contains("not a duration like"), "{e}");
     }
 }
 

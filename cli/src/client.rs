@@ -273,9 +273,11 @@ impl Client {
         let req = PauseJobRequest {
             job_id: job_id.to_string(),
         };
-        self.call("PauseJob", req, |mut c, r| async move {
-            c.pause_job(r).await
-        })
+        self.call(
+            "PauseJob",
+            req,
+            |mut c, r| async move { c.pause_job(r).await },
+        )
         .await
     }
 
@@ -284,9 +286,11 @@ impl Client {
         let req = ResumeJobRequest {
             job_id: job_id.to_string(),
         };
-        self.call("ResumeJob", req, |mut c, r| async move {
-            c.resume_job(r).await
-        })
+        self.call(
+            "ResumeJob",
+            req,
+            |mut c, r| async move { c.resume_job(r).await },
+        )
         .await
     }
 

@@ -392,7 +392,11 @@ pub async fn resume(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<(
 }
 
 /// `JOB: state` (with a stop in flight: `running, pausing`), or the JSON answer.
-fn print_job_state(job_id: &str, resp: &cumulus_api::JobResponse, output: OutputFormat) -> Result<()> {
+fn print_job_state(
+    job_id: &str,
+    resp: &cumulus_api::JobResponse,
+    output: OutputFormat,
+) -> Result<()> {
     match output {
         OutputFormat::Json => print_json(&resp),
         OutputFormat::Table => {

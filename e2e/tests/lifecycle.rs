@@ -111,12 +111,18 @@ async fn a_paused_job_resumes_on_another_worker_to_identical_weights() {
     // Twice: refused with the reason.
     let again = cluster.cumulusctl(&["pause", &paused]).expect("pause");
     assert!(!again.status.success());
-    assert!(stderr(&again).contains("already paused"), "{}", stderr(&again));
+    assert!(
+        stderr(&again).contains("already paused"),
+        "{}",
+        stderr(&again)
+    );
 
     let logs = cluster.cumulusctl(&["logs", &paused]).expect("logs");
     let text = stdout(&logs);
     assert!(
-        text.contains(&format!("asked to pause: stopped at checkpoint step {pause_step}")),
+        text.contains(&format!(
+            "asked to pause: stopped at checkpoint step {pause_step}"
+        )),
         "{text}"
     );
 
@@ -142,15 +148,18 @@ async fn a_paused_job_resumes_on_another_worker_to_identical_weights() {
         })
         .await;
     for r in &resumed.ranks {
-        assert!(!used.contains(&r.worker_id), "rank {} back on {}", r.rank, r.worker_id);
+        assert!(
+            !used.contains(&r.worker_id),
+            "rank {} back on {}",
+            r.rank,
+            r.worker_id
+        );
         assert_eq!(r.attempt, 1, "a new attempt");
     }
     let done = cluster.wait_finished(&paused, LONG).await;
     assert_eq!(done.job_state(), Ok(JobState::Succeeded), "{done:?}");
     assert_eq!(done.restarts_used, 0);
-    let logs = cluster
-        .cumulusctl(&["logs", &paused])
-        .expect("logs");
+    let logs = cluster.cumulusctl(&["logs", &paused]).expect("logs");
     let text = stdout(&logs);
     assert!(
         text.contains(&format!("resumed from step {pause_step}")),
@@ -161,7 +170,10 @@ async fn a_paused_job_resumes_on_another_worker_to_identical_weights() {
             .expect("weights");
         let b = std::fs::read(root.join(format!("out-paused/rank-{rank}/weights.bin")))
             .expect("weights");
-        assert!(a == b, "rank {rank}: weights differ from the uninterrupted run");
+        assert!(
+            a == b,
+            "rank {rank}: weights differ from the uninterrupted run"
+        );
     }
 }
 
@@ -250,7 +262,9 @@ async fn a_rank_that_ignores_the_request_is_killed_and_a_time_limit_ends_the_job
     let logs = cluster.cumulusctl(&["logs", &limited]).expect("logs");
     let text = stdout(&logs);
     assert!(
-        text.contains(&format!("asked to time_limit: stopped at checkpoint step {step}")),
+        text.contains(&format!(
+            "asked to time_limit: stopped at checkpoint step {step}"
+        )),
         "{text}"
     );
     // Every rank exited on its own (code 0), none was killed.
@@ -262,5 +276,8 @@ async fn a_rank_that_ignores_the_request_is_killed_and_a_time_limit_ends_the_job
     // The CLI spells the new states and flags.
     let out = cluster.cumulusctl(&["status", &limited]).expect("status");
     let text = stdout(&out);
-    assert!(text.contains("timed_out") && text.contains("time limit"), "{text}");
+    assert!(
+        text.contains("timed_out") && text.contains("time limit"),
+        "{text}"
+    );
 }

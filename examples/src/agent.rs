@@ -206,10 +206,16 @@ mod tests {
 
     #[test]
     fn stop_actions_are_read_from_replies() {
-        assert_eq!(parse_action(r#"{"action":"pause"}"#), Some(StopAction::Pause));
+        assert_eq!(
+            parse_action(r#"{"action":"pause"}"#),
+            Some(StopAction::Pause)
+        );
         assert_eq!(parse_action(r#"{"action":"none"}"#), None);
         assert_eq!(parse_action(""), None);
-        assert_eq!(parse_action(r#"{"action":"drain"}"#), Some(StopAction::Stop));
+        assert_eq!(
+            parse_action(r#"{"action":"drain"}"#),
+            Some(StopAction::Stop)
+        );
     }
 
     #[test]

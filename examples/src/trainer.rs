@@ -25,7 +25,6 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::agent::{AgentClient, AgentError, ProgressReport};
-use cumulus_api::StopAction;
 use crate::data::{self, DataError, Dataset, MAX_CLASSES};
 use crate::digest::RecordDigest;
 use crate::env::{EnvError, RankEnv};
@@ -34,6 +33,7 @@ use crate::rng::epoch_order;
 use crate::state::{
     HexF64, HexU64, MAX_STATE_BYTES, RunSpec, STATE_FORMAT, StateError, TrainState,
 };
+use cumulus_api::StopAction;
 
 /// File of the model parameters in a checkpoint and in the output dir (f64 LE,
 /// `classes × (features + 1)`, row-major, bias last).
@@ -803,11 +803,11 @@ impl ProgressSender<'_> {
             }
             Err(e) => {
                 self.failures += 1;
-            if self.failures <= PROGRESS_FAILURES_LOGGED || self.failures.is_multiple_of(100) {
-                eprintln!(
-                    "warning: progress report failed ({} so far, ignored): {e}",
-                    self.failures
-                );
+                if self.failures <= PROGRESS_FAILURES_LOGGED || self.failures.is_multiple_of(100) {
+                    eprintln!(
+                        "warning: progress report failed ({} so far, ignored): {e}",
+                        self.failures
+                    );
                 }
             }
         }
@@ -1006,10 +1006,7 @@ pub fn run(
             // Asked to pause, give way or stop for a time limit: stop at this
             // checkpoint. Every rank stops at the same step (the next multiple of
             // `ckpt_every`), so the step is complete and the job resumes from it.
-            if let Some(action) = progress
-                .asked
-                .filter(|a| *a != StopAction::Stop)
-            {
+            if let Some(action) = progress.asked.filter(|a| *a != StopAction::Stop) {
                 let _ = writeln!(
                     log,
                     "rank={} asked to {action}: stopped at checkpoint step {step}",

@@ -129,7 +129,11 @@ impl ClusterState {
                 }
             }),
             Command::ResumeJob { job_id, at_ms: _ } => self.with_live_job(job_id, dirty, |job| {
-                if job.stop.as_ref().is_some_and(|s| s.action == StopAction::Pause) {
+                if job
+                    .stop
+                    .as_ref()
+                    .is_some_and(|s| s.action == StopAction::Pause)
+                {
                     return reject(format!(
                         "job {job_id} is still pausing: resume it once it is paused"
                     ));
@@ -153,7 +157,10 @@ impl ClusterState {
                     return reject(format!("job {job_id} is {}, not running", job.state));
                 }
                 if let Some(stop) = &job.stop {
-                    return reject(format!("job {job_id} is already stopping ({})", stop.action));
+                    return reject(format!(
+                        "job {job_id} is already stopping ({})",
+                        stop.action
+                    ));
                 }
                 job.stop = Some(StopRequest {
                     action: *action,

@@ -1145,13 +1145,20 @@ fn a_pause_stops_the_ranks_then_parks_the_job_and_a_resume_queues_it_from_its_st
         at_ms,
     };
     assert_eq!(apply(&mut s, pause(50)), Response::Ok);
-    assert_eq!(s.jobs[&job].state, JobState::Running, "running until its ranks stop");
+    assert_eq!(
+        s.jobs[&job].state,
+        JobState::Running,
+        "running until its ranks stop"
+    );
     assert_eq!(
         s.jobs[&job].stop.as_ref().map(|r| r.action),
         Some(StopAction::Pause)
     );
     // One pause at a time; a resume waits for the pause to complete.
-    assert!(matches!(apply(&mut s, pause(51)), Response::Rejected { .. }));
+    assert!(matches!(
+        apply(&mut s, pause(51)),
+        Response::Rejected { .. }
+    ));
     let resume = |at_ms| Command::ResumeJob {
         job_id: job.clone(),
         at_ms,
@@ -1206,7 +1213,10 @@ fn a_pause_stops_the_ranks_then_parks_the_job_and_a_resume_queues_it_from_its_st
     // Resume: queued again, placed like a new job, on other workers if need be.
     assert_eq!(apply(&mut s, resume(200)), Response::Ok);
     assert_eq!(s.jobs[&job].state, JobState::Pending);
-    assert!(matches!(apply(&mut s, resume(201)), Response::Rejected { .. }));
+    assert!(matches!(
+        apply(&mut s, resume(201)),
+        Response::Rejected { .. }
+    ));
     let place = Command::PlaceJob {
         job_id: job.clone(),
         placements: vec![(0, "w2".into()), (1, "w2".into())],
