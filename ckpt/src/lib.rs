@@ -536,6 +536,12 @@ pub trait CheckpointStore: Send + Sync + 'static {
     /// `LATEST` is an error and deletes nothing. Returns the deleted steps, ascending.
     async fn prune(&self, job_id: &str, keep: &[u64]) -> Result<Vec<u64>, CkptError>;
 
+    /// Deletes every checkpoint of the job (`cumulusctl delete --checkpoints`): `LATEST`
+    /// first, so that a deletion cut short never leaves a `LATEST` naming a step that is
+    /// partly gone, then everything else under the job. An absent job is not an error.
+    /// Returns whether anything was there.
+    async fn delete_job(&self, job_id: &str) -> Result<bool, CkptError>;
+
     /// Local path of a part directory (`part_dir` as in [`PartRecord::dir`]) for a resume:
     /// `Some` for a local backend when job id and `part_dir` are valid, `None` otherwise.
     fn local_part_path(&self, job_id: &str, part_dir: &str) -> Option<PathBuf>;

@@ -1073,6 +1073,31 @@ impl CheckpointStore for LocalStore {
         blocking(move || store.prune_sync(&job_id, &keep)).await
     }
 
+    async fn delete_job(&self, job_id: &str) -> Result<bool, CkptError> {
+        let dir = self.checked_job_dir(job_id)?;
+        blocking(move || {
+            let io = |op: &'static str, path: &Path| {
+                let path = path.to_path_buf();
+                move |source| CkptError::Io { op, path, source }
+            };
+            if !dir.exists() {
+                return Ok(false);
+            }
+            let latest = dir.join(LATEST_FILE);
+            match std::fs::remove_file(&latest) {
+                Ok(()) => fsync_dir(&dir)?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io("remove", &latest)(e)),
+            }
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => Ok(true),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+                Err(e) => Err(io("remove", &dir)(e)),
+            }
+        })
+        .await
+    }
+
     fn local_part_path(&self, job_id: &str, part_dir: &str) -> Option<PathBuf> {
         validate_job_id(job_id).ok()?;
         parse_part_dir_rel(part_dir)?;

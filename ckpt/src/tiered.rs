@@ -231,6 +231,14 @@ impl CheckpointStore for TieredStore {
         self.meta().prune(job_id, keep).await
     }
 
+    /// Deletes the job in L2 and in this process's L1; the L1 copies on other workers'
+    /// disks are left to their own retention.
+    async fn delete_job(&self, job_id: &str) -> Result<bool, CkptError> {
+        let in_l2 = self.l2.delete_job(job_id).await?;
+        let in_l1 = self.l1.delete_job(job_id).await?;
+        Ok(in_l2 || in_l1)
+    }
+
     fn local_part_path(&self, job_id: &str, part_dir: &str) -> Option<PathBuf> {
         self.l1.local_part_path(job_id, part_dir)
     }

@@ -883,3 +883,25 @@ async fn large_file_hashed_while_fsynced_round_trips() {
         large
     );
 }
+
+#[tokio::test]
+async fn delete_job_removes_latest_and_every_step_of_that_job_only() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let store = LocalStore::new(root.path());
+    full_step(&store, 1).await;
+    full_step(&store, 2).await;
+    store.write_latest(JOB, 2).await.expect("latest");
+    let other = tempfile::tempdir().expect("tempdir");
+    let neighbour = LocalStore::new(other.path());
+    full_step(&neighbour, 1).await;
+    assert!(store.delete_job(JOB).await.expect("delete"));
+    assert!(!store.job_dir(JOB).exists());
+    assert_eq!(store.read_latest(JOB).await.expect("latest"), None);
+    assert_eq!(neighbour.list_steps(JOB).await.expect("list"), vec![1]);
+    // Again, or a job never written: nothing there, not an error.
+    assert!(!store.delete_job(JOB).await.expect("delete again"));
+    assert!(matches!(
+        store.delete_job("../escape").await,
+        Err(CkptError::Invalid(_))
+    ));
+}

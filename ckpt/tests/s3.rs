@@ -231,6 +231,19 @@ async fn commit_verify_latest_restore_prune() {
         l2.verify_part(job, &wrong).await,
         Err(CkptError::Corrupt { .. })
     ));
+
+    // Deleting the job (`cumulusctl delete --checkpoints`): every object under its
+    // prefix, LATEST first; another job's objects stay.
+    commit_step(&tiered, "job-000002", 1, 1, false).await;
+    assert!(l2.delete_job(job).await.expect("delete"));
+    assert_eq!(l2.list_steps(job).await.expect("list"), Vec::<u64>::new());
+    assert_eq!(l2.read_latest(job).await.expect("latest"), None);
+    assert_eq!(
+        l2.list_steps("job-000002").await.expect("list"),
+        vec![1],
+        "the other job is untouched"
+    );
+    assert!(!l2.delete_job(job).await.expect("nothing left"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -40,6 +40,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Cancel(j) => jobs::cancel(&config::resolve(g)?, &j.job, out).await,
         Command::Pause(j) => jobs::pause(&config::resolve(g)?, &j.job, out).await,
         Command::Resume(j) => jobs::resume(&config::resolve(g)?, &j.job, out).await,
+        Command::Delete(a) => jobs::delete(&config::resolve(g)?, &a, out).await,
+        Command::Purge(a) => jobs::purge(&config::resolve(g)?, &a, out).await,
         Command::Logs(l) => {
             jobs::logs(
                 &config::resolve(g)?,

@@ -129,6 +129,11 @@ pub enum Command {
     /// Resume a paused job: it is queued again and continues from its newest committed
     /// step, on any workers.
     Resume(JobArg),
+    /// Forget a finished job (`--checkpoints`: delete its checkpoints first).
+    Delete(DeleteArgs),
+    /// Forget every finished job that ended before `--older-than` (only your own unless
+    /// you are an administrator): `purge --state cancelled --older-than 7d`.
+    Purge(PurgeArgs),
     /// Print the logs of a job's ranks (all attempts), `-f` to follow.
     Logs(LogsArgs),
     /// Checkpoints of a job.
@@ -222,6 +227,32 @@ pub struct CertsIssueArgs {
 pub struct JobArg {
     /// Job id, e.g. `job-000001`.
     pub job: String,
+}
+
+/// `delete` options.
+#[derive(Debug, Args)]
+pub struct DeleteArgs {
+    /// Job id, e.g. `job-000001`.
+    pub job: String,
+    /// Delete the job's checkpoints too (its directory under the checkpoint dir, or its
+    /// S3 prefix), before the job itself.
+    #[arg(long)]
+    pub checkpoints: bool,
+}
+
+/// `purge` options.
+#[derive(Debug, Args)]
+pub struct PurgeArgs {
+    /// Only jobs that ended at least this long ago, e.g. `7d`, `12h`.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration_ms)]
+    pub older_than: u64,
+    /// Only jobs that ended in this state (succeeded, failed, cancelled, timed_out;
+    /// default: any of them).
+    #[arg(long, value_parser = parse_job_state)]
+    pub state: Option<cumulus_api::JobState>,
+    /// Delete their checkpoints too.
+    #[arg(long)]
+    pub checkpoints: bool,
 }
 
 /// `submit` options.
@@ -353,7 +384,7 @@ pub enum CkptCommand {
 #[derive(Debug, Args)]
 pub struct ListArgs {
     /// Only jobs in these states (comma-separated: pending, running, succeeded, failed,
-    /// cancelled).
+    /// cancelled, paused, timed_out).
     #[arg(long, value_delimiter = ',', value_parser = parse_job_state)]
     pub state: Vec<cumulus_api::JobState>,
     /// Only jobs whose name contains this text.

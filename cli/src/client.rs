@@ -14,9 +14,10 @@ use std::time::Duration;
 use cumulus_api::client_service_client::ClientServiceClient;
 use cumulus_api::leader::{self, CallError, ChannelSettings, ConfigError, LeaderClient};
 use cumulus_api::{
-    CancelJobRequest, ClusterStatusRequest, ClusterStatusResponse, GetJobRequest, JobResponse,
-    ListCheckpointsRequest, ListCheckpointsResponse, ListJobsRequest, ListJobsResponse,
-    PauseJobRequest, ResumeJobRequest, SubmitJobRequest, SubmitJobResponse,
+    CancelJobRequest, ClusterStatusRequest, ClusterStatusResponse, DeleteJobRequest,
+    DeleteJobResponse, GetJobRequest, JobResponse, ListCheckpointsRequest, ListCheckpointsResponse,
+    ListJobsRequest, ListJobsResponse, PauseJobRequest, PurgeJobsRequest, PurgeJobsResponse,
+    ResumeJobRequest, SubmitJobRequest, SubmitJobResponse,
 };
 use tonic::transport::Channel;
 use tonic::{Code, Status};
@@ -294,6 +295,37 @@ impl Client {
         .await
     }
 
+    /// `DeleteJob`.
+    pub async fn delete_job(
+        &self,
+        job_id: &str,
+        checkpoints: bool,
+    ) -> Result<DeleteJobResponse, ClientError> {
+        let req = DeleteJobRequest {
+            job_id: job_id.to_string(),
+            checkpoints,
+        };
+        self.call(
+            "DeleteJob",
+            req,
+            |mut c, r| async move { c.delete_job(r).await },
+        )
+        .await
+    }
+
+    /// `PurgeJobs`.
+    pub async fn purge_jobs(
+        &self,
+        req: PurgeJobsRequest,
+    ) -> Result<PurgeJobsResponse, ClientError> {
+        self.call(
+            "PurgeJobs",
+            req,
+            |mut c, r| async move { c.purge_jobs(r).await },
+        )
+        .await
+    }
+
     /// `ClusterStatus`.
     pub async fn cluster_status(&self) -> Result<ClusterStatusResponse, ClientError> {
         self.call(
@@ -565,6 +597,20 @@ mod tests {
             ) -> Result<Response<JobResponse>, Status> {
                 self.0.gate(&req)?;
                 Err(Status::failed_precondition("job is running, not paused"))
+            }
+            async fn delete_job(
+                &self,
+                req: Request<DeleteJobRequest>,
+            ) -> Result<Response<DeleteJobResponse>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::failed_precondition("job is running"))
+            }
+            async fn purge_jobs(
+                &self,
+                req: Request<PurgeJobsRequest>,
+            ) -> Result<Response<PurgeJobsResponse>, Status> {
+                self.0.gate(&req)?;
+                Ok(Response::new(PurgeJobsResponse::default()))
             }
             async fn cluster_status(
                 &self,

@@ -391,6 +391,55 @@ pub async fn resume(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<(
     print_job_state(job_id, &resp, output)
 }
 
+/// `delete JOB [--checkpoints]`.
+pub async fn delete(
+    conn: &Conn,
+    args: &crate::args::DeleteArgs,
+    output: OutputFormat,
+) -> Result<()> {
+    let resp = Client::new(conn)?
+        .delete_job(&args.job, args.checkpoints)
+        .await?;
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => {
+            let what = match (args.checkpoints, resp.checkpoints_deleted) {
+                (false, _) => "deleted",
+                (true, true) => "deleted with its checkpoints",
+                (true, false) => "deleted (it had no checkpoints)",
+            };
+            println!("{}: {what}", args.job);
+            Ok(())
+        }
+    }
+}
+
+/// `purge --older-than D [--state S] [--checkpoints]`.
+pub async fn purge(conn: &Conn, args: &crate::args::PurgeArgs, output: OutputFormat) -> Result<()> {
+    if let Some(state) = args.state
+        && !state.is_terminal()
+    {
+        anyhow::bail!("only finished jobs are purged: --state {state} is not a finished state");
+    }
+    let resp = Client::new(conn)?
+        .purge_jobs(cumulus_api::PurgeJobsRequest {
+            state: args.state.map(|s| s.to_string()).unwrap_or_default(),
+            older_than_ms: args.older_than,
+            checkpoints: args.checkpoints,
+        })
+        .await?;
+    match output {
+        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Table => {
+            for id in &resp.job_ids {
+                println!("{id}: deleted");
+            }
+            println!("{} job(s) deleted", resp.job_ids.len());
+            Ok(())
+        }
+    }
+}
+
 /// `JOB: state` (with a stop in flight: `running, pausing`), or the JSON answer.
 fn print_job_state(
     job_id: &str,

@@ -480,6 +480,146 @@ pub async fn resume(
     get_job(node, job_id, false).await
 }
 
+/// Most jobs one purge deletes (a second purge takes the rest).
+pub const MAX_PURGE_JOBS: usize = 4_096;
+
+/// Deletes a job's checkpoints: its S3 prefix (`ckpt_url`) and its directory under
+/// `ckpt_dir` as this leader sees it. Returns whether anything was there.
+async fn delete_checkpoints(
+    node: &Node,
+    job_id: &str,
+    spec: &cumulus_raft_store::state::JobSpec,
+) -> Result<bool, ApiError> {
+    let failed = |e: cumulus_ckpt::CkptError| {
+        ApiError::Unavailable(format!(
+            "the checkpoints of {job_id} could not be deleted (the job is kept; retry): {e}"
+        ))
+    };
+    let mut found = false;
+    if !spec.ckpt_url.is_empty() {
+        let store = node.s3.store(&spec.ckpt_url).await.map_err(failed)?;
+        found |= cumulus_ckpt::CheckpointStore::delete_job(&store, job_id)
+            .await
+            .map_err(failed)?;
+    }
+    if !spec.ckpt_dir.is_empty() {
+        let store = cumulus_ckpt::LocalStore::new(&spec.ckpt_dir);
+        found |= cumulus_ckpt::CheckpointStore::delete_job(&store, job_id)
+            .await
+            .map_err(failed)?;
+    }
+    Ok(found)
+}
+
+/// Deletes a finished job's record, and first its checkpoints when `checkpoints`.
+///
+/// # Errors
+/// `NotFound`, `FailedPrecondition` (not finished), `PermissionDenied` (not the
+/// owner), `Unavailable` (the checkpoints could not be deleted: the job is kept),
+/// `NotLeader`.
+pub async fn delete(
+    node: &Node,
+    who: &Principal,
+    job_id: &str,
+    checkpoints: bool,
+) -> Result<v1::DeleteJobResponse, ApiError> {
+    require_role(who, Role::Submit, "delete jobs")?;
+    node.require_leader()?;
+    require_owner(node, who, job_id, "delete")?;
+    let (state, spec) = node
+        .read_state(|s| s.jobs.get(job_id).map(|j| (j.state, j.spec.clone())))
+        .ok_or_else(|| ApiError::NotFound(format!("no job {job_id:?}")))?;
+    if !state.is_terminal() {
+        return Err(ApiError::FailedPrecondition(format!(
+            "job {job_id} is {state}: cancel it before deleting it"
+        )));
+    }
+    let checkpoints_deleted = checkpoints && delete_checkpoints(node, job_id, &spec).await?;
+    node.propose_ok(Command::DeleteJob {
+        job_id: job_id.to_string(),
+    })
+    .await?;
+    Ok(v1::DeleteJobResponse {
+        job_id: job_id.to_string(),
+        checkpoints_deleted,
+    })
+}
+
+/// Deletes every finished job (of `state`, or any finished state for "") that ended at
+/// least `older_than_ms` ago and that `who` owns (an administrator: every one), at most
+/// [`MAX_PURGE_JOBS`]; their checkpoints first when asked.
+///
+/// # Errors
+/// `InvalidArgument` (a state that is not finished, `older_than_ms` 0), `Unavailable`
+/// (checkpoints that could not be deleted: that job and the rest are kept; the jobs
+/// deleted so far stay deleted), `NotLeader`.
+pub async fn purge(
+    node: &Node,
+    who: &Principal,
+    req: v1::PurgeJobsRequest,
+) -> Result<v1::PurgeJobsResponse, ApiError> {
+    require_role(who, Role::Submit, "delete jobs")?;
+    node.require_leader()?;
+    let state = if req.state.is_empty() {
+        None
+    } else {
+        let s: cumulus_api::JobState = req
+            .state
+            .parse()
+            .map_err(|e: cumulus_api::UnknownName| ApiError::InvalidArgument(e.to_string()))?;
+        if !s.is_terminal() {
+            return Err(ApiError::InvalidArgument(format!(
+                "only finished jobs are purged; {s} is not a finished state"
+            )));
+        }
+        Some(s)
+    };
+    if req.older_than_ms == 0 {
+        return Err(ApiError::InvalidArgument(
+            "older_than_ms must be above 0".into(),
+        ));
+    }
+    let cutoff_ms = now_ms().saturating_sub(req.older_than_ms);
+    let victims: Vec<(String, cumulus_raft_store::state::JobSpec)> = node.read_state(|s| {
+        s.job_index()
+            .terminal
+            .iter()
+            .filter_map(|id| s.jobs.get(id))
+            .filter(|j| state.is_none_or(|st| j.state == st))
+            .filter(|j| j.finished_at_ms <= cutoff_ms)
+            .filter(|j| who.owns_or_administers(&j.owner))
+            .take(MAX_PURGE_JOBS)
+            .map(|j| (j.id.clone(), j.spec.clone()))
+            .collect()
+    });
+    let mut deleted = Vec::new();
+    for chunk in victims.chunks(cumulus_raft_store::state::MAX_BATCH_COMMANDS) {
+        let mut commands = Vec::with_capacity(chunk.len());
+        for (id, spec) in chunk {
+            if req.checkpoints {
+                delete_checkpoints(node, id, spec).await?;
+            }
+            commands.push(Command::DeleteJob { job_id: id.clone() });
+        }
+        let responses = match node.propose(Command::Batch { commands }).await? {
+            cumulus_raft_store::Response::Batch { responses } => responses,
+            other => {
+                return Err(ApiError::Internal(format!(
+                    "a purge batch was answered {other:?}"
+                )));
+            }
+        };
+        deleted.extend(
+            chunk
+                .iter()
+                .zip(responses)
+                .filter(|(_, r)| *r == cumulus_raft_store::Response::Ok)
+                .map(|((id, _), _)| id.clone()),
+        );
+    }
+    Ok(v1::PurgeJobsResponse { job_ids: deleted })
+}
+
 /// The cluster as this node sees it.
 pub fn cluster_status(node: &Node) -> v1::ClusterStatusResponse {
     let m = node.raft.metrics().borrow_watched().clone();

@@ -84,6 +84,29 @@ impl ClientService for ClientSvc {
             .map_err(to_status)
     }
 
+    async fn delete_job(
+        &self,
+        req: Request<v1::DeleteJobRequest>,
+    ) -> Result<Response<v1::DeleteJobResponse>, Status> {
+        let who = principal_of(&req)?;
+        let req = req.into_inner();
+        api::delete(&self.node, &who, &req.job_id, req.checkpoints)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn purge_jobs(
+        &self,
+        req: Request<v1::PurgeJobsRequest>,
+    ) -> Result<Response<v1::PurgeJobsResponse>, Status> {
+        let who = principal_of(&req)?;
+        api::purge(&self.node, &who, req.into_inner())
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
     async fn cluster_status(
         &self,
         _req: Request<v1::ClusterStatusRequest>,

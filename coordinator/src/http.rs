@@ -29,7 +29,8 @@ pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 pub fn router(node: Arc<Node>) -> Router {
     let protected = Router::new()
         .route("/v1/jobs", get(list_jobs).post(submit))
-        .route("/v1/jobs/{id}", get(get_job))
+        .route("/v1/jobs/{id}", get(get_job).delete(delete_job))
+        .route("/v1/jobs/purge", post(purge))
         .route("/v1/jobs/{id}/cancel", post(cancel))
         .route("/v1/jobs/{id}/pause", post(pause))
         .route("/v1/jobs/{id}/resume", post(resume))
@@ -127,6 +128,31 @@ async fn resume(
     Path(id): Path<String>,
 ) -> Result<Json<v1::JobResponse>, HttpError> {
     Ok(Json(api::resume(&node, &who, &id).await?))
+}
+
+#[derive(serde::Deserialize)]
+struct DeleteQuery {
+    #[serde(default)]
+    checkpoints: bool,
+}
+
+async fn delete_job(
+    State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<DeleteQuery>,
+) -> Result<Json<v1::DeleteJobResponse>, HttpError> {
+    Ok(Json(api::delete(&node, &who, &id, q.checkpoints).await?))
+}
+
+async fn purge(
+    State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
+    body: Result<Json<v1::PurgeJobsRequest>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<v1::PurgeJobsResponse>, HttpError> {
+    let Json(req) =
+        body.map_err(|e| ApiError::InvalidArgument(format!("invalid JSON body: {e}")))?;
+    Ok(Json(api::purge(&node, &who, req).await?))
 }
 
 async fn create_user(

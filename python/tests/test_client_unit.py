@@ -1140,3 +1140,179 @@ def test_stop_grace_is_sent_in_milliseconds_and_checked(client: Client, script: 
     for bad in (-1, 3601, True, "5"):
         with pytest.raises(errors.InvalidSpec, match="stop_grace_s"):
             client.submit(["true"], stop_grace_s=bad)  # type: ignore[arg-type]
+
+
+# -- delete and purge ------------------------------------------------------------------
+
+
+def test_delete_sends_a_delete_with_the_checkpoints_flag(client: Client, script: Script) -> None:
+    script.on(
+        A,
+        "DELETE",
+        "/v1/jobs/job-000001",
+        ok({"job_id": "job-000001", "checkpoints_deleted": False}),
+        ok({"job_id": "job-000001", "checkpoints_deleted": True}),
+    )
+    assert client.delete("job-000001") is False
+    assert client.job("job-000001").delete(checkpoints=True) is True
+    assert script.where() == [f"{A} DELETE /v1/jobs/job-000001"] * 2
+    assert [dict(r.url.params) for r in script.calls] == [
+        {"checkpoints": "false"},
+        {"checkpoints": "true"},
+    ]
+    assert all(r.content == b"" for r in script.calls)  # no body
+    assert all(r.headers["authorization"] == "Bearer tok" for r in script.calls)
+
+
+def test_delete_follows_the_leader(client: Client, script: Script) -> None:
+    not_leader = status(503, "not the leader", {"x-cumulus-leader-http": C})
+    script.on(A, "DELETE", "/v1/jobs/job-000001", not_leader)
+    script.on(
+        C,
+        "DELETE",
+        "/v1/jobs/job-000001",
+        ok({"job_id": "job-000001", "checkpoints_deleted": True}),
+    )
+    assert client.delete("job-000001", checkpoints=True)
+    assert script.where() == [f"{A} DELETE /v1/jobs/job-000001", f"{C} DELETE /v1/jobs/job-000001"]
+    assert script.calls[-1].url.params["checkpoints"] == "true"
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "message"),
+    [
+        (409, errors.Conflict, "job job-000003 is running: cancel it before deleting it"),
+        (400, errors.InvalidSpec, "job job-000003 is paused: cancel it before deleting it"),
+        (404, errors.NotFound, 'no job "job-000003"'),
+        (403, errors.Forbidden, "job job-000003 belongs to alice"),
+    ],
+)
+def test_delete_errors_are_typed(
+    client: Client, script: Script, code: int, cls: type[errors.ApiError], message: str
+) -> None:
+    script.on(A, "DELETE", "/v1/jobs/job-000003", status(code, message))
+    with pytest.raises(cls, match=re.escape(message)) as e:
+        client.job("job-000003").delete()
+    assert e.value.status == code
+    assert len(script.calls) == 1  # definitive answers are not retried
+
+
+@pytest.mark.parametrize("job_id", ["", "job-1/cancel", "../x", "job-1?checkpoints=true", "a b", 7])
+def test_delete_refuses_what_is_not_a_job_id(client: Client, script: Script, job_id: Any) -> None:
+    with pytest.raises(errors.InvalidSpec, match="not a job id") as e:
+        client.delete(job_id)
+    assert e.value.status is None and script.calls == []
+
+
+@pytest.mark.parametrize("flag", ["false", 0, 1, None])
+def test_delete_and_purge_take_only_a_bool_for_checkpoints(
+    client: Client, script: Script, flag: Any
+) -> None:
+    with pytest.raises(errors.InvalidSpec, match="checkpoints must be True or False"):
+        client.delete("job-000001", checkpoints=flag)
+    with pytest.raises(errors.InvalidSpec, match="checkpoints must be True or False"):
+        client.purge(older_than_s=1, checkpoints=flag)
+    assert script.calls == []
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [{}, {"job_id": "job-000001"}, {"checkpoints_deleted": "true"}, {"checkpoints_deleted": 1}, []],
+)
+def test_a_malformed_delete_answer_is_a_protocol_error(
+    client: Client, script: Script, answer: Any
+) -> None:
+    script.on(A, "DELETE", "/v1/jobs/job-000001", ok(answer))
+    with pytest.raises(errors.ProtocolError, match="DELETE /v1/jobs/job-000001"):
+        client.delete("job-000001")
+
+
+def test_purge_posts_the_filter_and_returns_the_ids(client: Client, script: Script) -> None:
+    script.on(
+        A,
+        "POST",
+        "/v1/jobs/purge",
+        ok({"job_ids": ["job-000002", "job-000005"]}),
+        ok({"job_ids": []}),
+        ok({"job_ids": ["job-000007"]}),
+        ok({"job_ids": []}),
+    )
+    assert client.purge(older_than_s=7 * 86_400, state="cancelled") == ["job-000002", "job-000005"]
+    assert client.purge(older_than_s=0.001) == []
+    # Any real number of seconds (a Fraction here) goes out as whole milliseconds.
+    age: Any = Fraction(3, 2)
+    assert client.purge(older_than_s=age, state="timed_out", checkpoints=True) == ["job-000007"]
+    assert client.purge(older_than_s=90, state="failed") == []
+    assert script.where() == [f"{A} POST /v1/jobs/purge"] * 4
+    assert [json.loads(r.content) for r in script.calls] == [
+        {"state": "cancelled", "older_than_ms": 604_800_000, "checkpoints": False},
+        {"state": "", "older_than_ms": 1, "checkpoints": False},
+        {"state": "timed_out", "older_than_ms": 1500, "checkpoints": True},
+        {"state": "failed", "older_than_ms": 90_000, "checkpoints": False},
+    ]
+    assert all(not r.url.params for r in script.calls)
+
+
+@pytest.mark.parametrize("state", sorted(FINISHED_STATES))
+def test_purge_takes_every_finished_state(client: Client, script: Script, state: str) -> None:
+    script.on(A, "POST", "/v1/jobs/purge", ok({"job_ids": []}))
+    client.purge(older_than_s=1, state=state)
+    assert json.loads(script.calls[0].content)["state"] == state
+
+
+@pytest.mark.parametrize(
+    ("older_than_s", "match"),
+    [
+        (0, "older_than_s must be a positive, finite number of seconds"),
+        (-1, "must be a positive, finite number"),
+        (float("nan"), "must be a positive, finite number"),
+        (float("inf"), "must be a positive, finite number"),
+        (True, "must be a positive, finite number"),
+        ("60", "must be a positive, finite number"),
+        (None, "must be a positive, finite number"),
+        (0.0004, "older_than_s must be at least 0.001 s"),
+        (1e30, "older_than_s must be at most"),
+        (10**400, "older_than_s must be at most"),
+    ],
+)
+def test_purge_refuses_bad_ages(
+    client: Client, script: Script, older_than_s: Any, match: str
+) -> None:
+    with pytest.raises(errors.InvalidSpec, match=match) as e:
+        client.purge(older_than_s=older_than_s)
+    assert isinstance(e.value, ValueError)
+    assert e.value.status is None and script.calls == []
+
+
+@pytest.mark.parametrize("state", ["", "running", "pending", "paused", "Cancelled", "all", 3])
+def test_purge_refuses_states_that_are_not_finished(
+    client: Client, script: Script, state: Any
+) -> None:
+    with pytest.raises(errors.InvalidSpec, match="state must be None") as e:
+        client.purge(older_than_s=60, state=state)
+    assert "cancelled, failed, succeeded, timed_out" in str(e.value)
+    assert isinstance(e.value, ValueError)
+    assert e.value.status is None and script.calls == []
+
+
+def test_purge_needs_an_age(client: Client) -> None:
+    with pytest.raises(TypeError, match="older_than_s"):
+        client.purge()  # type: ignore[call-arg]
+
+
+def test_purge_errors_and_malformed_answers(client: Client, script: Script) -> None:
+    script.on(
+        A,
+        "POST",
+        "/v1/jobs/purge",
+        status(400, "older_than_ms must be positive"),
+        ok({"job_ids": "job-000001"}),
+        ok({"job_ids": [1]}),
+        ok({}),
+    )
+    with pytest.raises(errors.InvalidSpec, match="older_than_ms must be positive") as e:
+        client.purge(older_than_s=1)
+    assert e.value.status == 400
+    for _ in range(3):
+        with pytest.raises(errors.ProtocolError, match="POST /v1/jobs/purge: malformed answer"):
+            client.purge(older_than_s=1)

@@ -1,6 +1,6 @@
 """Integration tests of the job lifecycle against a real local cluster: pausing and
-resuming a job, and a time limit, with a Python rank that checkpoints when asked to stop
-(``tests/programs/lifecycle_trainer.py``)."""
+resuming a job, a time limit, and deleting and purging finished jobs, with a Python rank
+that checkpoints when asked to stop (``tests/programs/lifecycle_trainer.py``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 import cumulus
 from conftest import PROGRAMS
+from cumulus import errors
 from localcluster import LocalCluster, explain, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -155,3 +156,149 @@ def test_a_time_limit_asks_the_rank_to_checkpoint_then_times_the_job_out(
     assert [c.step for c in job.checkpoints()] == [stop["step"]]
     assert not (out / "rank-0.json").exists()
     assert all(r.exit_code in (0, None) for r in info.ranks), info
+
+
+def trainer(out: Path, *, steps: int, sleep_ms: int, ckpt_every: int) -> list[str]:
+    """The argv of the lifecycle trainer."""
+    return [
+        *LIFECYCLE_TRAINER,
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--sleep-ms",
+        str(sleep_ms),
+        "--ckpt-every",
+        str(ckpt_every),
+    ]
+
+
+def gone(client: cumulus.Client, job_id: str) -> bool:
+    """Whether the cluster no longer knows ``job_id`` (a linearizable read says 404)."""
+    try:
+        client.get_job(job_id)
+    except errors.NotFound:
+        return True
+    return False
+
+
+def running_with_checkpoint(
+    client: cumulus.Client, cluster: LocalCluster, out: Path, ckpt: Path, name: str
+) -> cumulus.Job:
+    """A job of the lifecycle trainer that runs for over an hour (100000 steps of 50 ms),
+    committing every 5 steps, returned once it is running with a committed step."""
+    job = client.submit(
+        trainer(out, steps=100_000, sleep_ms=50, ckpt_every=5),
+        ckpt_dir=ckpt,
+        name=name,
+    )
+    wait_for(
+        status_when(job, lambda i: i.state == "running" and i.committed_step is not None),
+        STEP_TIMEOUT_S,
+        f"{job.id} to run and commit a checkpoint",
+    )
+    assert (ckpt / job.id).is_dir(), explain(job, cluster)
+    return job
+
+
+def test_a_finished_job_is_deleted_with_its_checkpoints_and_a_running_one_is_not(
+    cluster: LocalCluster, client: cumulus.Client, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    ckpt = tmp_path / "ckpt"
+    job = client.submit(
+        # 20 steps of 20 ms, a checkpoint every 5: committed steps 5, 10, 15 and 20.
+        trainer(out, steps=20, sleep_ms=20, ckpt_every=5),
+        ckpt_dir=ckpt,
+        name="python-delete",
+    )
+    info = job.wait(timeout_s=JOB_TIMEOUT_S)
+    assert info.succeeded and info.committed_step == 20, explain(job, cluster)
+    assert job.checkpoints(), explain(job, cluster)
+    job_dir = ckpt / job.id
+    assert job_dir.is_dir() and any(job_dir.glob("step-*")), sorted(job_dir.iterdir())
+
+    assert job.delete(checkpoints=True) is True
+    with pytest.raises(errors.NotFound):
+        job.status()
+    assert job.id not in [j.id for j in client.jobs()]
+    wait_for(lambda: not job_dir.exists(), STEP_TIMEOUT_S, f"{job_dir} to be deleted")
+    assert ckpt.is_dir()  # only the job's own directory went
+    # It is gone: a second delete finds nothing.
+    with pytest.raises(errors.NotFound):
+        client.delete(job.id, checkpoints=True)
+
+    # A job that has not finished is refused, and nothing of it is deleted.
+    running = running_with_checkpoint(client, cluster, out, ckpt, "python-delete-running")
+    with pytest.raises(errors.Conflict, match=running.id) as e:
+        client.delete(running.id, checkpoints=True)
+    assert e.value.status == 409
+    info = running.status()
+    assert info.state == "running" and not info.finished, explain(running, cluster)
+    assert (ckpt / running.id).is_dir()
+    running.cancel()
+    cancelled: cumulus.JobInfo = wait_for(
+        status_when(running, lambda i: i.finished),
+        STEP_TIMEOUT_S,
+        f"{running.id} to end cancelled",
+    )
+    assert cancelled.state == "cancelled", explain(running, cluster)
+    # Cancelled, it can go; without `checkpoints` its checkpoints stay.
+    assert running.delete() is False
+    assert gone(client, running.id)
+    assert (ckpt / running.id).is_dir()
+
+
+def test_purge_deletes_old_jobs_of_one_finished_state_only(
+    cluster: LocalCluster, client: cumulus.Client, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    ckpt = tmp_path / "ckpt"
+    succeeded = client.submit(
+        trainer(out, steps=5, sleep_ms=10, ckpt_every=5),
+        ckpt_dir=ckpt,
+        name="python-purge-succeeded",
+    )
+    assert succeeded.wait(timeout_s=JOB_TIMEOUT_S).succeeded, explain(succeeded, cluster)
+
+    job = running_with_checkpoint(client, cluster, out, ckpt, "python-purge-cancelled")
+    job.cancel()
+    info: cumulus.JobInfo = wait_for(
+        status_when(job, lambda i: i.finished),
+        STEP_TIMEOUT_S,
+        f"{job.id} to end cancelled",
+    )
+    assert info.state == "cancelled", explain(job, cluster)
+    # The jobs older than 1 ms in state cancelled: this one and any an earlier test left.
+    expected = sorted(j.id for j in client.jobs() if j.state == "cancelled")
+    assert job.id in expected
+
+    # The cancelled job finished more than 1 ms ago by now, but the coordinator's clock
+    # measures the age: purge until it went.
+    answers: list[list[str]] = []
+
+    def purged_it() -> bool:
+        answers.append(client.purge(older_than_s=0.001, state="cancelled"))
+        return job.id in answers[-1]
+
+    wait_for(purged_it, STEP_TIMEOUT_S, f"a purge of the cancelled jobs to delete {job.id}")
+    assert all(ids == sorted(ids) for ids in answers), answers
+    purged = [i for ids in answers for i in ids]
+    assert len(purged) == len(set(purged)) and set(purged) <= set(expected), (answers, expected)
+    assert gone(client, job.id)
+    assert (ckpt / job.id).is_dir()  # checkpoints=False keeps the checkpoints
+    # The succeeded job was not cancelled: it stays, with its checkpoints.
+    assert succeeded.status().succeeded
+    assert [c.step for c in succeeded.checkpoints()] == [5]
+    # Nothing cancelled is left to purge.
+    assert client.purge(older_than_s=0.001, state="cancelled") == []
+    assert not [j.id for j in client.jobs() if j.state == "cancelled"]
+
+    # Arguments the client refuses are never sent: nothing more is deleted.
+    with pytest.raises(errors.InvalidSpec, match="state must be None"):
+        client.purge(older_than_s=0.001, state="running")
+    with pytest.raises(errors.InvalidSpec, match="older_than_s"):
+        client.purge(older_than_s=0)
+    assert succeeded.status().succeeded

@@ -805,6 +805,20 @@ impl CheckpointStore for S3Store {
         Ok(deleted)
     }
 
+    async fn delete_job(&self, job_id: &str) -> Result<bool, CkptError> {
+        validate_job_id(job_id)?;
+        let mut keys = self.list_keys(&self.job_key(job_id, "")).await?;
+        if keys.is_empty() {
+            return Ok(false);
+        }
+        // LATEST first, then the manifests, then the parts: never a LATEST or a manifest
+        // naming what is already gone.
+        let latest = self.job_key(job_id, LATEST_FILE);
+        keys.sort_by_key(|k| (*k != latest, !k.ends_with(MANIFEST_FILE)));
+        self.delete_keys(keys).await?;
+        Ok(true)
+    }
+
     fn local_part_path(&self, _job_id: &str, _part_dir: &str) -> Option<PathBuf> {
         None
     }

@@ -29,6 +29,10 @@ Pausing: ``job.pause()`` asks the ranks to commit a checkpoint and exit (they se
 job becomes ``paused``; ``job.resume()`` queues it again, from that checkpoint. A time
 limit (``submit(..., time_limit_s=3600, signal_before_s=60)``) ends a job ``timed_out``,
 its ranks asked to checkpoint ``signal_before_s`` before it.
+
+Cleaning up: ``job.delete(checkpoints=True)`` removes a finished job's record and its
+checkpoints; ``client.purge(older_than_s=7 * 86_400, state="cancelled")`` removes every
+finished job (of this user) that ended more than a week ago.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from cumulus.errors import (
     Unavailable,
     WaitTimeout,
 )
-from cumulus.models import CheckpointInfo, ClusterInfo, JobInfo, LogLine
+from cumulus.models import FINISHED_STATES, CheckpointInfo, ClusterInfo, JobInfo, LogLine
 
 __all__ = ["LEADER_HTTP_HEADER", "Client", "Job", "new_request_id"]
 
@@ -81,6 +85,9 @@ LOG_READ_TIMEOUT_S = 30.0
 #: Longest time limit a job may ask for, in seconds (365 days; the coordinator's
 #: ``MAX_TIME_LIMIT_MS``).
 MAX_TIME_LIMIT_S = 365 * 86_400
+#: Largest ``older_than_ms`` :meth:`Client.purge` sends (2**53 - 1: exact in every JSON
+#: reader; over 285,000 years).
+MAX_PURGE_AGE_MS = 2**53 - 1
 
 
 def new_request_id() -> str:
@@ -207,6 +214,71 @@ def _time_limit_ms(
             status=None,
         )
     return limit_ms, signal_ms
+
+
+def _check_job_id(job_id: object) -> str:
+    """``job_id`` if it can name a job in a URL path.
+
+    :raises InvalidSpec: not a non-empty ``str``, or it holds ``/``, ``?``, ``#``, ``%``
+        or whitespace (it would address another resource)."""
+    if not isinstance(job_id, str) or not job_id or any(c in "/?#%" or c.isspace() for c in job_id):
+        raise InvalidSpec(f"not a job id: {job_id!r}", status=None)
+    return job_id
+
+
+def _check_flag(name: str, value: object) -> bool:
+    """``value`` if it is a ``bool`` (a destructive switch is never guessed from a truthy
+    value such as ``"false"``).
+
+    :raises InvalidSpec: it is not a ``bool``."""
+    if not isinstance(value, bool):
+        raise InvalidSpec(f"{name} must be True or False, got {value!r}", status=None)
+    return value
+
+
+def _purge_age_ms(older_than_s: object) -> int:
+    """``older_than_s`` seconds as whole milliseconds (rounded), for :meth:`Client.purge`.
+
+    :raises InvalidSpec: not a real number (``bool`` included), not finite, not
+        positive, under half a millisecond (it would round to 0 ms, which the coordinator
+        refuses), or over :data:`MAX_PURGE_AGE_MS` milliseconds."""
+    too_large = f"older_than_s must be at most {MAX_PURGE_AGE_MS // 1000} s, got {older_than_s!r}"
+    seconds = math.nan
+    if not isinstance(older_than_s, bool) and isinstance(older_than_s, numbers.Real):
+        try:
+            seconds = float(older_than_s)
+        except OverflowError:  # an int or Fraction beyond any float
+            raise InvalidSpec(too_large, status=None) from None
+    if not math.isfinite(seconds) or not seconds > 0:
+        raise InvalidSpec(
+            f"older_than_s must be a positive, finite number of seconds, got {older_than_s!r}",
+            status=None,
+        )
+    ms = round(seconds * 1000)
+    if ms < 1:
+        raise InvalidSpec(
+            f"older_than_s must be at least 0.001 s, got {older_than_s!r}", status=None
+        )
+    if ms > MAX_PURGE_AGE_MS:
+        raise InvalidSpec(too_large, status=None)
+    return ms
+
+
+def _purge_state(state: object) -> str:
+    """The wire ``state`` of :meth:`Client.purge`: ``""`` (every finished state) for
+    ``None``, else ``state`` itself.
+
+    :raises InvalidSpec: ``state`` is neither ``None`` nor one of
+        :data:`~cumulus.models.FINISHED_STATES`."""
+    if state is None:
+        return ""
+    if not isinstance(state, str) or state not in FINISHED_STATES:
+        raise InvalidSpec(
+            f"state must be None (every finished state) or one of "
+            f"{', '.join(sorted(FINISHED_STATES))}, got {state!r}",
+            status=None,
+        )
+    return state
 
 
 class Client:
@@ -654,6 +726,67 @@ class Client:
             raise
         return self._job_answer(path, body)
 
+    def delete(self, job_id: str, *, checkpoints: bool = False) -> bool:
+        """Deletes a finished job (``succeeded``, ``failed``, ``cancelled`` or
+        ``timed_out``): its record is gone from the cluster (:meth:`get_job` then raises
+        :class:`NotFound`, :meth:`jobs` no longer lists it). Its checkpoints are kept
+        unless ``checkpoints`` is true.
+
+        A pending, running or paused job is refused: :meth:`cancel` it and wait until it
+        is ``cancelled`` first.
+
+        :param checkpoints: also delete the job's checkpoints: its directory
+            ``<ckpt_dir>/<job_id>`` (local) or its prefix under ``ckpt_url`` (S3).
+        :returns: whether checkpoints were deleted (``False`` without ``checkpoints``,
+            or when the job had none to delete).
+        :raises InvalidSpec: ``job_id`` is not a job id or ``checkpoints`` is not a
+            ``bool`` (checked here, nothing sent), or the coordinator refused the request.
+        :raises NotFound: no such job. A delete retried after a lost answer (a dropped
+            connection, a leader change) whose first try went through sees this too.
+        :raises Conflict: the job has not finished (the message says its state).
+        :raises Forbidden: the job is another user's.
+        """
+        path = f"/v1/jobs/{_check_job_id(job_id)}"
+        flag = _check_flag("checkpoints", checkpoints)
+        body = self._request("DELETE", path, params={"checkpoints": "true" if flag else "false"})
+        deleted = body.get("checkpoints_deleted") if isinstance(body, dict) else None
+        if not isinstance(deleted, bool):
+            raise ProtocolError(f"DELETE {path}: malformed answer {body!r}")
+        return deleted
+
+    def purge(
+        self,
+        *,
+        older_than_s: float,
+        state: str | None = None,
+        checkpoints: bool = False,
+    ) -> list[str]:
+        """Deletes every finished job that finished more than ``older_than_s`` seconds
+        ago, as :meth:`delete` does for one. A user that is not an admin purges only
+        their own jobs; pending, running and paused jobs are never touched.
+
+        :param older_than_s: minimum age, in seconds since the job finished (a positive,
+            finite number; sent in whole milliseconds, so at least 0.001).
+        :param state: only jobs in this finished state (``"succeeded"``, ``"failed"``,
+            ``"cancelled"`` or ``"timed_out"``); ``None``: every finished state.
+        :param checkpoints: also delete each job's checkpoints (see :meth:`delete`).
+        :returns: the ids of the deleted jobs, ascending (empty when none matched). A
+            purge retried after a lost answer lists only what its last try deleted.
+        :raises InvalidSpec: ``older_than_s``, ``state`` or ``checkpoints`` is invalid
+            (checked here, nothing sent; a ``ValueError``), or the coordinator refused
+            the request.
+        """
+        request = {
+            "state": _purge_state(state),
+            "older_than_ms": _purge_age_ms(older_than_s),
+            "checkpoints": _check_flag("checkpoints", checkpoints),
+        }
+        body = self._request("POST", "/v1/jobs/purge", body=request)
+        ids = body.get("job_ids") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise ProtocolError(f"POST /v1/jobs/purge: malformed answer {body!r}")
+        return list(ids)
+
     @staticmethod
     def _job_answer(path: str, body: Any) -> JobInfo:
         job = body.get("job") if isinstance(body, dict) else None
@@ -867,3 +1000,9 @@ class Job:
         """Resumes the paused job from its latest committed step (see
         :meth:`Client.resume`)."""
         return self.client.resume(self.id)
+
+    def delete(self, *, checkpoints: bool = False) -> bool:
+        """Deletes the finished job, and with ``checkpoints`` its checkpoints; returns
+        whether checkpoints were deleted (see :meth:`Client.delete`). The handle names a
+        job that no longer exists afterwards."""
+        return self.client.delete(self.id, checkpoints=checkpoints)

@@ -206,6 +206,25 @@ impl ClusterState {
                 }
                 Response::Ok
             }),
+            Command::DeleteJob { job_id } => {
+                let Some(job) = self.jobs.get(job_id) else {
+                    return reject(format!("unknown job {job_id}"));
+                };
+                if !job.state.is_terminal() {
+                    return reject(format!(
+                        "job {job_id} is {}: cancel it before deleting it",
+                        job.state
+                    ));
+                }
+                let request_id = job.request_id.clone();
+                self.jobs.remove(job_id);
+                if self.request_ids.get(&request_id) == Some(job_id) {
+                    self.request_ids.remove(&request_id);
+                    dirty.insert(DirtyKey::RequestId(request_id));
+                }
+                dirty.insert(DirtyKey::Job(job_id.clone()));
+                Response::Ok
+            }
             Command::RegisterWorker {
                 worker_id,
                 host,

@@ -92,6 +92,12 @@ pub enum Command {
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
+    /// Forget a finished job (`cumulusctl delete`, `purge`): its record and its request
+    /// id. Its checkpoints, when asked, were deleted by the leader before.
+    DeleteJob {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+    },
     /// A worker (re-)registers.
     RegisterWorker {
         /// The worker agent's id.
@@ -268,6 +274,7 @@ impl std::fmt::Display for Command {
             Command::ResumeJob { .. } => "ResumeJob",
             Command::RequestStop { .. } => "RequestStop",
             Command::JobStopped { .. } => "JobStopped",
+            Command::DeleteJob { .. } => "DeleteJob",
             Command::RegisterWorker { .. } => "RegisterWorker",
             Command::ExpireWorker { .. } => "ExpireWorker",
             Command::PlaceJob { .. } => "PlaceJob",

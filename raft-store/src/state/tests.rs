@@ -1382,3 +1382,27 @@ fn time_limits_are_validated() {
     assert!(limited(0, 1).validate(8).is_err());
     assert!(limited(MAX_TIME_LIMIT_MS + 1, 0).validate(8).is_err());
 }
+
+#[test]
+fn only_finished_jobs_are_deleted_with_their_request_id() {
+    let (mut s, job) = cluster_with_job(1);
+    let delete = Command::DeleteJob {
+        job_id: job.clone(),
+    };
+    let r = apply(&mut s, delete.clone());
+    assert!(
+        matches!(&r, Response::Rejected { reason } if reason.contains("cancel it before")),
+        "{r:?}"
+    );
+    let cancel = Command::CancelJob {
+        job_id: job.clone(),
+        at_ms: 9,
+    };
+    assert_eq!(apply(&mut s, cancel), Response::Ok);
+    assert_eq!(apply(&mut s, delete.clone()), Response::Ok);
+    assert!(!s.jobs.contains_key(&job));
+    assert!(s.request_ids.is_empty(), "the request id goes with it");
+    assert!(!s.job_index().terminal.contains(&job));
+    assert_index_current(&s);
+    assert!(matches!(apply(&mut s, delete), Response::Rejected { .. }));
+}
