@@ -290,6 +290,7 @@ impl Template {
             stop_grace_ms: 0,
             time_limit_ms: 0,
             signal_before_ms: 0,
+            priority: 0,
         };
         let placeholder = "#".repeat(REQUEST_ID_LEN);
         let request = v1::SubmitJobRequest {

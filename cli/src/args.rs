@@ -303,6 +303,10 @@ pub struct SubmitArgs {
     /// default: the agent's --stop-grace-ms, 5 s).
     #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub stop_grace_s: Option<u64>,
+    /// Queue priority, -1000..=1000 (default 0): pending jobs start highest priority
+    /// first, in submission order within one priority.
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-1000..=1000))]
+    pub priority: Option<i32>,
     /// Running time the job may use, e.g. `90m`, `2h`, `1d` (time paused or queued is
     /// not counted); then it ends `timed_out`.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration_ms)]

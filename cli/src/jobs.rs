@@ -132,6 +132,7 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
         gpu_memory_fraction: args.gpu_memory_fraction,
         stop_grace_ms: args.stop_grace_s.map_or(0, |s| s * 1000),
         time_limit_ms: args.time_limit.unwrap_or(0),
+        priority: args.priority.unwrap_or(0),
         signal_before_ms: args.signal_before.unwrap_or(0),
     };
     Ok(SubmitJobRequest {

@@ -256,6 +256,9 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
     if spec.stop_grace_ms > 0 {
         row("stop grace", duration_text(spec.stop_grace_ms));
     }
+    if spec.priority != 0 {
+        row("priority", spec.priority.to_string());
+    }
     if spec.time_limit_ms > 0 {
         let mut limit = format!(
             "{} (ran {})",

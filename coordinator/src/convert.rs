@@ -66,6 +66,7 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
         stop_grace_ms: p.stop_grace_ms,
         time_limit_ms: p.time_limit_ms,
         signal_before_ms: p.signal_before_ms,
+        priority: p.priority,
     };
     spec.validate(max_world_size)
         .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
@@ -102,6 +103,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         stop_grace_ms: s.stop_grace_ms,
         time_limit_ms: s.time_limit_ms,
         signal_before_ms: s.signal_before_ms,
+        priority: s.priority,
     }
 }
 

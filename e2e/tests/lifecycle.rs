@@ -281,3 +281,71 @@ async fn a_rank_that_ignores_the_request_is_killed_and_a_time_limit_ends_the_job
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_starts_higher_priority_first_and_never_passes_a_waiting_wide_job() {
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 1,
+        slots: 2,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let sleeper = |world_size: u32, priority: i32| v1::JobSpec {
+        world_size,
+        command: vec!["sleep".into(), "600".into()],
+        priority,
+        ..Default::default()
+    };
+    let running = |j: &v1::Job| j.job_state() == Ok(JobState::Running);
+    let blocker = cluster
+        .submit("blocker", sleeper(2, 0))
+        .await
+        .expect("submit")
+        .job_id;
+    cluster.wait_job(&blocker, "running", LONG, running).await;
+    let low = cluster
+        .submit("low", sleeper(1, 0))
+        .await
+        .expect("submit")
+        .job_id;
+    let high = cluster
+        .submit("high", sleeper(1, 10))
+        .await
+        .expect("submit")
+        .job_id;
+    let wide = cluster
+        .submit("wide", sleeper(2, 10))
+        .await
+        .expect("submit")
+        .job_id;
+    let out = cluster.cumulusctl(&["cancel", &blocker]).expect("cancel");
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The older low-priority job waits; the high one starts; the wide one (also high)
+    // does not fit beside it, and the low one, which would, does not pass it.
+    cluster.wait_job(&high, "running", LONG, running).await;
+    let held = cluster
+        .wait_job(&low, "a reason to wait", LONG, |j| {
+            j.pending_reason.contains(&format!("queued behind {wide}"))
+        })
+        .await;
+    assert_eq!(held.job_state(), Ok(JobState::Pending));
+    let out = cluster.cumulusctl(&["status", &low]).expect("status");
+    assert!(stdout(&out).contains("queued behind"), "{}", stdout(&out));
+    assert_eq!(
+        cluster.job(&wide).await.expect("wide").job_state(),
+        Ok(JobState::Pending)
+    );
+    // Once the high job ends, the wide one starts, still ahead of the low one.
+    let out = cluster.cumulusctl(&["cancel", &high]).expect("cancel");
+    assert!(out.status.success(), "{}", stderr(&out));
+    cluster.wait_job(&wide, "running", LONG, running).await;
+    assert_eq!(
+        cluster.job(&low).await.expect("low").job_state(),
+        Ok(JobState::Pending)
+    );
+    for j in [&wide, &low] {
+        let out = cluster.cumulusctl(&["cancel", j]).expect("cancel");
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+}

@@ -1316,3 +1316,18 @@ def test_purge_errors_and_malformed_answers(client: Client, script: Script) -> N
     for _ in range(3):
         with pytest.raises(errors.ProtocolError, match="POST /v1/jobs/purge: malformed answer"):
             client.purge(older_than_s=1)
+
+
+def test_submit_sends_the_priority_and_refuses_one_out_of_range(
+    client: Client, script: Script
+) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    client.submit(["x"])
+    client.submit(["x"], priority=-1000)
+    client.submit(["x"], priority=7)
+    specs = [json.loads(r.content)["spec"] for r in script.calls]
+    assert [s.get("priority") for s in specs] == [None, -1000, 7]
+    for bad in (1001, -1001, True, 1.5, "3"):
+        with pytest.raises(errors.InvalidSpec, match="priority must be an integer"):
+            client.submit(["x"], priority=bad)  # type: ignore[arg-type]
+    assert len(script.calls) == 3, "nothing sent for a refused priority"

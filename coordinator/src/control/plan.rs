@@ -247,50 +247,12 @@ pub fn plan(
         .iter()
         .map(|w| u64::from(w.free_slots))
         .sum();
-    // Running jobs always; pending ones only when some capacity may be free (it only
-    // shrinks during a pass). Both in id order, which is submission order.
+    // Running jobs first (their restarts keep the slots they hold), in id order; then
+    // the queue: highest priority first, submission order within one priority; pending
+    // jobs only when some capacity may be free (it only shrinks during a pass).
     let index = state.job_index();
-    let no_pending = BTreeSet::new();
-    let pending = if free_upper_bound > 0 {
-        &index.pending
-    } else {
-        &no_pending
-    };
-    for job in index
-        .running
-        .union(pending)
-        .filter_map(|id| state.jobs.get(id))
-    {
+    for job in index.running.iter().filter_map(|id| state.jobs.get(id)) {
         match job.state {
-            JobState::Pending => {
-                if free_upper_bound < u64::from(job.spec.world_size) {
-                    continue;
-                }
-                let ranks: Vec<u32> = (0..job.spec.world_size).collect();
-                let planned = match job.spec.gpu_demand() {
-                    None => shard_planner::place_ranks(&ranks, &free_slots(&used.slots))
-                        .ok()
-                        .flatten()
-                        .map(|placements| (placements, Vec::new())),
-                    Some(demand) => shard_planner::place_gpu_ranks(
-                        &ranks,
-                        &gpu_capacity(state, obs, &alive, &used),
-                        demand,
-                    )
-                    .ok()
-                    .flatten()
-                    .map(split_gpu_plan),
-                };
-                if let Some((placements, gpus)) = planned {
-                    free_upper_bound -= placements.len() as u64;
-                    used.add(&placements, &gpus, job.spec.gpu_share_permille());
-                    actions.push(Action::Place {
-                        job_id: job.id.clone(),
-                        placements,
-                        gpus,
-                    });
-                }
-            }
             JobState::Running if job.stop.is_some() => plan_stopping(job, obs, &mut actions),
             JobState::Running if time_is_up(job, obs.now_ms) => {
                 actions.push(Action::RequestStop {
@@ -311,7 +273,151 @@ pub fn plan(
             _ => {}
         }
     }
+    if free_upper_bound == 0 {
+        return actions;
+    }
+    // The first job of the queue that does not fit holds a reservation; a job behind it
+    // is placed only when that cannot delay it (EASY backfill, below).
+    let mut head: Option<Reservation> = None;
+    for job in index.queue.iter().filter_map(|(_, id)| state.jobs.get(id)) {
+        if job.state != JobState::Pending {
+            continue;
+        }
+        let world = u64::from(job.spec.world_size);
+        let mut uses_extra = false;
+        if let Some(h) = &head {
+            if h.gpus || job.spec.gpu_demand().is_some() {
+                continue; // GPUs: no backfill past a job that waits
+            }
+            let ends_in_time = job.spec.time_limit_ms > 0
+                && h.shadow_ms.is_some_and(|s| job.spec.time_limit_ms <= s);
+            if !ends_in_time {
+                if world > h.extra_slots {
+                    continue;
+                }
+                uses_extra = true;
+            }
+        }
+        let planned = if free_upper_bound < world {
+            None
+        } else {
+            let ranks: Vec<u32> = (0..job.spec.world_size).collect();
+            match job.spec.gpu_demand() {
+                None => shard_planner::place_ranks(&ranks, &free_slots(&used.slots))
+                    .ok()
+                    .flatten()
+                    .map(|placements| (placements, Vec::new())),
+                Some(demand) => shard_planner::place_gpu_ranks(
+                    &ranks,
+                    &gpu_capacity(state, obs, &alive, &used),
+                    demand,
+                )
+                .ok()
+                .flatten()
+                .map(split_gpu_plan),
+            }
+        };
+        match planned {
+            Some((placements, gpus)) => {
+                free_upper_bound -= placements.len() as u64;
+                if uses_extra && let Some(h) = &mut head {
+                    h.extra_slots -= world;
+                }
+                used.add(&placements, &gpus, job.spec.gpu_share_permille());
+                actions.push(Action::Place {
+                    job_id: job.id.clone(),
+                    placements,
+                    gpus,
+                });
+            }
+            None if head.is_none() => {
+                head = Some(reserve(state, job, obs.now_ms, &used, &alive));
+            }
+            None => {}
+        }
+    }
     actions
+}
+
+/// The reservation of the first queued job that does not fit (EASY backfill, as in
+/// Slurm's backfill scheduler and Mu'alem & Feitelson 2001): when it can start at the
+/// latest, and how many slots will be left over then.
+#[derive(Debug, Clone)]
+struct Reservation {
+    /// Milliseconds from now until enough running jobs have ended, by their time
+    /// limits, for it to fit (`None`: a job without a time limit must end first, so no
+    /// start can be promised).
+    shadow_ms: Option<u64>,
+    /// Slots free at that time beyond what it needs: a job that fits in them never
+    /// delays it, whenever it ends.
+    extra_slots: u64,
+    /// It needs GPUs: nothing is backfilled past it.
+    gpus: bool,
+}
+
+/// The reservation of `head` (pending, not placeable now): running jobs end, at the
+/// latest, when their time limits run out; the start is the first end after which
+/// the free slots cover it.
+fn reserve(
+    state: &ClusterState,
+    head: &Job,
+    now_ms: u64,
+    used: &Used,
+    alive: &dyn Fn(&str) -> bool,
+) -> Reservation {
+    let need = u64::from(head.spec.world_size);
+    let mut free: u64 = state
+        .workers
+        .values()
+        .filter(|w| alive(&w.worker_id))
+        .map(|w| {
+            u64::from(
+                w.slots
+                    .saturating_sub(used.slots.get(&w.worker_id).copied().unwrap_or(0)),
+            )
+        })
+        .sum();
+    let mut ends: Vec<(u64, u64)> = state
+        .job_index()
+        .running
+        .iter()
+        .filter_map(|id| state.jobs.get(id))
+        .filter(|j| j.spec.time_limit_ms > 0)
+        .map(|j| {
+            let left = j.spec.time_limit_ms.saturating_sub(j.running_ms_at(now_ms));
+            let slots = j
+                .ranks
+                .iter()
+                .filter(|r| {
+                    matches!(r.state, RankState::Pending | RankState::Running)
+                        && r.worker_id.as_deref().is_some_and(alive)
+                })
+                .count() as u64;
+            (left, slots)
+        })
+        .collect();
+    ends.sort_unstable();
+    let mut shadow_ms = None;
+    if free < need {
+        for (left, slots) in ends {
+            free += slots;
+            if free >= need {
+                shadow_ms = Some(left);
+                break;
+            }
+        }
+    } else {
+        shadow_ms = Some(0); // it fits by count, not by shape (GPUs): no promise beyond now
+    }
+    Reservation {
+        shadow_ms,
+        extra_slots: if shadow_ms.is_some() {
+            free.saturating_sub(need)
+        } else {
+            0
+        },
+        gpus: head.spec.gpu_demand().is_some(),
+    }
 }
 
 /// True when a running job's time limit, less its `signal_before_ms`, has run out at

@@ -436,3 +436,160 @@ fn gang_placement_waits_for_capacity() {
     let mut zero = || 0.0;
     assert!(plan(&s, &Observations::default(), 5_000, &mut zero).is_empty());
 }
+
+/// A cluster of `workers` workers of 4 slots each, and a helper that submits.
+fn queue_cluster(workers: u32) -> ClusterState {
+    let mut s = ClusterState::default();
+    let mut d = BTreeSet::new();
+    for i in 0..workers {
+        s.apply(
+            &Command::RegisterWorker {
+                gpus: Vec::new(),
+                worker_id: format!("w{i}"),
+                host: "h".into(),
+                http_addr: "h:1".into(),
+                slots: 4,
+                at_ms: 0,
+            },
+            &mut d,
+        );
+    }
+    s
+}
+
+fn submit_queued(
+    s: &mut ClusterState,
+    name: &str,
+    world: u32,
+    priority: i32,
+    limit_ms: u64,
+) -> String {
+    let spec = JobSpec {
+        priority,
+        time_limit_ms: limit_ms,
+        ..JobSpec::new(world, vec!["x".into()])
+    };
+    let r = s.apply(
+        &Command::SubmitJob {
+            owner: String::new(),
+            request_id: name.into(),
+            spec,
+            shards: vec![],
+            submitted_at_ms: 0,
+        },
+        &mut BTreeSet::new(),
+    );
+    let Response::JobSubmitted { job_id, .. } = r else {
+        panic!("{r:?}")
+    };
+    job_id
+}
+
+/// Plans once at leader time `now_ms` and applies every placement; returns the placed
+/// jobs in order.
+fn place_pass(s: &mut ClusterState, now_ms: u64) -> Vec<String> {
+    let obs = Observations {
+        now_ms,
+        ..Observations::default()
+    };
+    let mut zero = || 0.0;
+    let mut placed = Vec::new();
+    for a in plan(s, &obs, 5_000, &mut zero) {
+        if let Action::Place {
+            job_id,
+            placements,
+            gpus,
+        } = a
+        {
+            let r = s.apply(
+                &Command::PlaceJob {
+                    job_id: job_id.clone(),
+                    placements,
+                    gpus,
+                    at_ms: now_ms,
+                },
+                &mut BTreeSet::new(),
+            );
+            assert_eq!(r, Response::Ok);
+            placed.push(job_id);
+        }
+    }
+    placed
+}
+
+#[test]
+fn the_queue_places_higher_priority_first_then_submission_order() {
+    let mut s = queue_cluster(1);
+    let low = submit_queued(&mut s, "low", 2, 0, 0);
+    let high = submit_queued(&mut s, "high", 2, 5, 0);
+    let high2 = submit_queued(&mut s, "high2", 2, 5, 0);
+    // Four slots: the two priority-5 jobs, in submission order; the older low one waits.
+    assert_eq!(place_pass(&mut s, 1_000), vec![high, high2]);
+    assert_eq!(s.jobs[&low].state, cumulus_api::JobState::Pending);
+    let why = s.pending_reason(&s.jobs[&low]).expect("a reason");
+    assert!(why.contains("waiting for 2 free slots"), "{why}");
+}
+
+#[test]
+fn a_wide_job_is_not_starved_by_narrow_ones_and_backfill_never_delays_it() {
+    // 8 slots; a 6-slot job holds them without a time limit, another with one.
+    let mut s = queue_cluster(2);
+    let long = submit_queued(&mut s, "long", 4, 0, 0);
+    let short = submit_queued(&mut s, "short", 2, 0, 60_000);
+    assert_eq!(place_pass(&mut s, 0), vec![long.clone(), short.clone()]);
+    // The wide job needs 6: it waits (2 free). It can start at the latest when `short`
+    // reaches its limit (60 s): then 4 are free... not enough; it needs `long` to end,
+    // which has no limit: no start can be promised, so nothing passes it.
+    let wide = submit_queued(&mut s, "wide", 6, 0, 0);
+    let narrow = submit_queued(&mut s, "narrow", 2, 0, 0);
+    let narrow_limited = submit_queued(&mut s, "narrow-limited", 2, 0, 1_000);
+    assert!(
+        place_pass(&mut s, 1_000).is_empty(),
+        "nothing passes the wide job"
+    );
+    let why = s.pending_reason(&s.jobs[&narrow]).expect("a reason");
+    assert!(why.contains(&format!("queued behind {wide}")), "{why}");
+
+    // Once `long` is gone, 6 slots are free: the wide job, first in the queue, starts
+    // before the narrow ones that came after it.
+    let cancel = Command::CancelJob {
+        job_id: long,
+        at_ms: 1_000,
+    };
+    assert_eq!(s.apply(&cancel, &mut BTreeSet::new()), Response::Ok);
+    assert_eq!(place_pass(&mut s, 1_000), vec![wide]);
+    assert!(place_pass(&mut s, 1_000).is_empty());
+    for j in [&narrow, &narrow_limited] {
+        assert_eq!(s.jobs[j].state, cumulus_api::JobState::Pending, "{j}");
+    }
+}
+
+#[test]
+fn backfill_takes_only_jobs_that_end_before_the_reserved_start_or_fit_in_spare_slots() {
+    // 8 slots: two limited jobs hold 6 (ending in 10 s and 100 s of running time).
+    let mut s = queue_cluster(2);
+    let a = submit_queued(&mut s, "a", 3, 0, 10_000);
+    let b = submit_queued(&mut s, "b", 3, 0, 100_000);
+    assert_eq!(place_pass(&mut s, 0), vec![a, b]);
+    // The head needs 5: 2 free now, 5 once `a` ends (in 10 s): start reserved at 10 s,
+    // no slot to spare then.
+    let head = submit_queued(&mut s, "head", 5, 0, 0);
+    let too_long = submit_queued(&mut s, "too-long", 1, 0, 20_000);
+    let unlimited = submit_queued(&mut s, "unlimited", 1, 0, 0);
+    let in_time = submit_queued(&mut s, "in-time", 2, 0, 5_000);
+    assert_eq!(place_pass(&mut s, 0), vec![in_time]);
+    for j in [&head, &too_long, &unlimited] {
+        assert_eq!(s.jobs[j].state, cumulus_api::JobState::Pending, "{j}");
+    }
+
+    // A head that needs 4: at its reserved start (10 s) 5 are free, one to spare, which
+    // an unlimited 1-slot job may take now; a second may not.
+    let mut s = queue_cluster(2);
+    let a = submit_queued(&mut s, "a", 3, 0, 10_000);
+    let b = submit_queued(&mut s, "b", 3, 0, 100_000);
+    assert_eq!(place_pass(&mut s, 0), vec![a, b]);
+    let _head = submit_queued(&mut s, "head", 4, 0, 0);
+    let spare = submit_queued(&mut s, "spare", 1, 0, 0);
+    let _more = submit_queued(&mut s, "more", 1, 0, 0);
+    assert_eq!(place_pass(&mut s, 0), vec![spare]);
+}

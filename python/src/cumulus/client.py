@@ -467,6 +467,7 @@ class Client:
         stop_grace_s: float | None = None,
         time_limit_s: float | None = None,
         signal_before_s: float | None = None,
+        priority: int | None = None,
     ) -> Job:
         """Submits a job: ``command`` (argv; ``argv[0]`` is looked up in the worker's
         ``PATH``) run by ``world_size`` ranks. Relative paths are made absolute here, as
@@ -508,6 +509,9 @@ class Client:
             :func:`cumulus.runtime.stop_request` ``== "time_limit"``), in seconds, ``0 <
             signal_before_s < time_limit_s``; their SIGTERM still comes at the limit.
             ``None``: no earlier request (0 ms).
+        :param priority: queue priority, ``-1000..=1000`` (``None``: 0); pending jobs
+            start highest priority first, in submission order within one priority, and a
+            job behind a waiting one starts first only when it cannot delay it.
         :param allow_pending: accept a job larger than the alive workers offer in all
             (slots, GPUs); it stays pending until workers join. Without it the
             coordinator refuses such a job (:class:`InvalidSpec`).
@@ -598,6 +602,17 @@ class Client:
                     status=None,
                 )
             spec["stop_grace_ms"] = round(stop_grace_s * 1000)
+        if priority is not None:
+            if (
+                isinstance(priority, bool)
+                or not isinstance(priority, int)
+                or not -1000 <= priority <= 1000
+            ):
+                raise InvalidSpec(
+                    f"priority must be an integer in -1000..=1000, got {priority!r}",
+                    status=None,
+                )
+            spec["priority"] = priority
         if time_limit_ms is not None:
             spec["time_limit_ms"] = time_limit_ms
         if signal_before_ms is not None:

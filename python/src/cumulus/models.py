@@ -263,6 +263,8 @@ class JobInfo:
     #: How long before the time limit the ranks are asked to checkpoint and stop, in
     #: milliseconds (0: not set).
     signal_before_ms: int = 0
+    #: Queue priority, ``-1000..=1000`` (higher starts first; 0 by default).
+    priority: int = 0
 
     @property
     def finished(self) -> bool:
@@ -320,6 +322,7 @@ class JobInfo:
             stop_action=_get(d, "stop_action", str, ""),
             running_ms=_get(d, "running_ms", int, 0),
             time_limit_ms=_get(spec, "time_limit_ms", int, 0),
+            priority=_get(spec, "priority", int, 0),
             signal_before_ms=_get(spec, "signal_before_ms", int, 0),
         )
 

@@ -827,7 +827,21 @@ impl ClusterState {
             return None;
         }
         match self.capacity_outlook(&job.spec) {
-            Outlook::FitsNow => None,
+            // It fits, so a job ahead of it in the queue holds it back.
+            Outlook::FitsNow => self
+                .index
+                .queue
+                .range(..(-job.spec.priority, job.id.clone()))
+                .next()
+                .map(|(neg_priority, id)| {
+                    format!(
+                        "queued behind {id} (priority {}), which waits for capacity: a job \
+                         behind it starts first only when it cannot delay it (its time limit \
+                         ends before that job can start, or it fits in slots that job will \
+                         not need)",
+                        -neg_priority
+                    )
+                }),
             Outlook::Waits(why) | Outlook::Never(why) => Some(why),
         }
     }

@@ -14,6 +14,9 @@ use super::*;
 pub struct JobIndex {
     /// Pending jobs (waiting for a placement).
     pub pending: BTreeSet<String>,
+    /// Pending jobs in queue order: highest priority first, then submission order, as
+    /// `(-priority, id)`.
+    pub queue: BTreeSet<(i32, String)>,
     /// Running jobs (placed).
     pub running: BTreeSet<String>,
     /// Paused jobs (neither placed nor queued; never evicted).
@@ -29,9 +32,12 @@ pub struct JobIndex {
     terminal_bytes: u64,
 }
 
-/// One job's estimated encoded size, in bytes.
+/// One job's estimated encoded size, in bytes, and its queue priority (both fixed at
+/// submit but the dynamic size).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct JobBytes {
+    /// The spec's priority.
+    priority: i32,
     /// [`Job::approx_static_bytes`], computed once: it cannot change.
     fixed: u64,
     /// Fixed plus [`Job::approx_dynamic_bytes`].
@@ -42,7 +48,11 @@ impl JobIndex {
     /// Files `job_id` under the class of its state and records its estimated size
     /// (`None`: the job is gone).
     pub(super) fn update(&mut self, job_id: &str, job: Option<&Job>) {
-        self.pending.remove(job_id);
+        if self.pending.remove(job_id)
+            && let Some(old) = self.bytes.get(job_id)
+        {
+            self.queue.remove(&(-old.priority, job_id.to_string()));
+        }
         self.running.remove(job_id);
         self.paused.remove(job_id);
         let was_terminal = self.terminal.remove(job_id);
@@ -59,9 +69,19 @@ impl JobIndex {
         };
         let fixed = old.map_or_else(|| job.approx_static_bytes(), |o| o.fixed);
         let total = fixed + job.approx_dynamic_bytes();
-        self.bytes
-            .insert(job_id.to_string(), JobBytes { fixed, total });
+        let priority = job.spec.priority;
+        self.bytes.insert(
+            job_id.to_string(),
+            JobBytes {
+                priority,
+                fixed,
+                total,
+            },
+        );
         self.total_bytes += total;
+        if job.state == JobState::Pending {
+            self.queue.insert((-priority, job_id.to_string()));
+        }
         let class = match job.state {
             JobState::Pending => &mut self.pending,
             JobState::Running => &mut self.running,

@@ -114,6 +114,10 @@ pub struct JobSpec {
     /// at the limit itself.
     #[serde(default)]
     pub signal_before_ms: u64,
+    /// Queue priority, `-MAX_PRIORITY..=MAX_PRIORITY` (default 0): pending jobs are
+    /// placed highest priority first, in submission order within one priority.
+    #[serde(default)]
+    pub priority: i32,
 }
 
 // The planner (no dependency on the contract crate) spells a whole GPU too.
@@ -121,6 +125,8 @@ const _: () = assert!(shard_planner::WHOLE_GPU_PERMILLE == cumulus_api::gpus::WH
 
 /// Longest stop grace a job may ask for: 1 hour, in milliseconds.
 pub const MAX_STOP_GRACE_MS: u64 = 3_600_000;
+/// Highest queue priority (and, negated, the lowest).
+pub const MAX_PRIORITY: i32 = 1_000;
 /// Longest time limit a job may ask for: 365 days, in milliseconds.
 pub const MAX_TIME_LIMIT_MS: u64 = 365 * 86_400_000;
 
@@ -148,6 +154,7 @@ impl JobSpec {
             stop_grace_ms: 0,
             time_limit_ms: 0,
             signal_before_ms: 0,
+            priority: 0,
         }
     }
 
@@ -300,6 +307,11 @@ impl JobSpec {
         if self.stop_grace_ms > MAX_STOP_GRACE_MS {
             return Err(SpecError::StopGrace);
         }
+        if !(-MAX_PRIORITY..=MAX_PRIORITY).contains(&self.priority) {
+            return Err(SpecError::Priority {
+                priority: self.priority,
+            });
+        }
         if self.time_limit_ms > MAX_TIME_LIMIT_MS {
             return Err(SpecError::TimeLimit);
         }
@@ -424,6 +436,12 @@ pub enum SpecError {
     /// A stop grace above [`MAX_STOP_GRACE_MS`].
     #[error("stop grace is above 1 hour")]
     StopGrace,
+    /// A priority outside `-MAX_PRIORITY..=MAX_PRIORITY`.
+    #[error("priority {priority} is outside -{MAX_PRIORITY}..={MAX_PRIORITY}")]
+    Priority {
+        /// The requested priority.
+        priority: i32,
+    },
     /// A time limit above [`MAX_TIME_LIMIT_MS`].
     #[error("time limit is above 365 days")]
     TimeLimit,
