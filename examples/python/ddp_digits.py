@@ -75,6 +75,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument(
+        "--step-sleep-ms",
+        type=int,
+        default=0,
+        help="sleep this long after each step (paces a demo or a test; changes no result)",
+    )
     p.add_argument("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -216,6 +222,8 @@ def main() -> int:
         opt.step()
         value = loss.item()
         rt.report(step, args.steps, loss=value)
+        if args.step_sleep_ms > 0:
+            time.sleep(args.step_sleep_ms / 1000)
         if step % args.log_every == 0 and ctx.rank == 0:
             print(
                 f"step {step}/{args.steps} epoch {epoch} loss {value:.4f}", flush=True

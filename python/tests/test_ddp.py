@@ -1,7 +1,7 @@
 """PyTorch DDP under a real local cluster: ``examples/python/ddp_digits.py`` (gloo, world
-size 2, the bundled digits data split into shards) run fault-free and with one rank
-``kill -9``ed after a committed checkpoint ends with byte-identical weights and the same
-record digest on every rank."""
+size 2, the bundled digits data split into shards) run fault-free, with one rank
+``kill -9``ed after a committed checkpoint, and paused then resumed, ends with
+byte-identical weights and the same record digest on every rank."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import cumulus
-from localcluster import REPO_ROOT, LocalCluster, explain
+from localcluster import REPO_ROOT, LocalCluster, explain, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.torch]
 
@@ -122,3 +122,41 @@ def test_ddp_resumes_bit_identically_after_a_rank_is_killed(
     lines = [(x.rank, x.attempt, x.line) for x in killed.logs(follow=False)]
     assert (0, 0, f"rank=0 killing itself at step {KILL_AT}") in lines
     assert any(r == 1 and a_ == 1 and "start=100" in text for r, a_, text in lines), lines
+
+
+def test_ddp_paused_and_resumed_ends_bit_identical_to_a_fault_free_run(
+    cluster: LocalCluster, client: cumulus.Client, digits_shards: Path, tmp_path: Path
+) -> None:
+    # The fault-free reference and a run paused mid-way (paced so the pause lands
+    # before the end), then resumed.
+    clean, clean_out = submit(client, digits_shards, tmp_path, "clean")
+    paused, paused_out = submit(client, digits_shards, tmp_path, "paused", "--step-sleep-ms", "20")
+
+    def past_first_checkpoint() -> bool:
+        info = paused.status()
+        return info.committed_step is not None and info.committed_step >= CKPT_EVERY
+
+    wait_for(past_first_checkpoint, JOB_TIMEOUT_S, "the first checkpoint")
+    paused.pause()
+
+    def is_paused() -> bool:
+        return paused.status().state == "paused"
+
+    wait_for(is_paused, JOB_TIMEOUT_S, "the job paused")
+    stopped = paused.status()
+    step = stopped.committed_step
+    assert step is not None and CKPT_EVERY <= step < STEPS, stopped
+    assert stopped.restarts_used == 0
+    paused.resume()
+    info = paused.wait(timeout_s=JOB_TIMEOUT_S)
+    assert info.succeeded and info.restarts_used == 0, explain(paused, cluster)
+    assert clean.wait(timeout_s=JOB_TIMEOUT_S).succeeded, explain(clean, cluster)
+
+    a, b = rank_results(clean_out), rank_results(paused_out)
+    assert all(r["resumed_from"] == step for r in b), (step, b)
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["record_digest"] == rb["record_digest"], (ra, rb)
+        assert ra["weights_sha256"] == rb["weights_sha256"]
+    assert (clean_out / "model.safetensors").read_bytes() == (
+        paused_out / "model.safetensors"
+    ).read_bytes()

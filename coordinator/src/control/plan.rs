@@ -330,7 +330,15 @@ pub fn plan(
                     gpus,
                 });
             }
-            None if head.is_none() => {
+            // A job larger than the alive workers in all waits for workers to join, not
+            // for running jobs to end: it holds no reservation (it would hold the queue
+            // for ever).
+            None if head.is_none()
+                && !matches!(
+                    state.capacity_outlook(&job.spec),
+                    cumulus_raft_store::state::Outlook::Never(_)
+                ) =>
+            {
                 head = Some(reserve(state, job, obs.now_ms, &used, &alive));
             }
             None => {}

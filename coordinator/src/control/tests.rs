@@ -562,6 +562,12 @@ fn a_wide_job_is_not_starved_by_narrow_ones_and_backfill_never_delays_it() {
     for j in [&narrow, &narrow_limited] {
         assert_eq!(s.jobs[j].state, cumulus_api::JobState::Pending, "{j}");
     }
+    // A job larger than the whole cluster holds nothing up: it waits for workers.
+    let mut s = queue_cluster(1);
+    let huge = submit_queued(&mut s, "huge", 5, 9, 0);
+    let small = submit_queued(&mut s, "small", 1, 0, 0);
+    assert_eq!(place_pass(&mut s, 0), vec![small]);
+    assert_eq!(s.jobs[&huge].state, cumulus_api::JobState::Pending);
 }
 
 #[test]

@@ -832,7 +832,12 @@ impl ClusterState {
                 .index
                 .queue
                 .range(..(-job.spec.priority, job.id.clone()))
-                .next()
+                .find(|(_, id)| {
+                    // One larger than the cluster holds no one up (the planner skips it).
+                    self.jobs.get(id).is_some_and(|j| {
+                        !matches!(self.capacity_outlook(&j.spec), Outlook::Never(_))
+                    })
+                })
                 .map(|(neg_priority, id)| {
                     format!(
                         "queued behind {id} (priority {}), which waits for capacity: a job \
@@ -1219,23 +1224,9 @@ impl ClusterState {
             if !ranks.contains(&r.rank) {
                 continue;
             }
-            r.attempt += 1;
-            r.exit_code = None;
-            r.signal = None;
-            r.failure = None;
-            r.agent_fault = false;
-            r.exec_failed = false;
-            r.last_progress = (0, 0);
-            r.started_at_ms = 0;
-            r.exited_at_ms = 0;
-            r.pid = 0;
+            let resume_dir = resume_part_dir(&job.committed, resume_step, r.rank);
+            r.new_attempt(resume_step, resume_dir);
             r.not_before_ms = not_before_ms;
-            r.resume_step = resume_step;
-            r.resume_dir = resume_step
-                .and_then(|s| job.committed.get(&s))
-                .and_then(|parts| parts.get(r.rank as usize))
-                .map(|p| p.dir.clone())
-                .unwrap_or_default();
         }
         assign_placements(job, placements, gpus, not_before_ms);
         dirty.insert(DirtyKey::Job(job_id.to_string()));

@@ -60,6 +60,39 @@ pub struct RankRecord {
     pub gpus: Vec<String>,
 }
 
+impl RankRecord {
+    /// Makes this rank's next attempt: a new attempt number, nothing of the previous
+    /// attempt's exit or progress, resuming from `resume_step` (its part directory
+    /// `resume_dir`, relative to the job's checkpoint dir). Placement fields are the
+    /// caller's.
+    pub(super) fn new_attempt(&mut self, resume_step: Option<u64>, resume_dir: String) {
+        self.attempt += 1;
+        self.exit_code = None;
+        self.signal = None;
+        self.failure = None;
+        self.agent_fault = false;
+        self.exec_failed = false;
+        self.last_progress = (0, 0);
+        self.started_at_ms = 0;
+        self.exited_at_ms = 0;
+        self.pid = 0;
+        self.resume_step = resume_step;
+        self.resume_dir = resume_dir;
+    }
+}
+
+/// The part directory of `rank` in committed step `step` ("" without one).
+pub(super) fn resume_part_dir(
+    committed: &BTreeMap<u64, Vec<PartInfo>>,
+    step: Option<u64>,
+    rank: u32,
+) -> String {
+    step.and_then(|s| committed.get(&s))
+        .and_then(|parts| parts.get(rank as usize))
+        .map(|p| p.dir.clone())
+        .unwrap_or_default()
+}
+
 /// One restart decided by the leader.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RestartRecord {
@@ -196,28 +229,18 @@ impl Job {
     pub(super) fn requeue_ranks(&mut self) {
         let resume_step = self.committed_step;
         for r in &mut self.ranks {
-            if r.worker_id.is_some() || r.state != RankState::Unplaced {
-                r.attempt += 1;
+            let placed = r.worker_id.is_some() || r.state != RankState::Unplaced;
+            let resume_dir = resume_part_dir(&self.committed, resume_step, r.rank);
+            if placed {
+                r.new_attempt(resume_step, resume_dir);
+            } else {
+                r.resume_step = resume_step;
+                r.resume_dir = resume_dir;
             }
             r.worker_id = None;
             r.state = RankState::Unplaced;
-            r.exit_code = None;
-            r.signal = None;
-            r.failure = None;
-            r.agent_fault = false;
-            r.exec_failed = false;
-            r.last_progress = (0, 0);
-            r.started_at_ms = 0;
-            r.exited_at_ms = 0;
-            r.pid = 0;
             r.not_before_ms = 0;
             r.gpus.clear();
-            r.resume_step = resume_step;
-            r.resume_dir = resume_step
-                .and_then(|s| self.committed.get(&s))
-                .and_then(|parts| parts.get(r.rank as usize))
-                .map(|p| p.dir.clone())
-                .unwrap_or_default();
         }
         self.pending_parts.clear();
     }
