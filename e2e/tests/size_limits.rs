@@ -135,14 +135,16 @@ async fn a_submit_larger_than_one_raft_entry_is_refused_and_changes_nothing() {
         "{}",
         err.message()
     );
-    // The leader may have changed while the 20,000 paths were listed (a loaded host):
-    // read through whichever node leads now.
-    let mut c = cluster.leader_client().await.expect("client");
-    let after = c
-        .list_jobs(v1::ListJobsRequest { linearizable: true })
-        .await
-        .expect("list")
-        .into_inner();
+    // The leader may have changed while the 20,000 paths were listed (a loaded host),
+    // even more than once: read through whichever node leads when the read is made.
+    let after = wait_for("a linearizable list from the leader", LONG, || async {
+        let mut c = cluster.leader_client().await.ok()?;
+        c.list_jobs(v1::ListJobsRequest { linearizable: true })
+            .await
+            .ok()
+            .map(|r| r.into_inner())
+    })
+    .await;
     assert_eq!(
         before.jobs, after.jobs,
         "the refused submit changed the state"
