@@ -10,7 +10,10 @@ on its own records — its Cumulus shards (``cumulusctl dataset split``), else e
 carries over epochs; every ``--ckpt-every`` steps it commits the model, the optimizer,
 the shuffle and every RNG (dropout) through :mod:`cumulus.ckpt`, and a restarted attempt
 resumes from the last committed step, so its final weights equal a fault-free run's bit
-for bit.
+for bit. Those periodic checkpoints are asynchronous
+(``ckpt.save_checkpoint_async``): training waits only while the state is copied to host
+memory, and goes on while it is written and committed; a checkpoint waits for the
+previous one, and the rank waits for the last one before it exits.
 
 Runs unchanged::
 
@@ -27,8 +30,9 @@ weights and the digest of every record it consumed, in order (the chain
 Stopping: every step each rank checks ``runtime.should_stop()`` (a pause, a time limit,
 a preemption or a cancel, told by the worker agent; or SIGTERM) and the ranks all-reduce
 it, so that all of them stop at the same step: each commits its part of a checkpoint at
-that step and exits 0. A paused job (``cumulusctl pause`` / ``Job.pause()``) thus resumes
-exactly where it stopped, and its final weights are still a fault-free run's. Under plain
+that step (synchronously: committed before the rank exits) and exits 0. A paused job
+(``cumulusctl pause`` / ``Job.pause()``) thus resumes exactly where it stopped, and its
+final weights are still a fault-free run's. Under plain
 ``torchrun`` only SIGTERM asks to stop, and nothing is committed.
 
 Fault injection, for tests: ``--kill-rank R --kill-at-step S`` makes rank R's first
@@ -198,6 +202,14 @@ def main() -> int:
     )
     loss_fn = nn.CrossEntropyLoss()
 
+    # The periodic checkpoint being committed in the background, if any.
+    pending: ckpt.PendingCheckpoint | None = None
+
+    def committed(p: ckpt.PendingCheckpoint) -> None:
+        """Waits for ``p``; raises its error (StaleAttempt: this attempt was replaced)."""
+        part = p.wait()
+        print(f"rank={ctx.rank} checkpoint {p.step} committed: {part.dir}", flush=True)
+
     t0 = time.monotonic()
     step, value = start, float("nan")
     for step in range(start + 1, args.steps + 1):
@@ -229,6 +241,10 @@ def main() -> int:
                 f"step {step}/{args.steps} epoch {epoch} loss {value:.4f}", flush=True
             )
 
+        if pending is not None and pending.done():
+            committed(pending)
+            pending = None
+
         # Every rank stops at the same step: the step's checkpoint needs all their parts.
         stop = stop_everywhere(rt, device)
         if (step % args.ckpt_every == 0 or stop) and rt.checkpoints_enabled:
@@ -238,31 +254,42 @@ def main() -> int:
                 "records": records,
                 "digest": digest.hex(),
             }
-            try:
-                part = ckpt.save_checkpoint(
-                    step,
-                    state,
-                    model=model,
-                    optimizer=opt,
-                    perm=perm,
-                    rng=ckpt.RNG(order),
-                )
-            except errors.StaleAttempt as e:
-                if not stop:
-                    raise
-                # Cancelled, or replaced by a restart: nothing to keep.
-                print(f"rank={ctx.rank} stop checkpoint refused: {e}", flush=True)
+            objects = {
+                "model": model,
+                "optimizer": opt,
+                "perm": perm,
+                "rng": ckpt.RNG(order),
+            }
+            if not stop:
+                if pending is not None:
+                    committed(pending)  # one at a time (the next call would wait too)
+                # Blocks while the state is copied; written and committed meanwhile.
+                pending = ckpt.save_checkpoint_async(step, state, **objects)
             else:
-                print(
-                    f"rank={ctx.rank} checkpoint {step} committed: {part.dir}",
-                    flush=True,
-                )
+                # The stop checkpoint must be committed before exit 0: synchronous,
+                # after the periodic one still in flight.
+                try:
+                    if pending is not None:
+                        p, pending = pending, None
+                        committed(p)
+                    part = ckpt.save_checkpoint(step, state, **objects)
+                except errors.StaleAttempt as e:
+                    # Cancelled, or replaced by a restart: nothing to keep.
+                    print(f"rank={ctx.rank} stop checkpoint refused: {e}", flush=True)
+                else:
+                    print(
+                        f"rank={ctx.rank} checkpoint {step} committed: {part.dir}",
+                        flush=True,
+                    )
 
         if (
             ctx.rank == args.kill_rank
             and step == args.kill_at_step
             and ctx.attempt == 0
         ):
+            if pending is not None:
+                p, pending = pending, None
+                committed(p)  # this rank's part; then the others'
             if ctx.staging_dir is not None:
                 last = step - step % args.ckpt_every
                 deadline = time.monotonic() + 60
@@ -279,6 +306,8 @@ def main() -> int:
             dist.destroy_process_group()
             return 0
 
+    if pending is not None:
+        committed(pending)  # the last checkpoint is committed before the rank ends
     elapsed = time.monotonic() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}

@@ -1,12 +1,19 @@
 """A Cumulus rank (world size 1, with a checkpoint dir) that times how long the training
-loop is blocked by checkpointing ``--mib`` MiB of float32 parameters, two ways, alternated:
+loop is blocked by checkpointing ``--mib`` MiB of float32 parameters, three ways, in an
+order rotated every repetition:
 
 * ``cumulus``: :func:`cumulus.ckpt.save_checkpoint` (safetensors into the staging dir, then
   the agent's commit, which fsyncs the part) — the call returns once it is committed;
+* ``cumulus_async``: :func:`cumulus.ckpt.save_checkpoint_async` — the call returns once
+  the state is copied to host memory (the time the loop is blocked); a "training step"
+  then changes the parameters while the background thread writes and commits, and
+  ``wait()`` gives the time from the call until committed;
 * ``plain``: ``torch.save(model.state_dict(), f)`` then ``fsync`` of the file and its dir,
   in ``--plain-dir`` (on the same file system as the checkpoint dir).
 
-Writes ``{"cumulus_s": [...], "plain_s": [...], "bytes": N}`` to ``--result``.
+Writes ``{"cumulus_s": [...], "cumulus_async_s": [...], "cumulus_async_committed_s":
+[...], "plain_s": [...], "bytes": N}`` to ``--result`` (samples in the order taken; the
+first ``cumulus_async`` call also allocates the host buffers the later ones reuse).
 """
 
 from __future__ import annotations
@@ -62,21 +69,40 @@ def main() -> int:
     args.plain_dir.mkdir(parents=True, exist_ok=True)
     plain_file = args.plain_dir / "model.pt"
     cumulus_s: list[float] = []
+    async_s: list[float] = []
+    async_committed_s: list[float] = []
     plain_s: list[float] = []
+    modes = ("cumulus", "plain", "cumulus_async")
     step = 0
+
+    def training_step() -> None:
+        with torch.no_grad():
+            for t in params:
+                t.add_(1.0)  # new bytes to write
+
     for rep in range(args.reps):
-        # Alternate which goes first, so neither always meets a warm (or dirty) page cache.
-        order = ("cumulus", "plain") if rep % 2 == 0 else ("plain", "cumulus")
+        # Rotate which goes first, so none always meets a warm (or dirty) page cache.
+        order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
         for how in order:
-            with torch.no_grad():
-                for t in params:
-                    t.add_(1.0)  # "a training step": new bytes to write
+            training_step()
             step += 1
             if how == "cumulus":
                 t0 = time.perf_counter()
                 part = ckpt.save_checkpoint(step, {"rep": rep}, model=model)
                 cumulus_s.append(time.perf_counter() - t0)
                 print(f"rep {rep} cumulus {cumulus_s[-1]:.3f} s -> {part.dir}", flush=True)
+            elif how == "cumulus_async":
+                t0 = time.perf_counter()
+                pending = ckpt.save_checkpoint_async(step, {"rep": rep}, model=model)
+                async_s.append(time.perf_counter() - t0)
+                training_step()  # training goes on while the commit runs
+                part = pending.wait()
+                async_committed_s.append(time.perf_counter() - t0)
+                print(
+                    f"rep {rep} cumulus_async blocked {async_s[-1]:.3f} s, committed after "
+                    f"{async_committed_s[-1]:.3f} s -> {part.dir}",
+                    flush=True,
+                )
             else:
                 plain_file.unlink(missing_ok=True)
                 t0 = time.perf_counter()
@@ -88,7 +114,14 @@ def main() -> int:
     plain_file.unlink(missing_ok=True)
 
     tmp = args.result.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"cumulus_s": cumulus_s, "plain_s": plain_s, "bytes": nbytes}))
+    result = {
+        "cumulus_s": cumulus_s,
+        "cumulus_async_s": async_s,
+        "cumulus_async_committed_s": async_committed_s,
+        "plain_s": plain_s,
+        "bytes": nbytes,
+    }
+    tmp.write_text(json.dumps(result))
     tmp.replace(args.result)
     rt.close()
     return 0

@@ -254,7 +254,8 @@ pub fn plan(
     for job in index.running.iter().filter_map(|id| state.jobs.get(id)) {
         match job.state {
             JobState::Running if job.stop.is_some() => plan_stopping(job, obs, &mut actions),
-            JobState::Running if time_is_up(job, obs.now_ms) => {
+            // A job whose ranks all finished succeeds, limit or not.
+            JobState::Running if time_is_up(job, obs.now_ms) && !job.all_ranks_succeeded() => {
                 actions.push(Action::RequestStop {
                     job_id: job.id.clone(),
                     action: StopAction::TimeLimit,

@@ -14,6 +14,10 @@ the caller passes (so a model on a GPU stays on it).
         if step % 100 == 0 and runtime.checkpoints_enabled():
             ckpt.save_checkpoint(step, model=model, optimizer=opt, rng=ckpt.RNG(g))
 
+:func:`save_checkpoint_async` blocks the loop only while it copies the state to host
+memory, then writes and commits that snapshot in the background (the same files, byte
+for byte); :func:`wait_pending` or :meth:`PendingCheckpoint.wait` wait for the commit.
+
 The adapter is chosen by the object's type:
 
 * a PyTorch module (``DistributedDataParallel``/``DataParallel``/``torch.compile``
@@ -60,30 +64,36 @@ only when its framework is already imported (by the caller, who made the object)
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from cumulus import runtime
-from cumulus.runtime import CommittedPart, ResumePoint
+from cumulus.runtime import CommittedPart, PendingCheckpoint, ResumePoint
 
 __all__ = [
     "FORMAT_VERSION",
     "INDEX_FILE",
     "RNG",
+    "PendingCheckpoint",
     "Trusted",
     "UntrustedTypes",
     "load",
     "load_checkpoint",
     "read_index",
+    "release_async_buffers",
     "save",
     "save_checkpoint",
+    "save_checkpoint_async",
+    "wait_pending",
 ]
 
 #: The index of a framework checkpoint, in its directory.
@@ -304,18 +314,43 @@ def _cpu_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _save_state(directory: Path, name: str, state: Any) -> dict[str, Any]:
+class _State:
+    """A state dict (or tensor) as :func:`save` writes it: a JSON ``tree`` and the
+    ``tensors`` it refers to (``<name>.safetensors``), or, when it holds values neither
+    JSON nor tensors, the value itself (``pickled``, written with ``torch.save``)."""
+
+    __slots__ = ("pickled", "tensors", "tree")
+
+    def __init__(
+        self, tree: Any = None, tensors: dict[str, Any] | None = None, pickled: Any = None
+    ) -> None:
+        self.tree = tree
+        self.tensors = tensors
+        self.pickled = pickled
+
+
+def _capture_state(state: Any, staging: _Staging | None, name: str) -> _State:
+    """``state`` as it will be written; with ``staging``, a snapshot that later training
+    cannot change (tensors copied into host buffers, a pickled value deep-copied)."""
     tensors: dict[str, Any] = {}
     try:
-        tree = _encode(state, tensors)
+        tree = _encode(state, tensors)  # a new tree: JSON values and tensor references
     except _NotEncodable:
+        return _State(pickled=copy.deepcopy(state) if staging is not None else state)
+    if staging is not None:
+        tensors = {key: staging.copy(name, key, t) for key, t in tensors.items()}
+    return _State(tree=tree, tensors=tensors)
+
+
+def _write_state(directory: Path, name: str, state: _State) -> dict[str, Any]:
+    if state.tensors is None:
         torch = _import("torch")
-        torch.save(state, directory / f"{name}.pt")
+        torch.save(state.pickled, directory / f"{name}.pt")
         return {"files": [f"{name}.pt"], "encoding": "torch.save"}
-    entry: dict[str, Any] = {"tree": tree, "encoding": "safetensors"}
-    if tensors:
+    entry: dict[str, Any] = {"tree": state.tree, "encoding": "safetensors"}
+    if state.tensors:
         st = _import("safetensors.torch")
-        st.save_file(_cpu_tensors(tensors), str(directory / f"{name}.safetensors"))
+        st.save_file(_cpu_tensors(state.tensors), str(directory / f"{name}.safetensors"))
         entry["files"] = [f"{name}.safetensors"]
     else:
         entry["files"] = []
@@ -488,37 +523,90 @@ def save(directory: str | os.PathLike[str], /, **objects: Any) -> Path:
     _check_names(objects)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    _write_all(d, {name: _capture(name, obj, None) for name, obj in objects.items()})
+    return d
+
+
+class _Captured:
+    """One object as :func:`save` writes it: its ``kind``, ``value`` (by kind: a
+    :class:`_State`, an RNG state tree, an array, a JSON value, or the framework object
+    itself) and, for an object with the state-dict protocol, its ``type`` name."""
+
+    __slots__ = ("kind", "type", "value")
+
+    def __init__(self, kind: str, value: Any, type_name: str | None = None) -> None:
+        self.kind = kind
+        self.value = value
+        self.type = type_name
+
+
+def _capture(name: str, obj: Any, staging: _Staging | None) -> _Captured:
+    """What :func:`save` writes for ``obj``, taken now: the state dict, RNG state...
+    Without ``staging`` it may share memory with ``obj`` (written at once); with it, it is
+    a snapshot that later training cannot change.
+
+    :raises TypeError: no adapter handles ``obj``; or, with ``staging``, its adapter
+        cannot snapshot it (scikit-learn, XGBoost, LightGBM, TensorFlow).
+    """
+    if isinstance(obj, Trusted):
+        obj = obj.obj
+    kind = _kind(obj)
+    if kind in _FRAMEWORKS:
+        if staging is not None:
+            raise TypeError(
+                f"{name!r}: save_checkpoint_async cannot snapshot a "
+                f"{_qualname(type(obj))} ({kind}) by copying it; checkpoint it with "
+                "cumulus.ckpt.save_checkpoint, which writes it before it returns"
+            )
+        return _Captured(kind, obj)
+    if kind == "torch.module":
+        return _Captured(kind, _capture_state(_unwrap_module(obj).state_dict(), staging, name))
+    if kind == "torch.optimizer":
+        return _Captured(kind, _capture_state(obj.state_dict(), staging, name))
+    if kind == "state_dict":
+        state = _capture_state(obj.state_dict(), staging, name)
+        return _Captured(kind, state, f"{type(obj).__module__}.{type(obj).__qualname__}")
+    if kind == "torch.tensor":
+        return _Captured(kind, _capture_state(obj, staging, name))
+    if kind == "rng":
+        return _Captured(kind, runtime.rng_state(*obj.generators))  # a new JSON tree
+    if kind == "numpy.ndarray":
+        return _Captured(kind, obj if staging is None else _copy_array(obj))
+    return _Captured(kind, obj if staging is None else copy.deepcopy(obj))  # json
+
+
+def _copy_array(a: Any) -> Any:
+    """A copy of ``a`` that ``np.save`` writes to the same bytes (the same memory order:
+    Fortran-only-contiguous stays so; anything else is written in C order)."""
+    if a.dtype.hasobject:
+        raise ValueError("Object arrays cannot be saved when allow_pickle=False")
+    return a.copy(order="F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C")
+
+
+def _write_all(d: Path, captured: Mapping[str, _Captured]) -> None:
+    """Writes captured objects and the index into ``d`` (which exists)."""
     index: dict[str, Any] = {}
-    for name, obj in objects.items():
-        if isinstance(obj, Trusted):
-            obj = obj.obj
-        kind = _kind(obj)
+    for name, c in captured.items():
+        kind = c.kind
         entry: dict[str, Any]
         if kind in _FRAMEWORKS:
-            entry = _save_framework(d, name, kind, obj)
-        elif kind == "torch.module":
-            entry = _save_state(d, name, _unwrap_module(obj).state_dict())
-        elif kind in ("torch.optimizer", "state_dict"):
-            entry = _save_state(d, name, obj.state_dict())
-            if kind == "state_dict":
-                entry["type"] = f"{type(obj).__module__}.{type(obj).__qualname__}"
-        elif kind == "torch.tensor":
-            entry = _save_state(d, name, obj)
-        elif kind == "rng":
-            entry = {"tree": runtime.rng_state(*obj.generators), "files": []}
+            entry = _save_framework(d, name, kind, c.value)
+        elif kind in ("torch.module", "torch.optimizer", "state_dict", "torch.tensor"):
+            entry = _write_state(d, name, c.value)
+            if c.type is not None:
+                entry["type"] = c.type
         elif kind == "numpy.ndarray":
             np = _import("numpy")
-            np.save(d / f"{name}.npy", obj, allow_pickle=False)
+            np.save(d / f"{name}.npy", c.value, allow_pickle=False)
             entry = {"files": [f"{name}.npy"]}
-        else:  # json
-            entry = {"tree": obj, "files": []}
+        else:  # rng, json
+            entry = {"tree": c.value, "files": []}
         entry["kind"] = kind
         index[name] = entry
     data = json.dumps(
         {"format": FORMAT_VERSION, "objects": index}, separators=(",", ":"), allow_nan=False
     )
     (d / INDEX_FILE).write_text(data, encoding="utf-8")
-    return d
 
 
 def read_index(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -623,7 +711,9 @@ def save_checkpoint(
     """Writes ``objects`` with :func:`save` into this rank's staging dir and commits it as
     checkpoint ``step`` with the JSON ``state`` (see
     :func:`cumulus.runtime.save_checkpoint`: written again before every retry). The name
-    ``state`` is taken by the JSON state; name objects otherwise.
+    ``state`` is taken by the JSON state; name objects otherwise. Returns once the part
+    is committed; first waits for a commit :func:`save_checkpoint_async` left in flight
+    (raising its error if :meth:`PendingCheckpoint.wait` did not).
 
     :raises: as :func:`cumulus.runtime.checkpoint` and :func:`save`.
     """
@@ -633,6 +723,135 @@ def save_checkpoint(
 
 def _save_quiet(d: Path, objects: Mapping[str, Any]) -> None:
     save(d, **objects)
+
+
+class _Staging:
+    """The host buffers one snapshot copies tensors into, by (object name, tensor key).
+    A buffer of the previous snapshot with the same dtype and shape is reused (its
+    commit has ended): only the first checkpoint allocates, later ones just copy. Tensors
+    on a CUDA device are copied into pinned memory, asynchronously, then waited for."""
+
+    def __init__(self, reuse: Mapping[tuple[str, str], tuple[Any, bool]]) -> None:
+        self._reuse = reuse
+        #: The buffers of this snapshot (kept for the next one), with whether pinned.
+        self.buffers: dict[tuple[str, str], tuple[Any, bool]] = {}
+        self._cuda: set[Any] = set()
+
+    def copy(self, name: str, key: str, t: Any) -> Any:
+        torch = sys.modules["torch"]
+        t = t.detach()
+        pinned = t.device.type == "cuda"
+        old = self._reuse.get((name, key))
+        if old is not None and (old[0].dtype, old[0].shape, old[1]) == (t.dtype, t.shape, pinned):
+            buf = old[0]
+        else:
+            try:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+            except RuntimeError:  # no pinned memory to be had: pageable, copied at once
+                pinned = False
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        buf.copy_(t, non_blocking=pinned)
+        if pinned:
+            self._cuda.add(t.device)
+        self.buffers[(name, key)] = (buf, pinned)
+        return buf
+
+    def synchronize(self) -> None:
+        """Waits for the asynchronous copies from CUDA devices."""
+        for device in self._cuda:
+            sys.modules["torch"].cuda.synchronize(device)
+
+
+#: The staging buffers of the latest snapshot and the commit that writes them: reused by
+#: the next snapshot once that commit has ended.
+_buffers: tuple[PendingCheckpoint, dict[tuple[str, str], tuple[Any, bool]]] | None = None
+_async_lock = threading.Lock()
+
+
+def save_checkpoint_async(
+    step: int, /, state: Mapping[str, Any] | None = None, **objects: Any
+) -> PendingCheckpoint:
+    """:func:`save_checkpoint` that blocks only while it copies: takes a snapshot of
+    ``objects`` on the caller's thread, then one background thread writes it with
+    :func:`save` into the staging dir and commits it, with the same retries, the same
+    files (byte for byte) and the same outcome as :func:`save_checkpoint` called now.
+    Returns the handle: :meth:`PendingCheckpoint.wait` returns the
+    :class:`~cumulus.runtime.CommittedPart` or raises the commit's error
+    (:class:`~cumulus.errors.StaleAttempt`...); see also :func:`wait_pending`.
+
+    The snapshot is independent of later training: every tensor of a state dict
+    (modules, optimizers with their nested state, schedulers...) and every tensor passed
+    is copied into host memory (from a GPU into pinned memory), NumPy arrays and JSON
+    values are copied, the RNG states and ``state`` are captured now. The host buffers
+    are kept and reused by the next call when the names, dtypes and shapes are the same,
+    so only the first call allocates (one copy of the state stays in host memory between
+    checkpoints: :func:`release_async_buffers` frees it). A state dict with values
+    neither JSON nor tensors (written with ``torch.save``) is deep-copied instead,
+    tensors staying on their device.
+
+    One commit at a time: a call first waits for the previous one and raises its error if
+    :meth:`PendingCheckpoint.wait` did not (so does :func:`save_checkpoint`). At
+    interpreter exit, and in :meth:`cumulus.runtime.Runtime.close`, the commit in flight
+    is waited for (within its commit deadline plus one request's time limit) and an error
+    nobody raised is logged on stderr; a rank that stops (``should_stop()``) or ends should
+    still call :func:`wait_pending` (or commit its stop checkpoint with
+    :func:`save_checkpoint`, which waits) before it exits, to handle that error.
+
+    Scikit-learn estimators, XGBoost and LightGBM models and TensorFlow objects cannot be
+    snapshotted by copying: pass them to :func:`save_checkpoint` instead.
+
+    :raises TypeError: an object no adapter handles, or one that cannot be snapshotted
+        (names :func:`save_checkpoint`); nothing was started.
+    :raises: the previous asynchronous commit's error (see above); as
+        :func:`cumulus.runtime.checkpoint` for what is checked before anything is copied
+        (:class:`~cumulus.errors.NotInCumulusRank`,
+        :class:`~cumulus.errors.CheckpointsDisabled`, :class:`~cumulus.errors.InvalidStep`,
+        :class:`~cumulus.errors.InvalidState`); the commit's own errors come from
+        :meth:`PendingCheckpoint.wait`.
+    """
+    global _buffers
+    _check_names(objects)
+    checkpointer = runtime.get_runtime().checkpointer
+    with _async_lock:
+        stagings: list[_Staging] = []
+
+        def snapshot() -> Callable[[Path], None]:
+            # Called once the previous commit has ended: its buffers are free to reuse
+            # (unless they belong to another runtime's commit still in flight).
+            previous = _buffers
+            reuse = previous[1] if previous is not None and previous[0].done() else {}
+            staging = _Staging(reuse)
+            stagings.append(staging)
+            captured = {name: _capture(name, obj, staging) for name, obj in objects.items()}
+            staging.synchronize()
+
+            def write(d: Path) -> None:
+                _write_all(d, captured)
+
+            return write
+
+        pending = checkpointer.save_async(step, snapshot, state)
+        _buffers = (pending, stagings[0].buffers) if stagings[0].buffers else None
+        return pending
+
+
+def wait_pending(timeout_s: float | None = None) -> CommittedPart | None:
+    """Waits for the latest :func:`save_checkpoint_async` commit of this process and
+    returns its part (again if it was waited for already); ``None`` when none was
+    started. Call it before exiting, e.g. after a stop request.
+
+    :raises TimeoutError: still in flight after ``timeout_s`` seconds (it goes on).
+    :raises: the commit's error, as :meth:`PendingCheckpoint.wait`.
+    """
+    return runtime.get_runtime().checkpointer.wait_pending(timeout_s)
+
+
+def release_async_buffers() -> None:
+    """Frees the host buffers :func:`save_checkpoint_async` keeps for its next snapshot
+    (once the commit writing them ends); the next call allocates them again."""
+    global _buffers
+    with _async_lock:
+        _buffers = None
 
 
 def load_checkpoint(**objects: Any) -> ResumePoint | None:

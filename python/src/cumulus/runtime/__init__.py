@@ -75,6 +75,7 @@ from cumulus.runtime._checkpoint import (
     STATE_FILE,
     Checkpointer,
     CommittedPart,
+    PendingCheckpoint,
     ResumePoint,
     StagedCheckpoint,
 )
@@ -117,6 +118,7 @@ __all__ = [
     "Checkpointer",
     "CommittedPart",
     "Context",
+    "PendingCheckpoint",
     "ResumePoint",
     "Runtime",
     "ShardReader",
@@ -309,8 +311,14 @@ class Runtime:
         return fraction
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Flushes the last progress report (up to ``timeout_s`` seconds) and stops the
-        sender thread. Reports made after it are dropped."""
+        """Waits for a checkpoint being committed in the background
+        (:meth:`Checkpointer.save_async`, :func:`cumulus.ckpt.save_checkpoint_async`),
+        within its commit deadline, logging on stderr a failure nobody raised; then
+        flushes the last progress report (up to ``timeout_s`` seconds) and stops the
+        sender thread. Reports made after it are dropped. Never raises for either: to
+        handle a background commit's error, call
+        :meth:`Checkpointer.wait_pending` (:func:`cumulus.ckpt.wait_pending`) first."""
+        self.checkpointer.settle_pending("at close")
         if self._reporter is not None:
             self._reporter.close(timeout_s)
 

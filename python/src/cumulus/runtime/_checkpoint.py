@@ -6,15 +6,21 @@ into ``CUMULUS_CKPT_STAGING``; the agent hashes and fsyncs every file, renames t
 ``<ckpt_dir>/<job>/step-N/rank-R/attempt-A/``, re-creates an empty staging dir and reports
 the part to the leader; it answers once the leader acknowledged. A step is committed (and
 can be resumed from) once every rank's part of it is.
+
+:meth:`Checkpointer.save_async` does the writing and the commit on a background thread
+(one commit in flight at a time); :class:`PendingCheckpoint` is its handle.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -30,7 +36,7 @@ from cumulus.errors import (
     NotInCumulusRank,
     StaleAttempt,
 )
-from cumulus.runtime._agent import AgentClient
+from cumulus.runtime._agent import CHECKPOINT_TIMEOUT_S, AgentClient
 from cumulus.runtime._env import Context
 
 __all__ = [
@@ -39,6 +45,7 @@ __all__ = [
     "STATE_FILE",
     "Checkpointer",
     "CommittedPart",
+    "PendingCheckpoint",
     "ResumePoint",
     "StagedCheckpoint",
 ]
@@ -107,6 +114,122 @@ class StagedCheckpoint(os.PathLike[str]):
 
     def __repr__(self) -> str:
         return f"StagedCheckpoint(step={self.step}, path={str(self.path)!r})"
+
+
+class PendingCheckpoint:
+    """A checkpoint being written and committed on a background thread, returned by
+    :meth:`Checkpointer.save_async` (and :func:`cumulus.ckpt.save_checkpoint_async`).
+
+    Its outcome is the one the synchronous call would have had: :meth:`wait` returns the
+    :class:`CommittedPart` or raises the error (:class:`~cumulus.errors.StaleAttempt`,
+    :class:`~cumulus.errors.CheckpointFailed`, an ``OSError`` of the first write...). An
+    error nobody asked for with :meth:`wait` is raised by the rank's next checkpoint
+    instead, or, failing that, logged on stderr at exit.
+    """
+
+    def __init__(self, step: int, exit_wait_s: float) -> None:
+        #: The checkpoint's step.
+        self.step = step
+        self._exit_wait_s = exit_wait_s
+        self._done = threading.Event()
+        self._part: CommittedPart | None = None
+        self._error: BaseException | None = None
+        self._raised = False
+
+    def __repr__(self) -> str:
+        if not self._done.is_set():
+            how = "in flight"
+        elif self._error is not None:
+            how = f"failed: {type(self._error).__name__}"
+        else:
+            how = "committed"
+        return f"PendingCheckpoint(step={self.step}, {how})"
+
+    def done(self) -> bool:
+        """Whether the commit has ended (committed, or failed); never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> CommittedPart:
+        """Waits until the part is committed (at most ``timeout_s`` seconds; ``None``: as
+        long as the commit takes, which its retry deadline bounds) and returns it. May be
+        called again: it returns the same part, or raises the same error.
+
+        :raises TimeoutError: still in flight after ``timeout_s`` seconds (it goes on).
+        :raises StaleAttempt: this attempt was replaced (HTTP 409/401): exit now.
+        :raises CheckpointFailed: the commit failed until the commit deadline.
+        :raises: whatever writing the files raised on the first try (``OSError``...).
+        """
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(
+                f"checkpoint step {self.step} is still being committed after {timeout_s} s"
+            )
+        return self._outcome()
+
+    def _outcome(self) -> CommittedPart:
+        if self._error is not None:
+            self._raised = True
+            _untrack(self)
+            raise self._error
+        assert self._part is not None
+        return self._part
+
+    def _finish(self, part: CommittedPart | None, error: BaseException | None) -> None:
+        self._part, self._error = part, error
+        if error is None:
+            _untrack(self)
+        self._done.set()
+
+    def _settle(self, timeout_s: float, why: str) -> None:
+        """Waits up to ``timeout_s`` seconds; reports on stderr a commit still in flight
+        then, or one that failed without its error having been raised (``why``: when)."""
+        if not self._done.wait(max(timeout_s, 0.0)):
+            print(
+                f"cumulus: checkpoint step {self.step} was still being committed {why} "
+                f"(waited {max(timeout_s, 0.0):.0f} s); it may be lost",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if self._error is not None and not self._raised:
+            self._raised = True
+            _untrack(self)
+            print(
+                f"cumulus: checkpoint step {self.step} was not committed (found {why}): "
+                f"{type(self._error).__name__}: {self._error}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+#: Background commits in flight, or failed with their error not raised yet: waited for
+#: (and reported) at interpreter exit.
+_unsettled: set[PendingCheckpoint] = set()
+_unsettled_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+def _track(pending: PendingCheckpoint) -> None:
+    global _exit_hook_registered
+    with _unsettled_lock:
+        _unsettled.add(pending)
+        if not _exit_hook_registered:
+            atexit.register(_settle_at_exit)
+            _exit_hook_registered = True
+
+
+def _untrack(pending: PendingCheckpoint) -> None:
+    with _unsettled_lock:
+        _unsettled.discard(pending)
+
+
+def _settle_at_exit() -> None:
+    """At interpreter exit: lets every background commit finish (each within its commit
+    deadline plus one request's time limit) and reports any that did not."""
+    start = time.monotonic()
+    with _unsettled_lock:
+        pending = sorted(_unsettled, key=lambda p: p.step)
+    for p in pending:
+        p._settle(start + p._exit_wait_s - time.monotonic(), "at exit")
 
 
 def _state_dict(state: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -178,6 +301,10 @@ class Checkpointer:
     leader failed or was unreachable: the agent keeps the part and re-reports it). A
     409/401 raises :class:`~cumulus.errors.StaleAttempt` at once: another attempt replaced
     this one, and the rank must exit.
+
+    One checkpoint at a time: :meth:`save_async` commits on a background thread, and every
+    checkpoint (:meth:`checkpoint`, :meth:`save`, :meth:`save_async`) first waits for the
+    one in flight, raising its error if :meth:`PendingCheckpoint.wait` did not.
     """
 
     def __init__(
@@ -193,6 +320,9 @@ class Checkpointer:
         self._lock = threading.Lock()
         #: The last step this process committed (``None`` before the first).
         self.last_committed_step: int | None = None
+        #: The latest background commit (see :meth:`save_async`).
+        self._pending: PendingCheckpoint | None = None
+        self._async_lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -215,17 +345,30 @@ class Checkpointer:
             )
         return self._agent, self.context.staging_dir
 
-    @contextmanager
-    def _exclusive(self) -> Iterator[None]:
+    def _acquire(self) -> None:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(
                 "a checkpoint of this rank is already being written (checkpoints cannot be "
                 "nested or written from two threads at once)"
             )
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        self._acquire()
         try:
             yield
         finally:
             self._lock.release()
+
+    def _await_previous(self) -> None:
+        """Waits for the background commit in flight, if any; raises its error unless
+        :meth:`PendingCheckpoint.wait` already did."""
+        pending = self._pending
+        if pending is None:
+            return
+        pending._done.wait()
+        if pending._error is not None and not pending._raised:
+            pending._outcome()
 
     def _check_step(self, step: object) -> int:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -322,6 +465,7 @@ class Checkpointer:
         :raises CheckpointFailed: the commit failed after every retry.
         """
         agent, staging = self._require()
+        self._await_previous()
         with self._exclusive():
             step = self._check_step(step)
             stage = StagedCheckpoint(step, staging, _state_dict(state))
@@ -360,22 +504,123 @@ class Checkpointer:
         :raises: as :meth:`checkpoint`, plus whatever ``write`` raises on the first try.
         """
         agent, staging = self._require()
+        self._await_previous()
         with self._exclusive():
             step = self._check_step(step)
             state_dict = _state_dict(state)
-            state_bytes = _encode_state(state_dict)
+            return self._save_locked(agent, staging, step, write, state_dict)
 
-            def fill() -> None:
-                _empty_dir(staging)
-                write(staging)
-                self._write_state_file(staging, state_bytes)
+    def _save_locked(
+        self,
+        agent: AgentClient,
+        staging: Path,
+        step: int,
+        write: Callable[[Path], None],
+        state: dict[str, Any],
+    ) -> CommittedPart:
+        state_bytes = _encode_state(state)
 
+        def fill() -> None:
+            _empty_dir(staging)
+            write(staging)
+            self._write_state_file(staging, state_bytes)
+
+        try:
+            fill()
+            return self._commit(agent, staging, step, state, rewrite=fill)
+        except BaseException:
+            _empty_dir(staging)
+            raise
+
+    def save_async(
+        self,
+        step: int,
+        snapshot: Callable[[], Callable[[Path], None]],
+        state: Mapping[str, Any] | None = None,
+    ) -> PendingCheckpoint:
+        """Starts committing checkpoint ``step`` on a background thread and returns its
+        handle. On the caller's thread it waits for the previous background commit (and
+        raises its error if nobody has), checks ``step`` and ``state`` (copied, as JSON),
+        then calls ``snapshot()``, which must take a copy of whatever the part holds that
+        training may change and return ``write(staging_dir)``; the background thread then
+        does what :meth:`save` does with that ``write`` (called again before every retry),
+        so the outcome is the same.
+
+        :raises: as :meth:`save` for the previous background commit's error and for
+            what is checked before the snapshot (:class:`~cumulus.errors.NotInCumulusRank`,
+            :class:`~cumulus.errors.CheckpointsDisabled`,
+            :class:`~cumulus.errors.InvalidStep`, :class:`~cumulus.errors.InvalidState`),
+            plus whatever ``snapshot`` raises. The commit's own errors come from
+            :meth:`PendingCheckpoint.wait`.
+        """
+        agent, staging = self._require()
+        with self._async_lock:
+            self._await_previous()
+            self._acquire()
+            previous, pending = self._pending, None
             try:
-                fill()
-                return self._commit(agent, staging, step, state_dict, rewrite=fill)
+                step = self._check_step(step)
+                state_dict: dict[str, Any] = json.loads(_encode_state(_state_dict(state)))
+                write = snapshot()
+                pending = PendingCheckpoint(
+                    step, exit_wait_s=self.commit_deadline_s + CHECKPOINT_TIMEOUT_S
+                )
+                thread = threading.Thread(
+                    target=self._run_async,
+                    args=(pending, agent, staging, step, write, state_dict),
+                    name=f"cumulus-checkpoint-{step}",
+                    daemon=True,
+                )
+                _track(pending)
+                self._pending = pending
+                thread.start()
             except BaseException:
-                _empty_dir(staging)
+                if pending is not None:  # the thread did not start
+                    _untrack(pending)
+                    self._pending = previous
+                self._lock.release()
                 raise
+            return pending
+
+    def _run_async(
+        self,
+        pending: PendingCheckpoint,
+        agent: AgentClient,
+        staging: Path,
+        step: int,
+        write: Callable[[Path], None],
+        state: dict[str, Any],
+    ) -> None:
+        part: CommittedPart | None = None
+        error: BaseException | None = None
+        try:
+            part = self._save_locked(agent, staging, step, write, state)
+        except BaseException as e:
+            # The error is kept (and raised later) with its traceback, but not the frames'
+            # locals: they hold the snapshot.
+            traceback.clear_frames(e.__traceback__)
+            error = e
+        finally:
+            # The lock is free before the handle says done: the next checkpoint takes it.
+            self._lock.release()
+            pending._finish(part, error)
+
+    def wait_pending(self, timeout_s: float | None = None) -> CommittedPart | None:
+        """Waits for the latest background commit (:meth:`save_async`) and returns its
+        part, as :meth:`PendingCheckpoint.wait`; ``None`` when there was none.
+
+        :raises: as :meth:`PendingCheckpoint.wait`.
+        """
+        pending = self._pending
+        return None if pending is None else pending.wait(timeout_s)
+
+    def settle_pending(self, why: str = "at close") -> None:
+        """Waits for the background commit in flight (within its commit deadline plus one
+        request's time limit) and logs on stderr a failure whose error was not raised, or
+        a commit still in flight after that: never raises."""
+        pending = self._pending
+        if pending is not None:
+            pending._settle(pending._exit_wait_s, why)
 
     def resume(self) -> ResumePoint | None:
         """Where this attempt resumes (``None`` for a fresh start): the step, this rank's
