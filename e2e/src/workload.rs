@@ -86,6 +86,21 @@ pub fn trainer_spec(
     }
 }
 
+/// A one-rank job whose rank ignores SIGTERM (and any stop request) and sleeps 10
+/// minutes, with the job's stop grace `stop_grace_ms`: only SIGKILL ends it.
+pub fn sigterm_ignoring_spec(stop_grace_ms: u64) -> v1::JobSpec {
+    v1::JobSpec {
+        world_size: 1,
+        command: vec![
+            "sh".into(),
+            "-c".into(),
+            "trap '' TERM; exec sleep 600".into(),
+        ],
+        stop_grace_ms,
+        ..Default::default()
+    }
+}
+
 /// A rank's `result.json` written by the trainer.
 pub fn read_result(out_dir: &Path, rank: u32) -> anyhow::Result<serde_json::Value> {
     let p = out_dir.join(format!("rank-{rank}")).join("result.json");

@@ -9,7 +9,9 @@
 use std::time::Duration;
 
 use cumulus_api::{JobState, RankPhase, v1};
-use cumulus_e2e::{Cluster, ClusterOpts, prepare_digits, trainer_spec, wait_for};
+use cumulus_e2e::{
+    Cluster, ClusterOpts, prepare_digits, sigterm_ignoring_spec, trainer_spec, wait_for,
+};
 use tonic::Code;
 
 const LONG: Duration = Duration::from_secs(180);
@@ -295,19 +297,7 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
     // 7. A job's stop grace: a rank that ignores SIGTERM is killed after the job's 200 ms,
     // not the agent's 60 s.
     let stubborn = cluster
-        .submit(
-            "stubborn",
-            v1::JobSpec {
-                world_size: 1,
-                command: vec![
-                    "sh".into(),
-                    "-c".into(),
-                    "trap '' TERM; exec sleep 600".into(),
-                ],
-                stop_grace_ms: 200,
-                ..Default::default()
-            },
-        )
+        .submit("stubborn", sigterm_ignoring_spec(200))
         .await
         .expect("submit")
         .job_id;

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use cumulus_api::{JobState, RankPhase, v1};
-use cumulus_e2e::{Cluster, ClusterOpts, prepare_digits, trainer_spec};
+use cumulus_e2e::{Cluster, ClusterOpts, prepare_digits, sigterm_ignoring_spec, trainer_spec};
 
 const LONG: Duration = Duration::from_secs(300);
 
@@ -187,19 +187,7 @@ async fn a_rank_that_ignores_the_request_is_killed_and_a_time_limit_ends_the_job
     // A rank that ignores both the request and SIGTERM: told, SIGTERM after the notice
     // (the job's 300 ms grace), SIGKILL 300 ms later; the job is paused all the same.
     let stubborn = cluster
-        .submit(
-            "stubborn",
-            v1::JobSpec {
-                world_size: 1,
-                command: vec![
-                    "sh".into(),
-                    "-c".into(),
-                    "trap '' TERM; exec sleep 600".into(),
-                ],
-                stop_grace_ms: 300,
-                ..Default::default()
-            },
-        )
+        .submit("stubborn", sigterm_ignoring_spec(300))
         .await
         .expect("submit")
         .job_id;

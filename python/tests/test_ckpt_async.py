@@ -518,17 +518,33 @@ def run_exit_script(agent: FakeAgent, staging: Path) -> subprocess.CompletedProc
     )
 
 
-def test_the_pending_commit_is_waited_for_at_exit(agent: FakeAgent, staging: Path) -> None:
-    def slow_commit(req: Request) -> tuple[int, Any]:
-        time.sleep(1.0)
-        return agent.commit(req)
-
-    agent.queue("/v1/checkpoint", slow_commit)
-    start = time.monotonic()
-    r = run_exit_script(agent, staging)
+def test_the_pending_commit_is_waited_for_at_exit(
+    agent: FakeAgent, staging: Path, gate: Callable[[], Gate]
+) -> None:
+    g = gate()  # the agent holds the commit until the gate opens
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EXIT_SCRIPT, agent.url, str(staging)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert g.entered.wait(60), "the commit never reached the agent"
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # the script's last line ran: it is exiting now
+        # Held at exit while the agent holds the commit (a broken hook exits at once).
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.5)
+        g.open()
+        out, err = proc.communicate(timeout=60)
+        out = first + out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "returned"
-    assert time.monotonic() - start >= 1.0
     part = staging.parent.parent / "step-00000010" / "rank-0" / "attempt-0"
     assert sorted(p.name for p in part.iterdir()) == [
         "cumulus-ckpt.json",
