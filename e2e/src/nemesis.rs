@@ -620,7 +620,10 @@ async fn corrupt_and_rebuild(
         anomaly(format!("cannot remove damaged coordinator {id}: {e}"));
         return Ok(());
     }
+    // `--rejoin-empty` checks the membership with every other coordinator: it gets all
+    // of them as peers, even on a node that joined before (a second corruption).
     cluster.coordinators[i].extra_args = vec!["--rejoin-empty".into()];
+    cluster.coordinators[i].join = false;
     cluster.spawn_coordinator(i)?;
     // From now on it is a member that joined: a later restart must never bootstrap.
     cluster.coordinators[i].extra_args.clear();
