@@ -5,6 +5,13 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+/// True for a job id as the leader makes them (`job-` and 6 to 20 ASCII digits, the
+/// sequence number zero-padded to six).
+pub fn is_job_id(id: &str) -> bool {
+    id.strip_prefix("job-")
+        .is_some_and(|n| (6..=20).contains(&n.len()) && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// Identity of one rank attempt: `(job_id, rank, attempt)`. Displayed as
 /// `job-000001/rank-0/attempt-2`, the form logs and errors use.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -36,7 +36,7 @@ pub mod text;
 pub mod token;
 pub mod users;
 
-pub use attempt::AttemptKey;
+pub use attempt::{AttemptKey, is_job_id};
 pub use files::FileEntry;
 pub use states::{
     CommitTier, JobState, RankPhase, RankState, RestartScope, Role, StopAction, UnknownName,

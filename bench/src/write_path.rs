@@ -291,6 +291,9 @@ impl Template {
             time_limit_ms: 0,
             signal_before_ms: 0,
             priority: 0,
+            resume_from_job: String::new(),
+            resume_from_step: None,
+            preemptible: false,
         };
         let placeholder = "#".repeat(REQUEST_ID_LEN);
         let request = v1::SubmitJobRequest {

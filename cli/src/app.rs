@@ -16,6 +16,7 @@ use crate::jobs;
 use crate::local::{self, LocalError, UpOptions};
 use crate::logs::LogError;
 use crate::render;
+use crate::watch;
 
 /// Runs one command.
 pub async fn run(cli: Cli) -> Result<()> {
@@ -29,6 +30,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Status(j) => jobs::status(&config::resolve(g)?, &j.job, out).await,
         Command::Describe(j) => jobs::describe(&config::resolve(g)?, &j.job, out).await,
         Command::List(l) => jobs::list(&config::resolve(g)?, &l, out).await,
+        Command::Summary(a) => watch::summary(&config::resolve(g)?, &a, out).await,
+        Command::Watch(j) => watch::watch(&config::resolve(g)?, &j.job, out).await,
         Command::Completion(c) => {
             // Into memory first: clap_complete panics on a write error (a closed pipe).
             let mut command = <Cli as clap::CommandFactory>::command();

@@ -121,6 +121,12 @@ pub enum Command {
     Describe(JobArg),
     /// List jobs, oldest first (filters: `--state`, `--name`, `--limit`).
     List(ListArgs),
+    /// Progress summaries: one job's (step, steps/s, ETA, metrics, running and paused
+    /// time, and its progress history), or, without JOB, the newest jobs' in a table.
+    Summary(SummaryArgs),
+    /// Follow a job live until it ends: a progress bar per rank with its step, rate,
+    /// time left and metrics. Exits 0 when the job succeeded.
+    Watch(JobArg),
     /// Cancel a job (its ranks are stopped).
     Cancel(JobArg),
     /// Pause a job: its ranks are asked to checkpoint and stop, then it holds no slots
@@ -307,6 +313,17 @@ pub struct SubmitArgs {
     /// first, in submission order within one priority.
     #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-1000..=1000))]
     pub priority: Option<i32>,
+    /// May be preempted: when a job of higher priority waits for its slots, this job's
+    /// ranks are asked to checkpoint and stop (as for a pause) and the job is queued
+    /// again, resuming from that step; no restart budget is spent.
+    #[arg(long)]
+    pub preemptible: bool,
+    /// Start from a committed checkpoint of an earlier job: `JOB` (its newest step) or
+    /// `JOB@STEP`. Same world size and shard plan as that job; its dataset and
+    /// checkpoint target are used when not given here. The step is kept until this job
+    /// commits one of its own.
+    #[arg(long, value_name = "JOB[@STEP]", value_parser = parse_resume_from)]
+    pub resume_from: Option<ResumeFromArg>,
     /// Running time the job may use, e.g. `90m`, `2h`, `1d` (time paused or queued is
     /// not counted); then it ends `timed_out`.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration_ms)]
@@ -397,6 +414,19 @@ pub struct ListArgs {
     /// Only the newest N jobs (after the other filters).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub limit: Option<u32>,
+}
+
+/// `summary` options.
+#[derive(Debug, Args)]
+pub struct SummaryArgs {
+    /// Job id; without it, the newest jobs' summaries.
+    pub job: Option<String>,
+    /// Without JOB: only jobs in this state.
+    #[arg(long, value_parser = parse_job_state, conflicts_with = "job")]
+    pub state: Option<cumulus_api::JobState>,
+    /// Without JOB: at most this many, newest first (default 50, at most 10000).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000), conflicts_with = "job")]
+    pub limit: u32,
 }
 
 /// `completion SHELL`.
@@ -763,4 +793,39 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
         return Err("the duration must be above zero".into());
     }
     Ok(ms)
+}
+
+/// `--resume-from JOB[@STEP]`: a job and, optionally, one of its committed steps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResumeFromArg {
+    /// The job, `job-NNNNNN`.
+    pub job: String,
+    /// The step (`None`: the job's newest committed one).
+    pub step: Option<u64>,
+}
+
+/// Parses `JOB` or `JOB@STEP` (`job-000012@400`).
+///
+/// # Errors
+/// A job that is not `job-NNNNNN`, or a step that is not a number.
+pub fn parse_resume_from(text: &str) -> Result<ResumeFromArg, String> {
+    let (job, step) = match text.split_once('@') {
+        Some((job, step)) => {
+            let step = step.parse::<u64>().map_err(|_| {
+                format!("step {step:?} is not a number (JOB@STEP, e.g. job-000012@400)")
+            })?;
+            (job, Some(step))
+        }
+        None => (text, None),
+    };
+    if !cumulus_api::is_job_id(job) {
+        return Err(format!(
+            "{} is not a job id (JOB or JOB@STEP, e.g. job-000012@400)",
+            cumulus_api::text::escape_control(job)
+        ));
+    }
+    Ok(ResumeFromArg {
+        job: job.to_string(),
+        step,
+    })
 }

@@ -15,9 +15,10 @@ use cumulus_api::client_service_client::ClientServiceClient;
 use cumulus_api::leader::{self, CallError, ChannelSettings, ConfigError, LeaderClient};
 use cumulus_api::{
     CancelJobRequest, ClusterStatusRequest, ClusterStatusResponse, DeleteJobRequest,
-    DeleteJobResponse, GetJobRequest, JobResponse, ListCheckpointsRequest, ListCheckpointsResponse,
-    ListJobsRequest, ListJobsResponse, PauseJobRequest, PurgeJobsRequest, PurgeJobsResponse,
-    ResumeJobRequest, SubmitJobRequest, SubmitJobResponse,
+    DeleteJobResponse, GetJobRequest, GetJobSummaryRequest, JobResponse, JobSummary,
+    ListCheckpointsRequest, ListCheckpointsResponse, ListJobSummariesRequest,
+    ListJobSummariesResponse, ListJobsRequest, ListJobsResponse, PauseJobRequest, PurgeJobsRequest,
+    PurgeJobsResponse, ResumeJobRequest, SubmitJobRequest, SubmitJobResponse,
 };
 use tonic::transport::Channel;
 use tonic::{Code, Status};
@@ -407,6 +408,28 @@ impl Client {
         .await
     }
 
+    /// `GetJobSummary`.
+    pub async fn get_job_summary(&self, job_id: &str) -> Result<JobSummary, ClientError> {
+        let req = GetJobSummaryRequest {
+            job_id: job_id.to_string(),
+        };
+        self.call("GetJobSummary", req, |mut c, r| async move {
+            c.get_job_summary(r).await
+        })
+        .await
+    }
+
+    /// `ListJobSummaries`.
+    pub async fn list_job_summaries(
+        &self,
+        req: ListJobSummariesRequest,
+    ) -> Result<ListJobSummariesResponse, ClientError> {
+        self.call("ListJobSummaries", req, |mut c, r| async move {
+            c.list_job_summaries(r).await
+        })
+        .await
+    }
+
     /// `ListCheckpoints`.
     pub async fn list_checkpoints(
         &self,
@@ -625,6 +648,20 @@ mod tests {
             ) -> Result<Response<ListCheckpointsResponse>, Status> {
                 self.0.gate(&req)?;
                 Ok(Response::new(ListCheckpointsResponse::default()))
+            }
+            async fn get_job_summary(
+                &self,
+                req: Request<cumulus_api::GetJobSummaryRequest>,
+            ) -> Result<Response<cumulus_api::JobSummary>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::not_found("no such job"))
+            }
+            async fn list_job_summaries(
+                &self,
+                req: Request<cumulus_api::ListJobSummariesRequest>,
+            ) -> Result<Response<cumulus_api::ListJobSummariesResponse>, Status> {
+                self.0.gate(&req)?;
+                Ok(Response::new(Default::default()))
             }
             async fn add_learner(
                 &self,

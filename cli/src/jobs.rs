@@ -134,6 +134,13 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
         time_limit_ms: args.time_limit.unwrap_or(0),
         priority: args.priority.unwrap_or(0),
         signal_before_ms: args.signal_before.unwrap_or(0),
+        resume_from_job: args
+            .resume_from
+            .as_ref()
+            .map(|r| r.job.clone())
+            .unwrap_or_default(),
+        resume_from_step: args.resume_from.as_ref().and_then(|r| r.step),
+        preemptible: args.preemptible,
     };
     Ok(SubmitJobRequest {
         allow_pending: args.allow_pending,

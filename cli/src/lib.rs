@@ -7,6 +7,7 @@
 //! - [`logs`]: SSE log following with lossless, duplicate-free resume;
 //! - [`render`]: human tables;
 //! - [`jobs`]: submit/status/list/cancel/logs/ckpt/cluster commands;
+//! - [`watch`]: `summary` and `watch` (live per-rank progress bars);
 //! - [`dataset`]: `dataset split`;
 //! - [`local`]: `local up/down/status`;
 //! - [`demo`]: the end-to-end demo;
@@ -22,3 +23,4 @@ pub mod jobs;
 pub mod local;
 pub mod logs;
 pub mod render;
+pub mod watch;

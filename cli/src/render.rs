@@ -5,8 +5,8 @@
 
 use comfy_table::{Table, presets};
 use cumulus_api::{
-    ClusterStatusResponse, Job, JobResponse, ListCheckpointsResponse, ListJobsResponse, RankStatus,
-    RestartRecord,
+    ClusterStatusResponse, Job, JobResponse, JobSummary, ListCheckpointsResponse,
+    ListJobSummariesResponse, ListJobsResponse, RankStatus, RestartRecord,
 };
 
 /// Default restart budget of a job whose spec leaves it unset.
@@ -71,7 +71,7 @@ pub fn bytes(n: u64) -> String {
 /// ([`cumulus_api::text::escape_control`]): names, commands, paths and failure causes come
 /// from users and ranks, and a `\n` or an ESC sequence in one must not forge a row or
 /// drive the terminal.
-fn add_row(t: &mut Table, cells: Vec<String>) {
+pub(crate) fn add_row(t: &mut Table, cells: Vec<String>) {
     t.add_row(
         cells
             .into_iter()
@@ -105,7 +105,7 @@ fn budget(job: &Job) -> u32 {
         .unwrap_or(DEFAULT_MAX_RESTARTS)
 }
 
-fn or_dash(s: &str) -> String {
+pub(crate) fn or_dash(s: &str) -> String {
     if s.is_empty() {
         "-".into()
     } else {
@@ -178,13 +178,13 @@ pub fn jobs_table(resp: &ListJobsResponse, now_ms: u64) -> String {
 }
 
 /// A job's state as shown: with a stop in flight, what it is doing (`running, pausing`,
-/// `running, stopping for its time limit`, `running, giving way`).
+/// `running, stopping for its time limit`, `running, being preempted`).
 pub fn job_state_text(job: &cumulus_api::Job) -> String {
     let doing = match job.stop_action.as_str() {
         "" => return cumulus_api::text::escape_control(&job.state).into_owned(),
         "pause" => "pausing",
         "time_limit" => "stopping for its time limit",
-        "preempt" => "giving way",
+        "preempt" => "being preempted",
         _ => "stopping",
     };
     format!("{}, {doing}", cumulus_api::text::escape_control(&job.state))
@@ -253,11 +253,38 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
     if let Some(p) = progress_summary(job) {
         row("progress", p);
     }
+    if job.running_ms > 0 && spec.time_limit_ms == 0 {
+        row("running time", duration_text(job.running_ms));
+    }
+    if job.paused_ms > 0 {
+        row("paused time", duration_text(job.paused_ms));
+    }
     if spec.stop_grace_ms > 0 {
         row("stop grace", duration_text(spec.stop_grace_ms));
     }
-    if spec.priority != 0 {
-        row("priority", spec.priority.to_string());
+    if spec.priority != 0 || spec.preemptible {
+        row(
+            "priority",
+            format!(
+                "{}{}",
+                spec.priority,
+                if spec.preemptible {
+                    " (preemptible)"
+                } else {
+                    ""
+                }
+            ),
+        );
+    }
+    if !spec.resume_from_job.is_empty() {
+        row(
+            "resumed from",
+            format!(
+                "{}@{}",
+                spec.resume_from_job,
+                spec.resume_from_step.map_or("?".into(), |s| s.to_string())
+            ),
+        );
     }
     if spec.time_limit_ms > 0 {
         let mut limit = format!(
@@ -347,15 +374,7 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
             cells.push(or_dash(&r.gpus.join(",")));
         }
         if metrics {
-            let mut named: Vec<(&String, &f64)> = r.metrics.iter().collect();
-            named.sort_by(|a, b| a.0.cmp(b.0));
-            cells.push(or_dash(
-                &named
-                    .iter()
-                    .map(|(k, v)| format!("{k}={v:.4}"))
-                    .collect::<Vec<_>>()
-                    .join(" "),
-            ));
+            cells.push(or_dash(&metrics_text(&r.metrics)));
         }
         add_row(&mut ranks, cells);
     }
@@ -477,6 +496,163 @@ pub fn progress_summary(job: &Job) -> Option<String> {
         text.push_str(&format!(", about {} left", duration_text(slowest.eta_ms)));
     }
     Some(text)
+}
+
+/// Metrics as `name=value` pairs sorted by name, four decimals (`loss=0.2314`); names
+/// and values come from ranks: control characters are escaped.
+pub fn metrics_text<'a>(metrics: impl IntoIterator<Item = (&'a String, &'a f64)>) -> String {
+    let mut named: Vec<(&String, &f64)> = metrics.into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(b.0));
+    let text = named
+        .iter()
+        .map(|(k, v)| format!("{k}={v:.4}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    cumulus_api::text::escape_control(&text).into_owned()
+}
+
+/// `step/total (P%)`, `step` without a total, `-` before any report.
+fn step_of(step: u64, total: u64) -> String {
+    match (step, total) {
+        (0, 0) => "-".into(),
+        (s, 0) => s.to_string(),
+        (s, t) => format!("{s}/{t} ({:.0}%)", 100.0 * s as f64 / t as f64),
+    }
+}
+
+/// Rate with one decimal, `-` when unknown.
+fn rate_text(steps_per_s: f64) -> String {
+    if steps_per_s > 0.0 {
+        format!("{steps_per_s:.1}")
+    } else {
+        "-".into()
+    }
+}
+
+/// One job's summary: its figures, then its progress history (at most
+/// [`SUMMARY_HISTORY_ROWS`] samples, evenly picked, the newest included).
+pub fn summary_text(s: &JobSummary, now_ms: u64) -> String {
+    let mut t = table(&["FIELD", "VALUE"]);
+    let mut row = |k: &str, v: String| add_row(&mut t, vec![k.to_string(), v]);
+    row("job", s.job_id.clone());
+    if !s.name.is_empty() {
+        row(
+            "name",
+            cumulus_api::text::escape_control(&s.name).into_owned(),
+        );
+    }
+    row("state", s.state.clone());
+    row("step", step_of(s.step, s.total_steps));
+    row(
+        "steps/s",
+        match (s.steps_per_s > 0.0, s.state == "running") {
+            (false, _) => "unknown".into(),
+            (true, true) => format!("{:.1}", s.steps_per_s),
+            (true, false) => format!("{:.1} (last seen while running)", s.steps_per_s),
+        },
+    );
+    if s.eta_ms > 0 {
+        row("time left", format!("about {}", duration_text(s.eta_ms)));
+    }
+    row("running time", duration_text(s.running_ms));
+    if s.paused_ms > 0 {
+        row("paused time", duration_text(s.paused_ms));
+    }
+    row("restarts", s.restarts_used.to_string());
+    row(
+        "committed step",
+        s.committed_step.map_or("none".into(), |c| c.to_string()),
+    );
+    if !s.metrics.is_empty() {
+        row("metrics", metrics_text(&s.metrics));
+    }
+    row("submitted", age(s.submitted_at_ms, now_ms));
+    if s.finished_at_ms > 0 {
+        row("finished", age(s.finished_at_ms, now_ms));
+    }
+    if !s.live {
+        row(
+            "note",
+            "this leader has not seen the job's ranks report (a leader change, or its history was dropped): step from the job's record only".into(),
+        );
+    }
+    let mut out = table_text(&t);
+    if !s.history.is_empty() {
+        out.push('\n');
+        let mut h = table(&["TIME", "STEP", "STEPS/S", "METRICS"]);
+        let n = s.history.len();
+        let rows = n.min(SUMMARY_HISTORY_ROWS);
+        let picked: Vec<usize> = (0..rows)
+            .map(|i| {
+                if rows == 1 {
+                    n - 1
+                } else {
+                    i * (n - 1) / (rows - 1)
+                }
+            })
+            .collect();
+        for i in picked {
+            let x = &s.history[i];
+            add_row(
+                &mut h,
+                vec![
+                    age(x.at_ms, now_ms),
+                    step_of(x.step, x.total_steps),
+                    rate_text(x.steps_per_s),
+                    or_dash(&metrics_text(&x.metrics)),
+                ],
+            );
+        }
+        out.push_str(&table_text(&h));
+    }
+    out
+}
+
+/// Most history rows `summary JOB` prints.
+pub const SUMMARY_HISTORY_ROWS: usize = 12;
+
+/// The newest jobs' summaries, one row each.
+pub fn summaries_table(resp: &ListJobSummariesResponse, now_ms: u64) -> String {
+    let mut t = table(&[
+        "JOB",
+        "NAME",
+        "STATE",
+        "STEP",
+        "STEPS/S",
+        "LEFT",
+        "RAN",
+        "PAUSED",
+        "RESTARTS",
+        "SUBMITTED",
+        "METRICS",
+    ]);
+    for s in &resp.summaries {
+        add_row(
+            &mut t,
+            vec![
+                s.job_id.clone(),
+                or_dash(&cumulus_api::text::escape_control(&s.name)),
+                s.state.clone(),
+                step_of(s.step, s.total_steps),
+                rate_text(s.steps_per_s),
+                if s.eta_ms > 0 {
+                    duration_text(s.eta_ms)
+                } else {
+                    "-".into()
+                },
+                duration_text(s.running_ms),
+                if s.paused_ms > 0 {
+                    duration_text(s.paused_ms)
+                } else {
+                    "-".into()
+                },
+                s.restarts_used.to_string(),
+                age(s.submitted_at_ms, now_ms),
+                or_dash(&metrics_text(&s.metrics)),
+            ],
+        );
+    }
+    table_text(&t)
 }
 
 /// `950 ms`, `42s`, `7m 05s`, `3h 12m`.

@@ -222,7 +222,7 @@ pub async fn submit(
     require_role(who, Role::Submit, "submit jobs")?;
     let start_ns = stage::now_ns();
     let mut proposed_ns = None;
-    let result = submit_checked(node, &who.name, req, &mut proposed_ns).await;
+    let result = submit_checked(node, who, req, &mut proposed_ns).await;
     if let Some(proposed_ns) = proposed_ns {
         tracing::trace!(
             target: stage::TARGET,
@@ -239,10 +239,11 @@ pub async fn submit(
 /// command goes to Raft.
 async fn submit_checked(
     node: &Node,
-    owner: &str,
-    req: v1::SubmitJobRequest,
+    who: &Principal,
+    mut req: v1::SubmitJobRequest,
     proposed_ns: &mut Option<u64>,
 ) -> Result<v1::SubmitJobResponse, ApiError> {
+    let owner = who.name.as_str();
     node.require_leader()?;
     if req.request_id.is_empty() || req.request_id.len() > 128 {
         return Err(ApiError::InvalidArgument(
@@ -256,7 +257,15 @@ async fn submit_checked(
     };
     // A retried request id returns its job before any validation against today's disk.
     let existing = node.read_state(|s| s.request_ids.get(&req.request_id).cloned());
-    let spec = spec_from_proto(spec, node.limits.max_world_size)?;
+    if !spec.resume_from_job.is_empty() {
+        let mut spec = spec.clone();
+        fill_from_resumed_job(node, who, &mut spec)?;
+        req.spec = Some(spec);
+    }
+    let spec = spec_from_proto(
+        req.spec.as_ref().expect("checked above"),
+        node.limits.max_world_size,
+    )?;
     let roots = &node.limits.roots;
     if existing.is_none() {
         // Checked at admission, not in `apply`: the log may hold older jobs' names.
@@ -368,6 +377,55 @@ async fn submit_checked(
     }
 }
 
+/// Completes a spec that resumes from an earlier job (`resume_from_job`): the step
+/// defaults to that job's newest committed one, and the dataset and checkpoint target
+/// (which must be the same) to that job's when left empty. Whether the step, world size
+/// and shard plan fit is `apply`'s check.
+///
+/// # Errors
+/// `InvalidArgument` for a malformed id; `NotFound` for an unknown job;
+/// `PermissionDenied` when `who` may not read that job's checkpoints;
+/// `FailedPrecondition` when it has no committed step.
+fn fill_from_resumed_job(
+    node: &Node,
+    who: &Principal,
+    spec: &mut v1::JobSpec,
+) -> Result<(), ApiError> {
+    let job_id = spec.resume_from_job.clone();
+    if !cumulus_raft_store::state::is_job_id(&job_id) {
+        return Err(ApiError::InvalidArgument(format!(
+            "resume_from {} is not a job id (job-NNNNNN)",
+            cumulus_api::text::escape_control(&job_id)
+        )));
+    }
+    require_owner(node, who, &job_id, "resume from")?;
+    let (source, newest) = node
+        .read_state(|s| {
+            s.jobs
+                .get(&job_id)
+                .map(|j| (j.spec.clone(), j.committed_step))
+        })
+        .ok_or_else(|| ApiError::NotFound(format!("no job {job_id:?}")))?;
+    if spec.resume_from_step.is_none() {
+        spec.resume_from_step = Some(newest.ok_or_else(|| {
+            ApiError::FailedPrecondition(format!(
+                "{job_id} has no committed checkpoint to resume from"
+            ))
+        })?);
+    }
+    if spec.dataset.is_empty() {
+        spec.dataset = source.dataset;
+    }
+    if spec.ckpt_dir.is_empty() && spec.ckpt_url.is_empty() {
+        spec.ckpt_dir = source.ckpt_dir;
+        spec.ckpt_url = source.ckpt_url;
+        if spec.ckpt_commit_tier.is_empty() {
+            spec.ckpt_commit_tier = source.ckpt_commit_tier;
+        }
+    }
+    Ok(())
+}
+
 /// Reads one job; with `linearizable` the read goes through the leader's read index.
 ///
 /// # Errors
@@ -396,6 +454,80 @@ pub async fn get_job(
         job: Some(job),
         linearizable,
     })
+}
+
+/// Most summaries one `ListJobSummaries` answers.
+pub const MAX_SUMMARIES: usize = 10_000;
+/// Summaries a `ListJobSummaries` without a limit answers.
+pub const DEFAULT_SUMMARIES: usize = 1_000;
+
+/// One job's summary with its progress history (the leader's soft state: ask the
+/// leader for live figures).
+///
+/// # Errors
+/// `NotFound` for an unknown id.
+pub fn job_summary(node: &Node, job_id: &str) -> Result<v1::JobSummary, ApiError> {
+    let job = node
+        .read_state(|s| s.jobs.get(job_id).cloned())
+        .ok_or_else(|| {
+            ApiError::NotFound(format!(
+                "no job {job_id:?} (list jobs with `cumulusctl list`)"
+            ))
+        })?;
+    let soft = node.soft();
+    Ok(crate::convert::job_summary(
+        &job,
+        &soft.progress,
+        soft.history.get(job_id),
+        now_ms(),
+        true,
+    ))
+}
+
+/// Summaries of the newest jobs (of `state`, or any), newest first, without history.
+///
+/// # Errors
+/// `InvalidArgument` for an unknown state or a limit above [`MAX_SUMMARIES`].
+pub fn job_summaries(
+    node: &Node,
+    req: &v1::ListJobSummariesRequest,
+) -> Result<v1::ListJobSummariesResponse, ApiError> {
+    let state = if req.state.is_empty() {
+        None
+    } else {
+        Some(
+            req.state
+                .parse::<cumulus_api::JobState>()
+                .map_err(|e| ApiError::InvalidArgument(e.to_string()))?,
+        )
+    };
+    let limit = match req.limit as usize {
+        0 => DEFAULT_SUMMARIES,
+        n if n > MAX_SUMMARIES => {
+            return Err(ApiError::InvalidArgument(format!(
+                "limit {n} is above {MAX_SUMMARIES}"
+            )));
+        }
+        n => n,
+    };
+    let jobs: Vec<_> = node.read_state(|s| {
+        s.jobs
+            .values()
+            .rev()
+            .filter(|j| state.is_none_or(|st| j.state == st))
+            .take(limit)
+            .cloned()
+            .collect()
+    });
+    let soft = node.soft();
+    let now = now_ms();
+    let summaries = jobs
+        .iter()
+        .map(|j| {
+            crate::convert::job_summary(j, &soft.progress, soft.history.get(&j.id), now, false)
+        })
+        .collect();
+    Ok(v1::ListJobSummariesResponse { summaries })
 }
 
 /// Lists every job.
@@ -495,6 +627,16 @@ async fn delete_checkpoints(
             "the checkpoints of {job_id} could not be deleted (the job is kept; retry): {e}"
         ))
     };
+    if let Some((fork, step)) = node
+        .read_state(|s| s.fork_references(job_id))
+        .into_iter()
+        .next()
+    {
+        return Err(ApiError::FailedPrecondition(format!(
+            "{fork} resumes from step {step} of {job_id} and has committed no step of its own yet: \
+             delete {job_id} without its checkpoints, or once {fork} has committed"
+        )));
+    }
     let mut found = false;
     if !spec.ckpt_url.is_empty() {
         let store = node.s3.store(&spec.ckpt_url).await.map_err(failed)?;
@@ -588,6 +730,8 @@ pub async fn purge(
             .filter(|j| state.is_none_or(|st| j.state == st))
             .filter(|j| j.finished_at_ms <= cutoff_ms)
             .filter(|j| who.owns_or_administers(&j.owner))
+            // A job another one still resumes from keeps its checkpoints, and so its record.
+            .filter(|j| !req.checkpoints || s.fork_references(&j.id).is_empty())
             .take(MAX_PURGE_JOBS)
             .map(|j| (j.id.clone(), j.spec.clone()))
             .collect()

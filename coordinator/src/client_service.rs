@@ -124,6 +124,24 @@ impl ClientService for ClientSvc {
             .map_err(to_status)
     }
 
+    async fn get_job_summary(
+        &self,
+        req: Request<v1::GetJobSummaryRequest>,
+    ) -> Result<Response<v1::JobSummary>, Status> {
+        api::job_summary(&self.node, &req.into_inner().job_id)
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    async fn list_job_summaries(
+        &self,
+        req: Request<v1::ListJobSummariesRequest>,
+    ) -> Result<Response<v1::ListJobSummariesResponse>, Status> {
+        api::job_summaries(&self.node, &req.into_inner())
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
     async fn add_learner(
         &self,
         req: Request<v1::AddLearnerRequest>,

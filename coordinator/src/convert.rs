@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use cumulus_api::{RankPhase, v1};
 use cumulus_raft_store::state::{
-    ClusterState, Job, JobSpec, JobState, RankState, RestartPolicy, RestartScope, StopAction,
-    WorkerState,
+    ClusterState, Job, JobSpec, JobState, RankState, RestartPolicy, RestartScope, ResumeFrom,
+    StopAction, WorkerState,
 };
 
 use crate::error::ApiError;
@@ -67,6 +67,11 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
         time_limit_ms: p.time_limit_ms,
         signal_before_ms: p.signal_before_ms,
         priority: p.priority,
+        resume_from: (!p.resume_from_job.is_empty()).then(|| ResumeFrom {
+            job_id: p.resume_from_job.clone(),
+            step: p.resume_from_step,
+        }),
+        preemptible: p.preemptible,
     };
     spec.validate(max_world_size)
         .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
@@ -104,6 +109,13 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         time_limit_ms: s.time_limit_ms,
         signal_before_ms: s.signal_before_ms,
         priority: s.priority,
+        resume_from_job: s
+            .resume_from
+            .as_ref()
+            .map(|r| r.job_id.clone())
+            .unwrap_or_default(),
+        resume_from_step: s.resume_from.as_ref().and_then(|r| r.step),
+        preemptible: s.preemptible,
     }
 }
 
@@ -168,6 +180,8 @@ pub fn job_to_proto(
                         .unwrap_or_default(),
                     steps_per_s: p.map_or(0.0, |p| p.steps_per_s),
                     eta_ms: p.map_or(0, ProgressSoft::eta_ms),
+                    resume_step: r.resume_step,
+                    resume_job_id: r.resume_job_id.clone(),
                 }
             })
             .collect(),
@@ -195,6 +209,99 @@ pub fn job_to_proto(
             .map_or("", |s| s.action.as_str())
             .to_string(),
         running_ms: job.running_ms_at(now_ms),
+        paused_ms: job.paused_ms_at(now_ms),
+    }
+}
+
+/// A job's summary at leader time `now_ms`: the record's facts, with the live progress
+/// of its current attempts (`progress`) while it runs, and else the latest the leader's
+/// `history` saw; the samples of that history when `with_history`.
+pub fn job_summary(
+    job: &Job,
+    progress: &HashMap<AttemptKey, ProgressSoft>,
+    history: Option<&crate::soft::JobHistory>,
+    now_ms: u64,
+    with_history: bool,
+) -> v1::JobSummary {
+    let attempts: Vec<AttemptKey> = job
+        .ranks
+        .iter()
+        .map(|r| AttemptKey::new(job.id.clone(), r.rank, r.attempt))
+        .collect();
+    let running = job.state == JobState::Running;
+    let live = running
+        .then(|| crate::soft::job_progress(&attempts, progress))
+        .flatten();
+    // The replicated record: the step each rank reported with its exit, the slowest.
+    let recorded = (
+        job.ranks
+            .iter()
+            .map(|r| r.last_progress.0)
+            .min()
+            .unwrap_or(0),
+        job.ranks
+            .iter()
+            .map(|r| r.last_progress.1)
+            .max()
+            .unwrap_or(0),
+    );
+    let seen = live.clone().or_else(|| history.map(|h| h.latest.clone()));
+    let (step, total_steps) = match (&live, &seen) {
+        (Some(p), _) => (p.step.max(recorded.0), p.total_steps.max(recorded.1)),
+        // After the run, the exits' reports are the newest facts.
+        (None, Some(p)) if recorded.1 > 0 => (recorded.0.max(p.step), recorded.1),
+        (None, Some(p)) => (p.step, p.total_steps),
+        (None, None) => recorded,
+    };
+    let steps_per_s = seen.as_ref().map_or(0.0, |p| p.steps_per_s);
+    let eta_ms = live.as_ref().map_or(0, |p| {
+        crate::soft::JobProgress {
+            step,
+            total_steps,
+            steps_per_s: p.steps_per_s,
+            metrics: Default::default(),
+        }
+        .eta_ms()
+    });
+    let history_samples = match (with_history, history) {
+        (true, Some(h)) => h
+            .samples
+            .iter()
+            .map(|x| v1::ProgressSample {
+                at_ms: x.at_ms,
+                step: x.step,
+                total_steps: x.total_steps,
+                steps_per_s: x.steps_per_s,
+                metrics: h
+                    .metric_names
+                    .iter()
+                    .zip(&x.metrics)
+                    .filter(|(_, v)| v.is_finite())
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect(),
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    v1::JobSummary {
+        job_id: job.id.clone(),
+        name: job.spec.name.clone(),
+        state: job.state.as_str().to_string(),
+        step,
+        total_steps,
+        steps_per_s,
+        eta_ms,
+        metrics: seen
+            .map(|p| p.metrics.into_iter().collect())
+            .unwrap_or_default(),
+        restarts_used: job.restarts_used,
+        running_ms: job.running_ms_at(now_ms),
+        paused_ms: job.paused_ms_at(now_ms),
+        committed_step: job.committed_step,
+        submitted_at_ms: job.submitted_at_ms,
+        finished_at_ms: job.finished_at_ms,
+        history: history_samples,
+        live: live.is_some() || (!running && history.is_some()),
     }
 }
 
@@ -255,6 +362,7 @@ pub fn desired_for_worker(
                 ckpt_dir: job.spec.ckpt_dir.clone(),
                 resume_step: r.resume_step,
                 resume_dir: r.resume_dir.clone(),
+                resume_job_id: r.resume_job_id.clone(),
                 working_dir: job.spec.working_dir.clone(),
                 ckpt_url: job.spec.ckpt_url.clone(),
                 ckpt_commit_tier: job.spec.ckpt_commit_tier.clone(),

@@ -31,6 +31,8 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/jobs", get(list_jobs).post(submit))
         .route("/v1/jobs/{id}", get(get_job).delete(delete_job))
         .route("/v1/jobs/purge", post(purge))
+        .route("/v1/jobs/summaries", get(summaries))
+        .route("/v1/jobs/{id}/summary", get(summary))
         .route("/v1/jobs/{id}/cancel", post(cancel))
         .route("/v1/jobs/{id}/pause", post(pause))
         .route("/v1/jobs/{id}/resume", post(resume))
@@ -186,6 +188,35 @@ async fn who_am_i(Extension(who): Extension<Principal>) -> Json<v1::WhoAmIRespon
         name: who.name,
         role: who.role.to_string(),
     })
+}
+
+async fn summary(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+) -> Result<Json<v1::JobSummary>, HttpError> {
+    Ok(Json(api::job_summary(&node, &id)?))
+}
+
+/// `?state=running&limit=100` on `GET /v1/jobs/summaries`.
+#[derive(Deserialize, Default)]
+struct SummaryParams {
+    #[serde(default)]
+    state: String,
+    #[serde(default)]
+    limit: u32,
+}
+
+async fn summaries(
+    State(node): State<Arc<Node>>,
+    Query(p): Query<SummaryParams>,
+) -> Result<Json<v1::ListJobSummariesResponse>, HttpError> {
+    Ok(Json(api::job_summaries(
+        &node,
+        &v1::ListJobSummariesRequest {
+            state: p.state,
+            limit: p.limit,
+        },
+    )?))
 }
 
 async fn checkpoints(

@@ -337,3 +337,246 @@ async fn the_queue_starts_higher_priority_first_and_never_passes_a_waiting_wide_
         assert!(out.status.success(), "{}", stderr(&out));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_resumed_from_a_middle_step_of_another_ends_with_identical_weights() {
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 2,
+        slots: 2,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 4).expect("shards");
+    let args = train_args(3);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut spec = trainer_spec(&w, 2, &root.join("ckpt"), &root.join("out-source"), &args);
+    spec.ckpt_keep = Some(100);
+    let source = cluster.submit("source", spec).await.expect("submit").job_id;
+    let done = cluster.wait_finished(&source, LONG).await;
+    assert_eq!(done.job_state(), Ok(JobState::Succeeded), "{done:?}");
+    let out = cluster
+        .cumulusctl(&["ckpt", "ls", &source, "-o", "json"])
+        .expect("ckpt ls");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let listed: v1::ListCheckpointsResponse =
+        serde_json::from_slice(&out.stdout).expect("checkpoints JSON");
+    let steps: Vec<u64> = listed.checkpoints.iter().map(|c| c.step).collect();
+    assert!(steps.len() >= 3, "steps {steps:?}");
+    let middle = steps[steps.len() / 2];
+
+    // Through the CLI, as a user: the dataset and checkpoint dir come from the source.
+    let trainer = trainer_spec(&w, 2, &root.join("ckpt"), &root.join("out-fork"), &args).command;
+    let from = format!("{source}@{middle}");
+    let mut submit = vec![
+        "submit",
+        "--world-size",
+        "2",
+        "--resume-from",
+        &from,
+        "-o",
+        "json",
+        "--",
+    ];
+    submit.extend(trainer.iter().map(String::as_str));
+    let out = cluster.cumulusctl(&submit).expect("submit");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let fork = serde_json::from_slice::<v1::SubmitJobResponse>(&out.stdout)
+        .expect("submit JSON")
+        .job_id;
+    let first = cluster
+        .wait_job(&fork, "placed", LONG, |j| {
+            j.ranks.iter().all(|r| !r.worker_id.is_empty())
+        })
+        .await;
+    assert!(
+        first.ranks.iter().all(|r| r.resume_step == Some(middle)),
+        "{first:?}"
+    );
+    let spec = first.spec.clone().expect("spec");
+    assert_eq!(spec.resume_from_job, source);
+    assert_eq!(spec.resume_from_step, Some(middle));
+    assert_eq!(spec.dataset, w.shards_dir.to_string_lossy());
+    let done = cluster.wait_finished(&fork, LONG).await;
+    assert_eq!(done.job_state(), Ok(JobState::Succeeded), "{done:?}");
+    assert_eq!(done.restarts_used, 0);
+    let logs = cluster.cumulusctl(&["logs", &fork]).expect("logs");
+    assert!(
+        stdout(&logs).contains(&format!("resumed from step {middle}")),
+        "{}",
+        stdout(&logs)
+    );
+    for rank in 0..2 {
+        let a = std::fs::read(root.join(format!("out-source/rank-{rank}/weights.bin")))
+            .expect("weights");
+        let b =
+            std::fs::read(root.join(format!("out-fork/rank-{rank}/weights.bin"))).expect("weights");
+        assert!(a == b, "rank {rank}: weights differ from the source's");
+    }
+    // The fork's checkpoints are its own; the source's are untouched.
+    let out = cluster
+        .cumulusctl(&["ckpt", "ls", &source, "-o", "json"])
+        .expect("ckpt ls");
+    let after: v1::ListCheckpointsResponse =
+        serde_json::from_slice(&out.stdout).expect("checkpoints JSON");
+    assert_eq!(
+        after.checkpoints.iter().map(|c| c.step).collect::<Vec<_>>(),
+        steps
+    );
+
+    // What cannot be resumed is refused at submit, with the reason.
+    let wide = vec![
+        "submit",
+        "--world-size",
+        "3",
+        "--resume-from",
+        &from,
+        "--",
+        "true",
+    ];
+    let out = cluster.cumulusctl(&wide).expect("submit");
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("keeps the world size"),
+        "{}",
+        stderr(&out)
+    );
+    let gone = format!("{source}@{}", middle + 1);
+    let out = cluster
+        .cumulusctl(&[
+            "submit",
+            "--world-size",
+            "2",
+            "--resume-from",
+            &gone,
+            "--",
+            "true",
+        ])
+        .expect("submit");
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("not one of its committed steps"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// The job's summary through `cumulusctl summary JOB -o json`.
+fn summary(cluster: &Cluster, job: &str) -> v1::JobSummary {
+    let out = cluster
+        .cumulusctl(&["summary", job, "-o", "json"])
+        .expect("summary");
+    assert!(out.status.success(), "{}", stderr(&out));
+    serde_json::from_slice(&out.stdout).expect("summary JSON")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preemptible_job_gives_way_to_a_higher_priority_one_and_summaries_track_the_rate() {
+    // One worker of two slots: the two jobs cannot run side by side.
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 1,
+        slots: 2,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 4).expect("shards");
+    let long_args = train_args(8);
+    let long_args: Vec<&str> = long_args.iter().map(String::as_str).collect();
+    let mut low = trainer_spec(&w, 2, &root.join("ckpt"), &root.join("out-low"), &long_args);
+    low.preemptible = true;
+    let low = cluster.submit("low", low).await.expect("submit").job_id;
+
+    // While it runs, the leader's rate and time left agree with the trainer's own
+    // timing (its `steps_per_s` metric, a mean since the attempt started) within 10%.
+    let agreed = cluster
+        .wait_job(&low, "a steady rate", LONG, |j| {
+            j.committed_step.is_some_and(|s| s >= 20)
+                && j.ranks.iter().all(|r| r.phase() == Ok(RankPhase::Running))
+        })
+        .await;
+    assert_eq!(agreed.ranks.len(), 2);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let (s, own) = loop {
+        let s = summary(&cluster, &low);
+        let own = s.metrics.get("steps_per_s").copied().unwrap_or(0.0);
+        if s.live && s.steps_per_s > 0.0 && own > 0.0 && (s.steps_per_s - own).abs() <= 0.1 * own {
+            break (s, own);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the leader's rate never came within 10% of the trainer's: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(s.total_steps > s.step, "{s:?}");
+    let own_eta_ms = (s.total_steps - s.step) as f64 / own * 1000.0;
+    assert!(
+        (s.eta_ms as f64 - own_eta_ms).abs() <= 0.1 * own_eta_ms,
+        "eta {} ms vs the trainer's {own_eta_ms:.0} ms",
+        s.eta_ms
+    );
+    assert!(s.running_ms > 0);
+    assert!(!s.history.is_empty(), "{s:?}");
+
+    // A higher-priority job: the preemptible one checkpoints, stops, and waits.
+    let short_args = train_args(1);
+    let short_args: Vec<&str> = short_args.iter().map(String::as_str).collect();
+    let mut high = trainer_spec(
+        &w,
+        2,
+        &root.join("ckpt"),
+        &root.join("out-high"),
+        &short_args,
+    );
+    high.priority = 5;
+    let high = cluster.submit("high", high).await.expect("submit").job_id;
+    let requeued = cluster
+        .wait_job(&low, "preempted and queued again", LONG, |j| {
+            j.job_state() == Ok(JobState::Pending) && j.committed_step.is_some()
+        })
+        .await;
+    assert_eq!(requeued.restarts_used, 0, "a preemption spends no budget");
+    let high_done = cluster.wait_finished(&high, LONG).await;
+    assert_eq!(
+        high_done.job_state(),
+        Ok(JobState::Succeeded),
+        "{high_done:?}"
+    );
+    let low_done = cluster.wait_finished(&low, LONG).await;
+    assert_eq!(
+        low_done.job_state(),
+        Ok(JobState::Succeeded),
+        "{low_done:?}"
+    );
+    assert_eq!(low_done.restarts_used, 0);
+    assert!(
+        low_done.ranks.iter().all(|r| r.attempt == 1),
+        "{low_done:?}"
+    );
+    assert!(
+        low_done.finished_at_ms > high_done.finished_at_ms,
+        "the preempted job ended after the one it gave way to"
+    );
+    let logs = cluster.cumulusctl(&["logs", &low]).expect("logs");
+    let text = stdout(&logs);
+    assert!(
+        text.contains("asked to preempt: stopped at checkpoint step"),
+        "{text}"
+    );
+
+    // After the end, the summary keeps what was seen.
+    let s = summary(&cluster, &low);
+    assert_eq!(s.state, "succeeded");
+    assert!(s.total_steps > 0 && s.step == s.total_steps, "{s:?}");
+    assert!(s.steps_per_s > 0.0 && s.eta_ms == 0, "{s:?}");
+    assert!(s.metrics.contains_key("loss"), "{s:?}");
+    let out = cluster
+        .cumulusctl(&["summary", "--state", "succeeded"])
+        .expect("summaries");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    assert!(table.contains(&low) && table.contains(&high), "{table}");
+}

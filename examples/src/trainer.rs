@@ -773,6 +773,9 @@ struct ProgressSender<'c> {
     failures: u64,
     /// The first stop request a reply carried.
     asked: Option<StopAction>,
+    /// When this attempt's first report was sent, and its step: the trainer's own rate
+    /// (the `steps_per_s` metric, its mean since then) is measured from there.
+    first: Option<(Instant, u64)>,
 }
 
 impl ProgressSender<'_> {
@@ -785,10 +788,16 @@ impl ProgressSender<'_> {
         {
             return;
         }
-        self.last_sent = Some(Instant::now());
+        let now = Instant::now();
+        self.last_sent = Some(now);
         let mut metrics = std::collections::BTreeMap::new();
         if let Some(l) = loss.filter(|l| l.is_finite()) {
             metrics.insert("loss".to_string(), l);
+        }
+        let (t0, step0) = *self.first.get_or_insert((now, step));
+        let secs = now.duration_since(t0).as_secs_f64();
+        if secs > 0.0 && step > step0 {
+            metrics.insert("steps_per_s".to_string(), (step - step0) as f64 / secs);
         }
         let report = ProgressReport {
             step,
@@ -985,6 +994,7 @@ pub fn run(
         last_sent: None,
         failures: 0,
         asked: None,
+        first: None,
     };
     while let Some(report) = trainer.train_step() {
         let step = report.step;

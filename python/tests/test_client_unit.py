@@ -1331,3 +1331,363 @@ def test_submit_sends_the_priority_and_refuses_one_out_of_range(
         with pytest.raises(errors.InvalidSpec, match="priority must be an integer"):
             client.submit(["x"], priority=bad)  # type: ignore[arg-type]
     assert len(script.calls) == 3, "nothing sent for a refused priority"
+
+
+def test_submit_sends_resume_from_and_preemptible_only_when_given(
+    client: Client, script: Script
+) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000002", "created": True}))
+    client.submit(["x"])
+    client.submit(["x"], resume_from="job-000012")
+    client.submit(["x"], resume_from="job-000012@400")
+    client.submit(["x"], resume_from=("job-000012", 400))
+    client.submit(["x"], resume_from="job-00000000000000000001@0", preemptible=True)
+    client.submit(["x"], resume_from=("job-000012", 2**64 - 1), preemptible=False)
+    client.submit(["x"], preemptible=True)
+    specs = [json.loads(r.content)["spec"] for r in script.calls]
+    fields = [
+        {k: v for k, v in s.items() if k.startswith("resume_from") or k == "preemptible"}
+        for s in specs
+    ]
+    assert fields == [
+        {},
+        {"resume_from_job": "job-000012"},
+        {"resume_from_job": "job-000012", "resume_from_step": 400},
+        {"resume_from_job": "job-000012", "resume_from_step": 400},
+        {"resume_from_job": "job-00000000000000000001", "resume_from_step": 0, "preemptible": True},
+        {"resume_from_job": "job-000012", "resume_from_step": 2**64 - 1},
+        {"preemptible": True},
+    ]
+    # What the new job does not set is left for the coordinator to take from the source.
+    assert (specs[1]["dataset"], specs[1]["ckpt_dir"], specs[1]["ckpt_url"]) == ("", "", "")
+
+
+def test_run_passes_resume_from_and_preemptible_on(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000002", "created": True}))
+    script.on(A, "GET", "/v1/jobs/job-000002", ok({"job": job_json("job-000002", "succeeded")}))
+    client.run(["x"], timeout_s=5, resume_from="job-000001@3", preemptible=True)
+    spec = json.loads(script.calls[0].content)["spec"]
+    assert (spec["resume_from_job"], spec["resume_from_step"], spec["preemptible"]) == (
+        "job-000001",
+        3,
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("resume_from", "match"),
+    [
+        ("", "resume_from must name a job id"),
+        ("job-1", "resume_from must name a job id"),
+        ("job-12345", "resume_from must name a job id"),
+        ("job-000000000000000000001", "resume_from must name a job id"),  # 21 digits
+        ("Job-000012", "resume_from must name a job id"),
+        ("job-00001x", "resume_from must name a job id"),
+        ("job-\u0661\u0662\u0663\u0664\u0665\u0666", "resume_from must name a job id"),
+        (" job-000012", "resume_from must name a job id"),
+        ("job-000012/x", "resume_from must name a job id"),
+        ("@400", "resume_from must name a job id"),
+        ("job-000012@", "resume_from: step '' is not a number"),
+        ("job-000012@-1", "resume_from: step '-1' is not a number"),
+        ("job-000012@+4", "resume_from: step '\\+4' is not a number"),
+        ("job-000012@4_0", "is not a number"),
+        ("job-000012@ 4", "is not a number"),
+        ("job-000012@1.5", "is not a number"),
+        ("job-000012@4@5", "is not a number"),
+        ("job-000012@\u0664", "is not a number"),
+        ("job-000012@18446744073709551616", "resume_from: the step must be an int"),
+        ("job-000012@" + "9" * 5000, "resume_from: the step must be an int"),
+        (("job-000012", -1), "resume_from: the step must be an int"),
+        (("job-000012", True), "resume_from: the step must be an int"),
+        (("job-000012", 1.0), "resume_from: the step must be an int"),
+        (("job-000012", "400"), "resume_from: the step must be an int"),
+        (("job-000012", 2**64), "resume_from: the step must be an int"),
+        (("job-000012", None), "resume_from: the step of a .JOB, STEP. pair must be an int"),
+        (("job-1", 4), "resume_from must name a job id"),
+        ((12, 4), "resume_from must name a job id"),
+        (("job-000012",), "resume_from must be"),
+        (("job-000012", 4, 5), "resume_from must be"),
+        (["job-000012", 4], "resume_from must be"),
+        (12, "resume_from must be"),
+        (b"job-000012", "resume_from must be"),
+    ],
+)
+def test_submit_refuses_bad_resume_from(
+    client: Client, script: Script, resume_from: Any, match: str
+) -> None:
+    with pytest.raises(errors.InvalidSpec, match=match) as e:
+        client.submit(["x"], resume_from=resume_from)
+    assert isinstance(e.value, ValueError)
+    assert e.value.status is None and script.calls == []
+
+
+@pytest.mark.parametrize("flag", ["false", 0, 1, None])
+def test_submit_takes_only_a_bool_for_preemptible(
+    client: Client, script: Script, flag: Any
+) -> None:
+    with pytest.raises(errors.InvalidSpec, match="preemptible must be True or False"):
+        client.submit(["x"], preemptible=flag)
+    assert script.calls == []
+
+
+def test_job_info_shows_resume_from_and_preemptible() -> None:
+    # Answers of an older coordinator, without the new fields, have the defaults.
+    old = cumulus.JobInfo.from_json(job_json())
+    assert (old.resume_from_job, old.resume_from_step, old.preemptible) == ("", None, False)
+    job = job_json()
+    job["spec"] = {
+        **job["spec"],
+        "resume_from_job": "job-000012",
+        "resume_from_step": 400,
+        "preemptible": True,
+    }
+    info = cumulus.JobInfo.from_json(job)
+    assert (info.resume_from_job, info.resume_from_step, info.preemptible) == (
+        "job-000012",
+        400,
+        True,
+    )
+    # serde's None for the optional step, and step 0, are told apart.
+    job["spec"] = {**job["spec"], "resume_from_step": None, "preemptible": False}
+    assert cumulus.JobInfo.from_json(job).resume_from_step is None
+    job["spec"] = {**job["spec"], "resume_from_step": 0}
+    assert cumulus.JobInfo.from_json(job).resume_from_step == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"resume_from_job": 12}, "resume_from_job"),
+        ({"resume_from_step": "400"}, "resume_from_step"),
+        ({"resume_from_step": True}, "resume_from_step"),
+        ({"preemptible": 1}, "preemptible"),
+        ({"preemptible": "true"}, "preemptible"),
+    ],
+)
+def test_malformed_resume_from_and_preemptible_are_protocol_errors(
+    spec: dict[str, Any], match: str
+) -> None:
+    job = job_json()
+    job["spec"] = {**job["spec"], **spec}
+    with pytest.raises(errors.ProtocolError, match=match):
+        cumulus.JobInfo.from_json(job)
+
+
+# -- progress summaries ----------------------------------------------------------------
+
+
+def summary_json(job_id: str = "job-000001", **extra: Any) -> dict[str, Any]:
+    """A ``JobSummary`` JSON object with every field set, ``extra`` fields replaced."""
+    return {
+        "job_id": job_id,
+        "name": "train",
+        "state": "running",
+        "step": 40,
+        "total_steps": 100,
+        "steps_per_s": 2.5,
+        "eta_ms": 24_000,
+        "metrics": {"loss": 0.5, "acc": 1},
+        "restarts_used": 1,
+        "running_ms": 16_000,
+        "paused_ms": 3_000,
+        "committed_step": 30,
+        "submitted_at_ms": 1_700_000_000_000,
+        "finished_at_ms": 0,
+        "history": [
+            {"at_ms": 1_700_000_010_000, "step": 10, "total_steps": 100, "steps_per_s": 2},
+            {
+                "at_ms": 1_700_000_020_000,
+                "step": 35,
+                "total_steps": 100,
+                "steps_per_s": 2.5,
+                "metrics": {"loss": 0.75},
+            },
+        ],
+        "live": True,
+        **extra,
+    }
+
+
+def test_summary_gets_the_job_summary_with_its_history(client: Client, script: Script) -> None:
+    script.on(A, "GET", "/v1/jobs/job-000001/summary", ok(summary_json()))
+    s = client.job("job-000001").summary()
+    assert script.where() == [f"{A} GET /v1/jobs/job-000001/summary"]
+    assert not script.calls[0].url.params
+    assert isinstance(s, cumulus.JobSummary)
+    assert (s.job_id, s.name, s.state, s.live) == ("job-000001", "train", "running", True)
+    assert (s.step, s.total_steps, s.steps_per_s, s.eta_ms) == (40, 100, 2.5, 24_000)
+    assert dict(s.metrics) == {"loss": 0.5, "acc": 1.0}
+    assert isinstance(s.metrics["acc"], float)
+    assert (s.restarts_used, s.running_ms, s.paused_ms, s.committed_step) == (1, 16_000, 3_000, 30)
+    assert (s.submitted_at_ms, s.finished_at_ms) == (1_700_000_000_000, 0)
+    assert (s.eta_s, s.progress, s.finished) == (24.0, 0.4, False)
+    assert s.history == (
+        cumulus.ProgressSample(1_700_000_010_000, 10, 100, 2.0, {}),
+        cumulus.ProgressSample(1_700_000_020_000, 35, 100, 2.5, {"loss": 0.75}),
+    )
+    assert isinstance(s.history[0].steps_per_s, float)
+    assert s.raw["job_id"] == "job-000001"
+    assert "history" not in repr(s) and "raw" not in repr(s)
+
+
+def test_summary_follows_the_leader(client: Client, script: Script) -> None:
+    path = "/v1/jobs/job-000001/summary"
+    script.on(A, "GET", path, status(503, "not the leader", {"x-cumulus-leader-http": B}))
+    script.on(B, "GET", path, ok(summary_json()))
+    assert client.summary("job-000001").step == 40
+    assert script.where() == [f"{A} GET {path}", f"{B} GET {path}"]
+
+
+def test_a_summary_without_its_defaults_has_them() -> None:
+    s = cumulus.JobSummary.from_json({"job_id": "job-000001", "committed_step": None})
+    assert (s.name, s.state, s.step, s.total_steps, s.steps_per_s, s.eta_ms) == (
+        "",
+        "",
+        0,
+        0,
+        0.0,
+        0,
+    )
+    assert s.metrics == {} and s.history == () and s.live is False
+    assert (s.restarts_used, s.running_ms, s.paused_ms, s.committed_step) == (0, 0, 0, None)
+    assert (s.submitted_at_ms, s.finished_at_ms) == (0, 0)
+    assert (s.eta_s, s.progress) == (None, None)
+    sample = cumulus.ProgressSample.from_json({})
+    assert sample == cumulus.ProgressSample(0, 0, 0, 0.0, {})
+    finished = cumulus.JobSummary.from_json(summary_json(state="succeeded", eta_ms=0))
+    assert finished.finished and finished.eta_s is None
+
+
+@pytest.mark.parametrize(
+    ("summary", "match"),
+    [
+        ({"name": "x"}, "no job_id"),
+        ({"job_id": ""}, "no job_id"),
+        ({"job_id": 7}, "job_id"),
+        (summary_json(state=3), "state"),
+        (summary_json(step="40"), "step"),
+        (summary_json(step=True), "step"),
+        (summary_json(total_steps=1.5), "total_steps"),
+        (summary_json(steps_per_s="fast"), "steps_per_s"),
+        (summary_json(steps_per_s=False), "steps_per_s"),
+        (summary_json(eta_ms=1.5), "eta_ms"),
+        (summary_json(metrics={"loss": "high"}), "loss"),
+        (summary_json(metrics=[1.0]), "metrics"),
+        (summary_json(paused_ms="3"), "paused_ms"),
+        (summary_json(running_ms=None, committed_step="30"), "committed_step"),
+        (summary_json(committed_step=True), "committed_step"),
+        (summary_json(finished_at_ms=-0.5), "finished_at_ms"),
+        (summary_json(live="true"), "live"),
+        (summary_json(history={"at_ms": 1}), "history"),
+        (summary_json(history=[3]), "a progress sample"),
+        (summary_json(history=[{"at_ms": "1"}]), "at_ms"),
+        (summary_json(history=[{"steps_per_s": "x"}]), "steps_per_s"),
+        (summary_json(history=[{"metrics": {"loss": None, "acc": "1"}}]), "acc"),
+    ],
+)
+def test_malformed_summaries_are_protocol_errors(summary: Any, match: str) -> None:
+    with pytest.raises(errors.ProtocolError, match=match):
+        cumulus.JobSummary.from_json(summary)
+
+
+def test_a_malformed_summary_answer_is_a_protocol_error(client: Client, script: Script) -> None:
+    script.on(A, "GET", "/v1/jobs/job-000001/summary", ok([summary_json()]))
+    with pytest.raises(errors.ProtocolError, match="a job summary"):
+        client.summary("job-000001")
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [(404, errors.NotFound), (401, errors.Unauthorized), (400, errors.InvalidSpec)],
+)
+def test_summary_errors_are_typed(
+    client: Client, script: Script, code: int, error: type[errors.ApiError]
+) -> None:
+    script.on(A, "GET", "/v1/jobs/job-000009/summary", status(code, "nope"))
+    with pytest.raises(error, match="nope"):
+        client.summary("job-000009")
+
+
+@pytest.mark.parametrize("job_id", ["", "job-1/cancel", "../x", "job-1?x=1", "a b", 7, None])
+def test_summary_refuses_what_is_not_a_job_id(client: Client, script: Script, job_id: Any) -> None:
+    with pytest.raises(errors.InvalidSpec, match="not a job id"):
+        client.summary(job_id)
+    assert script.calls == []
+
+
+def test_summaries_send_the_filter_and_parse_the_list(client: Client, script: Script) -> None:
+    listed = [
+        summary_json("job-000003", history=None),
+        {"job_id": "job-000002", "state": "paused"},
+    ]
+    script.on(
+        A,
+        "GET",
+        "/v1/jobs/summaries",
+        ok({"summaries": listed}),
+        ok({"summaries": []}),
+        ok({}),
+        ok({"summaries": listed[1:]}),
+    )
+    got = client.summaries()
+    assert [s.job_id for s in got] == ["job-000003", "job-000002"]
+    assert got[0].history == () and got[0].step == 40 and got[1].state == "paused"
+    assert client.summaries(state="running") == []
+    assert client.summaries(limit=10_000) == []
+    assert [s.job_id for s in client.summaries("paused", 1)] == ["job-000002"]
+    assert script.where() == [f"{A} GET /v1/jobs/summaries"] * 4
+    assert [dict(r.url.params) for r in script.calls] == [
+        {},
+        {"state": "running"},
+        {"limit": "10000"},
+        {"state": "paused", "limit": "1"},
+    ]
+
+
+@pytest.mark.parametrize("state", JOB_STATES)
+def test_summaries_take_every_job_state(client: Client, script: Script, state: str) -> None:
+    script.on(A, "GET", "/v1/jobs/summaries", ok({"summaries": []}))
+    client.summaries(state=state)
+    assert script.calls[0].url.params["state"] == state
+
+
+@pytest.mark.parametrize(
+    ("state", "limit", "match"),
+    [
+        ("", None, "state must be None"),
+        ("Running", None, "state must be None"),
+        ("all", None, "state must be None"),
+        (3, None, "state must be None"),
+        (None, 0, "limit must be None"),
+        (None, -1, "limit must be None"),
+        (None, 10_001, "limit must be None"),
+        (None, True, "limit must be None"),
+        (None, 1.0, "limit must be None"),
+        (None, "10", "limit must be None"),
+    ],
+)
+def test_summaries_refuse_bad_arguments(
+    client: Client, script: Script, state: Any, limit: Any, match: str
+) -> None:
+    with pytest.raises(errors.InvalidSpec, match=match) as e:
+        client.summaries(state=state, limit=limit)
+    assert isinstance(e.value, ValueError)
+    assert e.value.status is None and script.calls == []
+
+
+@pytest.mark.parametrize(
+    "body", [[], {"summaries": {"job_id": "job-000001"}}, {"summaries": [3]}, "x"]
+)
+def test_malformed_summaries_answers_are_protocol_errors(
+    client: Client, script: Script, body: Any
+) -> None:
+    script.on(A, "GET", "/v1/jobs/summaries", ok(body))
+    with pytest.raises(errors.ProtocolError):
+        client.summaries()
+
+
+def test_a_job_shows_its_paused_time() -> None:
+    assert cumulus.JobInfo.from_json(job_json(paused_ms=4_500)).paused_ms == 4_500
+    assert cumulus.JobInfo.from_json(job_json()).paused_ms == 0
+    with pytest.raises(errors.ProtocolError, match="paused_ms"):
+        cumulus.JobInfo.from_json(job_json(paused_ms="4500"))

@@ -392,6 +392,18 @@ def test_python_time_limit_bound_is_the_rust_one() -> None:
     assert set(found.values()) == {client_module.MAX_TIME_LIMIT_S * 1000}, found
 
 
+def test_python_summaries_bound_is_the_coordinator_one() -> None:
+    """``MAX_SUMMARIES`` of ``coordinator/src/api.rs``: the most ``Client.summaries`` asks
+    for."""
+    api_rs = API_SRC.parents[1] / "coordinator" / "src" / "api.rs"
+    if not api_rs.is_file():
+        pytest.skip("the Rust sources are only in a checkout of the repository")
+    m = re.search(r"^\s*pub const MAX_SUMMARIES: usize = ([^;]+);", _code(api_rs), re.MULTILINE)
+    assert m is not None, "no `pub const MAX_SUMMARIES` in coordinator/src/api.rs"
+    assert _int_expr(m.group(1)) == client_module.MAX_SUMMARIES
+    assert f"1..={client_module.MAX_SUMMARIES}" in _param_doc(Client.summaries, "limit")
+
+
 def test_python_leader_header_is_the_rust_one(rust: RustContract) -> None:
     assert rust.leader["LEADER_HTTP_HEADER"] == client_module.LEADER_HTTP_HEADER
 

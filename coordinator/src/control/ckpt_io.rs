@@ -189,7 +189,7 @@ pub(super) async fn finalize(node: &Node, job_id: &str, step: u64) -> Result<(),
     let keep: Vec<u64> = node.read_state(|s| {
         s.jobs
             .get(job_id)
-            .map(|j| j.committed.keys().copied().collect())
+            .map(|j| j.kept_steps(s.fork_references(job_id).into_iter().map(|(_, st)| st)))
             .unwrap_or_default()
     });
     if let Err(e) = store.prune(job_id, &keep).await {
@@ -259,23 +259,31 @@ pub(super) fn ensure_latest(node: &Arc<Node>, memory: &mut LoopMemory) {
 /// that the bucket alone is a complete, verifiable checkpoint (the same layout as an
 /// L2-committed job). Checked at most every [`IO_RETRY_INTERVAL`] per job.
 pub(super) fn mirror_to_l2(node: &Arc<Node>, memory: &mut LoopMemory) {
-    let jobs: Vec<(String, cumulus_raft_store::state::JobSpec, u64, Vec<u64>)> =
-        node.read_state(|s| {
-            placed_jobs(s)
-                .filter(|j| !j.spec.ckpt_url.is_empty() && j.spec.ckpt_commit_tier == "l1")
-                .filter_map(|j| {
-                    j.committed_step.map(|c| {
+    type MirrorJob = (
+        String,
+        cumulus_raft_store::state::JobSpec,
+        u64,
+        (Vec<u64>, Vec<u64>),
+    );
+    let jobs: Vec<MirrorJob> = node.read_state(|s| {
+        placed_jobs(s)
+            .filter(|j| !j.spec.ckpt_url.is_empty() && j.spec.ckpt_commit_tier == "l1")
+            .filter_map(|j| {
+                j.committed_step.map(|c| {
+                    (
+                        j.id.clone(),
+                        j.spec.clone(),
+                        c,
                         (
-                            j.id.clone(),
-                            j.spec.clone(),
-                            c,
                             j.committed.keys().copied().collect(),
-                        )
-                    })
+                            j.kept_steps(s.fork_references(&j.id).into_iter().map(|(_, st)| st)),
+                        ),
+                    )
                 })
-                .filter(|(id, _, c, _)| memory.l2_mirrored.get(id).is_none_or(|m| m < c))
-                .collect()
-        });
+            })
+            .filter(|(id, _, c, _)| memory.l2_mirrored.get(id).is_none_or(|m| m < c))
+            .collect()
+    });
     for (job_id, spec, step, keep) in jobs {
         if memory.io_busy(&job_id) || !memory.due(&job_id, IoKind::Mirror) {
             continue;
@@ -285,7 +293,8 @@ pub(super) fn mirror_to_l2(node: &Arc<Node>, memory: &mut LoopMemory) {
         let task_job = job_id.clone();
         memory.spawn_io(&job_id, async move {
             let job_id = task_job;
-            match mirror_steps(&node, &spec, &job_id, mirrored, &keep).await {
+            let (committed, keep) = &keep;
+            match mirror_steps(&node, &spec, &job_id, mirrored, committed, keep).await {
                 Ok(Some(done)) => {
                     info!(job = %job_id, step = done, committed = step, "L1-committed steps mirrored to L2 (manifests, LATEST)");
                     IoOutcome::MirroredToL2(done)
@@ -301,14 +310,16 @@ pub(super) fn mirror_to_l2(node: &Arc<Node>, memory: &mut LoopMemory) {
 }
 
 /// One try of [`mirror_to_l2`]: writes the L2 manifest of every kept committed step
-/// after `mirrored` (oldest first) whose parts are all in L2, stopping at the first that
-/// is not complete yet, then moves L2's LATEST to the newest step written. Returns that
-/// step, or `None` when none was complete.
+/// (`committed`, ascending) after `mirrored` (oldest first) whose parts are all in L2,
+/// stopping at the first that is not complete yet, then moves L2's LATEST to the newest
+/// step written and prunes L2 to `keep` (the committed steps and those other jobs
+/// resume from). Returns that step, or `None` when none was complete.
 pub(super) async fn mirror_steps(
     node: &Node,
     spec: &cumulus_raft_store::state::JobSpec,
     job_id: &str,
     mirrored: Option<u64>,
+    committed: &[u64],
     keep: &[u64],
 ) -> Result<Option<u64>, cumulus_ckpt::CkptError> {
     use cumulus_ckpt::CheckpointStore;
@@ -317,7 +328,10 @@ pub(super) async fn mirror_steps(
     };
     let l2 = node.s3.store(&spec.ckpt_url).await?;
     let mut newest = None;
-    'steps: for &step in keep.iter().filter(|s| mirrored.is_none_or(|m| **s > m)) {
+    'steps: for &step in committed
+        .iter()
+        .filter(|s| mirrored.is_none_or(|m| **s > m))
+    {
         let manifest = l1.read_manifest(job_id, step).await?;
         for part in &manifest.parts {
             if let Err(e) = l2.verify_part(job_id, part).await {

@@ -57,6 +57,8 @@ struct LoopMemory {
     retry_at: HashMap<(String, IoKind), Instant>,
     /// Last prune of the soft progress map.
     last_progress_prune: Option<Instant>,
+    /// Last pass of [`record_history`].
+    last_history: Option<Instant>,
     /// Checkpoint I/O runs in these tasks, off the loop, so that a slow disk or an S3
     /// outage (retried up to the store's retry deadline) never delays failure detection,
     /// placement or the other jobs. Each yields its job and what to remember.
@@ -166,6 +168,7 @@ pub async fn run(node: Arc<Node>, cancel: CancellationToken) {
         }
         ensure_latest(&node, &mut memory);
         mirror_to_l2(&node, &mut memory);
+        record_history(&node, &mut memory);
         prune_progress(&node, &mut memory);
     }
 }

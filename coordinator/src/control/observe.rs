@@ -176,3 +176,64 @@ pub(super) fn prune_progress(node: &Node, memory: &mut LoopMemory) {
         soft.progress.clear();
     }
 }
+
+/// Least time between two passes of [`record_history`].
+const HISTORY_PASS_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Records the progress of every running job in its soft history (at most once a
+/// second), and drops the histories beyond [`crate::soft::MAX_HISTORY_JOBS`]: those of
+/// jobs no longer known first, then of jobs not running, least recently sampled first.
+pub(super) fn record_history(node: &Node, memory: &mut LoopMemory) {
+    if memory
+        .last_history
+        .is_some_and(|t| t.elapsed() < HISTORY_PASS_INTERVAL)
+    {
+        return;
+    }
+    let now = Instant::now();
+    memory.last_history = Some(now);
+    let at_ms = crate::soft::now_ms();
+    let running: Vec<(String, Vec<AttemptKey>)> = node.read_state(|s| {
+        s.job_index()
+            .running
+            .iter()
+            .filter_map(|id| s.jobs.get(id))
+            .map(|j| {
+                (
+                    j.id.clone(),
+                    j.ranks
+                        .iter()
+                        .map(|r| AttemptKey::new(j.id.clone(), r.rank, r.attempt))
+                        .collect(),
+                )
+            })
+            .collect()
+    });
+    let mut soft = node.soft();
+    let soft = &mut *soft;
+    for (job_id, attempts) in &running {
+        if let Some(p) = crate::soft::job_progress(attempts, &soft.progress) {
+            soft.history
+                .entry(job_id.clone())
+                .or_default()
+                .record(now, at_ms, p);
+        }
+    }
+    let excess = soft
+        .history
+        .len()
+        .saturating_sub(crate::soft::MAX_HISTORY_JOBS);
+    if excess > 0 {
+        let running: HashSet<&String> = running.iter().map(|(id, _)| id).collect();
+        let mut idle: Vec<(Option<Instant>, String)> = soft
+            .history
+            .iter()
+            .filter(|(id, _)| !running.contains(id))
+            .map(|(id, h)| (h.sampled_at, id.clone()))
+            .collect();
+        idle.sort();
+        for (_, id) in idle.into_iter().take(excess) {
+            soft.history.remove(&id);
+        }
+    }
+}

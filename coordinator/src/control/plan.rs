@@ -158,7 +158,8 @@ pub enum Action {
         /// Checkpoint step.
         step: u64,
     },
-    /// Ask a running job's ranks to checkpoint and stop (its time limit is near).
+    /// Ask a running job's ranks to checkpoint and stop (its time limit is near, or it
+    /// is preempted for a job of higher priority).
     RequestStop {
         /// The job's id (`job-NNNNNN`).
         job_id: String,
@@ -274,12 +275,28 @@ pub fn plan(
             _ => {}
         }
     }
+    let never = |job: &Job| {
+        matches!(
+            state.capacity_outlook(&job.spec),
+            cumulus_raft_store::state::Outlook::Never(_)
+        )
+    };
     if free_upper_bound == 0 {
+        // Nothing is free: only preemption can start the queue's first job.
+        if let Some(first) = index
+            .queue
+            .iter()
+            .filter_map(|(_, id)| state.jobs.get(id))
+            .find(|j| j.state == JobState::Pending && !never(j))
+        {
+            plan_preemption(state, first, &used, &alive, &mut actions);
+        }
         return actions;
     }
     // The first job of the queue that does not fit holds a reservation; a job behind it
     // is placed only when that cannot delay it (EASY backfill, below).
     let mut head: Option<Reservation> = None;
+    let mut head_job: Option<&Job> = None;
     for job in index.queue.iter().filter_map(|(_, id)| state.jobs.get(id)) {
         if job.state != JobState::Pending {
             continue;
@@ -334,18 +351,101 @@ pub fn plan(
             // A job larger than the alive workers in all waits for workers to join, not
             // for running jobs to end: it holds no reservation (it would hold the queue
             // for ever).
-            None if head.is_none()
-                && !matches!(
-                    state.capacity_outlook(&job.spec),
-                    cumulus_raft_store::state::Outlook::Never(_)
-                ) =>
-            {
+            None if head.is_none() && !never(job) => {
                 head = Some(reserve(state, job, obs.now_ms, &used, &alive));
+                head_job = Some(job);
             }
             None => {}
         }
     }
+    if let Some(first) = head_job {
+        plan_preemption(state, first, &used, &alive, &mut actions);
+    }
     actions
+}
+
+/// Preemption for `head`, the queue's first job, which does not fit now: when running
+/// jobs submitted `--preemptible` with a lower priority hold enough slots for it, the
+/// fewest of them are asked to checkpoint and stop (lowest priority first, the newest
+/// first within one priority, as Slurm's `PreemptType=preempt/qos` picks), and they are
+/// queued again when they have stopped ([`StopAction::Preempt`]; no restart budget is
+/// spent). Nothing is preempted while stops already in flight would free enough, nor
+/// when preempting every candidate would still not make room. Jobs with GPUs are not
+/// preempted for, nor preempted (slots only).
+fn plan_preemption(
+    state: &ClusterState,
+    head: &Job,
+    used: &Used,
+    alive: &dyn Fn(&str) -> bool,
+    actions: &mut Vec<Action>,
+) {
+    if head.spec.gpu_demand().is_some() {
+        return;
+    }
+    let need = u64::from(head.spec.world_size);
+    let free: u64 = state
+        .workers
+        .values()
+        .filter(|w| alive(&w.worker_id))
+        .map(|w| {
+            u64::from(
+                w.slots
+                    .saturating_sub(used.slots.get(&w.worker_id).copied().unwrap_or(0)),
+            )
+        })
+        .sum();
+    let held = |j: &Job| {
+        j.ranks
+            .iter()
+            .filter(|r| {
+                matches!(r.state, RankState::Pending | RankState::Running)
+                    && r.worker_id.as_deref().is_some_and(alive)
+            })
+            .count() as u64
+    };
+    let mut freeing = 0;
+    let mut candidates: Vec<(i32, std::cmp::Reverse<&str>, u64)> = Vec::new();
+    for j in state
+        .job_index()
+        .running
+        .iter()
+        .filter_map(|id| state.jobs.get(id))
+    {
+        if j.stop.is_some() {
+            freeing += held(j);
+        } else if j.spec.preemptible
+            && j.spec.priority < head.spec.priority
+            && j.spec.gpu_demand().is_none()
+            && !j.all_ranks_succeeded()
+        {
+            candidates.push((j.spec.priority, std::cmp::Reverse(j.id.as_str()), held(j)));
+        }
+    }
+    let mut gained = free + freeing;
+    if gained >= need || candidates.is_empty() {
+        return;
+    }
+    candidates.sort_unstable();
+    let mut victims = Vec::new();
+    for (_, std::cmp::Reverse(id), slots) in candidates {
+        if slots == 0 {
+            continue;
+        }
+        victims.push(id);
+        gained += slots;
+        if gained >= need {
+            break;
+        }
+    }
+    if gained < need {
+        return;
+    }
+    for id in victims {
+        actions.push(Action::RequestStop {
+            job_id: id.to_string(),
+            action: StopAction::Preempt,
+        });
+    }
 }
 
 /// The reservation of the first queued job that does not fit (EASY backfill, as in

@@ -4,7 +4,7 @@ use cumulus_api::AttemptKey;
 use cumulus_raft_store::state::{ClusterState, MAX_AGENT_FAULT_RESTARTS, RankState, RestartScope};
 
 use super::*;
-use cumulus_raft_store::state::{JobSpec, RestartPolicy};
+use cumulus_raft_store::state::{JobSpec, RestartPolicy, StopAction};
 use cumulus_raft_store::{Command, Response};
 
 #[tokio::test]
@@ -598,4 +598,76 @@ fn backfill_takes_only_jobs_that_end_before_the_reserved_start_or_fit_in_spare_s
     let spare = submit_queued(&mut s, "spare", 1, 0, 0);
     let _more = submit_queued(&mut s, "more", 1, 0, 0);
     assert_eq!(place_pass(&mut s, 0), vec![spare]);
+}
+
+/// The jobs `plan` asks to stop for preemption at `now_ms`.
+fn preempted(s: &ClusterState, now_ms: u64) -> Vec<String> {
+    let obs = Observations {
+        now_ms,
+        ..Observations::default()
+    };
+    let mut zero = || 0.0;
+    plan(s, &obs, 5_000, &mut zero)
+        .into_iter()
+        .filter_map(|a| match a {
+            Action::RequestStop {
+                job_id,
+                action: StopAction::Preempt,
+            } => Some(job_id),
+            _ => None,
+        })
+        .collect()
+}
+
+fn make_preemptible(s: &mut ClusterState, id: &str) {
+    let job = std::sync::Arc::make_mut(s.jobs.get_mut(id).expect("job"));
+    job.spec.preemptible = true;
+}
+
+#[test]
+fn a_higher_priority_job_preempts_lower_priority_preemptible_jobs_newest_first_until_it_fits() {
+    // 8 slots, all held: two preemptible jobs of priority 0 (2 and 4 slots), one not
+    // preemptible (2 slots).
+    let mut s = queue_cluster(2);
+    let old_small = submit_queued(&mut s, "old-small", 2, 0, 0);
+    let big = submit_queued(&mut s, "big", 4, 0, 0);
+    let _fixed = submit_queued(&mut s, "fixed", 2, 0, 0);
+    make_preemptible(&mut s, &old_small);
+    make_preemptible(&mut s, &big);
+    assert_eq!(place_pass(&mut s, 0).len(), 3);
+
+    // A job of the same priority preempts nothing.
+    let same = submit_queued(&mut s, "same", 2, 0, 0);
+    assert!(preempted(&s, 1_000).is_empty());
+    let cancel = Command::CancelJob {
+        job_id: same,
+        at_ms: 1_000,
+    };
+    assert_eq!(s.apply(&cancel, &mut BTreeSet::new()), Response::Ok);
+
+    // A priority-5 job of 2: the newest preemptible job goes (one is enough).
+    let urgent = submit_queued(&mut s, "urgent", 2, 5, 0);
+    assert_eq!(preempted(&s, 1_000), vec![big.clone()]);
+    // Once that stop is in flight, nothing more is preempted for it.
+    let stop = Command::RequestStop {
+        job_id: big.clone(),
+        action: StopAction::Preempt,
+        at_ms: 1_000,
+    };
+    assert_eq!(s.apply(&stop, &mut BTreeSet::new()), Response::Ok);
+    assert!(preempted(&s, 1_100).is_empty());
+    let _ = urgent;
+
+    // A job wider than all the preemptible slots preempts none.
+    let mut s = queue_cluster(2);
+    let a = submit_queued(&mut s, "a", 4, 0, 0);
+    let b = submit_queued(&mut s, "b", 4, 0, 0);
+    make_preemptible(&mut s, &a);
+    assert_eq!(place_pass(&mut s, 0).len(), 2);
+    let _wide = submit_queued(&mut s, "wide", 6, 9, 0);
+    assert!(preempted(&s, 1_000).is_empty(), "4 preemptible slots < 6");
+    make_preemptible(&mut s, &b);
+    let mut got = preempted(&s, 1_000);
+    got.sort();
+    assert_eq!(got, vec![a, b], "both are needed for 6 slots");
 }

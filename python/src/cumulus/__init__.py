@@ -37,7 +37,16 @@ from cumulus.errors import (
     Unsupported,
     WaitTimeout,
 )
-from cumulus.models import CheckpointInfo, ClusterInfo, GpuInfo, JobInfo, LogLine, RankInfo
+from cumulus.models import (
+    CheckpointInfo,
+    ClusterInfo,
+    GpuInfo,
+    JobInfo,
+    JobSummary,
+    LogLine,
+    ProgressSample,
+    RankInfo,
+)
 from cumulus.runtime import (
     Context,
     ResumePoint,
@@ -73,9 +82,11 @@ __all__ = [
     "Job",
     "JobFailed",
     "JobInfo",
+    "JobSummary",
     "LogLine",
     "NotFound",
     "NotInCumulusRank",
+    "ProgressSample",
     "RankEnvironmentError",
     "RankInfo",
     "ResumePoint",

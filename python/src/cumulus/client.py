@@ -28,7 +28,13 @@ Pausing: ``job.pause()`` asks the ranks to commit a checkpoint and exit (they se
 :func:`cumulus.runtime.should_stop` and :func:`~cumulus.runtime.should_pause`), and the
 job becomes ``paused``; ``job.resume()`` queues it again, from that checkpoint. A time
 limit (``submit(..., time_limit_s=3600, signal_before_s=60)``) ends a job ``timed_out``,
-its ranks asked to checkpoint ``signal_before_s`` before it.
+its ranks asked to checkpoint ``signal_before_s`` before it. ``submit(...,
+resume_from="job-000012@400")`` starts a new job from another job's committed step, and
+``submit(..., preemptible=True)`` lets a job of higher priority stop (after a
+checkpoint) and requeue it.
+
+Progress: ``job.summary()`` gives the job's step, rate, time left, latest metrics and
+progress history; ``client.summaries(state="running")`` lists the newest jobs' summaries.
 
 Cleaning up: ``job.delete(checkpoints=True)`` removes a finished job's record and its
 checkpoints; ``client.purge(older_than_s=7 * 86_400, state="cancelled")`` removes every
@@ -41,6 +47,7 @@ import json
 import math
 import numbers
 import os
+import re
 import secrets
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -64,7 +71,15 @@ from cumulus.errors import (
     Unavailable,
     WaitTimeout,
 )
-from cumulus.models import FINISHED_STATES, CheckpointInfo, ClusterInfo, JobInfo, LogLine
+from cumulus.models import (
+    FINISHED_STATES,
+    JOB_STATES,
+    CheckpointInfo,
+    ClusterInfo,
+    JobInfo,
+    JobSummary,
+    LogLine,
+)
 
 __all__ = ["LEADER_HTTP_HEADER", "Client", "Job", "new_request_id"]
 
@@ -85,9 +100,17 @@ LOG_READ_TIMEOUT_S = 30.0
 #: Longest time limit a job may ask for, in seconds (365 days; the coordinator's
 #: ``MAX_TIME_LIMIT_MS``).
 MAX_TIME_LIMIT_S = 365 * 86_400
+#: Largest checkpoint step (``resume_from``): the coordinator keeps steps as ``u64``.
+MAX_STEP = 2**64 - 1
+#: A job id as the leader makes them: ``job-`` and 6 to 20 ASCII digits (the Rust
+#: ``is_job_id``).
+JOB_ID_PATTERN = re.compile(r"job-[0-9]{6,20}")
 #: Largest ``older_than_ms`` :meth:`Client.purge` sends (2**53 - 1: exact in every JSON
 #: reader; over 285,000 years).
 MAX_PURGE_AGE_MS = 2**53 - 1
+#: Most job summaries one :meth:`Client.summaries` call asks for (the coordinator's
+#: ``MAX_SUMMARIES``).
+MAX_SUMMARIES = 10_000
 
 
 def new_request_id() -> str:
@@ -216,6 +239,55 @@ def _time_limit_ms(
     return limit_ms, signal_ms
 
 
+def _resume_from(resume_from: object) -> tuple[str, int | None] | None:
+    """``(resume_from_job, resume_from_step)`` of :meth:`Client.submit`'s ``resume_from``
+    (``"job-000012"``, ``"job-000012@400"`` or ``("job-000012", 400)``), the step
+    ``None`` when not given (the coordinator takes the job's newest committed one);
+    ``None`` for ``None``.
+
+    :raises InvalidSpec: not one of those forms, a job id that is not ``job-`` and 6 to
+        20 digits, or a step that is not an int ``0..=2**64-1`` (``bool`` refused)."""
+    if resume_from is None:
+        return None
+    forms = '"JOB", "JOB@STEP" or (JOB, STEP), e.g. "job-000012@400"'
+    step: object = None
+    if isinstance(resume_from, str):
+        job, at, step_text = resume_from.partition("@")
+        if at:
+            if not step_text.isascii() or not step_text.isdigit():
+                raise InvalidSpec(
+                    f"resume_from: step {step_text!r} is not a number ({forms}), "
+                    f"got {resume_from!r}",
+                    status=None,
+                )
+            # Past 20 digits it is over u64 anyway (and int() refuses over 4300 digits).
+            step = int(step_text) if len(step_text) <= 20 else MAX_STEP + 1
+    elif isinstance(resume_from, tuple) and len(resume_from) == 2:
+        job, step = resume_from
+        if step is None:
+            raise InvalidSpec(
+                f"resume_from: the step of a (JOB, STEP) pair must be an int (or pass the "
+                f"job id alone for its newest step), got {resume_from!r}",
+                status=None,
+            )
+    else:
+        raise InvalidSpec(f"resume_from must be {forms}, got {resume_from!r}", status=None)
+    if not isinstance(job, str) or not JOB_ID_PATTERN.fullmatch(job):
+        raise InvalidSpec(
+            f"resume_from must name a job id (job- and 6 to 20 digits, e.g. job-000012), "
+            f"got {resume_from!r}",
+            status=None,
+        )
+    if step is not None and (
+        isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP
+    ):
+        raise InvalidSpec(
+            f"resume_from: the step must be an int 0..={MAX_STEP}, got {resume_from!r}",
+            status=None,
+        )
+    return job, step
+
+
 def _check_job_id(job_id: object) -> str:
     """``job_id`` if it can name a job in a URL path.
 
@@ -279,6 +351,31 @@ def _purge_state(state: object) -> str:
             status=None,
         )
     return state
+
+
+def _summaries_params(state: object, limit: object) -> dict[str, str]:
+    """The query of :meth:`Client.summaries`: ``state`` and ``limit`` when given.
+
+    :raises InvalidSpec: ``state`` is neither ``None`` nor one of
+        :data:`~cumulus.models.JOB_STATES`, or ``limit`` is neither ``None`` nor an int
+        ``1..=10000`` (``bool`` refused)."""
+    params: dict[str, str] = {}
+    if state is not None:
+        if not isinstance(state, str) or state not in JOB_STATES:
+            raise InvalidSpec(
+                f"state must be None (any state) or one of {', '.join(JOB_STATES)}, got {state!r}",
+                status=None,
+            )
+        params["state"] = state
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_SUMMARIES:
+            raise InvalidSpec(
+                f"limit must be None (the coordinator's default, 1000) or an int "
+                f"1..={MAX_SUMMARIES}, got {limit!r}",
+                status=None,
+            )
+        params["limit"] = str(limit)
+    return params
 
 
 class Client:
@@ -468,6 +565,8 @@ class Client:
         time_limit_s: float | None = None,
         signal_before_s: float | None = None,
         priority: int | None = None,
+        resume_from: str | tuple[str, int] | None = None,
+        preemptible: bool = False,
     ) -> Job:
         """Submits a job: ``command`` (argv; ``argv[0]`` is looked up in the worker's
         ``PATH``) run by ``world_size`` ranks. Relative paths are made absolute here, as
@@ -512,6 +611,19 @@ class Client:
         :param priority: queue priority, ``-1000..=1000`` (``None``: 0); pending jobs
             start highest priority first, in submission order within one priority, and a
             job behind a waiting one starts first only when it cannot delay it.
+        :param resume_from: start from a committed checkpoint step of an earlier job
+            (as ``cumulusctl submit --resume-from JOB[@STEP]``): ``"job-000012"`` (its
+            newest committed step, chosen by the coordinator), ``"job-000012@400"`` or
+            ``("job-000012", 400)`` (step 400). The job must have that job's world size
+            and shard plan; its dataset and checkpoint target (``dataset``, ``ckpt_dir``,
+            ``ckpt_url``, ``ckpt_commit_tier``) are taken from it when left out. The
+            step is kept until this job commits one of its own. The caller must own that
+            job (or be an admin). ``None``: from scratch.
+        :param preemptible: the job may be preempted: when a job of higher priority
+            waits for its slots, its ranks are asked to checkpoint and stop (they see
+            :func:`cumulus.runtime.stop_request` ``== "preempt"``) and it is queued
+            again, resuming from that step; no restart budget is spent. ``False``
+            (default): never preempted.
         :param allow_pending: accept a job larger than the alive workers offer in all
             (slots, GPUs); it stays pending until workers join. Without it the
             coordinator refuses such a job (:class:`InvalidSpec`).
@@ -546,6 +658,8 @@ class Client:
                 )
         _check_gpus(gpus_per_rank, gpu_memory_fraction)
         time_limit_ms, signal_before_ms = _time_limit_ms(time_limit_s, signal_before_s)
+        resume = _resume_from(resume_from)
+        _check_flag("preemptible", preemptible)
         if (
             backoff_initial_ms is not None
             and backoff_max_ms is not None
@@ -617,6 +731,13 @@ class Client:
             spec["time_limit_ms"] = time_limit_ms
         if signal_before_ms is not None:
             spec["signal_before_ms"] = signal_before_ms
+        if resume is not None:
+            resume_job, resume_step = resume
+            spec["resume_from_job"] = resume_job
+            if resume_step is not None:
+                spec["resume_from_step"] = resume_step
+        if preemptible:
+            spec["preemptible"] = True
         request: dict[str, Any] = {"request_id": rid, "spec": spec}
         if allow_pending:
             request["allow_pending"] = True
@@ -677,6 +798,40 @@ class Client:
         )
         jobs = body.get("jobs") if isinstance(body, dict) else None
         return [JobInfo.from_json(j) for j in jobs or []]
+
+    def summary(self, job_id: str) -> JobSummary:
+        """A job's progress in one record: its step (its slowest rank's), rate, time
+        left, latest metrics, running and paused time, and its progress history (at most
+        240 samples, oldest first). After a leader change (``live`` false) the figures
+        come from the replicated record only until its ranks report again.
+
+        :raises InvalidSpec: ``job_id`` is not a job id (checked here, nothing sent).
+        :raises NotFound: no such job.
+        """
+        path = f"/v1/jobs/{_check_job_id(job_id)}/summary"
+        return JobSummary.from_json(self._request("GET", path))
+
+    def summaries(self, state: str | None = None, limit: int | None = None) -> list[JobSummary]:
+        """The summaries (see :meth:`summary`) of the newest jobs, newest first, without
+        their history.
+
+        :param state: only jobs in this state (one of
+            :data:`~cumulus.models.JOB_STATES`); ``None``: any state.
+        :param limit: at most this many, ``1..=10000``; ``None``: the coordinator's
+            default (1000).
+        :raises InvalidSpec: ``state`` or ``limit`` is invalid (checked here, nothing
+            sent; a ``ValueError``), or the coordinator refused the request.
+        """
+        params = _summaries_params(state, limit)
+        body = self._request("GET", "/v1/jobs/summaries", params=params)
+        if not isinstance(body, dict):
+            raise ProtocolError(f"GET /v1/jobs/summaries: malformed answer {body!r}")
+        items = body.get("summaries")
+        if items is None:
+            return []
+        if not isinstance(items, list):
+            raise ProtocolError(f"GET /v1/jobs/summaries: malformed answer {body!r}")
+        return [JobSummary.from_json(s) for s in items]
 
     def cancel(self, job_id: str) -> JobInfo:
         """Cancels a job (its ranks get SIGTERM, then SIGKILL after the agent's grace).
@@ -988,6 +1143,10 @@ class Job:
             sleep = interval if deadline is None else min(interval, deadline - now)
             time.sleep(max(sleep, 0.0))
             interval = min(interval * 2, poll_interval_s)
+
+    def summary(self) -> JobSummary:
+        """The job's progress summary with its history (see :meth:`Client.summary`)."""
+        return self.client.summary(self.id)
 
     def cancel(self) -> JobInfo:
         """Cancels the job (see :meth:`Client.cancel`)."""

@@ -22,8 +22,10 @@ __all__ = [
     "ClusterInfo",
     "GpuInfo",
     "JobInfo",
+    "JobSummary",
     "LogLine",
     "MemberInfo",
+    "ProgressSample",
     "RankInfo",
     "RestartInfo",
     "WorkerInfo",
@@ -265,6 +267,17 @@ class JobInfo:
     signal_before_ms: int = 0
     #: Queue priority, ``-1000..=1000`` (higher starts first; 0 by default).
     priority: int = 0
+    #: The earlier job this one started from (``Client.submit(resume_from=...)``), e.g.
+    #: ``job-000012``; ``""``: from scratch.
+    resume_from_job: str = ""
+    #: The committed step of :attr:`resume_from_job` it started from (the coordinator
+    #: fills in that job's newest when none was asked for); ``None`` without one.
+    resume_from_step: int | None = None
+    #: Whether a job of higher priority may preempt it (checkpoint, stop action
+    #: ``"preempt"``, queued again).
+    preemptible: bool = False
+    #: Time the job has spent paused so far, in milliseconds.
+    paused_ms: int = 0
 
     @property
     def finished(self) -> bool:
@@ -324,6 +337,131 @@ class JobInfo:
             time_limit_ms=_get(spec, "time_limit_ms", int, 0),
             priority=_get(spec, "priority", int, 0),
             signal_before_ms=_get(spec, "signal_before_ms", int, 0),
+            resume_from_job=_get(spec, "resume_from_job", str, ""),
+            resume_from_step=_opt_int(spec, "resume_from_step"),
+            preemptible=_get(spec, "preemptible", bool, False),
+            paused_ms=_get(d, "paused_ms", int, 0),
+        )
+
+
+@dataclass(frozen=True)
+class ProgressSample:
+    """One sample of a job's progress (:attr:`JobSummary.history`)."""
+
+    #: Leader time, in ms since the Unix epoch.
+    at_ms: int
+    step: int
+    #: 0: unknown.
+    total_steps: int
+    #: 0.0: unknown.
+    steps_per_s: float
+    #: At most 16 metrics (the first by name).
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ProgressSample:
+        """Builds it from a ``ProgressSample`` JSON object.
+
+        :raises ProtocolError: a field has the wrong type."""
+        d = _obj(d, "a progress sample")
+        return cls(
+            at_ms=_get(d, "at_ms", int, 0),
+            step=_get(d, "step", int, 0),
+            total_steps=_get(d, "total_steps", int, 0),
+            steps_per_s=_get(d, "steps_per_s", float, 0.0),
+            metrics=_float_map(d, "metrics"),
+        )
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """A job's progress in one record (``GET /v1/jobs/{id}/summary``, and without
+    :attr:`history` ``GET /v1/jobs/summaries``): the replicated record's facts with the
+    leader's view of its ranks' reports."""
+
+    job_id: str
+    name: str
+    #: ``pending`` | ``running`` | ``succeeded`` | ``failed`` | ``cancelled`` | ``paused``
+    #: | ``timed_out``.
+    state: str
+    #: The job's step: its slowest rank's latest reported step (for a finished job, the
+    #: step its ranks reported when they exited).
+    step: int
+    #: The slowest rank's total steps (0: unknown).
+    total_steps: int
+    #: The slowest rank's smoothed steps per second; after the job stopped running, the
+    #: last rate seen while it ran (0.0: unknown).
+    steps_per_s: float
+    #: Time left to :attr:`total_steps` at that rate, in milliseconds (0: unknown, or the
+    #: job is not running).
+    eta_ms: int
+    #: The latest metrics of the lowest rank that reported any.
+    metrics: Mapping[str, float]
+    restarts_used: int
+    #: Time the job has run so far, pending and paused time excluded.
+    running_ms: int
+    #: Time the job has spent paused so far.
+    paused_ms: int
+    #: Latest committed checkpoint step, ``None`` before the first.
+    committed_step: int | None
+    submitted_at_ms: int
+    #: 0 while the job has not finished.
+    finished_at_ms: int
+    #: Whether the answering leader saw the job's ranks report (step, rate and metrics
+    #: are then current); ``False`` after a leader change or once the history was
+    #: evicted: the figures come from the replicated record only.
+    live: bool
+    #: Progress over time, oldest first: at most 240 samples, the interval between them
+    #: doubling whenever they fill (10 s at first). Empty in :meth:`Client.summaries
+    #: <cumulus.Client.summaries>`.
+    history: tuple[ProgressSample, ...] = field(default=(), repr=False)
+    #: The whole JSON object.
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job reached a final state (a paused job has not)."""
+        return self.state in FINISHED_STATES
+
+    @property
+    def eta_s(self) -> float | None:
+        """:attr:`eta_ms` in seconds; ``None`` when unknown (or the job is not
+        running)."""
+        return self.eta_ms / 1000 if self.eta_ms else None
+
+    @property
+    def progress(self) -> float | None:
+        """:attr:`step` over :attr:`total_steps` (``None`` when the total is
+        unknown)."""
+        return self.step / self.total_steps if self.total_steps else None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> JobSummary:
+        """Builds it from a ``JobSummary`` JSON object.
+
+        :raises ProtocolError: a field has the wrong type or the job id is missing."""
+        d = _obj(d, "a job summary")
+        job_id = _get(d, "job_id", str, "")
+        if not job_id:
+            raise ProtocolError("a job summary in the coordinator's answer has no job_id")
+        return cls(
+            job_id=job_id,
+            name=_get(d, "name", str, ""),
+            state=_get(d, "state", str, ""),
+            step=_get(d, "step", int, 0),
+            total_steps=_get(d, "total_steps", int, 0),
+            steps_per_s=_get(d, "steps_per_s", float, 0.0),
+            eta_ms=_get(d, "eta_ms", int, 0),
+            metrics=_float_map(d, "metrics"),
+            restarts_used=_get(d, "restarts_used", int, 0),
+            running_ms=_get(d, "running_ms", int, 0),
+            paused_ms=_get(d, "paused_ms", int, 0),
+            committed_step=_opt_int(d, "committed_step"),
+            submitted_at_ms=_get(d, "submitted_at_ms", int, 0),
+            finished_at_ms=_get(d, "finished_at_ms", int, 0),
+            live=_get(d, "live", bool, False),
+            history=tuple(ProgressSample.from_json(h) for h in _list(d, "history")),
+            raw=d,
         )
 
 

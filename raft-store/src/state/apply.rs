@@ -99,6 +99,7 @@ impl ClusterState {
             }
             Command::CancelJob { job_id, at_ms } => self.with_live_job(job_id, dirty, |job| {
                 job.end_run(*at_ms);
+                job.end_pause(*at_ms);
                 job.stop = None;
                 job.state = JobState::Cancelled;
                 job.finished_at_ms = *at_ms;
@@ -116,6 +117,7 @@ impl ClusterState {
                     JobState::Paused => reject(format!("job {job_id} is already paused")),
                     JobState::Pending => {
                         job.state = JobState::Paused;
+                        job.begin_pause(*at_ms);
                         Response::Ok
                     }
                     JobState::Running => {
@@ -128,7 +130,7 @@ impl ClusterState {
                     other => reject(format!("job {job_id} is {other}")),
                 }
             }),
-            Command::ResumeJob { job_id, at_ms: _ } => self.with_live_job(job_id, dirty, |job| {
+            Command::ResumeJob { job_id, at_ms } => self.with_live_job(job_id, dirty, |job| {
                 if job
                     .stop
                     .as_ref()
@@ -143,6 +145,7 @@ impl ClusterState {
                 }
                 job.requeue_ranks();
                 job.state = JobState::Pending;
+                job.end_pause(*at_ms);
                 Response::Ok
             }),
             Command::RequestStop {
@@ -187,6 +190,7 @@ impl ClusterState {
                     StopAction::Pause | StopAction::Preempt => {
                         job.requeue_ranks();
                         job.state = if stop.action == StopAction::Pause {
+                            job.begin_pause(*at_ms);
                             JobState::Paused
                         } else {
                             JobState::Pending
@@ -495,6 +499,13 @@ impl ClusterState {
             Ok(p) => p,
             Err(e) => return reject(format!("shard plan: {e}")),
         };
+        let fork = match &spec.resume_from {
+            Some(from) => match self.fork_point(spec, from, &plan) {
+                Ok(fork) => Some(fork),
+                Err(why) => return reject(format!("cannot resume from {}: {why}", from.job_id)),
+            },
+            None => None,
+        };
         let seq = self.next_job_seq + 1;
         self.next_job_seq = seq;
         dirty.insert(DirtyKey::Meta);
@@ -514,8 +525,12 @@ impl ClusterState {
                 exited_at_ms: 0,
                 pid: 0,
                 not_before_ms: 0,
-                resume_step: None,
-                resume_dir: String::new(),
+                resume_step: fork.as_ref().map(|f| f.step),
+                resume_dir: fork
+                    .as_ref()
+                    .and_then(|f| f.dirs.get(rank as usize).cloned())
+                    .unwrap_or_default(),
+                resume_job_id: fork.as_ref().map(|f| f.job_id.clone()).unwrap_or_default(),
                 attempt_workers: Vec::new(),
                 agent_fault: false,
                 exec_failed: false,
@@ -546,6 +561,9 @@ impl ClusterState {
             stop: None,
             running_ms: 0,
             run_started_at_ms: 0,
+            fork,
+            paused_ms: 0,
+            paused_at_ms: 0,
         };
         // Indexed now (its fixed size computed once, kept by the index), so that the
         // eviction below counts it.
@@ -560,6 +578,93 @@ impl ClusterState {
             job_id,
             created: true,
         }
+    }
+
+    /// The fork point of a job submitted with `spec` (shard plan `plan`) resuming `from`:
+    /// a kept committed step of that job, which has the same world size, shard plan and
+    /// checkpoint target.
+    ///
+    /// # Errors
+    /// Why it cannot resume there, as the user reads it.
+    fn fork_point(
+        &self,
+        spec: &JobSpec,
+        from: &ResumeFrom,
+        plan: &[Vec<String>],
+    ) -> Result<ForkPoint, String> {
+        let Some(step) = from.step else {
+            return Err("no step was named".into());
+        };
+        let source = self
+            .jobs
+            .get(&from.job_id)
+            .ok_or_else(|| "there is no such job".to_string())?;
+        let Some(parts) = source.committed.get(&step) else {
+            let kept: Vec<String> = source.committed.keys().map(u64::to_string).collect();
+            return Err(format!(
+                "step {step} is not one of its committed steps (kept: {})",
+                if kept.is_empty() {
+                    "none".to_string()
+                } else {
+                    kept.join(", ")
+                }
+            ));
+        };
+        if source.spec.world_size != spec.world_size {
+            return Err(format!(
+                "it has world size {}, this job {}: a resumed job keeps the world size",
+                source.spec.world_size, spec.world_size
+            ));
+        }
+        if source.shard_plan != plan {
+            return Err(format!(
+                "its shard plan differs ({} shards of {}, this job {} of {}): a resumed job keeps the dataset",
+                source.shard_count,
+                if source.spec.dataset.is_empty() {
+                    "no dataset"
+                } else {
+                    source.spec.dataset.as_str()
+                },
+                plan.iter().map(Vec::len).sum::<usize>(),
+                if spec.dataset.is_empty() {
+                    "no dataset"
+                } else {
+                    spec.dataset.as_str()
+                },
+            ));
+        }
+        if source.spec.ckpt_dir != spec.ckpt_dir || source.spec.ckpt_url != spec.ckpt_url {
+            return Err(format!(
+                "its checkpoints are at {:?} {:?}, this job's at {:?} {:?}: a resumed job keeps the checkpoint target",
+                source.spec.ckpt_dir, source.spec.ckpt_url, spec.ckpt_dir, spec.ckpt_url
+            ));
+        }
+        if parts.len() != spec.world_size as usize {
+            return Err(format!(
+                "step {step} has {} parts for {} ranks",
+                parts.len(),
+                spec.world_size
+            ));
+        }
+        Ok(ForkPoint {
+            job_id: source.id.clone(),
+            step,
+            dirs: parts.iter().map(|p| p.dir.clone()).collect(),
+        })
+    }
+
+    /// Steps of `job_id`'s checkpoint dir that jobs started from it still need, as
+    /// `(that job, step)`: one for every unfinished job forked from it that has committed
+    /// no step of its own.
+    pub fn fork_references(&self, job_id: &str) -> Vec<(String, u64)> {
+        self.index
+            .forks
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .filter_map(|j| j.fork.as_ref().map(|f| (j, f)))
+            .filter(|(j, f)| f.job_id == job_id && !j.state.is_terminal() && j.committed.is_empty())
+            .map(|(j, f)| (j.id.clone(), f.step))
+            .collect()
     }
 
     /// Drops the oldest terminal jobs while more than `max_jobs` are kept or their
@@ -1220,12 +1325,13 @@ impl ClusterState {
             // A new port per restart of either kind (the sum only grows).
             job.master_port = master_port(job.seq, number + job.agent_fault_restarts);
         }
-        for r in &mut job.ranks {
-            if !ranks.contains(&r.rank) {
+        for i in 0..job.ranks.len() {
+            if !ranks.contains(&job.ranks[i].rank) {
                 continue;
             }
-            let resume_dir = resume_part_dir(&job.committed, resume_step, r.rank);
-            r.new_attempt(resume_step, resume_dir);
+            let resume = job.resume_point(resume_step, job.ranks[i].rank);
+            let r = &mut job.ranks[i];
+            r.new_attempt(resume);
             r.not_before_ms = not_before_ms;
         }
         assign_placements(job, placements, gpus, not_before_ms);

@@ -23,6 +23,8 @@ pub struct JobIndex {
     pub paused: BTreeSet<String>,
     /// Succeeded, failed or cancelled jobs.
     pub terminal: BTreeSet<String>,
+    /// Jobs started from another job's step ([`Job::fork`]), whatever their state.
+    pub forks: BTreeSet<String>,
     /// Each job's estimated encoded size ([`Job::approx_encoded_bytes`]), as of the last
     /// command that touched it.
     bytes: HashMap<String, JobBytes>,
@@ -56,6 +58,7 @@ impl JobIndex {
         self.running.remove(job_id);
         self.paused.remove(job_id);
         let was_terminal = self.terminal.remove(job_id);
+        self.forks.remove(job_id);
         let old = self.bytes.get(job_id).copied();
         if let Some(old) = old {
             self.total_bytes -= old.total;
@@ -79,6 +82,9 @@ impl JobIndex {
             },
         );
         self.total_bytes += total;
+        if job.fork.is_some() {
+            self.forks.insert(job_id.to_string());
+        }
         if job.state == JobState::Pending {
             self.queue.insert((-priority, job_id.to_string()));
         }

@@ -39,8 +39,13 @@ pub struct RankRecord {
     pub not_before_ms: u64,
     /// Checkpoint step this attempt resumes from.
     pub resume_step: Option<u64>,
-    /// Part directory (relative to the job's checkpoint dir) this attempt resumes from.
+    /// Part directory (relative to the checkpoint dir of `resume_job_id`) this attempt
+    /// resumes from.
     pub resume_dir: String,
+    /// The job whose checkpoint this attempt resumes from when it is another one (a job
+    /// started with `resume_from` that has committed no step of its own); "" = this job.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub resume_job_id: String,
     /// Worker of every attempt so far, `(attempt, worker_id)`, for log retrieval.
     pub attempt_workers: Vec<(u32, String)>,
     /// The current attempt failed because its agent could not start it for lack of a
@@ -62,10 +67,9 @@ pub struct RankRecord {
 
 impl RankRecord {
     /// Makes this rank's next attempt: a new attempt number, nothing of the previous
-    /// attempt's exit or progress, resuming from `resume_step` (its part directory
-    /// `resume_dir`, relative to the job's checkpoint dir). Placement fields are the
+    /// attempt's exit or progress, resuming from `resume`. Placement fields are the
     /// caller's.
-    pub(super) fn new_attempt(&mut self, resume_step: Option<u64>, resume_dir: String) {
+    pub(super) fn new_attempt(&mut self, resume: ResumePoint) {
         self.attempt += 1;
         self.exit_code = None;
         self.signal = None;
@@ -76,21 +80,39 @@ impl RankRecord {
         self.started_at_ms = 0;
         self.exited_at_ms = 0;
         self.pid = 0;
-        self.resume_step = resume_step;
-        self.resume_dir = resume_dir;
+        self.set_resume(resume);
+    }
+
+    /// Sets where the current attempt resumes from.
+    pub(super) fn set_resume(&mut self, resume: ResumePoint) {
+        self.resume_step = resume.step;
+        self.resume_dir = resume.dir;
+        self.resume_job_id = resume.job_id;
     }
 }
 
-/// The part directory of `rank` in committed step `step` ("" without one).
-pub(super) fn resume_part_dir(
-    committed: &BTreeMap<u64, Vec<PartInfo>>,
-    step: Option<u64>,
-    rank: u32,
-) -> String {
-    step.and_then(|s| committed.get(&s))
-        .and_then(|parts| parts.get(rank as usize))
-        .map(|p| p.dir.clone())
-        .unwrap_or_default()
+/// Where a rank's attempt resumes from ([`Job::resume_point`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ResumePoint {
+    /// The committed step (`None`: from scratch).
+    pub step: Option<u64>,
+    /// The rank's part directory in it, relative to its job's checkpoint dir.
+    pub dir: String,
+    /// The job that committed it when not this one ("").
+    pub job_id: String,
+}
+
+/// The committed step of another job a job was started from (its `spec.resume_from`,
+/// resolved at submit), with that step's part directories.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkPoint {
+    /// The job that committed the step.
+    pub job_id: String,
+    /// The step.
+    pub step: u64,
+    /// Each rank's part directory in it (index = rank), relative to that job's
+    /// checkpoint dir.
+    pub dirs: Vec<String>,
 }
 
 /// One restart decided by the leader.
@@ -189,6 +211,16 @@ pub struct Job {
     /// 0 while it is not running.
     #[serde(default)]
     pub run_started_at_ms: u64,
+    /// The step of another job this one started from (`spec.resume_from`): its ranks
+    /// resume there whenever the job has no committed step of its own to resume from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork: Option<ForkPoint>,
+    /// Time spent paused in earlier pauses, in milliseconds.
+    #[serde(default)]
+    pub paused_ms: u64,
+    /// Leader time the current pause began, in ms since the Unix epoch (0: not paused).
+    #[serde(default)]
+    pub paused_at_ms: u64,
 }
 
 /// A request that a running job's ranks checkpoint and stop.
@@ -212,6 +244,65 @@ impl Job {
         self.running_ms.saturating_add(current)
     }
 
+    /// Where `rank` resumes from when its job resumes from its own committed `step`;
+    /// `None` (no usable step of its own) means the fork point, if the job has one, else
+    /// from scratch.
+    pub fn resume_point(&self, step: Option<u64>, rank: u32) -> ResumePoint {
+        match (step, &self.fork) {
+            (Some(step), _) => ResumePoint {
+                step: Some(step),
+                dir: self
+                    .committed
+                    .get(&step)
+                    .and_then(|parts| parts.get(rank as usize))
+                    .map(|p| p.dir.clone())
+                    .unwrap_or_default(),
+                job_id: String::new(),
+            },
+            (None, Some(fork)) => ResumePoint {
+                step: Some(fork.step),
+                dir: fork.dirs.get(rank as usize).cloned().unwrap_or_default(),
+                job_id: fork.job_id.clone(),
+            },
+            (None, None) => ResumePoint::default(),
+        }
+    }
+
+    /// The steps of this job's checkpoint dir that must be kept: the committed ones, and
+    /// `also` (steps other jobs were started from and still need).
+    pub fn kept_steps(&self, also: impl IntoIterator<Item = u64>) -> Vec<u64> {
+        let mut keep: Vec<u64> = self.committed.keys().copied().chain(also).collect();
+        keep.sort_unstable();
+        keep.dedup();
+        keep
+    }
+
+    /// Time paused at leader time `now_ms`, in milliseconds: earlier pauses plus the
+    /// current one.
+    pub fn paused_ms_at(&self, now_ms: u64) -> u64 {
+        let current = if self.paused_at_ms > 0 {
+            now_ms.saturating_sub(self.paused_at_ms)
+        } else {
+            0
+        };
+        self.paused_ms.saturating_add(current)
+    }
+
+    /// Begins a pause at `at_ms`.
+    pub(super) fn begin_pause(&mut self, at_ms: u64) {
+        self.paused_at_ms = at_ms.max(1);
+    }
+
+    /// Ends the current pause, if any, at `at_ms`: its time joins `paused_ms`.
+    pub(super) fn end_pause(&mut self, at_ms: u64) {
+        if self.paused_at_ms > 0 {
+            self.paused_ms = self
+                .paused_ms
+                .saturating_add(at_ms.saturating_sub(self.paused_at_ms));
+            self.paused_at_ms = 0;
+        }
+    }
+
     /// Ends the current run at `at_ms`: its time joins `running_ms`.
     pub(super) fn end_run(&mut self, at_ms: u64) {
         if self.run_started_at_ms > 0 {
@@ -228,14 +319,14 @@ impl Job {
     /// that never completed are dropped (their attempts are gone).
     pub(super) fn requeue_ranks(&mut self) {
         let resume_step = self.committed_step;
-        for r in &mut self.ranks {
+        for i in 0..self.ranks.len() {
+            let resume = self.resume_point(resume_step, self.ranks[i].rank);
+            let r = &mut self.ranks[i];
             let placed = r.worker_id.is_some() || r.state != RankState::Unplaced;
-            let resume_dir = resume_part_dir(&self.committed, resume_step, r.rank);
             if placed {
-                r.new_attempt(resume_step, resume_dir);
+                r.new_attempt(resume);
             } else {
-                r.resume_step = resume_step;
-                r.resume_dir = resume_dir;
+                r.set_resume(resume);
             }
             r.worker_id = None;
             r.state = RankState::Unplaced;
@@ -276,6 +367,7 @@ impl Job {
                     + r.worker_id.as_ref().map_or(0, String::len)
                     + r.failure.as_ref().map_or(0, String::len)
                     + r.resume_dir.len()
+                    + r.resume_job_id.len()
                     + r.gpus
                         .iter()
                         .map(|g| g.len() + PER_STRING_BYTES)
@@ -307,7 +399,15 @@ impl Job {
                         .sum::<usize>()
             })
             .sum();
-        (ranks + restarts + parts + self.failure_cause.as_ref().map_or(0, String::len)) as u64
+        let fork = self.fork.as_ref().map_or(0, |f| {
+            f.job_id.len()
+                + f.dirs
+                    .iter()
+                    .map(|d| d.len() + PER_STRING_BYTES)
+                    .sum::<usize>()
+        });
+        (ranks + restarts + parts + fork + self.failure_cause.as_ref().map_or(0, String::len))
+            as u64
     }
 }
 

@@ -61,6 +61,8 @@ impl RestartPolicy {
     }
 }
 
+pub use cumulus_api::is_job_id;
+
 /// Committed checkpoint steps kept when a submit names none.
 pub const DEFAULT_CKPT_KEEP: u32 = 3;
 
@@ -118,6 +120,24 @@ pub struct JobSpec {
     /// placed highest priority first, in submission order within one priority.
     #[serde(default)]
     pub priority: i32,
+    /// The committed step of another job the first attempt resumes from (a fork): same
+    /// world size, shard plan and checkpoint target as that job. `None`: from scratch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume_from: Option<ResumeFrom>,
+    /// The job may be stopped (checkpoint first, as for a pause) and queued again when a
+    /// job of higher priority waits for its slots; that costs no restart budget.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub preemptible: bool,
+}
+
+/// A committed step of an earlier job that a new job starts from (`--resume-from JOB@STEP`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResumeFrom {
+    /// The earlier job (`job-NNNNNN`).
+    pub job_id: String,
+    /// Its committed step; `None` until the leader resolves it to that job's newest
+    /// committed step (a proposed spec always names one).
+    pub step: Option<u64>,
 }
 
 // The planner (no dependency on the contract crate) spells a whole GPU too.
@@ -155,6 +175,8 @@ impl JobSpec {
             time_limit_ms: 0,
             signal_before_ms: 0,
             priority: 0,
+            resume_from: None,
+            preemptible: false,
         }
     }
 
@@ -194,6 +216,7 @@ impl JobSpec {
             + self.working_dir.len()
             + self.ckpt_url.len()
             + self.ckpt_commit_tier.len()
+            + self.resume_from.as_ref().map_or(0, |r| r.job_id.len())
     }
 
     /// True when the job checkpoints (a local root, an S3 target, or both).
@@ -321,6 +344,21 @@ impl JobSpec {
                 time_limit_ms: self.time_limit_ms,
             });
         }
+        if let Some(from) = &self.resume_from {
+            if !is_job_id(&from.job_id) {
+                return Err(SpecError::ResumeFrom {
+                    why: format!(
+                        "{} is not a job id (job-NNNNNN)",
+                        cumulus_api::text::escape_control(&from.job_id)
+                    ),
+                });
+            }
+            if !self.ckpt_enabled() {
+                return Err(SpecError::ResumeFrom {
+                    why: "the job has no checkpoint target (ckpt_dir or ckpt_url)".into(),
+                });
+            }
+        }
         if self.gpus_per_rank as usize > MAX_GPUS_PER_WORKER {
             return Err(SpecError::GpusPerRank {
                 gpus_per_rank: self.gpus_per_rank,
@@ -441,6 +479,12 @@ pub enum SpecError {
     Priority {
         /// The requested priority.
         priority: i32,
+    },
+    /// `resume_from` names no valid job id, or the job has no checkpoint target.
+    #[error("resume_from: {why}")]
+    ResumeFrom {
+        /// What is wrong.
+        why: String,
     },
     /// A time limit above [`MAX_TIME_LIMIT_MS`].
     #[error("time limit is above 365 days")]

@@ -1199,6 +1199,7 @@ fn a_pause_stops_the_ranks_then_parks_the_job_and_a_resume_queues_it_from_its_st
     assert_eq!(j.restarts_used, 0, "a pause spends no restart budget");
     assert_eq!(j.running_ms, 100, "placed at 3, stopped at 103");
     assert_eq!(j.running_ms_at(10_000), 100, "paused time is not counted");
+    assert_eq!(j.paused_ms_at(150), 47, "paused at 103");
     for r in &j.ranks {
         assert_eq!(
             (r.state, r.attempt, r.worker_id.as_deref()),
@@ -1213,6 +1214,11 @@ fn a_pause_stops_the_ranks_then_parks_the_job_and_a_resume_queues_it_from_its_st
     // Resume: queued again, placed like a new job, on other workers if need be.
     assert_eq!(apply(&mut s, resume(200)), Response::Ok);
     assert_eq!(s.jobs[&job].state, JobState::Pending);
+    assert_eq!(
+        s.jobs[&job].paused_ms_at(10_000),
+        97,
+        "paused from 103 to 200"
+    );
     assert!(matches!(
         apply(&mut s, resume(201)),
         Response::Rejected { .. }
@@ -1405,4 +1411,142 @@ fn only_finished_jobs_are_deleted_with_their_request_id() {
     assert!(!s.job_index().terminal.contains(&job));
     assert_index_current(&s);
     assert!(matches!(apply(&mut s, delete), Response::Rejected { .. }));
+}
+
+fn submit_fork(s: &mut ClusterState, req: &str, spec: JobSpec) -> Response {
+    apply(
+        s,
+        Command::SubmitJob {
+            owner: String::new(),
+            request_id: req.into(),
+            spec,
+            shards: vec![],
+            submitted_at_ms: 30,
+        },
+    )
+}
+
+fn fork_spec(world_size: u32, job: &str, step: Option<u64>) -> JobSpec {
+    JobSpec {
+        resume_from: Some(ResumeFrom {
+            job_id: job.into(),
+            step,
+        }),
+        ..spec(world_size)
+    }
+}
+
+#[test]
+fn a_job_resumed_from_another_jobs_step_starts_there_until_it_commits_its_own() {
+    let (mut s, source) = cluster_with_job(2);
+    started(&mut s, &source, 0, 0, "w1");
+    started(&mut s, &source, 1, 0, "w2");
+    commit_step(&mut s, &source, 0, 3, 2);
+    commit_step(&mut s, &source, 0, 6, 2);
+
+    // What cannot be resumed is refused, with the reason, and changes nothing.
+    let before = s.clone();
+    for (spec, why) in [
+        (
+            fork_spec(2, &source, Some(4)),
+            "not one of its committed steps (kept: 3, 6)",
+        ),
+        (fork_spec(3, &source, Some(3)), "world size 2, this job 3"),
+        (fork_spec(2, "job-999999", Some(3)), "no such job"),
+        (fork_spec(2, &source, None), "no step was named"),
+        (
+            JobSpec {
+                ckpt_dir: "/elsewhere".into(),
+                ..fork_spec(2, &source, Some(3))
+            },
+            "keeps the checkpoint target",
+        ),
+    ] {
+        let r = submit_fork(&mut s, "bad", spec);
+        let Response::Rejected { reason } = &r else {
+            panic!("{r:?}")
+        };
+        assert!(reason.contains(why), "{reason}");
+    }
+    assert_eq!(s, before);
+    // A different shard plan is refused too.
+    let r = apply(
+        &mut s,
+        Command::SubmitJob {
+            owner: String::new(),
+            request_id: "shards".into(),
+            spec: fork_spec(2, &source, Some(3)),
+            shards: vec!["/data/a".into(), "/data/b".into()],
+            submitted_at_ms: 30,
+        },
+    );
+    assert!(
+        matches!(&r, Response::Rejected { reason } if reason.contains("shard plan differs")),
+        "{r:?}"
+    );
+
+    let Response::JobSubmitted { job_id: fork, .. } =
+        submit_fork(&mut s, "fork", fork_spec(2, &source, Some(3)))
+    else {
+        panic!()
+    };
+    let j = &s.jobs[&fork];
+    for r in &j.ranks {
+        assert_eq!(r.resume_step, Some(3));
+        assert_eq!(r.resume_job_id, source);
+        assert_eq!(
+            r.resume_dir,
+            s.jobs[&source].committed[&3][r.rank as usize].dir
+        );
+    }
+    assert_eq!(s.fork_references(&source), vec![(fork.clone(), 3)]);
+    assert_eq!(s.jobs[&source].kept_steps([3, 1]), vec![1, 3, 6]);
+    assert_index_current(&s);
+
+    // A restart before the fork commits anything of its own resumes from the fork point.
+    let placements: Vec<(u32, String)> = vec![(0, "w1".into()), (1, "w2".into())];
+    let r = apply(
+        &mut s,
+        Command::PlaceJob {
+            gpus: Vec::new(),
+            job_id: fork.clone(),
+            placements: placements.clone(),
+            at_ms: 31,
+        },
+    );
+    assert_eq!(r, Response::Ok);
+    started(&mut s, &fork, 0, 0, "w1");
+    assert_eq!(apply(&mut s, exit(&fork, 0, 0, "w1", 1)), Response::Ok);
+    let r = apply(
+        &mut s,
+        Command::ScheduleRestart {
+            job_id: fork.clone(),
+            placements: placements.clone(),
+            gpus: Vec::new(),
+            failed_at_ms: 100,
+            delay_ms: 10_000,
+            cause: "rank 0 exited 1".into(),
+            resume_step: None,
+            agent_fault: false,
+        },
+    );
+    assert_eq!(r, Response::Ok, "{r:?}");
+    let j = &s.jobs[&fork];
+    assert!(
+        j.ranks
+            .iter()
+            .all(|r| r.attempt == 1 && r.resume_step == Some(3) && r.resume_job_id == source)
+    );
+
+    // Once it commits a step of its own, it resumes from its own steps and no longer
+    // holds the source's step.
+    started(&mut s, &fork, 0, 1, "w1");
+    started(&mut s, &fork, 1, 1, "w2");
+    commit_step(&mut s, &fork, 1, 5, 2);
+    assert!(s.fork_references(&source).is_empty());
+    let j = &s.jobs[&fork];
+    let own = j.resume_point(Some(5), 1);
+    assert_eq!(own.job_id, "");
+    assert_eq!(own.dir, j.committed[&5][1].dir);
+    assert_eq!(j.resume_point(None, 1).job_id, source);
 }

@@ -182,7 +182,12 @@ impl Supervisor {
                 })?;
             contract.push((rank_env::CKPT_STAGING, staging.clone().into_os_string()));
             if let Some(step) = d.resume_step {
-                let dir = verify_resume(&*store, key, step, &d.resume_dir).await?;
+                let from_job = if d.resume_job_id.is_empty() {
+                    key.job_id.as_str()
+                } else {
+                    d.resume_job_id.as_str()
+                };
+                let dir = verify_resume(&*store, from_job, key.rank, step, &d.resume_dir).await?;
                 contract.push((rank_env::RESUME_STEP, step.to_string().into()));
                 contract.push((rank_env::RESUME_DIR, dir.into_os_string()));
             }
@@ -316,14 +321,22 @@ impl Supervisor {
 /// Parts of its own each rank keeps on the worker's disk (L1) with an S3 target.
 pub(super) const L1_KEEP_STEPS: usize = 2;
 
-/// Checks the rank's part of the resume step against the step's manifest and returns its
-/// local directory (restored from L2 first when the store is tiered and L1 lacks it).
+/// Checks `rank`'s part of step `step` of job `job_id` (the rank's own job, or the job it
+/// was started from) against the step's manifest and returns its local directory
+/// (restored from L2 first when the store is tiered and L1 lacks it).
 pub(super) async fn verify_resume(
     store: &dyn CheckpointStore,
-    key: &AttemptKey,
+    job_id: &str,
+    rank: u32,
     step: u64,
     resume_dir: &str,
 ) -> Result<PathBuf, PrepareError> {
+    if !cumulus_api::is_job_id(job_id) {
+        return Err(PrepareError::Invalid(format!(
+            "resume job id {} is invalid",
+            cumulus_api::text::escape_control(job_id)
+        )));
+    }
     let fail = |why: String| PrepareError::Resume {
         dir: resume_dir.to_string(),
         step,
@@ -333,10 +346,10 @@ pub(super) async fn verify_resume(
         return Err(fail("the leader sent no resume_dir".into()));
     }
     let manifest = store
-        .read_manifest(&key.job_id, step)
+        .read_manifest(job_id, step)
         .await
         .map_err(|e| fail(e.to_string()))?;
-    if manifest.step != step || manifest.job_id != key.job_id {
+    if manifest.step != step || manifest.job_id != job_id {
         return Err(fail(format!(
             "the manifest is for {} step {}",
             manifest.job_id, manifest.step
@@ -345,16 +358,16 @@ pub(super) async fn verify_resume(
     let part = manifest
         .parts
         .iter()
-        .find(|p| p.rank == key.rank)
-        .ok_or_else(|| fail(format!("the manifest has no part for rank {}", key.rank)))?;
+        .find(|p| p.rank == rank)
+        .ok_or_else(|| fail(format!("the manifest has no part for rank {rank}")))?;
     if part.dir != resume_dir {
         return Err(fail(format!(
-            "the manifest names {:?} for rank {}",
-            part.dir, key.rank
+            "the manifest names {:?} for rank {rank}",
+            part.dir
         )));
     }
     store
-        .resume_part_path(&key.job_id, part)
+        .resume_part_path(job_id, part)
         .await
         .map_err(|e| fail(e.to_string()))
 }
