@@ -460,3 +460,125 @@ pub async fn follower_catchup(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         ),
     ])
 }
+
+/// Pause and resume (issue #27): a two-rank trainer checkpointing every 20 steps is
+/// paused and resumed repeatedly. Measured: pause request → the job `paused` with every
+/// rank stopped and the step they reached committed (target: within one checkpoint
+/// interval, from the trainer's own rate, plus 1 s); resume request → the first progress
+/// past that step seen by the leader (to compare with `rank_restart` (c), which adds a
+/// 200 ms backoff).
+pub async fn pause(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
+    let rounds = ctx.pick(10, 2);
+    let ckpt_every: u64 = 20;
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 2,
+        slots: 2,
+        ..ClusterOpts::default()
+    })
+    .await?;
+    let root = ctx.work_dir.join("pause");
+    std::fs::create_dir_all(&root)?;
+    let w = prepare_digits(&root, 4)?;
+    let every = ckpt_every.to_string();
+    let args = [
+        "--epochs",
+        "100000",
+        "--ckpt-every",
+        every.as_str(),
+        "--step-sleep-ms",
+        "5",
+    ];
+    let spec = trainer_spec(&w, 2, &root.join("ckpt"), &root.join("out"), &args);
+    let job_id = cluster.submit("pause", spec).await?.job_id;
+    let mut client = cluster.leader_client().await?;
+    let (mut paused, mut resumed, mut interval) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let job = cluster
+            .wait_job(&job_id, "running with a rate", DEADLINE, |j| {
+                j.ranks.iter().all(|r| {
+                    r.phase() == Ok(RankPhase::Running)
+                        && r.attempt == round
+                        && r.metrics.get("steps_per_s").is_some_and(|v| *v > 0.0)
+                }) && j.committed_step.is_some()
+            })
+            .await;
+        let rate = job
+            .ranks
+            .iter()
+            .filter_map(|r| r.metrics.get("steps_per_s").copied())
+            .fold(f64::INFINITY, f64::min);
+        interval.push(ckpt_every as f64 / rate * 1_000.0);
+        let t = Instant::now();
+        client
+            .pause_job(v1::PauseJobRequest {
+                job_id: job_id.clone(),
+            })
+            .await?;
+        let stopped = cluster
+            .wait_job(&job_id, "paused", DEADLINE, |j| j.state == "paused")
+            .await;
+        paused.push(ms(t.elapsed()));
+        let step = stopped.committed_step.unwrap_or(0);
+        let t = Instant::now();
+        client
+            .resume_job(v1::ResumeJobRequest {
+                job_id: job_id.clone(),
+            })
+            .await?;
+        cluster
+            .wait_job(&job_id, "progress past the paused step", DEADLINE, |j| {
+                j.ranks
+                    .iter()
+                    .any(|r| r.attempt == round + 1 && r.step > step)
+            })
+            .await;
+        resumed.push(ms(t.elapsed()));
+        eprintln!(
+            "   round {round}: paused at step {step} in {:.0} ms (interval {:.0} ms), resumed in {:.0} ms",
+            paused[paused.len() - 1],
+            interval[interval.len() - 1],
+            resumed[resumed.len() - 1]
+        );
+    }
+    let _ = client.cancel_job(v1::CancelJobRequest { job_id }).await;
+    let n = paused.len();
+    let target = percentile(&interval, 50.0) + 1_000.0;
+    Ok(vec![
+        Row::new(
+            "pause",
+            "checkpoint interval (20 steps at the trainer's rate) p50",
+            percentile(&interval, 50.0),
+            "ms",
+            n,
+        ),
+        Row::new(
+            "pause",
+            "pause request -> paused, step committed p50",
+            percentile(&paused, 50.0),
+            "ms",
+            n,
+        ),
+        Row::below(
+            "pause",
+            "pause request -> paused, step committed p99",
+            percentile(&paused, 99.0),
+            "ms",
+            n,
+            target.round(),
+        ),
+        Row::new(
+            "pause",
+            "resume request -> progress past the step p50",
+            percentile(&resumed, 50.0),
+            "ms",
+            n,
+        ),
+        Row::new(
+            "pause",
+            "resume request -> progress past the step p99",
+            percentile(&resumed, 99.0),
+            "ms",
+            n,
+        ),
+    ])
+}

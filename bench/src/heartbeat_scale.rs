@@ -22,7 +22,7 @@ use crate::Ctx;
 use crate::procstat::{cpu_seconds, rss_bytes};
 use crate::report::{Row, percentile};
 
-type WorkerClient = WorkerServiceClient<InterceptedService<Channel, Auth>>;
+pub(crate) type WorkerClient = WorkerServiceClient<InterceptedService<Channel, Auth>>;
 
 /// Simulated workers per HTTP/2 channel.
 const WORKERS_PER_CHANNEL: usize = 500;
@@ -214,19 +214,7 @@ async fn simulated_worker(
         let Ok(_permit) = register.acquire().await else {
             return;
         };
-        let req = v1::RegisterWorkerRequest {
-            worker_id: worker_id.clone(),
-            host: "127.0.0.1".into(),
-            http_addr: "127.0.0.1:1".into(),
-            slots: 1,
-            gpus: Vec::new(),
-        };
-        for _ in 0..20 {
-            if client.register(req.clone()).await.is_ok() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        register_simulated(&mut client, &worker_id).await;
     }
     // Spread the fleet over the second.
     tokio::time::sleep(Duration::from_millis((i as u64 * 7_919) % 1_000)).await;
@@ -254,5 +242,23 @@ async fn simulated_worker(
                 .await
                 .push(t.elapsed().as_secs_f64() * 1_000.0);
         }
+    }
+}
+
+/// Registers a simulated worker of one slot, retrying (a leader still starting, a
+/// loaded machine) up to 50 times, 200 ms apart.
+pub(crate) async fn register_simulated(client: &mut WorkerClient, worker_id: &str) {
+    let req = v1::RegisterWorkerRequest {
+        worker_id: worker_id.to_string(),
+        host: "127.0.0.1".into(),
+        http_addr: "127.0.0.1:1".into(),
+        slots: 1,
+        gpus: Vec::new(),
+    };
+    for _ in 0..50 {
+        if client.register(req.clone()).await.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

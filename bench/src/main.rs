@@ -17,6 +17,7 @@ mod memory;
 mod procstat;
 mod python;
 mod report;
+mod scheduler;
 mod training;
 mod write_path;
 mod write_stages;
@@ -79,6 +80,8 @@ pub const SCENARIOS: &[&str] = &[
     "rank_restart",
     "worker_expiry",
     "heartbeat_scale",
+    "scheduler",
+    "pause",
     "ckpt_commit",
     "ckpt_s3",
     "training",
@@ -95,6 +98,8 @@ async fn run_one(name: &str, ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         "rank_restart" => cluster_ops::rank_restart(ctx).await,
         "worker_expiry" => cluster_ops::worker_expiry(ctx).await,
         "heartbeat_scale" => heartbeat_scale::run(ctx).await,
+        "scheduler" => scheduler::run(ctx).await,
+        "pause" => cluster_ops::pause(ctx).await,
         "ckpt_commit" => ckpt_commit::run(ctx).await,
         "ckpt_s3" => ckpt_s3::run(ctx).await,
         "training" => training::run(ctx).await,

@@ -15,6 +15,7 @@ use crate::demo::{self, DemoOptions};
 use crate::jobs;
 use crate::local::{self, LocalError, UpOptions};
 use crate::logs::LogError;
+use crate::output::print_data;
 use crate::render;
 use crate::watch;
 
@@ -49,7 +50,11 @@ pub async fn run(cli: Cli) -> Result<()> {
             jobs::logs(
                 &config::resolve(g)?,
                 &l.job,
-                (l.rank, l.tail),
+                (
+                    l.rank,
+                    l.tail,
+                    l.since.map(|ms| render::now_ms().saturating_sub(ms)),
+                ),
                 l.follow,
                 out,
             )
@@ -95,8 +100,10 @@ pub async fn run(cli: Cli) -> Result<()> {
                 .await
                 .context("dataset split task")??;
             match out {
-                OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-                OutputFormat::Table => print!("{}", dataset::report_text(&report)),
+                OutputFormat::Json | OutputFormat::Yaml => print_data(out, &report)?,
+                OutputFormat::Table | OutputFormat::Wide => {
+                    print!("{}", dataset::report_text(&report))
+                }
             }
             Ok(())
         }
@@ -112,8 +119,8 @@ pub async fn run(cli: Cli) -> Result<()> {
             };
             let started = local::up(&opts, true).await?;
             match out {
-                OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&started.file)?),
-                OutputFormat::Table => {
+                OutputFormat::Json | OutputFormat::Yaml => print_data(out, &started.file)?,
+                OutputFormat::Table | OutputFormat::Wide => {
                     print!("{}", local::up_summary(&started, &local_dir_flag(g)))
                 }
             }
@@ -125,8 +132,8 @@ pub async fn run(cli: Cli) -> Result<()> {
                 .await
                 .context("local down task")??;
             match out {
-                OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&outcomes)?),
-                OutputFormat::Table => {
+                OutputFormat::Json | OutputFormat::Yaml => print_data(out, &outcomes)?,
+                OutputFormat::Table | OutputFormat::Wide => {
                     for (p, o) in &outcomes {
                         let what = match o {
                             local::StopOutcome::NotRunning => "was not running",
@@ -243,8 +250,19 @@ fn local_dir_flag(g: &GlobalOpts) -> String {
 }
 
 async fn local_status(g: &GlobalOpts) -> Result<()> {
-    let file = ClusterFile::load(&g.local_dir)?
+    let mut file = ClusterFile::load(&g.local_dir)?
         .ok_or_else(|| LocalError::NotFound(g.local_dir.clone()))?;
+    // A process restarted by hand is found and recorded (its pid, for `local down`).
+    let adopted = local::adopt_running(&mut file);
+    if !adopted.is_empty() {
+        file.store(&g.local_dir)?;
+        if !g.output.is_data() {
+            println!(
+                "found running again (restarted by hand), now recorded: {}\n",
+                adopted.join(", ")
+            );
+        }
+    }
     let procs = local::processes(&file);
     let alive: Vec<bool> = procs.iter().map(local::Proc::alive).collect();
     let token = config::read_token_file(&file.token_file).ok();
@@ -270,7 +288,7 @@ async fn local_status(g: &GlobalOpts) -> Result<()> {
         _ => None,
     };
     match g.output {
-        OutputFormat::Json => {
+        OutputFormat::Json | OutputFormat::Yaml => {
             #[derive(serde::Serialize)]
             struct P<'a> {
                 name: &'a str,
@@ -283,9 +301,9 @@ async fn local_status(g: &GlobalOpts) -> Result<()> {
                 "cluster": status.as_ref().and_then(|s| s.as_ref().ok()),
                 "cluster_error": status.as_ref().and_then(|s| s.as_ref().err()).map(|e| e.to_string()),
             });
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            print_data(g.output, &v)?;
         }
-        OutputFormat::Table => {
+        OutputFormat::Table | OutputFormat::Wide => {
             let mut t = render::table(&["PROCESS", "PID", "ALIVE", "LOG"]);
             for (p, a) in procs.iter().zip(&alive) {
                 t.add_row(vec![

@@ -83,7 +83,7 @@ pub struct GlobalOpts {
         default_value = ".cumulus"
     )]
     pub local_dir: PathBuf,
-    /// Output format: human tables or JSON for scripts.
+    /// Output format: human tables (`wide`: more columns), or JSON or YAML for scripts.
     #[arg(short = 'o', long, global = true, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
     /// Give up on an unreachable or leaderless cluster after this many seconds
@@ -103,8 +103,20 @@ pub struct GlobalOpts {
 pub enum OutputFormat {
     /// Human-readable tables.
     Table,
+    /// Tables with more columns (`list`: priority, progress, rate, running time and the
+    /// workers), as `kubectl -o wide`; elsewhere the same as `table`.
+    Wide,
     /// JSON (the proto messages as serde_json); `logs` prints one JSON object per line.
     Json,
+    /// YAML: the same fields as JSON (`logs`: JSON lines, as with `-o json`).
+    Yaml,
+}
+
+impl OutputFormat {
+    /// True for the formats meant for scripts (JSON, YAML).
+    pub fn is_data(self) -> bool {
+        matches!(self, OutputFormat::Json | OutputFormat::Yaml)
+    }
 }
 
 /// The commands.
@@ -392,6 +404,11 @@ pub struct LogsArgs {
     /// there), as `kubectl logs --tail`.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub tail: Option<u32>,
+    /// Only output written in this last span, e.g. `10m`, `2h` (as `kubectl logs
+    /// --since`; the workers' clocks, to within a second: a line up to a second older may
+    /// show).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration_ms)]
+    pub since: Option<u64>,
 }
 
 /// `ckpt` subcommands.

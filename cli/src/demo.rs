@@ -330,6 +330,7 @@ async fn run_job(opts: &DemoOptions, steps: &mut Steps, dir: &Path, conn: &Conn)
             job_id: job_id.clone(),
             rank: None,
             follow: true,
+            since_ms: None,
         };
         tokio::spawn(async move {
             let mut filter = LogFilter::default();

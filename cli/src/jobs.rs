@@ -13,6 +13,7 @@ use crate::client::{Client, new_request_id};
 use crate::config::Conn;
 use crate::dataset::{absolute, canonical_lenient};
 use crate::logs::{CursorState, LogLine, LogRequest, follow_logs};
+use crate::output::{print_data, print_text};
 use crate::render;
 
 /// Poll interval of `submit --wait`.
@@ -149,28 +150,15 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
     })
 }
 
-fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
-    let mut out = std::io::stdout().lock();
-    serde_json::to_writer_pretty(&mut out, v).context("writing JSON to stdout")?;
-    writeln!(out).context("writing to stdout")?;
-    Ok(())
-}
-
-fn print_text(s: &str) -> Result<()> {
-    let mut out = std::io::stdout().lock();
-    out.write_all(s.as_bytes()).context("writing to stdout")?;
-    Ok(())
-}
-
 /// `submit`.
 pub async fn submit(conn: &Conn, args: &SubmitArgs, output: OutputFormat) -> Result<()> {
     let req = build_submit(args)?;
     let client = Client::new(conn)?;
     let resp = client.submit_job(req.clone()).await?;
     match output {
-        OutputFormat::Json if !args.wait => print_json(&resp)?,
-        OutputFormat::Json => {}
-        OutputFormat::Table => {
+        OutputFormat::Json | OutputFormat::Yaml if !args.wait => print_data(output, &resp)?,
+        OutputFormat::Json | OutputFormat::Yaml => {}
+        OutputFormat::Table | OutputFormat::Wide => {
             println!("{}", resp.job_id);
             if !resp.created {
                 eprintln!(
@@ -303,8 +291,10 @@ pub async fn wait_for(
         if is_finished(&job.state) {
             progress.finish();
             match output {
-                OutputFormat::Json => print_json(&resp)?,
-                OutputFormat::Table => print_text(&render::job_status(&resp, render::now_ms()))?,
+                OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp)?,
+                OutputFormat::Table | OutputFormat::Wide => {
+                    print_text(&render::job_status(&resp, render::now_ms()))?
+                }
             }
             if job.job_state() == Ok(cumulus_api::JobState::Succeeded) {
                 return Ok(());
@@ -336,8 +326,8 @@ pub async fn wait_for(
 pub async fn describe(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
     let resp = Client::new(conn)?.get_job(job_id, true).await?;
     match output {
-        OutputFormat::Json => print_json(&resp),
-        OutputFormat::Table => {
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+        OutputFormat::Table | OutputFormat::Wide => {
             let now_ms = render::now_ms();
             let mut text = render::job_status(&resp, now_ms);
             if let Some(job) = &resp.job {
@@ -353,8 +343,10 @@ pub async fn describe(conn: &Conn, job_id: &str, output: OutputFormat) -> Result
 pub async fn status(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
     let resp = Client::new(conn)?.get_job(job_id, true).await?;
     match output {
-        OutputFormat::Json => print_json(&resp),
-        OutputFormat::Table => print_text(&render::job_status(&resp, render::now_ms())),
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+        OutputFormat::Table | OutputFormat::Wide => {
+            print_text(&render::job_status(&resp, render::now_ms()))
+        }
     }
 }
 
@@ -376,8 +368,9 @@ pub async fn list(conn: &Conn, filters: &ListArgs, output: OutputFormat) -> Resu
         resp.jobs.drain(..drop);
     }
     match output {
-        OutputFormat::Json => print_json(&resp),
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
         OutputFormat::Table => print_text(&render::jobs_table(&resp, render::now_ms())),
+        OutputFormat::Wide => print_text(&render::jobs_table_wide(&resp, render::now_ms())),
     }
 }
 
@@ -409,8 +402,8 @@ pub async fn delete(
         .delete_job(&args.job, args.checkpoints)
         .await?;
     match output {
-        OutputFormat::Json => print_json(&resp),
-        OutputFormat::Table => {
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+        OutputFormat::Table | OutputFormat::Wide => {
             let what = match (args.checkpoints, resp.checkpoints_deleted) {
                 (false, _) => "deleted",
                 (true, true) => "deleted with its checkpoints",
@@ -437,8 +430,8 @@ pub async fn purge(conn: &Conn, args: &crate::args::PurgeArgs, output: OutputFor
         })
         .await?;
     match output {
-        OutputFormat::Json => print_json(&resp),
-        OutputFormat::Table => {
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+        OutputFormat::Table | OutputFormat::Wide => {
             for id in &resp.job_ids {
                 println!("{id}: deleted");
             }
@@ -455,8 +448,8 @@ fn print_job_state(
     output: OutputFormat,
 ) -> Result<()> {
     match output {
-        OutputFormat::Json => print_json(&resp),
-        OutputFormat::Table => {
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+        OutputFormat::Table | OutputFormat::Wide => {
             let state = resp
                 .job
                 .as_ref()
@@ -471,8 +464,8 @@ fn print_job_state(
 pub async fn ckpt_ls(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()> {
     let resp = Client::new(conn)?.list_checkpoints(job_id).await?;
     match output {
-        OutputFormat::Json => print_json(&resp),
-        OutputFormat::Table => print_text(&render::checkpoints_table(&resp)),
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+        OutputFormat::Table | OutputFormat::Wide => print_text(&render::checkpoints_table(&resp)),
     }
 }
 
@@ -512,8 +505,8 @@ async fn leader_cluster_status(conn: &Conn) -> Result<cumulus_api::ClusterStatus
 pub async fn cluster_status(conn: &Conn, output: OutputFormat) -> Result<()> {
     let resp = leader_cluster_status(conn).await?;
     match output {
-        OutputFormat::Json => print_json(&resp),
-        OutputFormat::Table => print_text(&render::cluster_status(&resp)),
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+        OutputFormat::Table | OutputFormat::Wide => print_text(&render::cluster_status(&resp)),
     }
 }
 
@@ -549,8 +542,8 @@ pub async fn token_create(conn: &Conn, args: &TokenCreateArgs, output: OutputFor
         ));
     }
     match output {
-        OutputFormat::Json => print_json(&resp),
-        OutputFormat::Table => print_text(&format!(
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+        OutputFormat::Table | OutputFormat::Wide => print_text(&format!(
             "user {} (role {}) created. Its token, shown once:\n{}\n",
             resp.name, resp.role, resp.token
         )),
@@ -564,8 +557,10 @@ pub async fn token_create(conn: &Conn, args: &TokenCreateArgs, output: OutputFor
 pub async fn token_ls(conn: &Conn, output: OutputFormat) -> Result<()> {
     let resp = Client::new(conn)?.list_users().await?;
     match output {
-        OutputFormat::Json => print_json(&resp),
-        OutputFormat::Table => print_text(&render::users_table(&resp, render::now_ms())),
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+        OutputFormat::Table | OutputFormat::Wide => {
+            print_text(&render::users_table(&resp, render::now_ms()))
+        }
     }
 }
 
@@ -576,8 +571,10 @@ pub async fn token_ls(conn: &Conn, output: OutputFormat) -> Result<()> {
 pub async fn token_revoke(conn: &Conn, name: &str, output: OutputFormat) -> Result<()> {
     Client::new(conn)?.revoke_user(name).await?;
     match output {
-        OutputFormat::Json => print_json(&serde_json::json!({ "revoked": name })),
-        OutputFormat::Table => print_text(&format!(
+        OutputFormat::Json | OutputFormat::Yaml => {
+            print_data(output, &serde_json::json!({ "revoked": name }))
+        }
+        OutputFormat::Table | OutputFormat::Wide => print_text(&format!(
             "user {} revoked\n",
             cumulus_api::text::escape_control(name)
         )),
@@ -591,8 +588,10 @@ pub async fn token_revoke(conn: &Conn, name: &str, output: OutputFormat) -> Resu
 pub async fn whoami(conn: &Conn, output: OutputFormat) -> Result<()> {
     let resp = Client::new(conn)?.who_am_i().await?;
     match output {
-        OutputFormat::Json => print_json(&resp),
-        OutputFormat::Table => print_text(&format!("{} (role {})\n", resp.name, resp.role)),
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+        OutputFormat::Table | OutputFormat::Wide => {
+            print_text(&format!("{} (role {})\n", resp.name, resp.role))
+        }
     }
 }
 
@@ -603,8 +602,8 @@ pub async fn whoami(conn: &Conn, output: OutputFormat) -> Result<()> {
 pub async fn workers(conn: &Conn, output: OutputFormat) -> Result<()> {
     let resp = leader_cluster_status(conn).await?;
     match output {
-        OutputFormat::Json => print_json(&resp.workers),
-        OutputFormat::Table => print_text(&render::workers_text(&resp)),
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp.workers),
+        OutputFormat::Table | OutputFormat::Wide => print_text(&render::workers_text(&resp)),
     }
 }
 
@@ -628,8 +627,8 @@ pub fn parse_member_addr(addr: &str) -> Result<(String, String)> {
 
 fn print_membership(resp: &cumulus_api::ClusterStatusResponse, output: OutputFormat) -> Result<()> {
     match output {
-        OutputFormat::Json => print_json(resp),
-        OutputFormat::Table => print_text(&render::cluster_status(resp)),
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, resp),
+        OutputFormat::Table | OutputFormat::Wide => print_text(&render::cluster_status(resp)),
     }
 }
 
@@ -662,7 +661,7 @@ pub async fn remove(conn: &Conn, id: u64, output: OutputFormat) -> Result<()> {
 pub async fn logs(
     conn: &Conn,
     job_id: &str,
-    (rank, tail): (Option<u32>, Option<u32>),
+    (rank, tail, since_ms): (Option<u32>, Option<u32>, Option<u64>),
     follow: bool,
     output: OutputFormat,
 ) -> Result<()> {
@@ -670,6 +669,7 @@ pub async fn logs(
         job_id: job_id.to_string(),
         rank,
         follow,
+        since_ms,
     };
     let mut state = CursorState::default();
     // With --tail: read what there is so far, keep the last N lines of each rank, print
@@ -697,8 +697,8 @@ pub async fn logs(
             return;
         }
         let r = match output {
-            OutputFormat::Table => writeln!(out, "{}", l.human()),
-            OutputFormat::Json => serde_json::to_string(l)
+            OutputFormat::Table | OutputFormat::Wide => writeln!(out, "{}", l.human()),
+            OutputFormat::Json | OutputFormat::Yaml => serde_json::to_string(l)
                 .map_err(std::io::Error::other)
                 .and_then(|s| writeln!(out, "{s}")),
         };

@@ -6,6 +6,7 @@
 //! - [`client`]: gRPC `ClientService` client with leader following and bounded retries;
 //! - [`logs`]: SSE log following with lossless, duplicate-free resume;
 //! - [`render`]: human tables;
+//! - [`output`]: `-o json|yaml` or the human text;
 //! - [`jobs`]: submit/status/list/cancel/logs/ckpt/cluster commands;
 //! - [`watch`]: `summary` and `watch` (live per-rank progress bars);
 //! - [`dataset`]: `dataset split`;
@@ -22,5 +23,6 @@ pub mod demo;
 pub mod jobs;
 pub mod local;
 pub mod logs;
+pub mod output;
 pub mod render;
 pub mod watch;

@@ -567,7 +567,8 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
             if !file.peer_token_file().exists() {
                 write_token(&file.peer_token_file(), &new_token())?;
             }
-            clear_dead_pids(&mut file);
+            // A process restarted by hand is the cluster's: not started twice.
+            adopt_running(&mut file);
             (file, token, true)
         }
         None => {
@@ -694,20 +695,44 @@ fn shape_text((c, w, s): (u32, u32, u32)) -> String {
     format!("{c} coordinators, {w} workers × {s} slots")
 }
 
-/// Sets the recorded pid of every process that is not running (as [`Proc::alive`]
-/// says) to `None`.
-pub fn clear_dead_pids(file: &mut ClusterFile) {
-    let alive: Vec<bool> = processes(file).iter().map(Proc::alive).collect();
+/// Records the pid of every process of the cluster that runs although its recorded
+/// pid does not: one restarted by hand (with the command line `up` wrote to its log, or
+/// by a supervisor), found in `/proc` by its binary and data dir ([`is_ours`]). The
+/// others keep their pids, dead ones cleared. Returns the names of the processes
+/// adopted; `cluster.json` is the caller's to store.
+pub fn adopt_running(file: &mut ClusterFile) -> Vec<String> {
+    let procs = processes(file);
+    let alive: Vec<bool> = procs.iter().map(Proc::alive).collect();
+    let candidates: Vec<u32> = if alive.iter().all(|a| *a) {
+        Vec::new()
+    } else {
+        fs::read_dir("/proc")
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
     let pids = file
         .coordinators
         .iter_mut()
         .map(|c| &mut c.pid)
         .chain(file.workers.iter_mut().map(|w| &mut w.pid));
-    for (pid, alive) in pids.zip(alive) {
-        if !alive {
-            *pid = None;
+    let mut adopted = Vec::new();
+    for ((pid, alive), p) in pids.zip(alive).zip(&procs) {
+        if alive {
+            continue;
+        }
+        *pid = candidates
+            .iter()
+            .copied()
+            .find(|c| is_ours(*c, p.binary, &p.data_dir));
+        if pid.is_some() {
+            adopted.push(p.name.clone());
         }
     }
+    adopted
 }
 
 /// Sets every recorded pid to `None`.
@@ -883,6 +908,8 @@ pub fn down(dir: &Path, purge: bool) -> Result<Vec<(Proc, StopOutcome)>, LocalEr
     let mut file = ClusterFile::load(dir)
         .map_err(|e| LocalError::Other(e.to_string()))?
         .ok_or_else(|| LocalError::NotFound(dir.to_path_buf()))?;
+    // Processes restarted by hand are stopped too.
+    adopt_running(&mut file);
     let outcomes = stop_processes(&processes(&file), TERM_GRACE);
     if outcomes.iter().any(|(_, o)| *o == StopOutcome::Stuck) {
         return Err(LocalError::Other(format!(

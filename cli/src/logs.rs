@@ -179,6 +179,8 @@ pub struct LogRequest {
     pub rank: Option<u32>,
     /// Keep streaming until `end` (else stop at the current end).
     pub follow: bool,
+    /// Only output written since this time (ms since the Unix epoch).
+    pub since_ms: Option<u64>,
 }
 
 /// Backoff before reconnect number `n` (1-based): 200 ms doubling, capped at 5 s.
@@ -230,6 +232,9 @@ where
         let mut query: Vec<(&str, String)> = vec![("follow", req.follow.to_string())];
         if let Some(r) = req.rank {
             query.push(("rank", r.to_string()));
+        }
+        if let Some(since) = req.since_ms {
+            query.push(("since_ms", since.to_string()));
         }
         let mut rb = client
             .get(&url)
@@ -477,6 +482,7 @@ mod tests {
             job_id: "job-000001".into(),
             rank: None,
             follow: true,
+            since_ms: None,
         };
         let mut state = CursorState::default();
         let mut lines = Vec::new();
@@ -563,6 +569,7 @@ mod tests {
                 job_id: "job-000042".into(),
                 rank: Some(1),
                 follow: false,
+                since_ms: None,
             };
             let err = follow_logs(&conn, &req, &mut CursorState::default(), |_| {})
                 .await

@@ -2,12 +2,34 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use cumulusctl::app;
 use cumulusctl::args::Cli;
 
+/// Parses the command line; on an error, exits with clap's message, its usage line
+/// computed without the environment: clap counts an option set by its environment
+/// variable (`CUMULUS_LOCAL_DIR`, `CUMULUS_ADDR`, …) as given, and would show it in the
+/// usage line as if it were required.
+fn parse() -> Cli {
+    let err = match Cli::command().try_get_matches() {
+        Ok(matches) => match Cli::from_arg_matches(&matches) {
+            Ok(cli) => return cli,
+            Err(e) => e,
+        },
+        Err(e) => e,
+    };
+    let plain = Cli::command()
+        .mut_args(|a| a.env(None::<&'static str>))
+        .try_get_matches();
+    match plain {
+        // The same mistake, described without the environment's options.
+        Err(e) if e.kind() == err.kind() => e.exit(),
+        _ => err.exit(),
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse();
     // The client's own diagnostics (retries during a failover) only when asked for: a
     // user's terminal shows results and errors, not tracing lines.
     let level = match cli.global.verbose {

@@ -133,10 +133,20 @@ pub fn step_text(r: &RankStatus) -> String {
 
 /// `list`: one line per job.
 pub fn jobs_table(resp: &ListJobsResponse, now_ms: u64) -> String {
+    jobs_table_with(resp, now_ms, false)
+}
+
+/// `list -o wide`: [`jobs_table`] with the priority, the progress (the slowest rank's
+/// step of the total), the rate, the running time and the workers of each job.
+pub fn jobs_table_wide(resp: &ListJobsResponse, now_ms: u64) -> String {
+    jobs_table_with(resp, now_ms, true)
+}
+
+fn jobs_table_with(resp: &ListJobsResponse, now_ms: u64, wide: bool) -> String {
     if resp.jobs.is_empty() {
         return "no jobs\n".into();
     }
-    let mut t = table(&[
+    let mut header = vec![
         "ID",
         "NAME",
         "OWNER",
@@ -145,8 +155,12 @@ pub fn jobs_table(resp: &ListJobsResponse, now_ms: u64) -> String {
         "RESTARTS",
         "CKPT STEP",
         "SUBMITTED",
-        "COMMAND",
-    ]);
+    ];
+    if wide {
+        header.extend(["PRIORITY", "PROGRESS", "STEPS/S", "RAN", "WORKERS"]);
+    }
+    header.push("COMMAND");
+    let mut t = table(&header);
     for j in &resp.jobs {
         let spec = j.spec.clone().unwrap_or_default();
         let mut cmd = shell_words(&spec.command);
@@ -159,22 +173,55 @@ pub fn jobs_table(resp: &ListJobsResponse, now_ms: u64) -> String {
             cmd.truncate(cut);
             cmd.push_str("...");
         }
-        add_row(
-            &mut t,
-            vec![
-                j.id.clone(),
-                or_dash(&spec.name),
-                or_dash(&j.owner),
-                job_state_text(j),
-                spec.world_size.to_string(),
-                format!("{}/{}", j.restarts_used, budget(j)),
-                j.committed_step.map_or("-".into(), |s| s.to_string()),
-                age(j.submitted_at_ms, now_ms),
-                cmd,
-            ],
-        );
+        let mut cells = vec![
+            j.id.clone(),
+            or_dash(&spec.name),
+            or_dash(&j.owner),
+            job_state_text(j),
+            spec.world_size.to_string(),
+            format!("{}/{}", j.restarts_used, budget(j)),
+            j.committed_step.map_or("-".into(), |s| s.to_string()),
+            age(j.submitted_at_ms, now_ms),
+        ];
+        if wide {
+            let slowest = j
+                .ranks
+                .iter()
+                .filter(|r| r.total_steps > 0 || r.step > 0)
+                .min_by_key(|r| r.step);
+            let mut workers: Vec<&str> = j
+                .ranks
+                .iter()
+                .map(|r| r.worker_id.as_str())
+                .filter(|w| !w.is_empty())
+                .collect();
+            workers.sort_unstable();
+            workers.dedup();
+            cells.extend([
+                priority_text(&spec),
+                slowest.map_or("-".into(), |r| step_of(r.step, r.total_steps)),
+                slowest.map_or("-".into(), |r| rate_text(r.steps_per_s)),
+                if j.running_ms > 0 {
+                    duration_text(j.running_ms)
+                } else {
+                    "-".into()
+                },
+                or_dash(&workers.join(",")),
+            ]);
+        }
+        cells.push(cmd);
+        add_row(&mut t, cells);
     }
     table_text(&t)
+}
+
+/// `5`, or `0 (preemptible)`.
+fn priority_text(spec: &cumulus_api::JobSpec) -> String {
+    if spec.preemptible {
+        format!("{} (preemptible)", spec.priority)
+    } else {
+        spec.priority.to_string()
+    }
 }
 
 /// A job's state as shown: with a stop in flight, what it is doing (`running, pausing`,
@@ -263,18 +310,7 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
         row("stop grace", duration_text(spec.stop_grace_ms));
     }
     if spec.priority != 0 || spec.preemptible {
-        row(
-            "priority",
-            format!(
-                "{}{}",
-                spec.priority,
-                if spec.preemptible {
-                    " (preemptible)"
-                } else {
-                    ""
-                }
-            ),
-        );
+        row("priority", priority_text(&spec));
     }
     if !spec.resume_from_job.is_empty() {
         row(

@@ -2,7 +2,6 @@
 //! `watch` (live per-rank progress bars until the job ends).
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -13,20 +12,8 @@ use crate::args::{OutputFormat, SummaryArgs};
 use crate::client::Client;
 use crate::config::Conn;
 use crate::jobs::{WAIT_POLL, is_finished};
+use crate::output::{print_data, print_text};
 use crate::render;
-
-fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
-    let mut out = std::io::stdout().lock();
-    serde_json::to_writer_pretty(&mut out, v).context("writing JSON to stdout")?;
-    writeln!(out).context("writing to stdout")?;
-    Ok(())
-}
-
-fn print_text(s: &str) -> Result<()> {
-    let mut out = std::io::stdout().lock();
-    out.write_all(s.as_bytes()).context("writing to stdout")?;
-    Ok(())
-}
 
 /// `summary [JOB]`.
 ///
@@ -39,8 +26,10 @@ pub async fn summary(conn: &Conn, args: &SummaryArgs, output: OutputFormat) -> R
         Some(job_id) => {
             let s = client.get_job_summary(job_id).await?;
             match output {
-                OutputFormat::Json => print_json(&s),
-                OutputFormat::Table => print_text(&render::summary_text(&s, now_ms)),
+                OutputFormat::Json | OutputFormat::Yaml => print_data(output, &s),
+                OutputFormat::Table | OutputFormat::Wide => {
+                    print_text(&render::summary_text(&s, now_ms))
+                }
             }
         }
         None => {
@@ -51,8 +40,10 @@ pub async fn summary(conn: &Conn, args: &SummaryArgs, output: OutputFormat) -> R
                 })
                 .await?;
             match output {
-                OutputFormat::Json => print_json(&resp),
-                OutputFormat::Table => print_text(&render::summaries_table(&resp, now_ms)),
+                OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp),
+                OutputFormat::Table | OutputFormat::Wide => {
+                    print_text(&render::summaries_table(&resp, now_ms))
+                }
             }
         }
     }
@@ -251,8 +242,10 @@ pub async fn watch(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()
         if is_finished(&job.state) {
             display.finish();
             match output {
-                OutputFormat::Json => print_json(&resp)?,
-                OutputFormat::Table => print_text(&render::job_status(&resp, render::now_ms()))?,
+                OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp)?,
+                OutputFormat::Table | OutputFormat::Wide => {
+                    print_text(&render::job_status(&resp, render::now_ms()))?
+                }
             }
             if job.job_state() == Ok(cumulus_api::JobState::Succeeded) {
                 return Ok(());

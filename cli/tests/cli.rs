@@ -109,6 +109,26 @@ fn dataset_split_of_digits_writes_shards_and_holdout() {
         4,
         "stale shards removed"
     );
+
+    // -o yaml holds the same fields as -o json.
+    let yaml = ctl(
+        dir.path(),
+        &[
+            "-o",
+            "yaml",
+            "dataset",
+            "split",
+            input.to_str().expect("utf8"),
+            "--shards",
+            "4",
+            "--out",
+            "shards",
+            "--force",
+        ],
+    );
+    assert!(yaml.status.success(), "stderr: {}", text(&yaml.stderr));
+    let y: serde_json::Value = yaml_serde::from_slice(&yaml.stdout).expect("yaml");
+    assert_eq!(y, v, "{}", text(&yaml.stdout));
 }
 
 #[test]
@@ -129,6 +149,25 @@ fn a_bad_row_is_named_with_its_line_and_a_hint() {
 }
 
 #[test]
+fn options_set_by_the_environment_stay_out_of_the_usage_line() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(env!("CARGO_BIN_EXE_cumulusctl"))
+        .current_dir(dir.path())
+        .env("CUMULUS_LOCAL_DIR", dir.path())
+        .env("CUMULUS_ADDR", "127.0.0.1:1")
+        .args(["status"])
+        .output()
+        .expect("run cumulusctl");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    let usage = stderr
+        .lines()
+        .find(|l| l.starts_with("Usage:"))
+        .unwrap_or_else(|| panic!("no usage line: {stderr}"));
+    assert_eq!(usage, "Usage: cumulusctl status <JOB>", "{stderr}");
+}
+
+#[test]
 fn usage_errors_exit_2() {
     let dir = tempfile::tempdir().expect("tempdir");
     for args in [
@@ -136,7 +175,7 @@ fn usage_errors_exit_2() {
         vec!["submit", "--world-size", "0", "--", "true"],
         vec!["--token", "a", "--token-file", "b", "list"],
         vec!["dataset", "split", "x.csv", "--shards", "0", "--out", "o"],
-        vec!["-o", "yaml", "list"],
+        vec!["-o", "xml", "list"],
         vec!["frobnicate"],
     ] {
         let out = ctl(dir.path(), &args);
@@ -254,11 +293,71 @@ fn local_up_restarts_the_dead_processes_of_a_partly_dead_cluster_in_place() {
     let restarted = recorded_pid(&local, "workers").expect("new worker pid");
     assert_ne!(restarted, worker);
 
+    // The worker is restarted by hand, with the same command line: `local status`
+    // finds it and records it, and `local down` stops it.
+    let cmdline = std::fs::read(format!("/proc/{restarted}/cmdline")).expect("cmdline");
+    let argv: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let pid = i32::try_from(restarted).expect("pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the worker local up started");
+    while std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z ")) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker did not die"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let log = std::fs::File::create(dir.path().join("by-hand.log")).expect("log");
+    let mut by_hand = Command::new(&argv[0])
+        .args(&argv[1..])
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("start the worker by hand");
+    let out = ctl(
+        dir.path(),
+        &["--local-dir", local_s, "local", "status", "-o", "json"],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let worker_row = status["processes"]
+        .as_array()
+        .expect("processes")
+        .iter()
+        .find(|p| p["name"] == "worker-1")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(worker_row["alive"], true, "{status}");
+    assert_eq!(worker_row["pid"].as_u64(), Some(u64::from(by_hand.id())));
+    assert_eq!(
+        recorded_pid(&local, "workers"),
+        Some(u64::from(by_hand.id()))
+    );
+
     let out = ctl(
         dir.path(),
         &["--local-dir", local_s, "local", "down", "--purge"],
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
+    // Stopped by `local down` (SIGTERM): reaped here, since this test started it.
+    loop {
+        if by_hand.try_wait().expect("wait").is_some() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline + std::time::Duration::from_secs(60),
+            "local down left the worker started by hand running"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 #[test]

@@ -120,23 +120,23 @@ fn job() -> Job {
 #[test]
 fn tables() {
     let now_ms = 1_000_000 + 95_000;
-    check(
-        "list",
-        &render::jobs_table(
-            &ListJobsResponse {
-                jobs: vec![
-                    job(),
-                    Job {
-                        id: "job-000008".into(),
-                        state: "pending".into(),
-                        owner: "bob".into(),
-                        ..job()
-                    },
-                ],
+    let list = ListJobsResponse {
+        jobs: vec![
+            Job {
+                running_ms: 95_000,
+                ..job()
             },
-            now_ms,
-        ),
-    );
+            Job {
+                id: "job-000008".into(),
+                state: "pending".into(),
+                owner: "bob".into(),
+                ranks: vec![],
+                ..job()
+            },
+        ],
+    };
+    check("list", &render::jobs_table(&list, now_ms));
+    check("list-wide", &render::jobs_table_wide(&list, now_ms));
     check(
         "status",
         &render::job_status(

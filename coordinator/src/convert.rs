@@ -210,6 +210,7 @@ pub fn job_to_proto(
             .to_string(),
         running_ms: job.running_ms_at(now_ms),
         paused_ms: job.paused_ms_at(now_ms),
+        state_changes: job.state_changes,
     }
 }
 
@@ -305,83 +306,113 @@ pub fn job_summary(
     }
 }
 
-/// The rank attempts the leader wants running on `worker_id` at `now_ms`: every
-/// placed rank of a running job whose current attempt is running, or pending and past
-/// its backoff while the job is not stopping. A stopping job's ranks carry its stop
-/// action (and, for a time limit, the notice before SIGTERM: its `signal_before_ms`).
-pub fn desired_for_worker(
-    state: &ClusterState,
-    worker_id: &str,
+/// The rank attempts the leader wants running on `worker_id` at `now_ms`, as `(job,
+/// rank)`, in job and rank order: every placed rank of a running job whose current
+/// attempt is running, or pending and past its backoff while the job is not stopping.
+/// O(the worker's ranks): the index keeps placements by worker.
+pub fn wanted_on<'a>(
+    state: &'a ClusterState,
+    worker_id: &'a str,
     now_ms: u64,
-) -> Vec<v1::DesiredRank> {
-    let mut out = Vec::new();
-    let running = state.job_index().running.iter();
-    for job in running.filter_map(|id| state.jobs.get(id)) {
-        if job.state != JobState::Running {
-            continue;
-        }
-        let master_addr = job.ranks[0]
-            .worker_id
-            .as_ref()
-            .and_then(|w| state.workers.get(w))
-            .map(|w| w.host.clone())
-            .unwrap_or_default();
-        for r in &job.ranks {
-            if r.worker_id.as_deref() != Some(worker_id) {
-                continue;
+) -> impl Iterator<Item = (&'a Job, &'a cumulus_raft_store::state::RankRecord)> + 'a {
+    state
+        .job_index()
+        .placed_on(worker_id)
+        .filter_map(move |(job_id, rank)| {
+            let job = state.jobs.get(job_id)?;
+            let r = job.ranks.get(*rank as usize)?;
+            if job.state != JobState::Running || r.worker_id.as_deref() != Some(worker_id) {
+                return None;
             }
             let wanted = match r.state {
                 RankState::Running => true,
                 RankState::Pending => job.stop.is_none() && r.not_before_ms <= now_ms,
                 _ => false,
             };
-            if !wanted {
-                continue;
-            }
-            out.push(v1::DesiredRank {
-                job_id: job.id.clone(),
-                rank: r.rank,
-                attempt: r.attempt,
-                world_size: job.spec.world_size,
-                local_rank: r.local_rank,
-                local_world_size: r.local_world_size,
-                master_addr: master_addr.clone(),
-                master_port: job.master_port,
-                command: job.spec.command.clone(),
-                env: job
-                    .spec
-                    .env
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect(),
-                shards: job
-                    .shard_plan
-                    .get(r.rank as usize)
-                    .cloned()
-                    .unwrap_or_default(),
-                ckpt_dir: job.spec.ckpt_dir.clone(),
-                resume_step: r.resume_step,
-                resume_dir: r.resume_dir.clone(),
-                resume_job_id: r.resume_job_id.clone(),
-                working_dir: job.spec.working_dir.clone(),
-                ckpt_url: job.spec.ckpt_url.clone(),
-                ckpt_commit_tier: job.spec.ckpt_commit_tier.clone(),
-                gpus: r.gpus.clone(),
-                gpu_memory_permille: job.spec.gpu_memory_permille,
-                stop_grace_ms: job.spec.stop_grace_ms,
-                stop_action: job
-                    .stop
-                    .as_ref()
-                    .map_or("", |s| s.action.as_str())
-                    .to_string(),
-                stop_notice_ms: match job.stop.as_ref().map(|s| s.action) {
-                    Some(StopAction::TimeLimit) => job.spec.signal_before_ms,
-                    _ => 0,
-                },
-            });
-        }
+            wanted.then_some((&**job, r))
+        })
+}
+
+/// [`desired_digest`] of [`desired_for_worker`], without building the desired set.
+pub fn wanted_digest(state: &ClusterState, worker_id: &str, now_ms: u64) -> u64 {
+    digest_of(wanted_on(state, worker_id, now_ms).map(|(job, r)| {
+        (
+            job.id.as_str(),
+            r.rank,
+            r.attempt,
+            job.stop.as_ref().map_or("", |s| s.action.as_str()),
+        )
+    }))
+}
+
+/// The rank attempts the leader wants running on `worker_id` at `now_ms`
+/// ([`wanted_on`]), as the agent gets them. A stopping job's ranks carry its stop
+/// action (and, for a time limit, the notice before SIGTERM: its `signal_before_ms`).
+pub fn desired_for_worker(
+    state: &ClusterState,
+    worker_id: &str,
+    now_ms: u64,
+) -> Vec<v1::DesiredRank> {
+    wanted_on(state, worker_id, now_ms)
+        .map(|(job, r)| {
+            let master_addr = job.ranks[0]
+                .worker_id
+                .as_ref()
+                .and_then(|w| state.workers.get(w))
+                .map(|w| w.host.clone())
+                .unwrap_or_default();
+            desired_rank(job, r, master_addr)
+        })
+        .collect()
+}
+
+/// One desired attempt: rank `r` of `job`, its group's master on `master_addr`.
+fn desired_rank(
+    job: &Job,
+    r: &cumulus_raft_store::state::RankRecord,
+    master_addr: String,
+) -> v1::DesiredRank {
+    v1::DesiredRank {
+        job_id: job.id.clone(),
+        rank: r.rank,
+        attempt: r.attempt,
+        world_size: job.spec.world_size,
+        local_rank: r.local_rank,
+        local_world_size: r.local_world_size,
+        master_addr,
+        master_port: job.master_port,
+        command: job.spec.command.clone(),
+        env: job
+            .spec
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        shards: job
+            .shard_plan
+            .get(r.rank as usize)
+            .cloned()
+            .unwrap_or_default(),
+        ckpt_dir: job.spec.ckpt_dir.clone(),
+        resume_step: r.resume_step,
+        resume_dir: r.resume_dir.clone(),
+        resume_job_id: r.resume_job_id.clone(),
+        working_dir: job.spec.working_dir.clone(),
+        ckpt_url: job.spec.ckpt_url.clone(),
+        ckpt_commit_tier: job.spec.ckpt_commit_tier.clone(),
+        gpus: r.gpus.clone(),
+        gpu_memory_permille: job.spec.gpu_memory_permille,
+        stop_grace_ms: job.spec.stop_grace_ms,
+        stop_action: job
+            .stop
+            .as_ref()
+            .map_or("", |s| s.action.as_str())
+            .to_string(),
+        stop_notice_ms: match job.stop.as_ref().map(|s| s.action) {
+            Some(StopAction::TimeLimit) => job.spec.signal_before_ms,
+            _ => 0,
+        },
     }
-    out
 }
 
 /// The API view of the workers, with the leader's soft heartbeat ages when known.
@@ -437,11 +468,17 @@ pub fn workers_to_proto(
 /// compares it with the agent's to tell whether the agent is current. Never 0 (0 means
 /// "none known").
 pub fn desired_digest(desired: &[v1::DesiredRank]) -> u64 {
+    digest_of(
+        desired
+            .iter()
+            .map(|d| (d.job_id.as_str(), d.rank, d.attempt, d.stop_action.as_str())),
+    )
+}
+
+/// The digest of `(job, rank, attempt, stop action)` keys, in any order.
+fn digest_of<'a>(keys: impl Iterator<Item = (&'a str, u32, u32, &'a str)>) -> u64 {
     use std::hash::{Hash, Hasher};
-    let mut keys: Vec<(&str, u32, u32, &str)> = desired
-        .iter()
-        .map(|d| (d.job_id.as_str(), d.rank, d.attempt, d.stop_action.as_str()))
-        .collect();
+    let mut keys: Vec<(&str, u32, u32, &str)> = keys.collect();
     keys.sort_unstable();
     let mut h = std::collections::hash_map::DefaultHasher::new();
     keys.hash(&mut h);
@@ -453,16 +490,15 @@ pub fn desired_digest(desired: &[v1::DesiredRank]) -> u64 {
 pub fn next_backoff_end_ms(state: &ClusterState, worker_id: &str, now_ms: u64) -> Option<u64> {
     state
         .job_index()
-        .running
-        .iter()
-        .filter_map(|id| state.jobs.get(id))
-        .filter(|j| j.state == JobState::Running)
-        .flat_map(|j| j.ranks.iter())
-        .filter(|r| {
-            r.worker_id.as_deref() == Some(worker_id)
+        .placed_on(worker_id)
+        .filter_map(|(job_id, rank)| {
+            let job = state.jobs.get(job_id)?;
+            let r = job.ranks.get(*rank as usize)?;
+            (job.state == JobState::Running
+                && r.worker_id.as_deref() == Some(worker_id)
                 && r.state == RankState::Pending
-                && r.not_before_ms > now_ms
+                && r.not_before_ms > now_ms)
+                .then_some(r.not_before_ms)
         })
-        .map(|r| r.not_before_ms)
         .min()
 }

@@ -41,6 +41,11 @@ pub struct LogParams {
     /// Keep streaming until the job ends (default false: stop at the current end).
     #[serde(default)]
     pub follow: bool,
+    /// Only the output written since this time (ms since the Unix epoch, the workers'
+    /// clocks): each attempt's log is read from where its time index places it (at most
+    /// one second earlier; attempts that ended before it show nothing). A resumed stream
+    /// (`Last-Event-ID`) goes on from its cursor.
+    pub since_ms: Option<u64>,
 }
 
 /// Position of one rank in its logs.
@@ -125,13 +130,15 @@ pub async fn stream(
     let (tx, rx) = mpsc::channel(STREAM_BUFFER_EVENTS);
     tokio::spawn(async move {
         let _permit = permit;
-        pump(node, job_id, cursor, p.follow, tx).await;
+        pump(node, job_id, cursor, (p.follow, p.since_ms), tx).await;
     });
     Ok(Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()))
 }
 
 enum Fetch {
     Chunk {
+        /// Where `body` starts (the cursor's offset, or where `since_ms` placed it).
+        start: u64,
         body: Vec<u8>,
         complete: bool,
         size: u64,
@@ -140,17 +147,30 @@ enum Fetch {
     Failed(String),
 }
 
-async fn fetch(node: &Node, http_addr: &str, job_id: &str, rank: u32, c: RankCursor) -> Fetch {
+async fn fetch(
+    node: &Node,
+    http_addr: &str,
+    (job_id, rank): (&str, u32),
+    c: RankCursor,
+    since_ms: Option<u64>,
+) -> Fetch {
     let scheme = if node.tls { "https" } else { "http" };
     let url = format!(
         "{scheme}://{http_addr}/v1/logs/{job_id}/{rank}/{}",
         c.attempt
     );
+    let mut query = vec![("offset", c.offset), ("max_bytes", CHUNK_BYTES)];
+    // A first read of an attempt starts where its output since that time begins.
+    if let Some(since) = since_ms
+        && c.offset == 0
+    {
+        query.push(("since_ms", since));
+    }
     let resp = node
         .http
         .get(&url)
         .bearer_auth(&*node.token)
-        .query(&[("offset", c.offset), ("max_bytes", CHUNK_BYTES)])
+        .query(&query)
         .send()
         .await;
     let resp = match resp {
@@ -173,8 +193,15 @@ async fn fetch(node: &Node, http_addr: &str, job_id: &str, rank: u32, c: RankCur
     let size = header("x-cumulus-log-size")
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
+    // An agent without the header starts where it was asked to; one past the end is
+    // not believed.
+    let start = header("x-cumulus-log-offset")
+        .and_then(|s| s.parse::<u64>().ok())
+        .filter(|o| *o >= c.offset && *o <= size)
+        .unwrap_or(c.offset);
     match resp.bytes().await {
         Ok(b) => Fetch::Chunk {
+            start,
             body: b.to_vec(),
             complete,
             size,
@@ -247,7 +274,7 @@ async fn poll_rank(
     rank: u32,
     view: &RankView,
     workers: &BTreeMap<String, (String, WorkerState)>,
-    terminal: bool,
+    (terminal, since_ms): (bool, Option<u64>),
     cursor: &mut BTreeMap<u32, RankCursor>,
     tx: &mpsc::Sender<Result<Event, Infallible>>,
 ) -> Option<RankPoll> {
@@ -266,13 +293,24 @@ async fn poll_rank(
     let Some((http_addr, wstate)) = workers.get(&worker).cloned() else {
         return Some(RankPoll::Idle);
     };
-    match fetch(node, &http_addr, job_id, rank, c).await {
+    match fetch(node, &http_addr, (job_id, rank), c, since_ms).await {
         Fetch::Chunk {
+            start,
             body,
             complete,
             size,
         } => {
-            let mut offset = c.offset;
+            let mut offset = start;
+            if start != c.offset {
+                // The output before `since_ms` is skipped: the cursor moves past it.
+                cursor.insert(
+                    rank,
+                    RankCursor {
+                        attempt: c.attempt,
+                        offset,
+                    },
+                );
+            }
             let mut rest: &[u8] = &body;
             let mut sent = false;
             while !rest.is_empty() {
@@ -336,7 +374,7 @@ async fn pump(
     node: Arc<Node>,
     job_id: String,
     mut cursor: BTreeMap<u32, RankCursor>,
-    follow: bool,
+    (follow, since_ms): (bool, Option<u64>),
     tx: mpsc::Sender<Result<Event, Infallible>>,
 ) {
     let ranks: Vec<u32> = cursor.keys().copied().collect();
@@ -375,7 +413,7 @@ async fn pump(
                 *rank,
                 &views[rank],
                 &workers,
-                terminal,
+                (terminal, since_ms),
                 &mut cursor,
                 &tx,
             )

@@ -12,7 +12,7 @@ use cumulus_raft_store::Command;
 use cumulus_raft_store::state::{PartInfo, WorkerState, valid_id};
 use tonic::{Request, Response, Status};
 
-use crate::convert::{desired_digest, desired_for_worker, next_backoff_end_ms};
+use crate::convert::{desired_digest, desired_for_worker, next_backoff_end_ms, wanted_digest};
 use crate::error::{ApiError, to_status};
 use crate::node::Node;
 use crate::soft::{ProgressSoft, WorkerSoft, now_ms};
@@ -272,9 +272,24 @@ impl WorkerService for WorkerSvc {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms);
         let mut changes = self.node.shared.changes.subscribe();
         loop {
-            let (reply, next_backoff_end) = desired_reply(&self.node, &r.worker_id);
+            // Every applied change wakes every watcher: the check is the digest alone,
+            // O(the worker's ranks); the desired set is built only for the answer.
+            let wall_now = now_ms();
+            let (registered, digest, next_backoff_end) = self.node.shared.read(|d| {
+                let registered = d
+                    .state
+                    .workers
+                    .get(&r.worker_id)
+                    .is_some_and(|w| w.state == WorkerState::Alive);
+                (
+                    registered,
+                    wanted_digest(&d.state, &r.worker_id, wall_now),
+                    next_backoff_end_ms(&d.state, &r.worker_id, wall_now),
+                )
+            });
             let now = tokio::time::Instant::now();
-            if !reply.registered || reply.desired_digest != r.known_digest || now >= deadline {
+            if !registered || digest != r.known_digest || now >= deadline {
+                let (reply, _) = desired_reply(&self.node, &r.worker_id);
                 return Ok(Response::new(reply));
             }
             // Wake when the state changes, when a pending attempt's backoff ends, or at the deadline.

@@ -27,7 +27,10 @@ pub struct Read {
 /// A job's position along its (monotone) history.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Version {
-    /// 0 pending, 1 running, 2 terminal.
+    /// How many times the job's state has changed (`Job.state_changes`): a job can go
+    /// back to pending (preempted) or paused and back, so only this orders its states.
+    pub changes: u64,
+    /// 0 pending, 1 running, 2 terminal, 3 paused.
     pub phase: u8,
     /// Restarts used.
     pub restarts: u32,
@@ -38,14 +41,21 @@ pub struct Version {
 }
 
 impl Version {
-    /// From a job's state name, restarts used and rank attempts.
-    pub fn of(state: &str, restarts: u32, attempts: impl Iterator<Item = u32>) -> Version {
+    /// From a job's state name, state changes, restarts used and rank attempts.
+    pub fn of(
+        state: &str,
+        changes: u64,
+        restarts: u32,
+        attempts: impl Iterator<Item = u32>,
+    ) -> Version {
         let phase = match state.parse::<JobState>() {
             Ok(JobState::Pending) => 0,
             Ok(JobState::Running) => 1,
+            Ok(JobState::Paused) => 3,
             _ => 2,
         };
         Version {
+            changes,
             phase,
             restarts,
             attempts: attempts.map(u64::from).sum(),
@@ -57,12 +67,15 @@ impl Version {
         }
     }
 
-    /// True when `self` may follow `earlier` in one job's history.
+    /// True when `self` may follow `earlier` in one job's history: a terminal state
+    /// never changes; otherwise the state changes, restarts and attempts never go back,
+    /// and the state is the same while the count of changes is.
     pub fn follows(&self, earlier: &Version) -> bool {
         if earlier.phase == 2 {
             return self == earlier;
         }
-        self.phase >= earlier.phase
+        self.changes >= earlier.changes
+            && (self.changes > earlier.changes || self.phase == earlier.phase)
             && self.restarts >= earlier.restarts
             && self.attempts >= earlier.attempts
     }
@@ -128,8 +141,9 @@ pub fn check_reads(reads: &[Read]) -> Vec<Anomaly> {
     out
 }
 
-/// Legal job state changes: pending → running → terminal, pending → terminal; a
-/// terminal state never changes. `observed` is one job's states in read order of a
+/// Legal job state changes: each one counted in `changes` (pending → running →
+/// terminal, pending → terminal, and through paused and back); a terminal state never
+/// changes. `observed` is one job's states in read order of a
 /// single client (or any sequence consistent with real time).
 pub fn check_transitions(job_id: &str, observed: &[Version]) -> Vec<Anomaly> {
     observed
@@ -146,8 +160,20 @@ pub fn check_transitions(job_id: &str, observed: &[Version]) -> Vec<Anomaly> {
 mod tests {
     use super::*;
 
+    /// A version of a job that went pending → running → terminal (its state changes
+    /// counted as such).
     fn v(state: &str, restarts: u32) -> Version {
-        Version::of(state, restarts, [restarts].into_iter())
+        let changes = match state {
+            "pending" => 0,
+            "running" => 1,
+            _ => 2,
+        };
+        Version::of(state, changes, restarts, [restarts].into_iter())
+    }
+
+    /// A version with its count of state changes given.
+    fn vc(state: &str, changes: u64, attempts: u32) -> Version {
+        Version::of(state, changes, 0, [attempts].into_iter())
     }
 
     fn read(inv: u64, done: u64, version: Version) -> Read {
@@ -221,5 +247,33 @@ mod tests {
         assert_eq!(check_transitions("j", &resurrected).len(), 1);
         let to_pending = [v("running", 0), v("pending", 0)];
         assert_eq!(check_transitions("j", &to_pending).len(), 1);
+    }
+
+    #[test]
+    fn a_pause_and_resume_moves_forward_and_a_stale_paused_read_is_caught() {
+        // running → paused (new attempts) → pending → running → succeeded.
+        let cycle = [
+            vc("running", 1, 0),
+            vc("paused", 2, 1),
+            vc("pending", 3, 1),
+            vc("running", 4, 1),
+            vc("succeeded", 5, 1),
+        ];
+        assert!(check_transitions("j", &cycle).is_empty());
+        let h: Vec<Read> = cycle
+            .iter()
+            .enumerate()
+            .map(|(i, v)| read(i as u64 * 20, i as u64 * 20 + 10, v.clone()))
+            .collect();
+        assert!(check_reads(&h).is_empty());
+        // Paused again after the job was seen running once more: stale.
+        let stale = [
+            read(0, 10, vc("running", 4, 1)),
+            read(20, 30, vc("paused", 2, 1)),
+        ];
+        assert_eq!(check_reads(&stale).len(), 1);
+        // Another state with the same count of changes: impossible.
+        let forged = [vc("running", 4, 1), vc("paused", 4, 1)];
+        assert_eq!(check_transitions("j", &forged).len(), 1);
     }
 }

@@ -4,7 +4,7 @@
 //! job at once instead of spending its restart budget, the ranks of a cancelled job stop
 //! showing a live process once they exit, a finished rank keeps the last step it
 //! reported, a running job shows its ranks' metrics, rate and time left, a job's stop
-//! grace wins over the agent's, `logs --tail`, and `list` filters.
+//! grace wins over the agent's, `logs --tail` and `--since`, and `list` filters.
 
 use std::time::Duration;
 
@@ -267,6 +267,42 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
         assert!(all.len() > 2, "rank {rank} logged {} lines", all.len());
         assert_eq!(of(&tail), all[all.len() - 2..].to_vec(), "rank {rank}");
     }
+
+    // logs --since D: only what was written in that last span (to within a second).
+    let spaced = cluster
+        .submit(
+            "spaced",
+            v1::JobSpec {
+                world_size: 1,
+                command: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    "echo early; sleep 8; echo late".into(),
+                ],
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("submit")
+        .job_id;
+    let spaced = cluster.wait_finished(&spaced, LONG).await;
+    // Since 4 s before the rank exited: "late" (just before the exit) is in, "early"
+    // (8 s before) is out, whenever this runs.
+    let since_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64
+        - (spaced.ranks[0].exited_at_ms - 4_000);
+    let out = cluster
+        .cumulusctl(&["logs", &spaced.id, "--since", &format!("{since_ms}ms")])
+        .expect("logs --since");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("late") && !text.contains("early"), "{text}");
+    let out = cluster
+        .cumulusctl(&["logs", &spaced.id, "--since", "1h"])
+        .expect("logs --since");
+    assert!(stdout(&out).contains("early"), "{}", stdout(&out));
 
     // 6. list filters: by state, by name, the newest N.
     let out = cluster

@@ -398,6 +398,15 @@ async fn a_job_resumed_from_a_middle_step_of_another_ends_with_identical_weights
     assert_eq!(spec.resume_from_job, source);
     assert_eq!(spec.resume_from_step, Some(middle));
     assert_eq!(spec.dataset, w.shards_dir.to_string_lossy());
+    // Followed live until it ends (not a terminal here: a progress line on stderr).
+    let watched = cluster.cumulusctl(&["watch", &fork]).expect("watch");
+    assert!(watched.status.success(), "{}", stderr(&watched));
+    assert!(stderr(&watched).contains("rank 0"), "{}", stderr(&watched));
+    assert!(
+        stdout(&watched).contains("succeeded"),
+        "{}",
+        stdout(&watched)
+    );
     let done = cluster.wait_finished(&fork, LONG).await;
     assert_eq!(done.job_state(), Ok(JobState::Succeeded), "{done:?}");
     assert_eq!(done.restarts_used, 0);

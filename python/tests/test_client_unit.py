@@ -1691,3 +1691,20 @@ def test_a_job_shows_its_paused_time() -> None:
     assert cumulus.JobInfo.from_json(job_json()).paused_ms == 0
     with pytest.raises(errors.ProtocolError, match="paused_ms"):
         cumulus.JobInfo.from_json(job_json(paused_ms="4500"))
+
+
+def test_a_job_shows_its_state_changes_and_where_each_rank_resumed_from() -> None:
+    job = cumulus.JobInfo.from_json(
+        job_json(
+            state_changes=4,
+            ranks=[
+                {"rank": 0, "resume_step": 40, "resume_job_id": "job-000003"},
+                {"rank": 1},
+            ],
+        )
+    )
+    assert job.state_changes == 4
+    assert (job.ranks[0].resume_step, job.ranks[0].resume_job_id) == (40, "job-000003")
+    assert (job.ranks[1].resume_step, job.ranks[1].resume_job_id) == (None, "")
+    with pytest.raises(errors.ProtocolError, match="resume_step"):
+        cumulus.JobInfo.from_json(job_json(ranks=[{"rank": 0, "resume_step": "40"}]))

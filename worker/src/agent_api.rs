@@ -4,7 +4,9 @@
 //! - `GET /health` → 200 `{"status":"ok","worker_id":..}` (no token needed).
 //! - `GET /v1/logs/{job_id}/{rank}/{attempt}?offset=N&max_bytes=M` (cluster token) → 200
 //!   with bytes `[N, N+k)` of the attempt's log (see [`crate::logs::read_log`]) and the
-//!   headers `x-cumulus-log-size` and `x-cumulus-log-complete`. `offset` defaults to 0,
+//!   headers `x-cumulus-log-size`, `x-cumulus-log-offset` and `x-cumulus-log-complete`.
+//!   `since_ms=T` with `offset` 0 starts at the output written since T (the log's time
+//!   index; `x-cumulus-log-offset` says where). `offset` defaults to 0,
 //!   `max_bytes` to 64 KiB (at most 1 MiB). `offset == size` gives an empty 200;
 //!   `offset > size` is 400; no log for that attempt is 404. Errors are `{"error": ..}`.
 
@@ -27,6 +29,9 @@ use cumulus_api::token::constant_time_eq;
 
 /// Header with the log's current size in bytes.
 pub const LOG_SIZE_HEADER: &str = "x-cumulus-log-size";
+/// Response header: the offset the returned bytes start at (the `offset` asked, or for
+/// a first read with `since_ms`, where the log's time index puts that time).
+pub const LOG_OFFSET_HEADER: &str = "x-cumulus-log-offset";
 /// Header saying whether the log is complete (`true`/`false`).
 pub const LOG_COMPLETE_HEADER: &str = "x-cumulus-log-complete";
 /// `max_bytes` when the query gives none.
@@ -67,6 +72,9 @@ struct LogQuery {
     offset: Option<u64>,
     /// At most this many bytes (default [`DEFAULT_MAX_BYTES`]).
     max_bytes: Option<u64>,
+    /// With `offset` 0 (or absent): start at the output written since this time (agent
+    /// clock, ms since the Unix epoch), as the log's time index places it.
+    since_ms: Option<u64>,
 }
 
 async fn read_log(
@@ -103,11 +111,12 @@ async fn read_log(
         Ok(p) => p,
         Err(e) => return json_error(StatusCode::BAD_REQUEST, e.to_string()),
     };
-    match logs::read_log(&paths, offset, max_bytes).await {
+    match logs::read_log(&paths, offset, max_bytes, query.since_ms).await {
         Ok(chunk) => Response::builder()
             .status(StatusCode::OK)
             .header(header::CONTENT_TYPE, "application/octet-stream")
             .header(LOG_SIZE_HEADER, chunk.size_bytes)
+            .header(LOG_OFFSET_HEADER, chunk.offset)
             .header(
                 LOG_COMPLETE_HEADER,
                 if chunk.complete { "true" } else { "false" },

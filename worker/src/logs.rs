@@ -4,8 +4,15 @@
 //! Layout under the agent's data dir:
 //! ```text
 //! <data-dir>/logs/<job>/rank-<r>/attempt-<a>.log    combined stdout + stderr
+//! <data-dir>/logs/<job>/rank-<r>/attempt-<a>.times  "<offset> <unix ms>" lines
 //! <data-dir>/logs/<job>/rank-<r>/attempt-<a>.exit   {"exit_code": .., "signal": ..}
 //! ```
+//! The time index (`.times`) gets one line per flush of new output, at most one per
+//! [`TIME_MARK_INTERVAL_MS`]: the log's size before that output and the agent's clock.
+//! The output between two marks was flushed within an interval of the first, so
+//! `since_ms` reads ([`offset_since`]) start at the first mark less than an interval
+//! before the time asked: no line after it is missed, and at most an interval of
+//! earlier lines is shown.
 //! The exit record is written (temp file, fsync, rename, fsync of the directory) only after
 //! the process exited and its output pipe was drained into the log, so its presence means the
 //! log is complete and will never change again.
@@ -40,6 +47,11 @@ pub const LOG_COALESCE_MS: u16 = 5;
 const PUMP_STACK_BYTES: usize = 128 * 1024;
 /// Largest exit record accepted when reading one back.
 const MAX_EXIT_RECORD_BYTES: u64 = 64 * 1024;
+/// Least time between two marks of a log's time index, in milliseconds.
+pub const TIME_MARK_INTERVAL_MS: u64 = 1_000;
+/// Most bytes of a time index read back (a mark a second for over a week); the marks
+/// past it are not used (a `since_ms` read then starts at the last mark read).
+const MAX_TIME_INDEX_BYTES: u64 = 16 << 20;
 
 /// The line written once when a log reaches its cap (`at` = the log's size before it).
 pub fn truncation_marker(at_bytes: u64) -> String {
@@ -55,6 +67,8 @@ pub struct AttemptPaths {
     pub log: PathBuf,
     /// `<dir>/attempt-<a>.exit`.
     pub exit: PathBuf,
+    /// `<dir>/attempt-<a>.times`: the log's time index.
+    pub times: PathBuf,
 }
 
 impl AttemptPaths {
@@ -68,6 +82,7 @@ impl AttemptPaths {
         Ok(Self {
             log: dir.join(format!("attempt-{}.log", key.attempt)),
             exit: dir.join(format!("attempt-{}.exit", key.attempt)),
+            times: dir.join(format!("attempt-{}.times", key.attempt)),
             dir,
         })
     }
@@ -261,6 +276,18 @@ pub struct LogWriter {
     /// the caller appends between flushes (a batch of at most `LOG_BATCH_CHUNKS` chunks of
     /// at most 64 KiB each).
     pending: Vec<u8>,
+    /// The time index (`.times` beside the log); `None` when it could not be created
+    /// or written (the log goes on without it: `since_ms` reads then start earlier).
+    times: Option<tokio::fs::File>,
+    /// Agent clock of the last time mark, in ms since the Unix epoch.
+    last_mark_ms: Option<u64>,
+}
+
+/// The agent's clock, in ms since the Unix epoch (0 if it is before it).
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl LogWriter {
@@ -270,12 +297,21 @@ impl LogWriter {
             tokio::fs::create_dir_all(dir).await?;
         }
         let file = tokio::fs::File::create(path).await?;
+        let times = match tokio::fs::File::create(path.with_extension("times")).await {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!(log = %path.display(), "cannot create the log's time index: {e}");
+                None
+            }
+        };
         Ok(Self {
             file,
             size_bytes: 0,
             max_bytes,
             pending: Vec::new(),
             truncated: false,
+            times,
+            last_mark_ms: None,
         })
     }
 
@@ -309,15 +345,49 @@ impl LogWriter {
     /// last flush).
     pub async fn flush(&mut self) -> io::Result<()> {
         if !self.pending.is_empty() {
+            self.mark_time().await;
             self.file.write_all(&self.pending).await?;
             self.pending.clear();
         }
         self.file.flush().await
     }
 
+    /// Adds a mark to the time index for the bytes about to be written, unless one was
+    /// added less than [`TIME_MARK_INTERVAL_MS`] ago. A failed write drops the index (the
+    /// log itself goes on).
+    async fn mark_time(&mut self) {
+        let now_ms = wall_ms();
+        if self
+            .last_mark_ms
+            .is_some_and(|t| now_ms.saturating_sub(t) < TIME_MARK_INTERVAL_MS)
+        {
+            return;
+        }
+        let Some(times) = &mut self.times else {
+            return;
+        };
+        let offset = self.size_bytes - self.pending.len() as u64;
+        let line = format!("{offset} {now_ms}\n");
+        let written = match times.write_all(line.as_bytes()).await {
+            Ok(()) => times.flush().await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = written {
+            tracing::warn!("cannot write a log's time index (it is dropped): {e}");
+            self.times = None;
+            return;
+        }
+        self.last_mark_ms = Some(now_ms);
+    }
+
     /// Flushes, fsyncs and closes the log; returns its final size in bytes.
     pub async fn finish(mut self) -> io::Result<u64> {
         self.flush().await?;
+        if let Some(times) = &mut self.times
+            && let Err(e) = times.flush().await
+        {
+            tracing::warn!("cannot write a log's time index: {e}");
+        }
         self.file.sync_all().await?;
         Ok(self.size_bytes)
     }
@@ -494,6 +564,9 @@ fn chunk_cut(pending: &[u8]) -> Option<usize> {
 /// One page of a log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogChunk {
+    /// Where `data` starts in the log: the offset asked, or for a first read since a
+    /// time, where the time index says that output begins.
+    pub offset: u64,
     /// Bytes `[offset, offset + data.len())` of the log.
     pub data: Vec<u8>,
     /// Size of the log file when it was read, in bytes.
@@ -524,6 +597,62 @@ pub enum ReadLogError {
     Io(#[from] io::Error),
 }
 
+/// The offset a read of the log's output since `since_ms` (agent clock, ms since the
+/// Unix epoch) starts at ([`start_offset`]; 0 without an index, `u64::MAX` when all of
+/// it is older).
+///
+/// # Errors
+/// The index exists but cannot be read.
+pub async fn offset_since(paths: &AttemptPaths, since_ms: u64) -> io::Result<u64> {
+    let file = match tokio::fs::File::open(&paths.times).await {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let mut text = Vec::new();
+    file.take(MAX_TIME_INDEX_BYTES)
+        .read_to_end(&mut text)
+        .await?;
+    Ok(start_offset(&text, since_ms))
+}
+
+/// [`offset_since`] over the index's bytes. The output between two marks was flushed
+/// within [`TIME_MARK_INTERVAL_MS`] of the first (a flush after that adds a mark), so the
+/// read starts at the first mark less than an interval before `since_ms`; `u64::MAX`
+/// (the end of the log) when every mark is older than that. A mark that does not parse,
+/// or whose offset or time goes back, or an index cut at its read limit, ends it: the
+/// read then starts at the last good mark (never skipping output).
+fn start_offset(index: &[u8], since_ms: u64) -> u64 {
+    let mut last_good = 0;
+    let mut last: Option<(u64, u64)> = None;
+    let lines = index.strip_suffix(b"\n").unwrap_or(index);
+    if lines.is_empty() {
+        return 0;
+    }
+    for line in lines.split(|b| *b == b'\n') {
+        let Some((offset, at_ms)) = std::str::from_utf8(line)
+            .ok()
+            .and_then(|l| l.split_once(' '))
+            .and_then(|(o, t)| Some((o.parse::<u64>().ok()?, t.parse::<u64>().ok()?)))
+        else {
+            return last_good;
+        };
+        if last.is_some_and(|(o, t)| offset < o || at_ms < t) {
+            return last_good;
+        }
+        if at_ms.saturating_add(TIME_MARK_INTERVAL_MS) > since_ms {
+            return offset;
+        }
+        last = Some((offset, at_ms));
+        last_good = offset;
+    }
+    if index.len() >= MAX_TIME_INDEX_BYTES as usize || !index.ends_with(b"\n") {
+        last_good
+    } else {
+        u64::MAX
+    }
+}
+
 /// Reads up to `max_bytes` of an attempt's log from `offset`.
 ///
 /// Unless the log is complete, the page is cut after its last `\n` so that a reader never
@@ -534,6 +663,7 @@ pub async fn read_log(
     paths: &AttemptPaths,
     offset: u64,
     max_bytes: u64,
+    since_ms: Option<u64>,
 ) -> Result<LogChunk, ReadLogError> {
     if max_bytes == 0 || max_bytes > MAX_READ_BYTES {
         return Err(ReadLogError::BadMaxBytes(max_bytes));
@@ -549,6 +679,11 @@ pub async fn read_log(
     if offset > size_bytes {
         return Err(ReadLogError::OffsetPastEnd { offset, size_bytes });
     }
+    // A first read of the output since a time starts where the time index says.
+    let offset = match since_ms {
+        Some(since) if offset == 0 => offset_since(paths, since).await?.min(size_bytes),
+        _ => offset,
+    };
     let want = max_bytes.min(size_bytes - offset);
     let mut data = Vec::with_capacity(want as usize);
     file.seek(io::SeekFrom::Start(offset)).await?;
@@ -561,6 +696,7 @@ pub async fn read_log(
         }
     }
     Ok(LogChunk {
+        offset,
         data,
         size_bytes,
         complete,
@@ -792,52 +928,117 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_time_is_placed_at_the_first_mark_less_than_an_interval_before_it() {
+        // Output flushed at 1.0 s, 2.0 s and 3.5 s (each segment within a second of its
+        // mark).
+        let index = b"0 1000\n40 2000\n90 3500\n";
+        assert_eq!(
+            start_offset(index, 500),
+            0,
+            "before every mark: from the start"
+        );
+        assert_eq!(
+            start_offset(index, 1999),
+            0,
+            "the first segment may hold it"
+        );
+        assert_eq!(start_offset(index, 2000), 40);
+        assert_eq!(start_offset(index, 2999), 40);
+        assert_eq!(
+            start_offset(index, 3000),
+            90,
+            "the gap 3.0 s .. 3.5 s held nothing"
+        );
+        assert_eq!(start_offset(index, 4499), 90);
+        assert_eq!(start_offset(index, 4500), u64::MAX, "nothing is newer");
+        assert_eq!(start_offset(b"", 10), 0, "no index: from the start");
+        // A corrupt or cut index never skips output: from the last good mark.
+        assert_eq!(start_offset(b"0 1000\n40 2000\nxx\n90 3500\n", 9_999), 40);
+        assert_eq!(start_offset(b"0 1000\n40 2000\n30 2500\n", 9_999), 40);
+        assert_eq!(start_offset(b"0 1000\n40 2000\n90 3", 9_999), 40);
+        assert_eq!(start_offset(b"0 1000\n40 500\n", 9_999), 0);
+    }
+
+    #[tokio::test]
+    async fn a_log_writes_its_time_index_and_reads_since_a_time_start_there() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = paths(dir.path());
+        let mut w = LogWriter::create(&p.log, 1 << 20).await.expect("create");
+        w.append(b"early\n").await.expect("append");
+        w.flush().await.expect("flush");
+        // Marks are at most one per interval: a later flush within it adds none.
+        w.append(b"same interval\n").await.expect("append");
+        w.flush().await.expect("flush");
+        let index = std::fs::read_to_string(&p.times).expect("index");
+        assert_eq!(index.lines().count(), 1, "{index}");
+        let (offset, first_ms) = index
+            .trim()
+            .split_once(' ')
+            .map(|(o, t)| (o.parse::<u64>().expect("o"), t.parse::<u64>().expect("t")))
+            .expect("a mark");
+        assert_eq!(offset, 0);
+        // Since before the mark: everything; long after it: nothing.
+        let c = read_log(&p, 0, 100, Some(first_ms)).await.expect("read");
+        assert_eq!((c.offset, &c.data[..]), (0, &b"early\nsame interval\n"[..]));
+        let c = read_log(&p, 0, 100, Some(first_ms + 60_000))
+            .await
+            .expect("read");
+        assert_eq!((c.offset, c.data.len()), (c.size_bytes, 0));
+        // A read that already has an offset ignores since_ms.
+        let c = read_log(&p, 6, 100, Some(first_ms + 60_000))
+            .await
+            .expect("read");
+        assert_eq!(&c.data[..], b"same interval\n");
+        w.finish().await.expect("finish");
+    }
+
     #[tokio::test]
     async fn read_pages_cut_at_lines_until_complete() {
         let dir = tempfile::tempdir().expect("tempdir");
         let p = paths(dir.path());
         assert!(matches!(
-            read_log(&p, 0, 100).await,
+            read_log(&p, 0, 100, None).await,
             Err(ReadLogError::NotFound)
         ));
         std::fs::create_dir_all(&p.dir).expect("mkdir");
         std::fs::write(&p.log, b"line1\nline2\npart").expect("write");
 
-        let c = read_log(&p, 0, 100).await.expect("read");
+        let c = read_log(&p, 0, 100, None).await.expect("read");
         assert_eq!(c.data, b"line1\nline2\n");
         assert_eq!((c.size_bytes, c.complete), (16, false));
-        let c = read_log(&p, 0, 8).await.expect("read");
+        let c = read_log(&p, 0, 8, None).await.expect("read");
         assert_eq!(c.data, b"line1\n");
-        let c = read_log(&p, 6, 100).await.expect("read");
+        let c = read_log(&p, 6, 100, None).await.expect("read");
         assert_eq!(c.data, b"line2\n");
         // Only a partial line left: nothing until it completes.
-        let c = read_log(&p, 12, 100).await.expect("read");
+        let c = read_log(&p, 12, 100, None).await.expect("read");
         assert!(c.data.is_empty());
         // A page without newline that fills max_bytes is returned whole.
-        let c = read_log(&p, 12, 3).await.expect("read");
+        let c = read_log(&p, 12, 3, None).await.expect("read");
         assert_eq!(c.data, b"par");
-        let c = read_log(&p, 16, 100).await.expect("read");
+        let c = read_log(&p, 16, 100, None).await.expect("read");
         assert!(c.data.is_empty());
         assert!(matches!(
-            read_log(&p, 17, 100).await,
+            read_log(&p, 17, 100, None).await,
             Err(ReadLogError::OffsetPastEnd {
                 offset: 17,
                 size_bytes: 16
             })
         ));
         assert!(matches!(
-            read_log(&p, 0, MAX_READ_BYTES + 1).await,
+            read_log(&p, 0, MAX_READ_BYTES + 1, None).await,
             Err(ReadLogError::BadMaxBytes(_))
         ));
         assert!(matches!(
-            read_log(&p, 0, 0).await,
+            read_log(&p, 0, 0, None).await,
             Err(ReadLogError::BadMaxBytes(0))
         ));
 
         write_exit_record(&p.exit, &ExitRecord::from_status(ExitStatus::from_raw(0)))
             .await
             .expect("exit");
-        let c = read_log(&p, 12, 100).await.expect("read");
+        let c = read_log(&p, 12, 100, None).await.expect("read");
         assert_eq!(c.data, b"part");
         assert!(c.complete);
     }

@@ -11,7 +11,14 @@ use crate::soft::now_ms;
 
 use super::*;
 
-pub(super) async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopMemory) {
+/// Turns `action` into the command to commit, with its description for the logs; an
+/// action that needs checkpoint I/O first starts it in an I/O task instead (`None`).
+/// The loop commits the commands of one pass together ([`commit_batch`]).
+pub(super) fn execute(
+    node: &Arc<Node>,
+    action: Action,
+    memory: &mut LoopMemory,
+) -> Option<(Command, String)> {
     let now = now_ms();
     let describe = format!("{action:?}");
     let cmd = match action {
@@ -79,7 +86,7 @@ pub(super) async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopM
                 commit_planned(&node, cmd, &describe).await;
                 IoOutcome::Done
             });
-            return;
+            return None;
         }
         Action::FailJob { job_id, cause } => {
             warn!(job = %job_id, %cause, "job failed");
@@ -103,26 +110,83 @@ pub(super) async fn execute(node: &Arc<Node>, action: Action, memory: &mut LoopM
         }
         Action::Stopped { job_id, finalize } => {
             if memory.io_busy(&job_id) {
-                return; // a restart or a commit of this job is still in flight
+                return None; // a restart or a commit of this job is still in flight
             }
             if let Some(step) = finalize
                 && !memory.bad_steps.contains(&(job_id.clone(), step))
             {
                 // The checkpoint the ranks took on request is committed first; the stop
                 // completes on a later pass.
-                return spawn_finalize(node, memory, job_id, step);
+                spawn_finalize(node, memory, job_id, step);
+                return None;
             }
             info!(job = %job_id, "every rank stopped");
             Command::JobStopped { job_id, at_ms: now }
         }
         Action::Finalize { job_id, step } => {
-            if memory.bad_steps.contains(&(job_id.clone(), step)) {
-                return;
+            if !memory.bad_steps.contains(&(job_id.clone(), step)) {
+                spawn_finalize(node, memory, job_id, step);
             }
-            return spawn_finalize(node, memory, job_id, step);
+            return None;
         }
     };
-    commit_planned(node, cmd, &describe).await;
+    Some((cmd, describe))
+}
+
+/// Most estimated bytes of the commands one planned batch carries (a small part of a
+/// Raft entry's [`crate::proposer::MAX_ENTRY_BYTES`]).
+pub const MAX_PLANNED_BATCH_BYTES: u64 = 1 << 20;
+
+/// Commits the commands of one planning pass in as few Raft entries as fit
+/// ([`Command::Batch`] of at most [`cumulus_raft_store::state::MAX_BATCH_COMMANDS`]
+/// commands and [`MAX_PLANNED_BATCH_BYTES`]), applied one by one as if alone: one fsync
+/// for a pass's placements and completions instead of one each. A rejected command (the
+/// state moved on) is logged and planned again on the next pass. One command goes as
+/// itself.
+pub(super) async fn commit_batch(node: &Node, mut planned: Vec<(Command, String)>) {
+    if planned.len() <= 1 {
+        if let Some((cmd, describe)) = planned.pop() {
+            commit_planned(node, cmd, &describe).await;
+        }
+        return;
+    }
+    let mut chunks: Vec<&[(Command, String)]> = Vec::new();
+    let (mut start, mut bytes) = (0, 0u64);
+    for (i, (cmd, _)) in planned.iter().enumerate() {
+        let size = cmd.approx_encoded_bytes() as u64;
+        let full = i - start >= cumulus_raft_store::state::MAX_BATCH_COMMANDS
+            || (i > start && bytes + size > MAX_PLANNED_BATCH_BYTES);
+        if full {
+            chunks.push(&planned[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += size;
+    }
+    chunks.push(&planned[start..]);
+    for chunk in chunks {
+        if let [(cmd, describe)] = chunk {
+            commit_planned(node, cmd.clone(), describe).await;
+            continue;
+        }
+        let commands = chunk.iter().map(|(c, _)| c.clone()).collect();
+        match node.propose(Command::Batch { commands }).await {
+            Ok(cumulus_raft_store::Response::Batch { responses }) => {
+                for ((_, describe), r) in chunk.iter().zip(responses) {
+                    if let cumulus_raft_store::Response::Rejected { reason } = r {
+                        tracing::debug!(action = %describe, %reason, "planned action rejected (state moved on)");
+                    }
+                }
+            }
+            Ok(other) => warn!(
+                ?other,
+                "a batch of planned actions was answered without one response each"
+            ),
+            Err(e) => {
+                warn!(actions = chunk.len(), error = %e, "could not commit the planned actions");
+                return;
+            }
+        }
+    }
 }
 
 /// Verifies `step`'s parts and commits it, in an I/O task; a step that fails its

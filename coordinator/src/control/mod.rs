@@ -160,11 +160,15 @@ pub async fn run(node: Arc<Node>, cancel: CancellationToken) {
             let mut jitter = || rng.random_range(-1.0..=1.0);
             node.read_state(|s| plan(s, &obs, node.limits.heartbeat_timeout_ms, &mut jitter))
         };
+        let mut planned = Vec::new();
         for action in actions {
             if cancel.is_cancelled() || !node.is_leader() {
                 break;
             }
-            execute(&node, action, &mut memory).await;
+            planned.extend(execute(&node, action, &mut memory));
+        }
+        if !planned.is_empty() && !cancel.is_cancelled() && node.is_leader() {
+            commit_batch(&node, planned).await;
         }
         ensure_latest(&node, &mut memory);
         mirror_to_l2(&node, &mut memory);

@@ -297,7 +297,19 @@ pub fn plan(
     // is placed only when that cannot delay it (EASY backfill, below).
     let mut head: Option<Reservation> = None;
     let mut head_job: Option<&Job> = None;
+    // The workers with a free slot, kept up to date as jobs are placed below: a
+    // placement costs O(those workers), not O(every worker).
+    let mut free: Vec<WorkerSlots> = free_slots(&used.slots)
+        .into_iter()
+        .filter(|w| w.free_slots > 0)
+        .collect();
+    free_upper_bound = free.iter().map(|w| u64::from(w.free_slots)).sum();
     for job in index.queue.iter().filter_map(|(_, id)| state.jobs.get(id)) {
+        // Nothing is free any more and the queue's first waiting job is known: no job
+        // further back can start (O(placed jobs) per pass, not O(queued jobs)).
+        if free_upper_bound == 0 && head.is_some() {
+            break;
+        }
         if job.state != JobState::Pending {
             continue;
         }
@@ -321,7 +333,7 @@ pub fn plan(
         } else {
             let ranks: Vec<u32> = (0..job.spec.world_size).collect();
             match job.spec.gpu_demand() {
-                None => shard_planner::place_ranks(&ranks, &free_slots(&used.slots))
+                None => shard_planner::place_ranks(&ranks, &free)
                     .ok()
                     .flatten()
                     .map(|placements| (placements, Vec::new())),
@@ -337,7 +349,13 @@ pub fn plan(
         };
         match planned {
             Some((placements, gpus)) => {
-                free_upper_bound -= placements.len() as u64;
+                free_upper_bound = free_upper_bound.saturating_sub(placements.len() as u64);
+                for (_, worker) in &placements {
+                    if let Some(w) = free.iter_mut().find(|w| w.worker_id == *worker) {
+                        w.free_slots = w.free_slots.saturating_sub(1);
+                    }
+                }
+                free.retain(|w| w.free_slots > 0);
                 if uses_extra && let Some(h) = &mut head {
                     h.extra_slots -= world;
                 }

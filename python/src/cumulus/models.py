@@ -152,6 +152,11 @@ class RankInfo:
     steps_per_s: float = 0.0
     #: Time left to ``total_steps`` at that rate, in milliseconds (0: unknown).
     eta_ms: int = 0
+    #: The committed step the current attempt resumed from (``None``: from scratch).
+    resume_step: int | None = None
+    #: The job that committed :attr:`resume_step` when it is another one (a job started
+    #: with ``resume_from`` that has committed no step of its own yet); ``""``: this job.
+    resume_job_id: str = ""
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankInfo:
@@ -178,6 +183,8 @@ class RankInfo:
             metrics=_float_map(d, "metrics"),
             steps_per_s=_get(d, "steps_per_s", float, 0.0),
             eta_ms=_get(d, "eta_ms", int, 0),
+            resume_step=_opt_int(d, "resume_step"),
+            resume_job_id=_get(d, "resume_job_id", str, ""),
         )
 
 
@@ -278,6 +285,9 @@ class JobInfo:
     preemptible: bool = False
     #: Time the job has spent paused so far, in milliseconds.
     paused_ms: int = 0
+    #: How many times the job's state has changed: it only grows (the state itself can
+    #: go back, to ``pending`` after a preemption or ``paused``), so it orders two reads.
+    state_changes: int = 0
 
     @property
     def finished(self) -> bool:
@@ -341,6 +351,7 @@ class JobInfo:
             resume_from_step=_opt_int(spec, "resume_from_step"),
             preemptible=_get(spec, "preemptible", bool, False),
             paused_ms=_get(d, "paused_ms", int, 0),
+            state_changes=_get(d, "state_changes", int, 0),
         )
 
 

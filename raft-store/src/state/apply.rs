@@ -34,6 +34,12 @@ impl ClusterState {
         let response = self.apply_one(cmd, &mut touched);
         for key in &touched {
             if let DirtyKey::Job(id) = key {
+                if let Some(job) = self.jobs.get_mut(id)
+                    && self.index.class_changed(id, job.state)
+                {
+                    let job = Arc::make_mut(job);
+                    job.state_changes = job.state_changes.saturating_add(1);
+                }
                 self.index.update(id, self.jobs.get(id).map(|j| &**j));
             }
         }
@@ -564,6 +570,7 @@ impl ClusterState {
             fork,
             paused_ms: 0,
             paused_at_ms: 0,
+            state_changes: 0,
         };
         // Indexed now (its fixed size computed once, kept by the index), so that the
         // eviction below counts it.

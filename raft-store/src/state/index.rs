@@ -25,6 +25,12 @@ pub struct JobIndex {
     pub terminal: BTreeSet<String>,
     /// Jobs started from another job's step ([`Job::fork`]), whatever their state.
     pub forks: BTreeSet<String>,
+    /// The placed ranks of running jobs by worker: worker id → `(job id, rank)`, in job
+    /// and rank order. A worker's desired set is built from it in O(its ranks), not
+    /// O(running jobs) (every heartbeat and `WatchDesired` reply builds one).
+    placed: HashMap<String, BTreeSet<(String, u32)>>,
+    /// Each running job's entries in `placed`, to take them out when it changes.
+    job_placements: HashMap<String, Vec<(String, u32)>>,
     /// Each job's estimated encoded size ([`Job::approx_encoded_bytes`]), as of the last
     /// command that touched it.
     bytes: HashMap<String, JobBytes>,
@@ -59,6 +65,14 @@ impl JobIndex {
         self.paused.remove(job_id);
         let was_terminal = self.terminal.remove(job_id);
         self.forks.remove(job_id);
+        for (worker, rank) in self.job_placements.remove(job_id).unwrap_or_default() {
+            if let Some(set) = self.placed.get_mut(&worker) {
+                set.remove(&(job_id.to_string(), rank));
+                if set.is_empty() {
+                    self.placed.remove(&worker);
+                }
+            }
+        }
         let old = self.bytes.get(job_id).copied();
         if let Some(old) = old {
             self.total_bytes -= old.total;
@@ -85,6 +99,22 @@ impl JobIndex {
         if job.fork.is_some() {
             self.forks.insert(job_id.to_string());
         }
+        if job.state == JobState::Running {
+            let placements: Vec<(String, u32)> = job
+                .ranks
+                .iter()
+                .filter_map(|r| r.worker_id.as_ref().map(|w| (w.clone(), r.rank)))
+                .collect();
+            for (worker, rank) in &placements {
+                self.placed
+                    .entry(worker.clone())
+                    .or_default()
+                    .insert((job_id.to_string(), *rank));
+            }
+            if !placements.is_empty() {
+                self.job_placements.insert(job_id.to_string(), placements);
+            }
+        }
         if job.state == JobState::Pending {
             self.queue.insert((-priority, job_id.to_string()));
         }
@@ -98,6 +128,26 @@ impl JobIndex {
             }
         };
         class.insert(job_id.to_string());
+    }
+
+    /// True when `job_id` is indexed under another class than `state`'s (its state
+    /// changed since the index last saw it); false for a job not indexed yet.
+    pub(super) fn class_changed(&self, job_id: &str, state: JobState) -> bool {
+        let class = match state {
+            JobState::Pending => &self.pending,
+            JobState::Running => &self.running,
+            JobState::Paused => &self.paused,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled | JobState::TimedOut => {
+                &self.terminal
+            }
+        };
+        self.bytes.contains_key(job_id) && !class.contains(job_id)
+    }
+
+    /// The `(job id, rank)` of every placed rank of a running job on `worker_id`, in job
+    /// and rank order.
+    pub fn placed_on(&self, worker_id: &str) -> impl Iterator<Item = &(String, u32)> {
+        self.placed.get(worker_id).into_iter().flatten()
     }
 
     /// Estimated encoded size of every job, in bytes.

@@ -221,6 +221,11 @@ pub struct Job {
     /// Leader time the current pause began, in ms since the Unix epoch (0: not paused).
     #[serde(default)]
     pub paused_at_ms: u64,
+    /// How many times the job's state has changed (pending → running → paused → …): a
+    /// version that only grows, as a job's state alone no longer does once it can be
+    /// paused, resumed and preempted.
+    #[serde(default)]
+    pub state_changes: u64,
 }
 
 /// A request that a running job's ranks checkpoint and stop.
