@@ -12,8 +12,9 @@
 //! client token, from a non-member, with term `u64::MAX`: each must be refused), and a
 //! flood of idle connections against every listener of every process; and a pause of
 //! the trainer job, held, then resumed. The clients' workload submits small jobs (some
-//! with a time limit far shorter than their run), cancels, pauses and resumes their own
-//! jobs, and reads; the jobs still paused when the faults end are resumed.
+//! with a time limit far shorter than their run; priorities 0 to 2, half of them
+//! preemptible), cancels, pauses and resumes their own jobs, and reads; the jobs still
+//! paused when the faults end are resumed.
 //!
 //! Checks: (1) every acknowledged submit exists exactly once; (2) observed job states
 //! follow the state machine, restart counts stay within the budget and delays at or
@@ -178,6 +179,10 @@ fn small_spec(rng: &mut StdRng) -> v1::JobSpec {
         world_size: rng.random_range(1..=2u32),
         command,
         time_limit_ms,
+        // Priorities and preemption: a queued job of a higher priority makes the leader
+        // preempt running preemptible ones (the trainer job is neither).
+        priority: rng.random_range(0..3),
+        preemptible: rng.random_bool(0.5),
         restart: Some(v1::RestartPolicy {
             max_restarts: Some(SMALL_RESTARTS),
             backoff_initial_ms: Some(SMALL_BACKOFF_MS),
