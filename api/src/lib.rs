@@ -24,6 +24,7 @@
 //! names") has the table.
 
 pub mod attempt;
+pub mod feature_stats;
 pub mod files;
 pub mod gpus;
 #[cfg(feature = "grpc")]

@@ -462,7 +462,12 @@ fn prepare(dir: &Path) -> anyhow::Result<Setup> {
         .map(|e| e.map(|e| e.path()))
         .collect::<Result<_, _>>()
         .with_context(|| format!("listing {}", workload.shards_dir.display()))?;
-    shards.retain(|p| p.is_file());
+    // The shards as the coordinator lists them: not the dot-files (feature statistics).
+    shards.retain(|p| {
+        p.is_file()
+            && p.file_name()
+                .is_some_and(|n| !n.to_string_lossy().starts_with('.'))
+    });
     shards.sort();
     anyhow::ensure!(
         shards.len() == SHARDS as usize,

@@ -6,10 +6,16 @@
 //! holdout gets `floor(rows·f)` rows spread evenly over the file (for f = 0.2, every
 //! fifth row). The `j`-th remaining row goes to shard `j mod N`.
 //!
+//! The shards' per-column feature statistics (mean and population standard deviation,
+//! the holdout's rows excluded) go to `.feature-stats.json` beside them
+//! ([`cumulus_api::feature_stats`]): the example trainer standardizes every feature
+//! column with them, the same way on every rank.
+//!
 //! Nothing is published unless the whole input is valid: rows are written to hidden
 //! `.shard-NNNNN.csv.partial` files (and `<holdout>.partial`), renamed into place at the
 //! end, and removed on any error.
 
+use cumulus_api::feature_stats::{FEATURE_STATS_FILE, FeatureStats, StatsAccumulator};
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
@@ -117,12 +123,14 @@ pub fn shard_name(index: u32) -> String {
 }
 
 /// One validated row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RowInfo {
     /// Number of columns.
     pub columns: usize,
     /// The label (last column).
     pub label: u64,
+    /// The feature values (every column but the last).
+    pub features: Vec<f64>,
 }
 
 /// Validates one line (without its `\n`/`\r\n`): ≥ 2 comma-separated columns, every
@@ -139,12 +147,14 @@ pub fn parse_row(line: &str) -> Result<RowInfo, RowError> {
         return Err(RowError::TooFewColumns(fields.len()));
     }
     let (label, features) = fields.split_last().expect("at least two fields");
+    let mut values = Vec::with_capacity(features.len());
     for (i, f) in features.iter().enumerate() {
         let bad = |make: fn(usize, String) -> RowError| make(i + 1, (*f).to_owned());
         let v: f64 = f.trim().parse().map_err(|_| bad(RowError::NotNumber))?;
         if !v.is_finite() {
             return Err(bad(RowError::NotFinite));
         }
+        values.push(v);
     }
     let l = label.trim();
     if l.is_empty() || !l.bytes().all(|b| b.is_ascii_digit()) {
@@ -156,6 +166,7 @@ pub fn parse_row(line: &str) -> Result<RowInfo, RowError> {
     Ok(RowInfo {
         columns: fields.len(),
         label,
+        features: values,
     })
 }
 
@@ -283,7 +294,8 @@ fn prepare_out(out: &Path, force: bool) -> Result<Vec<String>, SplitError> {
     for name in entries {
         let path = out.join(&name);
         let ours = (name.starts_with("shard-") && name.ends_with(".csv"))
-            || (name.starts_with(".shard-") && name.ends_with(".csv.partial"));
+            || (name.starts_with(".shard-") && name.ends_with(".csv.partial"))
+            || name == FEATURE_STATS_FILE;
         if ours
             && path
                 .symlink_metadata()
@@ -297,6 +309,23 @@ fn prepare_out(out: &Path, force: bool) -> Result<Vec<String>, SplitError> {
     }
     others.sort();
     Ok(others)
+}
+
+/// Writes the shards' feature statistics to `<out>/.feature-stats.json` (temp file,
+/// fsync, rename), for every rank of a job to standardize its features the same way.
+fn write_stats(out: &Path, stats: &FeatureStats) -> Result<(), SplitError> {
+    let path = out.join(FEATURE_STATS_FILE);
+    let tmp = out.join(format!("{FEATURE_STATS_FILE}.partial"));
+    let bytes = serde_json::to_vec_pretty(stats).map_err(|e| SplitError::Io {
+        path: path.clone(),
+        source: std::io::Error::other(e),
+    })?;
+    {
+        let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
+        f.write_all(&bytes).map_err(io_err(&tmp))?;
+        f.sync_all().map_err(io_err(&tmp))?;
+    }
+    fs::rename(&tmp, &path).map_err(io_err(&path))
 }
 
 /// Per-shard row buffers appended to `.partial` files when they grow past the limit.
@@ -426,6 +455,8 @@ pub fn split(opts: &SplitOptions) -> Result<SplitReport, SplitError> {
         };
         let mut columns = 0usize;
         let mut labels = std::collections::BTreeSet::new();
+        // The shards' per-column statistics (not the holdout's: it is for testing).
+        let mut stats = StatsAccumulator::default();
         let (mut rows, mut held, mut kept) = (0u64, 0u64, 0u64);
         let mut buf = Vec::new();
         let mut line_no = 0u64;
@@ -470,6 +501,7 @@ pub fn split(opts: &SplitOptions) -> Result<SplitReport, SplitError> {
                 held += 1;
             } else {
                 shards.push((kept % n as u64) as usize, text)?;
+                stats.add(&info.features);
                 kept += 1;
             }
             rows += 1;
@@ -478,6 +510,9 @@ pub fn split(opts: &SplitOptions) -> Result<SplitReport, SplitError> {
             return Err(SplitError::Empty(opts.input.clone()));
         }
         shards.flush(true)?;
+        if let Some(stats) = stats.finish() {
+            write_stats(&out, &stats)?;
+        }
         if let (Some(w), Some(p)) = (hold_writer, &holdout_partial) {
             let file = w.into_inner().map_err(|e| SplitError::Io {
                 path: p.clone(),
@@ -507,6 +542,7 @@ pub fn split(opts: &SplitOptions) -> Result<SplitReport, SplitError> {
         }
         Err(e) => {
             shards.remove_partials();
+            let _ = fs::remove_file(out.join(FEATURE_STATS_FILE));
             if let Some(p) = &holdout_partial {
                 let _ = fs::remove_file(p);
             }
@@ -614,10 +650,33 @@ mod tests {
             .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
             .collect();
         names.sort();
+        let mut expected: Vec<String> = (0..8).map(shard_name).collect();
+        expected.insert(0, FEATURE_STATS_FILE.to_string());
         assert_eq!(
-            names,
-            (0..8).map(shard_name).collect::<Vec<_>>(),
-            "only the shards, no partial files"
+            names, expected,
+            "the shards and their statistics, no partial files"
+        );
+        // The statistics are those of the shards' rows (the holdout's excluded).
+        let stats: FeatureStats =
+            serde_json::from_slice(&fs::read(out.join(FEATURE_STATS_FILE)).expect("stats"))
+                .expect("stats JSON");
+        assert_eq!(stats.validate(Some(64)), Ok(()));
+        assert_eq!(stats.rows, kept.len() as u64);
+        let column_0: Vec<f64> = kept
+            .iter()
+            .map(|l| {
+                l.split(',')
+                    .next()
+                    .expect("a column")
+                    .parse()
+                    .expect("a number")
+            })
+            .collect();
+        let mean = column_0.iter().sum::<f64>() / column_0.len() as f64;
+        assert!(
+            (stats.mean[0] - mean).abs() < 1e-12,
+            "{} vs {mean}",
+            stats.mean[0]
         );
         for s in 0..8 {
             let lines = read_lines(&out.join(shard_name(s)));
@@ -650,7 +709,7 @@ mod tests {
         }
         let err = split(&opts(&a, None, 0.0)).expect_err("non-empty");
         assert!(
-            matches!(err, SplitError::OutNotEmpty { entries: 8, .. }),
+            matches!(err, SplitError::OutNotEmpty { entries: 9, .. }),
             "{err}"
         );
 

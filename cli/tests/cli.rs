@@ -53,9 +53,11 @@ fn dataset_split_of_digits_writes_shards_and_holdout() {
     let mut names: Vec<String> = std::fs::read_dir(dir.path().join("shards"))
         .expect("ls")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n != ".feature-stats.json")
         .collect();
     names.sort();
     assert_eq!(names.len(), 8);
+    assert!(dir.path().join("shards/.feature-stats.json").is_file());
     assert_eq!(names[0], "shard-00000.csv");
     assert_eq!(names[7], "shard-00007.csv");
     let hold = std::fs::read_to_string(dir.path().join("holdout.csv")).expect("holdout");
@@ -106,8 +108,8 @@ fn dataset_split_of_digits_writes_shards_and_holdout() {
         std::fs::read_dir(dir.path().join("shards"))
             .expect("ls")
             .count(),
-        4,
-        "stale shards removed"
+        4 + 1,
+        "stale shards removed (4 shards and their statistics)"
     );
 
     // -o yaml holds the same fields as -o json.

@@ -134,7 +134,8 @@ fn ensure_ckpt_dir(dir: &str) -> Result<(), ApiError> {
     })
 }
 
-/// The objects under an S3 dataset prefix, as `s3://bucket/key` shard URLs (sorted).
+/// The objects under an S3 dataset prefix whose names do not start with a dot, as
+/// `s3://bucket/key` shard URLs (sorted).
 ///
 /// # Errors
 /// `InvalidArgument` when the prefix cannot be listed (with the S3 reason), is empty or
@@ -144,7 +145,15 @@ async fn list_s3_dataset(node: &Node, url: &str) -> Result<Vec<String>, ApiError
         ApiError::InvalidArgument(format!("dataset {url} cannot be listed: {e}"))
     };
     let store = node.s3.store(url).await.map_err(bad)?;
-    let keys = store.list_objects().await.map_err(bad)?;
+    // As in a local dataset, an object whose name starts with a dot is not a shard (the
+    // feature statistics `dataset split` writes, `.feature-stats.json`, is one).
+    let keys: Vec<String> = store
+        .list_objects()
+        .await
+        .map_err(bad)?
+        .into_iter()
+        .filter(|k| !k.rsplit('/').next().unwrap_or(k).starts_with('.'))
+        .collect();
     if keys.is_empty() {
         return Err(ApiError::InvalidArgument(format!(
             "dataset {url} has no objects"

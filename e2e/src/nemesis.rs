@@ -457,22 +457,24 @@ async fn hang_rank(
 /// pause refused (a stop in flight, a leader change) is left at that; a paused job
 /// that could not be resumed here is resumed when the faults end.
 async fn pause_and_resume(cluster: &Cluster, trainer_job: &str, hold: Duration) {
-    let Ok(mut c) = cluster.leader_client().await else {
-        return;
-    };
-    let paused = c
-        .pause_job(v1::PauseJobRequest {
+    let paused = tokio::time::timeout(HARNESS_CALL, async {
+        let mut c = cluster.leader_client().await.ok()?;
+        c.pause_job(v1::PauseJobRequest {
             job_id: trainer_job.to_string(),
         })
-        .await;
-    if paused.is_err() {
+        .await
+        .ok()
+    })
+    .await;
+    if !matches!(paused, Ok(Some(_))) {
         return;
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
-        if cluster
-            .job(trainer_job)
+        if tokio::time::timeout(HARNESS_CALL, cluster.job(trainer_job))
             .await
+            .ok()
+            .flatten()
             .is_some_and(|j| j.state == "paused")
         {
             tokio::time::sleep(hold).await;
@@ -483,23 +485,29 @@ async fn pause_and_resume(cluster: &Cluster, trainer_job: &str, hold: Duration) 
     resume_until_accepted(cluster, trainer_job, Duration::from_secs(30)).await;
 }
 
+/// Longest one call of the harness's own may take (a connection to a dead or cut-off
+/// coordinator never answers).
+const HARNESS_CALL: Duration = Duration::from_secs(5);
+
 /// Sends `ResumeJob` for `job_id` until a leader accepts it, the job is not paused or
-/// pausing any more, or `deadline` passes.
+/// pausing any more, or `deadline` passes; every call bounded by [`HARNESS_CALL`].
 async fn resume_until_accepted(cluster: &Cluster, job_id: &str, deadline: Duration) {
     let until = Instant::now() + deadline;
     while Instant::now() < until {
-        if let Ok(mut c) = cluster.leader_client().await {
-            let r = c
-                .resume_job(v1::ResumeJobRequest {
-                    job_id: job_id.to_string(),
-                })
-                .await;
-            if r.is_ok() {
-                return;
-            }
+        let resumed = tokio::time::timeout(HARNESS_CALL, async {
+            let mut c = cluster.leader_client().await.ok()?;
+            c.resume_job(v1::ResumeJobRequest {
+                job_id: job_id.to_string(),
+            })
+            .await
+            .ok()
+        })
+        .await;
+        if matches!(resumed, Ok(Some(_))) {
+            return;
         }
-        match cluster.job(job_id).await {
-            Some(j) if j.state != "paused" && j.stop_action != "pause" => return,
+        match tokio::time::timeout(HARNESS_CALL, cluster.job(job_id)).await {
+            Ok(Some(j)) if j.state != "paused" && j.stop_action != "pause" => return,
             _ => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     }
@@ -520,7 +528,12 @@ async fn one_fault(
     let hold = Duration::from_millis(rng.random_range(500..2_500));
     let kind = match rng.random_range(0..14u32) {
         13 => {
-            pause_and_resume(cluster, trainer_job, hold).await;
+            // Bounded whatever the cluster does: the faults go on after it.
+            let _ = tokio::time::timeout(
+                Duration::from_secs(90),
+                pause_and_resume(cluster, trainer_job, hold),
+            )
+            .await;
             "pause-resume-trainer"
         }
         10 => {
@@ -713,7 +726,38 @@ async fn corrupt_and_rebuild(
     // of them as peers, even on a node that joined before (a second corruption).
     cluster.coordinators[i].extra_args = vec!["--rejoin-empty".into()];
     cluster.coordinators[i].join = false;
-    cluster.spawn_coordinator(i)?;
+    // `--rejoin-empty` asks the others whether it is still a voter; one that has not
+    // applied the removal yet says so, and the node exits: start it again (bounded).
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        cluster.spawn_coordinator(i)?;
+        let settled = Instant::now() + Duration::from_secs(5);
+        let mut exited = false;
+        while Instant::now() < settled {
+            let child = cluster.coordinators[i]
+                .proc
+                .child
+                .as_mut()
+                .expect("spawned");
+            if child.try_wait()?.is_some() {
+                exited = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if !exited {
+            break;
+        }
+        cluster.coordinators[i].proc.child = None;
+        if attempts >= 10 {
+            anomaly(format!(
+                "coordinator {id} started with --rejoin-empty exited {attempts} times after its removal"
+            ));
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
     // From now on it is a member that joined: a later restart must never bootstrap.
     cluster.coordinators[i].extra_args.clear();
     cluster.coordinators[i].join = true;
@@ -1000,19 +1044,29 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
     let started_wait = Instant::now();
     let mut last: Option<v1::ListJobsResponse> = None;
     loop {
-        if let Ok(mut c) = cluster.leader_client().await
-            && let Ok(list) = c
-                .list_jobs(v1::ListJobsRequest { linearizable: true })
+        let listed = tokio::time::timeout(2 * HARNESS_CALL, async {
+            let mut c = cluster.leader_client().await.ok()?;
+            c.list_jobs(v1::ListJobsRequest { linearizable: true })
                 .await
-        {
+                .ok()
+        })
+        .await
+        .ok()
+        .flatten();
+        if let Some(list) = listed {
             let list = list.into_inner();
-            // The workload's paused jobs are resumed now: everything must finish.
+            // The workload's paused jobs are resumed now: everything must finish (within
+            // the liveness deadline, whatever the resumes meet).
             for j in list
                 .jobs
                 .iter()
                 .filter(|j| j.state == "paused" || j.stop_action == "pause")
             {
-                resume_until_accepted(&cluster, &j.id, Duration::from_secs(30)).await;
+                let left = LONG.saturating_sub(started_wait.elapsed());
+                if left.is_zero() {
+                    break;
+                }
+                resume_until_accepted(&cluster, &j.id, left.min(Duration::from_secs(30))).await;
             }
             let done = list.jobs.iter().all(|j| terminal(&j.state));
             last = Some(list);

@@ -146,9 +146,15 @@ pub fn expected_digest(
     epochs: u32,
     tmp: &Path,
 ) -> anyhow::Result<String> {
+    // The shards as the coordinator lists them: the files whose names do not start with
+    // a dot (`.feature-stats.json` is not one).
     let mut shards: Vec<PathBuf> = std::fs::read_dir(&w.shards_dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_file())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| !n.to_string_lossy().starts_with('.'))
+        })
         .collect();
     shards.sort();
     let mine: Vec<String> = shards

@@ -492,7 +492,7 @@ async fn a_preemptible_job_gives_way_to_a_higher_priority_one_and_summaries_trac
     .expect("cluster");
     let root = cluster.dir.path().to_path_buf();
     let w = prepare_digits(&root, 4).expect("shards");
-    let long_args = train_args(8);
+    let long_args = train_args(40);
     let long_args: Vec<&str> = long_args.iter().map(String::as_str).collect();
     let mut low = trainer_spec(&w, 2, &root.join("ckpt"), &root.join("out-low"), &long_args);
     low.preemptible = true;

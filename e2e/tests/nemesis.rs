@@ -15,14 +15,20 @@ async fn short_nemesis_schedule_keeps_every_invariant() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(40_000);
-    let report = run(&RunOpts {
-        seed,
-        fault_ms,
-        clients: 3,
-        epochs: 2,
-        hang_first: true,
-    })
+    // A bound on the whole run: a harness stuck on an unforeseen state fails here, with
+    // the seed, rather than holding the test suite (dropping the run stops its cluster).
+    let report = tokio::time::timeout(
+        std::time::Duration::from_secs(20 * 60),
+        run(&RunOpts {
+            seed,
+            fault_ms,
+            clients: 3,
+            epochs: 2,
+            hang_first: true,
+        }),
+    )
     .await
+    .unwrap_or_else(|_| panic!("seed {seed}: the nemesis run did not end within 20 minutes"))
     .expect("the nemesis run completes");
     eprintln!(
         "nemesis report: {}",

@@ -131,6 +131,10 @@ pub struct TrainState {
     pub features: u64,
     /// Factor every raw feature value is multiplied by.
     pub feature_scale: HexF64,
+    /// How the features were normalized ([`crate::trainer::normalization_fingerprint`]);
+    /// "" in states written before it was recorded (they resume only a run that scales).
+    #[serde(default)]
+    pub normalization: String,
     /// Sum of the per-record losses of the current epoch so far.
     pub epoch_loss_sum: HexF64,
     /// Mean per-record loss of the previous epoch; `None` during epoch 0.
@@ -160,6 +164,8 @@ pub struct RunSpec {
     pub features: u64,
     /// Feature scale factor.
     pub feature_scale: f64,
+    /// [`crate::trainer::normalization_fingerprint`] of the run.
+    pub normalization: String,
     /// Records per epoch (≥ 1).
     pub records_per_epoch: u64,
     /// Shards in the shards file.
@@ -268,6 +274,12 @@ impl TrainState {
             self.feature_scale.0.to_bits(),
         )
         .map_err(|_| f64_mismatch("feature_scale", spec.feature_scale, self.feature_scale.0))?;
+        let recorded = if self.normalization.is_empty() {
+            "scale"
+        } else {
+            self.normalization.as_str()
+        };
+        mismatch("normalization", spec.normalization.as_str(), recorded)?;
         mismatch("shard_count", spec.shard_count, self.shard_count)?;
         mismatch(
             "records_per_epoch",
@@ -367,6 +379,7 @@ mod tests {
             classes: 10,
             features: 64,
             feature_scale: 1.0 / 16.0,
+            normalization: "scale".into(),
             records_per_epoch: 10,
             shard_count: 2,
             data_fingerprint: "ab".repeat(32),
@@ -395,6 +408,7 @@ mod tests {
             classes: 10,
             features: 64,
             feature_scale: HexF64(1.0 / 16.0),
+            normalization: "scale".into(),
             epoch_loss_sum: HexF64(1.25),
             last_epoch_loss: Some(HexF64(0.3)),
             shard_count: 2,

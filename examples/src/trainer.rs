@@ -7,10 +7,14 @@
 //! order; the last batch of an epoch may be smaller; batches never span epochs. So
 //! `total_steps = epochs × ceil(records / batch_size)`.
 //!
-//! Feature scale: every raw feature value is multiplied by one factor, `--feature-scale`;
-//! `auto` (the default) is `1 / max |value|` over the rank's training data (1 when every
-//! value is 0), which is 1/16 on the digits data. It is a pure function of the data, is
-//! saved in the checkpoint and must match on resume.
+//! Features: by default (`--feature-scale standardize`) every column is standardized,
+//! `(x - mean) / std`, with the statistics of the whole data set, the same on every rank:
+//! read from `--feature-stats FILE`, else from the `.feature-stats.json` that `cumulusctl
+//! dataset split` writes beside the shards, else computed over the rank's own data (with
+//! a warning: ranks may then differ). Or every raw value is multiplied by one factor: `auto` is `1 / max
+//! |value|` over the rank's training data (1 when every value is 0), or a number. What
+//! was used is saved in the checkpoint (a fingerprint of the statistics) and must match
+//! on resume.
 //!
 //! Classes: `--classes`, or the largest training label + 1.
 //!
@@ -34,6 +38,7 @@ use crate::state::{
     HexF64, HexU64, MAX_STATE_BYTES, RunSpec, STATE_FORMAT, StateError, TrainState,
 };
 use cumulus_api::StopAction;
+use cumulus_api::feature_stats::{FEATURE_STATS_FILE, FeatureStats, StatsAccumulator};
 
 /// File of the model parameters in a checkpoint and in the output dir (f64 LE,
 /// `classes × (features + 1)`, row-major, bias last).
@@ -178,6 +183,8 @@ impl TrainError {
 /// How raw feature values are scaled.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum FeatureScale {
+    /// Per column, `(x - mean) / std` with the whole data set's statistics.
+    Standardize,
     /// `1 / max |value|` over the training data (1 when all are 0).
     Auto,
     /// This factor (finite, > 0).
@@ -191,6 +198,9 @@ impl std::str::FromStr for FeatureScale {
         if s.eq_ignore_ascii_case("auto") {
             return Ok(FeatureScale::Auto);
         }
+        if s.eq_ignore_ascii_case("standardize") {
+            return Ok(FeatureScale::Standardize);
+        }
         match s.parse::<f64>() {
             Ok(v) if v.is_finite() && v > 0.0 => Ok(FeatureScale::Fixed(v)),
             _ => Err(BadFeatureScale(s.to_owned())),
@@ -200,7 +210,7 @@ impl std::str::FromStr for FeatureScale {
 
 /// A feature scale that is neither `auto` nor a positive finite number (the text given).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("feature scale {0:?} is neither \"auto\" nor a positive finite number")]
+#[error("feature scale {0:?} is neither \"standardize\", \"auto\" nor a positive finite number")]
 pub struct BadFeatureScale(pub String);
 
 /// Training data ready for the model: the data set, its classes and scaled features.
@@ -210,14 +220,100 @@ pub struct TrainData {
     pub dataset: Dataset,
     /// Classes of the model.
     pub classes: u32,
-    /// The factor applied to every raw feature value.
+    /// The factor applied to every raw feature value (1 when standardizing).
     pub feature_scale: f64,
+    /// The per-column statistics every feature is standardized with (`None`: scaled by
+    /// `feature_scale`).
+    pub stats: Option<FeatureStats>,
     /// Scaled features, `records × features`, row-major.
     pub x: Vec<f64>,
 }
 
-fn scaled(values: &[f64], scale: f64) -> Vec<f64> {
-    values.iter().map(|v| v * scale).collect()
+/// `values` (`n × features`, row-major) standardized by `stats` when given, else times
+/// `scale`.
+fn normalized(
+    values: &[f64],
+    features: usize,
+    stats: Option<&FeatureStats>,
+    scale: f64,
+) -> Vec<f64> {
+    match stats {
+        Some(st) => values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| st.standardize(i % features.max(1), *v))
+            .collect(),
+        None => values.iter().map(|v| v * scale).collect(),
+    }
+}
+
+/// What a checkpoint records of the normalization: `standardize:<SHA-256 of the
+/// statistics' JSON>` or `scale`, so that a resume never continues with other inputs.
+pub fn normalization_fingerprint(stats: Option<&FeatureStats>) -> String {
+    match stats {
+        Some(st) => {
+            use sha2::Digest;
+            let json = serde_json::to_vec(st).unwrap_or_default();
+            format!("standardize:{}", hex::encode(sha2::Sha256::digest(&json)))
+        }
+        None => "scale".to_string(),
+    }
+}
+
+/// The statistics to standardize with: `explicit` (`--feature-stats`), else
+/// `.feature-stats.json` in the directory of the first shard (what `cumulusctl dataset
+/// split` writes: the same on every rank), else computed over `dataset`, this rank's own
+/// data (ranks of a job may then differ: the text returned says so). Returns them and
+/// where they came from.
+///
+/// # Errors
+/// A statistics file that cannot be read or does not describe `dataset`'s columns.
+pub fn load_feature_stats(
+    explicit: Option<&Path>,
+    shard_paths: &[PathBuf],
+    dataset: &Dataset,
+) -> Result<(FeatureStats, String), TrainError> {
+    let dir = shard_paths
+        .first()
+        .and_then(|p| p.parent())
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    let default_file = dir.join(FEATURE_STATS_FILE);
+    let file = match explicit {
+        Some(p) => Some(p.to_path_buf()),
+        None => default_file.is_file().then_some(default_file),
+    };
+    if let Some(path) = file {
+        let bytes = std::fs::read(&path).map_err(|source| TrainError::Io {
+            what: format!("cannot read the feature statistics {}", path.display()),
+            source,
+        })?;
+        let stats: FeatureStats = serde_json::from_slice(&bytes).map_err(|e| {
+            TrainError::Config(format!(
+                "{} is not a feature statistics file: {e}",
+                path.display()
+            ))
+        })?;
+        stats.validate(Some(dataset.features)).map_err(|why| {
+            TrainError::Config(format!("feature statistics {}: {why}", path.display()))
+        })?;
+        return Ok((stats, path.display().to_string()));
+    }
+    let mut acc = StatsAccumulator::default();
+    for row in dataset.values.chunks(dataset.features.max(1)) {
+        acc.add(row);
+    }
+    let stats = acc
+        .finish()
+        .ok_or_else(|| TrainError::Config("the training data has no records".to_string()))?;
+    Ok((
+        stats,
+        format!(
+            "computed over this rank's {} records: other ranks may differ (`cumulusctl \
+             dataset split` writes {FEATURE_STATS_FILE} for the whole data set)",
+            dataset.len()
+        ),
+    ))
 }
 
 impl TrainData {
@@ -227,6 +323,7 @@ impl TrainData {
         dataset: Dataset,
         classes: Option<u32>,
         scale: FeatureScale,
+        stats: Option<FeatureStats>,
     ) -> Result<Self, TrainError> {
         let max_label = dataset
             .max_label()
@@ -259,18 +356,35 @@ impl TrainData {
                 data::MAX_VALUES
             )));
         }
-        let feature_scale = match scale {
-            FeatureScale::Fixed(s) => s,
+        let (feature_scale, stats) = match scale {
+            FeatureScale::Fixed(s) => (s, None),
             FeatureScale::Auto => {
                 let max = dataset.max_abs_feature();
-                if max > 0.0 { 1.0 / max } else { 1.0 }
+                (if max > 0.0 { 1.0 / max } else { 1.0 }, None)
+            }
+            FeatureScale::Standardize => {
+                let stats = stats.ok_or_else(|| {
+                    TrainError::Config(
+                        "standardizing needs the data set's feature statistics".to_string(),
+                    )
+                })?;
+                stats
+                    .validate(Some(dataset.features))
+                    .map_err(|why| TrainError::Config(format!("feature statistics: {why}")))?;
+                (1.0, Some(stats))
             }
         };
-        let x = scaled(&dataset.values, feature_scale);
+        let x = normalized(
+            &dataset.values,
+            dataset.features,
+            stats.as_ref(),
+            feature_scale,
+        );
         Ok(Self {
             dataset,
             classes,
             feature_scale,
+            stats,
             x,
         })
     }
@@ -296,7 +410,12 @@ impl TrainData {
                 self.classes
             )));
         }
-        Ok(scaled(&test.values, self.feature_scale))
+        Ok(normalized(
+            &test.values,
+            test.features,
+            self.stats.as_ref(),
+            self.feature_scale,
+        ))
     }
 }
 
@@ -387,6 +506,7 @@ impl<'a> Trainer<'a> {
             classes: data.classes,
             features: data.dataset.features as u64,
             feature_scale: data.feature_scale,
+            normalization: normalization_fingerprint(data.stats.as_ref()),
             records_per_epoch: data.dataset.len() as u64,
             shard_count: data.dataset.shards.len() as u64,
             data_fingerprint: data.dataset.fingerprint_hex(),
@@ -617,6 +737,7 @@ impl<'a> Trainer<'a> {
             classes: self.data.classes,
             features: self.spec.features,
             feature_scale: HexF64(self.data.feature_scale),
+            normalization: self.spec.normalization.clone(),
             epoch_loss_sum: HexF64(self.epoch_loss_sum),
             last_epoch_loss: self.last_epoch_loss.map(HexF64),
             shard_count: self.spec.shard_count,
@@ -700,6 +821,9 @@ pub struct TrainConfig {
     pub classes: Option<u32>,
     /// Feature scaling.
     pub feature_scale: FeatureScale,
+    /// The feature statistics to standardize with (default: beside the shards, else
+    /// computed over their directory).
+    pub feature_stats: Option<PathBuf>,
     /// Checkpoint every this many steps (0: never).
     pub ckpt_every: u64,
     /// Sleep after every step, in milliseconds (simulates a heavier model).
@@ -731,8 +855,13 @@ pub struct RankResult {
     pub classes: u32,
     /// Features of the model.
     pub features: u64,
-    /// Factor applied to every raw feature value (needed to use `weights.bin`).
+    /// Factor applied to every raw feature value (needed to use `weights.bin`; 1 when
+    /// standardizing).
     pub feature_scale: f64,
+    /// Per-column mean and standard deviation every feature was standardized with
+    /// (needed to use `weights.bin`); absent when scaled by `feature_scale`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feature_stats: Option<FeatureStats>,
     /// Records of the test file; `None` without one.
     pub test_records: Option<u64>,
 }
@@ -949,7 +1078,16 @@ pub fn run(
 
     let shard_paths = data::read_shards_file(&config.shards_file)?;
     let dataset = data::load_shards(&shard_paths)?;
-    let data = TrainData::prepare(dataset, config.classes, config.feature_scale)?;
+    let stats = match config.feature_scale {
+        FeatureScale::Standardize => {
+            let (stats, from) =
+                load_feature_stats(config.feature_stats.as_deref(), &shard_paths, &dataset)?;
+            let _ = writeln!(log, "feature statistics: {from}");
+            Some(stats)
+        }
+        _ => None,
+    };
+    let data = TrainData::prepare(dataset, config.classes, config.feature_scale, stats)?;
     let test = match &config.test_file {
         Some(path) => {
             let t = data::load_csv(path)?;
@@ -977,14 +1115,18 @@ pub fn run(
     let _ = writeln!(
         log,
         "rank={} attempt={} training on {} records from {} shard(s): {} features, {} classes, \
-         feature scale {}, {} epochs of {} steps",
+         features {}, {} epochs of {} steps",
         env.rank,
         env.attempt,
         data.dataset.len(),
         data.dataset.shards.len(),
         data.dataset.features,
         data.classes,
-        data.feature_scale,
+        if data.stats.is_some() {
+            "standardized per column".to_string()
+        } else {
+            format!("scaled by {}", data.feature_scale)
+        },
         config.hyper.epochs,
         trainer.spec.steps_per_epoch()
     );
@@ -1052,6 +1194,7 @@ pub fn run(
         classes: data.classes,
         features: data.dataset.features as u64,
         feature_scale: data.feature_scale,
+        feature_stats: data.stats.clone(),
         test_records: test.as_ref().map(|(t, _)| t.len() as u64),
     };
     let weights_path = rank_dir.join(WEIGHTS_FILE);
@@ -1096,11 +1239,13 @@ pub struct EvalResult {
     pub classes: u32,
 }
 
-/// Evaluates `weights.bin` on a test CSV whose raw features are multiplied by
-/// `feature_scale`; the classes follow from the file size and the test file's features.
+/// Evaluates `weights.bin` on a test CSV whose raw features are standardized by `stats`
+/// when given, else multiplied by `feature_scale`; the classes follow from the file size
+/// and the test file's features.
 pub fn evaluate(
     weights_path: &Path,
     test_path: &Path,
+    stats: Option<&FeatureStats>,
     feature_scale: f64,
 ) -> Result<EvalResult, TrainError> {
     let test = data::load_csv(test_path)?;
@@ -1135,7 +1280,15 @@ pub fn evaluate(
             test.labels[i]
         )));
     }
-    let x = scaled(&test.values, feature_scale);
+    if let Some(st) = stats {
+        st.validate(Some(test.features)).map_err(|why| {
+            TrainError::Config(format!(
+                "feature statistics for {}: {why}",
+                test_path.display()
+            ))
+        })?;
+    }
+    let x = normalized(&test.values, test.features, stats, feature_scale);
     Ok(EvalResult {
         accuracy: m.accuracy(&x, &test.labels),
         records: test.len() as u64,
@@ -1166,6 +1319,89 @@ mod tests {
         paths
     }
 
+    /// Two classes told apart by a column of small values (0.0 or 1.0, plus jitter) next
+    /// to a column of large noise (up to 1,000): one global scale squashes the column that
+    /// matters, per-column standardization does not.
+    fn mixed_scales(dir: &Path) -> Vec<PathBuf> {
+        let mut paths = Vec::new();
+        for s in 0..2 {
+            let mut text = String::new();
+            for i in 0..60u64 {
+                let k = (i + s) % 2;
+                let jitter = ((i * 7 + s * 3) % 5) as f64 * 0.05;
+                let noise = ((i * 7919 + s * 104_729) % 1000) as f64;
+                text.push_str(&format!("{},{noise},{k}\n", k as f64 + jitter));
+            }
+            let p = dir.join(format!("m{s}.csv"));
+            std::fs::write(&p, text).unwrap();
+            paths.push(p);
+        }
+        paths
+    }
+
+    fn trained_accuracy(data: &TrainData) -> f64 {
+        let mut t = Trainer::new(
+            data,
+            Hyper {
+                epochs: 20,
+                ..hyper()
+            },
+        )
+        .unwrap();
+        while t.train_step().is_some() {}
+        t.model().accuracy(&data.x, &data.dataset.labels)
+    }
+
+    #[test]
+    fn per_column_standardization_learns_what_one_global_scale_squashes() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = mixed_scales(dir.path());
+        let d = data::load_shards(&paths).unwrap();
+        let scaled = TrainData::prepare(d.clone(), None, FeatureScale::Auto, None).unwrap();
+        let (stats, from) = load_feature_stats(None, &paths, &d).unwrap();
+        assert!(from.contains("other ranks may differ"), "{from}");
+        let standardized =
+            TrainData::prepare(d, None, FeatureScale::Standardize, Some(stats)).unwrap();
+        let (a, b) = (trained_accuracy(&scaled), trained_accuracy(&standardized));
+        assert!(b >= 0.95, "standardized: {b}");
+        assert!(a < b - 0.2, "one global scale {a}, standardized {b}");
+        assert_ne!(
+            normalization_fingerprint(scaled.stats.as_ref()),
+            normalization_fingerprint(standardized.stats.as_ref())
+        );
+    }
+
+    #[test]
+    fn every_rank_reads_the_same_statistics_from_beside_the_shards() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = mixed_scales(dir.path());
+        let all = data::load_shards(&paths).unwrap();
+        let mut acc = StatsAccumulator::default();
+        for row in all.values.chunks(all.features) {
+            acc.add(row);
+        }
+        let whole = acc.finish().unwrap();
+        std::fs::write(
+            dir.path().join(FEATURE_STATS_FILE),
+            serde_json::to_vec(&whole).unwrap(),
+        )
+        .unwrap();
+        for rank in 0..2 {
+            let own = data::load_shards(&paths[rank..=rank]).unwrap();
+            let (stats, from) = load_feature_stats(None, &paths[rank..=rank], &own).unwrap();
+            assert_eq!(stats, whole, "rank {rank}");
+            assert!(from.ends_with(FEATURE_STATS_FILE), "{from}");
+        }
+        // A file for other columns is refused, naming it.
+        let other = dir.path().join("other.json");
+        let mut wrong = whole.clone();
+        wrong.mean.push(0.0);
+        wrong.std.push(1.0);
+        std::fs::write(&other, serde_json::to_vec(&wrong).unwrap()).unwrap();
+        let e = load_feature_stats(Some(&other), &paths, &all).unwrap_err();
+        assert!(e.to_string().contains("other.json"), "{e}");
+    }
+
     fn hyper() -> Hyper {
         Hyper {
             epochs: 4,
@@ -1184,7 +1420,7 @@ mod tests {
     fn learns_the_toy_set_and_digest_matches_a_straight_read() {
         let dir = tempfile::tempdir().unwrap();
         let d = data::load_shards(&toy(dir.path())).unwrap();
-        let data = TrainData::prepare(d, None, FeatureScale::Auto).unwrap();
+        let data = TrainData::prepare(d, None, FeatureScale::Auto, None).unwrap();
         assert_eq!(data.classes, 3);
         // The largest value is 8 + 4 × 0.3.
         assert!(
@@ -1213,7 +1449,7 @@ mod tests {
     fn resume_from_every_checkpoint_is_bit_identical() {
         let dir = tempfile::tempdir().unwrap();
         let d = data::load_shards(&toy(dir.path())).unwrap();
-        let data = TrainData::prepare(d, None, FeatureScale::Auto).unwrap();
+        let data = TrainData::prepare(d, None, FeatureScale::Auto, None).unwrap();
         let mut straight = Trainer::new(&data, hyper()).unwrap();
         while straight.train_step().is_some() {}
         // Checkpoint at a mid-epoch step, at an epoch boundary and at the very end.
@@ -1238,7 +1474,7 @@ mod tests {
     fn resume_validation_errors() {
         let dir = tempfile::tempdir().unwrap();
         let d = data::load_shards(&toy(dir.path())).unwrap();
-        let data = TrainData::prepare(d, None, FeatureScale::Auto).unwrap();
+        let data = TrainData::prepare(d, None, FeatureScale::Auto, None).unwrap();
         let mut t = Trainer::new(&data, hyper()).unwrap();
         for _ in 0..7 {
             t.train_step();
@@ -1296,8 +1532,8 @@ mod tests {
     fn classes_and_scale_options() {
         let dir = tempfile::tempdir().unwrap();
         let d = data::load_shards(&toy(dir.path())).unwrap();
-        assert!(TrainData::prepare(d.clone(), Some(2), FeatureScale::Auto).is_err());
-        let p = TrainData::prepare(d.clone(), Some(5), FeatureScale::Fixed(0.5)).unwrap();
+        assert!(TrainData::prepare(d.clone(), Some(2), FeatureScale::Auto, None).is_err());
+        let p = TrainData::prepare(d.clone(), Some(5), FeatureScale::Fixed(0.5), None).unwrap();
         assert_eq!(p.classes, 5);
         assert_eq!(p.x[0], d.values[0] * 0.5);
         assert_eq!("auto".parse::<FeatureScale>(), Ok(FeatureScale::Auto));
@@ -1310,7 +1546,7 @@ mod tests {
         let one = dir.path().join("one.csv");
         std::fs::write(&one, "1,2,0\n").unwrap();
         let single = data::load_csv(&one).unwrap();
-        assert!(TrainData::prepare(single, None, FeatureScale::Auto).is_err());
+        assert!(TrainData::prepare(single, None, FeatureScale::Auto, None).is_err());
     }
 
     #[test]

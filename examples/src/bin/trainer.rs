@@ -11,6 +11,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use cumulus_api::feature_stats::FeatureStats;
 use cumulus_examples::data;
 use cumulus_examples::digest::expected_digest;
 use cumulus_examples::env::RankEnv;
@@ -72,10 +73,16 @@ struct TrainArgs {
     /// Number of classes (default: the largest training label + 1).
     #[arg(long)]
     classes: Option<u32>,
-    /// Factor applied to every feature value, or "auto" for 1 / max |value| over the
-    /// training data (1/16 on digits).
-    #[arg(long, default_value = "auto")]
+    /// How features are scaled: "standardize" (each column to mean 0 and standard
+    /// deviation 1 with the whole data set's statistics, the same on every rank), "auto"
+    /// (times 1 / max |value| over this rank's data), or a factor.
+    #[arg(long, default_value = "standardize")]
     feature_scale: FeatureScale,
+    /// The feature statistics to standardize with (default: `.feature-stats.json`
+    /// beside the shards, which `cumulusctl dataset split` writes; else computed over
+    /// this rank's own data).
+    #[arg(long)]
+    feature_stats: Option<PathBuf>,
     /// Print a progress line every this many steps (the last step is always printed).
     #[arg(long, default_value_t = 20)]
     log_every: u64,
@@ -102,8 +109,8 @@ struct EvalArgs {
     /// Test CSV.
     #[arg(long)]
     test_file: PathBuf,
-    /// Feature scale of the training run (default: read from result.json beside the
-    /// weights).
+    /// Feature scale of a training run that scaled (default: the normalization
+    /// recorded in result.json beside the weights, statistics included).
     #[arg(long)]
     feature_scale: Option<f64>,
 }
@@ -128,6 +135,7 @@ fn train(args: TrainArgs) -> Result<(), TrainError> {
         },
         classes: args.classes,
         feature_scale: args.feature_scale,
+        feature_stats: args.feature_stats,
         ckpt_every: args.ckpt_every,
         step_sleep_ms: args.step_sleep_ms,
         log_every: args.log_every,
@@ -151,7 +159,9 @@ fn digest(args: DigestArgs) -> Result<(), TrainError> {
     Ok(())
 }
 
-fn scale_from_result(weights: &Path) -> anyhow::Result<f64> {
+/// The normalization of the run that wrote `weights` (its `result.json`): the feature
+/// statistics when it standardized, and the scale.
+fn normalization_from_result(weights: &Path) -> anyhow::Result<(Option<FeatureStats>, f64)> {
     let path = weights.parent().unwrap_or(Path::new(".")).join(RESULT_FILE);
     let text = std::fs::read(&path).with_context(|| {
         format!(
@@ -161,16 +171,16 @@ fn scale_from_result(weights: &Path) -> anyhow::Result<f64> {
     })?;
     let result: RankResult = serde_json::from_slice(&text)
         .with_context(|| format!("{} is not a trainer result", path.display()))?;
-    Ok(result.feature_scale)
+    Ok((result.feature_stats, result.feature_scale))
 }
 
 fn eval(args: EvalArgs) -> anyhow::Result<()> {
-    let scale = match args.feature_scale {
-        Some(s) if s.is_finite() && s > 0.0 => s,
+    let (stats, scale) = match args.feature_scale {
+        Some(s) if s.is_finite() && s > 0.0 => (None, s),
         Some(s) => anyhow::bail!("--feature-scale {s} must be a positive finite number"),
-        None => scale_from_result(&args.weights)?,
+        None => normalization_from_result(&args.weights)?,
     };
-    let r = trainer::evaluate(&args.weights, &args.test_file, scale)?;
+    let r = trainer::evaluate(&args.weights, &args.test_file, stats.as_ref(), scale)?;
     println!(
         "accuracy={:.4} records={} classes={}",
         r.accuracy, r.records, r.classes
