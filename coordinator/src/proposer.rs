@@ -190,11 +190,16 @@ async fn batch_loop(
             },
         };
         let mut bytes = first.command.approx_encoded_bytes();
+        // A proposal that is a batch already (the leader's planned commands, a purge)
+        // goes alone: `apply` refuses a batch inside a batch, which would fail every
+        // proposal it was coalesced with.
+        let is_batch = |c: &Command| matches!(c, Command::Batch { .. });
+        let alone = is_batch(&first.command);
         let mut batch = vec![first];
-        while batch.len() < MAX_BATCH_COMMANDS && bytes < MAX_BATCH_BYTES {
+        while !alone && batch.len() < MAX_BATCH_COMMANDS && bytes < MAX_BATCH_BYTES {
             let Ok(next) = rx.try_recv() else { break };
             let size = next.command.approx_encoded_bytes();
-            if bytes + size > MAX_BATCH_BYTES {
+            if is_batch(&next.command) || bytes + size > MAX_BATCH_BYTES {
                 carried = Some(next);
                 break;
             }
