@@ -267,6 +267,33 @@ fn progress_text(job: &cumulus_api::Job) -> String {
     cumulus_api::text::escape_control(&parts.join(", ")).into_owned()
 }
 
+/// Prints a finished job's status (`-o json|yaml`: the job) and says how it ended: `Ok`
+/// only when it succeeded, else an error with its state and cause.
+pub fn report_finished(
+    job_id: &str,
+    resp: &cumulus_api::JobResponse,
+    output: OutputFormat,
+) -> Result<()> {
+    match output {
+        OutputFormat::Json | OutputFormat::Yaml => print_data(output, resp)?,
+        OutputFormat::Table | OutputFormat::Wide => {
+            print_text(&render::job_status(resp, render::now_ms()))?
+        }
+    }
+    let Some(job) = &resp.job else {
+        bail!("the coordinator returned no job");
+    };
+    if job.job_state() == Ok(cumulus_api::JobState::Succeeded) {
+        return Ok(());
+    }
+    let cause = if job.failure_cause.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", job.failure_cause)
+    };
+    bail!("job {job_id} {}{cause}", job.state)
+}
+
 /// Polls a job until it finishes; `Ok` only when it succeeded.
 pub async fn wait_for(
     client: &Client,
@@ -290,21 +317,7 @@ pub async fn wait_for(
         progress.update(&job);
         if is_finished(&job.state) {
             progress.finish();
-            match output {
-                OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp)?,
-                OutputFormat::Table | OutputFormat::Wide => {
-                    print_text(&render::job_status(&resp, render::now_ms()))?
-                }
-            }
-            if job.job_state() == Ok(cumulus_api::JobState::Succeeded) {
-                return Ok(());
-            }
-            let cause = if job.failure_cause.is_empty() {
-                String::new()
-            } else {
-                format!(": {}", job.failure_cause)
-            };
-            bail!("job {job_id} {}{cause}", job.state);
+            return report_finished(job_id, &resp, output);
         }
         if let Some(t) = timeout
             && start.elapsed() >= t

@@ -4,14 +4,14 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use cumulus_api::{Job, ListJobSummariesRequest};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::args::{OutputFormat, SummaryArgs};
 use crate::client::Client;
 use crate::config::Conn;
-use crate::jobs::{WAIT_POLL, is_finished};
+use crate::jobs::{WAIT_POLL, is_finished, report_finished};
 use crate::output::{print_data, print_text};
 use crate::render;
 
@@ -241,21 +241,7 @@ pub async fn watch(conn: &Conn, job_id: &str, output: OutputFormat) -> Result<()
         display.update(&job);
         if is_finished(&job.state) {
             display.finish();
-            match output {
-                OutputFormat::Json | OutputFormat::Yaml => print_data(output, &resp)?,
-                OutputFormat::Table | OutputFormat::Wide => {
-                    print_text(&render::job_status(&resp, render::now_ms()))?
-                }
-            }
-            if job.job_state() == Ok(cumulus_api::JobState::Succeeded) {
-                return Ok(());
-            }
-            let cause = if job.failure_cause.is_empty() {
-                String::new()
-            } else {
-                format!(": {}", job.failure_cause)
-            };
-            bail!("job {job_id} {}{cause}", job.state);
+            return report_finished(job_id, &resp, output);
         }
         tokio::time::sleep(WAIT_POLL).await;
     }

@@ -401,26 +401,8 @@ fn plan_preemption(
         return;
     }
     let need = u64::from(head.spec.world_size);
-    let free: u64 = state
-        .workers
-        .values()
-        .filter(|w| alive(&w.worker_id))
-        .map(|w| {
-            u64::from(
-                w.slots
-                    .saturating_sub(used.slots.get(&w.worker_id).copied().unwrap_or(0)),
-            )
-        })
-        .sum();
-    let held = |j: &Job| {
-        j.ranks
-            .iter()
-            .filter(|r| {
-                matches!(r.state, RankState::Pending | RankState::Running)
-                    && r.worker_id.as_deref().is_some_and(alive)
-            })
-            .count() as u64
-    };
+    let free = free_slot_count(state, used, alive);
+    let held = |j: &Job| held_slot_count(j, alive);
     let mut freeing = 0;
     let mut candidates: Vec<(i32, std::cmp::Reverse<&str>, u64)> = Vec::new();
     for j in state
@@ -493,17 +475,7 @@ fn reserve(
     alive: &dyn Fn(&str) -> bool,
 ) -> Reservation {
     let need = u64::from(head.spec.world_size);
-    let mut free: u64 = state
-        .workers
-        .values()
-        .filter(|w| alive(&w.worker_id))
-        .map(|w| {
-            u64::from(
-                w.slots
-                    .saturating_sub(used.slots.get(&w.worker_id).copied().unwrap_or(0)),
-            )
-        })
-        .sum();
+    let mut free = free_slot_count(state, used, alive);
     let mut ends: Vec<(u64, u64)> = state
         .job_index()
         .running
@@ -512,14 +484,7 @@ fn reserve(
         .filter(|j| j.spec.time_limit_ms > 0)
         .map(|j| {
             let left = j.spec.time_limit_ms.saturating_sub(j.running_ms_at(now_ms));
-            let slots = j
-                .ranks
-                .iter()
-                .filter(|r| {
-                    matches!(r.state, RankState::Pending | RankState::Running)
-                        && r.worker_id.as_deref().is_some_and(alive)
-                })
-                .count() as u64;
+            let slots = held_slot_count(j, alive);
             (left, slots)
         })
         .collect();
@@ -545,6 +510,32 @@ fn reserve(
         },
         gpus: head.spec.gpu_demand().is_some(),
     }
+}
+
+/// Slots free on the alive workers, given what `used` holds.
+fn free_slot_count(state: &ClusterState, used: &Used, alive: &dyn Fn(&str) -> bool) -> u64 {
+    state
+        .workers
+        .values()
+        .filter(|w| alive(&w.worker_id))
+        .map(|w| {
+            u64::from(
+                w.slots
+                    .saturating_sub(used.slots.get(&w.worker_id).copied().unwrap_or(0)),
+            )
+        })
+        .sum()
+}
+
+/// Slots a running job holds on alive workers (its pending and running ranks there).
+fn held_slot_count(job: &Job, alive: &dyn Fn(&str) -> bool) -> u64 {
+    job.ranks
+        .iter()
+        .filter(|r| {
+            matches!(r.state, RankState::Pending | RankState::Running)
+                && r.worker_id.as_deref().is_some_and(alive)
+        })
+        .count() as u64
 }
 
 /// True when a running job's time limit, less its `signal_before_ms`, has run out at
