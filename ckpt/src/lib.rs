@@ -65,7 +65,7 @@ pub use cumulus_api::FileEntry;
 pub use cumulus_api::limits::{MAX_PART_FILES, MAX_STATE_JSON_BYTES};
 pub use dataset::{DatasetCache, Fetched, ShardPin};
 pub use digest::{DigestAlgorithm, HASH_BUFFER_BYTES, WRITE_ALGORITHM, parse_digest};
-pub use local::{Durability, LocalStore};
+pub use local::{Durability, LocalStore, RankAccess};
 #[cfg(feature = "clap")]
 pub use s3::S3Args;
 pub use s3::{

@@ -36,7 +36,39 @@ pub struct LocalStore {
     /// What [`CheckpointStore::commit_part`] makes durable ([`Durability::Durable`] unless
     /// set with [`LocalStore::with_durability`]).
     durability: Durability,
+    /// The ranks' identity when they run as another user than the agent
+    /// ([`LocalStore::with_rank_access`]); `None`: no ownership changes.
+    rank_access: Option<RankAccess>,
 }
+
+/// The user and group a job's ranks run as, when they are not the agent's own
+/// (`cumulus-worker --run-as`). With it a store:
+/// - makes the job directory `0750` with group `gid` (other jobs' ranks, with other
+///   groups, cannot enter it), and the staging parent `.staging` likewise;
+/// - gives each attempt's staging directory to `uid:gid`, mode `0700`;
+/// - seals a part as it commits it: before any entry is read, every staged directory
+///   becomes the agent's with group `gid`, mode `0750`, and every staged file the agent's
+///   with group `gid`, mode `0640` (a file with more than one hard link is refused), so
+///   the job's ranks can read their committed parts but not change them. A part that
+///   fails to commit is cleared and its staging given back to the rank.
+///
+/// A descriptor the rank opened for writing before the seal stays writable: what it
+/// writes afterwards is caught by the part's digests when a resume verifies it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankAccess {
+    /// The ranks' user id.
+    pub uid: u32,
+    /// The ranks' (and the job directory's) group id.
+    pub gid: u32,
+}
+
+/// Mode of a staging directory given to a rank: only its user enters it.
+const RANK_STAGING_MODE: u32 = 0o700;
+/// Mode of the job directory, `.staging` and a sealed part's directories: the agent
+/// writes, the job's group reads and enters, others nothing.
+const SEALED_DIR_MODE: u32 = 0o750;
+/// Mode of a sealed part's files: the agent's, readable by the job's group.
+const SEALED_FILE_MODE: u32 = 0o640;
 
 /// Whether a part commit makes the part durable before it returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,7 +90,15 @@ impl LocalStore {
         Self {
             root: root.into(),
             durability: Durability::Durable,
+            rank_access: None,
         }
+    }
+
+    /// The same store for ranks that run as `access` (see [`RankAccess`]); `None` keeps
+    /// every file and directory the agent's, with the process umask.
+    pub fn with_rank_access(mut self, access: Option<RankAccess>) -> Self {
+        self.rank_access = access;
+        self
     }
 
     /// The same store with part commits of `durability` (see [`Durability::Cache`] for
@@ -374,7 +414,7 @@ struct StagingTree {
 /// Walks `staging` recursively (entries sorted by name), refusing symlinks, special files,
 /// non-UTF-8 or invalid names, more than [`MAX_PART_FILES`] files or directories, and
 /// nesting deeper than [`MAX_PART_DEPTH`].
-fn walk_staging(staging: &Path) -> Result<StagingTree, CkptError> {
+fn walk_staging(staging: &Path, seal_gid: Option<u32>) -> Result<StagingTree, CkptError> {
     let mut tree = StagingTree {
         files: Vec::new(),
         dirs: vec![staging.to_owned()],
@@ -382,6 +422,9 @@ fn walk_staging(staging: &Path) -> Result<StagingTree, CkptError> {
     // (directory, its path relative to staging; empty for the root)
     let mut pending: Vec<(PathBuf, String)> = vec![(staging.to_owned(), String::new())];
     while let Some((dir, rel_dir)) = pending.pop() {
+        if let Some(gid) = seal_gid {
+            seal_dir(&dir, gid)?;
+        }
         let mut entries = Vec::new();
         for entry in fs::read_dir(&dir).map_err(io_err("read dir", &dir))? {
             let entry = entry.map_err(io_err("read dir", &dir))?;
@@ -470,6 +513,63 @@ fn open_regular(path: &Path, missing_is_corrupt: bool) -> Result<File, CkptError
     Ok(file)
 }
 
+/// Sets the owner (`None`: unchanged), group and mode of `path`, never through a
+/// symlink: opened with `O_NOFOLLOW`, changed through the descriptor.
+fn set_owner_and_mode(
+    path: &Path,
+    uid: Option<u32>,
+    gid: Option<u32>,
+    mode: u32,
+) -> Result<(), CkptError> {
+    use std::os::unix::fs::PermissionsExt;
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_DIRECTORY)
+        .open(path)
+        .map_err(io_err("open dir", path))?;
+    std::os::unix::fs::fchown(&file, uid, gid).map_err(io_err("chown", path))?;
+    file.set_permissions(fs::Permissions::from_mode(mode))
+        .map_err(io_err("chmod", path))
+}
+
+/// The agent's effective user id: the owner of sealed entries.
+fn agent_uid() -> u32 {
+    nix::unistd::geteuid().as_raw()
+}
+
+/// Seals a staged directory: the agent's, group `gid`, [`SEALED_DIR_MODE`].
+fn seal_dir(dir: &Path, gid: u32) -> Result<(), CkptError> {
+    set_owner_and_mode(dir, Some(agent_uid()), Some(gid), SEALED_DIR_MODE)
+}
+
+/// Seals a staged regular file opened without following symlinks: the agent's, group
+/// `gid`, [`SEALED_FILE_MODE`]. A file with another hard link is refused: the link
+/// could be a file of someone else's that the seal would hand to the job's group.
+fn seal_file(file: &File, path: &Path, gid: u32) -> Result<(), CkptError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let metadata = file.metadata().map_err(io_err("stat", path))?;
+    if metadata.nlink() != 1 {
+        return Err(CkptError::Invalid(format!(
+            "staged file {} has {} hard links; a part holds files of its own only",
+            path.display(),
+            metadata.nlink()
+        )));
+    }
+    std::os::unix::fs::fchown(file, Some(agent_uid()), Some(gid)).map_err(io_err("chown", path))?;
+    file.set_permissions(fs::Permissions::from_mode(SEALED_FILE_MODE))
+        .map_err(io_err("chmod", path))
+}
+
+/// Gives an (empty) staging directory to the rank: `uid:gid`, [`RANK_STAGING_MODE`].
+fn give_staging_to_rank(staging: &Path, access: RankAccess) -> Result<(), CkptError> {
+    set_owner_and_mode(
+        staging,
+        Some(access.uid),
+        Some(access.gid),
+        RANK_STAGING_MODE,
+    )
+}
+
 /// Why [`LocalStore::hash_sync_rename`] failed.
 enum RenameError {
     /// The part directory already exists.
@@ -514,6 +614,18 @@ impl LocalStore {
             .collect();
         let staging = ensure_dirs(&self.root, &components)?;
         debug_assert_eq!(staging, job_dir.join(&staging_rel));
+        if let Some(access) = self.rank_access {
+            set_owner_and_mode(&job_dir, None, Some(access.gid), SEALED_DIR_MODE)?;
+            if let Some(parent) = staging.parent() {
+                set_owner_and_mode(parent, None, Some(access.gid), SEALED_DIR_MODE)?;
+            }
+            set_owner_and_mode(
+                &staging,
+                Some(access.uid),
+                Some(access.gid),
+                RANK_STAGING_MODE,
+            )?;
+        }
         Ok(staging)
     }
 
@@ -570,17 +682,25 @@ impl LocalStore {
         // staging directory is emptied: the part is all or nothing (the rank writes it
         // whole again for its next checkpoint) and a full disk gets its space back. A
         // refused input (`Invalid`, e.g. a symlink) leaves it for the caller to fix.
-        let (files, created_in) =
-            match self.hash_sync_rename(job_id, step, rank, staging, &target, durability) {
-                Ok(renamed) => renamed,
-                Err(RenameError::Already) => return Err(already()),
-                Err(RenameError::Ckpt(error)) => {
-                    if matches!(error, CkptError::Io { .. }) {
-                        clear_staging(staging);
+        let (files, created_in) = match self
+            .hash_sync_rename(job_id, step, rank, staging, &target, durability)
+        {
+            Ok(renamed) => renamed,
+            Err(RenameError::Already) => return Err(already()),
+            Err(RenameError::Ckpt(error)) => {
+                if let Some(access) = self.rank_access {
+                    // Sealing took the staging directory from the rank, which could
+                    // not fix what was refused: it writes the part again.
+                    clear_staging(staging);
+                    if let Err(e) = give_staging_to_rank(staging, access) {
+                        tracing::warn!(staging = %staging.display(), error = %e, "cannot give the staging directory back to the rank");
                     }
-                    return Err(error);
+                } else if matches!(error, CkptError::Io { .. }) {
+                    clear_staging(staging);
                 }
-            };
+                return Err(error);
+            }
+        };
         let rank_dir = job_dir
             .join(step_dir_name(step))
             .join(format!("rank-{rank}"));
@@ -603,7 +723,11 @@ impl LocalStore {
                 path: staging.to_owned(),
                 source,
             }),
-        };
+        }
+        .and_then(|()| match self.rank_access {
+            Some(access) => give_staging_to_rank(staging, access),
+            None => Ok(()),
+        });
 
         // 5. Every directory whose entries changed, fsynced after all the changes: the
         // parents the part's `step-N` and `rank-r` were created in, the rank directory
@@ -644,11 +768,17 @@ impl LocalStore {
         target: &Path,
         durability: Durability,
     ) -> Result<(Vec<FileEntry>, Vec<PathBuf>), RenameError> {
-        // 1. Hash and fsync every file, then fsync every directory (deepest first).
-        let tree = walk_staging(staging)?;
+        // 1. Hash and fsync every file, then fsync every directory (deepest first). With
+        // ranks running as another user, each directory is sealed before it is listed
+        // and each file before it is hashed (see RankAccess).
+        let seal_gid = self.rank_access.map(|a| a.gid);
+        let tree = walk_staging(staging, seal_gid)?;
         let mut files = Vec::with_capacity(tree.files.len());
         for (rel, path) in &tree.files {
             let file = open_regular(path, false)?;
+            if let Some(gid) = seal_gid {
+                seal_file(&file, path, gid)?;
+            }
             let (size_bytes, digest) = hash_and_fsync(&file, path, durability)?;
             files.push(FileEntry {
                 path: rel.clone(),

@@ -359,6 +359,11 @@ pub fn worker_args(file: &ClusterFile, w: &WorkerEntry) -> Vec<String> {
         "127.0.0.1:0".into(),
     ];
     a.extend(tls_args(file, &w.worker_id));
+    if nix::unistd::geteuid().is_root() {
+        // A local cluster is one user's development cluster: as root its ranks run as
+        // root too, which the agent refuses without being told (it logs a warning).
+        a.push("--allow-root".into());
+    }
     a
 }
 

@@ -196,6 +196,20 @@ impl Pki {
     }
 }
 
+/// Writes a token file readable by its owner only (`0600`), as agents whose ranks run
+/// as another user require.
+fn write_secret(path: &Path, content: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?
+        .write_all(content.as_bytes())
+}
+
 static ONE_CLUSTER_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The message of the last panic in this test process, repeated after the log dump of a
@@ -226,9 +240,15 @@ impl Cluster {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let dir = tempfile::Builder::new().prefix("cumulus-e2e-").tempdir()?;
+        if opts.worker_args.iter().any(|a| a.starts_with("--run-as")) {
+            // Ranks running as another user reach their shards files in the workers'
+            // data dirs, here: others may search the test dir, not list it.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711))?;
+        }
         let token_file = dir.path().join("token");
-        std::fs::write(&token_file, TOKEN)?;
-        std::fs::write(dir.path().join("peer-token"), PEER_TOKEN)?;
+        write_secret(&token_file, TOKEN)?;
+        write_secret(&dir.path().join("peer-token"), PEER_TOKEN)?;
         let pki = if opts.tls {
             Some(Pki::new(dir.path().join("tls"))?)
         } else {
@@ -516,6 +536,9 @@ impl Cluster {
             .args(&self.opts.worker_args)
             .args(self.opts.per_worker_args.get(i).into_iter().flatten())
             .envs(self.opts.s3.iter().flat_map(S3Access::env))
+            // Tests run as whoever runs them, often root: ranks run as the agent's user
+            // unless a test gives `--run-as` (tests/rank_isolation.rs does).
+            .env("CUMULUS_ALLOW_ROOT", "true")
             .env("RUST_LOG", "info")
             .env("RUST_BACKTRACE", "0")
             .stdin(Stdio::null())

@@ -929,24 +929,36 @@ struct FakeAgent {
 impl FakeAgent {
     /// A worker client of the first coordinator in `addrs` that answers `call` with
     /// something other than UNAVAILABLE (followers answer UNAVAILABLE: not the leader).
+    /// As a real agent does, it goes round the coordinators again while every one answers
+    /// UNAVAILABLE (a leader just elected may not serve yet, its followers may not know
+    /// it), for up to [`FakeAgent::RETRY_DEADLINE`].
     async fn call<T, F, Fut>(&self, mut call: F) -> Result<T, tonic::Status>
     where
         F: FnMut(WorkerClient) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        let mut last = tonic::Status::unavailable("no coordinator answered");
-        for addr in &self.addrs {
-            let Ok(client) = worker_client(addr, self.tls.as_ref()).await else {
-                continue;
-            };
-            match call(client).await {
-                Ok(r) => return Ok(r.into_inner()),
-                Err(s) if s.code() == tonic::Code::Unavailable => last = s,
-                Err(s) => return Err(s),
+        let give_up = Instant::now() + Self::RETRY_DEADLINE;
+        loop {
+            let mut last = tonic::Status::unavailable("no coordinator answered");
+            for addr in &self.addrs {
+                let Ok(client) = worker_client(addr, self.tls.as_ref()).await else {
+                    continue;
+                };
+                match call(client).await {
+                    Ok(r) => return Ok(r.into_inner()),
+                    Err(s) if s.code() == tonic::Code::Unavailable => last = s,
+                    Err(s) => return Err(s),
+                }
             }
+            if Instant::now() >= give_up {
+                return Err(last);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        Err(last)
     }
+
+    /// How long [`FakeAgent::call`] keeps trying while no coordinator serves.
+    const RETRY_DEADLINE: Duration = Duration::from_secs(30);
 
     /// One heartbeat reporting `observed`, answered by whichever coordinator leads.
     async fn heartbeat(

@@ -22,6 +22,7 @@ pub mod client;
 pub mod events;
 pub mod gpus;
 pub mod http;
+pub mod identity;
 pub mod logs;
 pub mod orphans;
 pub mod rank_api;
@@ -162,6 +163,25 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(16..=1_000_000))]
     pub max_http_connections: u64,
 
+    /// Who ranks run as (the agent must run as root): a user name or `UID[:GID]` (one
+    /// account for every job), or a range of user ids `FIRST-LAST` (each job its own user
+    /// and group, FIRST + job number mod the range size: jobs cannot signal, trace or read
+    /// each other). Default: the agent's own user, which an agent running as root refuses
+    /// without `--allow-root`.
+    #[arg(long, env = "CUMULUS_RUN_AS")]
+    pub run_as: Option<String>,
+
+    /// Let ranks run as root when the agent runs as root without `--run-as` (their code
+    /// can then read the agent's credentials): for a development machine only.
+    #[arg(long, env = "CUMULUS_ALLOW_ROOT")]
+    pub allow_root: bool,
+
+    /// Agent environment variables ranks inherit besides PATH, LANG, LANGUAGE, LC_*, TZ and
+    /// TMPDIR: names or PREFIX* (comma-separated or repeated; never CUMULUS_*). Nothing
+    /// else of the agent's environment reaches a rank.
+    #[arg(long, env = "CUMULUS_PASS_ENV", value_delimiter = ',')]
+    pub pass_env: Vec<String>,
+
     /// Most connections open at once on the rank-local API; more are closed at accept.
     #[arg(long, env = "CUMULUS_MAX_RANK_API_CONNECTIONS", default_value_t = 256,
           value_parser = clap::value_parser!(u64).range(16..=1_000_000))]
@@ -186,8 +206,58 @@ impl std::fmt::Debug for Config {
             .field("log_max_bytes", &self.log_max_bytes)
             .field("max_http_connections", &self.max_http_connections)
             .field("max_rank_api_connections", &self.max_rank_api_connections)
+            .field("run_as", &self.run_as)
+            .field("allow_root", &self.allow_root)
+            .field("pass_env", &self.pass_env)
             .finish()
     }
+}
+
+/// The rank identity of `--run-as`, `--allow-root` and `--pass-env`, with the files
+/// that running ranks as another user needs checked (see [`identity`]), and the agent's
+/// own directories of the data dir closed to ranks.
+///
+/// # Errors
+/// Any [`identity::IdentityError`].
+fn rank_identity(config: &Config) -> anyhow::Result<identity::RankIdentity> {
+    let identity = identity::RankIdentity::from_flags(
+        config.run_as.as_deref(),
+        config.allow_root,
+        &config.pass_env,
+        nix::unistd::geteuid().as_raw(),
+    )?;
+    let mut secrets: Vec<(&'static str, &std::path::Path)> = Vec::new();
+    if let Some(path) = &config.token_file {
+        secrets.push(("token file", path));
+    }
+    if let Some(path) = &config.tls.tls_key {
+        secrets.push(("TLS key", path));
+    }
+    identity.check_files(&config.data_dir, &secrets)?;
+    match &identity.run_as {
+        identity::RunAs::Agent => {
+            if nix::unistd::geteuid().is_root() {
+                tracing::warn!(
+                    "--allow-root: ranks run as root and their code can read this agent's credentials"
+                );
+            }
+        }
+        run_as => {
+            // Ranks reach their shards files and the dataset cache through the data dir;
+            // logs and pid records of every job stay the agent's.
+            use std::os::unix::fs::PermissionsExt;
+            for (dir, mode) in [("logs", 0o700), ("pids", 0o700), ("jobs", 0o711)] {
+                let path = config.data_dir.join(dir);
+                std::fs::create_dir_all(&path)
+                    .and_then(|()| {
+                        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                    })
+                    .with_context(|| format!("cannot prepare {}", path.display()))?;
+            }
+            tracing::info!(?run_as, "ranks run as another user");
+        }
+    }
+    Ok(identity)
 }
 
 /// The parts of a [`Config`] that need checking or reading before the agent starts.
@@ -343,6 +413,7 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot create --data-dir {}", config.data_dir.display()))?;
     let _lock = lock_data_dir(&config.data_dir)?;
+    let identity = rank_identity(&config)?;
 
     let agent_listener = TcpListener::bind(config.listen)
         .await
@@ -420,6 +491,7 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
             ))),
             roots,
             has_gpus: !gpu_monitor.inventory().is_empty(),
+            identity,
         },
         spawner,
         client.clone(),

@@ -1,11 +1,15 @@
 //! Spawning rank processes from one long-lived thread, and signalling their process groups.
 //!
-//! Every rank runs in its own process group (`process_group(0)`, so its pgid is its pid)
-//! with stdin from `/dev/null` and stdout and stderr both into one pipe read by the agent
+//! Every rank runs in its own session and process group (`setsid`, so its sid and pgid
+//! are its pid: it cannot join another rank's group, which `setpgid` allows only within
+//! one session), as the user of its [`RankCreds`] when it has them (supplementary groups
+//! set, then the group, then the user, before `exec`), with exactly the environment of its
+//! [`SpawnRequest`] (nothing of the agent's is inherited), with stdin from `/dev/null` and stdout and stderr both into one pipe read by the agent
 //! (as `2>&1`, or Slurm's default of one output file: the two streams stay in the order the
 //! rank wrote them, and one reader serves both). Each child also sets
-//! `PR_SET_PDEATHSIG = SIGKILL` before `exec`, so that it dies when the agent dies, even
-//! when the agent is killed with SIGKILL and cannot clean up.
+//! `PR_SET_PDEATHSIG = SIGKILL` before `exec` (after the user change, which clears it), so
+//! that it dies when the agent dies, even when the agent is killed with SIGKILL and cannot
+//! clean up.
 //!
 //! The parent-death signal fires when the *thread* that forked the child exits, not when
 //! the process exits. Tokio's blocking-pool threads exit after 10 s idle and its worker
@@ -19,7 +23,6 @@
 
 use std::ffi::OsString;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -32,10 +35,7 @@ use tokio::sync::{mpsc, oneshot};
 /// Spawn requests that may wait for the spawner thread at once; callers beyond it wait.
 pub const SPAWN_QUEUE_CAPACITY: usize = 64;
 
-/// Prefix of inherited environment variables that never reach a rank: the agent's own
-/// configuration (and the cluster token in `CUMULUS_TOKEN`) must not leak into user code.
-/// The rank contract variables are set explicitly afterwards.
-pub const SCRUBBED_ENV_PREFIX: &str = "CUMULUS_";
+use crate::identity::RankCreds;
 
 /// What to run.
 #[derive(Debug, Clone, Default)]
@@ -44,11 +44,13 @@ pub struct SpawnRequest {
     pub program: OsString,
     /// Arguments after `argv[0]`.
     pub args: Vec<OsString>,
-    /// Environment set on top of the agent's own environment (minus every inherited
-    /// `CUMULUS_*` variable), applied in order, so a later entry wins over an earlier one.
+    /// The whole environment (nothing of the agent's is inherited), applied in order, so a
+    /// later entry wins over an earlier one.
     pub env: Vec<(OsString, OsString)>,
     /// Working directory; `None` = the agent's own.
     pub working_dir: Option<PathBuf>,
+    /// The user and groups to run as; `None` = the agent's.
+    pub creds: Option<RankCreds>,
 }
 
 /// A process the spawner started.
@@ -133,11 +135,7 @@ impl Spawner {
 fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
     let mut cmd = std::process::Command::new(&request.program);
     cmd.args(&request.args);
-    for (key, _) in std::env::vars_os() {
-        if key.as_bytes().starts_with(SCRUBBED_ENV_PREFIX.as_bytes()) {
-            cmd.env_remove(key);
-        }
-    }
+    cmd.env_clear();
     for (key, value) in &request.env {
         cmd.env(key, value);
     }
@@ -152,14 +150,32 @@ fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
     let stderr_writer = output_writer.try_clone().map_err(io_err)?;
     cmd.stdin(Stdio::null())
         .stdout(Stdio::from(output_writer))
-        .stderr(Stdio::from(stderr_writer))
-        .process_group(0);
+        .stderr(Stdio::from(stderr_writer));
     let agent_pid = nix::unistd::getpid();
+    // Built before the fork: the child must not allocate.
+    let creds = request.creds.as_ref().map(|c| {
+        (
+            nix::unistd::Uid::from_raw(c.uid),
+            nix::unistd::Gid::from_raw(c.gid),
+            c.groups
+                .iter()
+                .map(|g| nix::unistd::Gid::from_raw(*g))
+                .collect::<Vec<_>>(),
+        )
+    });
+    let errno = |e: nix::Error| io::Error::from_raw_os_error(e as i32);
     // SAFETY: the closure runs in the forked child before exec and only calls
-    // async-signal-safe functions (prctl, getppid) without allocating: the io::Error
-    // values are built from raw OS error numbers.
+    // async-signal-safe functions (setsid, setgroups, setgid, setuid, prctl, getppid)
+    // without allocating: the io::Error values are built from raw OS error numbers and
+    // the id lists were built before the fork.
     unsafe {
         cmd.pre_exec(move || {
+            nix::unistd::setsid().map_err(errno)?;
+            if let Some((uid, gid, groups)) = &creds {
+                nix::unistd::setgroups(groups).map_err(errno)?;
+                nix::unistd::setgid(*gid).map_err(errno)?;
+                nix::unistd::setuid(*uid).map_err(errno)?;
+            }
             nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)
                 .map_err(|errno| io::Error::from_raw_os_error(errno as i32))?;
             if nix::unistd::getppid() != agent_pid {
@@ -207,6 +223,7 @@ mod tests {
         SpawnRequest {
             program: "sh".into(),
             args: vec!["-c".into(), script.into()],
+            env: vec![("PATH".into(), std::env::var_os("PATH").unwrap_or_default())],
             ..Default::default()
         }
     }
@@ -233,16 +250,20 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn child_runs_in_own_group_with_scrubbed_env() {
+    async fn child_runs_in_own_session_with_only_its_env() {
         let dir = tempfile::tempdir().expect("tempdir");
         let spawner = Spawner::start(tokio::runtime::Handle::current()).expect("spawner");
         let out = dir.path().join("out");
         let mut req = sh(&format!(
-            "echo \"$$ $(cut -d' ' -f5 /proc/$$/stat)\" > {o}; \
+            "echo \"$$ $(cut -d' ' -f5 /proc/$$/stat) $(cut -d' ' -f6 /proc/$$/stat)\" > {o}; \
              echo \"A=$A HOME_SET=${{HOME:+yes}} LEAK=${{CUMULUS_TOKEN:-none}}\" >> {o}; pwd >> {o}",
             o = out.display()
         ));
-        req.env = vec![("A".into(), "1".into()), ("A".into(), "2".into())];
+        req.env = vec![
+            ("PATH".into(), std::env::var_os("PATH").unwrap_or_default()),
+            ("A".into(), "1".into()),
+            ("A".into(), "2".into()),
+        ];
         req.working_dir = Some(dir.path().to_path_buf());
         let mut spawned = spawner.spawn(req).await.expect("spawn");
         let status = spawned.child.wait().await.expect("wait");
@@ -252,7 +273,9 @@ mod tests {
         let ids: Vec<&str> = lines.next().expect("ids").split_whitespace().collect();
         assert_eq!(ids[0], spawned.pid.to_string());
         assert_eq!(ids[1], spawned.pid.to_string(), "pgid must equal pid");
-        assert_eq!(lines.next(), Some("A=2 HOME_SET=yes LEAK=none"));
+        assert_eq!(ids[2], spawned.pid.to_string(), "sid must equal pid");
+        // HOME is in the test's environment, not in the request's: not inherited.
+        assert_eq!(lines.next(), Some("A=2 HOME_SET= LEAK=none"));
         let cwd = std::fs::canonicalize(dir.path()).expect("canon");
         assert_eq!(lines.next(), Some(cwd.to_str().expect("utf8")));
     }
@@ -386,7 +409,9 @@ mod tests {
             let spawner = Spawner::start(tokio::runtime::Handle::current()).expect("spawner");
             let mut request =
                 sh("env > \"$DUMP.tmp\"; mv \"$DUMP.tmp\" \"$DUMP\"; exec sleep 1000");
-            request.env = vec![("DUMP".into(), file.with_extension("env").into())];
+            request
+                .env
+                .push(("DUMP".into(), file.with_extension("env").into()));
             let spawned = spawner.spawn(request).await.expect("spawn");
             let tmp = file.with_extension("tmp");
             std::fs::write(&tmp, spawned.pid.to_string()).expect("write pid");
@@ -432,7 +457,7 @@ mod tests {
         let env = std::fs::read_to_string(&envfile).expect("env");
         assert!(env.lines().any(|l| l.starts_with("DUMP=")), "{env}");
         assert!(
-            !env.lines().any(|l| l.starts_with(SCRUBBED_ENV_PREFIX)),
+            !env.lines().any(|l| l.starts_with("CUMULUS_")),
             "inherited CUMULUS_* variables leaked: {env}"
         );
         assert!(alive(rank), "rank {rank} must run before the agent dies");

@@ -31,6 +31,8 @@ fn agent_command_without_tls(data: &Path, token_file: &Path, extra: &[&str]) -> 
             cmd.env_remove(key);
         }
     }
+    // Ranks run as the agent's user, whoever runs the tests (root refuses that without it).
+    cmd.env("CUMULUS_ALLOW_ROOT", "true");
     cmd.args(["--coordinators", "127.0.0.1:1", "--worker-id", "w-bin"])
         .arg("--data-dir")
         .arg(data)
@@ -241,4 +243,54 @@ fn refuses_unsafe_or_incomplete_configuration() {
         stderr.contains("TLS is required") && stderr.contains("--insecure"),
         "{stderr}"
     );
+}
+
+/// Who ranks run as: an agent running as root refuses to start ranks as root unless
+/// told (`--allow-root`); `--run-as` needs root; with `--run-as`, a token file other
+/// users can read is refused (ranks would read the cluster token).
+#[test]
+fn refuses_root_ranks_and_readable_secrets() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = setup();
+    let root = nix::unistd::geteuid().is_root();
+    let mut agent = agent_command(&s.data, &s.token_file, &[]);
+    agent.env_remove("CUMULUS_ALLOW_ROOT");
+    let mut agent = agent.spawn().expect("start");
+    if root {
+        let status = wait_exit(&mut agent);
+        assert!(!status.success());
+        let stderr = stderr_of(&mut agent);
+        assert!(
+            stderr.contains("refusing to run ranks as root") && stderr.contains("--run-as"),
+            "{stderr}"
+        );
+    } else {
+        // Ranks run as the agent's own, unprivileged, user: it starts.
+        wait_info(&s.data, &mut agent);
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(agent.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .expect("sigterm");
+        wait_exit(&mut agent);
+    }
+
+    std::fs::set_permissions(&s.token_file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let mut agent = agent_command(&s.data, &s.token_file, &["--run-as", "60000-60099"])
+        .spawn()
+        .expect("start");
+    let status = wait_exit(&mut agent);
+    assert!(!status.success());
+    let stderr = stderr_of(&mut agent);
+    if root {
+        assert!(
+            stderr.contains("readable by other users") && stderr.contains("chmod 600"),
+            "{stderr}"
+        );
+    } else {
+        assert!(
+            stderr.contains("needs the agent to run as root"),
+            "{stderr}"
+        );
+    }
 }

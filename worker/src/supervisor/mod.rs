@@ -81,6 +81,8 @@ pub struct SupervisorSettings {
     /// The agent has GPUs: every rank gets `CUDA_VISIBLE_DEVICES` (empty without GPUs of
     /// its own) and a job's own value of it is dropped.
     pub has_gpus: bool,
+    /// Who ranks run as and what of the agent's environment they inherit.
+    pub identity: crate::identity::RankIdentity,
 }
 
 /// The latest progress a rank reported (soft state).

@@ -90,7 +90,11 @@ impl Supervisor {
                 "a command argument contains a NUL byte".into(),
             ));
         }
-        let mut env: Vec<(OsString, OsString)> = Vec::with_capacity(d.env.len() + 16);
+        let creds = settings.identity.run_as.creds(
+            &key.job_id,
+            (!d.resume_job_id.is_empty()).then_some(d.resume_job_id.as_str()),
+        );
+        let mut env = settings.identity.base_env(std::env::vars_os());
         let mut job_env: Vec<(&String, &String)> = d.env.iter().collect();
         job_env.sort();
         for (name, value) in job_env {
@@ -106,7 +110,7 @@ impl Supervisor {
             }
         }
 
-        self.check_paths(d).await?;
+        self.check_paths(d, creds.as_ref()).await?;
         let shards_path = shards_file(&settings.data_dir, key);
         if let Some(bad) = d.shards.iter().find(|s| s.contains(['\n', '\0'])) {
             return Err(PrepareError::Invalid(format!(
@@ -129,6 +133,14 @@ impl Supervisor {
                 path: shards_path.clone(),
                 source,
             })?;
+        if let Some(creds) = &creds {
+            give_shards_file(&shards_path, creds)
+                .await
+                .map_err(|source| PrepareError::Write {
+                    path: shards_path.clone(),
+                    source,
+                })?;
+        }
 
         let master_addr = if d.master_addr.is_empty() {
             settings.advertise_host.as_str()
@@ -172,7 +184,7 @@ impl Supervisor {
         }
 
         if !d.ckpt_dir.is_empty() || !d.ckpt_url.is_empty() {
-            let store = self.job_store(d).await?;
+            let store = self.job_store(d, creds.as_ref()).await?;
             let staging = store
                 .prepare_staging(&key.job_id, key.rank, key.attempt)
                 .await
@@ -205,6 +217,7 @@ impl Supervisor {
             args: args.iter().map(OsString::from).collect(),
             env,
             working_dir: (!d.working_dir.is_empty()).then(|| PathBuf::from(&d.working_dir)),
+            creds,
         })
     }
 }
@@ -214,7 +227,15 @@ impl Supervisor {
     /// created: the checkpoint dir and every local shard normalized and under their
     /// roots as written, and with symlinks resolved (each shard directory once), on the
     /// blocking pool.
-    async fn check_paths(&self, d: &DesiredRank) -> Result<(), PrepareError> {
+    ///
+    /// With ranks running as another user (`creds`), each local shard must also be
+    /// readable by that user: a rank that cannot read its data fails the same way at
+    /// every restart.
+    async fn check_paths(
+        &self,
+        d: &DesiredRank,
+        creds: Option<&crate::identity::RankCreds>,
+    ) -> Result<(), PrepareError> {
         use cumulus_api::paths::{PathKind, check_job_path};
         let roots = &self.inner.settings.roots;
         roots.check_spec_lexical("", &d.ckpt_dir, &d.working_dir)?;
@@ -226,14 +247,29 @@ impl Supervisor {
                 shard_dirs.insert(dir.to_owned());
             }
         }
-        if roots.dataset.is_any() && roots.ckpt.is_any() {
+        if roots.dataset.is_any() && roots.ckpt.is_any() && creds.is_none() {
             return Ok(());
         }
         let roots = roots.clone();
         let ckpt_dir = d.ckpt_dir.clone();
+        let local_shards: Vec<String> = match creds {
+            Some(_) => d
+                .shards
+                .iter()
+                .filter(|s| !s.starts_with("s3://"))
+                .cloned()
+                .collect(),
+            None => Vec::new(),
+        };
+        let creds = creds.cloned();
         tokio::task::spawn_blocking(move || {
             for dir in &shard_dirs {
                 roots.dataset.check_resolved(dir)?;
+            }
+            if let Some(creds) = &creds {
+                for shard in &local_shards {
+                    check_readable_by(Path::new(shard), creds)?;
+                }
             }
             if !ckpt_dir.is_empty() {
                 roots.ckpt.check_resolved(&ckpt_dir)?;
@@ -282,12 +318,21 @@ impl Supervisor {
 
     /// The checkpoint store of a desired attempt: [`LocalStore`] on `ckpt_dir`, or with an
     /// S3 target a [`TieredStore`] (L1 = `ckpt_dir`, else `<data_dir>/ckpt-l1`; L2 = S3).
+    /// With ranks running as another user (`creds`), the local store gives them their
+    /// staging and seals their parts ([`cumulus_ckpt::RankAccess`]).
     pub(super) async fn job_store(
         &self,
         d: &DesiredRank,
+        creds: Option<&crate::identity::RankCreds>,
     ) -> Result<Arc<dyn CheckpointStore>, PrepareError> {
+        let access = creds.map(|c| cumulus_ckpt::RankAccess {
+            uid: c.uid,
+            gid: c.gid,
+        });
         if d.ckpt_url.is_empty() {
-            return Ok(Arc::new(LocalStore::new(&d.ckpt_dir)));
+            return Ok(Arc::new(
+                LocalStore::new(&d.ckpt_dir).with_rank_access(access),
+            ));
         }
         let connector = self.inner.settings.s3.as_ref().ok_or_else(|| {
             PrepareError::MissingSetting(format!(
@@ -310,7 +355,7 @@ impl Supervisor {
             PathBuf::from(&d.ckpt_dir)
         };
         Ok(Arc::new(TieredStore::new(
-            LocalStore::new(l1_root),
+            LocalStore::new(l1_root).with_rank_access(access),
             l2,
             tier,
             L1_KEEP_STEPS,
@@ -370,6 +415,48 @@ pub(super) async fn verify_resume(
         .resume_part_path(job_id, part)
         .await
         .map_err(|e| fail(e.to_string()))
+}
+
+/// Gives the shards file to the rank's user (mode `0400`) and its job directory of the
+/// agent's data dir to the job's group (`0750`): other jobs' ranks cannot list it.
+async fn give_shards_file(path: &Path, creds: &crate::identity::RankCreds) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let (uid, gid) = (creds.uid, creds.gid);
+    let path = path.to_owned();
+    tokio::task::spawn_blocking(move || {
+        std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o400))?;
+        if let Some(dir) = path.parent() {
+            std::os::unix::fs::lchown(dir, None, Some(gid))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))?;
+        }
+        Ok(())
+    })
+    .await
+    .map_err(io::Error::other)?
+}
+
+/// Refuses a shard the rank's user cannot read by its mode bits (see
+/// [`crate::identity::readable_by`]); a shard that does not exist is left for the rank
+/// to report.
+fn check_readable_by(shard: &Path, creds: &crate::identity::RankCreds) -> Result<(), PrepareError> {
+    let Ok(meta) = std::fs::metadata(shard) else {
+        return Ok(());
+    };
+    if crate::identity::readable_by(&meta, creds) {
+        return Ok(());
+    }
+    use std::os::unix::fs::MetadataExt;
+    Err(PrepareError::Invalid(format!(
+        "shard {} is not readable by the ranks' user (uid {}, gid {}; the file is mode \
+         {:04o}, owner {}:{}): make the dataset readable by them",
+        shard.display(),
+        creds.uid,
+        creds.gid,
+        meta.mode() & 0o7777,
+        meta.uid(),
+        meta.gid()
+    )))
 }
 
 /// Writes why `exit` (a record of an attempt that could not start) could not start to

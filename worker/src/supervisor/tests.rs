@@ -73,6 +73,7 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
             dataset_cache: None,
             roots: opts.roots,
             has_gpus: false,
+            identity: Default::default(),
         },
         spawner,
         client,
