@@ -28,6 +28,11 @@ pub const SHARDS_FILE: &str = "CUMULUS_SHARDS_FILE";
 pub const AGENT_URL: &str = "CUMULUS_AGENT_URL";
 /// Bearer token of this rank attempt for the rank-local API.
 pub const AGENT_TOKEN: &str = "CUMULUS_AGENT_TOKEN";
+/// Unix socket of the rank-local API (an absolute path), set when ranks run as another
+/// user than the agent (`cumulus-worker --run-as`): clients then send every request
+/// through it (the path of [`AGENT_URL`] still applies; its host and port do not), and
+/// the agent checks that the calling process belongs to the rank whose token it presents.
+pub const AGENT_SOCKET: &str = "CUMULUS_AGENT_SOCKET";
 /// Directory the rank writes a checkpoint part into before committing it (set when the
 /// job has a checkpoint directory).
 pub const CKPT_STAGING: &str = "CUMULUS_CKPT_STAGING";
@@ -60,6 +65,7 @@ pub const CONTRACT_VARS: &[&str] = &[
     SHARDS_FILE,
     AGENT_URL,
     AGENT_TOKEN,
+    AGENT_SOCKET,
     CKPT_STAGING,
     RESUME_DIR,
     RESUME_STEP,

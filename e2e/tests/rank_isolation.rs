@@ -4,6 +4,8 @@
 //! - a rank runs as its job's uid and gid, in a session of its own, with a minimal
 //!   environment (none of the agent's `CUMULUS_*` or S3 settings);
 //! - it cannot read the agent's environment, its token file, its TLS key or its logs;
+//! - it reaches the rank-local API only through the agent's Unix socket and with its own
+//!   token: another rank's token, read from that rank's environment, is refused;
 //! - it commits a checkpoint part through the rank-local API, can read it back, but can
 //!   neither change a committed file nor add one to the committed part;
 //! - another job's rank can neither list the first job's checkpoint or staging
@@ -16,16 +18,63 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use cumulus_api::v1;
-use cumulus_e2e::{Cluster, ClusterOpts, wait_for};
+use cumulus_e2e::{
+    Cluster, ClusterOpts, assert_trainer_results, prepare_digits, trainer_spec, wait_for,
+};
 
 const LONG: Duration = Duration::from_secs(180);
 const FIRST_UID: u32 = 61_000;
 const UID_RANGE: u32 = 1_000;
 
-/// Probes run by the first job's rank; prints `probe NAME: RESULT` lines, then `ready`,
-/// and waits to be stopped.
+/// Probes run by rank 0 of the first job (rank 1 only waits); prints `probe NAME:
+/// RESULT` lines, then `ready`, and waits to be stopped.
 const PROBE_A: &str = r#"
-import json, os, sys, time, urllib.request
+import http.client, json, os, socket, sys, time, urllib.parse
+if os.environ["RANK"] == "1":
+    while True:
+        time.sleep(1)
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path):
+        super().__init__("localhost", timeout=60)
+        self.path_ = path
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(self.path_)
+def call(method, path, body, token, tcp=False):
+    if tcp:
+        url = urllib.parse.urlsplit(os.environ["CUMULUS_AGENT_URL"])
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    else:
+        conn = UnixConnection(os.environ["CUMULUS_AGENT_SOCKET"])
+    data = None if body is None else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={
+        "Authorization": "Bearer " + token, "Content-Type": "application/json"})
+    reply = conn.getresponse()
+    out = reply.status, reply.read()
+    conn.close()
+    return out
+def peer_token():
+    me = os.environ["CUMULUS_JOB_ID"].encode()
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            kv = dict(e.split(b"=", 1) for e in env if b"=" in e)
+            if kv.get(b"CUMULUS_JOB_ID") == me and kv.get(b"RANK") == b"1":
+                return kv[b"CUMULUS_AGENT_TOKEN"].decode()
+        time.sleep(0.2)
+    raise RuntimeError("rank 1 not found")
+own = os.environ["CUMULUS_AGENT_TOKEN"]
+print(f"progress own-token socket: {call('POST', '/v1/progress', {'step': 1}, own)[0]}", flush=True)
+print(f"progress own-token tcp: {call('POST', '/v1/progress', {'step': 1}, own, tcp=True)[0]}", flush=True)
+stolen = peer_token()
+print(f"progress rank-1-token socket: {call('POST', '/v1/progress', {'step': 1}, stolen)[0]}", flush=True)
 def probe(name, fn):
     try:
         fn()
@@ -45,13 +94,9 @@ probe("agent-logs", lambda: os.listdir(os.environ["AGENT_LOGS"]))
 staging = os.environ["CUMULUS_CKPT_STAGING"]
 with open(os.path.join(staging, "weights.bin"), "wb") as f:
     f.write(b"w" * 1024)
-req = urllib.request.Request(
-    os.environ["CUMULUS_AGENT_URL"] + "/v1/checkpoint",
-    data=json.dumps({"step": 1, "state": {"ok": True}}).encode(),
-    headers={"Authorization": "Bearer " + os.environ["CUMULUS_AGENT_TOKEN"],
-             "Content-Type": "application/json"},
-    method="POST")
-part = json.load(urllib.request.urlopen(req, timeout=60))["dir"]
+status, reply = call("POST", "/v1/checkpoint", {"step": 1, "state": {"ok": True}}, own)
+assert status == 200, (status, reply)
+part = json.loads(reply)["dir"]
 committed = os.path.join(os.environ["CKPT_ROOT"], os.environ["CUMULUS_JOB_ID"], part)
 print(f"committed {committed}", flush=True)
 probe("read-committed", lambda: open(os.path.join(committed, "weights.bin"), "rb").read())
@@ -92,17 +137,28 @@ fn log_of(cluster: &Cluster, job_id: &str) -> PathBuf {
         .join("rank-0/attempt-0.log")
 }
 
-/// The log text once it contains `line` (a whole line).
+/// The log text once it contains `line` (a whole line); panics with the log when the
+/// job ends first.
 async fn wait_line(cluster: &Cluster, job_id: &str, line: &str) -> String {
     let path = log_of(cluster, job_id);
-    wait_for(&format!("{line:?} in {}", path.display()), LONG, || {
+    let found = wait_for(&format!("{line:?} in {}", path.display()), LONG, || {
         let path = path.clone();
         async move {
-            let text = std::fs::read_to_string(&path).ok()?;
-            text.lines().any(|l| l == line).then_some(text)
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            if text.lines().any(|l| l == line) {
+                return Some(Ok(text));
+            }
+            let job = cluster.job(job_id).await?;
+            matches!(job.state.as_str(), "failed" | "cancelled").then(|| {
+                Err(format!(
+                    "job {job_id} is {} ({}); rank 0's log:\n{text}",
+                    job.state, job.failure_cause
+                ))
+            })
         }
     })
-    .await
+    .await;
+    found.unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn value_after<'a>(text: &'a str, prefix: &str) -> &'a str {
@@ -116,9 +172,14 @@ fn assert_probe(text: &str, name: &str, want: &str) {
     assert_eq!(got, want, "probe {name}; the rank's output:\n{text}");
 }
 
-fn python_job(script: &str, env: &[(&str, String)], ckpt_dir: &Path) -> v1::JobSpec {
+fn python_job(
+    world_size: u32,
+    script: &str,
+    env: &[(&str, String)],
+    ckpt_dir: &Path,
+) -> v1::JobSpec {
     v1::JobSpec {
-        world_size: 1,
+        world_size,
         command: vec!["python3".into(), "-c".into(), script.into()],
         env: env
             .iter()
@@ -131,6 +192,17 @@ fn python_job(script: &str, env: &[(&str, String)], ckpt_dir: &Path) -> v1::JobS
             ..Default::default()
         }),
         ..Default::default()
+    }
+}
+
+fn run_as_cluster_opts() -> ClusterOpts {
+    ClusterOpts {
+        workers: 1,
+        worker_args: vec![
+            "--run-as".into(),
+            format!("{FIRST_UID}-{}", FIRST_UID + UID_RANGE - 1),
+        ],
+        ..ClusterOpts::default()
     }
 }
 
@@ -149,16 +221,9 @@ async fn ranks_run_as_their_jobs_user_and_reach_nothing_else() {
         );
         return;
     }
-    let cluster = Cluster::start(ClusterOpts {
-        workers: 1,
-        worker_args: vec![
-            "--run-as".into(),
-            format!("{FIRST_UID}-{}", FIRST_UID + UID_RANGE - 1),
-        ],
-        ..ClusterOpts::default()
-    })
-    .await
-    .expect("cluster");
+    let cluster = Cluster::start(run_as_cluster_opts())
+        .await
+        .expect("cluster");
     let root = cluster.dir.path().to_path_buf();
     let ckpt = root.join("ckpt");
     let agent_pid = cluster.workers[0]
@@ -171,6 +236,7 @@ async fn ranks_run_as_their_jobs_user_and_reach_nothing_else() {
         .submit(
             "isolation-a",
             python_job(
+                2,
                 PROBE_A,
                 &[
                     ("AGENT_PID", agent_pid.to_string()),
@@ -211,6 +277,14 @@ async fn ranks_run_as_their_jobs_user_and_reach_nothing_else() {
         .expect("pid");
     assert_eq!(session, format!("sid={pid_a} pid={pid_a}"));
     assert_eq!(value_after(&text_a, "leaked env: "), "[]");
+    // The rank-local API: its own token on the Unix socket works; over TCP, or another
+    // rank's token (readable from that rank's environment: same job, same user), not.
+    assert_eq!(value_after(&text_a, "progress own-token socket: "), "204");
+    assert_eq!(value_after(&text_a, "progress own-token tcp: "), "403");
+    assert_eq!(
+        value_after(&text_a, "progress rank-1-token socket: "),
+        "403"
+    );
     for probe in ["agent-environ", "token-file", "tls-key", "agent-logs"] {
         assert_probe(&text_a, probe, "denied");
     }
@@ -238,6 +312,7 @@ async fn ranks_run_as_their_jobs_user_and_reach_nothing_else() {
         .submit(
             "isolation-b",
             python_job(
+                1,
                 PROBE_B,
                 &[
                     ("OTHER_JOB_DIR", job_dir_a.display().to_string()),
@@ -276,4 +351,68 @@ async fn ranks_run_as_their_jobs_user_and_reach_nothing_else() {
     // The first job's rank survived the second's attempts on it.
     let job = cluster.job(&job_a).await.expect("job a");
     assert_eq!(job.state, "running", "{job:?}");
+}
+
+/// The example trainer under `--run-as`: its ranks reach the agent through the Unix
+/// socket, commit checkpoints that are sealed, and a killed rank's next attempt resumes
+/// from its sealed part (readable through the job's group) and consumes every record
+/// exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trainer_commits_and_resumes_as_its_jobs_user() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("rank isolation needs root (the agent changes the ranks' user)");
+        return;
+    }
+    let cluster = Cluster::start(run_as_cluster_opts())
+        .await
+        .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let w = prepare_digits(&root, 8).expect("shards");
+    let out = root.join("out");
+    // The ranks write their results here as their job's user.
+    std::fs::create_dir(&out).expect("out dir");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    }
+    let epochs = 6;
+    let spec = trainer_spec(
+        &w,
+        2,
+        &root.join("ckpt"),
+        &out,
+        &[
+            "--epochs",
+            &epochs.to_string(),
+            "--ckpt-every",
+            "10",
+            "--step-sleep-ms",
+            "5",
+        ],
+    );
+    let job_id = cluster
+        .submit("isolated-trainer", spec)
+        .await
+        .expect("submit")
+        .job_id;
+    let job = cluster
+        .wait_job(&job_id, "a committed step", LONG, |j| {
+            j.committed_step.is_some() && j.ranks.iter().all(|r| r.state == "running")
+        })
+        .await;
+    let pid = job.ranks[0].pid;
+    assert!(pid > 0);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill rank 0");
+    let job = cluster
+        .wait_job(&job_id, "the job finished", LONG, |j| {
+            matches!(j.state.as_str(), "succeeded" | "failed" | "cancelled")
+        })
+        .await;
+    assert_eq!(job.state, "succeeded", "{job:?}");
+    assert!(job.restarts_used >= 1, "{job:?}");
+    assert_trainer_results(&cluster, &w, &out, 2, epochs, None);
 }

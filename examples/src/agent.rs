@@ -118,9 +118,18 @@ fn error_message(body: &str) -> String {
 impl AgentClient {
     /// A client for the agent at `base_url` (e.g. `http://127.0.0.1:41234`) with the
     /// attempt's bearer `token`. Proxies from the environment are ignored: the agent is
-    /// on loopback.
-    pub fn new(base_url: &str, token: &str) -> Result<Self, AgentError> {
-        let http = reqwest::blocking::Client::builder()
+    /// on loopback. With `socket` (`CUMULUS_AGENT_SOCKET`) every request goes through
+    /// that Unix socket instead (the path of `base_url` still applies).
+    pub fn new(
+        base_url: &str,
+        token: &str,
+        socket: Option<&std::path::Path>,
+    ) -> Result<Self, AgentError> {
+        let mut builder = reqwest::blocking::Client::builder();
+        if let Some(socket) = socket {
+            builder = builder.unix_socket(socket.to_owned());
+        }
+        let http = builder
             .no_proxy()
             // The agent closes a keep-alive connection idle for 10 s (its HTTP header
             // deadline); drop it before, so no report is sent on a closing connection.
@@ -235,7 +244,7 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let c = AgentClient::new(&format!("http://127.0.0.1:{port}/"), "t").unwrap();
+        let c = AgentClient::new(&format!("http://127.0.0.1:{port}/"), "t", None).unwrap();
         let err = c
             .progress(&ProgressReport {
                 step: 1,

@@ -62,6 +62,9 @@ pub struct RankEnv {
     pub agent_url: Option<String>,
     /// `CUMULUS_AGENT_TOKEN` (set exactly when the agent URL is).
     pub agent_token: Option<String>,
+    /// `CUMULUS_AGENT_SOCKET`: the agent's Unix socket, an absolute path (set by an
+    /// agent whose ranks run as another user).
+    pub agent_socket: Option<PathBuf>,
     /// `CUMULUS_CKPT_STAGING`.
     pub ckpt_staging: Option<PathBuf>,
     /// `CUMULUS_RESUME_DIR` + `CUMULUS_RESUME_STEP`.
@@ -142,6 +145,16 @@ impl RankEnv {
                 ));
             }
         }
+        let agent_socket = get(rank_env::AGENT_SOCKET).map(PathBuf::from);
+        if let Some(socket) = &agent_socket
+            && (!socket.is_absolute() || agent_url.is_none())
+        {
+            return Err(EnvError::Invalid {
+                name: rank_env::AGENT_SOCKET,
+                value: cut(&socket.display().to_string()),
+                reason: "an absolute path, with CUMULUS_AGENT_URL set",
+            });
+        }
         let ckpt_staging = get(rank_env::CKPT_STAGING).map(PathBuf::from);
         let resume = match (get(rank_env::RESUME_DIR), get(rank_env::RESUME_STEP)) {
             (None, None) => None,
@@ -172,6 +185,7 @@ impl RankEnv {
             shards_file: get(rank_env::SHARDS_FILE).map(PathBuf::from),
             agent_url,
             agent_token,
+            agent_socket,
             ckpt_staging,
             resume,
         })

@@ -1058,9 +1058,10 @@ pub fn run(
 ) -> Result<Option<TrainOutcome>, TrainError> {
     config.hyper.validate()?;
     let agent = match (&env.agent_url, &env.agent_token) {
-        (Some(url), Some(token)) => {
-            Some(AgentClient::new(url, token).map_err(|e| TrainError::Config(e.to_string()))?)
-        }
+        (Some(url), Some(token)) => Some(
+            AgentClient::new(url, token, env.agent_socket.as_deref())
+                .map_err(|e| TrainError::Config(e.to_string()))?,
+        ),
         _ => None,
     };
     let staging = if config.ckpt_every > 0 {

@@ -550,6 +550,95 @@ pub async fn serve_http(
     Ok(())
 }
 
+/// Who is on the other end of a Unix socket connection (`SO_PEERCRED`: the process
+/// that connected, as of `connect`). In every request's extensions on a server of
+/// [`serve_unix_http`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnixPeer {
+    /// The peer's process id (`None` when the kernel gave none).
+    pub pid: Option<i32>,
+    /// Its user id.
+    pub uid: u32,
+    /// Its group id.
+    pub gid: u32,
+}
+
+/// Serves `router` over HTTP/1 and HTTP/2 on a Unix socket until `shutdown`, with at
+/// most `max_connections` open at once (more are closed at accept and logged at most
+/// every [`WARN_INTERVAL_MS`]) and hyper's header-read deadline
+/// ([`HTTP_HEADER_READ_TIMEOUT_MS`]). Every request carries the connection's
+/// [`UnixPeer`]; a connection whose peer cannot be read is closed. In-flight connections
+/// are drained on shutdown.
+///
+/// # Errors
+/// None today: failed accepts are retried after [`ACCEPT_RETRY_MS`].
+pub async fn serve_unix_http(
+    listener: tokio::net::UnixListener,
+    name: &'static str,
+    max_connections: usize,
+    router: axum::Router,
+    shutdown: CancellationToken,
+) -> io::Result<()> {
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(HTTP_HEADER_READ_TIMEOUT_MS));
+    let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(max_connections));
+    let mut last_warning: Option<Instant> = None;
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(listener = name, error = %e, "accept failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_MS)).await;
+                    continue;
+                }
+            },
+            () = shutdown.cancelled() => break,
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            if last_warning.is_none_or(|t| t.elapsed() >= Duration::from_millis(WARN_INTERVAL_MS)) {
+                last_warning = Some(Instant::now());
+                tracing::warn!(
+                    listener = name,
+                    max_connections,
+                    "connections refused: the listener is at its cap"
+                );
+            }
+            continue;
+        };
+        let peer = match stream.peer_cred() {
+            Ok(cred) => UnixPeer {
+                pid: cred.pid(),
+                uid: cred.uid(),
+                gid: cred.gid(),
+            },
+            Err(e) => {
+                tracing::debug!(listener = name, error = %e, "cannot read the peer's credentials");
+                continue;
+            }
+        };
+        let router = router.clone();
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let service = TowerToHyperService::new(router.layer(axum::Extension(peer)));
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            if let Err(e) = watcher.watch(conn).await {
+                tracing::trace!(error = %e, "HTTP connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -332,12 +332,19 @@ def test_the_runtime_reads_every_variable_of_the_rust_contract(rust: RustContrac
 def test_python_required_vars_are_what_the_agent_always_sets(rust: RustContract) -> None:
     # The agent (worker/src/supervisor.rs) sets every contract variable for every rank
     # except these: CKPT_STAGING only for a job with a checkpoint target, RESUME_* only for
-    # a resuming attempt, GPU_MEMORY_FRACTION only for a job with a GPU memory fraction.
+    # a resuming attempt, GPU_MEMORY_FRACTION only for a job with a GPU memory fraction,
+    # AGENT_SOCKET only on an agent whose ranks run as another user (--run-as).
     # JOB_ID is always set; the runtime checks it on its own, first (without it the
     # process is not a Cumulus rank at all).
     per_job = {
         rust.env_names[n]
-        for n in ("CKPT_STAGING", "RESUME_DIR", "RESUME_STEP", "GPU_MEMORY_FRACTION")
+        for n in (
+            "CKPT_STAGING",
+            "RESUME_DIR",
+            "RESUME_STEP",
+            "GPU_MEMORY_FRACTION",
+            "AGENT_SOCKET",
+        )
     }
     job_id = rust.env_names["JOB_ID"]
     expected = tuple(v for v in rust.contract_vars if v not in per_job and v != job_id)

@@ -50,6 +50,7 @@ def test_full_contract_is_parsed(full_env: dict[str, str]) -> None:
     assert ctx.resume_dir == Path("/ck/job-000007/step-00000100/rank-1/attempt-2")
     assert ctx.agent_url == "http://127.0.0.1:41234"
     assert ctx.agent_token == "s3cret"
+    assert ctx.agent_socket is None  # an agent whose ranks run as itself: TCP
     assert ctx.is_resuming and ctx.checkpoints_enabled and not ctx.standalone
 
 
@@ -66,6 +67,46 @@ def test_optional_variables(full_env: dict[str, str]) -> None:
     ctx = context_from_env(full_env)
     assert ctx.staging_dir is None and ctx.resume_step is None and ctx.resume_dir is None
     assert not ctx.checkpoints_enabled and not ctx.is_resuming
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/run/cumulus/agent.sock",
+        "/" + "a" * 106,  # 107 bytes: the longest a socket address holds
+        "/tmp/d\u00e9j\u00e0/agent.sock",
+    ],
+)
+def test_the_agent_socket(full_env: dict[str, str], path: str) -> None:
+    full_env["CUMULUS_AGENT_SOCKET"] = path
+    ctx = context_from_env(full_env)
+    assert ctx.agent_socket == path
+    assert ctx.agent_url == "http://127.0.0.1:41234"  # still read: its path applies
+
+
+def test_an_empty_agent_socket_counts_as_unset(full_env: dict[str, str]) -> None:
+    full_env["CUMULUS_AGENT_SOCKET"] = ""
+    assert context_from_env(full_env).agent_socket is None
+
+
+@pytest.mark.parametrize(
+    ("path", "problem"),
+    [
+        ("agent.sock", "not an absolute path"),
+        ("run/cumulus/agent.sock", "not an absolute path"),
+        ("./agent.sock", "not an absolute path"),
+        ("/" + "a" * 107, "108 bytes long"),
+        ("/" + "\u00e9" * 54, "109 bytes long"),  # 55 characters, but 109 bytes
+        ("/run/agent\0.sock", "NUL"),
+    ],
+)
+def test_a_bad_agent_socket_is_named(full_env: dict[str, str], path: str, problem: str) -> None:
+    full_env["CUMULUS_AGENT_SOCKET"] = path
+    with pytest.raises(RankEnvironmentError, match="CUMULUS_AGENT_SOCKET") as e:
+        context_from_env(full_env)
+    assert e.value.name == "CUMULUS_AGENT_SOCKET"
+    assert problem in str(e.value)
+    assert not e.value.is_resume
 
 
 def test_outside_a_rank_is_a_clear_error() -> None:
@@ -197,7 +238,10 @@ def test_resume_without_a_checkpoint_target_is_refused(full_env: dict[str, str])
         context_from_env(full_env)
 
 
-@pytest.mark.parametrize("stray", ["CUMULUS_AGENT_URL", "CUMULUS_RESUME_STEP", "CUMULUS_ATTEMPT"])
+@pytest.mark.parametrize(
+    "stray",
+    ["CUMULUS_AGENT_URL", "CUMULUS_AGENT_SOCKET", "CUMULUS_RESUME_STEP", "CUMULUS_ATTEMPT"],
+)
 def test_agent_variables_without_a_job_id_are_refused(stray: str) -> None:
     with pytest.raises(RankEnvironmentError, match=stray):
         context_from_env({stray: "1"}, standalone=True)

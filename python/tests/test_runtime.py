@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -722,6 +723,147 @@ def test_the_module_functions_survive_a_broken_environment(
     assert runtime.stop_request() is None
     runtime.request_stop()
     assert runtime.should_stop() and runtime.stop_request() == "signal"
+
+
+# -- the agent's Unix socket (ranks run as another user than the agent) -------------------
+
+needs_unix_sockets = pytest.mark.skipif(
+    not hasattr(socket, "AF_UNIX"), reason="no Unix domain sockets on this platform"
+)
+
+
+@pytest.fixture
+def socket_path(tmp_path: Path) -> Iterator[Path]:
+    """Where a fake agent serves its Unix socket: in ``tmp_path`` when that is short
+    enough for a socket address (108 bytes), else in a short temporary dir."""
+    path = tmp_path / "agent.sock"
+    if len(os.fsencode(path)) <= 100:
+        yield path
+        return
+    short = "/tmp" if os.path.isdir("/tmp") else None
+    with tempfile.TemporaryDirectory(prefix="cumulus-", dir=short) as d:
+        yield Path(d) / "agent.sock"
+
+
+@pytest.fixture
+def unix_agent(staging: Path, socket_path: Path) -> Iterator[FakeAgent]:
+    with FakeAgent(staging, socket_path=socket_path) as a:
+        yield a
+
+
+def from_this_process(req: Request) -> bool:
+    """Whether a request came from this process over the Unix socket (``SO_PEERCRED``,
+    where the OS has it)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return True
+    return req.peer_pid == os.getpid()
+
+
+@needs_unix_sockets
+def test_reports_commits_and_polls_go_through_the_agent_socket(
+    agent: FakeAgent, unix_agent: FakeAgent, staging: Path, socket_path: Path
+) -> None:
+    # agent_url names a live TCP agent: nothing may reach it.
+    context = dataclasses.replace(make_context(agent.url, staging), agent_socket=str(socket_path))
+    r = Runtime(context, commit_deadline_s=5, progress_interval_s=0.05, control_poll_interval_s=0)
+    assert r.agent is not None and r.agent.socket_path == str(socket_path)
+    assert str(socket_path) in repr(r.agent)
+
+    r.report(3, 10, loss=0.5)
+    assert r.flush(5)
+    (req,) = unix_agent.of("/v1/progress")
+    assert req.authorization == "Bearer tok-1"
+    assert req.body == {"step": 3, "total_steps": 10, "metrics": {"loss": 0.5}}
+    assert from_this_process(req), req
+
+    with r.checkpoint(5, state={"epoch": 2}) as part:
+        (part / "model.bin").write_bytes(b"weights")
+    assert part.committed is not None
+    assert part.committed.dir == "step-00000005/rank-0/attempt-0"
+    assert part.committed.path == staging.parent.parent / part.committed.dir
+    assert (staging.parent.parent / part.committed.dir / "model.bin").read_bytes() == b"weights"
+    (req,) = unix_agent.of("/v1/checkpoint")
+    assert req.authorization == "Bearer tok-1"
+    assert req.body == {"step": 5, "state": {"epoch": 2}}
+    assert from_this_process(req), req
+
+    assert r.should_stop() is False
+    unix_agent.action = "pause"
+    assert r.should_stop() and r.should_pause()
+    polls = unix_agent.of("/v1/control")
+    assert len(polls) >= 2 and all(q.authorization == "Bearer tok-1" for q in polls)
+    r.close(1)
+    assert agent.requests == []
+
+
+@needs_unix_sockets
+def test_the_environment_selects_the_socket(
+    unix_agent: FakeAgent, staging: Path, socket_path: Path, tmp_path: Path
+) -> None:
+    shards = tmp_path / "shards"
+    shards.write_text("")
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "CUMULUS_JOB_ID": "job-000001",
+        "CUMULUS_ATTEMPT": "0",
+        "CUMULUS_SHARDS_FILE": str(shards),
+        # Nothing listens there: a request over TCP would fail.
+        "CUMULUS_AGENT_URL": f"http://127.0.0.1:{closed_port()}",
+        "CUMULUS_AGENT_TOKEN": "tok-1",
+        "CUMULUS_AGENT_SOCKET": str(socket_path),
+        "CUMULUS_CKPT_STAGING": str(staging),
+    }
+    context = runtime.context_from_env(env)
+    assert context.agent_socket == str(socket_path)
+    r = Runtime(context, commit_deadline_s=5, progress_interval_s=0.05)
+    r.report(1, loss=1.0)
+    assert r.flush(5)
+    with r.checkpoint(1):
+        pass
+    assert r._reporter is not None and r._reporter.failures == 0
+    assert [q.body["step"] for q in unix_agent.of("/v1/progress")] == [1]
+    assert [q.body["step"] for q in unix_agent.of("/v1/checkpoint")] == [1]
+    r.close(1)
+
+
+@needs_unix_sockets
+def test_the_url_path_prefix_applies_over_the_socket(
+    unix_agent: FakeAgent, socket_path: Path
+) -> None:
+    client = runtime.AgentClient("http://127.0.0.1:1/agent/", "tok-1", str(socket_path))
+    unix_agent.queue("/agent/v1/control", (200, {"action": "preempt"}))
+    assert client.control(timeout_s=5) == "preempt"
+    (req,) = unix_agent.of("/agent/v1/control")
+    assert (req.method, req.authorization) == ("GET", "Bearer tok-1")
+
+
+@needs_unix_sockets
+def test_an_answer_over_the_socket_is_checked_as_over_tcp(
+    unix_agent: FakeAgent, socket_path: Path
+) -> None:
+    client = runtime.AgentClient("http://127.0.0.1:1", "tok-1", str(socket_path))
+    unix_agent.queue("/v1/progress", (409, {"error": "attempt replaced"}))
+    with pytest.raises(errors.StaleAttempt, match="attempt replaced"):
+        client.progress(1, None, {}, timeout_s=5)
+    unix_agent.queue("/v1/control", (403, {"error": "not a rank of this attempt"}))
+    with pytest.raises(errors.AgentError, match="not a rank") as e:
+        client.control(timeout_s=5)
+    assert e.value.status == 403
+
+
+@needs_unix_sockets
+def test_a_missing_socket_is_an_agent_error_naming_it(socket_path: Path) -> None:
+    client = runtime.AgentClient("http://127.0.0.1:1", "tok-1", socket_path=str(socket_path))
+    with pytest.raises(errors.AgentError) as e:
+        client.control(timeout_s=5)
+    assert e.value.status is None
+    assert str(socket_path) in str(e.value) and "failed" in str(e.value)
+    assert repr(client) == (f"AgentClient('http://127.0.0.1:1', socket_path={str(socket_path)!r})")
 
 
 RANK_STOP_SCRIPT = textwrap.dedent(

@@ -213,6 +213,32 @@ impl std::fmt::Debug for Config {
     }
 }
 
+/// File name of the rank-local API's Unix socket in the data dir (when ranks run as
+/// another user).
+pub const RANK_API_SOCKET: &str = "rank-api.sock";
+
+/// Binds the rank-local API's Unix socket at `path` (a stale socket of an earlier run is
+/// removed first: the data dir's lock is held, so no live agent owns it) and lets every
+/// local user connect to it (`0666`): the API identifies callers by their credentials.
+fn bind_rank_socket(path: &std::path::Path) -> anyhow::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)
+            .with_context(|| format!("cannot remove the stale socket {}", path.display()))?,
+        Ok(_) => anyhow::bail!(
+            "{} exists and is not a socket: move it away",
+            path.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", path.display())),
+    }
+    let listener = tokio::net::UnixListener::bind(path)
+        .with_context(|| format!("cannot bind the rank API socket {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
+        .with_context(|| format!("cannot open {} to ranks", path.display()))?;
+    Ok(listener)
+}
+
 /// The rank identity of `--run-as`, `--allow-root` and `--pass-env`, with the files
 /// that running ranks as another user needs checked (see [`identity`]), and the agent's
 /// own directories of the data dir closed to ranks.
@@ -414,6 +440,12 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
         .with_context(|| format!("cannot create --data-dir {}", config.data_dir.display()))?;
     let _lock = lock_data_dir(&config.data_dir)?;
     let identity = rank_identity(&config)?;
+    let rank_socket = if identity.run_as.is_other_user() {
+        let path = config.data_dir.join(RANK_API_SOCKET);
+        Some((path.clone(), bind_rank_socket(&path)?))
+    } else {
+        None
+    };
 
     let agent_listener = TcpListener::bind(config.listen)
         .await
@@ -480,6 +512,7 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
             data_dir: config.data_dir.clone(),
             advertise_host: config.advertise_host.trim().to_string(),
             rank_api_url: format!("http://{rank_api_addr}"),
+            rank_api_socket: rank_socket.as_ref().map(|(path, _)| path.clone()),
             stop_grace: Duration::from_millis(config.stop_grace_ms),
             log_max_bytes: config.log_max_bytes,
             commit_retry: RetryPolicy::STANDARD,
@@ -512,13 +545,24 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
             .await
             .context("agent API server failed")
     });
-    let rank_router = rank_api::router(supervisor.clone());
+    let check_caller = rank_socket.is_some();
+    let rank_router = rank_api::router(supervisor.clone(), check_caller);
     let stop = servers_cancel.clone();
+    let tcp_router = rank_router.clone();
     servers.spawn(async move {
-        cumulus_listen::serve_http(rank_listener, rank_router, stop)
+        cumulus_listen::serve_http(rank_listener, tcp_router, stop)
             .await
             .context("rank API server failed")
     });
+    if let Some((_, listener)) = rank_socket {
+        let stop = servers_cancel.clone();
+        let cap = caps[1];
+        servers.spawn(async move {
+            cumulus_listen::serve_unix_http(listener, "rank API socket", cap, rank_router, stop)
+                .await
+                .context("rank API socket server failed")
+        });
+    }
 
     let info = AgentInfo {
         worker_id: resolved.worker_id.clone(),

@@ -2,6 +2,13 @@
 //!
 //! Every request carries `Authorization: Bearer $CUMULUS_AGENT_TOKEN`; the token names the
 //! attempt, and is unknown (401) once the attempt has ended.
+//!
+//! When ranks run as another user (`--run-as`), ranks of one job share a user and could
+//! read each other's tokens from `/proc/<pid>/environ`. The API is then served on a Unix
+//! socket (`$CUMULUS_AGENT_SOCKET`) and a token is honoured only from a process of its
+//! own rank's session (the caller's `SO_PEERCRED` pid, whose session id must be the
+//! rank's pid: each rank is a session leader): another rank's token answers 403, and so
+//! does every token over TCP, which cannot say who calls.
 //! - `POST /v1/progress` `{"step": u64, "total_steps": u64, "metrics": {"name": f64}}` →
 //!   204 while the rank may go on, 200 `{"action": A}` once it has been asked to stop
 //!   (`total_steps` and `metrics` may be left out; ≤ 64 metrics, names ≤ 128 bytes).
@@ -38,12 +45,23 @@ pub const MAX_STATE_BYTES: usize = 64 * 1024;
 /// Largest request body, in bytes (the state plus room for the envelope).
 pub const MAX_BODY_BYTES: usize = MAX_STATE_BYTES + 4 * 1024;
 
-/// The router of the rank-local API, with its body and concurrency limits.
-pub fn router(supervisor: Supervisor) -> Router {
-    Router::new()
+/// The router of the rank-local API, with its body and concurrency limits. With
+/// `check_caller`, a token is honoured only from a process of its rank's session on the
+/// Unix socket (see the module documentation).
+pub fn router(supervisor: Supervisor, check_caller: bool) -> Router {
+    let router = Router::new()
         .route("/v1/progress", post(progress))
         .route("/v1/checkpoint", post(checkpoint))
-        .route("/v1/control", get(control))
+        .route("/v1/control", get(control));
+    let router = if check_caller {
+        router.layer(axum::middleware::from_fn_with_state(
+            supervisor.clone(),
+            caller_is_the_rank,
+        ))
+    } else {
+        router
+    };
+    router
         .with_state(supervisor)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn_with_state(
@@ -65,6 +83,73 @@ struct ProgressBody {
 struct CheckpointBody {
     step: u64,
     state: serde_json::Value,
+}
+
+/// Middleware: a request whose token names a live attempt passes only when it came over
+/// the Unix socket from a process in that attempt's session. Requests without a known
+/// token pass on to the handlers, which answer 401.
+async fn caller_is_the_rank(
+    State(sup): State<Supervisor>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(key) = request_token(request.headers()).and_then(|t| sup.attempt_for_token(t)) else {
+        return next.run(request).await;
+    };
+    let Some(peer) = request
+        .extensions()
+        .get::<cumulus_listen::UnixPeer>()
+        .copied()
+    else {
+        drain(request).await;
+        return json_error(
+            StatusCode::FORBIDDEN,
+            format!(
+                "ranks on this worker run as another user: use the rank-local API on the Unix \
+                 socket ${} (a TCP caller cannot be identified)",
+                cumulus_api::rank_env::AGENT_SOCKET
+            ),
+        );
+    };
+    let Some(rank_pid) = sup.attempt_pid(&key) else {
+        drain(request).await;
+        return json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the attempt is still starting; retry",
+        );
+    };
+    let session = peer.pid.and_then(|pid| session_of(pid as u32));
+    if session == Some(rank_pid) {
+        return next.run(request).await;
+    }
+    tracing::warn!(attempt = %key, caller_pid = ?peer.pid, caller_uid = peer.uid, ?session, "a process outside the rank presented its token");
+    drain(request).await;
+    json_error(
+        StatusCode::FORBIDDEN,
+        format!(
+            "this token belongs to another rank: process {} (session {}) is not in it; each rank \
+             may use only its own ${}",
+            peer.pid.map_or("?".to_string(), |p| p.to_string()),
+            session.map_or("?".to_string(), |s| s.to_string()),
+            cumulus_api::rank_env::AGENT_TOKEN
+        ),
+    )
+}
+
+/// Reads (and drops) a refused request's body, at most [`MAX_BODY_BYTES`]: a client still
+/// sending it when the reply comes would otherwise see its connection reset instead of
+/// the reply.
+async fn drain(request: axum::extract::Request) {
+    let _ = axum::body::to_bytes(request.into_body(), MAX_BODY_BYTES).await;
+}
+
+/// The session id of process `pid` (field 6 of `/proc/<pid>/stat`), `None` when it is
+/// gone or its stat cannot be parsed.
+fn session_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces or ')'.
+    let (_, rest) = stat.rsplit_once(") ")?;
+    rest.split_whitespace().nth(3)?.parse().ok()
 }
 
 fn missing_token() -> Response {

@@ -65,6 +65,9 @@ pub struct SupervisorSettings {
     pub advertise_host: String,
     /// `CUMULUS_AGENT_URL`: the rank-local API, `http://127.0.0.1:<port>`.
     pub rank_api_url: String,
+    /// `CUMULUS_AGENT_SOCKET`: the rank-local API's Unix socket, when ranks run as
+    /// another user (the API then honours tokens only there).
+    pub rank_api_socket: Option<PathBuf>,
     /// Time between SIGTERM and SIGKILL when stopping a rank.
     pub stop_grace: Duration,
     /// Cap of each attempt's log file, in bytes (plus one marker line).
@@ -504,6 +507,12 @@ impl Supervisor {
     /// The attempt a rank-local token belongs to.
     pub fn attempt_for_token(&self, token: &str) -> Option<AttemptKey> {
         self.table().tokens.get(token).cloned()
+    }
+
+    /// The process id of a live attempt's rank (its process group and session id), once
+    /// it has started.
+    pub fn attempt_pid(&self, key: &AttemptKey) -> Option<u32> {
+        self.table().entries.get(key).and_then(|e| e.pid)
     }
 
     /// Stores the progress a rank reported; `None` when the token is unknown, else what

@@ -163,6 +163,9 @@ impl Supervisor {
             (rank_env::AGENT_URL, settings.rank_api_url.clone().into()),
             (rank_env::AGENT_TOKEN, token.into()),
         ];
+        if let Some(socket) = &settings.rank_api_socket {
+            contract.push((rank_env::AGENT_SOCKET, socket.clone().into_os_string()));
+        }
         if d.gpus.iter().any(|g| !cumulus_api::gpus::is_valid_uuid(g)) {
             return Err(PrepareError::Invalid("a GPU UUID is invalid".into()));
         }

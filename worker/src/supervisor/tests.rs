@@ -74,6 +74,7 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
             roots: opts.roots,
             has_gpus: false,
             identity: Default::default(),
+            rank_api_socket: None,
         },
         spawner,
         client,
@@ -125,12 +126,6 @@ fn parse_env(text: &str) -> HashMap<String, String> {
         .filter_map(|l| l.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
-}
-
-impl Supervisor {
-    fn attempt_pid(&self, key: &AttemptKey) -> Option<u32> {
-        self.table().entries.get(key).and_then(|e| e.pid)
-    }
 }
 
 fn exited_events(sup: &Supervisor) -> Vec<RankExitedRequest> {
@@ -672,7 +667,7 @@ async fn rank_api(opts: Options) -> RankApi {
         rank_api_url: url.clone(),
         ..opts
     });
-    let router = crate::rank_api::router(h.sup.clone());
+    let router = crate::rank_api::router(h.sup.clone(), false);
     let server = tokio::spawn(async move {
         axum::serve(listener, router).await.expect("serve");
     });

@@ -43,6 +43,11 @@ A distributed job should stop every rank at the same step (each rank's part of a
 is needed for that step to be committed): make the decision collective, e.g. all-reduce
 ``should_stop()`` as a flag every step.
 
+The runtime reaches the worker agent's rank-local API over TCP at ``CUMULUS_AGENT_URL``,
+or, when the agent sets ``CUMULUS_AGENT_SOCKET`` (ranks run as another user than the
+agent, ``cumulus-worker --run-as``), through that Unix domain socket
+(:attr:`Context.agent_socket`).
+
 :func:`apply_gpu_memory_fraction` passes a job's ``--gpu-memory-fraction``
 (``CUMULUS_GPU_MEMORY_FRACTION``, :attr:`Context.gpu_memory_fraction`) to
 ``torch.cuda.set_per_process_memory_fraction``; call it once CUDA's device is chosen (it
@@ -169,7 +174,9 @@ class Runtime:
         self.context = context
         agent = None
         if not context.standalone and context.agent_url and context.agent_token:
-            agent = AgentClient(context.agent_url, context.agent_token)
+            agent = AgentClient(
+                context.agent_url, context.agent_token, socket_path=context.agent_socket
+            )
         #: The agent client, ``None`` standalone.
         self.agent = agent
         #: Commits and resumes this rank's checkpoint parts.

@@ -1,6 +1,8 @@
 """Client of the worker agent's rank-local HTTP API (docs/architecture.md, "Rank-local HTTP
 API"), standard library only: ``POST /v1/progress``, ``POST /v1/checkpoint`` and ``GET
-/v1/control``, all with ``Authorization: Bearer $CUMULUS_AGENT_TOKEN``.
+/v1/control``, all with ``Authorization: Bearer $CUMULUS_AGENT_TOKEN``, over TCP to
+``CUMULUS_AGENT_URL`` or, when the agent sets ``CUMULUS_AGENT_SOCKET`` (ranks run as
+another user than the agent), over that Unix domain socket.
 
 It mirrors the Rust example trainer's client (``examples/src/agent.rs``): 2xx is success,
 401 and 409 mean this attempt is stale (:class:`~cumulus.errors.StaleAttempt`), any other
@@ -48,6 +50,25 @@ MAX_ACTION_BYTES = 64
 _ACTION_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """Plain HTTP/1.1 over a Unix domain socket. ``host``/``port`` only make the ``Host``
+    header; the connection goes to ``socket_path``."""
+
+    def __init__(self, socket_path: str, host: str, port: int | None, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
 def _error_message(body: bytes) -> str:
     """The ``error`` field of a ``{"error": ...}`` body, else the body's start."""
     text = body.decode("utf-8", errors="replace")
@@ -80,14 +101,18 @@ def parse_action(data: bytes) -> str:
 class AgentClient:
     """A client of one agent, for one attempt's token.
 
-    Each request opens its own loopback connection: the agent closes keep-alive
-    connections idle for 10 s, and a fresh connection never races that close. Proxies
-    are never used (``http.client`` ignores ``HTTP_PROXY``).
+    Each request opens its own connection (loopback TCP, or the agent's Unix socket):
+    the agent closes keep-alive connections idle for 10 s, and a fresh connection never
+    races that close. Proxies are never used (``http.client`` ignores ``HTTP_PROXY``).
     """
 
-    def __init__(self, base_url: str, token: str) -> None:
+    def __init__(self, base_url: str, token: str, socket_path: str | None = None) -> None:
         """:param base_url: e.g. ``http://127.0.0.1:41234`` (``CUMULUS_AGENT_URL``).
         :param token: the attempt's bearer token (``CUMULUS_AGENT_TOKEN``).
+        :param socket_path: the agent's Unix domain socket (``CUMULUS_AGENT_SOCKET``), or
+            ``None``. When given, every request goes through it as plain HTTP/1.1: the
+            path of ``base_url`` still prefixes each request, its scheme, host and port
+            are not dialled (they only make the ``Host`` header).
         :raises ValueError: the URL is not ``http(s)://host:port``."""
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -98,9 +123,16 @@ class AgentClient:
         self._prefix = parts.path.rstrip("/")
         self._token = token
         self.base_url = base_url.rstrip("/")
+        #: The agent's Unix socket, ``None`` over TCP.
+        self.socket_path = socket_path
+        self._where = (
+            self.base_url if socket_path is None else f"{self.base_url} (Unix socket {socket_path})"
+        )
 
     def __repr__(self) -> str:
-        return f"AgentClient({self.base_url!r})"
+        if self.socket_path is None:
+            return f"AgentClient({self.base_url!r})"
+        return f"AgentClient({self.base_url!r}, socket_path={self.socket_path!r})"
 
     def _request(
         self, method: str, path: str, body: Mapping[str, Any] | None, timeout_s: float
@@ -114,7 +146,9 @@ class AgentClient:
         if payload is not None:
             headers["Content-Type"] = "application/json"
         conn: http.client.HTTPConnection
-        if self._https:
+        if self.socket_path is not None:
+            conn = _UnixHTTPConnection(self.socket_path, self._host, self._port, timeout_s)
+        elif self._https:
             conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s)
         else:
             conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
@@ -126,7 +160,7 @@ class AgentClient:
         except (OSError, http.client.HTTPException) as e:
             kind = "timed out" if isinstance(e, (TimeoutError, socket.timeout)) else "failed"
             raise AgentError(
-                f"{method} {path} to the agent at {self.base_url} {kind}: {e or type(e).__name__}",
+                f"{method} {path} to the agent at {self._where} {kind}: {e or type(e).__name__}",
                 status=None,
             ) from e
         finally:

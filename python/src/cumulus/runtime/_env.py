@@ -16,6 +16,7 @@ __all__ = [
     "CONTRACT_VARS",
     "DEFAULT_MASTER_ADDR",
     "DEFAULT_MASTER_PORT",
+    "MAX_AGENT_SOCKET_BYTES",
     "MAX_SHARDS",
     "MAX_SHARDS_FILE_BYTES",
     "Context",
@@ -38,6 +39,7 @@ CONTRACT_VARS: tuple[str, ...] = (
     "CUMULUS_SHARDS_FILE",
     "CUMULUS_AGENT_URL",
     "CUMULUS_AGENT_TOKEN",
+    "CUMULUS_AGENT_SOCKET",
     "CUMULUS_CKPT_STAGING",
     "CUMULUS_RESUME_DIR",
     "CUMULUS_RESUME_STEP",
@@ -64,6 +66,7 @@ _AGENT_ONLY_VARS: tuple[str, ...] = (
     "CUMULUS_ATTEMPT",
     "CUMULUS_AGENT_URL",
     "CUMULUS_AGENT_TOKEN",
+    "CUMULUS_AGENT_SOCKET",
     "CUMULUS_CKPT_STAGING",
     "CUMULUS_RESUME_DIR",
     "CUMULUS_RESUME_STEP",
@@ -77,6 +80,9 @@ DEFAULT_MASTER_PORT = 29500
 MAX_SHARDS_FILE_BYTES = 64 << 20
 #: Most shards one rank may be given (the job-wide limit of Cumulus).
 MAX_SHARDS = 100_000
+#: Longest ``CUMULUS_AGENT_SOCKET`` path, in bytes: a Unix socket address holds 108 bytes
+#: (``sun_path`` on Linux), the path's terminating NUL included.
+MAX_AGENT_SOCKET_BYTES = 107
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,12 @@ class Context:
     #: otherwise). Cooperative: :func:`cumulus.runtime.apply_gpu_memory_fraction` passes it
     #: to ``torch.cuda.set_per_process_memory_fraction``; nothing else enforces it.
     gpu_memory_fraction: float | None = None
+    #: ``CUMULUS_AGENT_SOCKET``: the Unix domain socket (an absolute path) on which the
+    #: worker agent serves the rank-local API, set when ranks run as another user than the
+    #: agent (``cumulus-worker --run-as``). Every request then goes through it (the path of
+    #: ``agent_url`` still applies, its host and port do not); ``None`` when the agent is
+    #: reached over TCP at ``agent_url`` (and standalone).
+    agent_socket: str | None = None
 
     @property
     def is_resuming(self) -> bool:
@@ -269,6 +281,37 @@ def _agent_url(env: Mapping[str, str]) -> str:
     return url.rstrip("/")
 
 
+def _agent_socket(env: Mapping[str, str]) -> str | None:
+    """``CUMULUS_AGENT_SOCKET``: an absolute path of at most :data:`MAX_AGENT_SOCKET_BYTES`
+    bytes without NUL, ``None`` when unset."""
+    path = _get(env, "CUMULUS_AGENT_SOCKET")
+    if path is None:
+        return None
+    problem = None
+    if "\0" in path:
+        problem = "contains a NUL character"
+    elif not path.startswith("/"):
+        problem = "is not an absolute path"
+    else:
+        try:
+            size = len(os.fsencode(path))
+        except UnicodeEncodeError:
+            problem = "cannot be encoded as a file name"
+        else:
+            if size > MAX_AGENT_SOCKET_BYTES:
+                problem = (
+                    f"is {size} bytes long, longer than a Unix socket address allows "
+                    f"({MAX_AGENT_SOCKET_BYTES} bytes)"
+                )
+    if problem is not None:
+        raise RankEnvironmentError(
+            f"environment variable CUMULUS_AGENT_SOCKET={_cut(path)!r} is invalid: it "
+            f"{problem} (expected the absolute path of the agent's Unix socket)",
+            "CUMULUS_AGENT_SOCKET",
+        )
+    return path
+
+
 def _ranks(env: Mapping[str, str], standalone: bool) -> tuple[int, int, int, int]:
     """``(rank, world_size, local_rank, local_world_size)``, checked against each other."""
     default = (lambda d: d) if standalone else (lambda d: None)
@@ -334,6 +377,7 @@ def context_from_env(env: Mapping[str, str], *, standalone: bool = False) -> Con
     attempt = _int(env, "CUMULUS_ATTEMPT")
     agent_url = _agent_url(env)
     agent_token = _get(env, "CUMULUS_AGENT_TOKEN")
+    agent_socket = _agent_socket(env)
     shards_file = _get(env, "CUMULUS_SHARDS_FILE")
     assert shards_file is not None  # checked with REQUIRED_VARS
     shard_paths = read_shards_file(Path(shards_file))
@@ -364,6 +408,7 @@ def context_from_env(env: Mapping[str, str], *, standalone: bool = False) -> Con
         agent_token=agent_token,
         standalone=False,
         gpu_memory_fraction=gpu_memory_fraction,
+        agent_socket=agent_socket,
     )
 
 
