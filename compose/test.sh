@@ -175,6 +175,8 @@ wait_until "2 workers alive" 120 workers_alive 2
 
 ctl dataset split /usr/share/cumulus/digits/digits.csv.gz --shards 8 \
   --out /shared/data/shards --holdout-out /shared/data/holdout.csv >/dev/null
+# The ranks run as their jobs' own users (CUMULUS_RUN_AS): they write results here.
+docker exec "$ctlbox" sh -c 'mkdir -p /shared/out && chmod 1777 /shared/out'
 
 # Checkpoints go to the S3 server (bucket `cumulus`, prefix `runs`; LATEST is read back
 # from the bucket) by default, or to the shared /ckpt volume (local backend) with

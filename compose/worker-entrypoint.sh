@@ -5,4 +5,13 @@
 set -eu
 : "${CUMULUS_ADVERTISE_HOST:=${HOSTNAME:-$(cat /etc/hostname)}}"
 export CUMULUS_ADVERTISE_HOST
+# Ranks run as other users (CUMULUS_RUN_AS): the agent refuses a token file they could
+# read. A compose secret is a bind mount with the host file's mode, so the agent reads
+# a private copy.
+if [ -n "${CUMULUS_RUN_AS:-}" ] && [ -n "${CUMULUS_TOKEN_FILE:-}" ]; then
+  mkdir -p /run/cumulus
+  (umask 077 && cp "$CUMULUS_TOKEN_FILE" /run/cumulus/cluster-token)
+  CUMULUS_TOKEN_FILE=/run/cumulus/cluster-token
+  export CUMULUS_TOKEN_FILE
+fi
 exec cumulus-worker "$@"

@@ -441,7 +441,10 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     let _lock = lock_data_dir(&config.data_dir)?;
     let identity = rank_identity(&config)?;
     let rank_socket = if identity.run_as.is_other_user() {
-        let path = config.data_dir.join(RANK_API_SOCKET);
+        // Absolute: ranks run in their own working directories.
+        let path = std::fs::canonicalize(&config.data_dir)
+            .with_context(|| format!("cannot resolve --data-dir {}", config.data_dir.display()))?
+            .join(RANK_API_SOCKET);
         Some((path.clone(), bind_rank_socket(&path)?))
     } else {
         None
@@ -455,10 +458,13 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
         .with_context(|| format!("cannot bind --rank-api-listen {}", config.rank_api_listen))?;
     let listen_addr = agent_listener.local_addr()?;
     let rank_api_addr = rank_listener.local_addr()?;
-    let wanted = [
+    let mut wanted = vec![
         config.max_http_connections as usize,
         config.max_rank_api_connections as usize,
     ];
+    if rank_socket.is_some() {
+        wanted.push(config.max_rank_api_connections as usize);
+    }
     let budget = cumulus_listen::fd_budget(cumulus_listen::open_fds())
         .context("reading the open-file limit")?;
     let caps = cumulus_listen::fit_caps(&wanted, budget);
@@ -556,7 +562,7 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     });
     if let Some((_, listener)) = rank_socket {
         let stop = servers_cancel.clone();
-        let cap = caps[1];
+        let cap = caps[2];
         servers.spawn(async move {
             cumulus_listen::serve_unix_http(listener, "rank API socket", cap, rank_router, stop)
                 .await
