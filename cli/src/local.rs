@@ -358,12 +358,12 @@ pub fn worker_args(file: &ClusterFile, w: &WorkerEntry) -> Vec<String> {
         "--listen".into(),
         "127.0.0.1:0".into(),
     ];
-    a.extend(tls_args(file, &w.worker_id));
     if nix::unistd::geteuid().is_root() {
         // A local cluster is one user's development cluster: as root its ranks run as
         // root too, which the agent refuses without being told (it logs a warning).
         a.push("--allow-root".into());
     }
+    a.extend(tls_args(file, &w.worker_id));
     a
 }
 
@@ -1044,24 +1044,25 @@ mod tests {
                 "--insecure",
             ]
         );
-        assert_eq!(
-            worker_args(&f, &f.workers[1]),
-            vec![
-                "--worker-id",
-                "worker-2",
-                "--coordinators",
-                "127.0.0.1:1001,127.0.0.1:1003,127.0.0.1:1005",
-                "--token-file",
-                "/tmp/c/token",
-                "--data-dir",
-                "/tmp/c/worker-2",
-                "--slots",
-                "4",
-                "--listen",
-                "127.0.0.1:0",
-                "--insecure",
-            ]
-        );
+        let mut want = vec![
+            "--worker-id",
+            "worker-2",
+            "--coordinators",
+            "127.0.0.1:1001,127.0.0.1:1003,127.0.0.1:1005",
+            "--token-file",
+            "/tmp/c/token",
+            "--data-dir",
+            "/tmp/c/worker-2",
+            "--slots",
+            "4",
+            "--listen",
+            "127.0.0.1:0",
+        ];
+        if nix::unistd::geteuid().is_root() {
+            want.push("--allow-root");
+        }
+        want.push("--insecure");
+        assert_eq!(worker_args(&f, &f.workers[1]), want);
         assert_eq!(f.coordinators[2].log, Path::new("/tmp/c/coord-3.log"));
         f.validate().expect("a plan is a valid cluster file");
         // With a TLS dir, each process gets its own certificate and the CA.
