@@ -324,11 +324,12 @@ struct State {
 }
 
 /// A gRPC client of the coordinators that follows the leader (see the module
-/// documentation). Every request carries `authorization: Bearer <token>`. Channels
-/// connect lazily, so building one does no I/O, but it must happen inside a tokio runtime.
+/// documentation). Every request carries `authorization: Bearer <token>` (none for a
+/// client that authenticates with its certificate alone). Channels connect lazily, so
+/// building one does no I/O, but it must happen inside a tokio runtime.
 pub struct LeaderClient {
     addrs: Vec<String>,
-    auth: AsciiMetadataValue,
+    auth: Option<AsciiMetadataValue>,
     settings: ChannelSettings,
     state: Mutex<State>,
 }
@@ -343,7 +344,9 @@ impl std::fmt::Debug for LeaderClient {
 
 impl LeaderClient {
     /// A client of `coordinators` (`host:port`, or `http://host:port`; blank entries are
-    /// skipped) authenticating with `token` (visible ASCII).
+    /// skipped) authenticating with `token` (visible ASCII), or, with an empty `token`,
+    /// with the client certificate of `settings.tls` alone (calls then carry no
+    /// `authorization` header; a user's certificate names the user).
     pub fn new(
         coordinators: &[String],
         token: &str,
@@ -357,11 +360,21 @@ impl LeaderClient {
         if addrs.is_empty() {
             return Err(ConfigError::NoCoordinators);
         }
-        if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(ConfigError::BadToken);
-        }
-        let auth = AsciiMetadataValue::try_from(format!("Bearer {token}"))
-            .map_err(|_| ConfigError::BadToken)?;
+        let certified = settings
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.identity_pem.is_some());
+        let auth = if token.is_empty() && certified {
+            None
+        } else {
+            if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(ConfigError::BadToken);
+            }
+            Some(
+                AsciiMetadataValue::try_from(format!("Bearer {token}"))
+                    .map_err(|_| ConfigError::BadToken)?,
+            )
+        };
         let mut channels = HashMap::new();
         for a in &addrs {
             let channel = channel(a, &settings).map_err(|e| ConfigError::BadAddress {
@@ -452,9 +465,9 @@ impl LeaderClient {
                 None => Status::unavailable(format!("{addr} is not a usable address")),
                 Some(channel) => {
                     let mut request = Request::new(msg.clone());
-                    request
-                        .metadata_mut()
-                        .insert("authorization", self.auth.clone());
+                    if let Some(auth) = &self.auth {
+                        request.metadata_mut().insert("authorization", auth.clone());
+                    }
                     let bounded =
                         tokio::time::timeout(policy.attempt_timeout, rpc(channel, request));
                     let answer = tokio::select! {

@@ -222,6 +222,7 @@ fn certs(cmd: CertsCommand) -> Result<()> {
                     (Identity::Coordinator(id), format!("coordinator-{id}"))
                 }
                 CertKind::Worker => (Identity::Worker(a.id.clone()), a.id.clone()),
+                CertKind::User => (Identity::User(a.id.clone()), format!("user-{}", a.id)),
             };
             if Identity::from_uri(&identity.uri()).is_none() {
                 anyhow::bail!(

@@ -65,6 +65,13 @@ pub struct GlobalOpts {
     /// the local cluster's, from `<local-dir>/cluster.json`.
     #[arg(long, global = true, env = "CUMULUS_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+    /// A user's client certificate (PEM, issued by `certs issue user NAME`): with
+    /// `--tls-key` and no token, it authenticates as that user.
+    #[arg(long, global = true, env = "CUMULUS_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of `--tls-cert` (PEM).
+    #[arg(long, global = true, env = "CUMULUS_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// Talk plaintext to a cluster started with `--insecure`.
     #[arg(
         long,
@@ -72,7 +79,7 @@ pub struct GlobalOpts {
         env = "CUMULUS_INSECURE",
         action = clap::ArgAction::SetTrue,
         value_parser = clap::builder::BoolishValueParser::new(),
-        conflicts_with = "tls_ca"
+        conflicts_with_all = ["tls_ca", "tls_cert"]
     )]
     pub insecure: bool,
     /// Directory of the local cluster (`local up` writes `cluster.json` there).
@@ -220,6 +227,10 @@ pub enum CertKind {
     Coordinator,
     /// A worker agent (ID: its worker id).
     Worker,
+    /// A user (ID: the user's name, as `user create` made it): with `--tls-cert` and
+    /// `--tls-key` and no token, `cumulusctl` authenticates as that user, with the role
+    /// the cluster gave them; `user revoke` revokes the certificate too.
+    User,
 }
 
 /// `certs issue` options.
@@ -228,10 +239,10 @@ pub struct CertsIssueArgs {
     /// What the certificate is for.
     #[arg(value_enum)]
     pub kind: CertKind,
-    /// The coordinator's node id or the worker's id.
+    /// The coordinator's node id, the worker's id or the user's name.
     pub id: String,
     /// Directory of the CA (`ca.pem`, `ca-key.pem`); the certificate is written there
-    /// as `coordinator-ID.pem` or `ID.pem` with its key.
+    /// as `coordinator-ID.pem`, `ID.pem` or `user-NAME.pem` with its key.
     #[arg(long)]
     pub dir: PathBuf,
     /// Host names or IP addresses it serves, besides localhost and the loopback

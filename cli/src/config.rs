@@ -66,6 +66,16 @@ pub enum ConfigError {
     /// The TLS files cannot be used.
     #[error("{0}")]
     Tls(cumulus_tls::TlsError),
+    /// `--tls-cert` names a coordinator or a worker, not a user.
+    #[error(
+        "{path} is the certificate of {identity}, not of a user: issue one with `cumulusctl certs issue user NAME`"
+    )]
+    NotAUserCertificate {
+        /// The certificate file.
+        path: PathBuf,
+        /// Whom it names.
+        identity: String,
+    },
     /// Nothing says where the cluster is.
     #[error(
         "no {what}: pass {flag}, or start a local cluster with `cumulusctl local up` (looked for {path})"
@@ -395,6 +405,7 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
         // Explicit gRPC addresses of another cluster: the local file's HTTP ports would be wrong.
         Vec::new()
     };
+    let certified = global.tls_cert.is_some() && global.tls_key.is_some();
     let token = if let Some(t) = &global.token {
         cumulus_api::token::refuse_command_line(t, "--token", "CUMULUS_TOKEN").map_err(|e| {
             ConfigError::BadToken {
@@ -405,6 +416,9 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
         check_token(t.trim(), "CUMULUS_TOKEN")?
     } else if let Some(p) = &global.token_file {
         read_token_file(p)?
+    } else if certified {
+        // A user's certificate alone: never the local cluster's (administrator) token.
+        String::new()
     } else if let Some(f) = &file {
         read_token_file(&f.token_file)?
     } else {
@@ -417,12 +431,12 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
     // TLS: --insecure, else --tls-ca, else the local cluster's CA when its addresses are
     // the ones used; explicit addresses without a CA are refused (as kubectl does without
     // a certificate authority).
-    let tls = if global.insecure {
+    let ca_path: Option<PathBuf> = if global.insecure {
         None
     } else if let Some(ca) = &global.tls_ca {
-        Some(client_tls(ca)?)
+        Some(ca.clone())
     } else if let Some(f) = file.as_ref().filter(|_| global.addr.is_empty()) {
-        f.ca_file().as_deref().map(client_tls).transpose()?
+        f.ca_file()
     } else {
         return Err(ConfigError::Missing {
             what: "TLS CA certificate",
@@ -430,6 +444,27 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
             path: cluster_path,
         });
     };
+    let mut tls = ca_path.as_deref().map(client_tls).transpose()?;
+    if let (Some(cert), Some(key)) = (&global.tls_cert, &global.tls_key) {
+        let (Some(tls), Some(ca)) = (tls.as_mut(), ca_path.as_deref()) else {
+            return Err(ConfigError::Missing {
+                what: "TLS CA certificate",
+                flag: "--tls-ca FILE (or CUMULUS_TLS_CA), to verify the coordinators with",
+                path: cluster_path,
+            });
+        };
+        let creds = cumulus_tls::Credentials::load(cert, key, ca).map_err(ConfigError::Tls)?;
+        if !matches!(creds.identity(), cumulus_tls::Identity::User(_)) {
+            return Err(ConfigError::NotAUserCertificate {
+                path: cert.clone(),
+                identity: creds.identity().to_string(),
+            });
+        }
+        tls.identity_pem = Some(cumulus_api::leader::IdentityPem {
+            cert: creds.cert_pem().into(),
+            key: creds.key_pem().into(),
+        });
+    }
     Ok(Conn {
         grpc,
         http,
@@ -475,6 +510,8 @@ mod tests {
             token: None,
             token_file: None,
             tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
             insecure: false,
             local_dir: dir.to_path_buf(),
             output: OutputFormat::Table,

@@ -211,6 +211,14 @@ where
                 reason: format!("the TLS CA certificate: {e}"),
             })?;
         client = client.tls_certs_only(ca);
+        if let Some(identity) = &tls.identity_pem {
+            let pem = [&identity.cert[..], b"\n", &identity.key[..]].concat();
+            let identity = reqwest::Identity::from_pem(&pem).map_err(|e| LogError::Protocol {
+                addr: String::new(),
+                reason: format!("the TLS client certificate: {e}"),
+            })?;
+            client = client.identity(identity);
+        }
     }
     let client = client
         .connect_timeout(Duration::from_secs(2))
@@ -239,8 +247,11 @@ where
         let mut rb = client
             .get(&url)
             .query(&query)
-            .bearer_auth(&conn.token)
             .header("accept", "text/event-stream");
+        if !conn.token.is_empty() {
+            // Without a token the client certificate names the user.
+            rb = rb.bearer_auth(&conn.token);
+        }
         if let Some(c) = state.cursor() {
             rb = rb.header("last-event-id", c);
         }

@@ -1,6 +1,8 @@
 //! Bearer-token authentication for every gRPC and HTTP endpoint. Users present the
 //! cluster token (an administrator's) or their own token (`cumulus_api::users`), which
-//! names them and their role; workers present the cluster token (and, with TLS, their
+//! names them and their role, or, over TLS and without a token, a client certificate
+//! issued by the cluster CA naming a user (`cumulus://user/NAME`: `cumulusctl certs
+//! issue user NAME`), which counts while the state holds that user; workers present the cluster token (and, with TLS, their
 //! certificate); coordinators present the peer token to each other's Raft service, which
 //! refuses every other credential (a client holding the cluster token could otherwise
 //! vote, append entries and install snapshots). A job runs arbitrary commands on
@@ -96,12 +98,31 @@ impl tonic::service::Interceptor for AuthInterceptor {
 
 /// Who the bearer token in `header` names: the cluster token is the cluster's
 /// administrator ([`Principal::cluster_admin`]); a user token (`cu.<name>.<secret>`)
-/// is its user while the state holds that user with the secret's digest. `None` for a
-/// missing, malformed, unknown or revoked token (the caller answers one message for all,
+/// is its user while the state holds that user with the secret's digest. Without an
+/// `Authorization` header, the connection's verified client certificate (`certified`)
+/// names a user ([`cumulus_tls::Identity::User`]) while the state holds that user: the
+/// certificate proves the name, the state gives the role, and revoking the user revokes
+/// the certificate. A token, when presented, decides alone. `None` for a missing,
+/// malformed, unknown or revoked credential (the caller answers one message for all,
 /// which tells nothing about which users exist).
-pub fn authenticate(node: &Node, header: Option<&str>) -> Option<Principal> {
+pub fn authenticate(
+    node: &Node,
+    header: Option<&str>,
+    certified: Option<cumulus_tls::Identity>,
+) -> Option<Principal> {
     if bearer_matches(header, &node.token) {
         return Some(Principal::cluster_admin());
+    }
+    if header.is_none() {
+        let cumulus_tls::Identity::User(name) = certified? else {
+            return None;
+        };
+        return node.read_state(|s| {
+            s.users.get(&name).map(|u| Principal {
+                name: u.name.clone(),
+                role: u.role,
+            })
+        });
     }
     let presented = header.and_then(token::bearer_token)?;
     let (name, secret) = users::parse_user_token(presented)?;
@@ -118,7 +139,7 @@ pub fn authenticate(node: &Node, header: Option<&str>) -> Option<Principal> {
 }
 
 /// A tonic interceptor for the client API: authenticates the bearer token (the cluster
-/// token or a user's) and puts the [`Principal`] into the request's extensions, where
+/// token or a user's) or the user's client certificate, and puts the [`Principal`] into the request's extensions, where
 /// [`principal_of`] finds it.
 #[derive(Clone)]
 pub struct UserAuth {
@@ -132,7 +153,11 @@ impl tonic::service::Interceptor for UserAuth {
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok());
-        match authenticate(&self.node, header) {
+        let certified = req
+            .extensions()
+            .get::<cumulus_listen::ConnInfo>()
+            .and_then(|c| c.peer_identity());
+        match authenticate(&self.node, header, certified) {
             Some(principal) => {
                 req.extensions_mut().insert(principal);
                 Ok(req)

@@ -58,7 +58,11 @@ async fn require_token(State(node): State<Arc<Node>>, mut req: Request, next: Ne
         .headers()
         .get("authorization")
         .and_then(|v| v.to_str().ok());
-    if let Some(principal) = crate::auth::authenticate(&node, header) {
+    let certified = req
+        .extensions()
+        .get::<cumulus_listen::ConnInfo>()
+        .and_then(|c| c.peer_identity());
+    if let Some(principal) = crate::auth::authenticate(&node, header, certified) {
         req.extensions_mut().insert(principal);
         next.run(req).await
     } else {

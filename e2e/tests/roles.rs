@@ -217,3 +217,187 @@ async fn roles_limit_what_each_user_may_do() {
     let out = cluster.cumulusctl(&["whoami"]).expect("whoami");
     assert!(String::from_utf8_lossy(&out.stdout).contains("admin (role admin)"));
 }
+
+/// `cumulusctl` with a user's client certificate and no token (no token file, no
+/// `CUMULUS_TOKEN*` from the test's environment).
+fn ctl_with_cert(
+    cluster: &Cluster,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    args: &[&str],
+) -> std::process::Output {
+    let ca = cluster.ca_file().expect("a TLS cluster");
+    let mut cmd = std::process::Command::new(cumulus_e2e::bin("cumulusctl"));
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("CUMULUS_") {
+            cmd.env_remove(name);
+        }
+    }
+    cmd.arg("--tls-ca")
+        .arg(ca)
+        .arg("--tls-cert")
+        .arg(cert)
+        .arg("--tls-key")
+        .arg(key)
+        .arg("--addr")
+        .arg(cluster.grpc_addrs())
+        .arg("--http")
+        .arg(cluster.http_addrs())
+        .arg("--timeout")
+        .arg("20")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run cumulusctl")
+}
+
+/// A client certificate issued by the cluster CA for a user (`certs issue user NAME`)
+/// authenticates as that user, with the role the cluster gave them, over gRPC and HTTPS
+/// (logs), with no token; it cannot act beyond that role; revoking the user revokes the
+/// certificate; a worker's certificate is not a user's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_certificates_name_users() {
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 1,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let mut admin = cluster.leader_client().await.expect("admin client");
+    create_user(&mut admin, "dave", "submit").await;
+    let admin_job = admin
+        .submit_job(v1::SubmitJobRequest {
+            allow_pending: false,
+            request_id: "admins".into(),
+            spec: Some(sleeper()),
+        })
+        .await
+        .expect("admin submit")
+        .into_inner()
+        .job_id;
+
+    let tls_dir = cluster
+        .ca_file()
+        .expect("a TLS cluster")
+        .parent()
+        .expect("the CA's dir")
+        .to_path_buf();
+    let out = cluster
+        .cumulusctl(&[
+            "certs",
+            "issue",
+            "user",
+            "dave",
+            "--dir",
+            &tls_dir.display().to_string(),
+        ])
+        .expect("certs issue");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cert = tls_dir.join("user-dave.pem");
+    let key = tls_dir.join("user-dave-key.pem");
+
+    let out = ctl_with_cert(&cluster, &cert, &key, &["whoami"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("dave (role submit)"),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = ctl_with_cert(
+        &cluster,
+        &cert,
+        &key,
+        &[
+            "submit",
+            "-o",
+            "json",
+            "--world-size",
+            "1",
+            "--name",
+            "daves",
+            "--",
+            "sh",
+            "-c",
+            "echo hello-from-dave; exec sleep 600",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let submitted: serde_json::Value = serde_json::from_slice(&out.stdout).expect("submit -o json");
+    let job_id = submitted["job_id"]
+        .as_str()
+        .or_else(|| submitted["id"].as_str())
+        .unwrap_or_else(|| panic!("no job id in {submitted}"))
+        .to_string();
+    let job = cluster.job(&job_id).await.expect("dave's job");
+    assert_eq!(job.owner, "dave");
+    // Its logs over HTTPS, with the certificate alone.
+    wait_for("dave's job's output through the certificate", LONG, || {
+        let out = ctl_with_cert(&cluster, &cert, &key, &["logs", &job_id]);
+        let seen = String::from_utf8_lossy(&out.stdout).contains("hello-from-dave");
+        async move { seen.then_some(()) }
+    })
+    .await;
+    // Not beyond the role: another user's job.
+    let out = ctl_with_cert(&cluster, &cert, &key, &["cancel", &admin_job]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("user dave may not cancel"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = ctl_with_cert(&cluster, &cert, &key, &["cancel", &job_id]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Revoking the user revokes the certificate.
+    admin
+        .revoke_user(v1::RevokeUserRequest {
+            name: "dave".into(),
+        })
+        .await
+        .expect("revoke");
+    let out = ctl_with_cert(&cluster, &cert, &key, &["whoami"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("token")
+            || String::from_utf8_lossy(&out.stderr).contains("authenticat"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A worker's certificate does not name a user.
+    let out = cluster
+        .cumulusctl(&[
+            "certs",
+            "issue",
+            "worker",
+            "w-9",
+            "--dir",
+            &tls_dir.display().to_string(),
+        ])
+        .expect("certs issue worker");
+    assert!(out.status.success());
+    let out = ctl_with_cert(
+        &cluster,
+        &tls_dir.join("w-9.pem"),
+        &tls_dir.join("w-9-key.pem"),
+        &["whoami"],
+    );
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not of a user"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
