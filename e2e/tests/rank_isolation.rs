@@ -195,6 +195,15 @@ fn python_job(
     }
 }
 
+/// The user (and group) id of job `job_id`'s ranks under `--run-as FIRST_UID-...`.
+fn job_uid(job_id: &str) -> u32 {
+    let n: u32 = job_id
+        .trim_start_matches("job-")
+        .parse()
+        .expect("job number");
+    FIRST_UID + n % UID_RANGE
+}
+
 fn run_as_cluster_opts() -> ClusterOpts {
     ClusterOpts {
         workers: 1,
@@ -260,11 +269,7 @@ async fn ranks_run_as_their_jobs_user_and_reach_nothing_else() {
     let text_a = wait_line(&cluster, &job_a, "ready").await;
 
     // Its job's own ids, in a session of its own, with nothing of the agent's environment.
-    let n_a: u32 = job_a
-        .trim_start_matches("job-")
-        .parse()
-        .expect("job number");
-    let uid_a = FIRST_UID + n_a % UID_RANGE;
+    let uid_a = job_uid(&job_a);
     assert_eq!(
         value_after(&text_a, "ids "),
         format!("uid={uid_a} gid={uid_a} groups=[]"),
@@ -326,11 +331,7 @@ async fn ranks_run_as_their_jobs_user_and_reach_nothing_else() {
         .expect("submit b")
         .job_id;
     let text_b = wait_line(&cluster, &job_b, "done").await;
-    let n_b: u32 = job_b
-        .trim_start_matches("job-")
-        .parse()
-        .expect("job number");
-    let uid_b = FIRST_UID + n_b % UID_RANGE;
+    let uid_b = job_uid(&job_b);
     assert_ne!(uid_a, uid_b);
     assert_eq!(
         value_after(&text_b, "ids "),

@@ -505,6 +505,17 @@ impl AsyncWrite for BoundedStream {
     }
 }
 
+/// The HTTP/1 and HTTP/2 connection builder of every server here: hyper's header-read
+/// deadline of [`HTTP_HEADER_READ_TIMEOUT_MS`] on HTTP/1.
+fn http_builder() -> Builder<TokioExecutor> {
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(HTTP_HEADER_READ_TIMEOUT_MS));
+    builder
+}
+
 /// Serves `router` on `listener` (HTTP/1 and HTTP/2; TLS when the listener has it) until
 /// `shutdown` is cancelled, then lets open requests finish. HTTP/1 headers must arrive
 /// within [`HTTP_HEADER_READ_TIMEOUT_MS`]. Every request carries the connection's
@@ -517,11 +528,7 @@ pub async fn serve_http(
     router: axum::Router,
     shutdown: CancellationToken,
 ) -> io::Result<()> {
-    let mut builder = Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_millis(HTTP_HEADER_READ_TIMEOUT_MS));
+    let builder = http_builder();
     let graceful = GracefulShutdown::new();
     loop {
         let (stream, _) = tokio::select! {
@@ -579,11 +586,7 @@ pub async fn serve_unix_http(
     router: axum::Router,
     shutdown: CancellationToken,
 ) -> io::Result<()> {
-    let mut builder = Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_millis(HTTP_HEADER_READ_TIMEOUT_MS));
+    let builder = http_builder();
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(max_connections));
     let mut last_warning: Option<Instant> = None;
