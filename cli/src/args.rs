@@ -227,9 +227,9 @@ pub enum CertKind {
     Coordinator,
     /// A worker agent (ID: its worker id).
     Worker,
-    /// A user (ID: the user's name, as `user create` made it): with `--tls-cert` and
+    /// A user (ID: the user's name, as `token create` made it): with `--tls-cert` and
     /// `--tls-key` and no token, `cumulusctl` authenticates as that user, with the role
-    /// the cluster gave them; `user revoke` revokes the certificate too.
+    /// the cluster gave them; `token revoke` revokes the certificate too.
     User,
 }
 

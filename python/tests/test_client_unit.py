@@ -16,9 +16,23 @@ import httpx
 import pytest
 
 import cumulus
-from conftest import UNRELATED_CA_PEM
+from conftest import (
+    ENCRYPTED_USER_KEY_PEM,
+    OTHER_KEY_PEM,
+    UNRELATED_CA_PEM,
+    USER_CERT_PEM,
+    USER_KEY_PEM,
+    WORKER_CERT_PEM,
+)
 from cumulus import errors
-from cumulus._config import MAX_PEM_FILE_BYTES, load_ca, normalize_address, resolve
+from cumulus._config import (
+    MAX_PEM_FILE_BYTES,
+    Connection,
+    load_ca,
+    load_client_certificate,
+    normalize_address,
+    resolve,
+)
 from cumulus.client import Client
 from cumulus.models import FINISHED_STATES, JOB_STATES, WorkerInfo
 
@@ -90,6 +104,8 @@ CONNECTION_VARIABLES = (
     "CUMULUS_TOKEN",
     "CUMULUS_TOKEN_FILE",
     "CUMULUS_TLS_CA",
+    "CUMULUS_TLS_CERT",
+    "CUMULUS_TLS_KEY",
     "CUMULUS_INSECURE",
     "CUMULUS_LOCAL_DIR",
 )
@@ -424,6 +440,311 @@ def test_a_plaintext_client_keeps_default_verification_and_http(
         assert c.jobs() == [] and c.connection.ssl_context is None
     assert made[-1]["verify"] is True
     assert [r.url.scheme for r in script.calls] == ["http"]
+
+
+# -- a user's client certificate (cumulusctl --tls-cert / --tls-key) ----------------------
+
+
+def write_user_cert(
+    dir: Path, cert: str = USER_CERT_PEM, key: str = USER_KEY_PEM
+) -> tuple[Path, Path]:
+    """``user-test.pem`` and ``user-test-key.pem`` in ``dir``, as ``cumulusctl certs
+    issue user test`` names them."""
+    dir.mkdir(parents=True, exist_ok=True)
+    (dir / "user-test.pem").write_text(cert)
+    (dir / "user-test-key.pem").write_text(key)
+    return dir / "user-test.pem", dir / "user-test-key.pem"
+
+
+def test_a_client_certificate_resolves_no_token_from_the_environment_or_the_cluster_file(
+    tmp_path: Path,
+) -> None:
+    write_cluster(tmp_path / "lc", token="file-token", tls=True)
+    cert, key = write_user_cert(tmp_path / "certs")
+    (tmp_path / "env-token").write_text("env-file-token\n")
+    env = {
+        "CUMULUS_LOCAL_DIR": str(tmp_path / "lc"),
+        "CUMULUS_TOKEN": "env-token",
+        # Both set is an error without a certificate; with one neither is read.
+        "CUMULUS_TOKEN_FILE": str(tmp_path / "env-token"),
+    }
+    for conn in (
+        resolve(tls_cert=cert, tls_key=key, environ=env),
+        resolve(environ={**env, "CUMULUS_TLS_CERT": str(cert), "CUMULUS_TLS_KEY": str(key)}),
+    ):
+        assert conn.token is None
+        assert (conn.cert_file, conn.key_file) == (cert, key)
+        assert conn.cert_user == "test"
+        # The local cluster's addresses and CA, as without a certificate.
+        assert conn.addresses == ("https://127.0.0.1:8001", "https://127.0.0.1:8002")
+        assert conn.ca_file == tmp_path / "lc" / "tls" / "ca.pem"
+        assert conn.ssl_context is not None and conn.ssl_context.verify_mode == ssl.CERT_REQUIRED
+        text = repr(conn)
+        assert "file-token" not in text and "env-token" not in text
+        assert "BEGIN" not in text and "PRIVATE" not in text
+    with pytest.raises(errors.ConfigError, match="both CUMULUS_TOKEN and CUMULUS_TOKEN_FILE"):
+        resolve(environ=env)
+
+
+def test_an_explicit_token_is_kept_with_a_client_certificate(tmp_path: Path) -> None:
+    cert, key = write_user_cert(tmp_path)
+    ca = write_ca(tmp_path / "ca.pem")
+    (tmp_path / "token").write_text("cu.alice.secret\n")
+    args: dict[str, Any] = {"tls_ca": ca, "tls_cert": cert, "tls_key": key, "environ": {}}
+    assert resolve(["h:1"], token="t", **args).token == "t"
+    assert resolve(["h:1"], token_file=tmp_path / "token", **args).token == "cu.alice.secret"
+    conn = resolve(["h:1"], token="secret-token", **args)
+    assert conn.addresses == ("https://h:1",) and "secret-token" not in repr(conn)
+
+
+def test_the_certificate_arguments_win_over_the_variables_one_by_one(tmp_path: Path) -> None:
+    cert, key = write_user_cert(tmp_path / "a")
+    other_cert, other_key = write_user_cert(tmp_path / "b")
+    ca = write_ca(tmp_path / "ca.pem")
+    env = {"CUMULUS_TLS_CERT": str(other_cert), "CUMULUS_TLS_KEY": str(other_key)}
+    conn = resolve(["h:1"], tls_ca=ca, tls_cert=cert, tls_key=key, environ=env)
+    assert (conn.cert_file, conn.key_file) == (cert, key)
+    # Each setting on its own, as cumulusctl's --tls-cert and CUMULUS_TLS_KEY.
+    conn = resolve(["h:1"], tls_ca=ca, tls_cert=cert, environ=env)
+    assert (conn.cert_file, conn.key_file) == (cert, other_key)
+    # Blank variables are not set.
+    blank = {"CUMULUS_TLS_CERT": " ", "CUMULUS_TLS_KEY": "", "CUMULUS_TOKEN": "t"}
+    assert resolve(["h:1"], tls_ca=ca, environ=blank).cert_file is None
+
+
+@pytest.mark.parametrize(
+    ("given", "missing"),
+    [
+        ({"tls_cert": "user-test.pem"}, "without its private key"),
+        ({"tls_key": "user-test-key.pem"}, "without its certificate"),
+        ({"env": {"CUMULUS_TLS_CERT": "user-test.pem"}}, "CUMULUS_TLS_CERT .*without"),
+        ({"env": {"CUMULUS_TLS_KEY": "user-test-key.pem"}}, "CUMULUS_TLS_KEY .*without"),
+    ],
+)
+def test_a_certificate_without_its_key_or_a_key_alone_is_refused(
+    tmp_path: Path, given: dict[str, Any], missing: str
+) -> None:
+    write_user_cert(tmp_path)
+    ca = write_ca(tmp_path / "ca.pem")
+    env = {k: str(tmp_path / v) for k, v in given.get("env", {}).items()}
+    args = {k: tmp_path / v for k, v in given.items() if k != "env"}
+    with pytest.raises(errors.ConfigError, match=missing) as e:
+        resolve(["h:1"], token="t", tls_ca=ca, environ=env, **args)
+    assert str(tmp_path / "user-test") in str(e.value)
+    if not env:
+        with pytest.raises(errors.ConfigError, match=missing):
+            Client([A], tls_ca=ca, **args)
+
+
+@pytest.mark.parametrize(
+    ("insecure", "env"),
+    [(True, {}), (None, {"CUMULUS_INSECURE": "1"})],
+)
+def test_a_client_certificate_with_insecure_is_refused(
+    tmp_path: Path, insecure: bool | None, env: dict[str, str]
+) -> None:
+    cert, key = write_user_cert(tmp_path)
+    with pytest.raises(errors.ConfigError, match=r"both .* client certificate needs TLS") as e:
+        resolve(["h:1"], insecure=insecure, tls_cert=cert, tls_key=key, environ=env)
+    assert str(cert) in str(e.value)
+    with pytest.raises(errors.ConfigError, match="needs TLS"):
+        resolve(
+            ["h:1"],
+            insecure=insecure,
+            environ={**env, "CUMULUS_TLS_CERT": str(cert), "CUMULUS_TLS_KEY": str(key)},
+        )
+
+
+def test_a_client_certificate_needs_a_ca(tmp_path: Path) -> None:
+    cert, key = write_user_cert(tmp_path / "certs")
+    with pytest.raises(errors.ConfigError, match=r"client certificate .* needs one: .*tls_ca="):
+        resolve(["h:1"], tls_cert=cert, tls_key=key, environ={})
+    # A plaintext local cluster (`cumulusctl --insecure local up`) has no CA.
+    write_cluster(tmp_path / "plain")
+    with pytest.raises(errors.ConfigError, match="needs TLS, but the local cluster") as e:
+        resolve(local_dir=tmp_path / "plain", tls_cert=cert, tls_key=key, environ={})
+    assert str(cert) in str(e.value)
+    # A CA makes it TLS (as cumulusctl --tls-ca).
+    ca = write_ca(tmp_path / "ca.pem")
+    conn = resolve(local_dir=tmp_path / "plain", tls_ca=ca, tls_cert=cert, tls_key=key, environ={})
+    assert conn.scheme == "https" and conn.token is None
+
+
+def _bad_client_files(tmp_path: Path, case: str) -> tuple[Path, Path, Path]:
+    """``(cert, key, the file the error must name)``."""
+    cert, key = write_user_cert(tmp_path)
+    if case == "missing certificate":
+        cert.unlink()
+        return cert, key, cert
+    if case == "missing key":
+        key.unlink()
+        return cert, key, key
+    if case == "certificate is a directory":
+        cert.unlink()
+        cert.mkdir()
+        return cert, key, cert
+    if case == "certificate too large":
+        cert.write_text(USER_CERT_PEM + "#" * MAX_PEM_FILE_BYTES)
+        return cert, key, cert
+    if case == "key too large":
+        key.write_text(USER_KEY_PEM + "#" * MAX_PEM_FILE_BYTES)
+        return cert, key, key
+    if case == "certificate not PEM":
+        cert.write_bytes(b"\x30\x82 DER bytes")
+        return cert, key, cert
+    if case == "certificate is a key":
+        cert.write_text(USER_KEY_PEM)
+        return cert, key, cert
+    if case == "key is a certificate":
+        key.write_text(USER_CERT_PEM)
+        return cert, key, key
+    if case == "encrypted key":
+        key.write_text(ENCRYPTED_USER_KEY_PEM)
+        return cert, key, key
+    if case == "broken certificate":
+        cert.write_text(
+            "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n"
+        )
+        return cert, key, cert
+    if case == "key of another certificate":
+        key.write_text(OTHER_KEY_PEM)
+        return cert, key, key
+    if case == "a worker's certificate":
+        cert.write_text(WORKER_CERT_PEM)
+        return cert, key, cert
+    if case == "no cumulus identity":
+        cert.write_text(UNRELATED_CA_PEM)
+        return cert, key, cert
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("missing certificate", "No such file"),
+        ("missing key", "No such file"),
+        ("certificate is a directory", "directory"),
+        ("certificate too large", "larger than"),
+        ("key too large", "larger than"),
+        ("certificate not PEM", "no PEM certificate"),
+        ("certificate is a key", "no PEM certificate"),
+        ("key is a certificate", "no PEM private key"),
+        ("encrypted key", "encrypted"),
+        ("broken certificate", "not a usable PEM certificate and key"),
+        ("key of another certificate", "does not match the certificate"),
+        ("a worker's certificate", r"names cumulus://worker/w1, not a user"),
+        ("no cumulus identity", "names no cumulus:// identity"),
+    ],
+)
+def test_a_bad_client_certificate_or_key_is_a_config_error_naming_the_file(
+    tmp_path: Path, case: str, why: str
+) -> None:
+    cert, key, named = _bad_client_files(tmp_path, case)
+    ca = write_ca(tmp_path / "ca.pem")
+    with pytest.raises(errors.ConfigError, match=why) as e:
+        load_client_certificate(ssl.create_default_context(), cert, key)
+    assert str(named) in str(e.value)
+    with pytest.raises(errors.ConfigError, match=re.escape(str(named))):
+        resolve(["h:1"], tls_ca=ca, tls_cert=cert, tls_key=key, environ={})
+    with pytest.raises(errors.ConfigError, match=re.escape(str(named))):
+        Client([A], tls_ca=ca, tls_cert=cert, tls_key=key)
+
+
+def test_a_connection_needs_a_credential_and_both_certificate_files(tmp_path: Path) -> None:
+    cert, key = write_user_cert(tmp_path)
+    ca = write_ca(tmp_path / "ca.pem")
+    assert Connection(("https://h:1",), None, ca, cert, key).cert_user == "test"
+    with pytest.raises(errors.ConfigError, match="neither a token nor"):
+        Connection(("https://h:1",), None, ca)
+    with pytest.raises(errors.ConfigError, match="without key_file"):
+        Connection(("https://h:1",), None, ca, cert_file=cert)
+    with pytest.raises(errors.ConfigError, match="without cert_file"):
+        Connection(("https://h:1",), "t", ca, key_file=key)
+    with pytest.raises(errors.ConfigError, match="needs TLS"):
+        Connection(("http://h:1",), None, None, cert, key)
+
+
+def test_a_certificate_client_sends_no_authorization_header(
+    tmp_path: Path, script: Script, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[dict[str, Any]] = []
+    real = httpx.Client
+
+    def spy(**kwargs: Any) -> httpx.Client:
+        made.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(httpx, "Client", spy)
+    # The environment's token is not read with a certificate.
+    monkeypatch.setenv("CUMULUS_TOKEN", "admin-token")
+    cert, key = write_user_cert(tmp_path)
+    ca = write_ca(tmp_path / "ca.pem")
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    script.on(A, "GET", "/v1/jobs/job-000001", ok({"job": job_json(owner="test")}))
+    script.on(A, "GET", "/health", ok({"node_id": 1, "leader_id": 1, "term": 1}))
+    script.on(
+        A,
+        "GET",
+        "/v1/jobs/job-000001/logs",
+        lambda r: httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream"},
+            content=sse(("log", "c1", line(0, 0, 0, "hi")), ("end", "c1", {})),
+        ),
+    )
+    with Client(
+        [A], tls_ca=ca, tls_cert=cert, tls_key=key, transport=httpx.MockTransport(script)
+    ) as c:
+        assert c.connection.token is None and c.connection.cert_user == "test"
+        assert made[-1]["verify"] is c.connection.ssl_context is not None
+        assert "Authorization" not in made[-1]["headers"]
+        assert "admin-token" not in repr(c) and "BEGIN" not in repr(c.connection)
+        job = c.submit(["true"])
+        assert job.status().owner == "test"
+        assert c.health(A)["node_id"] == 1
+        assert [x.line for x in job.logs(follow=False)] == ["hi"]
+    assert len(script.calls) == 4
+    assert all("authorization" not in r.headers for r in script.calls)
+    assert {r.url.scheme for r in script.calls} == {"https"}
+    # An explicit token is sent, and decides alone.
+    script.calls.clear()
+    script.on(A, "GET", "/v1/jobs", ok({"jobs": []}))
+    with Client(
+        [A],
+        token="tok",
+        tls_ca=ca,
+        tls_cert=cert,
+        tls_key=key,
+        transport=httpx.MockTransport(script),
+    ) as c:
+        assert c.jobs() == []
+    assert [r.headers.get("authorization") for r in script.calls] == ["Bearer tok"]
+
+
+def test_a_refused_certificate_is_unauthorized_and_says_so(tmp_path: Path, script: Script) -> None:
+    cert, key = write_user_cert(tmp_path)
+    ca = write_ca(tmp_path / "ca.pem")
+    script.on(A, "GET", "/v1/jobs", status(401, "missing or wrong bearer token"))
+    script.on(A, "GET", "/v1/jobs/job-000001/logs", status(401, "missing or wrong bearer token"))
+    with Client(
+        [A], tls_ca=ca, tls_cert=cert, tls_key=key, transport=httpx.MockTransport(script)
+    ) as c:
+        with pytest.raises(errors.Unauthorized, match=r"client certificate .*user-test\.pem"):
+            c.jobs()
+        with pytest.raises(errors.Unauthorized, match="client certificate"):
+            list(c.logs("job-000001"))
+    with (
+        Client(
+            [A],
+            token="tok",
+            tls_ca=ca,
+            tls_cert=cert,
+            tls_key=key,
+            transport=httpx.MockTransport(script),
+        ) as c,
+        pytest.raises(errors.Unauthorized, match="check the token"),
+    ):
+        c.jobs()
 
 
 # -- leader following and retries ------------------------------------------------------

@@ -187,6 +187,8 @@ CONNECTION_VARIABLES = (
     "CUMULUS_TOKEN",
     "CUMULUS_TOKEN_FILE",
     "CUMULUS_TLS_CA",
+    "CUMULUS_TLS_CERT",
+    "CUMULUS_TLS_KEY",
     "CUMULUS_INSECURE",
     "CUMULUS_LOCAL_DIR",
 )
@@ -240,6 +242,70 @@ def test_the_sdk_speaks_plaintext_to_an_insecure_local_cluster(
             cumulus.Client(plain.http_addrs, token_file=plain.token_file)
         with plain.client() as c:
             assert c.jobs() == []
+
+
+def test_a_users_client_certificate_authenticates_as_that_user_until_revoked(
+    cluster: LocalCluster, client: cumulus.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in CONNECTION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    # The cluster (administrator) token is where the SDK looks for one: with a client
+    # certificate it must take neither, or the jobs below would be the administrator's.
+    monkeypatch.setenv("CUMULUS_LOCAL_DIR", str(cluster.dir))
+    monkeypatch.setenv("CUMULUS_TOKEN_FILE", str(cluster.token_file))
+    user = "cert-user"
+    r = cluster.cumulusctl("token", "create", user, "--role", "submit")
+    assert r.returncode == 0, r.stderr + r.stdout
+    tls_dir = Path(cluster.file["tls_dir"])
+    r = cluster.cumulusctl("certs", "issue", "user", user, "--dir", str(tls_dir))
+    assert r.returncode == 0, r.stderr + r.stdout
+    cert, key = tls_dir / f"user-{user}.pem", tls_dir / f"user-{user}-key.pem"
+    assert cert.is_file() and key.is_file(), sorted(p.name for p in tls_dir.iterdir())
+
+    # Another user's job: the administrator's, through the cluster token.
+    theirs = client.submit([sys.executable, "-c", "import time; time.sleep(600)"], name="admin")
+    try:
+        with cumulus.Client(
+            cluster.http_addrs, tls_ca=cluster.ca_file, tls_cert=cert, tls_key=key
+        ) as mine:
+            token_resolved = mine.connection.token is not None  # (never shown on failure)
+            assert not token_resolved and mine.connection.cert_user == user
+            job = mine.submit(
+                [sys.executable, "-c", "print('hello from a certificate', flush=True)"],
+                name="by-certificate",
+            )
+            info = job.wait(timeout_s=JOB_TIMEOUT_S)
+            assert info.succeeded, explain(job, cluster)
+            assert info.owner == user
+            assert client.get_job(job.id).owner == user
+            assert "hello from a certificate" in [x.line for x in job.logs(follow=False)]
+
+            assert client.get_job(theirs.id).owner == "admin"
+            with pytest.raises(errors.Forbidden):
+                mine.cancel(theirs.id)
+            with pytest.raises(errors.Forbidden):
+                mine.pause(theirs.id)
+            assert not client.get_job(theirs.id).finished
+
+            r = cluster.cumulusctl("token", "revoke", user)
+            assert r.returncode == 0, r.stderr + r.stdout
+
+            def refused() -> errors.Unauthorized | None:
+                try:
+                    mine.jobs()
+                except errors.Unauthorized as e:
+                    return e
+                return None
+
+            err = wait_for(refused, 30, f"the revoked {user}'s certificate to be refused")
+            assert "client certificate" in str(err)
+            with pytest.raises(errors.Unauthorized):
+                list(job.logs(follow=False))
+            with pytest.raises(errors.Unauthorized):
+                mine.submit(["true"])
+    finally:
+        client.cancel(theirs.id)
+    assert theirs.wait(timeout_s=60).state == "cancelled"
 
 
 def test_submit_across_a_leader_kill_creates_exactly_one_job(

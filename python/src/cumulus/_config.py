@@ -1,8 +1,9 @@
 """Where the cluster is, its token and its TLS, resolved as ``cumulusctl`` does
 (``cli/src/config.rs``): explicit arguments, then the environment (``CUMULUS_HTTP``,
-``CUMULUS_TOKEN``, ``CUMULUS_TOKEN_FILE``, ``CUMULUS_TLS_CA``, ``CUMULUS_INSECURE``), then
-the local cluster's ``cluster.json`` in ``CUMULUS_LOCAL_DIR`` (default ``.cumulus``), as
-written by ``cumulusctl local up``. Standard library only.
+``CUMULUS_TOKEN``, ``CUMULUS_TOKEN_FILE``, ``CUMULUS_TLS_CA``, ``CUMULUS_TLS_CERT``,
+``CUMULUS_TLS_KEY``, ``CUMULUS_INSECURE``), then the local cluster's ``cluster.json`` in
+``CUMULUS_LOCAL_DIR`` (default ``.cumulus``), as written by ``cumulusctl local up``.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ __all__ = [
     "CA_FILE",
     "CLUSTER_FILE",
     "DEFAULT_LOCAL_DIR",
+    "IDENTITY_SCHEME",
     "MAX_PEM_FILE_BYTES",
     "MAX_TOKEN_BYTES",
     "Connection",
     "check_token",
     "load_ca",
+    "load_client_certificate",
     "normalize_address",
     "read_token_file",
     "resolve",
@@ -49,28 +52,63 @@ _FALSE = frozenset({"", "0", "false", "no"})
 _PEM_CERTIFICATE = re.compile(
     r"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CERTIFICATE-----", re.DOTALL
 )
+_PEM_PRIVATE_KEY = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY-----")
+#: A certificate's identity: ``cumulus://KIND/NAME`` (``cumulus_tls::Identity``).
+IDENTITY_SCHEME = "cumulus://"
+_IDENTITY_NAME = re.compile(r"[A-Za-z0-9._\-@]{1,128}")
 
 
 @dataclass(frozen=True)
 class Connection:
     """Where and how to reach the cluster: coordinator base URLs (at least one;
-    ``https://host:port`` with TLS, ``http://host:port`` without), the cluster bearer
-    token (never shown in ``repr``), and the CA certificate file that verifies the
-    coordinators (``None``: plaintext, as ``cumulusctl --insecure``).
+    ``https://host:port`` with TLS, ``http://host:port`` without), the bearer token (the
+    cluster's or a user's; never shown in ``repr``; ``None``: no ``Authorization`` header,
+    the client certificate authenticates), the CA certificate file that verifies the
+    coordinators (``None``: plaintext, as ``cumulusctl --insecure``), and a user's client
+    certificate and its private key (PEM files, as ``cumulusctl --tls-cert/--tls-key``;
+    both or neither, and only with a CA).
 
-    :raises ConfigError: ``ca_file`` is missing, unreadable or not a PEM certificate (it
-        is loaded once, here, into :attr:`ssl_context`).
+    :raises ConfigError: ``ca_file`` is missing, unreadable or not a PEM certificate, or
+        the client certificate or key cannot be used (see
+        :func:`load_client_certificate`): they are loaded once, here, into
+        :attr:`ssl_context`; or there is neither a token nor a client certificate.
     """
 
     addresses: tuple[str, ...]
-    token: str = field(repr=False)
+    token: str | None = field(repr=False)
     ca_file: Path | None = None
-    #: Verifies the coordinators against ``ca_file`` only; ``None`` without TLS.
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    #: Verifies the coordinators against ``ca_file`` only, and presents the client
+    #: certificate when there is one; ``None`` without TLS.
     ssl_context: ssl.SSLContext | None = field(default=None, init=False, repr=False, compare=False)
+    #: The user the client certificate names (``cumulus://user/NAME``), ``None`` without
+    #: one (or when this Python cannot read certificates' names).
+    cert_user: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            given, missing = (
+                (f"cert_file {self.cert_file}", "key_file")
+                if self.key_file is None
+                else (f"key_file {self.key_file}", "cert_file")
+            )
+            raise ConfigError(
+                f"a TLS client certificate needs both files: {given} without {missing}"
+            )
+        if self.token is None and self.cert_file is None:
+            raise ConfigError("no credential: neither a token nor a TLS client certificate")
+        if self.cert_file is not None and self.ca_file is None:
+            raise ConfigError(
+                f"the TLS client certificate {self.cert_file} needs TLS: a CA certificate "
+                "(ca_file) to verify the coordinators with"
+            )
         if self.ca_file is not None:
-            object.__setattr__(self, "ssl_context", load_ca(self.ca_file))
+            context = load_ca(self.ca_file)
+            if self.cert_file is not None and self.key_file is not None:
+                user = load_client_certificate(context, self.cert_file, self.key_file)
+                object.__setattr__(self, "cert_user", user)
+            object.__setattr__(self, "ssl_context", context)
 
     @property
     def tls(self) -> bool:
@@ -145,6 +183,110 @@ def load_ca(path: str | os.PathLike[str]) -> ssl.SSLContext:
         raise ConfigError(f"TLS CA certificate {p}: not a usable PEM certificate: {reason}") from e
 
 
+def _certificate_identities(path: Path) -> list[str] | None:
+    """The ``cumulus://`` URI subject alternative names of the PEM certificate in
+    ``path``; ``None`` when this Python cannot tell (CPython's certificate decoder is
+    missing, or the file does not decode: loading it reports that)."""
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:
+        return None
+    try:
+        decoded = decode(os.fspath(path))
+    except (ssl.SSLError, OSError, ValueError):
+        return None
+    names = decoded.get("subjectAltName", ()) if isinstance(decoded, dict) else ()
+    return [
+        str(value)
+        for kind, value in names
+        if kind == "URI" and str(value).startswith(IDENTITY_SCHEME)
+    ]
+
+
+def load_client_certificate(
+    context: ssl.SSLContext,
+    cert: str | os.PathLike[str],
+    key: str | os.PathLike[str],
+) -> str | None:
+    """Loads a user's client certificate and its private key (PEM files, each at most
+    1 MiB, as ``cumulusctl certs issue user NAME`` writes them: ``user-NAME.pem`` and
+    ``user-NAME-key.pem``) into ``context``, which then presents them to the
+    coordinators. Without a token, the coordinators take the request as that user's.
+
+    :returns: the user the certificate names (``cumulus://user/NAME``), or ``None`` when
+        this Python cannot read certificates' names.
+    :raises ConfigError: naming the file: missing, unreadable, too large, no PEM
+        certificate (or private key), an encrypted key (a passphrase is never asked
+        for), a key that does not match the certificate, or a certificate that names a
+        coordinator or a worker rather than a user."""
+    cert_path, key_path = Path(cert), Path(key)
+    try:
+        cert_data = _read_limited(cert_path, MAX_PEM_FILE_BYTES)
+    except ConfigError as e:
+        raise ConfigError(f"TLS client certificate {e}") from e
+    if not _PEM_CERTIFICATE.search(cert_data.decode("utf-8", errors="replace")):
+        raise ConfigError(
+            f"TLS client certificate {cert_path}: holds no PEM certificate "
+            "(-----BEGIN CERTIFICATE-----)"
+        )
+    try:
+        key_data = _read_limited(key_path, MAX_PEM_FILE_BYTES)
+    except ConfigError as e:
+        raise ConfigError(f"TLS client key {e}") from e
+    key_text = key_data.decode("utf-8", errors="replace")
+    key_block = _PEM_PRIVATE_KEY.search(key_text)
+    if key_block is None:
+        raise ConfigError(
+            f"TLS client key {key_path}: holds no PEM private key (-----BEGIN PRIVATE KEY-----)"
+        )
+    if "ENCRYPTED" in key_block.group(1) or "Proc-Type: 4,ENCRYPTED" in key_text:
+        raise ConfigError(
+            f"TLS client key {key_path}: is encrypted; a passphrase-protected key is not "
+            "supported (use the unencrypted key `cumulusctl certs issue user` writes)"
+        )
+
+    identities = _certificate_identities(cert_path)
+    user: str | None = None
+    if identities is not None:
+        issue = "issue one with `cumulusctl certs issue user NAME --dir CA_DIR`"
+        if len(identities) != 1:
+            what = "no" if not identities else "more than one"
+            raise ConfigError(
+                f"TLS client certificate {cert_path}: names {what} cumulus:// identity, "
+                f"not one user (cumulus://user/NAME): {issue}"
+            )
+        kind, _, name = identities[0][len(IDENTITY_SCHEME) :].partition("/")
+        if kind != "user" or not _IDENTITY_NAME.fullmatch(name):
+            raise ConfigError(
+                f"TLS client certificate {cert_path}: names {identities[0]}, not a user "
+                f"(cumulus://user/NAME): {issue}"
+            )
+        user = name
+
+    def no_passphrase() -> bytes:
+        # Never let OpenSSL prompt on the terminal for a passphrase.
+        raise ConfigError(f"TLS client key {key_path}: is encrypted; not supported")
+
+    try:
+        context.load_cert_chain(cert_path, key_path, password=no_passphrase)
+    except ConfigError:
+        raise
+    except ssl.SSLError as e:
+        if getattr(e, "reason", None) == "KEY_VALUES_MISMATCH":
+            raise ConfigError(
+                f"TLS client key {key_path} does not match the certificate {cert_path}"
+            ) from e
+        reason = getattr(e, "reason", None) or str(e)
+        raise ConfigError(
+            f"TLS client certificate {cert_path} (key {key_path}): not a usable PEM "
+            f"certificate and key: {reason}"
+        ) from e
+    except OSError as e:  # replaced or removed since it was read
+        raise ConfigError(
+            f"TLS client certificate {cert_path} (key {key_path}): {e.strerror or e}"
+        ) from e
+    return user
+
+
 def _host_port(raw: str, origin: str) -> str:
     s = raw.strip()
     for prefix in ("http://", "https://"):
@@ -167,6 +309,17 @@ def normalize_address(raw: str, origin: str, *, scheme: str = "http") -> str:
 
     :raises ConfigError: not ``host:port`` with a port in 1..=65535."""
     return f"{scheme}://{_host_port(raw, origin)}"
+
+
+def _path_setting(
+    value: str | os.PathLike[str] | None, argument: str, env: Mapping[str, str], variable: str
+) -> tuple[Path | None, str]:
+    """A file setting and where it came from: the argument, else the (non-blank)
+    variable, else ``(None, "")``."""
+    if value is not None:
+        return Path(value), argument
+    raw = env.get(variable, "").strip()
+    return (Path(raw), variable) if raw else (None, "")
 
 
 def _split(value: str | Sequence[str]) -> list[str]:
@@ -206,6 +359,8 @@ def resolve(
     token: str | None = None,
     token_file: str | os.PathLike[str] | None = None,
     tls_ca: str | os.PathLike[str] | None = None,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
     insecure: bool | None = None,
     local_dir: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
@@ -217,6 +372,13 @@ def resolve(
     ``<local_dir>/cluster.json`` (``local_dir`` defaults to ``$CUMULUS_LOCAL_DIR``, else
     ``.cumulus``). Token: ``token``, else ``token_file``, else ``$CUMULUS_TOKEN``, else
     ``$CUMULUS_TOKEN_FILE``, else the cluster file's ``token_file``.
+
+    A user's client certificate: ``tls_cert`` and ``tls_key`` (defaults
+    ``$CUMULUS_TLS_CERT`` and ``$CUMULUS_TLS_KEY``; both or neither), as ``cumulusctl
+    --tls-cert/--tls-key``. With one, the token is only ``token`` or ``token_file``
+    (never the environment's nor the local cluster's: those are usually the cluster
+    administrator's); without either, requests carry no ``Authorization`` header and the
+    coordinators take them as the certificate's user's. It needs TLS (a CA, below).
 
     TLS (as ``cumulusctl --insecure`` / ``--tls-ca``):
 
@@ -230,10 +392,11 @@ def resolve(
     4. else (explicit addresses) a :class:`ConfigError`: say which CA, or that the
        cluster is plaintext.
 
-    Both ``insecure`` and a CA is an error.
+    Both ``insecure`` and a CA (or a client certificate) is an error.
 
     :raises ConfigError: nothing says where the cluster is, what the token is or how to
-        verify it, or a value is malformed (the message names where it came from).
+        verify it, only one of the client certificate and key is given, or a value or
+        file is malformed (the message names where it came from).
     """
     env = os.environ if environ is None else environ
     local = Path(
@@ -264,6 +427,25 @@ def resolve(
         raise ConfigError(
             f"both {insecure_origin} (plaintext) and {ca_origin} (TLS CA {ca}) are set: set "
             "only one (as cumulusctl requires)"
+        )
+    cert, cert_origin = _path_setting(tls_cert, "tls_cert=", env, "CUMULUS_TLS_CERT")
+    key, key_origin = _path_setting(tls_key, "tls_key=", env, "CUMULUS_TLS_KEY")
+    if cert is not None and key is None:
+        raise ConfigError(
+            f"{cert_origin} (TLS client certificate {cert}) is set without its private key: "
+            "pass tls_key= (or set CUMULUS_TLS_KEY) too"
+        )
+    if key is not None and cert is None:
+        raise ConfigError(
+            f"{key_origin} (TLS client key {key}) is set without its certificate: pass "
+            "tls_cert= (or set CUMULUS_TLS_CERT) too"
+        )
+    certified = cert is not None
+    if plaintext and certified:
+        raise ConfigError(
+            f"both {insecure_origin} (plaintext) and {cert_origin} (TLS client certificate "
+            f"{cert}) are set: a client certificate needs TLS; set only one (as cumulusctl "
+            "requires)"
         )
 
     from_file = False
@@ -296,10 +478,15 @@ def resolve(
         )
     host_ports = list(dict.fromkeys(_host_port(a, origin) for a in raw))
 
+    tok: str | None
     if token is not None:
         tok = check_token(token.strip(), "token argument")
     elif token_file is not None:
         tok = read_token_file(token_file)
+    elif certified:
+        # A user's certificate alone: never the environment's or the local cluster's
+        # (administrator) token, which would decide alone.
+        tok = None
     elif env.get("CUMULUS_TOKEN") and env.get("CUMULUS_TOKEN_FILE"):
         raise ConfigError(
             "both CUMULUS_TOKEN and CUMULUS_TOKEN_FILE are set; set only one (as cumulusctl "
@@ -327,6 +514,13 @@ def resolve(
         f = cluster_file()
         tls_dir = f.get("tls_dir") if f else None
         ca_file = Path(tls_dir) / CA_FILE if isinstance(tls_dir, str) and tls_dir else None
+    elif certified:
+        raise ConfigError(
+            f"no TLS CA certificate for the coordinators at {origin}: the TLS client "
+            f"certificate ({cert_origin} {cert}) needs one: set CUMULUS_TLS_CA (or pass "
+            "tls_ca=) to the cluster's CA certificate (a local cluster's is "
+            "<local-dir>/tls/ca.pem)"
+        )
     else:
         raise ConfigError(
             f"no TLS CA certificate for the coordinators at {origin}: set CUMULUS_TLS_CA (or "
@@ -334,6 +528,12 @@ def resolve(
             "<local-dir>/tls/ca.pem), or CUMULUS_INSECURE=1 (insecure=True) for a cluster "
             "started with --insecure"
         )
+    if certified and ca_file is None:
+        raise ConfigError(
+            f"the TLS client certificate ({cert_origin} {cert}) needs TLS, but the local "
+            f"cluster of {cluster_path} is plaintext (started with --insecure): pass tls_ca= "
+            "(or set CUMULUS_TLS_CA) for a TLS cluster, or leave the certificate out"
+        )
     scheme = "http" if ca_file is None else "https"
     urls = tuple(f"{scheme}://{hp}" for hp in host_ports)
-    return Connection(addresses=urls, token=tok, ca_file=ca_file)
+    return Connection(addresses=urls, token=tok, ca_file=ca_file, cert_file=cert, key_file=key)

@@ -1,9 +1,13 @@
 """Client SDK of the coordinators' HTTP API (docs/architecture.md, "Coordinator HTTP API";
 ``coordinator/src/http.rs``), with leader following.
 
-Every request carries ``Authorization: Bearer <cluster token>``. Every connection is TLS
-(``https://``), the coordinators verified against the cluster's CA certificate only, unless
-the cluster runs plaintext (``--insecure``): see :func:`cumulus._config.resolve`.
+Every request carries ``Authorization: Bearer <token>`` (the cluster's or a user's), or,
+with a user's client certificate and no token, no ``Authorization`` header: the TLS
+connection presents the certificate (``cumulus://user/NAME``, from ``cumulusctl certs
+issue user NAME``) and the coordinators take the request as that user's, with the role the
+cluster gave them. Every connection is TLS (``https://``), the coordinators verified
+against the cluster's CA certificate only, unless the cluster runs plaintext
+(``--insecure``): see :func:`cumulus._config.resolve`.
 
 A follower answers a write (and a linearizable read) with 503 and the leader's address in
 the ``x-cumulus-leader-http`` header: the request is sent there at once. A refused or
@@ -139,11 +143,15 @@ _STATUS_ERRORS: dict[int, type[ApiError]] = {
 }
 
 
-def _raise_for(resp: httpx.Response, address: str) -> None:
+#: What a 401 suggests when the request carried a token.
+TOKEN_HINT = "check the token: CUMULUS_TOKEN_FILE / token_file="
+
+
+def _raise_for(resp: httpx.Response, address: str, hint: str = TOKEN_HINT) -> None:
     status = resp.status_code
     message = _error_text(resp)
     if status == 401:
-        message = f"{message} (check the token: CUMULUS_TOKEN_FILE / token_file=)"
+        message = f"{message} ({hint})"
     cls = _STATUS_ERRORS.get(status, ServerError)
     raise cls(message, status=status, address=address)
 
@@ -384,12 +392,24 @@ class Client:
     :param addresses: coordinator HTTP addresses (``host:port``, a list or a
         comma-separated string); default ``$CUMULUS_HTTP``, else the local cluster's
         ``cluster.json``.
-    :param token: the cluster bearer token; default from ``token_file``,
-        ``$CUMULUS_TOKEN``, ``$CUMULUS_TOKEN_FILE`` or the local cluster's token file.
+    :param token: the bearer token (the cluster's, or a user's from ``cumulusctl token
+        create``); default from ``token_file``, ``$CUMULUS_TOKEN``,
+        ``$CUMULUS_TOKEN_FILE`` or the local cluster's token file (only ``token`` and
+        ``token_file`` with ``tls_cert``).
     :param tls_ca: the cluster's CA certificate (PEM), as ``cumulusctl --tls-ca``: talk
         HTTPS and trust only this CA; default ``$CUMULUS_TLS_CA``, else the local
         cluster's (``<tls_dir>/ca.pem`` in ``cluster.json``) when the addresses come from
         it. Explicit addresses need it (or ``insecure``).
+    :param tls_cert: a user's client certificate (PEM), as ``cumulusctl --tls-cert``:
+        ``<CA dir>/user-NAME.pem`` from ``cumulusctl certs issue user NAME --dir CA_DIR``;
+        with ``tls_key``, presented to the coordinators, which take a request without a
+        token as that user's, with the role the cluster gave them (``cumulusctl token
+        create NAME --role ...``; revoking the user revokes the certificate). Only
+        ``token``/``token_file`` then give a token, which decides alone when given (never
+        ``$CUMULUS_TOKEN*`` nor the local cluster's). Needs a CA (``tls_ca`` or the local
+        cluster's); not with ``insecure``. Default ``$CUMULUS_TLS_CERT``.
+    :param tls_key: the private key of ``tls_cert`` (PEM, unencrypted:
+        ``<CA dir>/user-NAME-key.pem``); both or neither. Default ``$CUMULUS_TLS_KEY``.
     :param insecure: talk plaintext HTTP to a cluster started with ``--insecure``, as
         ``cumulusctl --insecure``; default ``$CUMULUS_INSECURE`` (``1``, ``true``,
         ``yes``). Not together with a CA.
@@ -400,8 +420,11 @@ class Client:
     :param retry_max_tries: most tries of one call over all addresses.
     :param retry_total_s: no new try starts this many seconds after the first.
     :param transport: an httpx transport (tests; it brings its own TLS settings).
-    :raises ConfigError: no address, token or TLS setting could be resolved, or the CA
-        file is missing, unreadable or not PEM.
+    :raises ConfigError: no address, token or TLS setting could be resolved, the CA
+        file is missing, unreadable or not PEM, or the client certificate or key is
+        missing, unreadable, not PEM, encrypted, not a user's, or they do not match, or
+        only one of them is given, or one is given with ``insecure`` (the message names
+        the file or setting).
     """
 
     def __init__(
@@ -411,6 +434,8 @@ class Client:
         token: str | None = None,
         token_file: str | os.PathLike[str] | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
         insecure: bool | None = None,
         local_dir: str | os.PathLike[str] | None = None,
         timeout_s: float = 10.0,
@@ -424,19 +449,32 @@ class Client:
             token=token,
             token_file=token_file,
             tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
             insecure=insecure,
             local_dir=local_dir,
         )
         self.retry_max_tries = max(1, retry_max_tries)
         self.retry_total_s = retry_total_s
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        tls = self.connection.ssl_context
+        conn = self.connection
+        tls = conn.ssl_context
+        if conn.token is not None:
+            headers = {"Authorization": f"Bearer {conn.token}"}
+            self._unauthorized_hint = TOKEN_HINT
+        else:
+            # No token: the client certificate alone authenticates (a token would decide).
+            headers = {}
+            self._unauthorized_hint = (
+                f"the client certificate {conn.cert_file} was refused: its user must exist "
+                "on the cluster (`cumulusctl token create NAME`) and not be revoked"
+            )
         self._http = httpx.Client(
             timeout=self._timeout,
             transport=transport,
-            headers={"Authorization": f"Bearer {self.connection.token}"},
-            # Only the cluster's CA: every URL (configured, leader hint, log stream) is
-            # https:// with it, http:// without.
+            headers=headers,
+            # Only the cluster's CA (and the user's certificate, when given): every URL
+            # (configured, leader hint, log stream) is https:// with it, http:// without.
             verify=tls if tls is not None else True,
             # Coordinators are addressed directly (often on loopback): no proxies, and no
             # SSL_CERT_FILE from the environment.
@@ -508,7 +546,7 @@ class Client:
                             address=base,
                         ) from e
                 if resp.status_code != 503:
-                    _raise_for(resp, base)
+                    _raise_for(resp, base, self._unauthorized_hint)
                 last = f"{base}: HTTP 503: {_error_text(resp)}"
                 leader = resp.headers.get(LEADER_HTTP_HEADER)
             elapsed = time.monotonic() - start
@@ -990,7 +1028,7 @@ class Client:
         except httpx.TransportError as e:
             raise Unavailable(f"{base}: {e}", address=base) from e
         if not resp.is_success:
-            _raise_for(resp, base)
+            _raise_for(resp, base, self._unauthorized_hint)
         body: Mapping[str, Any] = resp.json()
         return body
 
@@ -1013,7 +1051,7 @@ class Client:
         :param rank: only this rank.
         :param cursor: resume after a cursor (an event id seen before).
         :raises NotFound: no such job.
-        :raises Unauthorized: wrong token.
+        :raises Unauthorized: wrong token (or a refused client certificate).
         :raises Unavailable: 20 consecutive connections failed.
         :raises ProtocolError: a malformed event.
         """
@@ -1043,7 +1081,7 @@ class Client:
                 ) as resp:
                     if resp.status_code in (400, 401, 404):
                         resp.read()
-                        _raise_for(resp, base)
+                        _raise_for(resp, base, self._unauthorized_hint)
                     if not resp.is_success:
                         resp.read()
                         failure = f"{base}: HTTP {resp.status_code}: {_error_text(resp)}"

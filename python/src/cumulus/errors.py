@@ -135,7 +135,9 @@ class CheckpointFailed(CumulusError):
 class ConfigError(CumulusError, ValueError):
     """Nothing (or nothing valid) says where the cluster is or what its token is: no
     ``CUMULUS_HTTP``/addresses, no token, or an unreadable ``cluster.json`` or token
-    file."""
+    file; or the TLS settings cannot be used (a bad CA certificate, a client certificate
+    or key that is unreadable, not a user's or mismatched, one without the other, or
+    one with ``insecure``)."""
 
 
 class ApiError(CumulusError):
@@ -157,7 +159,8 @@ class InvalidSpec(ApiError, ValueError):
 
 
 class Unauthorized(ApiError, PermissionError):
-    """HTTP 401: the cluster bearer token is missing or wrong."""
+    """HTTP 401: the bearer token is missing or wrong, or, without a token, the client
+    certificate names no user the cluster has (never created, or revoked)."""
 
 
 class Forbidden(ApiError, PermissionError):
