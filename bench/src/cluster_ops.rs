@@ -162,14 +162,45 @@ pub async fn failover(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
 /// progress report of the resumed attempt past its resume step, as the leader sees it
 /// (progress reaches the leader in heartbeats, every 1 s).
 pub async fn rank_restart(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
+    rank_restart_as(ctx, "rank_restart", None).await
+}
+
+/// [`rank_restart`] with the worker running ranks as other users (`--run-as
+/// 62000-62999`: staging given to the rank, parts sealed at commit, the rank-local API
+/// on the Unix socket). Needs root; without it, no rows.
+pub async fn rank_restart_run_as(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("   rank_restart_run_as: skipped (--run-as needs root)");
+        return Ok(Vec::new());
+    }
+    rank_restart_as(ctx, "rank_restart_run_as", Some("62000-62999")).await
+}
+
+async fn rank_restart_as(
+    ctx: &Ctx,
+    scenario: &'static str,
+    run_as: Option<&str>,
+) -> anyhow::Result<Vec<Row>> {
     let rounds = ctx.pick(20, 2);
     let cluster = Cluster::start(ClusterOpts {
         workers: 1,
+        worker_args: run_as
+            .map(|range| vec!["--run-as".to_string(), range.to_string()])
+            .unwrap_or_default(),
         ..ClusterOpts::default()
     })
     .await?;
-    let root = ctx.work_dir.join("rank-restart");
+    let root = ctx.work_dir.join(scenario);
     std::fs::create_dir_all(&root)?;
+    if run_as.is_some() {
+        // The ranks, as other users, read the shards under the scratch dir and write
+        // their results into `out`.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&ctx.work_dir, std::fs::Permissions::from_mode(0o711))?;
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::create_dir_all(root.join("out"))?;
+        std::fs::set_permissions(root.join("out"), std::fs::Permissions::from_mode(0o1777))?;
+    }
     let w = prepare_digits(&root, 4)?;
     let args = [
         "--epochs",
@@ -186,7 +217,7 @@ pub async fn rank_restart(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         backoff_initial_ms: Some(200),
         backoff_max_ms: Some(200),
     });
-    let job_id = cluster.submit("rank-restart", spec).await?.job_id;
+    let job_id = cluster.submit(scenario, spec).await?.job_id;
     let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
         let job = cluster
@@ -236,14 +267,14 @@ pub async fn rank_restart(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let n = a.len();
     Ok(vec![
         Row::new(
-            "rank_restart",
+            scenario,
             "(a) kill -> RankExited committed p50",
             percentile(&a, 50.0),
             "ms",
             n,
         ),
         Row::below(
-            "rank_restart",
+            scenario,
             "(a) kill -> RankExited committed p99",
             percentile(&a, 99.0),
             "ms",
@@ -251,14 +282,14 @@ pub async fn rank_restart(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
             100.0,
         ),
         Row::new(
-            "rank_restart",
+            scenario,
             "(b) new attempt running - backoff p50",
             percentile(&b, 50.0),
             "ms",
             n,
         ),
         Row::below(
-            "rank_restart",
+            scenario,
             "(b) new attempt running - backoff p99",
             percentile(&b, 99.0),
             "ms",
@@ -266,14 +297,14 @@ pub async fn rank_restart(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
             500.0,
         ),
         Row::new(
-            "rank_restart",
+            scenario,
             "(c) kill -> resumed progress seen p50",
             percentile(&c, 50.0),
             "ms",
             n,
         ),
         Row::new(
-            "rank_restart",
+            scenario,
             "(c) kill -> resumed progress seen p99",
             percentile(&c, 99.0),
             "ms",

@@ -41,8 +41,8 @@ struct Args {
     #[arg(long)]
     smoke: bool,
     /// Comma-separated scenarios to run (default: all): write_path, write_stages, failover,
-    /// follower_catchup, rank_restart, worker_expiry, heartbeat_scale, ckpt_commit,
-    /// ckpt_s3, training, memory, python.
+    /// follower_catchup, rank_restart, rank_restart_run_as, worker_expiry, heartbeat_scale,
+    /// scheduler, pause, ckpt_commit, ckpt_s3, training, memory, python.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Directory for the JSON results (created).
@@ -78,6 +78,7 @@ pub const SCENARIOS: &[&str] = &[
     "failover",
     "follower_catchup",
     "rank_restart",
+    "rank_restart_run_as",
     "worker_expiry",
     "heartbeat_scale",
     "scheduler",
@@ -96,6 +97,7 @@ async fn run_one(name: &str, ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         "failover" => cluster_ops::failover(ctx).await,
         "follower_catchup" => cluster_ops::follower_catchup(ctx).await,
         "rank_restart" => cluster_ops::rank_restart(ctx).await,
+        "rank_restart_run_as" => cluster_ops::rank_restart_run_as(ctx).await,
         "worker_expiry" => cluster_ops::worker_expiry(ctx).await,
         "heartbeat_scale" => heartbeat_scale::run(ctx).await,
         "scheduler" => scheduler::run(ctx).await,
