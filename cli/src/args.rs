@@ -66,7 +66,8 @@ pub struct GlobalOpts {
     #[arg(long, global = true, env = "CUMULUS_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
     /// A user's client certificate (PEM, issued by `certs issue user NAME`): with
-    /// `--tls-key` and no token, it authenticates as that user.
+    /// `--tls-key` it authenticates as that user (a token counts only when `--token-file`
+    /// is given on the command line, never one from the environment).
     #[arg(long, global = true, env = "CUMULUS_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     /// The private key of `--tls-cert` (PEM).

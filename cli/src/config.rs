@@ -406,7 +406,17 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
         Vec::new()
     };
     let certified = global.tls_cert.is_some() && global.tls_key.is_some();
-    let token = if let Some(t) = &global.token {
+    // With a user's certificate a token counts only when `--token-file` names it on the
+    // command line: one from the environment (`CUMULUS_TOKEN`, which is environment-only,
+    // or `CUMULUS_TOKEN_FILE`) is left unused, as the Python SDK does, so that an
+    // administrator's token in the shell does not silently replace the certificate.
+    let env_token_file = std::env::var_os("CUMULUS_TOKEN_FILE").map(PathBuf::from);
+    let token_file = global
+        .token_file
+        .as_ref()
+        .filter(|p| !(certified && env_token_file.as_ref() == Some(*p)));
+    let env_token = global.token.as_ref().filter(|_| !certified);
+    let token = if let Some(t) = env_token {
         cumulus_api::token::refuse_command_line(t, "--token", "CUMULUS_TOKEN").map_err(|e| {
             ConfigError::BadToken {
                 origin: "--token".into(),
@@ -414,7 +424,7 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
             }
         })?;
         check_token(t.trim(), "CUMULUS_TOKEN")?
-    } else if let Some(p) = &global.token_file {
+    } else if let Some(p) = token_file {
         read_token_file(p)?
     } else if certified {
         // A user's certificate alone: never the local cluster's (administrator) token.

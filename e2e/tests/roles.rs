@@ -307,6 +307,24 @@ async fn client_certificates_name_users() {
         "{stdout} {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // An administrator's token in the environment does not replace the certificate.
+    let ca = cluster.ca_file().expect("a TLS cluster");
+    let out = std::process::Command::new(cumulus_e2e::bin("cumulusctl"))
+        .env("CUMULUS_TOKEN_FILE", cluster.token_file())
+        .env("CUMULUS_TLS_CA", &ca)
+        .env("CUMULUS_TLS_CERT", &cert)
+        .env("CUMULUS_TLS_KEY", &key)
+        .env("CUMULUS_ADDR", cluster.grpc_addrs())
+        .arg("whoami")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run cumulusctl");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("dave (role submit)"),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = ctl_with_cert(
         &cluster,
         &cert,
