@@ -244,7 +244,8 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let c = AgentClient::new(&format!("http://127.0.0.1:{port}/"), "t", None).unwrap();
+        let c = AgentClient::new(&format!("http://127.0.0.1:{port}/"), "t", None)
+            .expect("a client of a loopback URL");
         let err = c
             .progress(&ProgressReport {
                 step: 1,

@@ -544,17 +544,33 @@ pub async fn serve_http(
             let Some(stream) = handshake(name, tls.as_ref(), stream).await else {
                 return;
             };
-            let service =
-                TowerToHyperService::new(router.layer(axum::Extension(stream.conn_info())));
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            if let Err(e) = watcher.watch(conn).await {
-                tracing::trace!(error = %e, "HTTP connection ended with an error");
-            }
+            let info = stream.conn_info();
+            serve_connection(&builder, watcher, router, info, stream).await;
         });
     }
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// Serves one accepted connection with `router`, every request carrying `extension`
+/// (what the server knows of the connection), until it closes or the graceful
+/// shutdown that `watcher` belongs to ends it.
+async fn serve_connection<E, I>(
+    builder: &Builder<TokioExecutor>,
+    watcher: hyper_util::server::graceful::Watcher,
+    router: axum::Router,
+    extension: E,
+    io: I,
+) where
+    E: Clone + Send + Sync + 'static,
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service = TowerToHyperService::new(router.layer(axum::Extension(extension)));
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    if let Err(e) = watcher.watch(conn).await {
+        tracing::trace!(error = %e, "HTTP connection ended with an error");
+    }
 }
 
 /// Who is on the other end of a Unix socket connection (`SO_PEERCRED`: the process
@@ -630,11 +646,7 @@ pub async fn serve_unix_http(
         let watcher = graceful.watcher();
         tokio::spawn(async move {
             let _permit = permit;
-            let service = TowerToHyperService::new(router.layer(axum::Extension(peer)));
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            if let Err(e) = watcher.watch(conn).await {
-                tracing::trace!(error = %e, "HTTP connection ended with an error");
-            }
+            serve_connection(&builder, watcher, router, peer, stream).await;
         });
     }
     drop(listener);

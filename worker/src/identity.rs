@@ -438,13 +438,13 @@ mod tests {
     #[test]
     fn run_as_parses_names_ids_and_ranges() {
         assert_eq!(
-            RunAs::parse("60000-60009").unwrap(),
+            RunAs::parse("60000-60009").expect("a valid range"),
             RunAs::Range {
                 first: 60000,
                 count: 10
             }
         );
-        match RunAs::parse("nobody").unwrap() {
+        match RunAs::parse("nobody").expect("Debian has the nobody account") {
             RunAs::Account { uid, name, .. } => {
                 assert_ne!(uid, 0);
                 assert_eq!(name.as_deref(), Some("nobody"));
@@ -452,7 +452,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(
-            RunAs::parse("4242:4343").unwrap(),
+            RunAs::parse("4242:4343").expect("numeric ids need no account"),
             RunAs::Account {
                 uid: 4242,
                 gid: 4343,
@@ -480,10 +480,14 @@ mod tests {
             first: 60000,
             count: 100,
         };
-        let a = run_as.creds("job-000007", None).unwrap();
+        let a = run_as
+            .creds("job-000007", None)
+            .expect("a range gives credentials");
         assert_eq!((a.uid, a.gid), (60007, 60007));
         assert!(a.groups.is_empty());
-        let b = run_as.creds("job-000108", Some("job-000007")).unwrap();
+        let b = run_as
+            .creds("job-000108", Some("job-000007"))
+            .expect("a range gives credentials");
         assert_eq!((b.uid, b.gid, b.groups), (60008, 60008, vec![60007]));
         assert_eq!(RunAs::Agent.creds("job-000001", None), None);
     }
@@ -510,8 +514,8 @@ mod tests {
 
     #[test]
     fn base_env_keeps_only_what_is_passed() {
-        let identity =
-            RankIdentity::from_flags(Some("nobody"), false, &["NCCL_*".into()], 0).unwrap();
+        let identity = RankIdentity::from_flags(Some("nobody"), false, &["NCCL_*".into()], 0)
+            .expect("valid flags");
         let agent: Vec<(OsString, OsString)> = [
             ("PATH", "/usr/bin"),
             ("LC_ALL", "C"),
