@@ -2,8 +2,10 @@
 # The docker-compose test: real images, real containers, real kills and partitions.
 #
 #   1. build the images offline (local debootstrap base, host-built binaries), `up`, wait
-#      for a leader, submit the example trainer with world size 4, the job succeeds and
-#      every rank consumed every record of its shards exactly once;
+#      for a leader; every connection is TLS (the coordinators' HTTP refuses plaintext,
+#      `cluster status` says TLS, each worker enrolled for a certificate of its own);
+#      submit the example trainer with world size 4, the job succeeds and every rank
+#      consumed every record of its shards exactly once;
 #   2. during a second run: `docker kill` the leader's container, `docker network
 #      disconnect` a coordinator and reconnect it later, `docker kill` a worker; the job
 #      still succeeds, resumed from committed steps, LATEST names a verified step;
@@ -143,8 +145,15 @@ for i in cumulus-base:bookworm cumulus-{coordinator,worker,s3s-fs}:$CUMULUS_TAG 
 done
 
 # ---- up, leader -------------------------------------------------------------------------
+# The cluster CA (made by the `certs` service at the first `up`): the host's curl verifies
+# the coordinators against it.
+ca_file="$work/ca.pem"
+fetch_ca() {
+  dc --profile tools run --rm --no-deps -T --entrypoint cat cumulusctl /pki-public/ca.pem >"$ca_file.tmp" &&
+    [ -s "$ca_file.tmp" ] && mv "$ca_file.tmp" "$ca_file"
+}
 leader_id() {
-  curl -fsS "http://127.0.0.1:$CUMULUS_HTTP_PORT/health" | jget 'd["leader_id"] or ""'
+  curl -fsS --cacert "$ca_file" "https://127.0.0.1:$CUMULUS_HTTP_PORT/health" | jget 'd["leader_id"] or ""'
 }
 has_leader() { [ -n "$(leader_id)" ]; }
 
@@ -155,6 +164,7 @@ up_and_wait() {
     cat "$work/up.log"
     fail "up"
   }
+  fetch_ca || fail "no CA certificate in the pki-public volume (the certs service: $(dc logs --no-color certs | tail -n 5))"
   wait_until "a leader" 120 has_leader
   t1=$(date +%s.%N)
   up_to_leader=$(python3 -c "print(f'{$t1-$t0:.1f}')")
@@ -172,6 +182,17 @@ workers_alive() {
   [ "$(ctl cluster status -o json | jget 'sum(1 for w in d.get("workers",[]) if w["state"]=="alive")')" -ge "$1" ]
 }
 wait_until "2 workers alive" 120 workers_alive 2
+
+# TLS inside the cluster network: no plaintext answer, no coordinator says insecure, and
+# each worker registered with a certificate it enrolled for (mutual TLS binds the worker
+# id to it: without one, the coordinators refuse its registration).
+if curl -fsS -m 5 "http://127.0.0.1:$CUMULUS_HTTP_PORT/health" >/dev/null 2>&1; then
+  fail "a coordinator answered plain HTTP"
+fi
+[ "$(ctl cluster status -o json | jget 'd.get("insecure", False)')" = False ] || fail "cluster status says insecure"
+enrolled="$(dc logs --no-color worker | grep -c 'enrolled: certificate signed by the cluster CA' || true)"
+[ "$enrolled" -ge 2 ] || fail "$enrolled workers enrolled, want 2: $(dc logs --no-color worker | grep -i enrol | tail -n 5)"
+say "TLS on every connection: plain HTTP refused, $enrolled workers enrolled for certificates"
 
 ctl dataset split /usr/share/cumulus/digits/digits.csv.gz --shards 8 \
   --out /shared/data/shards --holdout-out /shared/data/holdout.csv >/dev/null

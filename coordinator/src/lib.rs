@@ -142,6 +142,12 @@ pub struct Config {
     /// the cluster CA; or `--insecure`.
     #[command(flatten)]
     pub tls: cumulus_tls::args::TlsArgs,
+    /// The cluster CA's key (PEM, readable by this user only): this coordinator then
+    /// signs certificates for workers that enrol (`cumulus-worker --tls-enrol`) with the
+    /// cluster token. Whoever holds this key can mint any member's certificate: give it
+    /// only to coordinators, and only where workers enrol (the compose cluster does).
+    #[arg(long, env = "CUMULUS_TLS_CA_KEY", requires = "tls_ca")]
+    pub tls_ca_key: Option<PathBuf>,
     /// Raft heartbeat interval between coordinators, in milliseconds.
     #[arg(long, default_value_t = 50)]
     pub raft_heartbeat_ms: u64,
@@ -269,6 +275,10 @@ pub async fn run(
             "--insecure: every connection is plaintext; tokens and job data cross the network readable"
         );
     }
+    let enrolment_ca = match (&config.tls_ca_key, &config.tls.tls_ca) {
+        (Some(key), Some(ca)) => Some(Arc::new(load_enrolment_ca(ca, key)?)),
+        _ => None,
+    };
     let token = auth::load_token(config.token_file.as_deref(), config.token.as_deref())?;
     let peer_token = auth::load_peer_token(
         config.peer_token_file.as_deref(),
@@ -458,7 +468,10 @@ pub async fn run(
             auth::UserAuth { node: node.clone() },
         ))
         .add_service(WorkerServiceServer::with_interceptor(
-            worker_service::WorkerSvc { node: node.clone() },
+            worker_service::WorkerSvc {
+                node: node.clone(),
+                enrolment_ca,
+            },
             interceptor,
         ));
     let grpc_cancel = cancel.clone();
@@ -505,6 +518,31 @@ pub async fn run(
         warn!(error = %e, "raft shutdown");
     }
     Ok(())
+}
+
+/// The cluster CA that signs enrolling workers' certificates (`--tls-ca-key`): the key
+/// file must be readable by its owner only and belong to the CA certificate.
+///
+/// # Errors
+/// A key file that others may read, that cannot be read, or of another CA.
+fn load_enrolment_ca(
+    ca: &std::path::Path,
+    key: &std::path::Path,
+) -> anyhow::Result<cumulus_tls::generate::ClusterCa> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(key)
+        .with_context(|| format!("cannot read --tls-ca-key {}", key.display()))?;
+    if meta.mode() & 0o077 != 0 {
+        bail!(
+            "--tls-ca-key {} is readable or writable by others (mode {:o}): make it 0600",
+            key.display(),
+            meta.mode() & 0o777
+        );
+    }
+    let signer = cumulus_tls::generate::ClusterCa::load(ca, key)
+        .with_context(|| format!("--tls-ca-key {}", key.display()))?;
+    info!(key = %key.display(), "signing certificates for workers that enrol");
+    Ok(signer)
 }
 
 #[cfg(test)]

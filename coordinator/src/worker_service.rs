@@ -60,6 +60,42 @@ fn desired_reply(node: &Node, worker_id: &str) -> (v1::HeartbeatResponse, Option
 pub struct WorkerSvc {
     /// This coordinator's shared context (state, soft state, proposer).
     pub node: Arc<Node>,
+    /// The cluster CA that signs enrolling workers' certificates (`--tls-ca-key`);
+    /// `None`: this coordinator answers `Enrol` with FAILED_PRECONDITION.
+    pub enrolment_ca: Option<Arc<cumulus_tls::generate::ClusterCa>>,
+}
+
+/// Most host names one enrolment may ask for.
+pub const MAX_ENROL_HOSTS: usize = 16;
+
+/// Checks the host names an enrolling worker asks its certificate to serve: at most
+/// [`MAX_ENROL_HOSTS`], each an IP address or a DNS name (labels of 1..=63 letters,
+/// digits and hyphens, 253 bytes in all).
+fn check_enrol_hosts(hosts: &[String]) -> Result<(), Status> {
+    if hosts.len() > MAX_ENROL_HOSTS {
+        return Err(Status::invalid_argument(format!(
+            "{} host names, more than {MAX_ENROL_HOSTS}",
+            hosts.len()
+        )));
+    }
+    for h in hosts {
+        let dns_ok = h.len() <= 253
+            && h.split('.').all(|label| {
+                (1..=63).contains(&label.len())
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+            });
+        if !dns_ok && h.parse::<std::net::IpAddr>().is_err() {
+            return Err(Status::invalid_argument(format!(
+                "host {:?} is neither an IP address nor a DNS name",
+                h.escape_debug().to_string()
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn check_worker_id(id: &str) -> Result<(), Status> {
@@ -421,5 +457,71 @@ impl WorkerService for WorkerSvc {
             .await
             .map_err(to_status)?;
         Ok(Response::new(v1::Ack {}))
+    }
+
+    async fn enrol(
+        &self,
+        req: Request<v1::EnrolWorkerRequest>,
+    ) -> Result<Response<v1::EnrolWorkerResponse>, Status> {
+        let from = req
+            .extensions()
+            .get::<cumulus_listen::ConnInfo>()
+            .and_then(|c| c.remote_addr);
+        let r = req.into_inner();
+        let Some(ca) = &self.enrolment_ca else {
+            return Err(Status::failed_precondition(
+                "this coordinator signs no worker certificates: start it with --tls-ca-key, \
+                 or issue the worker one with `cumulusctl certs issue worker ID`",
+            ));
+        };
+        check_worker_id(&r.worker_id)?;
+        check_enrol_hosts(&r.hosts)?;
+        let identity = cumulus_tls::Identity::Worker(r.worker_id.clone());
+        let cert_pem = ca
+            .sign_request(&identity, &r.hosts, &r.csr_pem)
+            .map_err(|e| match e {
+                cumulus_tls::TlsError::BadRequest(why) => {
+                    Status::invalid_argument(format!("certificate signing request: {why}"))
+                }
+                other => Status::internal(other.to_string()),
+            })?;
+        tracing::info!(
+            worker_id = %r.worker_id,
+            hosts = ?r.hosts,
+            ?from,
+            "signed a certificate for an enrolling worker"
+        );
+        Ok(Response::new(v1::EnrolWorkerResponse { cert_pem }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enrolment_hosts_are_ip_addresses_or_dns_names_and_bounded() {
+        let ok =
+            |h: &[&str]| check_enrol_hosts(&h.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert!(ok(&[]).is_ok());
+        assert!(ok(&["3f2a9c1b0d4e", "worker-1.cluster.local", "10.0.0.7", "::1"]).is_ok());
+        for bad in [
+            "",
+            "a b",
+            "a..b",
+            "-a",
+            "a-",
+            "a/b",
+            "é",
+            &"a".repeat(64),
+            "a\u{1b}[2J",
+        ] {
+            let err = ok(&[bad]).expect_err(bad);
+            assert_eq!(err.code(), tonic::Code::InvalidArgument, "{bad:?}");
+        }
+        let long = ["a".repeat(63).as_str(); 4].join(".");
+        assert!(ok(&[&long]).is_err(), "more than 253 bytes");
+        let many: Vec<String> = (0..=MAX_ENROL_HOSTS).map(|i| format!("h{i}")).collect();
+        assert!(check_enrol_hosts(&many).is_err());
     }
 }

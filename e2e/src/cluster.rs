@@ -109,6 +109,9 @@ pub struct ClusterOpts {
     /// TLS on every connection, with a CA and certificates made for this cluster
     /// (`false`: every process runs `--insecure`).
     pub tls: bool,
+    /// With `tls`: workers get no certificate; they enrol (`--tls-enrol`) with the
+    /// coordinators, which hold the CA key (`--tls-ca-key`).
+    pub enrol_workers: bool,
 }
 
 impl Default for ClusterOpts {
@@ -129,6 +132,7 @@ impl Default for ClusterOpts {
             per_worker_args: Vec::new(),
             worker_nofile: None,
             tls: true,
+            enrol_workers: false,
         }
     }
 }
@@ -342,6 +346,15 @@ impl Cluster {
             &format!("coordinator-{id}"),
             &cumulus_tls::Identity::Coordinator(id),
         )?;
+        if let (true, Some(pki)) = (self.opts.enrol_workers, &self.pki) {
+            extra.push("--tls-ca-key".into());
+            extra.push(
+                pki.dir
+                    .join(cumulus_tls::generate::CA_KEY_FILE)
+                    .display()
+                    .to_string(),
+            );
+        }
         let c = &mut self.coordinators[i];
         if c.join {
             peers = vec!["--peer".into(), format!("{}={}@{}", c.id, c.grpc, c.http)];
@@ -501,7 +514,14 @@ impl Cluster {
             .collect::<Vec<_>>()
             .join(",");
         let name = self.workers[i].name.clone();
-        let tls = self.tls_flags(&name, &cumulus_tls::Identity::Worker(name.clone()))?;
+        let tls = match (&self.pki, self.opts.enrol_workers) {
+            (Some(pki), true) => vec![
+                "--tls-enrol".into(),
+                "--tls-ca".into(),
+                pki.ca_file().display().to_string(),
+            ],
+            _ => self.tls_flags(&name, &cumulus_tls::Identity::Worker(name.clone()))?,
+        };
         let w = &mut self.workers[i];
         let log = File::options().create(true).append(true).open(&w.log)?;
         let mut command = Command::new(bin("cumulus-worker"));

@@ -211,3 +211,156 @@ async fn an_insecure_cluster_says_so() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("--insecure"), "{text}");
 }
+
+/// The enrolled certificate and key of worker `name` (`<data-dir>/tls/`).
+fn enrolled(cluster: &Cluster, name: &str) -> cumulus_tls::generate::PairFiles {
+    cumulus_tls::generate::PairFiles::in_dir(&cluster.dir.path().join(name).join("tls"), "worker")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_without_certificates_enrol_with_the_cluster_token_and_keep_their_certificate() {
+    use std::os::unix::fs::PermissionsExt;
+    // No worker has a certificate: each makes a key and asks the coordinators, which
+    // hold the CA key, to sign it. `Cluster::start` waits for both to register, which
+    // with TLS needs a certificate naming the worker.
+    let mut cluster = Cluster::start(ClusterOpts {
+        coordinators: 1,
+        workers: 2,
+        enrol_workers: true,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let ca = cluster.ca_file().expect("a TLS cluster");
+    for name in ["worker-1", "worker-2"] {
+        let files = enrolled(&cluster, name);
+        let creds = cumulus_tls::Credentials::load(&files.cert, &files.key, &ca)
+            .unwrap_or_else(|e| panic!("{name}'s enrolled certificate: {e}"));
+        assert_eq!(creds.identity(), &Identity::Worker(name.into()));
+        let mode = std::fs::metadata(&files.key)
+            .expect("key")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o077, 0, "{name}'s key is private: {mode:o}");
+    }
+
+    // The certificates serve the agents' APIs: a job's ranks run, and its logs come
+    // back through the coordinator, which fetches them from the agent over TLS.
+    let job = cluster
+        .submit(
+            "enrolled",
+            v1::JobSpec {
+                world_size: 2,
+                command: vec!["sh".into(), "-c".into(), "echo enrolled-rank-$RANK".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("submit")
+        .job_id;
+    let done = cluster.wait_finished(&job, LONG).await;
+    assert_eq!(
+        done.job_state(),
+        Ok(cumulus_api::JobState::Succeeded),
+        "{done:?}"
+    );
+    let out = cluster
+        .cumulusctl(&["logs", &job, "--rank", "1"])
+        .expect("logs");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("enrolled-rank-1"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A restarted agent uses its certificate again instead of enrolling anew.
+    let before = std::fs::read(enrolled(&cluster, "worker-1").cert).expect("cert");
+    cluster.workers[0].kill9();
+    cluster.spawn_worker(0).expect("restart");
+    let log = cluster.workers[0].log.clone();
+    cumulus_e2e::wait_for("the restarted agent to reuse its certificate", LONG, || {
+        let log = log.clone();
+        async move {
+            std::fs::read_to_string(&log)
+                .ok()
+                .filter(|l| l.contains("using the enrolled certificate"))
+        }
+    })
+    .await;
+    assert_eq!(
+        std::fs::read(enrolled(&cluster, "worker-1").cert).expect("cert"),
+        before
+    );
+
+    // Enrolment needs the cluster token (a user's token is refused), a valid worker id
+    // and host names, and a request signed by the key it names.
+    let coord = cluster.coordinators[0].grpc.clone();
+    let request = cumulus_tls::generate::Request::generate(
+        &Identity::Worker("worker-9".into()),
+        &["127.0.0.1".into()],
+    )
+    .expect("request");
+    let enrol = |worker_id: &str, hosts: Vec<String>, csr_pem: String| v1::EnrolWorkerRequest {
+        worker_id: worker_id.into(),
+        hosts,
+        csr_pem,
+    };
+    let ch = cumulus_e2e::coordinator_channel(&coord, cluster.client_tls().as_ref())
+        .await
+        .expect("channel");
+    let mut as_user = v1::worker_service_client::WorkerServiceClient::with_interceptor(
+        ch,
+        cumulus_e2e::Auth::new("cu.alice.0123456789abcdef0123456789abcdef"),
+    );
+    let refused = as_user
+        .enrol(enrol("worker-9", vec![], request.request_pem.clone()))
+        .await
+        .expect_err("a user's token");
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused}");
+    let mut client = worker_client(&coord, cluster.client_tls().as_ref())
+        .await
+        .expect("client");
+    for (what, bad) in [
+        (
+            "a worker id with a slash",
+            enrol("w/9", vec![], request.request_pem.clone()),
+        ),
+        (
+            "a host with a space",
+            enrol("worker-9", vec!["a b".into()], request.request_pem.clone()),
+        ),
+        (
+            "seventeen hosts",
+            enrol(
+                "worker-9",
+                (0..17).map(|i| format!("h{i}")).collect(),
+                request.request_pem.clone(),
+            ),
+        ),
+        ("no request", enrol("worker-9", vec![], "garbage".into())),
+    ] {
+        let refused = client.enrol(bad).await.expect_err(what);
+        assert_eq!(
+            refused.code(),
+            tonic::Code::InvalidArgument,
+            "{what}: {refused}"
+        );
+    }
+    let signed = client
+        .enrol(enrol(
+            "worker-9",
+            vec!["127.0.0.1".into()],
+            request.request_pem,
+        ))
+        .await
+        .expect("the cluster token enrols")
+        .into_inner();
+    use cumulus_tls::rustls::pki_types::pem::PemObject;
+    let cert =
+        cumulus_tls::rustls::pki_types::CertificateDer::from_pem_slice(signed.cert_pem.as_bytes())
+            .expect("PEM");
+    assert_eq!(
+        cumulus_tls::identity_of(&cert).expect("identity"),
+        Identity::Worker("worker-9".into())
+    );
+}

@@ -15,6 +15,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose, SanType,
 };
+use rustls::pki_types::pem::PemObject;
 
 use crate::{Identity, TlsError};
 
@@ -37,6 +38,80 @@ fn validity(params: &mut CertificateParams, days: i64) {
     let now = time::OffsetDateTime::now_utc();
     params.not_before = now - time::Duration::days(1);
     params.not_after = now + time::Duration::days(days);
+}
+
+/// The parameters of a leaf certificate for `identity` serving `hosts` and
+/// [`LOCAL_HOSTS`]: server and client authentication, valid [`LEAF_VALIDITY_DAYS`].
+fn leaf_params(identity: &Identity, hosts: &[String]) -> Result<CertificateParams, TlsError> {
+    let mut names: Vec<String> = LOCAL_HOSTS.iter().map(|h| h.to_string()).collect();
+    for h in hosts {
+        if !names.contains(h) {
+            names.push(h.clone());
+        }
+    }
+    let mut params = CertificateParams::new(names).map_err(gen_err)?;
+    params
+        .subject_alt_names
+        .push(SanType::URI(identity.uri().try_into().map_err(gen_err)?));
+    params
+        .distinguished_name
+        .push(DnType::CommonName, identity.to_string());
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    params.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    params.use_authority_key_identifier_extension = true;
+    validity(&mut params, LEAF_VALIDITY_DAYS);
+    Ok(params)
+}
+
+/// Largest certificate signing request [`ClusterCa::sign_request`] reads, in bytes
+/// (one P-256 request with a few names is under 1 KiB).
+pub const MAX_REQUEST_PEM_BYTES: usize = 16 * 1024;
+
+/// A new key and a certificate signing request for it naming `identity` (what a worker
+/// sends to enrol; the signer decides what the certificate finally names).
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// The new private key (PKCS#8 PEM): it never leaves the process that made it.
+    pub key_pem: String,
+    /// The signing request (PKCS#10 PEM), signed with that key.
+    pub request_pem: String,
+}
+
+impl Request {
+    /// Generates an ECDSA P-256 key and a request for `identity` serving `hosts`.
+    ///
+    /// # Errors
+    /// [`TlsError::Generate`] when rcgen fails (a host name it cannot encode).
+    pub fn generate(identity: &Identity, hosts: &[String]) -> Result<Request, TlsError> {
+        // Names only: validity, usages and key identifiers are the signer's to choose
+        // (and rcgen puts none of them in a request).
+        let mut names: Vec<String> = LOCAL_HOSTS.iter().map(|h| h.to_string()).collect();
+        names.extend(
+            hosts
+                .iter()
+                .filter(|h| !LOCAL_HOSTS.contains(&h.as_str()))
+                .cloned(),
+        );
+        let mut params = CertificateParams::new(names).map_err(gen_err)?;
+        params
+            .subject_alt_names
+            .push(SanType::URI(identity.uri().try_into().map_err(gen_err)?));
+        params
+            .distinguished_name
+            .push(DnType::CommonName, identity.to_string());
+        let key = KeyPair::generate().map_err(gen_err)?;
+        let request = params.serialize_request(&key).map_err(gen_err)?;
+        Ok(Request {
+            key_pem: key.serialize_pem(),
+            request_pem: request.pem().map_err(gen_err)?,
+        })
+    }
 }
 
 /// A certificate and its key, as PEM.
@@ -95,6 +170,18 @@ impl ClusterCa {
         let cert_pem = read("CA certificate", cert)?;
         let key_pem = read("CA key", key)?;
         let key_pair = KeyPair::from_pem(&key_pem).map_err(gen_err)?;
+        // A key of another CA would sign certificates that nobody trusts.
+        let cert_der = rustls::pki_types::CertificateDer::from_pem_slice(cert_pem.as_bytes())
+            .map_err(|e| TlsError::BadCertificate(format!("CA {}: {e}", cert.display())))?;
+        let (_, parsed) = x509_parser::parse_x509_certificate(cert_der.as_ref())
+            .map_err(|e| TlsError::BadCertificate(format!("CA {}: {e}", cert.display())))?;
+        if parsed.public_key().subject_public_key.data.as_ref() != key_pair.public_key_raw() {
+            return Err(TlsError::Config(format!(
+                "the CA key {} does not belong to the CA certificate {}",
+                key.display(),
+                cert.display()
+            )));
+        }
         let issuer = Issuer::from_ca_cert_pem(&cert_pem, key_pair).map_err(gen_err)?;
         Ok(ClusterCa {
             issuer,
@@ -114,35 +201,43 @@ impl ClusterCa {
     /// # Errors
     /// [`TlsError::Generate`] for a host name rcgen cannot encode, or when signing fails.
     pub fn issue(&self, identity: &Identity, hosts: &[String]) -> Result<Issued, TlsError> {
-        let mut names: Vec<String> = LOCAL_HOSTS.iter().map(|h| h.to_string()).collect();
-        for h in hosts {
-            if !names.contains(h) {
-                names.push(h.clone());
-            }
-        }
-        let mut params = CertificateParams::new(names).map_err(gen_err)?;
-        params
-            .subject_alt_names
-            .push(SanType::URI(identity.uri().try_into().map_err(gen_err)?));
-        params
-            .distinguished_name
-            .push(DnType::CommonName, identity.to_string());
-        params.key_usages = vec![
-            KeyUsagePurpose::DigitalSignature,
-            KeyUsagePurpose::KeyEncipherment,
-        ];
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        params.use_authority_key_identifier_extension = true;
-        validity(&mut params, LEAF_VALIDITY_DAYS);
+        let params = leaf_params(identity, hosts)?;
         let key = KeyPair::generate().map_err(gen_err)?;
         let cert = params.signed_by(&key, &self.issuer).map_err(gen_err)?;
         Ok(Issued {
             cert_pem: cert.pem(),
             key_pem: key.serialize_pem(),
         })
+    }
+
+    /// Signs the public key of a certificate signing request (PKCS#10, PEM, at most
+    /// [`MAX_REQUEST_PEM_BYTES`]) as `identity` serving `hosts`, as [`ClusterCa::issue`]
+    /// would: only the request's key and the proof that its sender holds the private key
+    /// (the request's signature) are used; its subject, names and extensions are not
+    /// (the caller decides who the certificate names). Returns the certificate as PEM.
+    ///
+    /// # Errors
+    /// [`TlsError::BadRequest`] for a request that is too large, does not parse or whose
+    /// signature fails; [`TlsError::Generate`] when signing fails.
+    pub fn sign_request(
+        &self,
+        identity: &Identity,
+        hosts: &[String],
+        request_pem: &str,
+    ) -> Result<String, TlsError> {
+        if request_pem.len() > MAX_REQUEST_PEM_BYTES {
+            return Err(TlsError::BadRequest(format!(
+                "{} bytes, more than {MAX_REQUEST_PEM_BYTES}",
+                request_pem.len()
+            )));
+        }
+        let request = rcgen::CertificateSigningRequestParams::from_pem(request_pem)
+            .map_err(|e| TlsError::BadRequest(e.to_string()))?;
+        let params = leaf_params(identity, hosts)?;
+        let cert = params
+            .signed_by(&request.public_key, &self.issuer)
+            .map_err(gen_err)?;
+        Ok(cert.pem())
     }
 
     /// Writes `ca.pem` (0644) and `ca-key.pem` (0600) into `dir` (created 0700 if

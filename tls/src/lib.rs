@@ -14,7 +14,10 @@
 //!   `--insecure` flags every binary takes.
 //!
 //! Users and programs that are not cluster members (cumulusctl, the Python SDK) verify
-//! the server against the CA and authenticate with a bearer token, never a certificate.
+//! the server against the CA and authenticate with a bearer token or a user's
+//! certificate. A worker without a certificate can enrol: it sends a signing request
+//! for a key it made ([`generate::Request`]) with the cluster token, and a coordinator
+//! holding the CA key signs it ([`generate::ClusterCa::sign_request`]).
 
 use std::fmt;
 use std::io::Read;
@@ -133,6 +136,52 @@ pub fn identity_of(cert: &CertificateDer<'_>) -> Result<Identity, TlsError> {
     Identity::from_uri(uri).ok_or_else(|| bad(&format!("identity {uri:?} is malformed")))
 }
 
+/// What a certificate says about how long it is valid and which hosts it serves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CertSummary {
+    /// End of its validity, in seconds since the Unix epoch.
+    pub not_after_unix_s: i64,
+    /// Its DNS names and IP addresses (as text).
+    pub hosts: Vec<String>,
+}
+
+/// The [`CertSummary`] of a certificate.
+///
+/// # Errors
+/// [`TlsError::BadCertificate`] when it does not parse.
+pub fn summary_of(cert: &CertificateDer<'_>) -> Result<CertSummary, TlsError> {
+    use x509_parser::extensions::GeneralName;
+    let bad = |why: String| TlsError::BadCertificate(why);
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| bad(format!("does not parse: {e}")))?;
+    let mut hosts = Vec::new();
+    if let Some(san) = parsed
+        .subject_alternative_name()
+        .map_err(|e| bad(format!("its subject alternative names do not parse: {e}")))?
+    {
+        for name in &san.value.general_names {
+            match name {
+                GeneralName::DNSName(d) => hosts.push((*d).to_owned()),
+                GeneralName::IPAddress(b) => {
+                    let ip = match b.len() {
+                        4 => <[u8; 4]>::try_from(*b).ok().map(std::net::IpAddr::from),
+                        16 => <[u8; 16]>::try_from(*b).ok().map(std::net::IpAddr::from),
+                        _ => None,
+                    };
+                    if let Some(ip) = ip {
+                        hosts.push(ip.to_string());
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(CertSummary {
+        not_after_unix_s: parsed.validity().not_after.timestamp(),
+        hosts,
+    })
+}
+
 /// Why TLS files or configurations cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -166,6 +215,10 @@ pub enum TlsError {
     /// Certificate generation failed.
     #[error("certificate generation: {0}")]
     Generate(String),
+    /// A certificate signing request that is too large, does not parse, or whose
+    /// signature fails.
+    #[error("certificate signing request: {0}")]
+    BadRequest(String),
     /// Writing generated files failed.
     #[error("cannot write {}: {source}", path.display())]
     Write {
@@ -338,6 +391,14 @@ impl Credentials {
     /// Who the certificate names.
     pub fn identity(&self) -> &Identity {
         &self.identity
+    }
+
+    /// The [`CertSummary`] of the certificate (the first of the chain).
+    ///
+    /// # Errors
+    /// [`TlsError::BadCertificate`] when it does not parse (it did when loaded).
+    pub fn summary(&self) -> Result<CertSummary, TlsError> {
+        summary_of(&self.chain[0])
     }
 
     /// The CA this process trusts.

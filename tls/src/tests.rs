@@ -191,3 +191,59 @@ fn pki_other() -> Credentials {
     // Loaded into memory: the files may go with their temp dir.
     pki().credentials("x", Identity::Worker("x".into()))
 }
+
+#[tokio::test]
+async fn a_signed_request_names_whom_the_signer_chose_and_works_for_mutual_tls() {
+    let pki = pki();
+    // The request asks to be a coordinator; the signer names it worker w-9.
+    let request = generate::Request::generate(&Identity::Coordinator(1), &["w-9.example".into()])
+        .expect("request");
+    let cert_pem = pki
+        .ca
+        .sign_request(
+            &Identity::Worker("w-9".into()),
+            &["w-9.example".into()],
+            &request.request_pem,
+        )
+        .expect("sign");
+    let files = PairFiles::in_dir(&pki.dir, "w-9");
+    std::fs::write(&files.cert, &cert_pem).expect("write cert");
+    std::fs::write(&files.key, &request.key_pem).expect("write key");
+    let worker = Credentials::load(&files.cert, &files.key, &pki.dir.join(CA_FILE)).expect("load");
+    assert_eq!(worker.identity(), &Identity::Worker("w-9".into()));
+    let coordinator = pki.credentials("coordinator-1", Identity::Coordinator(1));
+    let peer = handshake(&coordinator, worker.client_config().expect("client"))
+        .await
+        .expect("mutual TLS with the signed certificate");
+    assert_eq!(peer, Some(Identity::Worker("w-9".into())));
+
+    // A request whose signature does not match its key, garbage, and an oversized
+    // request are refused before anything is signed.
+    let mut tampered = request.request_pem.clone().into_bytes();
+    let body_start = tampered.iter().position(|b| *b == b'\n').expect("pem") + 40;
+    tampered[body_start] = if tampered[body_start] == b'A' {
+        b'B'
+    } else {
+        b'A'
+    };
+    let tampered = String::from_utf8(tampered).expect("ascii");
+    let worker_w9 = Identity::Worker("w-9".into());
+    for bad in [tampered, "not a request".to_string(), "A".repeat(20_000)] {
+        let err = pki
+            .ca
+            .sign_request(&worker_w9, &[], &bad)
+            .expect_err("refused");
+        assert!(matches!(err, TlsError::BadRequest(_)), "{err}");
+    }
+}
+
+#[test]
+fn a_ca_key_of_another_ca_is_refused() {
+    let a = pki();
+    let b = pki();
+    let err = ClusterCa::load(&a.dir.join(CA_FILE), &b.dir.join(generate::CA_KEY_FILE))
+        .err()
+        .expect("another CA's key");
+    assert!(err.to_string().contains("does not belong"), "{err}");
+    ClusterCa::load(&a.dir.join(CA_FILE), &a.dir.join(generate::CA_KEY_FILE)).expect("own key");
+}

@@ -19,6 +19,7 @@
 pub mod agent;
 pub mod agent_api;
 pub mod client;
+pub mod enrol;
 pub mod events;
 pub mod gpus;
 pub mod http;
@@ -155,6 +156,19 @@ pub struct Config {
     /// `--insecure`. The rank-local API stays plaintext on loopback.
     #[command(flatten)]
     pub tls: cumulus_tls::args::TlsArgs,
+
+    /// Get this agent's certificate from the coordinators instead of `--tls-cert` and
+    /// `--tls-key`: it makes a key, asks a coordinator started with `--tls-ca-key` to
+    /// sign it (with the cluster token, the server verified against `--tls-ca`), keeps
+    /// both in `<data-dir>/tls/` and uses them again while they fit (see `enrol`). For
+    /// workers whose ids are not known in advance (a scaled compose service).
+    #[arg(
+        long,
+        env = "CUMULUS_TLS_ENROL",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub tls_enrol: bool,
 
     /// Most connections open at once on the agent API (`--listen`); more are closed at
     /// accept. Scaled down to fit the open-file limit, which keeps descriptors in
@@ -408,8 +422,38 @@ async fn write_agent_info(data_dir: &Path, info: &AgentInfo) -> std::io::Result<
 /// after the grace time), waits for them, reports their exits (best effort, for at most
 /// [`SHUTDOWN_REPORT_TIMEOUT`]) and returns `Ok(())`. Fails early on an invalid
 /// configuration, a data dir in use by another agent, or an address that cannot be bound.
-pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
+pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     let resolved = config.resolve().context("invalid configuration")?;
+    let mut shutdown = std::pin::pin!(shutdown);
+    let enrol_ca = if config.tls_enrol {
+        Some(enrol::check_flags(&config.tls)?.to_path_buf())
+    } else {
+        None
+    };
+    tokio::fs::create_dir_all(&config.data_dir)
+        .await
+        .with_context(|| format!("cannot create --data-dir {}", config.data_dir.display()))?;
+    let _lock = lock_data_dir(&config.data_dir)?;
+    if let Some(ca) = enrol_ca {
+        let enrolment = enrol::Enrolment {
+            data_dir: &config.data_dir,
+            worker_id: &resolved.worker_id,
+            advertise_host: config.advertise_host.trim(),
+            ca: &ca,
+            coordinators: &config.coordinators,
+            token: &resolved.token,
+        };
+        let cancel = CancellationToken::new();
+        let files = tokio::select! {
+            files = enrolment.ensure(&cancel) => files?,
+            _ = &mut shutdown => {
+                tracing::info!("shutdown requested while enrolling");
+                return Ok(());
+            }
+        };
+        config.tls.tls_cert = Some(files.cert);
+        config.tls.tls_key = Some(files.key);
+    }
     let gpu_setting = config.gpus.clone();
     let gpu_monitor = tokio::task::spawn_blocking(move || gpus::GpuMonitor::open(&gpu_setting))
         .await
@@ -435,10 +479,6 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
             None
         }
     };
-    tokio::fs::create_dir_all(&config.data_dir)
-        .await
-        .with_context(|| format!("cannot create --data-dir {}", config.data_dir.display()))?;
-    let _lock = lock_data_dir(&config.data_dir)?;
     let identity = rank_identity(&config)?;
     let rank_socket = if identity.run_as.is_other_user() {
         // Absolute: ranks run in their own working directories.
@@ -615,7 +655,7 @@ pub async fn run(config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     let control_task = tokio::spawn(control.run(loops_cancel.clone()));
 
     let outcome = tokio::select! {
-        _ = shutdown => {
+        _ = &mut shutdown => {
             tracing::info!("shutdown requested: stopping every rank");
             Ok(())
         }
