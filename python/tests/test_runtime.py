@@ -142,6 +142,35 @@ def test_reports_are_coalesced_and_the_newest_wins(rt: Runtime, agent: FakeAgent
     assert steps == sorted(steps)
 
 
+def test_a_report_wakes_the_sender_only_when_none_was_pending(
+    agent: FakeAgent, staging: Path
+) -> None:
+    # While a report waits out the interval, newer ones replace it without waking the
+    # sender thread (which would take the GIL from the training loop at every step).
+    r = Runtime(make_context(agent.url, staging), progress_interval_s=30)
+    try:
+        r.report(1, 1000)
+        wait_for(lambda: len(agent.of("/v1/progress")) == 1, 10, "the first report sent")
+        reporter = r._reporter
+        assert reporter is not None
+        notified: list[int] = []
+        notify = reporter._cond.notify
+
+        def counting_notify(n: int = 1) -> None:
+            notified.append(n)
+            notify(n)
+
+        reporter._cond.notify = counting_notify  # type: ignore[method-assign]
+        for step in range(2, 1001):
+            r.report(step, 1000)
+        assert len(notified) == 1, "one wake-up: the report that found the mailbox empty"
+        assert reporter.coalesced == 998
+        assert r.flush(5)
+        assert agent.of("/v1/progress")[-1].body["step"] == 1000
+    finally:
+        r.close(1)
+
+
 def test_report_never_raises_or_waits_when_the_agent_is_down(
     staging: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -4,7 +4,10 @@ The caller's thread only validates the report and stores it in a one-slot mailbo
 daemon thread sends the newest report to the agent at most every
 :data:`MIN_INTERVAL_S` seconds. Reports made in between are coalesced (the newest wins:
 the agent keeps only the latest progress anyway), so a loop reporting every step costs
-one lock and one notify per step, whatever the agent does.
+one lock per step, whatever the agent does: the sender is woken only when the mailbox
+was empty (while a report waits out the interval, a newer one just replaces it), so a
+loop of hundreds of steps per second does not wake a second thread, and take the GIL
+from the loop, at every step.
 
 The agent's reply to a report may carry the action it asks of the rank (``{"action":
 "pause"}``...): the sender thread records it in the runtime's
@@ -148,12 +151,16 @@ class ProgressReporter:
         atexit.register(at_exit)
 
     def submit(self, report: ProgressReport) -> None:
-        """Stores ``report`` as the newest and wakes the sender (a few microseconds)."""
+        """Stores ``report`` as the newest; wakes the sender only if nothing was pending
+        (a pending report means the sender already waits for its send time, and takes
+        the newest then). A few microseconds."""
         with self._cond:
             if self._closed or self.stale:
                 return
             if self._pending is not None:
                 self.coalesced += 1
+                self._pending = report
+                return
             self._pending = report
             if self._thread is None:
                 self._thread = threading.Thread(
