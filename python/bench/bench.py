@@ -47,7 +47,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -739,8 +739,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=["ddp", "kill", "report", "ckpt"],
         help="run only these measurements (repeatable)",
     )
+    p.add_argument(
+        "--ddp-pairs",
+        type=int,
+        metavar="N",
+        help="alternated (Cumulus, torchrun) pairs of the DDP measurement (default: 3; "
+        "more pairs make the median of a noisy 2-core machine settle)",
+    )
     args = p.parse_args(argv)
     cfg = SMOKE if args.smoke else FULL
+    if args.ddp_pairs is not None:
+        if args.ddp_pairs < 1:
+            p.error("--ddp-pairs must be at least 1")
+        cfg = replace(cfg, ddp_pairs=args.ddp_pairs)
     only = set(args.only or ["ddp", "kill", "report", "ckpt"])
 
     def on_term(signum: int, frame: object) -> None:
