@@ -40,9 +40,10 @@ fn validity(params: &mut CertificateParams, days: i64) {
     params.not_after = now + time::Duration::days(days);
 }
 
-/// The parameters of a leaf certificate for `identity` serving `hosts` and
-/// [`LOCAL_HOSTS`]: server and client authentication, valid [`LEAF_VALIDITY_DAYS`].
-fn leaf_params(identity: &Identity, hosts: &[String]) -> Result<CertificateParams, TlsError> {
+/// Parameters that name `identity` (URI subject alternative name and common name) and
+/// the hosts it serves: `hosts` and [`LOCAL_HOSTS`], each once. Nothing else: what a
+/// signing request carries.
+fn named_params(identity: &Identity, hosts: &[String]) -> Result<CertificateParams, TlsError> {
     let mut names: Vec<String> = LOCAL_HOSTS.iter().map(|h| h.to_string()).collect();
     for h in hosts {
         if !names.contains(h) {
@@ -56,6 +57,13 @@ fn leaf_params(identity: &Identity, hosts: &[String]) -> Result<CertificateParam
     params
         .distinguished_name
         .push(DnType::CommonName, identity.to_string());
+    Ok(params)
+}
+
+/// The parameters of a leaf certificate for `identity` serving `hosts` and
+/// [`LOCAL_HOSTS`]: server and client authentication, valid [`LEAF_VALIDITY_DAYS`].
+fn leaf_params(identity: &Identity, hosts: &[String]) -> Result<CertificateParams, TlsError> {
+    let mut params = named_params(identity, hosts)?;
     params.key_usages = vec![
         KeyUsagePurpose::DigitalSignature,
         KeyUsagePurpose::KeyEncipherment,
@@ -91,20 +99,7 @@ impl Request {
     pub fn generate(identity: &Identity, hosts: &[String]) -> Result<Request, TlsError> {
         // Names only: validity, usages and key identifiers are the signer's to choose
         // (and rcgen puts none of them in a request).
-        let mut names: Vec<String> = LOCAL_HOSTS.iter().map(|h| h.to_string()).collect();
-        names.extend(
-            hosts
-                .iter()
-                .filter(|h| !LOCAL_HOSTS.contains(&h.as_str()))
-                .cloned(),
-        );
-        let mut params = CertificateParams::new(names).map_err(gen_err)?;
-        params
-            .subject_alt_names
-            .push(SanType::URI(identity.uri().try_into().map_err(gen_err)?));
-        params
-            .distinguished_name
-            .push(DnType::CommonName, identity.to_string());
+        let params = named_params(identity, hosts)?;
         let key = KeyPair::generate().map_err(gen_err)?;
         let request = params.serialize_request(&key).map_err(gen_err)?;
         Ok(Request {
