@@ -171,6 +171,35 @@ def test_a_report_wakes_the_sender_only_when_none_was_pending(
         r.close(1)
 
 
+def test_a_loop_that_reports_never_polls_the_control_action_itself(
+    agent: FakeAgent, staging: Path
+) -> None:
+    # Progress replies carry the control action: while they come, should_stop() reads
+    # what the reporter's thread recorded and makes no request from the loop's thread.
+    r = Runtime(
+        make_context(agent.url, staging), progress_interval_s=0.05, control_poll_interval_s=0.3
+    )
+    try:
+        r.report(1)
+        assert r.flush(5)
+        end = time.monotonic() + 1.5
+        step = 1
+        while time.monotonic() < end:
+            step += 1
+            r.report(step)
+            assert not r.should_stop()
+            time.sleep(0.01)
+        assert r.control.polls == 0, "no GET /v1/control while progress replies came"
+        assert agent.of("/v1/control") == []
+        # Without reports, the loop polls again once an interval passes unanswered.
+        assert r.flush(5)
+        time.sleep(0.35)
+        assert not r.should_stop()
+        assert r.control.polls == 1
+    finally:
+        r.close(1)
+
+
 def test_report_never_raises_or_waits_when_the_agent_is_down(
     staging: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

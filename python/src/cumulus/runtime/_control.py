@@ -13,8 +13,9 @@ The action is learned two ways, both of which never block the loop for long and 
 raise into it:
 
 * the progress reporter's thread records the action of every progress reply;
-* a check (:meth:`StopControl.action`) polls ``GET /v1/control`` itself, at most every
-  :data:`CONTROL_POLL_INTERVAL_S` seconds, each poll waiting at most
+* a check (:meth:`StopControl.action`) polls ``GET /v1/control`` itself once
+  :data:`CONTROL_POLL_INTERVAL_S` seconds have passed without an answer (a progress
+  reply counts: a loop that reports never polls from its own thread), each poll waiting at most
   :data:`~cumulus.runtime._agent.CONTROL_TIMEOUT_S`; a failed poll is ignored (and
   tried again at the next interval).
 
@@ -109,10 +110,15 @@ class StopControl:
             return self._action
 
     def record(self, action: str | None) -> None:
-        """Records an action the agent answered (``None`` and ``"none"`` change nothing)."""
-        if action is None or action == ACTION_NONE:
-            return
+        """Records an action the agent answered (``None`` and ``"none"``: nothing asked).
+        Any answer is as fresh as a poll: the next poll waits a whole interval from now,
+        so a loop whose progress reports are answered (every
+        :data:`~cumulus.runtime._progress.MIN_INTERVAL_S` at most) never polls from its
+        own thread."""
         with self._lock:
+            self._next_poll_at = self._clock() + self._poll_interval_s
+            if action is None or action == ACTION_NONE:
+                return
             self._action = action
 
     def record_stale(self) -> None:

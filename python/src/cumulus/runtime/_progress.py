@@ -234,7 +234,8 @@ class ProgressReporter:
                 print(f"cumulus: progress sender error (ignored): {e!r}", file=sys.stderr)
             else:
                 self.sent += 1
-                if action is not None and self._control is not None:
+                if self._control is not None:
+                    # Even "nothing asked" is news: it spares the loop a poll.
                     self._control.record(action)
             finally:
                 with self._cond:
