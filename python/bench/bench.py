@@ -213,7 +213,21 @@ def run_group(cmd: Sequence[str], *, timeout_s: float, log: Path, env: dict[str,
         raise BenchError(f"{cmd[0]} exited with {rc}:\n{tail(log)}")
 
 
+#: How long a group gets between SIGTERM and SIGKILL, in seconds: more than the 30 s
+#: torchrun itself gives its workers (which may ignore SIGTERM: the example script turns
+#: it into a stop request) before it SIGKILLs them.
+STOP_GRACE_S = 40.0
+
+
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Ends ``proc``'s process group: SIGTERM first, SIGKILL after :data:`STOP_GRACE_S`.
+    torchrun starts each worker in a session of its own, out of reach of the group's
+    signals; only torchrun, stopped by SIGTERM, ends them (a SIGKILLed torchrun leaves
+    them running, a hung gloo group among them)."""
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
     with suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with suppress(subprocess.TimeoutExpired):
