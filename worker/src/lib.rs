@@ -160,8 +160,9 @@ pub struct Config {
     /// Get this agent's certificate from the coordinators instead of `--tls-cert` and
     /// `--tls-key`: it makes a key, asks a coordinator started with `--tls-ca-key` to
     /// sign it (with the cluster token, the server verified against `--tls-ca`), keeps
-    /// both in `<data-dir>/tls/` and uses them again while they fit (see `enrol`). For
-    /// workers whose ids are not known in advance (a scaled compose service).
+    /// both in `<data-dir>/tls/` and uses them again while they fit (SECURITY.md,
+    /// "Enrolment"). For workers whose ids are not known in advance (a scaled compose
+    /// service).
     #[arg(
         long,
         env = "CUMULUS_TLS_ENROL",
