@@ -123,6 +123,29 @@ def script() -> Script:
 
 
 @pytest.fixture
+def httpx_clients(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The keyword arguments of every ``httpx.Client`` made while the test runs."""
+    made: list[dict[str, Any]] = []
+    real = httpx.Client
+
+    def spy(**kwargs: Any) -> httpx.Client:
+        made.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(httpx, "Client", spy)
+    return made
+
+
+def one_log_line_stream(r: httpx.Request) -> httpx.Response:
+    """An SSE answer to a log request: one line "hi" of rank 0, then the end."""
+    return httpx.Response(
+        200,
+        headers={"content-type": "text/event-stream"},
+        content=sse(("log", "c1", line(0, 0, 0, "hi")), ("end", "c1", {})),
+    )
+
+
+@pytest.fixture
 def client(script: Script) -> Iterator[Client]:
     c = Client(
         [A, B, C],
@@ -374,16 +397,8 @@ def test_a_local_cluster_whose_ca_is_gone_is_a_config_error(tmp_path: Path) -> N
 
 
 def test_every_call_of_a_tls_client_is_https_with_the_cluster_ca(
-    tmp_path: Path, script: Script, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, script: Script, httpx_clients: list[dict[str, Any]]
 ) -> None:
-    made: list[dict[str, Any]] = []
-    real = httpx.Client
-
-    def spy(**kwargs: Any) -> httpx.Client:
-        made.append(kwargs)
-        return real(**kwargs)
-
-    monkeypatch.setattr(httpx, "Client", spy)
     ca = write_ca(tmp_path / "ca.pem")
     # A leader hint is host:port (or written with http://): it is followed over TLS.
     hint = {"x-cumulus-leader-http": f"http://{C}"}
@@ -400,17 +415,13 @@ def test_every_call_of_a_tls_client_is_https_with_the_cluster_ca(
         B,
         "GET",
         "/v1/jobs/job-000001/logs",
-        lambda r: httpx.Response(
-            200,
-            headers={"content-type": "text/event-stream"},
-            content=sse(("log", "c1", line(0, 0, 0, "hi")), ("end", "c1", {})),
-        ),
+        one_log_line_stream,
     )
     with Client(
         [A, B, C], token="tok", tls_ca=ca, transport=httpx.MockTransport(script), retry_total_s=5
     ) as c:
         assert c.addresses == (f"https://{A}", f"https://{B}", f"https://{C}")
-        assert made[-1]["verify"] is c.connection.ssl_context is not None
+        assert httpx_clients[-1]["verify"] is c.connection.ssl_context is not None
         job = c.submit(["true"])
         assert job.status().state == "running"
         assert [j.id for j in c.jobs()] == ["job-000001"]
@@ -425,20 +436,12 @@ def test_every_call_of_a_tls_client_is_https_with_the_cluster_ca(
 
 
 def test_a_plaintext_client_keeps_default_verification_and_http(
-    script: Script, monkeypatch: pytest.MonkeyPatch
+    script: Script, httpx_clients: list[dict[str, Any]]
 ) -> None:
-    made: list[dict[str, Any]] = []
-    real = httpx.Client
-
-    def spy(**kwargs: Any) -> httpx.Client:
-        made.append(kwargs)
-        return real(**kwargs)
-
-    monkeypatch.setattr(httpx, "Client", spy)
     script.on(A, "GET", "/v1/jobs", ok({"jobs": []}))
     with Client([A], token="tok", insecure=True, transport=httpx.MockTransport(script)) as c:
         assert c.jobs() == [] and c.connection.ssl_context is None
-    assert made[-1]["verify"] is True
+    assert httpx_clients[-1]["verify"] is True
     assert [r.url.scheme for r in script.calls] == ["http"]
 
 
@@ -665,16 +668,11 @@ def test_a_connection_needs_a_credential_and_both_certificate_files(tmp_path: Pa
 
 
 def test_a_certificate_client_sends_no_authorization_header(
-    tmp_path: Path, script: Script, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    script: Script,
+    monkeypatch: pytest.MonkeyPatch,
+    httpx_clients: list[dict[str, Any]],
 ) -> None:
-    made: list[dict[str, Any]] = []
-    real = httpx.Client
-
-    def spy(**kwargs: Any) -> httpx.Client:
-        made.append(kwargs)
-        return real(**kwargs)
-
-    monkeypatch.setattr(httpx, "Client", spy)
     # The environment's token is not read with a certificate.
     monkeypatch.setenv("CUMULUS_TOKEN", "admin-token")
     cert, key = write_user_cert(tmp_path)
@@ -686,18 +684,14 @@ def test_a_certificate_client_sends_no_authorization_header(
         A,
         "GET",
         "/v1/jobs/job-000001/logs",
-        lambda r: httpx.Response(
-            200,
-            headers={"content-type": "text/event-stream"},
-            content=sse(("log", "c1", line(0, 0, 0, "hi")), ("end", "c1", {})),
-        ),
+        one_log_line_stream,
     )
     with Client(
         [A], tls_ca=ca, tls_cert=cert, tls_key=key, transport=httpx.MockTransport(script)
     ) as c:
         assert c.connection.token is None and c.connection.cert_user == "test"
-        assert made[-1]["verify"] is c.connection.ssl_context is not None
-        assert "Authorization" not in made[-1]["headers"]
+        assert httpx_clients[-1]["verify"] is c.connection.ssl_context is not None
+        assert "Authorization" not in httpx_clients[-1]["headers"]
         assert "admin-token" not in repr(c) and "BEGIN" not in repr(c.connection)
         job = c.submit(["true"])
         assert job.status().owner == "test"

@@ -298,7 +298,10 @@ fn create_private_dir(dir: &Path) -> Result<(), TlsError> {
 
 /// Writes `bytes` to `path` with `mode`, atomically (temp file, fsync, rename): a key is
 /// never readable by others, even for a moment.
-fn write_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), TlsError> {
+///
+/// # Errors
+/// [`TlsError::Write`] naming the file.
+pub fn write_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), TlsError> {
     use std::os::unix::fs::OpenOptionsExt;
     let err = |source| TlsError::Write {
         path: path.to_path_buf(),

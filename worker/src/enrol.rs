@@ -10,7 +10,7 @@
 //! start while they still fit: same CA, same worker id, the advertised host among the
 //! certificate's names, and more than [`RENEW_BEFORE_DAYS`] of validity left.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -121,7 +121,7 @@ impl Enrolment<'_> {
         };
         let dir = self.data_dir.join(ENROL_DIR);
         let files = issued.write(&dir, ENROL_NAME)?;
-        write_public(&dir.join(ENROL_CA_FILE), &ca_pem)?;
+        cumulus_tls::generate::write_file(&dir.join(ENROL_CA_FILE), &ca_pem, 0o644)?;
         // What was written must load and name this worker: a coordinator answering with
         // something else is refused here, not at the first connection.
         self.kept(&files, &ca_pem)
@@ -162,19 +162,6 @@ impl Enrolment<'_> {
         }
         Ok(())
     }
-}
-
-/// Writes a public file (0644) atomically: temp file, fsync, rename.
-fn write_public(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    use std::io::Write;
-    let tmp: PathBuf = path.with_extension("tmp");
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    };
-    write().with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// Checks the flags of enrolment: `--tls-enrol` needs `--tls-ca` and replaces
