@@ -275,14 +275,21 @@ pub fn plan(
             _ => {}
         }
     }
-    let never = |job: &Job| {
-        matches!(
-            state.capacity_outlook(&job.spec),
-            cumulus_raft_store::state::Outlook::Never(_)
-        )
-    };
+    // Computed once per pass: a queue of jobs larger than the cluster (queued with
+    // `--allow-pending`) costs one comparison per job, not a walk over every worker.
+    let totals = state.alive_totals();
+    let never = |job: &Job| totals.never_fits(&job.spec);
     if free_upper_bound == 0 {
-        // Nothing is free: only preemption can start the queue's first job.
+        // Nothing is free: only preemption can start the queue's first job, and only
+        // when a running job may be preempted at all; otherwise the queue is not walked.
+        let preemptible = index
+            .running
+            .iter()
+            .filter_map(|id| state.jobs.get(id))
+            .any(|j| j.spec.preemptible && j.stop.is_none());
+        if !preemptible {
+            return actions;
+        }
         if let Some(first) = index
             .queue
             .iter()

@@ -900,6 +900,24 @@ impl ClusterState {
         Ok(())
     }
 
+    /// Slots of the alive workers in all (what a job may use at most).
+    pub fn alive_slots(&self) -> u64 {
+        self.workers
+            .values()
+            .filter(|w| w.state == WorkerState::Alive)
+            .map(|w| u64::from(w.slots))
+            .sum()
+    }
+
+    /// What the alive workers offer in all, computed once so that many jobs can be
+    /// tested against it ([`AliveTotals::never_fits`]): O(workers + their GPUs).
+    pub fn alive_totals(&self) -> AliveTotals {
+        AliveTotals {
+            slots: self.alive_slots(),
+            gpus_all_free: self.gpu_capacity(true),
+        }
+    }
+
     /// Free capacity of every alive worker for the GPU planner: free slots and each
     /// GPU's free share (`all_free`: as if nothing ran, for "could it ever fit"). GPU
     /// health is soft state the replicated state does not hold: every GPU counts here.
@@ -940,25 +958,27 @@ impl ClusterState {
         }
         match self.capacity_outlook(&job.spec) {
             // It fits, so a job ahead of it in the queue holds it back.
-            Outlook::FitsNow => self
-                .index
-                .queue
-                .range(..(-job.spec.priority, job.id.clone()))
-                .find(|(_, id)| {
-                    // One larger than the cluster holds no one up (the planner skips it).
-                    self.jobs.get(id).is_some_and(|j| {
-                        !matches!(self.capacity_outlook(&j.spec), Outlook::Never(_))
+            Outlook::FitsNow => {
+                let totals = self.alive_totals();
+                self.index
+                    .queue
+                    .range(..(-job.spec.priority, job.id.clone()))
+                    .find(|(_, id)| {
+                        // One larger than the cluster holds no one up (the planner skips it).
+                        self.jobs
+                            .get(id)
+                            .is_some_and(|j| !totals.never_fits(&j.spec))
                     })
-                })
-                .map(|(neg_priority, id)| {
-                    format!(
-                        "queued behind {id} (priority {}), which waits for capacity: a job \
+                    .map(|(neg_priority, id)| {
+                        format!(
+                            "queued behind {id} (priority {}), which waits for capacity: a job \
                          behind it starts first only when it cannot delay it (its time limit \
                          ends before that job can start, or it fits in slots that job will \
                          not need)",
-                        -neg_priority
-                    )
-                }),
+                            -neg_priority
+                        )
+                    })
+            }
             Outlook::Waits(why) | Outlook::Never(why) => Some(why),
         }
     }
@@ -971,12 +991,7 @@ impl ClusterState {
         let ranks: Vec<u32> = (0..world).collect();
         let Some(demand) = spec.gpu_demand() else {
             let capacity = self.gpu_capacity(false);
-            let total: u64 = self
-                .workers
-                .values()
-                .filter(|w| w.state == WorkerState::Alive)
-                .map(|w| u64::from(w.slots))
-                .sum();
+            let total = self.alive_slots();
             let free: u64 = capacity.iter().map(|w| u64::from(w.free_slots)).sum();
             return if total < u64::from(world) {
                 Outlook::Never(format!(
@@ -1015,7 +1030,7 @@ impl ClusterState {
                 Ok(Some(_))
             )
         };
-        if !fits(&self.gpu_capacity(true)) {
+        if !gpu_job_fits(spec, &self.gpu_capacity(true)) {
             return Outlook::Never(format!(
                 "cannot be placed: it needs {need} (gang, each rank's GPUs on its worker) and \
                  the alive workers have {total_gpus} GPUs in all"
@@ -1500,6 +1515,42 @@ pub enum PlacementError {
         /// What the placements give out of it, in thousandths.
         wanted_permille: u32,
     },
+}
+
+/// The alive workers' capacity in all, as if nothing ran ([`ClusterState::alive_totals`]):
+/// a snapshot for one planning pass or one listing, not kept across state changes.
+#[derive(Clone, Debug)]
+pub struct AliveTotals {
+    /// Slots of the alive workers in all.
+    slots: u64,
+    /// Every alive worker with all its slots and GPUs free.
+    gpus_all_free: Vec<shard_planner::WorkerGpus>,
+}
+
+impl AliveTotals {
+    /// True when a job of `spec` needs more than the alive workers offer in all: the
+    /// test behind [`Outlook::Never`] without its words. O(1) for a job without GPUs,
+    /// one run of the GPU planner for a job with them.
+    pub fn never_fits(&self, spec: &JobSpec) -> bool {
+        if spec.gpu_demand().is_some() {
+            !gpu_job_fits(spec, &self.gpus_all_free)
+        } else {
+            self.slots < u64::from(spec.world_size)
+        }
+    }
+}
+
+/// True when every rank of `spec` finds its GPUs on `capacity` (a job without GPUs:
+/// always).
+fn gpu_job_fits(spec: &JobSpec, capacity: &[shard_planner::WorkerGpus]) -> bool {
+    let Some(demand) = spec.gpu_demand() else {
+        return true;
+    };
+    let ranks: Vec<u32> = (0..spec.world_size).collect();
+    matches!(
+        shard_planner::place_gpu_ranks(&ranks, capacity, demand),
+        Ok(Some(_))
+    )
 }
 
 /// Whether a job fits the cluster's alive workers ([`ClusterState::capacity_outlook`]).

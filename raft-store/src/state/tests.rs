@@ -1043,6 +1043,51 @@ fn pending_reasons_say_what_is_missing() {
 }
 
 #[test]
+fn the_planners_larger_than_the_cluster_test_agrees_with_the_outlook() {
+    let mut s = ClusterState::default();
+    // No worker at all: every job is larger than the cluster.
+    assert!(s.alive_totals().never_fits(&spec(1)));
+    register_gpus(&mut s, "w1", vec![gpu(0, "GPU-a"), gpu(1, "GPU-b")]);
+    let one = submit_gpu_job(&mut s, "one", 1, 0);
+    assert_eq!(place_gpu(&mut s, &one, "w1", &["GPU-a"]), Response::Ok);
+    let specs = [
+        spec(1),
+        spec(4),
+        spec(5),
+        JobSpec {
+            gpus_per_rank: 2,
+            ..spec(1)
+        },
+        JobSpec {
+            gpus_per_rank: 3,
+            ..spec(1)
+        },
+        JobSpec {
+            gpus_per_rank: 1,
+            gpu_memory_permille: 500,
+            ..spec(4)
+        },
+        JobSpec {
+            gpus_per_rank: 1,
+            ..spec(3)
+        },
+    ];
+    let totals = s.alive_totals();
+    let mut never = Vec::new();
+    for spec in &specs {
+        let outlook = s.capacity_outlook(spec);
+        assert_eq!(
+            totals.never_fits(spec),
+            matches!(outlook, Outlook::Never(_)),
+            "{spec:?}: {outlook:?}"
+        );
+        never.push(totals.never_fits(spec));
+    }
+    // 4 slots and 2 GPUs in all, one GPU busy: only "busy now" is not "never".
+    assert_eq!(never, [false, false, true, false, true, false, true]);
+}
+
+#[test]
 fn users_are_created_once_revoked_and_kept_in_snapshots() {
     let mut s = ClusterState::default();
     let create = |name: &str, digest: &str| Command::CreateUser {
