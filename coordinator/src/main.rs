@@ -10,11 +10,14 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
     let config = cumulus_coordinator::Config::parse();
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(usize::from(config.worker_threads))
-        .enable_all()
-        .build()?
-        .block_on(run(config))
+    let mut runtime = if config.worker_threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(usize::from(config.worker_threads));
+        b
+    };
+    runtime.enable_all().build()?.block_on(run(config))
 }
 
 async fn run(config: cumulus_coordinator::Config) -> anyhow::Result<()> {

@@ -1,5 +1,6 @@
 //! openraft's network over tonic: one lazily connected gRPC channel per peer; requests
-//! and results travel as serde_json inside `RaftPayload`.
+//! and results travel inside `RaftPayload`, encoded by `cumulus_raft_store::codec`
+//! (MessagePack; JSON from earlier versions is still read).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -9,7 +10,7 @@ use std::time::Duration;
 use cumulus_api::v1::raft_service_client::RaftServiceClient;
 use cumulus_api::v1::{RaftPayload, SnapshotChunk};
 use cumulus_raft_store::{
-    CumulusNode, EntryPayload, NodeId, Snapshot, SnapshotData, TypeConfig, Vote, stage,
+    CumulusNode, EntryPayload, NodeId, Snapshot, SnapshotData, TypeConfig, Vote, codec, stage,
 };
 use futures::StreamExt;
 use openraft::base::{BoxFuture, BoxStream};
@@ -79,9 +80,10 @@ pub struct SnapshotHeader {
     pub data_bytes: Option<u64>,
 }
 
-/// Most bytes of JSON in one replication request: [`MAX_RAFT_MESSAGE_BYTES`] less room
-/// for the protobuf field's tag and length.
-pub const MAX_APPEND_JSON_BYTES: usize = MAX_RAFT_MESSAGE_BYTES - 64;
+/// Most encoded bytes in one replication request: [`MAX_RAFT_MESSAGE_BYTES`] less room
+/// for the protobuf field's tag and length. The sizes it is checked against are JSON
+/// estimates, which MessagePack never exceeds (no escapes, shorter numbers).
+pub const MAX_APPEND_ENCODED_BYTES: usize = MAX_RAFT_MESSAGE_BYTES - 64;
 
 /// Requests whose entries are estimated above this many bytes are encoded on the
 /// blocking pool, not on a runtime thread that also runs heartbeats and elections.
@@ -97,7 +99,7 @@ const _: () = assert!(
     cumulus_raft_store::store::REPLICATION_BATCH_BYTES
         + crate::proposer::MAX_ENTRY_BYTES
         + REQUEST_ENVELOPE_BYTES
-        <= MAX_APPEND_JSON_BYTES
+        <= MAX_APPEND_ENCODED_BYTES
 );
 
 /// Estimated encoded bytes of an entry that carries no command (blank or membership).
@@ -116,15 +118,15 @@ pub fn approx_append_bytes(req: &AppendEntriesRequest<TypeConfig>) -> usize {
 }
 
 /// Runs `f` on the blocking pool when `large`, else here: CPU work on a large payload
-/// (serde_json of a replication request) must not hold a runtime thread, which also runs
-/// heartbeats and elections; a small one is not worth two thread hand-offs.
+/// (encoding or decoding a replication request) must not hold a runtime thread, which
+/// also runs heartbeats and elections; a small one is not worth two thread hand-offs.
 ///
 /// # Errors
-/// `f`'s JSON error, or the blocking task's failure (a panic, or the runtime shutting
+/// `f`'s codec error, or the blocking task's failure (a panic, or the runtime shutting
 /// down).
 pub async fn off_runtime_if<T: Send + 'static>(
     large: bool,
-    f: impl FnOnce() -> serde_json::Result<T> + Send + 'static,
+    f: impl FnOnce() -> Result<T, codec::CodecError> + Send + 'static,
 ) -> Result<T, CodecError> {
     if !large {
         return Ok(f()?);
@@ -135,9 +137,9 @@ pub async fn off_runtime_if<T: Send + 'static>(
 /// Why a replication request could not be encoded or decoded.
 #[derive(Debug, thiserror::Error)]
 pub enum CodecError {
-    /// The JSON does not encode or parse.
+    /// The bytes do not encode or decode.
     #[error("{0}")]
-    Json(#[from] serde_json::Error),
+    Codec(#[from] codec::CodecError),
     /// The blocking task that ran the codec failed.
     #[error("the blocking task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
@@ -302,7 +304,7 @@ impl PeerClient {
         Resp: DeserializeOwned,
         E: DeserializeOwned,
     {
-        let decoded: Result<Resp, E> = serde_json::from_slice(&reply.json).map_err(|e| {
+        let decoded: Result<Resp, E> = codec::decode(&reply.body).map_err(|e| {
             CallError::Network(Msg(format!(
                 "peer {} sent an undecodable reply: {e}",
                 self.target
@@ -311,7 +313,7 @@ impl PeerClient {
         decoded.map_err(|e| CallError::Remote(to_fatal(e)))
     }
 
-    /// One unary call: `req` as JSON out, `Result<Resp, RaftError>` as JSON back.
+    /// One unary call: `req` out, `Result<Resp, RaftError>` back ([`codec`]).
     async fn call<Req, Resp>(
         &mut self,
         rpc: Rpc,
@@ -322,9 +324,9 @@ impl PeerClient {
         Req: Serialize,
         Resp: DeserializeOwned,
     {
-        let json = serde_json::to_vec(req)
+        let body = codec::encode(req)
             .map_err(|e| CallError::Network(Msg(format!("cannot encode a raft request: {e}"))))?;
-        let mut request = tonic::Request::new(RaftPayload { json });
+        let mut request = tonic::Request::new(RaftPayload { body });
         request.set_timeout(option.hard_ttl());
         let client = self.client()?;
         let result = match rpc {
@@ -445,13 +447,13 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
                     // A large request is encoded off the runtime threads, which also run
                     // heartbeats and elections.
                     let large = approx_append_bytes(&req) > ENCODE_INLINE_MAX_BYTES;
-                    let encoded = off_runtime_if(large, move || serde_json::to_vec(&req)).await;
-                    let json = match encoded {
-                        Ok(json) if json.len() <= MAX_APPEND_JSON_BYTES => json,
-                        Ok(json) => {
+                    let encoded = off_runtime_if(large, move || codec::encode(&req)).await;
+                    let body = match encoded {
+                        Ok(body) if body.len() <= MAX_APPEND_ENCODED_BYTES => body,
+                        Ok(body) => {
                             // Cannot happen: the log reader bounds a request's entries
                             // (`REPLICATION_BATCH_BYTES`) and the leader each entry's size.
-                            tracing::error!(target, bytes = json.len(), "an AppendEntries request is larger than a Raft message may be; ending the replication stream");
+                            tracing::error!(target, bytes = body.len(), "an AppendEntries request is larger than a Raft message may be; ending the replication stream");
                             return None;
                         }
                         Err(e) => {
@@ -462,7 +464,7 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
                     sent.lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .push_back((last_index, stage::now_ns()));
-                    Some((RaftPayload { json }, input))
+                    Some((RaftPayload { body }, input))
                 }
             })
             .take_until(answers_dropped);
@@ -500,7 +502,7 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
                 }
                 let payload =
                     item.map_err(|status| status_error(target, &addr, &status).into_rpc())?;
-                let reply: StreamReply = serde_json::from_slice(&payload.json).map_err(|e| {
+                let reply: StreamReply = codec::decode(&payload.body).map_err(|e| {
                     CallError::Network(Msg(format!(
                         "peer {target} sent an undecodable replication answer: {e}"
                     )))

@@ -39,7 +39,7 @@ pub const MAX_INFLIGHT_BATCHES: usize = 1;
 pub const MAX_BATCH_BYTES: usize = 1 << 20;
 /// Largest encoded (serde_json) size of one proposed command, in bytes; a larger one is
 /// refused before it reaches the log. Every entry must fit one replication request
-/// ([`crate::network::MAX_APPEND_JSON_BYTES`], 64 MiB) on its own: an entry that does not
+/// ([`crate::network::MAX_APPEND_ENCODED_BYTES`], 64 MiB) on its own: an entry that does not
 /// can never reach a follower, and the log behind it stops. etcd's default limit for a
 /// request is 1.5 MiB; ours is set by the largest submit (a spec of up to
 /// [`cumulus_raft_store::state::MAX_SHARDS`] shard paths).

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use cumulus_api::v1::raft_service_server::RaftService;
 use cumulus_api::v1::{RaftPayload, SnapshotChunk};
-use cumulus_raft_store::{Snapshot, TypeConfig, Vote, stage};
+use cumulus_raft_store::{Snapshot, TypeConfig, Vote, codec, stage};
 use futures::{Stream, StreamExt};
 use openraft::async_runtime::watch::WatchReceiver;
 use openraft::error::Fatal;
@@ -213,13 +213,13 @@ impl RaftSvc {
 }
 
 fn decode<T: serde::de::DeserializeOwned>(req: Request<RaftPayload>) -> Result<T, Status> {
-    serde_json::from_slice(&req.into_inner().json)
+    codec::decode(&req.into_inner().body)
         .map_err(|e| Status::invalid_argument(format!("undecodable raft payload: {e}")))
 }
 
 fn encode<T: Serialize>(value: &T) -> Result<Response<RaftPayload>, Status> {
-    serde_json::to_vec(value)
-        .map(|json| Response::new(RaftPayload { json }))
+    codec::encode(value)
+        .map(|body| Response::new(RaftPayload { body }))
         .map_err(|e| Status::internal(format!("cannot encode raft reply: {e}")))
 }
 
@@ -279,9 +279,9 @@ impl RaftService for RaftSvc {
                 let received_ns = stage::now_ns();
                 // A large request is decoded off the runtime threads, which also run
                 // heartbeats and elections.
-                let large = payload.json.len() > DECODE_INLINE_MAX_BYTES;
+                let large = payload.body.len() > DECODE_INLINE_MAX_BYTES;
                 let decoded = off_runtime_if(large, move || {
-                    serde_json::from_slice::<AppendEntriesRequest<TypeConfig>>(&payload.json)
+                    codec::decode::<AppendEntriesRequest<TypeConfig>>(&payload.body)
                 })
                 .await;
                 match decoded {
@@ -320,8 +320,8 @@ impl RaftService for RaftSvc {
         });
         let answers = self.node.raft.stream_append(requests).map(move |result| {
             let raft_done_ns = stage::now_ns();
-            let reply = serde_json::to_vec(&result)
-                .map(|json| RaftPayload { json })
+            let reply = codec::encode(&result)
+                .map(|body| RaftPayload { body })
                 .map_err(|e| Status::internal(format!("cannot encode a replication answer: {e}")));
             let taken = served.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
             if let Some((last_index, received_ns, decoded_ns)) = taken {

@@ -783,7 +783,7 @@ async fn forge_raft_rpcs(cluster: &Cluster, anomalies: &mut Vec<Anomaly>) {
     use cumulus_api::v1::raft_service_client::RaftServiceClient;
     let vote = |candidate: u64, term: u64| {
         RaftPayload {
-        json: serde_json::json!({
+        body: serde_json::json!({
             "vote": {"leader_id": {"term": term, "node_id": candidate}, "committed": false},
             "last_log_id": {"leader_id": {"term": 1u64 << 40, "node_id": candidate}, "index": 1u64 << 40},
             "leadership_transfer": true,

@@ -49,7 +49,7 @@ async fn raft_client(
 
 fn payload<T: serde::Serialize>(value: &T) -> RaftPayload {
     RaftPayload {
-        json: serde_json::to_vec(value).expect("json"),
+        body: serde_json::to_vec(value).expect("json"),
     }
 }
 

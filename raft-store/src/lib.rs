@@ -10,6 +10,7 @@
 //!   flushed by its sync thread after `fdatasync`).
 //! - [`stage`]: trace events that time each stage of a write (for the benchmarks).
 
+pub mod codec;
 pub mod flusher;
 pub mod stage;
 pub mod state;

@@ -175,7 +175,7 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
     // re-applies the committed entries after it from the log on start.
     let data = match &snapshot {
         Some(snap) => {
-            let restored: SnapshotPayload = serde_json::from_slice(&snap.data)
+            let restored: SnapshotPayload = crate::codec::decode(&snap.data)
                 .map_err(|e| corrupt("snapshot data", e.to_string()))?;
             SmData {
                 last_applied: snap.meta.last_log_id,
@@ -602,7 +602,8 @@ const SNAPSHOT_MAGIC: &[u8] = b"cumulus-snapshot-2\n";
 /// Bytes of a format-2 header: the magic, then the meta length and the CRC-32 (u32 LE each).
 const SNAPSHOT_HEADER_BYTES: usize = SNAPSHOT_MAGIC.len() + 8;
 
-/// A snapshot as stored: its meta and the snapshot data (the JSON of [`SnapshotPayload`]).
+/// A snapshot as stored: its meta and the snapshot data ([`SnapshotPayload`] encoded by
+/// [`crate::codec`]).
 ///
 /// Format 2 (written since session 7):
 /// ```text
@@ -699,7 +700,8 @@ enum SnapshotDecodeError {
     Meta(serde_json::Error),
 }
 
-/// The snapshot data: the applied state, as JSON.
+/// The snapshot data: the applied state, encoded by [`crate::codec`] (MessagePack; JSON
+/// from earlier versions is still read).
 #[derive(Serialize, Deserialize)]
 struct SnapshotPayload {
     state: ClusterState,
@@ -748,7 +750,8 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
         let stored_meta = meta.clone();
         let write_err = |e: std::io::Error| io_err("writing a snapshot", e);
         let bytes = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, std::io::Error> {
-            let bytes = serde_json::to_vec(&SnapshotPayload { state })?;
+            let bytes =
+                crate::codec::encode(&SnapshotPayload { state }).map_err(std::io::Error::other)?;
             tree.insert(KEY_SNAPSHOT, StoredSnapshot::encode(&stored_meta, &bytes)?)
                 .map_err(std::io::Error::other)?;
             db.flush().map_err(std::io::Error::other)?;
@@ -852,7 +855,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let stored_meta = meta.clone();
         let decoded =
             tokio::task::spawn_blocking(move || -> Result<ClusterState, std::io::Error> {
-                let payload: SnapshotPayload = serde_json::from_slice(&bytes)?;
+                let payload: SnapshotPayload =
+                    crate::codec::decode(&bytes).map_err(std::io::Error::other)?;
                 tree.insert(KEY_SNAPSHOT, StoredSnapshot::encode(&stored_meta, &bytes)?)
                     .map_err(std::io::Error::other)?;
                 db.flush().map_err(std::io::Error::other)?;
