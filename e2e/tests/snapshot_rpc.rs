@@ -56,7 +56,7 @@ async fn open_send(
     .expect("queue the header chunk");
     let call = tokio::spawn(async move {
         let reply = client.install_snapshot(rx).await?.into_inner();
-        Ok(serde_json::from_slice::<Reply>(&reply.json).expect("a decodable reply"))
+        Ok(cumulus_raft_store::codec::decode::<Reply>(&reply.body).expect("a decodable reply"))
     });
     OpenSend { _open: tx, call }
 }
