@@ -988,7 +988,6 @@ impl ClusterState {
     /// soft state the replicated state does not hold: every GPU counts here.
     pub fn capacity_outlook(&self, spec: &JobSpec) -> Outlook {
         let world = spec.world_size;
-        let ranks: Vec<u32> = (0..world).collect();
         let Some(demand) = spec.gpu_demand() else {
             let capacity = self.gpu_capacity(false);
             let total = self.alive_slots();
@@ -1024,19 +1023,13 @@ impl ClusterState {
             .map(|w| w.gpus.len())
             .sum();
         let now = self.gpu_capacity(false);
-        let fits = |capacity: &[shard_planner::WorkerGpus]| {
-            matches!(
-                shard_planner::place_gpu_ranks(&ranks, capacity, demand),
-                Ok(Some(_))
-            )
-        };
         if !gpu_job_fits(spec, &self.gpu_capacity(true)) {
             return Outlook::Never(format!(
                 "cannot be placed: it needs {need} (gang, each rank's GPUs on its worker) and \
                  the alive workers have {total_gpus} GPUs in all"
             ));
         }
-        if fits(&now) {
+        if gpu_job_fits(spec, &now) {
             return Outlook::FitsNow;
         }
         let free_gpus = now
