@@ -725,73 +725,57 @@ mod tests {
             .collect()
     }
 
-    /// A hold no test run reaches: what these tests see cannot depend on timing.
-    const LONG_HOLD: Duration = Duration::from_secs(600);
+    const HOLD: Duration = Duration::from_millis(COMMIT_ONLY_HOLD_MS);
 
-    /// A coalescing stream over a channel: the test queues requests, then takes what the
-    /// stream sends, so the order is fixed by what was queued when.
-    fn coalescing(
-        hold: Duration,
-    ) -> (
-        tokio::sync::mpsc::UnboundedSender<AppendEntriesRequest<TypeConfig>>,
-        impl futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Unpin,
-    ) {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let input = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
-        (tx, coalesce_commit_only(input, hold))
+    /// Feeds `reqs` into a coalescing stream, `gap` apart, and collects what it sends.
+    async fn coalesce(
+        reqs: Vec<AppendEntriesRequest<TypeConfig>>,
+        gap: Duration,
+    ) -> Vec<AppendEntriesRequest<TypeConfig>> {
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            for r in reqs {
+                tx.send(r).await.ok();
+                tokio::time::sleep(gap).await;
+            }
+        });
+        coalesce_commit_only(tokio_stream::wrappers::ReceiverStream::new(rx), HOLD)
+            .collect()
+            .await
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_commit_only_request_is_dropped_when_the_next_carries_its_commit() {
-        let (tx, sent) = coalescing(LONG_HOLD);
-        // first (never held), entries 11, commit-only for 11, entries 12.
-        for r in [
+        // first (never held), entries 11, commit-only for 11, entries 12 within the hold.
+        let reqs = vec![
             append(9, 10, 9),
             append(10, 11, 10),
             append(11, 11, 11),
             append(11, 12, 11),
-        ] {
-            tx.send(r).unwrap();
-        }
-        drop(tx);
-        let sent: Vec<_> = sent.collect().await;
+        ];
+        let sent = coalesce(reqs, HOLD / 4).await;
         assert_eq!(shape(&sent), [(9, 10, 9), (10, 11, 10), (11, 12, 11)]);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_commit_only_request_goes_out_after_the_hold_when_nothing_follows() {
-        let (tx, mut sent) = coalescing(Duration::from_millis(COMMIT_ONLY_HOLD_MS));
-        tx.send(append(9, 10, 9)).unwrap();
-        tx.send(append(10, 10, 10)).unwrap();
-        let first = sent.next().await.unwrap();
-        // Nothing else is queued until the held request came out on its own.
-        let held = sent.next().await.unwrap();
-        tx.send(append(10, 11, 10)).unwrap();
-        drop(tx);
-        let rest: Vec<_> = sent.collect().await;
-        assert_eq!(shape(&[first, held]), [(9, 10, 9), (10, 10, 10)]);
-        assert_eq!(shape(&rest), [(10, 11, 10)]);
+        let reqs = vec![append(9, 10, 9), append(10, 10, 10), append(10, 11, 10)];
+        let sent = coalesce(reqs, HOLD * 2).await;
+        assert_eq!(shape(&sent), [(9, 10, 9), (10, 10, 10), (10, 11, 10)]);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn the_first_request_is_never_held_and_a_held_one_goes_out_when_the_stream_ends() {
-        let (tx, mut sent) = coalescing(LONG_HOLD);
-        tx.send(append(10, 10, 9)).unwrap();
-        // The first request comes out while the stream is still open and nothing follows.
-        let first = sent.next().await.unwrap();
-        tx.send(append(10, 10, 10)).unwrap();
-        drop(tx);
-        let rest: Vec<_> = sent.collect().await;
-        assert_eq!(shape(&[first]), [(10, 10, 9)]);
-        assert_eq!(shape(&rest), [(10, 10, 10)]);
+        let reqs = vec![append(10, 10, 9), append(10, 10, 10)];
+        let sent = coalesce(reqs, Duration::ZERO).await;
+        assert_eq!(shape(&sent), [(10, 10, 9), (10, 10, 10)]);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_successor_that_does_not_supersede_is_sent_after_the_held_request() {
-        let (tx, sent) = coalescing(LONG_HOLD);
         let mut other_leader = append(11, 12, 11);
         other_leader.vote = Vote::new_committed(3, 2);
-        for r in [
+        let reqs = vec![
             append(9, 10, 9),
             append(10, 10, 10),
             append(9, 10, 10), // another position in the log
@@ -800,11 +784,8 @@ mod tests {
             append(10, 10, 10),
             append(10, 10, 10), // a second commit-only replaces the first
             append(10, 11, 10),
-        ] {
-            tx.send(r).unwrap();
-        }
-        drop(tx);
-        let sent: Vec<_> = sent.collect().await;
+        ];
+        let sent = coalesce(reqs, HOLD / 8).await;
         assert_eq!(
             shape(&sent),
             [
