@@ -398,6 +398,104 @@ impl PeerClient {
     }
 }
 
+/// How long a replication request that carries no entries, only a newer commit index, is
+/// held back for the next request on the same stream ([`coalesce_commit_only`]), in
+/// milliseconds. Bounds how much later than otherwise an idle follower learns a commit;
+/// openraft's heartbeats carry the commit index too.
+pub const COMMIT_ONLY_HOLD_MS: u64 = 5;
+
+/// Whether `next` makes the unsent entry-less request `held` redundant: the same leader,
+/// the same position in the log, and a commit index at least as new. The follower checks
+/// `next`'s `prev_log_id` exactly as it would `held`'s, so `next`'s answer says everything
+/// `held`'s would have.
+fn supersedes(
+    next: &AppendEntriesRequest<TypeConfig>,
+    held: &AppendEntriesRequest<TypeConfig>,
+) -> bool {
+    next.vote == held.vote
+        && next.prev_log_id == held.prev_log_id
+        && next.leader_commit >= held.leader_commit
+}
+
+/// What [`coalesce_commit_only`] carries from one request to the next.
+struct Coalescing<S> {
+    input: S,
+    /// A request taken from `input` while holding another, sent next.
+    carried: Option<AppendEntriesRequest<TypeConfig>>,
+    /// Whether the stream's first request went out (it is never held: it may be a probe).
+    started: bool,
+    /// `input` ended while a request was held; that request was the last.
+    ended: bool,
+}
+
+/// Drops the replication requests that only announce a commit when the next request on
+/// the stream, taken within `hold`, carries that commit anyway.
+///
+/// openraft 0.10's replication stream sends an entry-less AppendEntries whenever the
+/// commit index advances and no new entry is waiting (`StreamState::get_log_id_range`).
+/// With one client that is every write: each follower received, decoded, applied and
+/// answered two requests per write, the second while the leader was answering the
+/// client, on the same two CPUs. Here such a request waits up to `hold` for the next one
+/// (the next client's entry, ~1 ms later at one client); when that one
+/// [`supersedes`] it, only that one is sent. openraft acknowledges a stream's requests by
+/// log id (`InflightAppendQueue::drain_acked` takes every request up to the matching log
+/// id), so a request that was never sent needs no answer of its own. Dropping a message
+/// is always safe in Raft; the cost is that an idle follower applies a commit up to
+/// `hold` later. etcd sends the commit-only append at once (`bcastAppend` after
+/// `maybeCommit`).
+///
+/// The first request of a stream and every request with entries go out at once, as does
+/// a held request whose successor does not supersede it (then both, in order).
+pub fn coalesce_commit_only<S>(
+    input: S,
+    hold: Duration,
+) -> impl futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static
+where
+    S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
+{
+    let state = Coalescing {
+        input,
+        carried: None,
+        started: false,
+        ended: false,
+    };
+    Box::pin(futures::stream::unfold(state, move |mut st| async move {
+        if st.ended {
+            return None;
+        }
+        let mut held = match st.carried.take() {
+            Some(req) => req,
+            None => st.input.next().await?,
+        };
+        let first = !std::mem::replace(&mut st.started, true);
+        if first || !held.entries.is_empty() {
+            return Some((held, st));
+        }
+        let deadline = tokio::time::Instant::now() + hold;
+        loop {
+            match tokio::time::timeout_at(deadline, st.input.next()).await {
+                Err(_elapsed) => return Some((held, st)),
+                Ok(None) => {
+                    st.ended = true;
+                    return Some((held, st));
+                }
+                Ok(Some(next)) if supersedes(&next, &held) => {
+                    if !next.entries.is_empty() {
+                        return Some((next, st));
+                    }
+                    // Another commit-only request: it replaces the held one, and waits
+                    // out what is left of the same deadline.
+                    held = next;
+                }
+                Ok(Some(next)) => {
+                    st.carried = Some(next);
+                    return Some((held, st));
+                }
+            }
+        }
+    }))
+}
+
 /// Requests sent on a replication stream and not answered yet: `(last index, sent at ns)`,
 /// for the `replicate` stage events.
 type SentQueue = Arc<Mutex<VecDeque<(Option<u64>, u64)>>>;
@@ -410,7 +508,8 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
 
     /// Replication as a pipeline over one gRPC bidirectional stream (`AppendStream`):
     /// requests go out as openraft produces them, without waiting for the previous answer
-    /// (openraft's default sends one request at a time); answers come back in order. Only
+    /// (openraft's default sends one request at a time), less the commit-only requests a
+    /// later one supersedes ([`coalesce_commit_only`]); answers come back in order. Only
     /// opening the stream has a deadline (`option`); after that a peer that stops
     /// answering is detected by HTTP/2 keepalive ([`KEEPALIVE_TIMEOUT_MS`]), and openraft
     /// drops the stream whenever it changes what it replicates.
@@ -438,6 +537,7 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
             // taken from openraft's replication state for a stream nobody reads would
             // be lost to the next one.
             let (answers_alive, answers_dropped) = tokio::sync::oneshot::channel::<()>();
+            let input = coalesce_commit_only(input, Duration::from_millis(COMMIT_ONLY_HOLD_MS));
             // An encoding failure ends the outgoing stream (openraft then starts another).
             let outbound = futures::stream::unfold(input, move |mut input| {
                 let sent = sent_out.clone();
@@ -587,6 +687,137 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cumulus_raft_store::{Entry, LeaderId, LogId};
+
+    fn log_id(index: u64) -> LogId {
+        LogId::new(
+            LeaderId {
+                term: 2,
+                node_id: 1,
+            },
+            index,
+        )
+    }
+
+    /// An AppendEntries of the term-2 leader after `prev`, with entries up to `last`.
+    fn append(prev: u64, last: u64, commit: u64) -> AppendEntriesRequest<TypeConfig> {
+        AppendEntriesRequest {
+            vote: Vote::new_committed(2, 1),
+            prev_log_id: Some(log_id(prev)),
+            entries: (prev + 1..=last)
+                .map(|i| Entry {
+                    log_id: log_id(i),
+                    payload: EntryPayload::Blank,
+                })
+                .collect(),
+            leader_commit: Some(log_id(commit)),
+        }
+    }
+
+    /// `(prev, last, commit)` of each request.
+    fn shape(reqs: &[AppendEntriesRequest<TypeConfig>]) -> Vec<(u64, u64, u64)> {
+        reqs.iter()
+            .map(|r| {
+                let prev = r.prev_log_id.map_or(0, |l| l.index);
+                let last = r.entries.last().map_or(prev, |e| e.log_id.index);
+                (prev, last, r.leader_commit.map_or(0, |l| l.index))
+            })
+            .collect()
+    }
+
+    /// A hold no test run reaches: what these tests see cannot depend on timing.
+    const LONG_HOLD: Duration = Duration::from_secs(600);
+
+    /// A coalescing stream over a channel: the test queues requests, then takes what the
+    /// stream sends, so the order is fixed by what was queued when.
+    fn coalescing(
+        hold: Duration,
+    ) -> (
+        tokio::sync::mpsc::UnboundedSender<AppendEntriesRequest<TypeConfig>>,
+        impl futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Unpin,
+    ) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let input = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+        (tx, coalesce_commit_only(input, hold))
+    }
+
+    #[tokio::test]
+    async fn a_commit_only_request_is_dropped_when_the_next_carries_its_commit() {
+        let (tx, sent) = coalescing(LONG_HOLD);
+        // first (never held), entries 11, commit-only for 11, entries 12.
+        for r in [
+            append(9, 10, 9),
+            append(10, 11, 10),
+            append(11, 11, 11),
+            append(11, 12, 11),
+        ] {
+            tx.send(r).unwrap();
+        }
+        drop(tx);
+        let sent: Vec<_> = sent.collect().await;
+        assert_eq!(shape(&sent), [(9, 10, 9), (10, 11, 10), (11, 12, 11)]);
+    }
+
+    #[tokio::test]
+    async fn a_commit_only_request_goes_out_after_the_hold_when_nothing_follows() {
+        let (tx, mut sent) = coalescing(Duration::from_millis(COMMIT_ONLY_HOLD_MS));
+        tx.send(append(9, 10, 9)).unwrap();
+        tx.send(append(10, 10, 10)).unwrap();
+        let first = sent.next().await.unwrap();
+        // Nothing else is queued until the held request came out on its own.
+        let held = sent.next().await.unwrap();
+        tx.send(append(10, 11, 10)).unwrap();
+        drop(tx);
+        let rest: Vec<_> = sent.collect().await;
+        assert_eq!(shape(&[first, held]), [(9, 10, 9), (10, 10, 10)]);
+        assert_eq!(shape(&rest), [(10, 11, 10)]);
+    }
+
+    #[tokio::test]
+    async fn the_first_request_is_never_held_and_a_held_one_goes_out_when_the_stream_ends() {
+        let (tx, mut sent) = coalescing(LONG_HOLD);
+        tx.send(append(10, 10, 9)).unwrap();
+        // The first request comes out while the stream is still open and nothing follows.
+        let first = sent.next().await.unwrap();
+        tx.send(append(10, 10, 10)).unwrap();
+        drop(tx);
+        let rest: Vec<_> = sent.collect().await;
+        assert_eq!(shape(&[first]), [(10, 10, 9)]);
+        assert_eq!(shape(&rest), [(10, 10, 10)]);
+    }
+
+    #[tokio::test]
+    async fn a_successor_that_does_not_supersede_is_sent_after_the_held_request() {
+        let (tx, sent) = coalescing(LONG_HOLD);
+        let mut other_leader = append(11, 12, 11);
+        other_leader.vote = Vote::new_committed(3, 2);
+        for r in [
+            append(9, 10, 9),
+            append(10, 10, 10),
+            append(9, 10, 10), // another position in the log
+            append(10, 10, 10),
+            other_leader,
+            append(10, 10, 10),
+            append(10, 10, 10), // a second commit-only replaces the first
+            append(10, 11, 10),
+        ] {
+            tx.send(r).unwrap();
+        }
+        drop(tx);
+        let sent: Vec<_> = sent.collect().await;
+        assert_eq!(
+            shape(&sent),
+            [
+                (9, 10, 9),
+                (10, 10, 10),
+                (9, 10, 10),
+                (10, 10, 10),
+                (11, 12, 11),
+                (10, 11, 10)
+            ]
+        );
+        assert_eq!(sent[4].vote, Vote::new_committed(3, 2));
+    }
 
     #[test]
     fn a_snapshot_deadline_grows_with_its_size_and_never_undercuts_openraft() {
