@@ -857,13 +857,13 @@ pub struct View {
 }
 
 impl View {
-    /// A client of coordinator `i`.
+    /// A client of coordinator `i`; connecting (TCP, TLS and HTTP/2 handshakes) is
+    /// bounded by [`crate::CONNECT_DEADLINE`].
     pub async fn client_of(&self, i: usize) -> anyhow::Result<Client> {
-        let ch = crate::endpoint(&self.grpc[i], self.tls.as_ref())?
+        let endpoint = crate::endpoint(&self.grpc[i], self.tls.as_ref())?
             .connect_timeout(Duration::from_secs(1))
-            .timeout(Duration::from_secs(5))
-            .connect()
-            .await?;
+            .timeout(Duration::from_secs(5));
+        let ch = crate::connect_bounded(&self.grpc[i], endpoint).await?;
         Ok(ClientServiceClient::with_interceptor(ch, Auth::new(TOKEN)))
     }
 

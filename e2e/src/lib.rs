@@ -137,16 +137,33 @@ pub type Client = ClientServiceClient<InterceptedService<Channel, Auth>>;
 pub type WorkerClient =
     v1::worker_service_client::WorkerServiceClient<InterceptedService<Channel, Auth>>;
 
-/// A channel to the coordinator at `grpc_addr` (host:port): 1 s to connect, 10 s per call.
+/// The longest a harness connection may take to be ready: TCP connect, TLS handshake
+/// and HTTP/2 preface. tonic's `connect_timeout` bounds only the TCP connect; a
+/// handshake through a proxied connection whose far side died (a killed coordinator
+/// behind the nemesis proxy) otherwise waits forever.
+pub const CONNECT_DEADLINE: Duration = Duration::from_secs(5);
+
+/// `endpoint.connect()` within [`CONNECT_DEADLINE`].
+///
+/// # Errors
+/// The connection failed, or was not ready in time (named with `addr`).
+pub async fn connect_bounded(addr: &str, endpoint: Endpoint) -> anyhow::Result<Channel> {
+    match tokio::time::timeout(CONNECT_DEADLINE, endpoint.connect()).await {
+        Ok(connected) => Ok(connected?),
+        Err(_) => anyhow::bail!("connecting to {addr}: not ready within {CONNECT_DEADLINE:?}"),
+    }
+}
+
+/// A channel to the coordinator at `grpc_addr` (host:port): 1 s for the TCP connect,
+/// [`CONNECT_DEADLINE`] until ready, 10 s per call.
 pub async fn coordinator_channel(
     grpc_addr: &str,
     tls: Option<&ClientTls>,
 ) -> anyhow::Result<Channel> {
-    Ok(endpoint(grpc_addr, tls)?
+    let endpoint = endpoint(grpc_addr, tls)?
         .connect_timeout(Duration::from_secs(1))
-        .timeout(Duration::from_secs(10))
-        .connect()
-        .await?)
+        .timeout(Duration::from_secs(10));
+    connect_bounded(grpc_addr, endpoint).await
 }
 
 /// `https://addr` with the client TLS `tls` (CA, and a client certificate when it has
