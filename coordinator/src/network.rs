@@ -751,7 +751,7 @@ mod tests {
             append(11, 11, 11),
             append(11, 12, 11),
         ] {
-            tx.send(r).unwrap();
+            tx.send(r).expect("the test holds the receiver");
         }
         drop(tx);
         let sent: Vec<_> = sent.collect().await;
@@ -761,12 +761,21 @@ mod tests {
     #[tokio::test]
     async fn a_commit_only_request_goes_out_after_the_hold_when_nothing_follows() {
         let (tx, mut sent) = coalescing(Duration::from_millis(COMMIT_ONLY_HOLD_MS));
-        tx.send(append(9, 10, 9)).unwrap();
-        tx.send(append(10, 10, 10)).unwrap();
-        let first = sent.next().await.unwrap();
+        tx.send(append(9, 10, 9))
+            .expect("the test holds the receiver");
+        tx.send(append(10, 10, 10))
+            .expect("the test holds the receiver");
+        let first = sent
+            .next()
+            .await
+            .expect("the stream is open and a request is queued");
         // Nothing else is queued until the held request came out on its own.
-        let held = sent.next().await.unwrap();
-        tx.send(append(10, 11, 10)).unwrap();
+        let held = sent
+            .next()
+            .await
+            .expect("the stream is open and a request is queued");
+        tx.send(append(10, 11, 10))
+            .expect("the test holds the receiver");
         drop(tx);
         let rest: Vec<_> = sent.collect().await;
         assert_eq!(shape(&[first, held]), [(9, 10, 9), (10, 10, 10)]);
@@ -776,10 +785,15 @@ mod tests {
     #[tokio::test]
     async fn the_first_request_is_never_held_and_a_held_one_goes_out_when_the_stream_ends() {
         let (tx, mut sent) = coalescing(LONG_HOLD);
-        tx.send(append(10, 10, 9)).unwrap();
+        tx.send(append(10, 10, 9))
+            .expect("the test holds the receiver");
         // The first request comes out while the stream is still open and nothing follows.
-        let first = sent.next().await.unwrap();
-        tx.send(append(10, 10, 10)).unwrap();
+        let first = sent
+            .next()
+            .await
+            .expect("the stream is open and a request is queued");
+        tx.send(append(10, 10, 10))
+            .expect("the test holds the receiver");
         drop(tx);
         let rest: Vec<_> = sent.collect().await;
         assert_eq!(shape(&[first]), [(10, 10, 9)]);
@@ -801,7 +815,7 @@ mod tests {
             append(10, 10, 10), // a second commit-only replaces the first
             append(10, 11, 10),
         ] {
-            tx.send(r).unwrap();
+            tx.send(r).expect("the test holds the receiver");
         }
         drop(tx);
         let sent: Vec<_> = sent.collect().await;
