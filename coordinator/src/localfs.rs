@@ -48,9 +48,11 @@ pub const MAX_DATASET_FILES: usize = cumulus_raft_store::state::MAX_SHARDS;
 /// File-system types whose lookups never wait on a network peer or a user-space daemon
 /// (`mountinfo`'s type field; a `fuse.*`, `nfs*`, `cifs`, `autofs` or any other type is
 /// treated as possibly remote).
-/// (`overlay` is not listed: its layers may sit on any file system.)
+/// (`overlay` is not listed: its layers may sit on any file system.) `devtmpfs` is listed
+/// because `/dev` is one on most systems and `/dev/shm`, a common home for datasets kept
+/// in memory, lies under it: without it a dataset there always took the blocking pool.
 pub const LOCAL_FS_TYPES: &[&str] = &[
-    "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "tmpfs", "ramfs",
+    "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "tmpfs", "ramfs", "devtmpfs",
 ];
 /// Mount sources (devices) that may be backed by the network even under a local file-system
 /// type: a loop device (its file may be on NFS), a network block device, a Ceph RBD.
@@ -370,6 +372,8 @@ mod tests {
 42 22 0:40 / /mnt/with\\040space rw - tmpfs tmpfs rw
 43 22 7:0 / /mnt/image rw - ext4 /dev/loop0 rw
 44 22 0:50 / /var/lib/docker/x rw - overlay overlay rw,lowerdir=/a,upperdir=/b
+24 22 0:6 / /dev rw,relatime - devtmpfs devtmpfs rw,size=12334432k,mode=755
+25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw
 ";
         let table = MountTable::parse(text.as_bytes()).expect("parses");
         assert_eq!(
@@ -399,6 +403,14 @@ mod tests {
                     point: "/var/lib/docker/x".into(),
                     local: false
                 },
+                Mount {
+                    point: "/dev".into(),
+                    local: true
+                },
+                Mount {
+                    point: "/dev/shm".into(),
+                    local: true
+                },
             ]
         );
         // A mount point that is not UTF-8 is kept as bytes.
@@ -416,6 +428,10 @@ mod tests {
             "a prefix by string, not by path"
         );
         assert!(table.all_local(Path::new("/mnt/with space/d")));
+        assert!(
+            table.all_local(Path::new("/dev/shm/dataset")),
+            "a tmpfs under devtmpfs is local"
+        );
         assert!(!table.all_local(Path::new("/mnt/nfs")));
         assert!(!table.all_local(Path::new("/mnt/nfs/a/b")));
         // Local itself, but reached through the NFS mount's root.
