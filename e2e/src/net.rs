@@ -186,19 +186,18 @@ impl Proxy {
                 let c = c.clone();
                 tokio::spawn(async move {
                     let _permit = permit;
-                    let from: Owner = Arc::new(Mutex::new(None));
+                    let from: Owner = Arc::default();
                     let find = {
                         let net = net.clone();
                         let from = from.clone();
                         move || {
-                            let owner = net.owner_of(peer.port());
-                            *from.lock().unwrap_or_else(|p| p.into_inner()) = Some(owner);
+                            let _ = from.set(net.owner_of(peer.port()));
                         }
                     };
                     if net.any_cut() {
                         // A cut link must be refused before any byte passes.
                         if tokio::task::spawn_blocking(find).await.is_err() {
-                            *from.lock().unwrap_or_else(|p| p.into_inner()) = Some(UNKNOWN.into());
+                            let _ = from.set(UNKNOWN.into());
                         }
                     } else {
                         // Nothing to refuse now: forward at once and learn the owner on the
@@ -223,8 +222,8 @@ impl Drop for Proxy {
     }
 }
 
-/// The process that opened a proxied connection, once found (`None` until then).
-type Owner = Arc<Mutex<Option<String>>>;
+/// The process that opened a proxied connection, once found (empty until then).
+type Owner = Arc<std::sync::OnceLock<String>>;
 
 /// Forwards `inbound` to `back` until either side ends, `cancel` fires, or the link from
 /// `from` to `to` is cut. A connection whose owner is not found yet counts as uncut: it was
@@ -237,10 +236,7 @@ async fn forward(
     back: SocketAddr,
     cancel: CancellationToken,
 ) {
-    let cut = || {
-        let from = from.lock().unwrap_or_else(|p| p.into_inner());
-        from.as_deref().is_some_and(|f| net.is_cut(f, &to))
-    };
+    let cut = || from.get().is_some_and(|f| net.is_cut(f, &to));
     if cut() {
         net.dropped
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
