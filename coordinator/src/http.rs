@@ -74,9 +74,17 @@ async fn require_token(State(node): State<Arc<Node>>, mut req: Request, next: Ne
     }
 }
 
-async fn health(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
+/// `200` with the node's id, leader and term; `503` naming the error once the node's Raft
+/// core has stopped (the process is exiting: it never reports an old leadership).
+async fn health(State(node): State<Arc<Node>>) -> Response {
     let m = node.raft.metrics().borrow_watched().clone();
+    if let Err(fatal) = &m.running_state {
+        let body =
+            json!({ "node_id": node.id, "error": format!("the raft core stopped: {fatal}") });
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    }
     Json(json!({ "node_id": node.id, "leader_id": m.current_leader, "term": m.current_term }))
+        .into_response()
 }
 
 /// `?linearizable=true|false` on reads.

@@ -20,6 +20,7 @@ pub mod raft_service;
 pub mod rejoin;
 pub mod snapshots;
 pub mod soft;
+pub mod terms;
 pub mod worker_service;
 
 use std::collections::BTreeMap;
@@ -327,6 +328,9 @@ pub async fn run(
         // leader's own `fdatasync` runs (its flush still counts toward the quorum only
         // once done). Off by default in openraft; it is what etcd's leader does.
         broadcast_submitted_on_append: Some(true),
+        // A node cut off from a majority does not raise its term while it waits, so an
+        // honest candidate is never far ahead of its voters (`terms`).
+        enable_pre_vote: Some(true),
         ..Default::default()
     };
     let raft_config = Arc::new(raft_config.validate().context("raft configuration")?);
@@ -505,6 +509,14 @@ pub async fn run(
         _ = shutdown => info!("shutting down"),
         r = &mut grpc_task => warn!(result = ?r, "gRPC server stopped"),
         r = &mut http_task => warn!(result = ?r, "HTTP server stopped"),
+        why = raft_core_stopped(raft.metrics()) => {
+            // Fail-stop: a node whose Raft core is gone must not go on serving `/health`
+            // and `cluster status` from its last metrics (a panicked core's node read as
+            // leader at an old term while another node led). No graceful shutdown: the
+            // servers end with the process.
+            tracing::error!(reason = %why, "the raft core stopped; exiting");
+            bail!("the raft core stopped: {why}");
+        }
     }
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
@@ -518,6 +530,27 @@ pub async fn run(
         warn!(error = %e, "raft shutdown");
     }
     Ok(())
+}
+
+/// Resolves when this node's Raft core has stopped: its metrics report a fatal error
+/// (a panic, a storage error) or their sender is gone (the core task ended). Returns
+/// why, for the log and the exit error. Never resolves while the core runs.
+pub async fn raft_core_stopped<W, R>(mut metrics: R) -> String
+where
+    W: openraft::async_runtime::watch::Watch,
+    R: openraft::async_runtime::watch::WatchReceiver<
+            W,
+            openraft::RaftMetrics<cumulus_raft_store::TypeConfig>,
+        >,
+{
+    loop {
+        if let Err(fatal) = &metrics.borrow_watched().running_state {
+            return fatal.to_string();
+        }
+        if metrics.changed().await.is_err() {
+            return "its task ended".into();
+        }
+    }
 }
 
 /// The cluster CA that signs enrolling workers' certificates (`--tls-ca-key`): the key
@@ -548,6 +581,47 @@ fn load_enrolment_ca(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_stopped_raft_core_is_noticed() {
+        use openraft::AsyncRuntime;
+        use openraft::async_runtime::watch::{Watch, WatchSender};
+        type W = <openraft::TokioRuntime as AsyncRuntime>::Watch;
+        type Metrics = openraft::RaftMetrics<cumulus_raft_store::TypeConfig>;
+
+        // A panicked core: its last metrics say so.
+        let (tx, rx) = W::channel(Metrics::new_initial(1));
+        let watcher = tokio::spawn(raft_core_stopped(rx));
+        let mut failed = Metrics::new_initial(1);
+        failed.running_state = Err(openraft::errors::Fatal::Panicked);
+        tx.send(failed).expect("send");
+        let why = tokio::time::timeout(Duration::from_secs(30), watcher)
+            .await
+            .expect("noticed")
+            .expect("task");
+        assert!(why.contains("panicked"), "{why}");
+
+        // A core whose task ended without a word: the sender is gone.
+        let (tx, rx) = W::channel(Metrics::new_initial(1));
+        let watcher = tokio::spawn(raft_core_stopped(rx));
+        drop(tx);
+        let why = tokio::time::timeout(Duration::from_secs(30), watcher)
+            .await
+            .expect("noticed")
+            .expect("task");
+        assert_eq!(why, "its task ended");
+
+        // A running core is not taken for a stopped one.
+        let (tx, rx) = W::channel(Metrics::new_initial(1));
+        let mut watcher = tokio::spawn(raft_core_stopped(rx));
+        tx.send(Metrics::new_initial(1)).expect("send");
+        tokio::select! {
+            r = &mut watcher => panic!("a running core was reported stopped: {r:?}"),
+            () = tokio::task::yield_now() => {}
+        }
+        watcher.abort();
+        drop(tx);
+    }
 
     #[test]
     fn peers_parse() {

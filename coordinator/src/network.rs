@@ -28,6 +28,7 @@ use tonic::codegen::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::auth::AddToken;
+use crate::terms::{TermSource, check_term};
 
 /// Largest Raft message accepted or sent, in bytes (snapshots are sent in chunks below it).
 pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
@@ -52,14 +53,7 @@ pub fn snapshot_deadline(bytes: usize, offered: Duration) -> Duration {
     ))
 }
 
-/// Highest Raft term a request or answer may carry. Terms grow by one per election, so a
-/// real cluster stays many orders of magnitude below this (2^48 elections at one per
-/// millisecond take ~8,900 years), while a term near `u64::MAX` would overflow the next
-/// election: openraft 0.10.0-alpha.37 `unwrap`s that increment, and the vote is persisted
-/// first, so one such vote panicked every node on every restart. The bound is absolute,
-/// not relative to this node's term: a node partitioned for days legitimately comes back
-/// far ahead, and refusing it would stall elections once the others adopt its term.
-pub const MAX_RAFT_TERM: u64 = 1 << 48;
+pub use crate::terms::MAX_RAFT_TERM;
 
 /// HTTP/2 PING interval on a peer connection, in milliseconds.
 pub const KEEPALIVE_INTERVAL_MS: u64 = 1_000;
@@ -220,6 +214,7 @@ struct Msg(String);
 enum Rpc {
     Append,
     Vote,
+    PreVote,
 }
 
 /// What failed in a call, before openraft's error types are chosen.
@@ -230,13 +225,17 @@ enum CallError {
     Network(Msg),
     /// The peer's Raft answered with a fatal error (it is shutting down or broken).
     Remote(Fatal<TypeConfig>),
+    /// The peer serves no such RPC (a version before it).
+    Unimplemented(Msg),
 }
 
 impl CallError {
     fn into_rpc(self) -> RPCError<TypeConfig> {
         match self {
             CallError::Unreachable(m) => RPCError::Unreachable(Unreachable::new(&m)),
-            CallError::Network(m) => RPCError::Network(NetworkError::new(&m)),
+            CallError::Network(m) | CallError::Unimplemented(m) => {
+                RPCError::Network(NetworkError::new(&m))
+            }
             CallError::Remote(f) => RPCError::Unreachable(Unreachable::new(&f)),
         }
     }
@@ -244,27 +243,27 @@ impl CallError {
     fn into_streaming(self) -> StreamingError<TypeConfig> {
         match self {
             CallError::Unreachable(m) => StreamingError::Unreachable(Unreachable::new(&m)),
-            CallError::Network(m) => StreamingError::Network(NetworkError::new(&m)),
+            CallError::Network(m) | CallError::Unimplemented(m) => {
+                StreamingError::Network(NetworkError::new(&m))
+            }
             CallError::Remote(f) => StreamingError::Unreachable(Unreachable::new(&f)),
         }
     }
 }
 
-/// Refuses a peer's answer that carries a vote of a term above [`MAX_RAFT_TERM`]: openraft
-/// would adopt it (and persist it) and overflow the term at the next election.
+/// Refuses a peer's answer that carries a vote of a term above [`MAX_RAFT_TERM`]
+/// ([`check_term`], [`TermSource::Answer`]): openraft would adopt it (and persist it) and
+/// overflow the term at the next election.
 fn check_answer_vote(target: NodeId, vote: &Vote) -> Result<(), CallError> {
     let term = vote.leader_id.term;
-    if term > MAX_RAFT_TERM {
+    check_term(TermSource::Answer, term, term).map_err(|refusal| {
         tracing::warn!(
             target,
             term,
             "refused a peer's answer carrying an absurd term (not adopted)"
         );
-        return Err(CallError::Network(Msg(format!(
-            "peer {target} answered with term {term}, above the highest accepted ({MAX_RAFT_TERM})"
-        ))));
-    }
-    Ok(())
+        CallError::Network(Msg(format!("peer {target} answered: {refusal}")))
+    })
 }
 
 /// A failed call's status: unreachable when the peer cannot be reached or refuses our
@@ -273,6 +272,7 @@ fn status_error(target: NodeId, addr: &str, status: &tonic::Status) -> CallError
     let err = Msg(format!("peer {target} at {addr}: {status}"));
     match status.code() {
         tonic::Code::Unavailable | tonic::Code::Unauthenticated => CallError::Unreachable(err),
+        tonic::Code::Unimplemented => CallError::Unimplemented(err),
         _ => CallError::Network(err),
     }
 }
@@ -332,6 +332,7 @@ impl PeerClient {
         let result = match rpc {
             Rpc::Append => client.append_entries(request).await,
             Rpc::Vote => client.vote(request).await,
+            Rpc::PreVote => client.pre_vote(request).await,
         };
         match result {
             Ok(r) => {
@@ -661,6 +662,25 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
                 Ok(resp)
             })
             .map_err(CallError::into_rpc)
+    }
+
+    /// A pre-vote: whether the peer would grant `rpc`, which changes nothing there. A
+    /// peer of a version without the RPC (`unimplemented`, during a rolling upgrade) is
+    /// counted as granting, as openraft counts a network without pre-vote.
+    async fn pre_vote(
+        &mut self,
+        rpc: VoteRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
+        match self.call(Rpc::PreVote, &rpc, &option).await {
+            Ok(resp) => {
+                let resp: VoteResponse<TypeConfig> = resp;
+                check_answer_vote(self.target, &resp.vote).map_err(CallError::into_rpc)?;
+                Ok(resp)
+            }
+            Err(CallError::Unimplemented(_)) => Ok(VoteResponse::new(rpc.vote, None, true)),
+            Err(e) => Err(e.into_rpc()),
+        }
     }
 
     async fn full_snapshot(

@@ -14,8 +14,9 @@ use openraft::raft::{AppendEntriesRequest, SnapshotResponse, VoteRequest};
 use serde::Serialize;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::network::{MAX_RAFT_TERM, MAX_SNAPSHOT_BYTES, SnapshotHeader, off_runtime_if};
+use crate::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader, off_runtime_if};
 use crate::node::Node;
+use crate::terms::{TermSource, check_term, strip_transfer};
 
 /// Replication requests larger than this many bytes of JSON are decoded on the blocking
 /// pool (a request carries up to
@@ -85,6 +86,8 @@ pub fn snapshot_buffer(data_bytes: Option<u64>) -> Result<Vec<u8>, Status> {
 pub enum RaftRpc {
     /// A candidate asks for this node's vote.
     Vote,
+    /// A candidate asks whether this node would vote for it (nothing is persisted).
+    PreVote,
     /// A leader appends entries (or sends a heartbeat).
     Append,
     /// A leader installs a snapshot.
@@ -95,6 +98,7 @@ impl RaftRpc {
     fn as_str(self) -> &'static str {
         match self {
             RaftRpc::Vote => "vote",
+            RaftRpc::PreVote => "pre-vote",
             RaftRpc::Append => "append",
             RaftRpc::Snapshot => "snapshot",
         }
@@ -102,7 +106,9 @@ impl RaftRpc {
 }
 
 /// Checks the sender of a Raft request (the `vote` it carries: a candidate's, or a
-/// leader's for an append or a snapshot). Its term must be at most [`MAX_RAFT_TERM`],
+/// leader's for an append or a snapshot). Its term must pass [`check_term`] against this
+/// node's term `own_term` (a candidate's at most [`MAX_TERM_STEP`](crate::terms::MAX_TERM_STEP)
+/// above it; none above [`MAX_RAFT_TERM`](crate::terms::MAX_RAFT_TERM)),
 /// and its node id a member (voter or learner) of this node's membership `members`.
 /// While that is empty (a pristine node that has received no entry yet), the cluster's
 /// initial members, `initial_members` (the `--peer` list it bootstraps with), stand in:
@@ -116,27 +122,33 @@ impl RaftRpc {
 pub fn check_sender(
     rpc: RaftRpc,
     vote: &Vote,
+    own_term: u64,
     members: &[cumulus_raft_store::NodeId],
     initial_members: &[cumulus_raft_store::NodeId],
 ) -> Result<(), Status> {
     let what = rpc.as_str();
     let term = vote.leader_id.term;
     let sender = vote.leader_id.node_id;
-    if term > MAX_RAFT_TERM {
+    let source = match rpc {
+        RaftRpc::Vote | RaftRpc::PreVote => TermSource::Candidate,
+        RaftRpc::Append | RaftRpc::Snapshot => TermSource::Leader,
+    };
+    if let Err(refusal) = check_term(source, term, own_term) {
         tracing::warn!(
             sender,
             term,
-            max_term = MAX_RAFT_TERM,
-            "refused a raft {what} with an absurd term (not persisted)"
+            own_term,
+            %refusal,
+            "refused a raft {what} (its term is not persisted)"
         );
         return Err(Status::permission_denied(format!(
-            "a raft {what} of term {term} is refused: terms above {MAX_RAFT_TERM} are never accepted"
+            "a raft {what} from node {sender} is refused: {refusal}"
         )));
     }
     let allowed = match (members.is_empty(), initial_members.is_empty(), rpc) {
         (false, _, _) => members,
         (true, false, _) => initial_members,
-        (true, true, RaftRpc::Vote) => initial_members,
+        (true, true, RaftRpc::Vote | RaftRpc::PreVote) => initial_members,
         (true, true, RaftRpc::Append | RaftRpc::Snapshot) => return Ok(()),
     };
     if !allowed.contains(&sender) {
@@ -199,6 +211,34 @@ pub fn check_peer_certificate(
 }
 
 impl RaftSvc {
+    /// This node's current term, as its metrics last showed it (never ahead of it).
+    fn own_term(&self) -> u64 {
+        self.node
+            .raft
+            .metrics()
+            .borrow_watched()
+            .vote
+            .leader_id
+            .term
+    }
+
+    /// [`check_sender`] and [`check_peer_certificate`] for a candidate's request.
+    fn check_candidate(
+        &self,
+        rpc: RaftRpc,
+        req: &VoteRequest<TypeConfig>,
+        certified: Option<cumulus_raft_store::NodeId>,
+    ) -> Result<(), Status> {
+        check_sender(
+            rpc,
+            &req.vote,
+            self.own_term(),
+            &self.members(),
+            &self.initial_members,
+        )?;
+        check_peer_certificate(self.node.tls, rpc, certified, req.vote.leader_id.node_id)
+    }
+
     /// Node ids of this node's current membership config (voters and learners).
     fn members(&self) -> Vec<cumulus_raft_store::NodeId> {
         self.node
@@ -286,13 +326,13 @@ impl RaftService for RaftSvc {
                 .await;
                 match decoded {
                     Ok(rpc) => {
-                        let members: Vec<_> = metrics
-                            .borrow_watched()
-                            .membership_config
-                            .nodes()
-                            .map(|(id, _)| *id)
-                            .collect();
-                        if check_sender(RaftRpc::Append, &rpc.vote, &members, &initial).is_err()
+                        let (members, own_term): (Vec<_>, u64) = {
+                            let m = metrics.borrow_watched();
+                            let members = m.membership_config.nodes().map(|(id, _)| *id).collect();
+                            (members, m.vote.leader_id.term)
+                        };
+                        if check_sender(RaftRpc::Append, &rpc.vote, own_term, &members, &initial)
+                            .is_err()
                             || check_peer_certificate(
                                 tls,
                                 RaftRpc::Append,
@@ -342,6 +382,7 @@ impl RaftService for RaftSvc {
         check_sender(
             RaftRpc::Append,
             &rpc.vote,
+            self.own_term(),
             &self.members(),
             &self.initial_members,
         )?;
@@ -360,22 +401,23 @@ impl RaftService for RaftSvc {
         reply
     }
 
+    /// A candidate's vote request. A `leadership_transfer` flag is cleared first
+    /// ([`strip_transfer`]): no coordinator starts a transfer, and a forged one would skip
+    /// the leader lease.
     async fn vote(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
         let certified = peer_node_id(&req);
         let rpc: VoteRequest<TypeConfig> = decode(req)?;
-        check_sender(
-            RaftRpc::Vote,
-            &rpc.vote,
-            &self.members(),
-            &self.initial_members,
-        )?;
-        check_peer_certificate(
-            self.node.tls,
-            RaftRpc::Vote,
-            certified,
-            rpc.vote.leader_id.node_id,
-        )?;
-        encode(&self.node.raft.vote(rpc).await)
+        self.check_candidate(RaftRpc::Vote, &rpc, certified)?;
+        encode(&self.node.raft.vote(strip_transfer(rpc)).await)
+    }
+
+    /// A candidate's pre-vote: whether this node would grant the vote; nothing is
+    /// persisted and the term does not change.
+    async fn pre_vote(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
+        let certified = peer_node_id(&req);
+        let rpc: VoteRequest<TypeConfig> = decode(req)?;
+        self.check_candidate(RaftRpc::PreVote, &rpc, certified)?;
+        encode(&self.node.raft.pre_vote(strip_transfer(rpc)).await)
     }
 
     /// Receives a snapshot in chunks (the first carries the header), bounded by
@@ -408,6 +450,7 @@ impl RaftService for RaftSvc {
         check_sender(
             RaftRpc::Snapshot,
             &header.vote,
+            self.own_term(),
             &self.members(),
             &self.initial_members,
         )?;
@@ -470,6 +513,7 @@ impl RaftService for RaftSvc {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::terms::{MAX_RAFT_TERM, MAX_TERM_STEP};
 
     #[test]
     fn a_snapshot_from_a_passed_vote_is_answered_with_the_current_vote() {
@@ -505,27 +549,46 @@ mod tests {
             check_peer_certificate(true, V, None, 2).is_err(),
             "no certificate"
         );
-        assert!(check_sender(V, &Vote::new(7, 2), &members, &[]).is_ok());
+        assert!(check_sender(V, &Vote::new(7, 2), 0, &members, &[]).is_ok());
         assert!(
             check_sender(
                 Append,
                 &Vote::new_committed(MAX_RAFT_TERM, 3),
+                0,
                 &members,
                 &[]
             )
             .is_ok()
         );
-        let outsider = check_sender(V, &Vote::new(7, 9), &members, &[]).expect_err("not a member");
+        let outsider =
+            check_sender(V, &Vote::new(7, 9), 0, &members, &[]).expect_err("not a member");
         assert_eq!(outsider.code(), tonic::Code::PermissionDenied);
         assert!(
             outsider.message().contains("node 9"),
             "{}",
             outsider.message()
         );
-        assert!(check_sender(Snapshot, &Vote::new_committed(7, 9), &members, &[]).is_err());
-        let absurd = check_sender(V, &Vote::new(u64::MAX, 2), &members, &[]).expect_err("term");
+        assert!(check_sender(Snapshot, &Vote::new_committed(7, 9), 0, &members, &[]).is_err());
+        let absurd = check_sender(V, &Vote::new(u64::MAX, 2), 0, &members, &[]).expect_err("term");
         assert_eq!(absurd.code(), tonic::Code::PermissionDenied);
-        assert!(check_sender(V, &Vote::new(MAX_RAFT_TERM + 1, 2), &members, &[]).is_err());
+        assert!(check_sender(V, &Vote::new(MAX_RAFT_TERM + 1, 2), 0, &members, &[]).is_err());
+        // A candidate may lead this node's term by at most MAX_TERM_STEP; a vote at the
+        // bound itself, which once left every later election above it, is refused.
+        let far = check_sender(V, &Vote::new(MAX_RAFT_TERM, 2), 3, &members, &[])
+            .expect_err("at the bound, from term 3");
+        assert_eq!(far.code(), tonic::Code::PermissionDenied);
+        assert!(far.message().contains("term 3"), "{}", far.message());
+        assert!(check_sender(V, &Vote::new(3 + MAX_TERM_STEP, 2), 3, &members, &[]).is_ok());
+        assert!(
+            check_sender(
+                RaftRpc::PreVote,
+                &Vote::new(4 + MAX_TERM_STEP, 2),
+                3,
+                &members,
+                &[]
+            )
+            .is_err()
+        );
     }
 
     #[test]
@@ -533,16 +596,16 @@ mod tests {
         use RaftRpc::{Append, Snapshot, Vote as V};
         // Bootstrapping: the first leader needs the pristine nodes' votes, and is one of
         // the initial members.
-        assert!(check_sender(V, &Vote::new(1, 1), &[], &[1, 2, 3]).is_ok());
-        assert!(check_sender(V, &Vote::new(2, 9), &[], &[1, 2, 3]).is_err());
-        assert!(check_sender(Append, &Vote::new_committed(1, 1), &[], &[1, 2, 3]).is_ok());
-        assert!(check_sender(Append, &Vote::new_committed(2, 9), &[], &[1, 2, 3]).is_err());
+        assert!(check_sender(V, &Vote::new(1, 1), 0, &[], &[1, 2, 3]).is_ok());
+        assert!(check_sender(V, &Vote::new(2, 9), 0, &[], &[1, 2, 3]).is_err());
+        assert!(check_sender(Append, &Vote::new_committed(1, 1), 0, &[], &[1, 2, 3]).is_ok());
+        assert!(check_sender(Append, &Vote::new_committed(2, 9), 0, &[], &[1, 2, 3]).is_err());
         // A joining node votes for no one until it is added.
-        assert!(check_sender(V, &Vote::new(2, 1), &[], &[]).is_err());
+        assert!(check_sender(V, &Vote::new(2, 1), 0, &[], &[]).is_err());
         // ... but takes entries and snapshots from the leader that adds it.
-        assert!(check_sender(Append, &Vote::new_committed(3, 9), &[], &[]).is_ok());
-        assert!(check_sender(Snapshot, &Vote::new_committed(3, 9), &[], &[]).is_ok());
-        assert!(check_sender(Append, &Vote::new_committed(u64::MAX, 9), &[], &[]).is_err());
+        assert!(check_sender(Append, &Vote::new_committed(3, 9), 0, &[], &[]).is_ok());
+        assert!(check_sender(Snapshot, &Vote::new_committed(3, 9), 0, &[], &[]).is_ok());
+        assert!(check_sender(Append, &Vote::new_committed(u64::MAX, 9), 0, &[], &[]).is_err());
     }
 
     #[test]

@@ -776,8 +776,9 @@ async fn corrupt_and_rebuild(
 }
 
 /// Sends every coordinator forged Raft RPCs — a leadership-transfer vote with the client
-/// token, a vote from a non-member and a vote of term `u64::MAX` with the peer token —
-/// and records an anomaly for each one not refused.
+/// token, a vote from a non-member and a vote of term `u64::MAX` with the peer token, and
+/// a vote at term 2^48 with the peer token and a member's own certificate — and records
+/// an anomaly for each one not refused.
 async fn forge_raft_rpcs(cluster: &Cluster, anomalies: &mut Vec<Anomaly>) {
     use cumulus_api::v1::RaftPayload;
     use cumulus_api::v1::raft_service_client::RaftServiceClient;
@@ -833,6 +834,32 @@ async fn forge_raft_rpcs(cluster: &Cluster, anomalies: &mut Vec<Anomaly>) {
                     ) => {}
                 Err(_) => {} // unreachable right now (a fault): not a grant
             }
+        }
+    }
+    // The term-bound probe: with the peer token and member 0's own certificate, a vote at
+    // 2^48 (far above every node's term) must be refused by every other coordinator: a
+    // granted one once left the cluster leaderless for good.
+    let Ok(own_tls) = cluster.member_tls(&cumulus_tls::Identity::Coordinator(member)) else {
+        return;
+    };
+    let own_tls = own_tls.or(cluster.client_tls());
+    for c in cluster.coordinators.iter().filter(|c| c.id != member) {
+        if c.proc.child.is_none() {
+            continue;
+        }
+        let Ok(channel) = crate::coordinator_channel(&c.grpc, own_tls.as_ref()).await else {
+            continue;
+        };
+        let mut client =
+            RaftServiceClient::with_interceptor(channel, crate::Auth::new(crate::PEER_TOKEN));
+        if client.vote(vote(member, 1 << 48)).await.is_ok() {
+            anomalies.push(Anomaly {
+                job_id: "-".into(),
+                what: format!(
+                    "coordinator {} answered a member's vote at term 2^48 instead of refusing it",
+                    c.id
+                ),
+            });
         }
     }
 }

@@ -1,6 +1,8 @@
-//! The probes of issue 21, rerun against real 3-coordinator clusters: forged Raft RPCs
-//! (with the client token, from a non-member, with an absurd term, and with the peer
-//! token over a connection whose certificate does not name the sender), and a flipped byte in
+//! The probes of issues 21 and 39, rerun against real 3-coordinator clusters: forged Raft
+//! RPCs (with the client token, from a non-member, with an absurd term, with the peer
+//! token over a connection whose certificate does not name the sender, and with a
+//! member's own certificate: a leadership-transfer vote and a vote at the old term
+//! bound), and a flipped byte in
 //! a stopped node's raft log. Each must end with no acknowledged job lost, no divergence,
 //! no panic, and a clear refusal or recovery. Every wait is on a condition with a
 //! generous deadline.
@@ -230,6 +232,40 @@ async fn forged_raft_rpcs_are_refused_and_change_nothing() {
             .await
             .expect_err("a vote of term u64::MAX");
         assert_eq!(absurd.code(), tonic::Code::PermissionDenied, "{absurd}");
+    }
+
+    // 4. With the peer token AND the sender's own certificate (what a job could read in a
+    //    root-run local cluster): a leadership-transfer vote a few terms ahead no longer
+    //    deposes the live leader (it is an ordinary vote, refused under the leader lease),
+    //    and a vote at 2^48 — the old bound, which it met exactly, after which every
+    //    election's term was refused and the cluster stayed leaderless — is refused as too
+    //    far ahead of each node's term.
+    let sender = cluster.coordinators[f].id;
+    let own_tls = cluster
+        .member_tls(&Identity::Coordinator(sender))
+        .expect("issue")
+        .or(user.clone());
+    for i in (0..cluster.coordinators.len()).filter(|i| *i != f) {
+        let mut c = raft_client(&cluster.coordinators[i].grpc, PEER_TOKEN, own_tls.as_ref()).await;
+        let reply = c
+            .vote(forged_vote(sender, before.term + 8))
+            .await
+            .expect("a member's vote is answered")
+            .into_inner();
+        let answer: Result<openraft::raft::VoteResponse<TypeConfig>, serde_json::Value> =
+            cumulus_raft_store::codec::decode(&reply.body).expect("a vote answer");
+        let answer = answer.expect("not a raft error");
+        assert!(
+            !answer.vote_granted,
+            "node {}: a transfer vote was granted while a leader is live: {answer:?}",
+            cluster.coordinators[i].id
+        );
+        let trap = c
+            .vote(forged_vote(sender, 1 << 48))
+            .await
+            .expect_err("a vote at 2^48");
+        assert_eq!(trap.code(), tonic::Code::PermissionDenied, "{trap}");
+        assert!(trap.message().contains("above this node's term"), "{trap}");
     }
 
     // Nothing changed: same leader and term, the job pending on every node, and the
