@@ -55,7 +55,7 @@ pub async fn run(cli: Cli) -> Result<()> {
                     l.tail,
                     l.since.map(|ms| render::now_ms().saturating_sub(ms)),
                 ),
-                l.follow,
+                (l.follow, l.raw),
                 out,
             )
             .await

@@ -421,6 +421,12 @@ pub struct LogsArgs {
     /// show).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration_ms)]
     pub since: Option<u64>,
+    /// Write the lines as the ranks wrote them, control characters and all. Without it,
+    /// on a terminal, control characters (ESC, carriage return, …) and bidirectional
+    /// controls are shown as escapes such as `\x1b` and `\u{202e}`; into a pipe or a file
+    /// the lines are always written as they came.
+    #[arg(long)]
+    pub raw: bool,
 }
 
 /// `ckpt` subcommands.

@@ -337,7 +337,7 @@ async fn run_job(opts: &DemoOptions, steps: &mut Steps, dir: &Path, conn: &Conn)
             let mut state = CursorState::default();
             follow_logs(&conn, &req, &mut state, |l| {
                 if filter.show(l) {
-                    println!("    | {}", l.human());
+                    println!("    | {}", l.human_escaped());
                 }
             })
             .await

@@ -525,28 +525,50 @@ pub async fn cluster_status(conn: &Conn, output: OutputFormat) -> Result<()> {
 
 /// `token create`: creates the user and prints (or writes) their token.
 ///
+/// With `--out` the file is created (exclusively, mode `0600`) before the user: an
+/// existing file or an unwritable path refuses the command with no user created, and a
+/// refusal by the cluster removes the empty file again. Only a failure to write the token
+/// into the created file leaves a user behind: the error then shows the token.
+///
 /// # Errors
 /// Refused by the cluster (not an administrator, a bad or taken name), or the file
-/// cannot be created.
+/// cannot be created or written.
 pub async fn token_create(conn: &Conn, args: &TokenCreateArgs, output: OutputFormat) -> Result<()> {
-    let resp = Client::new(conn)?
-        .create_user(cumulus_api::CreateUserRequest {
-            name: args.name.clone(),
-            role: args.role.to_string(),
-        })
-        .await?;
-    if let Some(path) = &args.out {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(path)
-            .with_context(|| format!("creating the token file {}", path.display()))?;
-        file.write_all(format!("{}\n", resp.token).as_bytes())
-            .and_then(|()| file.sync_all())
-            .with_context(|| format!("writing the token file {}", path.display()))?;
+    let mut file = match &args.out {
+        Some(path) => Some(TokenFile::create(path)?),
+        None => None,
+    };
+    let created = match Client::new(conn) {
+        Ok(client) => {
+            client
+                .create_user(cumulus_api::CreateUserRequest {
+                    name: args.name.clone(),
+                    role: args.role.to_string(),
+                })
+                .await
+        }
+        Err(e) => Err(e),
+    };
+    let resp = match created {
+        Ok(resp) => resp,
+        Err(e) => {
+            if let Some(file) = file.take() {
+                file.remove();
+            }
+            return Err(e.into());
+        }
+    };
+    if let Some(file) = file {
+        let path = file.path.clone();
+        file.write_token(&resp.token).map_err(|e| {
+            anyhow::anyhow!(
+                "user {} (role {}) was created, but its token could not be written to {}:                  {e:#}. Its token, shown once:\n{}",
+                resp.name,
+                resp.role,
+                path.display(),
+                resp.token
+            )
+        })?;
         return print_text(&format!(
             "user {} (role {}) created; token written to {}\n",
             resp.name,
@@ -560,6 +582,59 @@ pub async fn token_create(conn: &Conn, args: &TokenCreateArgs, output: OutputFor
             "user {} (role {}) created. Its token, shown once:\n{}\n",
             resp.name, resp.role, resp.token
         )),
+    }
+}
+
+/// The `--out` file of `token create`, created empty before the user exists.
+struct TokenFile {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+}
+
+impl TokenFile {
+    /// Creates `path` exclusively (never an existing file, nor through a symbolic link)
+    /// with mode `0600`.
+    fn create(path: &Path) -> Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .with_context(|| {
+                format!(
+                    "creating the token file {} (no user was created)",
+                    path.display()
+                )
+            })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    /// Writes `token` and a newline, and syncs the file; on failure the file is removed.
+    fn write_token(mut self, token: &str) -> Result<()> {
+        let written = self
+            .file
+            .write_all(format!("{token}\n").as_bytes())
+            .and_then(|()| self.file.sync_all());
+        if let Err(e) = written {
+            self.remove();
+            return Err(e).context("writing the token file");
+        }
+        Ok(())
+    }
+
+    /// Removes the file this command created (best effort: it holds nothing yet).
+    fn remove(self) {
+        drop(self.file);
+        if let Err(e) = std::fs::remove_file(&self.path) {
+            eprintln!(
+                "warning: cannot remove the empty token file {}: {e}",
+                self.path.display()
+            );
+        }
     }
 }
 
@@ -671,11 +746,15 @@ pub async fn remove(conn: &Conn, id: u64, output: OutputFormat) -> Result<()> {
 }
 
 /// `logs JOB [-f] [--rank R]`: prints `[rank R a A] line` (or one JSON object per line).
+/// On a terminal, unless `raw`, a line's control and bidirectional characters are shown
+/// as escapes ([`crate::logs::escape_for_terminal`]; in JSON, as JSON escapes of the same
+/// value): a rank's output cannot clear the screen, set the window title or reorder what
+/// the reader sees. Into a pipe or a file the lines go as they came, as with `raw`.
 pub async fn logs(
     conn: &Conn,
     job_id: &str,
     (rank, tail, since_ms): (Option<u32>, Option<u32>, Option<u64>),
-    follow: bool,
+    (follow, raw): (bool, bool),
     output: OutputFormat,
 ) -> Result<()> {
     let mut req = LogRequest {
@@ -703,6 +782,7 @@ pub async fn logs(
         backlog = last.into_values().flatten().collect();
         req.follow = follow;
     }
+    let escape = !raw && std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut out = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
     let mut print = |l: &LogLine| {
@@ -710,10 +790,19 @@ pub async fn logs(
             return;
         }
         let r = match output {
+            OutputFormat::Table | OutputFormat::Wide if escape => {
+                writeln!(out, "{}", l.human_escaped())
+            }
             OutputFormat::Table | OutputFormat::Wide => writeln!(out, "{}", l.human()),
             OutputFormat::Json | OutputFormat::Yaml => serde_json::to_string(l)
                 .map_err(std::io::Error::other)
-                .and_then(|s| writeln!(out, "{s}")),
+                .and_then(|s| {
+                    if escape {
+                        writeln!(out, "{}", crate::logs::escape_json_for_terminal(&s))
+                    } else {
+                        writeln!(out, "{s}")
+                    }
+                }),
         };
         if let Err(e) = r.and_then(|_| out.flush()) {
             write_err = Some(e);

@@ -5,9 +5,16 @@
 //! `event: end`. A dropped connection is resumed on the next HTTP address with
 //! `Last-Event-ID: <last cursor>`, so no line is lost or repeated; as a second guard,
 //! a line whose offset is not past the last printed offset of its (rank, attempt) is
-//! skipped.
+//! skipped. Only what a retry can mend is retried (a connection that fails or drops, a
+//! 5xx, 408 or 429, see [`retryable_status`]); any other refusal (401, 403, 404, …) ends
+//! the command at once with the coordinator's message.
+//!
+//! A line is a rank's output: [`escape_for_terminal`] makes its control and bidirectional
+//! characters visible before it reaches a terminal.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use eventsource_stream::{Event, Eventsource};
@@ -37,10 +44,82 @@ pub struct LogLine {
 }
 
 impl LogLine {
-    /// `[rank R a A] line`.
+    /// `[rank R a A] line`, the line as it came.
     pub fn human(&self) -> String {
         format!("[rank {} a {}] {}", self.rank, self.attempt, self.line)
     }
+
+    /// `[rank R a A] line` with the line's control and bidirectional characters made
+    /// visible ([`escape_for_terminal`]), for a terminal.
+    pub fn human_escaped(&self) -> String {
+        format!(
+            "[rank {} a {}] {}",
+            self.rank,
+            self.attempt,
+            escape_for_terminal(&self.line)
+        )
+    }
+}
+
+/// The Unicode bidirectional controls: the Arabic letter mark, the left-to-right and
+/// right-to-left marks, the embeddings and overrides (U+202A–U+202E) and the isolates
+/// (U+2066–U+2069). They reorder how the text around them is shown ("Trojan Source").
+const BIDI_CONTROLS: &[char] = &[
+    '\u{061C}', '\u{200E}', '\u{200F}', '\u{202A}', '\u{202B}', '\u{202C}', '\u{202D}', '\u{202E}',
+    '\u{2066}', '\u{2067}', '\u{2068}', '\u{2069}',
+];
+
+/// Whether a terminal would act on `c` rather than show it: a C0 control character other
+/// than tab and newline, DEL, a C1 control character, or a bidirectional control.
+fn acts_on_terminal(c: char) -> bool {
+    (c.is_control() && c != '\t' && c != '\n') || BIDI_CONTROLS.contains(&c)
+}
+
+/// `line` as text a terminal shows rather than obeys: every control character but tab
+/// and newline, and every bidirectional control, is replaced by a visible escape: `\r`
+/// for a carriage return,
+/// `\xNN` for the other ASCII controls (`\x1b` for ESC, `\x7f` for DEL), `\u{NN}` for C1
+/// and bidirectional controls (`\u{9b}`, `\u{202e}`). Tabs, newlines and every other
+/// character (accents, CJK, emoji) are kept; the line itself is returned when nothing needs
+/// escaping.
+pub fn escape_for_terminal(line: &str) -> Cow<'_, str> {
+    if !line.chars().any(acts_on_terminal) {
+        return Cow::Borrowed(line);
+    }
+    let mut out = String::with_capacity(line.len() + 16);
+    for c in line.chars() {
+        match c {
+            '\r' => out.push_str("\\r"),
+            c if acts_on_terminal(c) && c.is_ascii() => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c if acts_on_terminal(c) => {
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// A line of JSON (`serde_json` output) with the characters [`escape_for_terminal`]
+/// escapes written as JSON escapes (`\u007f`, `\u202e`) instead: the same JSON value,
+/// shown rather than obeyed by a terminal. `serde_json` already escapes C0 controls; DEL,
+/// C1 and the bidirectional controls it writes as they are.
+pub fn escape_json_for_terminal(json: &str) -> Cow<'_, str> {
+    if !json.chars().any(acts_on_terminal) {
+        return Cow::Borrowed(json);
+    }
+    let mut out = String::with_capacity(json.len() + 16);
+    for c in json.chars() {
+        if acts_on_terminal(c) {
+            // Every such character is in the Basic Multilingual Plane: one `\uXXXX`.
+            let _ = write!(out, "\\u{:04x}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// Errors of following logs.
@@ -49,7 +128,8 @@ pub enum LogError {
     /// 401 from the coordinator.
     #[error("the coordinator rejected the token (check --token/--token-file)")]
     Unauthenticated,
-    /// 404 (unknown job) or 400 (bad request), with the coordinator's message.
+    /// A refusal that retrying cannot change (403: not allowed to read these logs, 404:
+    /// unknown job, 400: bad request, …), with the coordinator's message.
     #[error("{0}")]
     Rejected(String),
     /// No HTTP address is known.
@@ -65,10 +145,9 @@ pub enum LogError {
         /// What was wrong.
         reason: String,
     },
-    /// Too many consecutive failed connections.
-    #[error(
-        "lost the log stream: {failures} consecutive connection failures (last, from {addr}: {last})"
-    )]
+    /// Too many consecutive failed tries (connections that failed or dropped, answers
+    /// of [`retryable_status`]).
+    #[error("lost the log stream: {failures} consecutive failed tries (last, from {addr}: {last})")]
     Exhausted {
         /// Failures counted.
         failures: u32,
@@ -183,6 +262,16 @@ pub struct LogRequest {
     pub since_ms: Option<u64>,
 }
 
+/// Whether a non-success HTTP answer of the log endpoint may succeed when tried again
+/// (on this or another coordinator): a server error (5xx: a follower not ready, the
+/// stream cap reached, …), 408 (request timeout) or 429 (too many requests). Every other
+/// answer is final.
+pub fn retryable_status(status: reqwest::StatusCode) -> bool {
+    status.is_server_error()
+        || status == reqwest::StatusCode::REQUEST_TIMEOUT
+        || status == reqwest::StatusCode::TOO_MANY_REQUESTS
+}
+
 /// Backoff before reconnect number `n` (1-based): 200 ms doubling, capped at 5 s.
 pub fn reconnect_backoff(n: u32) -> Duration {
     let ms = 200u64.saturating_mul(1u64 << n.saturating_sub(1).min(10));
@@ -262,17 +351,15 @@ where
                 if status == reqwest::StatusCode::UNAUTHORIZED {
                     return Err(LogError::Unauthenticated);
                 }
-                if status == reqwest::StatusCode::NOT_FOUND
-                    || status == reqwest::StatusCode::BAD_REQUEST
-                {
-                    let body = resp.text().await.unwrap_or_default();
-                    return Err(LogError::Rejected(
-                        error_message(&body).unwrap_or_else(|| format!("{status} from {addr}")),
-                    ));
-                }
                 if !status.is_success() {
                     let body = resp.text().await.unwrap_or_default();
-                    format!("{status}: {}", error_message(&body).unwrap_or_default())
+                    let message = error_message(&body);
+                    if !retryable_status(status) {
+                        return Err(LogError::Rejected(
+                            message.unwrap_or_else(|| format!("{status} from {addr}")),
+                        ));
+                    }
+                    format!("{status}: {}", message.unwrap_or_default())
                 } else {
                     failures = 0;
                     failing_since = None;
@@ -536,8 +623,80 @@ mod tests {
         );
     }
 
+    #[test]
+    fn only_server_errors_timeouts_and_throttling_are_retried() {
+        for code in [500, 502, 503, 504, 408, 429] {
+            let status = reqwest::StatusCode::from_u16(code).expect("status");
+            assert!(retryable_status(status), "{code}");
+        }
+        for code in [400, 401, 403, 404, 405, 409, 410, 413, 422] {
+            let status = reqwest::StatusCode::from_u16(code).expect("status");
+            assert!(!retryable_status(status), "{code}");
+        }
+    }
+
+    #[test]
+    fn control_and_bidi_characters_are_escaped_for_a_terminal() {
+        for plain in ["step 10 loss=0.25", "résumé 東京 👩‍💻", "a\tb", ""] {
+            assert!(
+                matches!(escape_for_terminal(plain), Cow::Borrowed(_)),
+                "{plain:?}"
+            );
+        }
+        for (raw, shown) in [
+            ("\u{1b}[2Jcleared", "\\x1b[2Jcleared"),
+            ("\u{1b}]0;title\u{7}", "\\x1b]0;title\\x07"),
+            ("50%\r100%", "50%\\r100%"),
+            ("back\u{8}space", "back\\x08space"),
+            ("del\u{7f}", "del\\x7f"),
+            ("csi\u{9b}2J", "csi\\u{9b}2J"),
+            ("admin\u{202e}txt.exe", "admin\\u{202e}txt.exe"),
+            ("\u{2066}x\u{2069}", "\\u{2066}x\\u{2069}"),
+            ("\u{200e}\u{200f}\u{61c}", "\\u{200e}\\u{200f}\\u{61c}"),
+            (
+                "keeps\ttabs\nand newlines\u{1b}",
+                "keeps\ttabs\nand newlines\\x1b",
+            ),
+        ] {
+            let got = escape_for_terminal(raw);
+            assert_eq!(got, shown, "{raw:?}");
+            assert!(!got.chars().any(acts_on_terminal), "{got:?}");
+        }
+        let line = LogLine {
+            rank: 1,
+            attempt: 0,
+            offset: 0,
+            line: "\u{1b}[2J".into(),
+        };
+        assert_eq!(line.human_escaped(), "[rank 1 a 0] \\x1b[2J");
+        assert_eq!(
+            line.human(),
+            "[rank 1 a 0] \u{1b}[2J",
+            "raw keeps the bytes"
+        );
+    }
+
+    #[test]
+    fn json_lines_keep_their_value_and_lose_what_a_terminal_obeys() {
+        let line = LogLine {
+            rank: 0,
+            attempt: 0,
+            offset: 0,
+            line: "a\u{1b}b\u{7f}c\u{9b}d\u{202e}e é".into(),
+        };
+        let json = serde_json::to_string(&line).expect("json");
+        let shown = escape_json_for_terminal(&json);
+        assert!(!shown.chars().any(acts_on_terminal), "{shown}");
+        let back: LogLine = serde_json::from_str(&shown).expect("still JSON");
+        assert_eq!(back, line);
+        assert!(matches!(
+            escape_json_for_terminal("{\"line\":\"plain é\"}"),
+            Cow::Borrowed(_)
+        ));
+    }
+
     #[tokio::test]
-    async fn unauthorized_and_not_found_are_not_retried() {
+    async fn refusals_a_retry_cannot_change_are_final() {
         for (status, body, expect) in [
             (
                 "401 Unauthorized",
@@ -549,6 +708,12 @@ mod tests {
                 "{\"error\":\"no job job-000042\"}",
                 "no job job-000042",
             ),
+            (
+                "403 Forbidden",
+                "{\"error\":\"job-000042 belongs to alice\"}",
+                "belongs to alice",
+            ),
+            ("409 Conflict", "", "409 Conflict from 127.0.0.1:"),
         ] {
             let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
             let addr = listener.local_addr().expect("addr").to_string();
@@ -582,10 +747,16 @@ mod tests {
                 follow: false,
                 since_ms: None,
             };
-            let err = follow_logs(&conn, &req, &mut CursorState::default(), |_| {})
-                .await
-                .expect_err("rejected");
-            assert!(err.to_string().contains(expect), "{err}");
+            // One answer, no retry: the server accepts once, and a retry would wait for
+            // `retry_total` (30 s) on a refused connection.
+            let err = tokio::time::timeout(
+                Duration::from_secs(10),
+                follow_logs(&conn, &req, &mut CursorState::default(), |_| {}),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("{status} was retried"))
+            .expect_err("rejected");
+            assert!(err.to_string().contains(expect), "{status}: {err}");
             server.await.expect("server");
         }
     }
