@@ -129,9 +129,35 @@ fn ensure_ckpt_dir(dir: &str) -> Result<(), ApiError> {
     if Path::new(dir).is_dir() {
         return Ok(());
     }
-    std::fs::create_dir_all(dir).map_err(|e| {
+    create_shared_dirs(Path::new(dir)).map_err(|e| {
         ApiError::InvalidArgument(format!("checkpoint dir {dir} cannot be created: {e}"))
     })
+}
+
+/// Mode of the checkpoint root and the parents [`ensure_ckpt_dir`] creates: ranks running
+/// as other users (`--run-as`) pass through them to their job's directory, which the
+/// worker gives the job's group alone.
+const CKPT_ROOT_MODE: u32 = 0o755;
+
+/// `create_dir_all` with [`CKPT_ROOT_MODE`] set on every directory it creates, whatever
+/// the process umask (the coordinator binary's is `0077`, for its data dir).
+fn create_shared_dirs(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|p| !p.as_os_str().is_empty() && !p.is_dir())
+        .collect();
+    for path in missing.into_iter().rev() {
+        match std::fs::create_dir(path) {
+            Ok(()) => {
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(CKPT_ROOT_MODE))?
+            }
+            // Created meanwhile by another submit.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && path.is_dir() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// The objects under an S3 dataset prefix whose names do not start with a dot, as

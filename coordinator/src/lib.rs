@@ -9,6 +9,7 @@ pub mod auth;
 pub mod client_service;
 pub mod control;
 pub mod convert;
+pub mod datadir;
 pub mod error;
 pub mod http;
 pub mod localfs;
@@ -309,8 +310,7 @@ pub async fn run(
             );
         }
     }
-    std::fs::create_dir_all(&config.data_dir)
-        .with_context(|| format!("creating the data dir {}", config.data_dir.display()))?;
+    datadir::prepare(&config.data_dir)?;
     let (mut log_store, sm_store) = cumulus_raft_store::open(&config.data_dir.join("raft"))?;
     log_store.set_local_node(config.node_id);
     let shared = sm_store.shared();

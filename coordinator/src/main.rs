@@ -9,6 +9,12 @@ use clap::Parser;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
+    // Before any thread or file: everything this process creates is its user's alone
+    // (`0700` dirs, `0600` files), whatever the umask it inherited. The data dir holds
+    // job environments and token hashes, and sled and the WAL create files with the
+    // umask's mode (`datadir`). The checkpoint roots it creates for ranks are given their
+    // mode explicitly (`api`).
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     let config = cumulus_coordinator::Config::parse();
     let mut runtime = if config.worker_threads == 1 {
         tokio::runtime::Builder::new_current_thread()
