@@ -519,8 +519,9 @@ impl EtcdCluster {
         let tls_dir = dir.join("tls");
         let ca = cumulus_tls::generate::ClusterCa::generate("etcd bench")?;
         ca.write(&tls_dir)?;
+        // A member's certificate (a user's may only connect, never serve).
         let pair = ca
-            .issue(&cumulus_tls::Identity::User("etcd".into()), &[])?
+            .issue(&cumulus_tls::Identity::Worker("etcd".into()), &[])?
             .write(&tls_dir, "etcd")?;
         let ca_file = tls_dir.join(cumulus_tls::generate::CA_FILE);
         let tls_flags = [

@@ -2,10 +2,11 @@
 //! certs`, `cumulusctl local up`, the compose cluster's init step and the tests use.
 //!
 //! Keys are ECDSA P-256. A leaf certificate names its holder as a URI subject
-//! alternative name ([`Identity::uri`]), the hosts it serves as DNS and IP names
-//! (always `localhost`, `127.0.0.1` and `::1` too), and may serve and connect
-//! (extended key usages server and client auth), so one certificate per process is
-//! enough. The CA is valid for 10 years, leaves for [`LEAF_VALIDITY_DAYS`]; both from one
+//! alternative name ([`Identity::uri`]). A coordinator's or worker's also names the
+//! hosts it serves as DNS and IP names (always `localhost`, `127.0.0.1` and `::1` too)
+//! and may serve and connect (extended key usages server and client auth), so one
+//! certificate per process is enough. A user's names no host and may only connect
+//! (client auth): it can never serve as a coordinator. The CA is valid for 10 years, leaves for [`LEAF_VALIDITY_DAYS`]; both from one
 //! day before they are made, which absorbs small clock differences between machines.
 
 use std::io::Write;
@@ -60,18 +61,28 @@ fn named_params(identity: &Identity, hosts: &[String]) -> Result<CertificatePara
     Ok(params)
 }
 
-/// The parameters of a leaf certificate for `identity` serving `hosts` and
-/// [`LOCAL_HOSTS`]: server and client authentication, valid [`LEAF_VALIDITY_DAYS`].
+/// The parameters of a leaf certificate for `identity`, valid [`LEAF_VALIDITY_DAYS`]:
+/// for a coordinator or worker, serving `hosts` and [`LOCAL_HOSTS`] with server and
+/// client authentication; for a user, client authentication only and no host (`hosts`
+/// is ignored).
 fn leaf_params(identity: &Identity, hosts: &[String]) -> Result<CertificateParams, TlsError> {
+    let user = matches!(identity, Identity::User(_));
     let mut params = named_params(identity, hosts)?;
     params.key_usages = vec![
         KeyUsagePurpose::DigitalSignature,
         KeyUsagePurpose::KeyEncipherment,
     ];
-    params.extended_key_usages = vec![
-        ExtendedKeyUsagePurpose::ServerAuth,
-        ExtendedKeyUsagePurpose::ClientAuth,
-    ];
+    params.extended_key_usages = if user {
+        params
+            .subject_alt_names
+            .retain(|n| matches!(n, SanType::URI(_)));
+        vec![ExtendedKeyUsagePurpose::ClientAuth]
+    } else {
+        vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ]
+    };
     params.use_authority_key_identifier_extension = true;
     validity(&mut params, LEAF_VALIDITY_DAYS);
     Ok(params)
@@ -191,7 +202,8 @@ impl ClusterCa {
     }
 
     /// Issues a certificate for `identity` serving `hosts` (DNS names or IP addresses;
-    /// [`LOCAL_HOSTS`] are added).
+    /// [`LOCAL_HOSTS`] are added); a user's serves nothing (client authentication only,
+    /// no host names).
     ///
     /// # Errors
     /// [`TlsError::Generate`] for a host name rcgen cannot encode, or when signing fails.

@@ -8,14 +8,18 @@
 //! - [`Identity`]: who a certificate names, as a URI subject alternative name
 //!   (`cumulus://coordinator/3`, `cumulus://worker/node-7`, `cumulus://user/alice`),
 //!   read back from a verified peer certificate with [`identity_of`].
+//! - [`verify`]: whom a client accepts as its server ([`ExpectedServer`]): the CA and
+//!   the host are not enough, the certificate must name the coordinator (or worker) the
+//!   client means to reach.
 //! - [`generate`]: a cluster CA and certificates issued by it (rcgen), as `cumulusctl
 //!   certs`, `cumulusctl local up`, the compose cluster and the tests make them.
 //! - [`args`] (feature `clap`): the `--tls-cert`, `--tls-key`, `--tls-ca` and
 //!   `--insecure` flags every binary takes.
 //!
 //! Users and programs that are not cluster members (cumulusctl, the Python SDK) verify
-//! the server against the CA and authenticate with a bearer token or a user's
-//! certificate. A worker without a certificate can enrol: it sends a signing request
+//! the server against the CA and that it names a coordinator, and authenticate with a
+//! bearer token or a user's certificate (which may only authenticate a client: it
+//! carries no server-authentication usage). A worker without a certificate can enrol: it sends a signing request
 //! for a key it made ([`generate::Request`]) with the cluster token, and a coordinator
 //! holding the CA key signs it ([`generate::ClusterCa::sign_request`]).
 
@@ -32,8 +36,10 @@ use rustls::{ClientConfig, RootCertStore, ServerConfig};
 #[cfg(feature = "clap")]
 pub mod args;
 pub mod generate;
+pub mod verify;
 
 pub use rustls;
+pub use verify::{ExpectedServer, IdentityVerifier, WrongServer};
 
 /// Largest certificate, key or CA file read, in bytes.
 pub const MAX_PEM_FILE_BYTES: u64 = 1024 * 1024;
@@ -323,18 +329,54 @@ impl Trust {
         self.roots.clone()
     }
 
-    /// A client configuration that verifies servers against the CA and presents no
-    /// certificate (users and programs that authenticate with a token).
+    /// A client configuration that accepts only a server whose certificate the CA issued
+    /// for the host dialled and names `expected` ([`IdentityVerifier`]), and presents no
+    /// certificate (users and programs that authenticate with a token). No ALPN: the
+    /// caller sets the protocols it speaks.
     ///
     /// # Errors
     /// [`TlsError::Config`] when rustls refuses it.
-    pub fn client_config(&self) -> Result<Arc<ClientConfig>, TlsError> {
-        let config = ClientConfig::builder_with_provider(provider())
+    pub fn client_config(&self, expected: ExpectedServer) -> Result<Arc<ClientConfig>, TlsError> {
+        Ok(Arc::new(
+            self.client_builder(expected)?.with_no_client_auth(),
+        ))
+    }
+
+    fn client_builder(
+        &self,
+        expected: ExpectedServer,
+    ) -> Result<rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>, TlsError>
+    {
+        let verifier = IdentityVerifier::new(self.roots.clone(), expected)?;
+        Ok(ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| TlsError::Config(e.to_string()))?
-            .with_root_certificates(self.roots.clone())
-            .with_no_client_auth();
-        Ok(Arc::new(config))
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(verifier)))
+    }
+}
+
+/// A client configuration from PEM bytes (what the gRPC clients carry): the CA
+/// `ca_pem`, a client certificate chain and key when `identity` is given, and a server
+/// that must name `expected` ([`Trust::client_config`], [`Credentials::client_config`]).
+///
+/// # Errors
+/// [`TlsError`] when the PEM holds no usable CA, certificate or key, or the key does not
+/// match the certificate.
+pub fn client_config_from_pem(
+    ca_pem: &[u8],
+    identity: Option<(&[u8], &[u8])>,
+    expected: ExpectedServer,
+) -> Result<Arc<ClientConfig>, TlsError> {
+    let trust = Trust::from_pem(Path::new("(CA PEM)"), ca_pem.to_vec())?;
+    match identity {
+        None => trust.client_config(expected),
+        Some((cert, key)) => Credentials::from_pem(
+            trust,
+            (Path::new("(certificate PEM)"), cert.to_vec()),
+            (Path::new("(key PEM)"), key.to_vec()),
+        )?
+        .client_config(expected),
     }
 }
 
@@ -368,6 +410,19 @@ impl Credentials {
         let trust = Trust::load(ca)?;
         let cert_pem = read_pem_file("certificate", cert)?;
         let key_pem = read_pem_file("key", key)?;
+        Credentials::from_pem(trust, (cert, cert_pem), (key, key_pem))
+    }
+
+    /// [`Credentials::load`] from PEM bytes already read; each path names its bytes in
+    /// errors.
+    ///
+    /// # Errors
+    /// [`TlsError`] naming the path or the check that fails.
+    pub fn from_pem(
+        trust: Trust,
+        (cert, cert_pem): (&Path, Vec<u8>),
+        (key, key_pem): (&Path, Vec<u8>),
+    ) -> Result<Credentials, TlsError> {
         let chain = certs_from_pem("certificate", cert, &cert_pem)?;
         let key_der = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| TlsError::Pem {
             what: "key",
@@ -439,16 +494,17 @@ impl Credentials {
         Ok(Arc::new(config))
     }
 
-    /// A client configuration that verifies servers against the CA and presents this
-    /// certificate (mutual TLS between members).
+    /// A client configuration that presents this certificate (mutual TLS between
+    /// members, or a user's certificate) and accepts only a server whose certificate the
+    /// CA issued for the host dialled and names `expected` ([`IdentityVerifier`]). No
+    /// ALPN: the caller sets the protocols it speaks.
     ///
     /// # Errors
     /// [`TlsError::Config`] when rustls refuses it.
-    pub fn client_config(&self) -> Result<Arc<ClientConfig>, TlsError> {
-        let config = ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| TlsError::Config(e.to_string()))?
-            .with_root_certificates(self.trust.roots())
+    pub fn client_config(&self, expected: ExpectedServer) -> Result<Arc<ClientConfig>, TlsError> {
+        let config = self
+            .trust
+            .client_builder(expected)?
             .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
             .map_err(|e| TlsError::Config(format!("client certificate: {e}")))?;
         Ok(Arc::new(config))

@@ -65,7 +65,7 @@ fn issued_certificates_load_with_their_identity() {
     let pki = pki();
     let c = pki.credentials("coordinator-1", Identity::Coordinator(1));
     assert_eq!(c.identity(), &Identity::Coordinator(1));
-    assert!(c.client_config().is_ok());
+    assert!(c.client_config(ExpectedServer::AnyCoordinator).is_ok());
     let w = pki.credentials("worker-1", Identity::Worker("w-1".into()));
     assert_eq!(w.identity(), &Identity::Worker("w-1".into()));
     let mode = |p: &Path| {
@@ -160,13 +160,21 @@ async fn mutual_tls_names_the_member_and_users_need_no_certificate() {
     let pki = pki();
     let coordinator = pki.credentials("coordinator-1", Identity::Coordinator(1));
     let worker = pki.credentials("worker-1", Identity::Worker("w-1".into()));
-    let peer = handshake(&coordinator, worker.client_config().expect("client"))
-        .await
-        .expect("mutual TLS");
+    let peer = handshake(
+        &coordinator,
+        worker
+            .client_config(ExpectedServer::AnyCoordinator)
+            .expect("client"),
+    )
+    .await
+    .expect("mutual TLS");
     assert_eq!(peer, Some(Identity::Worker("w-1".into())));
     let user = handshake(
         &coordinator,
-        worker.trust().client_config().expect("client"),
+        worker
+            .trust()
+            .client_config(ExpectedServer::AnyCoordinator)
+            .expect("client"),
     )
     .await
     .expect("server-only TLS");
@@ -174,16 +182,27 @@ async fn mutual_tls_names_the_member_and_users_need_no_certificate() {
 
     // A client of another cluster (another CA) can verify nothing and is refused.
     let other = pki_other();
-    let err = handshake(&coordinator, other.trust().client_config().expect("client"))
-        .await
-        .expect_err("another CA");
+    let err = handshake(
+        &coordinator,
+        other
+            .trust()
+            .client_config(ExpectedServer::AnyCoordinator)
+            .expect("client"),
+    )
+    .await
+    .expect_err("another CA");
     assert!(
         err.contains("certificate") || err.contains("Unknown"),
         "{err}"
     );
-    let err = handshake(&coordinator, other.client_config().expect("client"))
-        .await
-        .expect_err("a client certificate of another CA");
+    let err = handshake(
+        &coordinator,
+        other
+            .client_config(ExpectedServer::AnyCoordinator)
+            .expect("client"),
+    )
+    .await
+    .expect_err("a client certificate of another CA");
     assert!(!err.is_empty());
 }
 
@@ -212,9 +231,14 @@ async fn a_signed_request_names_whom_the_signer_chose_and_works_for_mutual_tls()
     let worker = Credentials::load(&files.cert, &files.key, &pki.dir.join(CA_FILE)).expect("load");
     assert_eq!(worker.identity(), &Identity::Worker("w-9".into()));
     let coordinator = pki.credentials("coordinator-1", Identity::Coordinator(1));
-    let peer = handshake(&coordinator, worker.client_config().expect("client"))
-        .await
-        .expect("mutual TLS with the signed certificate");
+    let peer = handshake(
+        &coordinator,
+        worker
+            .client_config(ExpectedServer::AnyCoordinator)
+            .expect("client"),
+    )
+    .await
+    .expect("mutual TLS with the signed certificate");
     assert_eq!(peer, Some(Identity::Worker("w-9".into())));
 
     // A request whose signature does not match its key, garbage, and an oversized
@@ -246,4 +270,105 @@ fn a_ca_key_of_another_ca_is_refused() {
         .expect("another CA's key");
     assert!(err.to_string().contains("does not belong"), "{err}");
     ClusterCa::load(&a.dir.join(CA_FILE), &a.dir.join(generate::CA_KEY_FILE)).expect("own key");
+}
+
+#[tokio::test]
+async fn a_client_accepts_only_the_server_identity_it_expects() {
+    let pki = pki();
+    let coordinator = pki.credentials("coordinator-1", Identity::Coordinator(1));
+    let worker = pki.credentials("worker-1", Identity::Worker("w-1".into()));
+    let user = pki.credentials("user-alice", Identity::User("alice".into()));
+    let client = |expected| {
+        worker
+            .trust()
+            .client_config(expected)
+            .expect("client config")
+    };
+
+    for ok in [
+        ExpectedServer::AnyCoordinator,
+        ExpectedServer::Coordinator(1),
+    ] {
+        handshake(&coordinator, client(ok.clone()))
+            .await
+            .unwrap_or_else(|e| panic!("coordinator 1 as {ok}: {e}"));
+    }
+    handshake(&worker, client(ExpectedServer::Worker("w-1".into())))
+        .await
+        .expect("worker w-1 as itself");
+
+    // Valid under the CA for the host dialled, but not whom the client means to reach.
+    for (server, expected, found) in [
+        (
+            &coordinator,
+            ExpectedServer::Coordinator(2),
+            "cumulus://coordinator/1",
+        ),
+        (
+            &worker,
+            ExpectedServer::AnyCoordinator,
+            "cumulus://worker/w-1",
+        ),
+        (
+            &worker,
+            ExpectedServer::Coordinator(1),
+            "cumulus://worker/w-1",
+        ),
+        (
+            &worker,
+            ExpectedServer::Worker("w-2".into()),
+            "cumulus://worker/w-1",
+        ),
+        (
+            &coordinator,
+            ExpectedServer::Worker("w-1".into()),
+            "cumulus://coordinator/1",
+        ),
+    ] {
+        let err = handshake(server, client(expected.clone()))
+            .await
+            .expect_err("a server of another identity");
+        let want = format!("is not {expected}: its certificate names {found}");
+        assert!(err.contains(&want), "expected {want:?} in {err:?}");
+    }
+
+    // A user's certificate cannot serve at all: no server-authentication usage.
+    let err = handshake(&user, client(ExpectedServer::AnyCoordinator))
+        .await
+        .expect_err("a user's certificate serving");
+    assert!(err.contains("extended key usage"), "{err}");
+}
+
+#[test]
+fn only_members_certificates_may_serve() {
+    use x509_parser::extensions::GeneralName;
+    let pki = pki();
+    let usages = |identity: Identity| {
+        let issued = pki
+            .ca
+            .issue(&identity, &["node-a.example".into()])
+            .expect("issue");
+        let der = CertificateDer::from_pem_slice(issued.cert_pem.as_bytes()).expect("pem");
+        let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).expect("parse");
+        let eku = cert
+            .extended_key_usage()
+            .expect("extension parses")
+            .expect("has extended key usages")
+            .value
+            .clone();
+        let hosts = cert
+            .subject_alternative_name()
+            .expect("parses")
+            .expect("has names")
+            .value
+            .general_names
+            .iter()
+            .filter(|n| matches!(n, GeneralName::DNSName(_) | GeneralName::IPAddress(_)))
+            .count();
+        assert_eq!(identity_of(&der).expect("identity"), identity);
+        (eku.server_auth, eku.client_auth, hosts)
+    };
+    assert_eq!(usages(Identity::User("alice".into())), (false, true, 0));
+    assert_eq!(usages(Identity::Coordinator(1)), (true, true, 4));
+    assert_eq!(usages(Identity::Worker("w-1".into())), (true, true, 4));
 }
