@@ -8,10 +8,13 @@
 //! - [`wal`]: the write-ahead log of Raft entries (preallocated segments, CRC-checked
 //!   records; an append returns once written and is reported
 //!   flushed by its sync thread after `fdatasync`).
+//! - [`record`]: the checksummed format of the records in sled and the generation file
+//!   that tells when sled lost flushed writes.
 //! - [`stage`]: trace events that time each stage of a write (for the benchmarks).
 
 pub mod codec;
 pub mod flusher;
+pub mod record;
 pub mod stage;
 pub mod state;
 pub mod store;

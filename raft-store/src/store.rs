@@ -11,8 +11,12 @@
 //! committed entries after it from the log (we save the committed log id; the log is
 //! purged only behind a snapshot).
 //!
-//! Everything read back from sled is parsed and validated; a corrupt record is an
-//! error, never silently wrong state.
+//! Every record kept in sled carries a checksum written by Cumulus: the vote, the
+//! committed log id and the purge point in the record format of [`crate::record`], the
+//! snapshot in its own format 2 (a CRC-32 over meta and data). Everything read back is
+//! verified and parsed; a record that does not check refuses to start
+//! ([`OpenError::CorruptRecord`], naming the tree and the key), and so does a sled that
+//! lost flushed writes ([`OpenError::LostWrites`]): never silently wrong state.
 //!
 //! Why one file of ~800 lines: it implements openraft's two storage traits, whose methods
 //! share one ordering contract with the flusher (every vote, truncation and purge waits for
@@ -23,6 +27,7 @@ use std::fmt::Debug;
 use std::io::{self, Cursor};
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -33,6 +38,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use crate::flusher::{Flusher, Job, SyncJob};
+use crate::record::{GENERATION_FILE, GenerationFile, MetaRecord, decode_meta, encode_meta};
 use crate::state::{ClusterState, Command, DirtyKey, Response};
 use crate::wal::{Wal, WalError};
 use crate::{
@@ -49,6 +55,18 @@ pub enum OpenError {
         /// Data directory.
         path: String,
         /// Human-readable cause, shown to users.
+        #[source]
+        source: sled::Error,
+    },
+    /// sled found damage in its own files (its CRCs) and cannot recover past it.
+    #[error(
+        "the sled database at {path} is damaged: {source}; refusing to start. {hint}",
+        hint = crate::wal::RECOVERY_HINT
+    )]
+    SledCorrupt {
+        /// Data directory.
+        path: String,
+        /// sled's report (`Error::Corruption`).
         #[source]
         source: sled::Error,
     },
@@ -70,6 +88,46 @@ pub enum OpenError {
         /// Human-readable cause, shown to users.
         reason: String,
     },
+    /// A record Cumulus keeps in sled fails its checksum or does not parse
+    /// ([`crate::record`]; the snapshot's own format-2 CRC).
+    #[error(
+        "the data directory {path} holds a corrupt record in sled tree `{tree}`, key `{key}`: \
+         {reason}; refusing to start with wrong state. {hint}",
+        hint = crate::wal::RECOVERY_HINT
+    )]
+    CorruptRecord {
+        /// Data directory.
+        path: String,
+        /// The sled tree (`raft_meta`, `snapshot`).
+        tree: String,
+        /// The record's key in that tree (`vote`, `committed`, `last_purged`, `current`).
+        key: String,
+        /// What is wrong, shown to users.
+        reason: String,
+    },
+    /// sled returned older records than were flushed: its recovery stopped at a damaged
+    /// message and dropped every later write ([`crate::record`], "Generations").
+    #[error(
+        "the sled database in {path} lost flushed writes: the newest record it holds \
+         ({newest}) has generation {found}, but generation {recorded} was flushed (recorded \
+         in {file}); sled drops every write after a damaged message in its log, so it \
+         would start with an older vote; refusing to start. {hint}",
+        file = crate::record::GENERATION_FILE,
+        hint = crate::wal::RECOVERY_HINT
+    )]
+    LostWrites {
+        /// Data directory.
+        path: String,
+        /// Which record holds the newest generation found (its tree and key).
+        newest: String,
+        /// The newest generation found in sled.
+        found: u64,
+        /// The generation in the generation file.
+        recorded: u64,
+    },
+    /// The generation file could not be read or written (the message names it).
+    #[error("cannot use the raft metadata's generation file: {0}")]
+    Generation(#[source] io::Error),
 }
 
 /// Most bytes of encoded entries (their JSON) in one replication request, unless its one
@@ -106,13 +164,28 @@ fn io_err(what: &str, e: impl std::fmt::Display) -> io::Error {
 /// `dir/wal`, and returns the log store and the state machine store of one node. Log
 /// entries of a data dir from before the write-ahead log are moved into it.
 ///
+/// Checks come before any write: every record in sled is read and verified (its
+/// checksum, then that sled holds the newest generation written, [`crate::record`]),
+/// the write-ahead log is scanned, and a torn tail is cut only when the saved committed
+/// index lies before it. A refusal writes nothing of Cumulus's (sled's own recovery, run
+/// by `sled::open`, may rewrite sled's files). Then format-1 records (earlier versions)
+/// are rewritten in format 2.
+///
 /// # Errors
-/// [`OpenError`] when sled or the write-ahead log fails, or a stored record is corrupt.
+/// [`OpenError`] when sled or the write-ahead log fails, a stored record is corrupt
+/// ([`OpenError::CorruptRecord`] names the tree and the key), sled lost flushed writes
+/// ([`OpenError::LostWrites`]), or a committed entry is missing or lies in a torn tail.
 pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
     let path = dir.display().to_string();
-    let sled_err = |source| OpenError::Sled {
-        path: path.clone(),
-        source,
+    let sled_err = |source| match source {
+        sled::Error::Corruption { .. } => OpenError::SledCorrupt {
+            path: path.clone(),
+            source,
+        },
+        source => OpenError::Sled {
+            path: path.clone(),
+            source,
+        },
     };
     let db = sled::Config::new().path(dir).open().map_err(sled_err)?;
     let legacy_logs = db.open_tree(LEGACY_LOGS_TREE).map_err(sled_err)?;
@@ -123,34 +196,100 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         what: what.into(),
         reason,
     };
+    let bad_record = |tree: &str, key: &[u8], reason: String| OpenError::CorruptRecord {
+        path: path.clone(),
+        tree: tree.into(),
+        key: String::from_utf8_lossy(key).into_owned(),
+        reason,
+    };
 
-    for key in [KEY_VOTE, KEY_COMMITTED, KEY_LAST_PURGED] {
-        if let Some(v) = meta.get(key).map_err(sled_err)? {
-            serde_json::from_slice::<serde_json::Value>(&v)
-                .map_err(|e| corrupt(&String::from_utf8_lossy(key), e.to_string()))?;
-        }
+    // 1. Every record in sled, verified; nothing is written before all checks pass.
+    let (generation_file, recorded_generation) =
+        GenerationFile::open(dir).map_err(|e| match e {
+            Ok(io) => OpenError::Generation(io),
+            Err(reason) => corrupt(GENERATION_FILE, reason),
+        })?;
+    let read =
+        |key: &[u8]| -> Result<Option<sled::IVec>, OpenError> { meta.get(key).map_err(sled_err) };
+    let vote: Option<MetaRecord<Vote>> = read(KEY_VOTE)?
+        .map(|v| decode_meta(META_TREE, KEY_VOTE, &v))
+        .transpose()
+        .map_err(|e| bad_record(META_TREE, KEY_VOTE, e.to_string()))?;
+    let last_purged: Option<MetaRecord<LogId>> = read(KEY_LAST_PURGED)?
+        .map(|v| decode_meta(META_TREE, KEY_LAST_PURGED, &v))
+        .transpose()
+        .map_err(|e| bad_record(META_TREE, KEY_LAST_PURGED, e.to_string()))?;
+    let committed: Option<MetaRecord<Option<LogId>>> = read(KEY_COMMITTED)?
+        .map(|v| decode_meta(META_TREE, KEY_COMMITTED, &v))
+        .transpose()
+        .map_err(|e| bad_record(META_TREE, KEY_COMMITTED, e.to_string()))?;
+    // sled stops its recovery at a damaged message and drops every later write: a
+    // flushed record older than the generation file's means writes were lost.
+    let newest = [
+        (KEY_VOTE, vote.as_ref().and_then(|r| r.generation)),
+        (
+            KEY_LAST_PURGED,
+            last_purged.as_ref().and_then(|r| r.generation),
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(key, generation)| generation.map(|g| (key, g)))
+    .max_by_key(|(_, g)| *g);
+    let found_generation = newest.map_or(0, |(_, g)| g);
+    if found_generation < recorded_generation {
+        return Err(OpenError::LostWrites {
+            path: path.clone(),
+            newest: newest.map_or_else(
+                || format!("tree `{META_TREE}` holds no flushed record"),
+                |(key, _)| format!("tree `{META_TREE}`, key `{}`", String::from_utf8_lossy(key)),
+            ),
+            found: found_generation,
+            recorded: recorded_generation,
+        });
     }
+    let snapshot = match snap_tree.get(KEY_SNAPSHOT).map_err(sled_err)? {
+        Some(v) => Some(
+            StoredSnapshot::decode(&v)
+                .map_err(|e| bad_record(SNAPSHOT_TREE, KEY_SNAPSHOT, e.to_string()))?,
+        ),
+        None => None,
+    };
+    // The applied state lives in memory: it starts from the newest snapshot, and openraft
+    // re-applies the committed entries after it from the log on start.
+    let data = match &snapshot {
+        Some(snap) => {
+            let restored: SnapshotPayload = crate::codec::decode(&snap.data).map_err(|e| {
+                bad_record(
+                    SNAPSHOT_TREE,
+                    KEY_SNAPSHOT,
+                    format!("its state does not decode: {e}"),
+                )
+            })?;
+            SmData {
+                last_applied: snap.meta.last_log_id,
+                last_membership: snap.meta.last_membership.clone(),
+                state: restored.state,
+            }
+        }
+        None => SmData::default(),
+    };
 
-    let vote: Option<Vote> = match meta.get(KEY_VOTE).map_err(sled_err)? {
-        Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt("vote", e.to_string()))?,
-        None => None,
-    };
-    let last_purged: Option<LogId> = match meta.get(KEY_LAST_PURGED).map_err(sled_err)? {
-        Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt("last_purged", e.to_string()))?,
-        None => None,
-    };
-    let wal = Wal::open(&dir.join(WAL_DIR), last_purged.map(|l| l.index))?;
-    migrate_legacy_log(&db, &legacy_logs, &wal, last_purged.map(|l| l.index))
+    // 2. The write-ahead log: scanned without writing, then a torn tail is cut only if
+    // the saved committed index (a lower bound of what is committed) lies before it.
+    let purged_id = last_purged.as_ref().map(|r| r.value);
+    let committed_id = committed.as_ref().and_then(|r| r.value);
+    let scanned = Wal::scan(&dir.join(WAL_DIR), purged_id.map(|l| l.index))?;
+    // A log with no valid record while the sled tree of an earlier version still holds
+    // entries is a migration cut short: its entries are in that tree, not in the tail.
+    let migrating = scanned.last_index().is_none() && !legacy_logs.is_empty();
+    let wal = scanned.repair(committed_id.map(|c| c.index).filter(|_| !migrating))?;
+    migrate_legacy_log(&db, &legacy_logs, &wal, purged_id.map(|l| l.index))
         .map_err(|(what, reason)| corrupt(&what, reason))?;
-    // Every entry on disk now is durable (`Wal::open` synced the newest segment). The
+    // Every entry on disk now is durable (the repair synced the newest segment). The
     // committed index is saved only inside the durable log (`save_committed`), so one
     // past it means acknowledged entries were lost: refuse, never serve a cut log.
-    let last_log = wal.last().map_err(OpenError::Wal)?.or(last_purged);
-    let committed: Option<LogId> = match meta.get(KEY_COMMITTED).map_err(sled_err)? {
-        Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt("committed", e.to_string()))?,
-        None => None,
-    };
-    if let Some(committed) = committed
+    let last_log = wal.last().map_err(OpenError::Wal)?.or(purged_id);
+    if let Some(committed) = committed_id
         && last_log.is_none_or(|last| last.index < committed.index)
     {
         return Err(corrupt(
@@ -165,26 +304,47 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         ));
     }
 
-    let snapshot = match snap_tree.get(KEY_SNAPSHOT).map_err(sled_err)? {
-        Some(v) => {
-            Some(StoredSnapshot::decode(&v).map_err(|e| corrupt("snapshot", e.to_string()))?)
-        }
-        None => None,
-    };
-    // The applied state lives in memory: it starts from the newest snapshot, and openraft
-    // re-applies the committed entries after it from the log on start.
-    let data = match &snapshot {
-        Some(snap) => {
-            let restored: SnapshotPayload = crate::codec::decode(&snap.data)
-                .map_err(|e| corrupt("snapshot data", e.to_string()))?;
-            SmData {
-                last_applied: snap.meta.last_log_id,
-                last_membership: snap.meta.last_membership.clone(),
-                state: restored.state,
+    // 3. Format-1 records of an earlier version are rewritten in format 2, once.
+    let mut generation = found_generation.max(recorded_generation);
+    let legacy: Vec<&[u8]> = [
+        (KEY_VOTE, vote.as_ref().map(|r| r.generation)),
+        (KEY_LAST_PURGED, last_purged.as_ref().map(|r| r.generation)),
+        (KEY_COMMITTED, committed.as_ref().map(|r| r.generation)),
+    ]
+    .into_iter()
+    .filter(|(_, g)| matches!(g, Some(None)))
+    .map(|(key, _)| key)
+    .collect();
+    if !legacy.is_empty() {
+        generation += 1;
+        let rewrite = |key: &[u8]| -> Result<(), String> {
+            let bytes = match key {
+                KEY_VOTE => {
+                    encode_meta(META_TREE, key, generation, &vote.as_ref().map(|r| r.value))
+                }
+                KEY_LAST_PURGED => encode_meta(META_TREE, key, generation, &purged_id),
+                _ => encode_meta(META_TREE, key, 0, &committed_id),
             }
+            .map_err(|e| e.to_string())?;
+            meta.insert(key, bytes).map_err(|e| e.to_string())?;
+            Ok(())
+        };
+        for key in &legacy {
+            rewrite(key).map_err(|reason| {
+                bad_record(META_TREE, key, format!("cannot rewrite it: {reason}"))
+            })?;
         }
-        None => SmData::default(),
-    };
+        db.flush().map_err(sled_err)?;
+        generation_file
+            .write(generation)
+            .map_err(OpenError::Generation)?;
+        tracing::info!(
+            keys = ?legacy.iter().map(|k| String::from_utf8_lossy(k)).collect::<Vec<_>>(),
+            generation,
+            "rewrote the raft metadata of an earlier version with checksums"
+        );
+    }
+
     let (changes, _) = watch::channel(0);
     let shared = Arc::new(SharedState {
         data: RwLock::new(data),
@@ -202,12 +362,16 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
             db: db.clone(),
             meta,
             wal,
-            vote: Arc::new(Mutex::new(vote)),
+            vote: Arc::new(Mutex::new(vote.map(|r| r.value))),
             committed: Arc::new(Mutex::new(CommittedSaver {
                 meta: committed_tree,
                 last_write: None,
                 pending: None,
             })),
+            generation: Arc::new(Generations {
+                file: generation_file,
+                next: AtomicU64::new(generation + 1),
+            }),
             flusher,
             local_node: None,
         },
@@ -279,7 +443,8 @@ fn migrate_legacy_log(
 pub struct LogStore {
     /// The sled database (flushed after a vote or a purge point is saved).
     db: sled::Db,
-    /// Tree `raft_meta`: vote, committed log id, purge point (JSON values).
+    /// Tree `raft_meta`: vote, committed log id, purge point (format-2 records,
+    /// [`crate::record`]).
     meta: sled::Tree,
     /// The entries.
     wal: Wal,
@@ -287,11 +452,21 @@ pub struct LogStore {
     vote: Arc<Mutex<Option<Vote>>>,
     /// The committed log id, written to sled at most every [`SAVE_COMMITTED_INTERVAL`].
     committed: Arc<Mutex<CommittedSaver>>,
+    /// The generations of the flushed records (vote, purge point) and their file.
+    generation: Arc<Generations>,
     /// The sync thread of appends.
     flusher: Flusher,
     /// This node's id, once known ([`LogStore::set_local_node`]): appends of entries
     /// proposed by another node (this node is a follower) are synced inline.
     local_node: Option<crate::NodeId>,
+}
+
+/// The generation of the flushed records in tree `raft_meta` ([`crate::record`]).
+struct Generations {
+    /// The generation file (written after each flushed record).
+    file: GenerationFile,
+    /// The generation the next flushed record gets.
+    next: AtomicU64,
 }
 
 /// The committed log id on its way to sled: written at once when the last write is
@@ -322,8 +497,11 @@ impl CommittedSaver {
         self.write(committed)
     }
 
+    /// Writes `committed` to sled (not flushed) as a format-2 record of generation 0:
+    /// the committed log id is a lower bound that may be lost, not a flushed record.
     fn write(&self, committed: Option<LogId>) -> Result<(), io::Error> {
-        let bytes = serde_json::to_vec(&committed).map_err(|e| io_err("committed", e))?;
+        let bytes = encode_meta(META_TREE, KEY_COMMITTED, 0, &committed)
+            .map_err(|e| io_err("committed", e))?;
         self.meta
             .insert(KEY_COMMITTED, bytes)
             .map_err(|e| io_err("committed", e))?;
@@ -354,21 +532,37 @@ impl LogStore {
         self.local_node = Some(id);
     }
 
+    /// Reads the record of `key` in tree `raft_meta`, its checksum verified.
+    ///
+    /// # Errors
+    /// sled fails, or the record does not check (the message names tree and key).
     fn get_meta<T: for<'de> Deserialize<'de>>(&self, key: &[u8]) -> Result<Option<T>, io::Error> {
-        let what = String::from_utf8_lossy(key);
+        let what = format!(
+            "sled tree `{META_TREE}`, key `{}`",
+            String::from_utf8_lossy(key)
+        );
         match self.meta.get(key).map_err(|e| io_err(&what, e))? {
-            Some(v) => serde_json::from_slice(&v)
-                .map(Some)
+            Some(v) => decode_meta(META_TREE, key, &v)
+                .map(|r| Some(r.value))
                 .map_err(|e| io_err(&what, e)),
             None => Ok(None),
         }
     }
 
+    /// Writes `value` under `key` in tree `raft_meta` with the next generation, flushes
+    /// sled, then records the generation in the generation file (in that order: sled may
+    /// be ahead of the file after a crash, never behind).
     async fn put_meta<T: Serialize>(&self, key: &[u8], value: &T) -> Result<(), io::Error> {
         let what = String::from_utf8_lossy(key).into_owned();
-        let bytes = serde_json::to_vec(value).map_err(|e| io_err(&what, e))?;
+        let generation = self.generation.next.fetch_add(1, Ordering::SeqCst);
+        let bytes = encode_meta(META_TREE, key, generation, value).map_err(|e| io_err(&what, e))?;
         self.meta.insert(key, bytes).map_err(|e| io_err(&what, e))?;
         self.db.flush_async().await.map_err(|e| io_err(&what, e))?;
+        let generations = self.generation.clone();
+        tokio::task::spawn_blocking(move || generations.file.write(generation))
+            .await
+            .map_err(io::Error::other)?
+            .map_err(|e| io_err(&what, e))?;
         Ok(())
     }
 
@@ -933,7 +1127,9 @@ mod tests {
 
     fn in_sled(tree: &sled::Tree) -> Option<LogId> {
         let bytes = tree.get(KEY_COMMITTED).expect("get").expect("saved");
-        serde_json::from_slice::<Option<LogId>>(&bytes).expect("json")
+        decode_meta::<Option<LogId>>(META_TREE, KEY_COMMITTED, &bytes)
+            .expect("a format-2 record")
+            .value
     }
 
     /// Saves within [`SAVE_COMMITTED_INTERVAL`] of the last write stay in memory; the

@@ -1,7 +1,7 @@
 //! The Raft log's entries in a write-ahead log of preallocated segment files: one
 //! positioned write per append, one `fdatasync` per append or group of appends.
 //!
-//! Why not sled (which still holds the vote, the state machine and snapshots): the flush
+//! Why not sled (which still holds the vote, the purge point and snapshots): the flush
 //! latency bounds the write path (openraft 0.9 waited for each append's flush before it
 //! took the next request; 0.10 replicates while it runs, but a write still waits for it). A sled flush of a small append cost ~1 ms here; an
 //! `fdatasync` of a write inside an already allocated file costs ~0.2 ms, and one that
@@ -41,14 +41,18 @@
 //!    boundary with only zeros after it to the end of the record (`looks_torn`), and
 //! 2. no valid record with a later index follows it anywhere in the segment
 //!    ([`SCAN_INDEX_WINDOW`]): acknowledged records after a bad one mean the bad one was
-//!    acknowledged too.
+//!    acknowledged too, and
+//! 3. the saved committed index (a lower bound of what is committed, from the store) lies
+//!    before it: a committed entry in the tail means the tail was acknowledged.
 //!
-//! Then the tail from that record on is zeroed (logged as a warning), so no record of the
-//! torn batch can resurface behind later appends. Anything else — a flipped bit, a bad
-//! length, a record that does not decode, damage in an older segment — is
-//! [`WalError::Corrupt`]: open fails, naming the file and offset, and nothing on disk is
-//! changed. The store adds a third check: the saved committed index must lie inside the
-//! log (see `store::open`).
+//! Checks come before repair: [`Wal::scan`] reads every segment and decides, writing
+//! nothing; [`ScannedWal::repair`] makes check 3 and only then zeroes the tail from that
+//! record on (logged as a warning), so no record of the torn batch can resurface behind
+//! later appends. Anything else — a flipped bit, a bad length, a record that does not
+//! decode, damage in an older segment, a torn-looking tail holding a committed entry —
+//! is [`WalError::Corrupt`]: open fails, naming the file and offset, and nothing on disk
+//! is changed. The store checks once more that the saved committed index lies inside the
+//! log it opened (see `store::open`).
 //! - Truncate: later segments are deleted newest first, then the tail is zeroed, so a
 //!   crash at any point leaves a prefix of the log. Zeroing matters: an old record left
 //!   after a shorter new one could otherwise read as valid on the next open.
@@ -528,27 +532,184 @@ fn zero_range(file: &File, path: &Path, from: u64, to: u64) -> Result<(), WalErr
     Ok(())
 }
 
+/// Adds the operator's recovery steps to a corruption error.
+fn with_hint(e: WalError) -> WalError {
+    match e {
+        WalError::Corrupt { path, reason } => WalError::Corrupt {
+            path,
+            reason: format!("{reason}. {RECOVERY_HINT}"),
+        },
+        other => other,
+    }
+}
+
+/// A torn tail found by [`Wal::scan`] in the newest segment, not yet cut.
+pub struct TornTail {
+    /// The newest segment.
+    path: PathBuf,
+    /// Its open file (for the repair).
+    file: Arc<File>,
+    /// Where the torn bytes start, in bytes from the segment's start.
+    offset: u64,
+    /// The segment's size, in bytes: the tail is `[offset, capacity_bytes)`.
+    capacity_bytes: u64,
+    /// Index of the last valid record before it (or the purge point; `None`: neither).
+    after_index: Option<u64>,
+    /// What was found there (a record that does not check, bytes after a zero header).
+    reason: String,
+}
+
+impl TornTail {
+    /// The segment file the tail is in.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Where the torn bytes start, in bytes from the start of the segment.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Bytes a repair would zero (from [`TornTail::offset`] to the segment's end).
+    pub fn discarded_bytes(&self) -> u64 {
+        self.capacity_bytes - self.offset
+    }
+
+    /// Index of the last valid record before the tail (or the purge point when none is
+    /// live); the tail holds what was written after it.
+    pub fn after_index(&self) -> Option<u64> {
+        self.after_index
+    }
+}
+
+/// The log as read by [`Wal::scan`]: every record checked, nothing on disk changed yet.
+/// [`ScannedWal::repair`] decides whether a torn tail may be cut, then cuts it.
+pub struct ScannedWal {
+    /// Directory of the segments.
+    dir: PathBuf,
+    /// The valid records found (a torn tail is not among them).
+    inner: Inner,
+    /// The newest segment's file and path: synced by the repair, so that what it holds
+    /// is durable from then on (a process killed before its `fdatasync` left it in the
+    /// page cache only).
+    newest: Option<(Arc<File>, PathBuf)>,
+    /// The torn tail of the newest segment, if any.
+    torn: Option<TornTail>,
+    /// Index after which a log that starts empty begins (the purge point).
+    last_purged: Option<u64>,
+}
+
+impl ScannedWal {
+    /// Index of the last valid record found (`None`: no live record).
+    pub fn last_index(&self) -> Option<u64> {
+        self.inner.locs.last_key_value().map(|(i, _)| *i)
+    }
+
+    /// The torn tail of the newest segment, if the scan found one.
+    pub fn torn_tail(&self) -> Option<&TornTail> {
+        self.torn.as_ref()
+    }
+
+    /// Cuts the torn tail, if any, unless it may hold a committed entry, and returns the
+    /// log. `committed` is a lower bound of the committed index (the store's saved one;
+    /// `None`: nothing is known to be committed). A tail after index `i` holds entries
+    /// `i + 1` on, so `committed > i` means a committed entry lies in it: then this
+    /// refuses with [`WalError::Corrupt`] and leaves every byte on disk as it was (the
+    /// evidence stays for inspection). Otherwise the tail is zeroed (logged as a warning),
+    /// the newest segment is synced, and a log with no segment gets its first one.
+    ///
+    /// # Errors
+    /// [`WalError::Corrupt`] when a committed entry lies in the torn tail (with the
+    /// recovery steps), [`WalError::Io`] when zeroing, syncing or creating fails.
+    pub fn repair(self, committed: Option<u64>) -> Result<Wal, WalError> {
+        self.repair_checked(committed).map_err(with_hint)
+    }
+
+    fn repair_checked(self, committed: Option<u64>) -> Result<Wal, WalError> {
+        let ScannedWal {
+            dir,
+            mut inner,
+            newest,
+            torn,
+            last_purged,
+        } = self;
+        if let Some(torn) = &torn {
+            if let Some(c) = committed
+                && torn.after_index.is_none_or(|a| c > a)
+            {
+                return Err(WalError::Corrupt {
+                    path: torn.path.display().to_string(),
+                    reason: format!(
+                        "{}; it has the shape of a torn write after index {}, but the saved \
+                         committed index {c} lies in it, so it held acknowledged entries: \
+                         nothing on disk was changed",
+                        torn.reason,
+                        torn.after_index
+                            .map_or_else(|| "none".to_string(), |a| a.to_string()),
+                    ),
+                });
+            }
+            tracing::warn!(
+                path = %torn.path.display(),
+                offset = torn.offset,
+                reason = %torn.reason,
+                discarded_bytes = torn.discarded_bytes(),
+                committed,
+                "the newest raft log segment ends in a torn write past the saved committed \
+                 index; its unacknowledged tail is discarded"
+            );
+            zero_range(&torn.file, &torn.path, torn.offset, torn.capacity_bytes)?;
+        }
+        if let Some((file, path)) = &newest {
+            file.sync_data().map_err(io_error(path))?;
+        }
+        if inner.segments.is_empty() {
+            std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
+            let first = last_purged.map_or(0, |p| p + 1);
+            inner
+                .segments
+                .insert(first, create_segment(&dir, first, SEGMENT_BYTES)?);
+        }
+        Ok(Wal {
+            dir,
+            inner: Arc::new(Mutex::new(inner)),
+        })
+    }
+}
+
 impl Wal {
     /// Opens (creating if needed) the log in `dir`, checking every record; records at or
-    /// below `last_purged` are skipped.
+    /// below `last_purged` are skipped. A torn tail is cut whatever it holds: this is for
+    /// a log with no committed index to check it against (tests, tools); the store uses
+    /// [`Wal::scan`] and [`ScannedWal::repair`] with its saved committed index.
     ///
     /// # Errors
     /// [`WalError::Corrupt`] for damage other than a torn tail of the newest segment
     /// (then nothing is changed on disk), [`WalError::Io`] on I/O failure.
     pub fn open(dir: &Path, last_purged: Option<u64>) -> Result<Wal, WalError> {
-        Self::open_checked(dir, last_purged).map_err(|e| match e {
-            WalError::Corrupt { path, reason } => WalError::Corrupt {
-                path,
-                reason: format!("{reason}. {RECOVERY_HINT}"),
-            },
-            other => other,
-        })
+        Self::scan(dir, last_purged)?.repair(None)
     }
 
-    fn open_checked(dir: &Path, last_purged: Option<u64>) -> Result<Wal, WalError> {
-        std::fs::create_dir_all(dir).map_err(io_error(dir))?;
+    /// Reads and checks every record in `dir` (records at or below `last_purged` are
+    /// skipped) and decides what a bad record is, without writing anything: damage is an
+    /// error, a torn tail of the newest segment is reported ([`ScannedWal::torn_tail`])
+    /// for [`ScannedWal::repair`] to cut. A missing `dir` reads as an empty log.
+    ///
+    /// # Errors
+    /// [`WalError::Corrupt`] for damage other than a torn tail of the newest segment
+    /// (with the recovery steps), [`WalError::Io`] on I/O failure.
+    pub fn scan(dir: &Path, last_purged: Option<u64>) -> Result<ScannedWal, WalError> {
+        Self::scan_checked(dir, last_purged).map_err(with_hint)
+    }
+
+    fn scan_checked(dir: &Path, last_purged: Option<u64>) -> Result<ScannedWal, WalError> {
         let mut firsts = Vec::new();
-        for item in std::fs::read_dir(dir).map_err(io_error(dir))? {
+        let listing = match std::fs::read_dir(dir) {
+            Ok(listing) => Some(listing),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => return Err(io_error(dir)(e)),
+        };
+        for item in listing.into_iter().flatten() {
             let item = item.map_err(io_error(dir))?;
             let name = item.file_name().to_string_lossy().to_string();
             let parsed = name
@@ -573,6 +734,8 @@ impl Wal {
             cache: BTreeMap::new(),
             cache_bytes: 0,
         };
+        let mut newest_file = None;
+        let mut torn = None;
         let count = firsts.len();
         for (i, first) in firsts.into_iter().enumerate() {
             let newest = i + 1 == count;
@@ -583,54 +746,63 @@ impl Wal {
                 .open(&path)
                 .map_err(io_error(&path))?;
             let capacity_bytes = file.metadata().map_err(io_error(&path))?.len();
+            let file = Arc::new(file);
             let mut offset = 0;
             let mut last_index = None;
+            // Index of the last record read in this log (live or skipped as purged).
+            let last_good = |inner: &Inner| {
+                inner
+                    .locs
+                    .last_key_value()
+                    .map(|(i, _)| *i)
+                    .max(last_purged)
+            };
             loop {
                 match read_record(&file, capacity_bytes, offset).map_err(io_error(&path))? {
                     Read::End if newest => {
                         // A torn write can also leave a zero header followed by written
                         // bytes; they must not read as records once the log goes on here.
                         if !all_zero(&file, offset, capacity_bytes).map_err(io_error(&path))? {
+                            let reason = format!("bytes follow the zero header at offset {offset}");
+                            let after_index = last_good(&inner);
                             classify_bad_tail(
                                 &file,
                                 &path,
                                 capacity_bytes,
                                 offset,
-                                inner.locs.last_key_value().map(|(i, _)| *i).or(last_purged),
-                                &format!("bytes follow the zero header at offset {offset}"),
+                                after_index,
+                                &reason,
                             )?;
-                            tracing::warn!(
-                                path = %path.display(),
+                            torn = Some(TornTail {
+                                path: path.clone(),
+                                file: file.clone(),
                                 offset,
-                                "bytes after the end of the newest raft log segment \
-                                 (a torn write) are zeroed"
-                            );
-                            zero_range(&file, &path, offset, capacity_bytes)?;
+                                capacity_bytes,
+                                after_index,
+                                reason,
+                            });
                         }
-                        // Whatever this segment holds is durable from here on (a process
-                        // killed before its `fdatasync` left it in the page cache only).
-                        file.sync_data().map_err(io_error(&path))?;
                         break;
                     }
                     Read::End => break,
                     Read::Bad(reason) if newest => {
+                        let after_index = last_good(&inner);
                         classify_bad_tail(
                             &file,
                             &path,
                             capacity_bytes,
                             offset,
-                            inner.locs.last_key_value().map(|(i, _)| *i).or(last_purged),
+                            after_index,
                             &reason,
                         )?;
-                        tracing::warn!(
-                            path = %path.display(),
-                            %reason,
-                            discarded_bytes = capacity_bytes - offset,
-                            "the newest raft log segment ends in a torn write; its \
-                             unacknowledged tail is discarded"
-                        );
-                        zero_range(&file, &path, offset, capacity_bytes)?;
-                        file.sync_data().map_err(io_error(&path))?;
+                        torn = Some(TornTail {
+                            path: path.clone(),
+                            file: file.clone(),
+                            offset,
+                            capacity_bytes,
+                            after_index,
+                            reason,
+                        });
                         break;
                     }
                     Read::Bad(reason) => {
@@ -669,26 +841,26 @@ impl Wal {
                     }
                 }
             }
+            if newest {
+                newest_file = Some((file.clone(), path.clone()));
+            }
             inner.segments.insert(
                 first,
                 Segment {
                     path,
-                    file: Arc::new(file),
+                    file,
                     capacity_bytes,
                     written_bytes: offset,
                     last_index,
                 },
             );
         }
-        if inner.segments.is_empty() {
-            let first = last_purged.map_or(0, |p| p + 1);
-            inner
-                .segments
-                .insert(first, create_segment(dir, first, SEGMENT_BYTES)?);
-        }
-        Ok(Wal {
+        Ok(ScannedWal {
             dir: dir.to_path_buf(),
-            inner: Arc::new(Mutex::new(inner)),
+            inner,
+            newest: newest_file,
+            torn,
+            last_purged,
         })
     }
 

@@ -637,3 +637,81 @@ fn a_torn_looking_record_followed_by_a_valid_one_refuses_to_open() {
     };
     assert!(err.contains("a valid record (index 6)"), "{err}");
 }
+
+/// A store's data dir holding entries 1..=10 (~2.3 KB each) whose record 10 has the
+/// exact shape of a torn write (its payload zero from the first sector boundary inside
+/// it), and a saved committed log id of index `committed`. Returns the dir, the segment,
+/// its bytes and the torn record's offset.
+async fn torn_store(committed: u64) -> (tempfile::TempDir, PathBuf, Vec<u8>, usize) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let written = entries(1, 1, 11, 2_000);
+    {
+        let (mut log, _sm) = open(dir.path()).expect("open");
+        log.append(written.clone(), openraft::storage::IOFlushed::noop())
+            .await
+            .expect("append");
+    }
+    {
+        let db = common::retry_locked(|| sled::open(dir.path())).expect("sled");
+        let meta = db.open_tree("raft_meta").expect("tree");
+        let id = written[committed as usize - 1].log_id;
+        meta.insert("committed", serde_json::to_vec(&Some(id)).expect("json"))
+            .expect("insert");
+        db.flush().expect("flush");
+    }
+    let seg = segments(&dir.path().join("wal"))[0].clone();
+    let (bytes, end) = segment_bytes(&seg);
+    let at = *record_offsets(&bytes, end).last().expect("records");
+    let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+    let from = (at + 16 + 1).div_ceil(512) * 512;
+    let to = at + 16 + len;
+    assert!(from < to, "the record spans a sector boundary");
+    let file = OpenOptions::new().write(true).open(&seg).expect("open");
+    file.write_all_at(&vec![0u8; to - from], from as u64)
+        .expect("tear");
+    file.sync_all().expect("sync");
+    let torn = std::fs::read(&seg).expect("read");
+    (dir, seg, torn, at)
+}
+
+/// The probe: record 79 torn, saved committed index 83. A torn-looking tail that
+/// holds a committed entry was acknowledged: the store refuses before it repairs
+/// anything, naming the segment, the offset and the committed index, and every byte of
+/// the segment stays as it was (before, the tail was zeroed first and the refusal came
+/// after, destroying the evidence).
+#[tokio::test]
+async fn a_torn_tail_holding_a_committed_entry_refuses_and_changes_nothing() {
+    let (dir, seg, torn, at) = torn_store(10).await;
+    let err = match common::retry_locked(|| open(dir.path())) {
+        Ok(_) => panic!("a torn tail holding committed entry 10 must not open"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(&seg.display().to_string())
+            && err.contains(&format!("offset {at}"))
+            && err.contains("committed index 10 lies in it")
+            && err.contains("nothing on disk was changed"),
+        "{err}"
+    );
+    assert!(err.contains("--rejoin-empty"), "{err}");
+    assert!(
+        std::fs::read(&seg).expect("read") == torn,
+        "the segment's bytes are untouched"
+    );
+}
+
+/// A torn tail past the saved committed index (record 10 torn, committed 9) held no
+/// committed entry: it is still cut and zeroed, and the store opens with entries 1..=9.
+#[tokio::test]
+async fn a_torn_tail_past_the_committed_index_is_still_cut() {
+    let (dir, seg, _torn, at) = torn_store(9).await;
+    let (mut log, _sm) = common::retry_locked(|| open(dir.path())).expect("opens");
+    let state = log.get_log_state().await.expect("log state");
+    assert_eq!(state.last_log_id.map(|l| l.index), Some(9));
+    assert_eq!(log.try_get_log_entries(1..11).await.expect("read").len(), 9);
+    let data = std::fs::read(&seg).expect("read");
+    assert!(
+        data[at..].iter().all(|b| *b == 0),
+        "the torn tail is zeroed"
+    );
+}
