@@ -437,10 +437,15 @@ pub async fn run(
         Tls::On(creds) => Some(creds.server_config()?),
         Tls::Insecure => None,
     };
+    // Raft between coordinators shares this port with clients but not their slots:
+    // a connection whose verified TLS certificate names a coordinator leaves the
+    // pending pool at its handshake and counts against connections reserved for
+    // coordinators, so a client flood (idle, preface-only, refused) never takes them.
     let grpc_listener = cumulus_listen::BoundedListener::new(
         grpc_listener,
         "coordinator gRPC",
-        cumulus_listen::Limits::connections(caps[0]),
+        cumulus_listen::Limits::connections(caps[0])
+            .with_reserved(cumulus_listen::COORDINATOR_RESERVED_CONNECTIONS),
     )
     .with_tls(server_tls.clone());
     let http_listener = cumulus_listen::BoundedListener::new(
@@ -456,10 +461,15 @@ pub async fn run(
     };
     // HTTP/2 and TCP keepalive: a replication stream from a leader that vanished (host
     // down, network cut) ends instead of holding its task and openraft's behind it.
+    // Streams per connection and header bytes bounded; `TrackLayer` counts each
+    // connection's calls for the listener's first-request and idle deadlines.
     let grpc = tonic::transport::Server::builder()
-        .concurrency_limit_per_connection(256)
+        .concurrency_limit_per_connection(cumulus_listen::GRPC_MAX_CONCURRENT_STREAMS as usize)
+        .max_concurrent_streams(cumulus_listen::GRPC_MAX_CONCURRENT_STREAMS)
+        .http2_max_header_list_size(cumulus_listen::HTTP2_MAX_HEADER_LIST_BYTES)
         .http2_keepalive_interval(Some(Duration::from_millis(network::KEEPALIVE_INTERVAL_MS)))
         .http2_keepalive_timeout(Some(Duration::from_millis(network::KEEPALIVE_TIMEOUT_MS)))
+        .layer(cumulus_listen::TrackLayer)
         .add_service(tonic::service::interceptor::InterceptedService::new(
             RaftServiceServer::new(raft_service::RaftSvc::new(node.clone(), initial_members))
                 .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)

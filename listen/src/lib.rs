@@ -1,29 +1,63 @@
-//! Bounded TCP listeners for every Cumulus server (coordinator gRPC and HTTP, worker agent
-//! HTTP, rank-local API).
+//! Bounded listeners for every Cumulus server (coordinator gRPC and HTTP, worker agent
+//! HTTP, the rank-local API on TCP and on its Unix socket).
 //!
 //! Without bounds, a flood of idle or half-sent connections from anything that can reach
-//! a port held file descriptors and memory until the process could open nothing else: on
-//! a worker agent every rank placed there failed ("cannot create log … Too many open
-//! files") until the jobs had spent their restart budgets. Here each listener has
-//! - a cap on its open connections ([`Limits::max_connections`]): past it a new
-//!   connection is accepted and closed at once, so it costs a descriptor for
-//!   microseconds, never holds one;
+//! a port would hold file descriptors and the connection slots that peers, workers and
+//! ranks need. Here each listener has
+//! - a cap on its open connections ([`Limits::max_connections`]). A connection past it
+//!   displaces the connection idle longest (no request in flight), or, when none is
+//!   idle, is closed at accept: it costs a descriptor for microseconds, never holds one;
+//! - a small pending pool: a connection that has not yet had a useful request answered
+//!   draws from [`Limits::max_pending_connections`], and its source (an IP address on
+//!   TCP, a uid on a Unix socket, from `SO_PEERCRED`) from
+//!   [`Limits::max_pending_per_source`]; when a share is full, a new connection
+//!   displaces the stalest idle pending one of the same share. A connection graduates
+//!   at its first response that is not a refusal (HTTP 401/403, gRPC
+//!   `UNAUTHENTICATED`/`PERMISSION_DENIED`: [`is_refusal`]). So a flood of connections
+//!   that never send a request, or only get refused, holds at most the pending pool and
+//!   never keeps a real client out;
 //! - a deadline for a connection's first bytes ([`Limits::first_bytes_timeout_ms`]): a
-//!   connection that sends nothing (or less than the HTTP/2 preface) is closed;
-//! - for HTTP/1, hyper's header-read deadline ([`HTTP_HEADER_READ_TIMEOUT_MS`]): a request
-//!   whose headers trickle in (slowloris) or an idle keep-alive connection is closed;
+//!   connection that sends fewer than [`FIRST_BYTES`] (the HTTP/2 preface) is closed;
+//! - a deadline for its first request ([`Limits::first_request_timeout_ms`]): a
+//!   connection that has started no HTTP/1 request, HTTP/2 stream or gRPC call by then
+//!   (or, while pending, none since its last one ended) is closed. A TLS ClientHello,
+//!   the HTTP/2 preface, SETTINGS and PINGs do not count;
+//! - an idle timeout ([`Limits::idle_timeout_ms`]): a graduated connection with no
+//!   request in flight that long is closed. A request is in flight from the moment the
+//!   service is called until its response body has been handed to the connection in
+//!   full, so SSE and gRPC streams are never cut; keepalive PINGs answered by the client
+//!   do not count as activity;
+//! - for HTTP/1, hyper's header-read deadline ([`HTTP_HEADER_READ_TIMEOUT_MS`]): a
+//!   request whose headers trickle in (slowloris) is closed;
+//! - for HTTP/2, keepalive PINGs with a deadline, a cap on streams per connection and on
+//!   header bytes ([`HTTP2_KEEPALIVE_INTERVAL_MS`], [`HTTP2_MAX_CONCURRENT_STREAMS`],
+//!   [`HTTP2_MAX_HEADER_LIST_BYTES`]; [`GRPC_MAX_CONCURRENT_STREAMS`] where a tonic
+//!   server is built);
 //! - and the process keeps [`FD_RESERVE`] descriptors that no listener may use
 //!   ([`fd_budget`]), so a flood can never stop an agent from opening a rank's log or a
 //!   coordinator from opening and syncing its raft log.
 //!
-//! HTTP/2 connections (gRPC) are kept honest by the server's keepalive PINGs, set where
-//! the tonic server is built.
+//! How it works: each accepted connection takes a slot in its listener's pool and
+//! shares an [`Activity`] (requests in flight, when it was last busy) between its
+//! [`BoundedStream`] and the [`Track`] service wrapper that every server runs its
+//! requests through ([`serve_http`] and [`serve_unix_http`] add it; a tonic server adds
+//! [`TrackLayer`], which finds the activity in the [`ConnInfo`] tonic puts in every
+//! request's extensions). The stream fails its next read once its deadline passes with
+//! nothing in flight, or once its pool evicted it, which ends the connection; the
+//! wrapper wakes the stream's task when the last request ends, so the deadline is armed
+//! even on an HTTP/2 connection that is otherwise silent.
 //!
 //! With [`BoundedListener::with_tls`] a listener speaks TLS only: each accepted
 //! connection's handshake runs in its own task (a slow client never holds up the next
 //! accept) within [`TLS_HANDSHAKE_TIMEOUT_MS`], and every request carries a [`ConnInfo`]
 //! in its extensions with the verified client certificate, when one was presented, so a
 //! service can tell which coordinator or worker is calling ([`ConnInfo::peer_identity`]).
+//! A connection whose verified certificate names a coordinator leaves the pending pool
+//! at once and counts against [`Limits::reserved_connections`] (a coordinator's gRPC
+//! listener reserves [`COORDINATOR_RESERVED_CONNECTIONS`]): Raft between coordinators
+//! shares the gRPC port with clients but not their slots. While the general cap is full
+//! of busy connections, a new TLS connection may wait for its handshake in the reserved
+//! pool; if its certificate does not name a coordinator it is closed then.
 
 use std::future::Future;
 use std::io;
@@ -43,9 +77,15 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
+
+mod pool;
+mod track;
+
+pub use pool::{Activity, Counts, Source};
+use pool::{Due, Pool, Refused, Slot};
+pub use track::{Track, TrackLayer, TrackedBody, is_refusal};
 
 /// File descriptors no listener may use: room for raft log segments, the sled database,
 /// rank logs and pipes, checkpoint files and outgoing connections, whatever the
@@ -68,23 +108,99 @@ pub const TLS_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// milliseconds (a flood must not flood the log too).
 pub const WARN_INTERVAL_MS: u64 = 5_000;
 
+/// Default deadline for a connection's first request (an HTTP/1 request's headers
+/// parsed, an HTTP/2 stream opened, a gRPC call begun), in milliseconds; also how long a
+/// connection that has not yet graduated from the pending pool may stay idle after a
+/// request.
+pub const FIRST_REQUEST_TIMEOUT_MS: u64 = 10_000;
+/// Default idle timeout: a graduated connection with no request in flight for this long
+/// is closed, in milliseconds. Longer than the 90 s for which the HTTP clients here
+/// (reqwest, hyper-util's pooled client) keep an idle connection, so a client normally
+/// closes an idle connection before the server does and never sends a request on one
+/// the server is closing.
+pub const IDLE_TIMEOUT_MS: u64 = 120_000;
+/// HTTP/2 keepalive of the HTTP servers ([`serve_http`], [`serve_unix_http`]): a PING
+/// after this long without frames from the peer, in milliseconds. It detects a peer
+/// that vanished under a long response (SSE); it keeps nothing open: answered PINGs do
+/// not count as activity for [`Limits::idle_timeout_ms`].
+pub const HTTP2_KEEPALIVE_INTERVAL_MS: u64 = 30_000;
+/// How long an HTTP/2 keepalive PING may go unanswered before the connection is closed,
+/// in milliseconds.
+pub const HTTP2_KEEPALIVE_TIMEOUT_MS: u64 = 20_000;
+/// Most HTTP/2 streams (requests) open at once on one connection of an HTTP server; a
+/// client that opens more gets `REFUSED_STREAM` for them. Far above what a CLI, an SDK
+/// or a rank opens (a few), well under hyper's default of 200.
+pub const HTTP2_MAX_CONCURRENT_STREAMS: u32 = 64;
+/// Most HTTP/2 streams (calls) open at once on one connection of a gRPC server: as many
+/// as its per-connection concurrency limit (a worker's watches, heartbeats and reports,
+/// a leader's appends and votes share one connection).
+pub const GRPC_MAX_CONCURRENT_STREAMS: u32 = 256;
+/// Largest header list (HTTP/2 `SETTINGS_MAX_HEADER_LIST_SIZE`, decoded bytes) a server
+/// accepts in one request, for HTTP and gRPC: a bearer token, a path and a few gRPC
+/// metadata entries need well under 1 KiB; hyper's default for HTTP is the same.
+pub const HTTP2_MAX_HEADER_LIST_BYTES: u32 = 16 * 1024;
+/// Connections reserved on a coordinator's gRPC listener for the other coordinators
+/// (TLS client certificates naming `Identity::Coordinator`): Raft replication and votes
+/// get in while clients hold the rest of the cap. A few channels per peer, up to 7
+/// coordinators.
+pub const COORDINATOR_RESERVED_CONNECTIONS: usize = 32;
+
 /// The bounds of one listener.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// Most connections open at once; more are closed at accept.
+    /// Most connections open at once, not counting [`Limits::reserved_connections`];
+    /// when full, a new connection displaces the one idle longest, or is closed at
+    /// accept when none is idle.
     pub max_connections: usize,
     /// A connection that has not sent [`FIRST_BYTES`] bytes by then is closed, in
     /// milliseconds.
     pub first_bytes_timeout_ms: u64,
+    /// A pending connection (no useful request answered yet) that has no request in
+    /// flight this long after its accept or its last request is closed, in
+    /// milliseconds. HTTP/2 frames other than a new stream (PINGs, SETTINGS) do not count.
+    pub first_request_timeout_ms: u64,
+    /// A graduated connection with no request in flight for this long is closed, in
+    /// milliseconds (a long response, SSE or a gRPC stream, is in flight until it ends).
+    pub idle_timeout_ms: u64,
+    /// Most pending connections at once (the small share of the cap that connections
+    /// not yet useful draw from); when full, a new connection displaces the pending one
+    /// idle longest, or is refused when all are busy.
+    pub max_pending_connections: usize,
+    /// Most pending connections from one source at once (an IP address on TCP, a uid on
+    /// a Unix socket); when full, a new connection from that source displaces its
+    /// source's pending one idle longest, or is refused.
+    pub max_pending_per_source: usize,
+    /// Connections beyond [`Limits::max_connections`] for peers whose verified TLS client
+    /// certificate names a coordinator (0: none; only with TLS).
+    pub reserved_connections: usize,
 }
 
 impl Limits {
-    /// `max_connections` open at once, the default first-bytes deadline.
+    /// `max_connections` open at once, the default deadlines, an eighth of the cap (at
+    /// least 8) for pending connections and half of that (at least 4) per source, no
+    /// reserved connections.
     pub const fn connections(max_connections: usize) -> Limits {
+        let pending = if max_connections / 8 > 8 {
+            max_connections / 8
+        } else {
+            8
+        };
+        let per_source = if pending / 2 > 4 { pending / 2 } else { 4 };
         Limits {
             max_connections,
             first_bytes_timeout_ms: FIRST_BYTES_TIMEOUT_MS,
+            first_request_timeout_ms: FIRST_REQUEST_TIMEOUT_MS,
+            idle_timeout_ms: IDLE_TIMEOUT_MS,
+            max_pending_connections: pending,
+            max_pending_per_source: per_source,
+            reserved_connections: 0,
         }
+    }
+
+    /// These limits with `n` connections reserved for coordinators.
+    pub const fn with_reserved(mut self, n: usize) -> Limits {
+        self.reserved_connections = n;
+        self
     }
 }
 
@@ -136,13 +252,55 @@ pub struct BoundedListener {
     listener: TcpListener,
     /// Names the listener in logs ("coordinator gRPC", "rank API", …).
     name: &'static str,
-    limits: Limits,
-    slots: Arc<Semaphore>,
-    /// Connections refused since the last warning.
-    refused: Arc<AtomicU64>,
-    last_warning: Option<Instant>,
+    pool: Arc<Pool>,
+    warnings: Warnings,
     /// TLS for every connection (`None`: plaintext).
     tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+/// Refused connections counted between two warnings, at most one every
+/// [`WARN_INTERVAL_MS`] (a flood must not flood the log too).
+#[derive(Default)]
+struct Warnings {
+    refused: AtomicU64,
+    last_warning: Option<Instant>,
+}
+
+impl Warnings {
+    fn note(&mut self, name: &'static str, error: Option<&io::Error>, why: Option<Refused>) {
+        let refused = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        let due = self
+            .last_warning
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(WARN_INTERVAL_MS));
+        if !due {
+            return;
+        }
+        self.last_warning = Some(Instant::now());
+        self.refused.store(0, Ordering::Relaxed);
+        match (error, why) {
+            (Some(e), _) => tracing::warn!(
+                listener = name,
+                failed = refused,
+                error = %e,
+                "accept failed; retrying"
+            ),
+            (None, Some(Refused::SourceShare)) => tracing::warn!(
+                listener = name,
+                refused,
+                "connections refused: their source's share of the pending pool is busy"
+            ),
+            (None, Some(Refused::Pending)) => tracing::warn!(
+                listener = name,
+                refused,
+                "connections refused: the pending pool is busy"
+            ),
+            (None, _) => tracing::warn!(
+                listener = name,
+                refused,
+                "connections refused: the listener is at its cap with no idle connection"
+            ),
+        }
+    }
 }
 
 impl BoundedListener {
@@ -151,10 +309,8 @@ impl BoundedListener {
         BoundedListener {
             listener,
             name,
-            limits,
-            slots: Arc::new(Semaphore::new(limits.max_connections)),
-            refused: Arc::default(),
-            last_warning: None,
+            pool: Pool::new(limits),
+            warnings: Warnings::default(),
             tls: None,
         }
     }
@@ -180,67 +336,47 @@ impl BoundedListener {
 
     /// Connections open now.
     pub fn open_connections(&self) -> usize {
-        self.limits.max_connections - self.slots.available_permits()
+        self.pool.counts().open
     }
 
-    /// The next connection within the cap (`TCP_NODELAY` set). Connections past the cap
-    /// are closed here; failed accepts are retried after [`ACCEPT_RETRY_MS`]; both are
-    /// logged at most every [`WARN_INTERVAL_MS`].
+    /// A handle that reads the listener's connection counts after it has been moved
+    /// into a server.
+    pub fn counter(&self) -> Counter {
+        Counter(self.pool.clone())
+    }
+
+    /// The next connection admitted by the listener's pool (`TCP_NODELAY` set).
+    /// Connections refused are closed here; failed accepts are retried after
+    /// [`ACCEPT_RETRY_MS`]; both are logged at most every [`WARN_INTERVAL_MS`].
     pub async fn accept_bounded(&mut self) -> (BoundedStream, SocketAddr) {
         loop {
             let (stream, peer) = match self.listener.accept().await {
                 Ok(accepted) => accepted,
                 Err(e) => {
-                    self.note_refused(Some(&e));
+                    self.warnings.note(self.name, Some(&e), None);
                     tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_MS)).await;
                     continue;
                 }
             };
-            let Ok(permit) = self.slots.clone().try_acquire_owned() else {
-                drop(stream);
-                self.note_refused(None);
-                continue;
+            let slot = match self
+                .pool
+                .admit(Source::Ip(peer.ip().to_canonical()), self.tls.is_some())
+            {
+                Ok(slot) => slot,
+                Err(why) => {
+                    drop(stream);
+                    self.warnings.note(self.name, None, Some(why));
+                    continue;
+                }
             };
             // Small replies must not wait for the peer's delayed ACK (Nagle).
             let _ = stream.set_nodelay(true);
-            let stream = BoundedStream {
-                inner: stream,
-                _permit: permit,
-                first_bytes_left: FIRST_BYTES,
-                first_bytes_deadline: Some(Box::pin(tokio::time::sleep(Duration::from_millis(
-                    self.limits.first_bytes_timeout_ms,
-                )))),
-            };
-            return (stream, peer);
+            return (BoundedStream::new(stream, slot, self.pool.limits()), peer);
         }
     }
 
-    fn note_refused(&mut self, error: Option<&io::Error>) {
-        let refused = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
-        let due = self
-            .last_warning
-            .is_none_or(|t| t.elapsed() >= Duration::from_millis(WARN_INTERVAL_MS));
-        if due {
-            self.last_warning = Some(Instant::now());
-            self.refused.store(0, Ordering::Relaxed);
-            match error {
-                Some(e) => tracing::warn!(
-                    listener = self.name,
-                    failed = refused,
-                    error = %e,
-                    "accept failed; retrying"
-                ),
-                None => tracing::warn!(
-                    listener = self.name,
-                    refused,
-                    max_connections = self.limits.max_connections,
-                    "connections refused: the listener is at its cap"
-                ),
-            }
-        }
-    }
-
-    /// The accepted connections as a stream, for tonic's `serve_with_incoming*`. With
+    /// The accepted connections as a stream, for tonic's `serve_with_incoming*` (add
+    /// [`TrackLayer`] to the server, so the connections' requests are counted). With
     /// TLS, handshakes run in their own tasks and only completed ones are yielded; the
     /// accept loop ends when the stream is dropped.
     pub fn into_incoming(
@@ -270,9 +406,22 @@ impl BoundedListener {
     }
 }
 
+/// Reads a listener's connection counts ([`BoundedListener::counter`]).
+#[derive(Clone)]
+pub struct Counter(Arc<Pool>);
+
+impl Counter {
+    /// The counts now.
+    pub fn counts(&self) -> Counts {
+        self.0.counts()
+    }
+}
+
 /// Completes a connection: the TLS handshake (within [`TLS_HANDSHAKE_TIMEOUT_MS`]) when
-/// `tls` is set. `None` when the handshake fails or times out (logged at debug: a
-/// scanner or a client of another cluster is not the server's error).
+/// `tls` is set, then the pool learns whether the client certificate names a
+/// coordinator ([`Limits::reserved_connections`]). `None` when the handshake fails or
+/// times out (logged at debug: a scanner or a client of another cluster is not the
+/// server's error), or the connection has no room after it.
 async fn handshake(
     name: &'static str,
     tls: Option<&tokio_rustls::TlsAcceptor>,
@@ -288,7 +437,19 @@ async fn handshake(
     )
     .await
     {
-        Ok(Ok(tls)) => Some(ServedStream::Tls(Box::new(tls))),
+        Ok(Ok(tls)) => {
+            let served = ServedStream::Tls(Box::new(tls));
+            let coordinator = matches!(served.client_identity(), Some(Identity::Coordinator(_)));
+            let ServedStream::Tls(t) = &served else {
+                unreachable!("built as TLS above")
+            };
+            if t.get_ref().0.slot.identify(coordinator) {
+                Some(served)
+            } else {
+                tracing::debug!(listener = name, ?remote, "no room after the TLS handshake");
+                None
+            }
+        }
         Ok(Err(e)) => {
             tracing::debug!(listener = name, ?remote, error = %e, "TLS handshake failed");
             None
@@ -314,6 +475,9 @@ pub struct ConnInfo {
     /// Who the verified client certificate names, parsed once per connection (not per
     /// request: a worker's heartbeats arrive every second on the same connection).
     pub identity: Option<Identity>,
+    /// The connection's requests in flight and idle time, which [`Track`] updates
+    /// (`None` outside a [`BoundedListener`]).
+    pub activity: Option<Arc<Activity>>,
 }
 
 impl ConnInfo {
@@ -333,6 +497,19 @@ pub enum ServedStream {
 }
 
 impl ServedStream {
+    /// Who the verified client certificate names (`None`: plaintext, or none).
+    fn client_identity(&self) -> Option<Identity> {
+        match self {
+            ServedStream::Plain(_) => None,
+            ServedStream::Tls(t) => t
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .and_then(|c| cumulus_tls::identity_of(c).ok()),
+        }
+    }
+
     /// The connection's [`ConnInfo`].
     pub fn conn_info(&self) -> ConnInfo {
         match self {
@@ -341,6 +518,7 @@ impl ServedStream {
                 peer_certs: None,
                 tls: false,
                 identity: None,
+                activity: Some(s.slot.activity().clone()),
             },
             ServedStream::Tls(t) => {
                 let (s, session) = t.get_ref();
@@ -349,9 +527,8 @@ impl ServedStream {
                     remote_addr: s.peer_addr().ok(),
                     peer_certs: certs.map(|c| Arc::new(c.to_vec())),
                     tls: true,
-                    identity: certs
-                        .and_then(|c| c.first())
-                        .and_then(|c| cumulus_tls::identity_of(c).ok()),
+                    identity: self.client_identity(),
+                    activity: Some(s.slot.activity().clone()),
                 }
             }
         }
@@ -424,19 +601,85 @@ impl tonic::transport::server::Connected for ServedStream {
     }
 }
 
-/// A connection accepted by a [`BoundedListener`]: holds one of its slots until dropped,
-/// and fails its reads once the first-bytes deadline passes before [`FIRST_BYTES`] bytes
-/// arrived.
-pub struct BoundedStream {
-    inner: TcpStream,
-    _permit: OwnedSemaphorePermit,
-    /// Bytes still expected before the deadline is lifted.
+/// A connection admitted by a [`BoundedListener`] or [`serve_unix_http`]: holds its slot
+/// in the listener's pool until dropped, and fails its reads (which ends the connection)
+/// once
+/// - the first-bytes deadline passes before [`FIRST_BYTES`] bytes arrived;
+/// - it is idle (no request in flight, as [`Track`] counts them) past its deadline:
+///   [`Limits::first_request_timeout_ms`] while pending, [`Limits::idle_timeout_ms`]
+///   once graduated; bytes alone (HTTP/2 PINGs, SETTINGS, a half-sent request) never
+///   move the deadline;
+/// - or its pool evicted it to make room for a new connection.
+pub struct BoundedStream<S = TcpStream> {
+    inner: S,
+    slot: Slot,
+    /// Bytes still expected before the first-bytes deadline is lifted.
     first_bytes_left: usize,
     /// `None` once the first bytes arrived.
     first_bytes_deadline: Option<Pin<Box<Sleep>>>,
+    first_request: Duration,
+    idle: Duration,
+    /// The idle deadline's timer and the instant it is armed for.
+    idle_timer: Pin<Box<Sleep>>,
+    idle_armed: Option<Instant>,
 }
 
-impl BoundedStream {
+impl<S> BoundedStream<S> {
+    fn new(inner: S, slot: Slot, limits: Limits) -> BoundedStream<S> {
+        let first_bytes = Duration::from_millis(limits.first_bytes_timeout_ms);
+        BoundedStream {
+            inner,
+            slot,
+            first_bytes_left: FIRST_BYTES,
+            first_bytes_deadline: Some(Box::pin(tokio::time::sleep(first_bytes))),
+            first_request: Duration::from_millis(limits.first_request_timeout_ms),
+            idle: Duration::from_millis(limits.idle_timeout_ms),
+            idle_timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            idle_armed: None,
+        }
+    }
+
+    /// The connection's activity, for [`Track`].
+    fn activity(&self) -> Arc<Activity> {
+        self.slot.activity().clone()
+    }
+
+    /// `Err` when the connection must be closed now: evicted, or idle past its
+    /// deadline. Otherwise arms the idle timer (the task is woken when it fires, when a
+    /// request ends and when the connection is evicted).
+    fn check_idle(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        let activity = self.slot.activity();
+        activity.waker.register(cx.waker());
+        match activity.due(self.first_request, self.idle) {
+            Due::Evicted => Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed to make room for a new connection: idle longest",
+            )),
+            Due::Busy => Ok(()),
+            Due::At(at) => {
+                let expired = || {
+                    io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the connection was idle (no request in flight) past its deadline",
+                    )
+                };
+                if Instant::now() >= at {
+                    return Err(expired());
+                }
+                if self.idle_armed != Some(at) {
+                    self.idle_timer.as_mut().reset(at.into());
+                    self.idle_armed = Some(at);
+                }
+                match self.idle_timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => Err(expired()),
+                    Poll::Pending => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+impl BoundedStream<TcpStream> {
     /// The peer's address.
     ///
     /// # Errors
@@ -446,13 +689,16 @@ impl BoundedStream {
     }
 }
 
-impl AsyncRead for BoundedStream {
+impl<S: AsyncRead + Unpin> AsyncRead for BoundedStream<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if let Err(e) = this.check_idle(cx) {
+            return Poll::Ready(Err(e));
+        }
         let before = buf.filled().len();
         let result = Pin::new(&mut this.inner).poll_read(cx, buf);
         if let Some(deadline) = this.first_bytes_deadline.as_mut() {
@@ -475,7 +721,7 @@ impl AsyncRead for BoundedStream {
     }
 }
 
-impl AsyncWrite for BoundedStream {
+impl<S: AsyncWrite + Unpin> AsyncWrite for BoundedStream<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -505,8 +751,11 @@ impl AsyncWrite for BoundedStream {
     }
 }
 
-/// The HTTP/1 and HTTP/2 connection builder of every server here: hyper's header-read
-/// deadline of [`HTTP_HEADER_READ_TIMEOUT_MS`] on HTTP/1.
+/// The HTTP/1 and HTTP/2 connection builder of every HTTP server here: hyper's
+/// header-read deadline of [`HTTP_HEADER_READ_TIMEOUT_MS`] on HTTP/1; on HTTP/2 a
+/// keepalive PING every [`HTTP2_KEEPALIVE_INTERVAL_MS`] answered within
+/// [`HTTP2_KEEPALIVE_TIMEOUT_MS`], at most [`HTTP2_MAX_CONCURRENT_STREAMS`] streams and
+/// [`HTTP2_MAX_HEADER_LIST_BYTES`] of headers.
 fn http_builder() -> Builder<TokioExecutor> {
     let mut builder = Builder::new(TokioExecutor::new());
     builder
@@ -514,12 +763,20 @@ fn http_builder() -> Builder<TokioExecutor> {
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_millis(HTTP_HEADER_READ_TIMEOUT_MS));
     builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Duration::from_millis(HTTP2_KEEPALIVE_INTERVAL_MS))
+        .keep_alive_timeout(Duration::from_millis(HTTP2_KEEPALIVE_TIMEOUT_MS))
+        .max_concurrent_streams(HTTP2_MAX_CONCURRENT_STREAMS)
+        .max_header_list_size(HTTP2_MAX_HEADER_LIST_BYTES);
+    builder
 }
 
 /// Serves `router` on `listener` (HTTP/1 and HTTP/2; TLS when the listener has it) until
-/// `shutdown` is cancelled, then lets open requests finish. HTTP/1 headers must arrive
-/// within [`HTTP_HEADER_READ_TIMEOUT_MS`]. Every request carries the connection's
-/// [`ConnInfo`] as an `axum::Extension`.
+/// `shutdown` is cancelled, then lets open requests finish. Connections are bounded as
+/// [`BoundedStream`] says, HTTP/1 headers must arrive within
+/// [`HTTP_HEADER_READ_TIMEOUT_MS`], HTTP/2 as [`http_builder`] sets. Every request
+/// carries the connection's [`ConnInfo`] as an `axum::Extension`.
 ///
 /// # Errors
 /// None today (accept errors are retried); the `Result` is for the callers' task sets.
@@ -545,7 +802,8 @@ pub async fn serve_http(
                 return;
             };
             let info = stream.conn_info();
-            serve_connection(&builder, watcher, router, info, stream).await;
+            let activity = info.activity.clone().expect("a bounded stream's activity");
+            serve_connection(&builder, watcher, router, info, activity, stream).await;
         });
     }
     drop(listener);
@@ -554,19 +812,23 @@ pub async fn serve_http(
 }
 
 /// Serves one accepted connection with `router`, every request carrying `extension`
-/// (what the server knows of the connection), until it closes or the graceful
-/// shutdown that `watcher` belongs to ends it.
+/// (what the server knows of the connection) and counted in `activity`, until it closes
+/// or the graceful shutdown that `watcher` belongs to ends it.
 async fn serve_connection<E, I>(
     builder: &Builder<TokioExecutor>,
     watcher: hyper_util::server::graceful::Watcher,
     router: axum::Router,
     extension: E,
+    activity: Arc<Activity>,
     io: I,
 ) where
     E: Clone + Send + Sync + 'static,
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let service = TowerToHyperService::new(router.layer(axum::Extension(extension)));
+    let service = TowerToHyperService::new(Track::new(
+        router.layer(axum::Extension(extension)),
+        activity,
+    ));
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     if let Err(e) = watcher.watch(conn).await {
         tracing::trace!(error = %e, "HTTP connection ended with an error");
@@ -586,49 +848,45 @@ pub struct UnixPeer {
     pub gid: u32,
 }
 
-/// Serves `router` over HTTP/1 and HTTP/2 on a Unix socket until `shutdown`, with at
-/// most `max_connections` open at once (more are closed at accept and logged at most
-/// every [`WARN_INTERVAL_MS`]) and hyper's header-read deadline
-/// ([`HTTP_HEADER_READ_TIMEOUT_MS`]). Every request carries the connection's
-/// [`UnixPeer`]; a connection whose peer cannot be read is closed. In-flight connections
-/// are drained on shutdown.
+/// Serves `router` over HTTP/1 and HTTP/2 on a Unix socket until `shutdown`, with the
+/// same bounds as [`serve_http`] (`limits`; the pending pool's share is per uid, from
+/// `SO_PEERCRED`; refusals logged at most every [`WARN_INTERVAL_MS`]). Every request
+/// carries the connection's [`UnixPeer`]; a connection whose peer cannot be read is
+/// closed. In-flight connections are drained on shutdown.
 ///
 /// # Errors
 /// None today: failed accepts are retried after [`ACCEPT_RETRY_MS`].
 pub async fn serve_unix_http(
     listener: tokio::net::UnixListener,
     name: &'static str,
-    max_connections: usize,
+    limits: Limits,
+    router: axum::Router,
+    shutdown: CancellationToken,
+) -> io::Result<()> {
+    serve_unix_http_counted(listener, name, Pool::new(limits), router, shutdown).await
+}
+
+async fn serve_unix_http_counted(
+    listener: tokio::net::UnixListener,
+    name: &'static str,
+    pool: Arc<Pool>,
     router: axum::Router,
     shutdown: CancellationToken,
 ) -> io::Result<()> {
     let builder = http_builder();
     let graceful = GracefulShutdown::new();
-    let slots = Arc::new(Semaphore::new(max_connections));
-    let mut last_warning: Option<Instant> = None;
+    let mut warnings = Warnings::default();
     loop {
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(e) => {
-                    tracing::warn!(listener = name, error = %e, "accept failed; retrying");
+                    warnings.note(name, Some(&e), None);
                     tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_MS)).await;
                     continue;
                 }
             },
             () = shutdown.cancelled() => break,
-        };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            drop(stream);
-            if last_warning.is_none_or(|t| t.elapsed() >= Duration::from_millis(WARN_INTERVAL_MS)) {
-                last_warning = Some(Instant::now());
-                tracing::warn!(
-                    listener = name,
-                    max_connections,
-                    "connections refused: the listener is at its cap"
-                );
-            }
-            continue;
         };
         let peer = match stream.peer_cred() {
             Ok(cred) => UnixPeer {
@@ -641,12 +899,21 @@ pub async fn serve_unix_http(
                 continue;
             }
         };
+        let slot = match pool.admit(Source::Uid(peer.uid), false) {
+            Ok(slot) => slot,
+            Err(why) => {
+                drop(stream);
+                warnings.note(name, None, Some(why));
+                continue;
+            }
+        };
+        let stream = BoundedStream::new(stream, slot, pool.limits());
+        let activity = stream.activity();
         let router = router.clone();
         let builder = builder.clone();
         let watcher = graceful.watcher();
         tokio::spawn(async move {
-            let _permit = permit;
-            serve_connection(&builder, watcher, router, peer, stream).await;
+            serve_connection(&builder, watcher, router, peer, activity, stream).await;
         });
     }
     drop(listener);
@@ -705,28 +972,27 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn connections_past_the_cap_are_closed_at_accept_and_slots_come_back() {
+    async fn a_connection_past_the_cap_displaces_the_idle_longest_and_is_served() {
         let (addr, stop) = http_server(Limits::connections(4)).await;
         let mut held = Vec::new();
         for _ in 0..4 {
             held.push(TcpStream::connect(addr).await.expect("connect"));
+            // Distinct accept instants: the first is the idle longest.
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        // The fifth is accepted and closed at once (it waits on nothing).
-        let mut fifth = TcpStream::connect(addr).await.expect("connect");
-        let closed = within(Duration::from_secs(5), closed_by_server(&mut fifth)).await;
-        assert_eq!(closed, Some(true), "a connection past the cap is closed");
-        // Freed slots take new connections, which are served.
-        held.clear();
+        // A fifth is served; the first held one was closed to make room.
         let body = within(Duration::from_secs(30), async {
-            loop {
-                match reqwest::get(format!("http://{addr}/")).await {
-                    Ok(r) => return r.text().await.expect("body"),
-                    Err(_) => tokio::task::yield_now().await,
-                }
-            }
+            reqwest::get(format!("http://{addr}/"))
+                .await
+                .expect("get")
+                .text()
+                .await
+                .expect("body")
         })
         .await;
         assert_eq!(body.as_deref(), Some("ok"));
+        let closed = within(Duration::from_secs(5), closed_by_server(&mut held[0])).await;
+        assert_eq!(closed, Some(true), "the idle longest was displaced");
         stop.cancel();
     }
 
@@ -802,8 +1068,8 @@ mod tests {
     #[tokio::test]
     async fn a_silent_connection_is_closed_after_its_first_bytes_deadline() {
         let limits = Limits {
-            max_connections: 8,
             first_bytes_timeout_ms: 200,
+            ..Limits::connections(8)
         };
         let (addr, stop) = http_server(limits).await;
         let mut silent = TcpStream::connect(addr).await.expect("connect");
@@ -830,6 +1096,366 @@ mod tests {
         .await;
         assert_eq!(closed, Some(true), "half-sent headers are cut");
         assert!(started.elapsed() >= Duration::from_millis(HTTP_HEADER_READ_TIMEOUT_MS / 2));
+        stop.cancel();
+    }
+
+    /// The HTTP/2 client preface and an empty SETTINGS frame: all a flood connection
+    /// sends.
+    const H2C_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+
+    /// Small deadlines for tests, in milliseconds.
+    fn quick(first_request_ms: u64, idle_ms: u64) -> Limits {
+        Limits {
+            first_request_timeout_ms: first_request_ms,
+            idle_timeout_ms: idle_ms,
+            ..Limits::connections(64)
+        }
+    }
+
+    /// A router with `/` ("ok"), `/deny` (401) and `/stream` (15 chunks, 100 ms apart).
+    fn router() -> axum::Router {
+        use axum::routing::get;
+        axum::Router::new()
+            .route("/", get(|| async { "ok" }))
+            .route(
+                "/deny",
+                get(|| async { (axum::http::StatusCode::UNAUTHORIZED, "no") }),
+            )
+            .route(
+                "/stream",
+                get(|| async {
+                    let chunks = futures::stream::unfold(0u32, |i| async move {
+                        if i == 15 {
+                            return None;
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        Some((Ok::<_, io::Error>(format!("data: {i}\n\n")), i + 1))
+                    });
+                    axum::body::Body::from_stream(chunks)
+                }),
+            )
+    }
+
+    async fn served(limits: Limits) -> (SocketAddr, Counter, CancellationToken) {
+        let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = BoundedListener::new(tcp, "test", limits);
+        let addr = listener.local_addr().expect("addr");
+        let counter = listener.counter();
+        let stop = CancellationToken::new();
+        tokio::spawn(serve_http(listener, router(), stop.clone()));
+        (addr, counter, stop)
+    }
+
+    /// Waits until `f` holds, polling every 10 ms, for at most 30 s.
+    async fn until(what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !f() {
+            assert!(Instant::now() < deadline, "not within 30 s: {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    type H2Sender = hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>;
+
+    /// An HTTP/2 (h2c) client connection that sends a keepalive PING every 50 ms even
+    /// while idle; the task ends when the connection does.
+    async fn h2_client<I>(io: I) -> (H2Sender, tokio::task::JoinHandle<()>)
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .keep_alive_interval(Duration::from_millis(50))
+            .keep_alive_while_idle(true)
+            .handshake(TokioIo::new(io))
+            .await
+            .expect("h2 handshake");
+        let task = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        (sender, task)
+    }
+
+    async fn h2_get(sender: &mut H2Sender, path: &str) -> (u16, String) {
+        use http_body_util::BodyExt;
+        let req = http::Request::get(format!("http://test{path}"))
+            .body(http_body_util::Empty::new())
+            .expect("request");
+        let resp = sender.send_request(req).await.expect("response");
+        let status = resp.status().as_u16();
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn preface_only_h2c_connections_are_closed_by_the_first_request_deadline() {
+        let (addr, counter, stop) = served(quick(300, 60_000)).await;
+        let started = Instant::now();
+        let mut conns = Vec::new();
+        for _ in 0..20 {
+            let mut c = TcpStream::connect(addr).await.expect("connect");
+            c.write_all(H2C_PREFACE).await.expect("preface");
+            conns.push(c);
+        }
+        for c in &mut conns {
+            let closed = within(Duration::from_secs(30), closed_by_server(c)).await;
+            assert_eq!(closed, Some(true), "a preface-only connection is closed");
+        }
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        until("every slot back", || counter.counts().open == 0).await;
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn an_idle_http2_connection_that_answers_pings_is_closed_by_the_idle_timeout() {
+        let (addr, counter, stop) = served(quick(10_000, 400)).await;
+        let tcp = TcpStream::connect(addr).await.expect("connect");
+        let (mut sender, conn) = h2_client(tcp).await;
+        assert_eq!(h2_get(&mut sender, "/").await, (200, "ok".into()));
+        let answered = Instant::now();
+        assert_eq!(counter.counts().pending, 0, "a useful request graduates");
+        // The client PINGs every 50 ms and answers the server's PINGs; none of it is a
+        // request, so the connection is closed once idle for 400 ms.
+        within(Duration::from_secs(30), conn)
+            .await
+            .expect("the server closes the idle connection")
+            .expect("connection task");
+        assert!(answered.elapsed() >= Duration::from_millis(400));
+        until("the slot back", || counter.counts().open == 0).await;
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_long_response_is_in_flight_and_never_cut() {
+        // Deadlines of 200 ms against a response that streams for 1.5 s.
+        let (addr, _counter, stop) = served(quick(200, 200)).await;
+        let tcp = TcpStream::connect(addr).await.expect("connect");
+        let (mut sender, _conn) = h2_client(tcp).await;
+        let (status, body) = h2_get(&mut sender, "/stream").await;
+        assert_eq!(status, 200);
+        assert_eq!(body.matches("data: ").count(), 15, "HTTP/2: {body}");
+        let body = reqwest::get(format!("http://{addr}/stream"))
+            .await
+            .expect("get")
+            .text()
+            .await
+            .expect("HTTP/1 body");
+        assert_eq!(body.matches("data: ").count(), 15, "HTTP/1: {body}");
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn refused_requests_do_not_graduate_a_connection() {
+        let (addr, counter, stop) = served(quick(10_000, 10_000)).await;
+        let tcp = TcpStream::connect(addr).await.expect("connect");
+        let (mut sender, _conn) = h2_client(tcp).await;
+        assert_eq!(h2_get(&mut sender, "/deny").await.0, 401);
+        assert_eq!(h2_get(&mut sender, "/deny").await.0, 401);
+        assert_eq!(
+            counter.counts().pending,
+            1,
+            "answered only 401s: still pending"
+        );
+        assert_eq!(h2_get(&mut sender, "/").await.0, 200);
+        assert_eq!(counter.counts().pending, 0);
+        stop.cancel();
+    }
+
+    /// Keeps opening connections to `connect()` that send `hello` and then nothing (at
+    /// most `hold` open, those the server closed dropped) until `stop`; returns how
+    /// many it opened.
+    async fn flood<S, F, Fut>(
+        connect: F,
+        hello: &'static [u8],
+        hold: usize,
+        stop: CancellationToken,
+    ) -> usize
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+        F: Fn() -> Fut,
+        Fut: Future<Output = io::Result<S>>,
+    {
+        let mut open: Vec<S> = Vec::new();
+        let mut opened = 0;
+        while !stop.is_cancelled() {
+            let mut kept = Vec::new();
+            for mut c in open.drain(..) {
+                let mut buf = [0u8; 64];
+                let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+                let mut rb = ReadBuf::new(&mut buf);
+                match Pin::new(&mut c).poll_read(&mut cx, &mut rb) {
+                    Poll::Ready(Ok(())) if rb.filled().is_empty() => {} // EOF
+                    Poll::Ready(Err(_)) => {}
+                    _ => kept.push(c),
+                }
+            }
+            open = kept;
+            while open.len() < hold {
+                let Ok(mut c) = connect().await else { break };
+                opened += 1;
+                let _ = c.write_all(hello).await;
+                open.push(c);
+            }
+            tokio::task::yield_now().await;
+        }
+        opened
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_flood_of_pending_connections_from_one_source_cannot_keep_a_client_out() {
+        let limits = Limits {
+            max_connections: 64,
+            max_pending_connections: 32,
+            max_pending_per_source: 16,
+            // Never expires during the test: only the pool keeps the flood in bounds.
+            first_request_timeout_ms: 600_000,
+            ..Limits::connections(64)
+        };
+        let (addr, counter, stop) = served(limits).await;
+        let flooding = CancellationToken::new();
+        let flooder = tokio::spawn(flood(
+            move || TcpStream::connect(addr),
+            H2C_PREFACE,
+            300,
+            flooding.clone(),
+        ));
+        until("the flood fills its share", || {
+            counter.counts().pending >= 16
+        })
+        .await;
+        // From another address (127.0.0.2 is loopback too), every request gets through at
+        // once: the flood holds only its own source's share of the pending pool.
+        let get = |from: &str| {
+            let client = reqwest::Client::builder()
+                .pool_max_idle_per_host(0)
+                .local_address(from.parse::<std::net::IpAddr>().expect("ip"))
+                .build()
+                .expect("client");
+            let url = format!("http://{addr}/");
+            async move { client.get(url).send().await?.text().await }
+        };
+        for i in 0..5 {
+            let body = get("127.0.0.2").await;
+            assert_eq!(
+                body.ok().as_deref(),
+                Some("ok"),
+                "request {i} during the flood"
+            );
+            let counts = counter.counts();
+            assert!(counts.pending <= 32, "{counts:?}");
+            assert!(counts.open <= 64, "{counts:?}");
+        }
+        // From the flood's own address, a new connection displaces the flood's stalest
+        // and is itself displaced only if 16 more flood connections arrive before its
+        // request does: against this loop, which reconnects as fast as the CPU allows,
+        // a few attempts.
+        for i in 0..5 {
+            let mut failed = 0;
+            while get("127.0.0.1").await.ok().as_deref() != Some("ok") {
+                failed += 1;
+                assert!(
+                    failed < 50,
+                    "request {i} from the flood's address: 50 attempts failed"
+                );
+            }
+        }
+        flooding.cancel();
+        let opened = flooder.await.expect("flood");
+        assert!(opened >= 300, "the flood opened {opened} connections");
+        stop.cancel();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_unix_socket_bounds_idle_connections_and_a_uid_gets_only_its_share() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("api.sock");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        let limits = Limits {
+            max_connections: 64,
+            max_pending_connections: 32,
+            max_pending_per_source: 8,
+            first_request_timeout_ms: 300,
+            ..Limits::connections(64)
+        };
+        let pool = Pool::new(limits);
+        let stop = CancellationToken::new();
+        tokio::spawn(serve_unix_http_counted(
+            listener,
+            "test socket",
+            pool.clone(),
+            router(),
+            stop.clone(),
+        ));
+        // Zero bytes, and the preface alone, are closed by the deadlines.
+        let mut silent = tokio::net::UnixStream::connect(&path)
+            .await
+            .expect("connect");
+        let mut preface = tokio::net::UnixStream::connect(&path)
+            .await
+            .expect("connect");
+        preface.write_all(H2C_PREFACE).await.expect("preface");
+        for c in [&mut silent, &mut preface] {
+            let mut buf = [0u8; 256];
+            let closed = within(Duration::from_secs(30), async {
+                loop {
+                    match c.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                }
+            })
+            .await;
+            assert!(closed.is_some(), "an idle Unix connection is closed");
+        }
+        // A flood from this uid holds at most its share; a request still gets through.
+        let flooding = CancellationToken::new();
+        let flood_path = path.clone();
+        let flooder = tokio::spawn(flood(
+            move || tokio::net::UnixStream::connect(flood_path.clone()),
+            H2C_PREFACE,
+            200,
+            flooding.clone(),
+        ));
+        until("the flood fills its share", || pool.counts().pending >= 8).await;
+        // The same uid as the flood (other uids have shares of their own; the pool's
+        // tests show it): a request gets through within a few attempts.
+        for i in 0..5 {
+            let mut failed = 0;
+            loop {
+                let io = tokio::net::UnixStream::connect(&path)
+                    .await
+                    .expect("connect");
+                let mut sender = match tokio::time::timeout(
+                    Duration::from_secs(30),
+                    hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(io)),
+                )
+                .await
+                {
+                    Ok(Ok((sender, conn))) => {
+                        tokio::spawn(conn);
+                        sender
+                    }
+                    _ => {
+                        failed += 1;
+                        continue;
+                    }
+                };
+                let req = http::Request::get("http://test/")
+                    .body(http_body_util::Empty::<bytes::Bytes>::new())
+                    .expect("request");
+                if let Ok(Ok(resp)) =
+                    tokio::time::timeout(Duration::from_secs(30), sender.send_request(req)).await
+                    && resp.status() == 200
+                {
+                    break;
+                }
+                failed += 1;
+                assert!(failed < 50, "request {i}: 50 attempts failed");
+            }
+            assert!(pool.counts().pending <= 8, "{:?}", pool.counts());
+        }
+        flooding.cancel();
+        flooder.await.expect("flood");
         stop.cancel();
     }
 }

@@ -605,7 +605,8 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
         let stop = servers_cancel.clone();
         let cap = caps[2];
         servers.spawn(async move {
-            cumulus_listen::serve_unix_http(listener, "rank API socket", cap, rank_router, stop)
+            let limits = cumulus_listen::Limits::connections(cap);
+            cumulus_listen::serve_unix_http(listener, "rank API socket", limits, rank_router, stop)
                 .await
                 .context("rank API socket server failed")
         });
