@@ -391,7 +391,7 @@ async fn submit_checked(
     }
     // A new job must fit the state's byte budget; a retried request id adds nothing.
     let _reservation = if existing.is_none() {
-        Some(node.reserve_state_bytes(submit_bytes(&spec, &shards))?)
+        Some(node.reserve_state_bytes(submit_bytes(&spec, &shards), who)?)
     } else {
         None
     };

@@ -20,6 +20,7 @@ pub mod proposer;
 pub mod raft_service;
 pub mod rejoin;
 pub mod snapshots;
+pub mod shares;
 pub mod soft;
 pub mod terms;
 pub mod worker_service;
@@ -37,7 +38,6 @@ use cumulus_api::v1::raft_service_server::RaftServiceServer;
 use cumulus_api::v1::worker_service_server::WorkerServiceServer;
 use cumulus_raft_store::{CumulusNode, NodeId};
 use cumulus_tls::Tls;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -201,7 +201,9 @@ pub struct Config {
     /// Most connections open at once on the HTTP port; more are closed at accept.
     #[arg(long, default_value_t = 1_024)]
     pub max_http_connections: usize,
-    /// Most concurrent SSE log streams served by this node.
+    /// Most concurrent SSE log streams served by this node; one user (not an
+    /// administrator) may hold a quarter of them, and the last eighth is kept for
+    /// administrators (`shares`).
     #[arg(long, default_value_t = 256)]
     pub max_log_streams: usize,
     /// S3 settings for jobs with an S3 checkpoint target (`--ckpt-url s3://…`): the leader
@@ -381,7 +383,7 @@ pub async fn run(
         token: token.clone(),
         tls: matches!(tls, Tls::On(_)),
         http,
-        log_streams: Arc::new(Semaphore::new(config.max_log_streams)),
+        log_streams: shares::SharedSlots::new(config.max_log_streams),
         s3: cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?,
         local_fs: Arc::default(),
         state_reserved_bytes: Default::default(),

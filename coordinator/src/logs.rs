@@ -124,9 +124,18 @@ pub async fn stream(
         .iter()
         .map(|r| (*r, given.get(r).copied().unwrap_or_default()))
         .collect();
-    let permit = node.log_streams.clone().try_acquire_owned().map_err(|_| {
-        ApiError::Unavailable("too many log streams open on this coordinator; retry later".into())
-    })?;
+    let permit = node
+        .log_streams
+        .try_acquire(&who)
+        .map_err(|refusal| match refusal {
+            crate::shares::SlotRefusal::UserShare { .. } => ApiError::ResourceExhausted(format!(
+                "{:?} holds its share of log streams on this coordinator ({refusal}); close one",
+                who.name
+            )),
+            crate::shares::SlotRefusal::PoolFull { .. } => ApiError::Unavailable(format!(
+                "too many log streams open on this coordinator ({refusal}); retry later"
+            )),
+        })?;
     let (tx, rx) = mpsc::channel(STREAM_BUFFER_EVENTS);
     tokio::spawn(async move {
         let _permit = permit;

@@ -11,7 +11,8 @@ use cumulus_raft_store::{Command, CumulusNode, NodeId, Response, SharedState};
 use openraft::ReadPolicy;
 use openraft::async_runtime::watch::WatchReceiver;
 use openraft::error::{LinearizableReadError, RaftError};
-use tokio::sync::Semaphore;
+
+use cumulus_api::users::Principal;
 
 use crate::error::{ApiError, leader_node};
 use crate::soft::SoftState;
@@ -52,8 +53,9 @@ pub struct Node {
     pub tls: bool,
     /// HTTP client for worker agents (log retrieval), with timeouts.
     pub http: reqwest::Client,
-    /// Bounds concurrent SSE log streams.
-    pub log_streams: Arc<Semaphore>,
+    /// Bounds concurrent SSE log streams, with a share per user and a reserve for
+    /// administrators.
+    pub log_streams: crate::shares::SharedSlots,
     /// S3 client factory for jobs with an S3 checkpoint target.
     pub s3: cumulus_ckpt::S3Connector,
     /// Group commit of this node's Raft writes (see [`crate::proposer`]).
@@ -65,6 +67,12 @@ pub struct Node {
     /// [`Node::reserve_state_bytes`]).
     pub state_reserved_bytes: std::sync::atomic::AtomicU64,
 }
+
+/// One user's (not an administrator's) share of the state byte budget: at most
+/// `1 / STATE_SHARE_DIVISOR` of `--max-state-bytes` in its unfinished jobs, so one user's
+/// submits cannot refuse everyone else's. Submits of one user still being applied are
+/// not counted against the share (the cluster-wide check counts them).
+pub const STATE_SHARE_DIVISOR: u64 = 4;
 
 /// Estimated state bytes held for one admitted submit until it is applied or fails;
 /// released on drop.
@@ -91,13 +99,34 @@ impl Node {
     /// grow without bound. Finished jobs do not count: `apply` drops the oldest of them to
     /// stay within [`cumulus_raft_store::state::MAX_STATE_BYTES`]. The returned reservation
     /// holds `bytes` until it is dropped (after the proposal is applied, or failed).
+    /// A user who is not an administrator (`who`) may hold at most a
+    /// [`STATE_SHARE_DIVISOR`]th of the budget in unfinished jobs.
     ///
     /// # Errors
     /// [`ApiError::ResourceExhausted`] naming the sizes and the limit.
-    pub fn reserve_state_bytes(&self, bytes: u64) -> Result<StateReservation<'_>, ApiError> {
+    pub fn reserve_state_bytes(
+        &self,
+        bytes: u64,
+        who: &Principal,
+    ) -> Result<StateReservation<'_>, ApiError> {
         use std::sync::atomic::Ordering;
-        let unfinished = self.read_state(|s| s.job_index().unfinished_bytes());
         let max = self.limits.max_state_bytes;
+        let (unfinished, mine) = self.read_state(|s| {
+            let index = s.job_index();
+            (
+                index.unfinished_bytes(),
+                index.unfinished_bytes_of(&who.name),
+            )
+        });
+        let share = max / STATE_SHARE_DIVISOR;
+        if who.role != cumulus_api::Role::Admin && mine.saturating_add(bytes) > share {
+            return Err(ApiError::ResourceExhausted(format!(
+                "{:?}'s unfinished jobs hold ~{mine} bytes of state (estimated), and this job \
+                 would add ~{bytes}: above the share of one user, {share} bytes (1/{STATE_SHARE_DIVISOR} \
+                 of --max-state-bytes); retry once your jobs finish, or cancel some",
+                who.name
+            )));
+        }
         let mut reserved = self.state_reserved_bytes.load(Ordering::Acquire);
         loop {
             let after = unfinished.saturating_add(reserved).saturating_add(bytes);

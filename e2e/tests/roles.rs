@@ -44,6 +44,8 @@ fn code<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> Code {
 async fn roles_limit_what_each_user_may_do() {
     let mut cluster = Cluster::start(ClusterOpts {
         workers: 1,
+        // 8 log streams a node: a user's share is 2, the administrators' reserve 1.
+        coordinator_args: vec!["--max-log-streams".into(), "8".into()],
         ..ClusterOpts::default()
     })
     .await
@@ -111,6 +113,42 @@ async fn roles_limit_what_each_user_may_do() {
         })
         .await;
     assert_eq!(code(r), Code::PermissionDenied);
+
+    // A reader may hold its share of a node's log streams, not more (it once held all
+    // of them and the administrator got 503); the administrator still gets one.
+    let leader = cluster.wait_leader(LONG).await;
+    let http_addr = cluster
+        .coordinators
+        .iter()
+        .find(|c| c.id == leader)
+        .expect("the leader")
+        .http
+        .clone();
+    let logs_url = cluster.url(&http_addr, &format!("/v1/jobs/{job}/logs?follow=true"));
+    let http = cluster.http_client();
+    let open_stream = |token: String| {
+        let (http, url) = (http.clone(), logs_url.clone());
+        async move {
+            http.get(&url)
+                .bearer_auth(token)
+                .send()
+                .await
+                .expect("the log request is answered")
+        }
+    };
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let r = open_stream(reader.clone()).await;
+        assert_eq!(r.status(), reqwest::StatusCode::OK);
+        streams.push(r);
+    }
+    let over = open_stream(reader.clone()).await;
+    assert_eq!(over.status(), reqwest::StatusCode::TOO_MANY_REQUESTS);
+    let body = over.text().await.expect("body");
+    assert!(body.contains("share"), "{body}");
+    let admin_stream = open_stream(cumulus_e2e::TOKEN.to_string()).await;
+    assert_eq!(admin_stream.status(), reqwest::StatusCode::OK);
+    drop((streams, admin_stream));
 
     // Bob may not cancel Alice's job, create users or change the membership.
     let mut as_bob = cluster.leader_client_as(&bob).await.expect("bob");

@@ -3,7 +3,7 @@
 //! (`MAX_RAFT_MESSAGE_BYTES`, 64 MiB), which openraft alone would send as one
 //! `AppendEntries` request of up to 300 entries, and without an election; a submit whose
 //! entry alone would be too large is refused before it reaches the log; submits past the
-//! state's byte budget are refused until jobs finish.
+//! state's byte budget, or past one user's share of it, are refused until jobs finish.
 
 use std::path::Path;
 use std::time::Duration;
@@ -177,6 +177,51 @@ async fn submits_past_the_state_byte_budget_are_refused_until_jobs_finish() {
         ..Default::default()
     };
     let mut c = cluster.leader_client().await.expect("client");
+
+    // A user who is not an administrator holds at most a quarter of the budget (one user
+    // once filled it with 100 submits): ~300 KB is past 256 KiB, refused naming the share,
+    // while a small job of theirs is admitted.
+    let ann = c
+        .create_user(v1::CreateUserRequest {
+            name: "ann".into(),
+            role: "submit".into(),
+        })
+        .await
+        .expect("create ann")
+        .into_inner()
+        .token;
+    let mut as_ann = cluster.leader_client_as(&ann).await.expect("ann");
+    let small = as_ann
+        .submit_job(v1::SubmitJobRequest {
+            allow_pending: false,
+            request_id: "ann-small".into(),
+            spec: Some(v1::JobSpec {
+                dataset: String::new(),
+                ..spec.clone()
+            }),
+        })
+        .await
+        .expect("a small job within ann's share")
+        .into_inner()
+        .job_id;
+    let over_share = as_ann
+        .submit_job(v1::SubmitJobRequest {
+            allow_pending: false,
+            request_id: "ann-large".into(),
+            spec: Some(spec.clone()),
+        })
+        .await
+        .expect_err("past ann's share");
+    assert_eq!(over_share.code(), tonic::Code::ResourceExhausted);
+    assert!(
+        over_share.message().contains("share of one user"),
+        "{}",
+        over_share.message()
+    );
+    c.cancel_job(v1::CancelJobRequest { job_id: small })
+        .await
+        .expect("cancel ann's job");
+
     let mut admitted = Vec::new();
     let refused = loop {
         assert!(admitted.len() < 10, "1 MiB cannot hold 10 jobs of ~300 KB");
@@ -213,7 +258,11 @@ async fn submits_past_the_state_byte_budget_are_refused_until_jobs_finish() {
         .expect("list")
         .into_inner()
         .jobs;
-    assert_eq!(jobs.len(), 3, "the refused submit created nothing");
+    assert_eq!(
+        jobs.iter().filter(|j| j.state != "cancelled").count(),
+        3,
+        "the refused submits created nothing"
+    );
     c.cancel_job(v1::CancelJobRequest {
         job_id: admitted[0].clone(),
     })

@@ -38,6 +38,11 @@ pub struct JobIndex {
     total_bytes: u64,
     /// Sum of `bytes` over terminal jobs, in bytes.
     terminal_bytes: u64,
+    /// Sum of `bytes` over each owner's unfinished (not terminal) jobs, in bytes; owners
+    /// with none are absent.
+    unfinished_by_owner: HashMap<String, u64>,
+    /// The owner of each unfinished job, to take its bytes off when it finishes or goes.
+    unfinished_owner: HashMap<String, String>,
 }
 
 /// One job's estimated encoded size, in bytes, and its queue priority (both fixed at
@@ -50,6 +55,9 @@ struct JobBytes {
     fixed: u64,
     /// Fixed plus [`Job::approx_dynamic_bytes`].
     total: u64,
+    /// Whether the job was unfinished (so counted in its owner's
+    /// [`JobIndex::unfinished_bytes_of`]) when last indexed.
+    unfinished: bool,
 }
 
 impl JobIndex {
@@ -80,6 +88,12 @@ impl JobIndex {
                 self.terminal_bytes -= old.total;
             }
         }
+        if let Some(old) = old
+            && old.unfinished
+            && let Some(owner) = self.unfinished_owner.remove(job_id)
+        {
+            self.take_owner_bytes(&owner, old.total);
+        }
         let Some(job) = job else {
             self.bytes.remove(job_id);
             return;
@@ -87,14 +101,24 @@ impl JobIndex {
         let fixed = old.map_or_else(|| job.approx_static_bytes(), |o| o.fixed);
         let total = fixed + job.approx_dynamic_bytes();
         let priority = job.spec.priority;
+        let unfinished = !job.state.is_terminal();
         self.bytes.insert(
             job_id.to_string(),
             JobBytes {
                 priority,
                 fixed,
                 total,
+                unfinished,
             },
         );
+        if unfinished {
+            *self
+                .unfinished_by_owner
+                .entry(job.owner.clone())
+                .or_default() += total;
+            self.unfinished_owner
+                .insert(job_id.to_string(), job.owner.clone());
+        }
         self.total_bytes += total;
         if job.fork.is_some() {
             self.forks.insert(job_id.to_string());
@@ -158,6 +182,21 @@ impl JobIndex {
     /// Estimated encoded size of the pending, running and paused jobs, in bytes.
     pub fn unfinished_bytes(&self) -> u64 {
         self.total_bytes - self.terminal_bytes
+    }
+
+    /// Estimated encoded size of `owner`'s pending, running and paused jobs, in bytes.
+    pub fn unfinished_bytes_of(&self, owner: &str) -> u64 {
+        self.unfinished_by_owner.get(owner).copied().unwrap_or(0)
+    }
+
+    /// Takes `bytes` off `owner`'s unfinished bytes, dropping the owner at zero.
+    fn take_owner_bytes(&mut self, owner: &str, bytes: u64) {
+        if let Some(held) = self.unfinished_by_owner.get_mut(owner) {
+            *held = held.saturating_sub(bytes);
+            if *held == 0 {
+                self.unfinished_by_owner.remove(owner);
+            }
+        }
     }
 
     /// Estimated encoded size of `job_id` (0 for an unknown job), in bytes.

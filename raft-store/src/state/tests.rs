@@ -147,6 +147,18 @@ fn assert_index_current(s: &ClusterState) {
     let mut rebuilt = s.clone();
     rebuilt.rebuild_index();
     assert_eq!(s.job_index(), rebuilt.job_index());
+    // Each owner's unfinished bytes are the sum over its pending, running and paused jobs.
+    let mut by_owner: std::collections::BTreeMap<&str, u64> = Default::default();
+    for j in s.jobs.values().filter(|j| !j.state.is_terminal()) {
+        *by_owner.entry(j.owner.as_str()).or_default() += j.approx_encoded_bytes();
+    }
+    for (owner, bytes) in &by_owner {
+        assert_eq!(s.job_index().unfinished_bytes_of(owner), *bytes, "{owner}");
+    }
+    assert_eq!(
+        by_owner.values().sum::<u64>(),
+        s.job_index().unfinished_bytes()
+    );
 }
 
 #[test]
@@ -154,8 +166,8 @@ fn the_job_index_follows_every_state_change_and_survives_serialization() {
     let (mut s, placed) = cluster_with_job(2);
     assert_index_current(&s);
     assert!(s.job_index().running.contains(&placed));
-    let submit = |req: String| Command::SubmitJob {
-        owner: String::new(),
+    let submit = |req: String, owner: &str| Command::SubmitJob {
+        owner: owner.into(),
         request_id: req,
         spec: spec(1),
         shards: vec![],
@@ -164,12 +176,16 @@ fn the_job_index_follows_every_state_change_and_survives_serialization() {
     let r = apply(
         &mut s,
         Command::Batch {
-            commands: (0..3).map(|i| submit(format!("b{i}"))).collect(),
+            commands: (0..3)
+                .map(|i| submit(format!("b{i}"), ["ann", "bo", "ann"][i]))
+                .collect(),
         },
     );
     assert!(matches!(r, Response::Batch { .. }));
     assert_eq!(s.job_index().pending.len(), 3);
     assert_index_current(&s);
+    assert!(s.job_index().unfinished_bytes_of("ann") > s.job_index().unfinished_bytes_of("bo"));
+    assert_eq!(s.job_index().unfinished_bytes_of("nobody"), 0);
     let pending: Vec<String> = s.job_index().pending.iter().cloned().collect();
     apply(
         &mut s,
