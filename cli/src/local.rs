@@ -223,6 +223,17 @@ pub fn new_token() -> String {
     hex::encode(rand::random::<[u8; 32]>())
 }
 
+/// Creates a process's data dir `0700`, as the coordinator and the agent want it (they
+/// tighten a more open one at start, with a warning).
+fn create_data_dir(dir: &Path) -> Result<(), LocalError> {
+    use std::os::unix::fs::DirBuilderExt;
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(io_err(dir))
+}
+
 /// Writes the token file with mode 0600 (also when it existed with another mode).
 pub fn write_token(path: &Path, token: &str) -> Result<(), LocalError> {
     let mut f = OpenOptions::new()
@@ -609,7 +620,7 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
             if c.pid.is_some() {
                 continue; // alive (a partial restart keeps it)
             }
-            fs::create_dir_all(&c.data_dir).map_err(io_err(&c.data_dir))?;
+            create_data_dir(&c.data_dir)?;
             let child = spawn_detached(&coord_bin, &coordinator_args(&file, &c), &c.log)?;
             file.coordinators[i].pid = Some(child.id());
             children.push((format!("coordinator {}", c.node_id), c.log.clone(), child));
@@ -619,7 +630,7 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
             if w.pid.is_some() {
                 continue; // alive (a partial restart keeps it)
             }
-            fs::create_dir_all(&w.data_dir).map_err(io_err(&w.data_dir))?;
+            create_data_dir(&w.data_dir)?;
             let child = spawn_detached(&worker_bin, &worker_args(&file, &w), &w.log)?;
             file.workers[j].pid = Some(child.id());
             children.push((w.worker_id.clone(), w.log.clone(), child));

@@ -3,7 +3,9 @@
 //! look but not submit or cancel; a submitter cannot cancel another user's job, read its
 //! logs, create users or change the membership; the owner can cancel their own job; a
 //! revoked token is refused; users survive a change of leader (they are replicated);
-//! `cumulusctl token create/ls/revoke` and `whoami` work.
+//! `cumulusctl token create/ls/revoke` and `whoami` work; `token create --out` onto an
+//! existing file creates no user; `cumulusctl logs` refused with 403 stops at once with
+//! the coordinator's message; the data dirs holding the tokens' hashes are private.
 
 use std::time::Duration;
 
@@ -196,6 +198,27 @@ async fn roles_limit_what_each_user_may_do() {
             .status();
         assert_eq!(status.as_u16(), want, "logs as {}", &token[..9]);
     }
+    // `cumulusctl logs` takes the 403 as final: the coordinator's reason, no retries.
+    let bob_file = cluster.dir.path().join("bob.token");
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&bob_file)
+            .and_then(|mut f| f.write_all(format!("{bob}\n").as_bytes()))
+            .expect("bob's token file");
+    }
+    let out = ctl_with_token(&cluster, &bob_file, &["logs", &job]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("may not read the logs of") && stderr.contains("belongs to alice"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("consecutive"), "retried: {stderr}");
 
     // Users are replicated: after the leader dies, the new leader knows them.
     cluster.coordinators[i].proc.kill9();
@@ -254,6 +277,126 @@ async fn roles_limit_what_each_user_may_do() {
     assert!(!stdout.contains("cu."), "ls never shows a token: {stdout}");
     let out = cluster.cumulusctl(&["whoami"]).expect("whoami");
     assert!(String::from_utf8_lossy(&out.stdout).contains("admin (role admin)"));
+
+    // `--out` onto an existing file: refused before the user exists, the file untouched.
+    let existing = cluster.dir.path().join("existing");
+    std::fs::write(&existing, "keep\n").expect("write");
+    let out = cluster
+        .cumulusctl(&[
+            "token",
+            "create",
+            "dave",
+            "--role",
+            "read",
+            "--out",
+            &existing.display().to_string(),
+        ])
+        .expect("cumulusctl token create --out");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("no user was created"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read_to_string(&existing).expect("read"), "keep\n");
+    let out = cluster.cumulusctl(&["token", "ls"]).expect("token ls");
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("dave"),
+        "dave was created"
+    );
+    // A new file: the user is created and the token written there, 0600.
+    let fresh = cluster.dir.path().join("dave.token");
+    let fresh_arg = fresh.display().to_string();
+    let out = cluster
+        .cumulusctl(&[
+            "token", "create", "dave", "--role", "read", "--out", &fresh_arg,
+        ])
+        .expect("cumulusctl token create --out");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let written = std::fs::read_to_string(&fresh).expect("token file");
+    assert!(written.starts_with("cu.dave."), "{written}");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| {
+        std::fs::symlink_metadata(p)
+            .expect("stat")
+            .permissions()
+            .mode()
+            & 0o777
+    };
+    assert_eq!(mode(&fresh), 0o600);
+    // Refused by the cluster (the name is taken): the file it had created is removed.
+    let again = cluster.dir.path().join("dave-again.token");
+    let out = cluster
+        .cumulusctl(&[
+            "token",
+            "create",
+            "dave",
+            "--role",
+            "read",
+            "--out",
+            &again.display().to_string(),
+        ])
+        .expect("cumulusctl token create --out");
+    assert!(!out.status.success());
+    assert!(!again.exists(), "the empty token file is left behind");
+
+    // The data dirs hold the Raft log (token hashes, job environments) and the ranks'
+    // logs: closed to other users, every entry of a coordinator's without group or other
+    // permission.
+    for c in &cluster.coordinators {
+        assert_eq!(mode(&c.data_dir), 0o700, "{}", c.data_dir.display());
+        let mut dirs = vec![c.data_dir.join("raft")];
+        let mut files = 0;
+        while let Some(dir) = dirs.pop() {
+            assert_eq!(mode(&dir) & 0o077, 0, "{}", dir.display());
+            for entry in std::fs::read_dir(&dir).expect("read_dir") {
+                let path = entry.expect("entry").path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else {
+                    assert_eq!(mode(&path) & 0o077, 0, "{}", path.display());
+                    files += 1;
+                }
+            }
+        }
+        assert!(files > 0, "no file in {}", c.data_dir.display());
+    }
+    let worker_dir = cluster.dir.path().join("worker-1");
+    assert_eq!(mode(&worker_dir), 0o700);
+    assert_eq!(mode(&worker_dir.join("logs")), 0o700);
+}
+
+/// `cumulusctl` with the token in `token_file` instead of the cluster's.
+fn ctl_with_token(
+    cluster: &Cluster,
+    token_file: &std::path::Path,
+    args: &[&str],
+) -> std::process::Output {
+    let mut cmd = std::process::Command::new(cumulus_e2e::bin("cumulusctl"));
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("CUMULUS_") {
+            cmd.env_remove(name);
+        }
+    }
+    match cluster.ca_file() {
+        Some(ca) => cmd.arg("--tls-ca").arg(ca),
+        None => cmd.arg("--insecure"),
+    };
+    cmd.arg("--addr")
+        .arg(cluster.grpc_addrs())
+        .arg("--http")
+        .arg(cluster.http_addrs())
+        .arg("--token-file")
+        .arg(token_file)
+        .arg("--timeout")
+        .arg("20")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run cumulusctl")
 }
 
 /// `cumulusctl` with a user's client certificate and no token (no token file, no

@@ -19,6 +19,7 @@
 pub mod agent;
 pub mod agent_api;
 pub mod client;
+pub mod datadir;
 pub mod enrol;
 pub mod events;
 pub mod gpus;
@@ -431,9 +432,12 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
     } else {
         None
     };
-    tokio::fs::create_dir_all(&config.data_dir)
-        .await
-        .with_context(|| format!("cannot create --data-dir {}", config.data_dir.display()))?;
+    // Ranks of other users (`--run-as`, checked below) pass through the data dir.
+    let ranks_other_user = config
+        .run_as
+        .as_deref()
+        .is_some_and(|r| !r.trim().is_empty());
+    datadir::prepare(&config.data_dir, ranks_other_user)?;
     let _lock = lock_data_dir(&config.data_dir)?;
     if let Some(ca) = enrol_ca {
         let enrolment = enrol::Enrolment {
