@@ -536,3 +536,60 @@ async fn a_majority_of_damaged_logs_stops_writes_rather_than_diverge() {
     let ids: Vec<&str> = list.jobs.iter().map(|j| j.id.as_str()).collect();
     assert_eq!(ids, acked.iter().map(String::as_str).collect::<Vec<_>>());
 }
+
+/// Issue 39's sled probe on a real coordinator: one byte flipped inside the newest `vote`
+/// record of a stopped follower's sled log. sled's CRC catches it, takes it for a torn
+/// write and silently drops it and every later write, so sled alone would hand back the
+/// previous vote, or none when the follower had saved one vote (before, the node started
+/// with it and led at an old term). The coordinator refuses to start, naming the tree and
+/// the key, and how to recover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_byte_in_a_sled_vote_record_refuses_to_start() {
+    let (mut cluster, acked) = cluster_with_pending_jobs("v", 1).await;
+    let leader = cluster.wait_leader(LONG).await;
+    let i = cluster.follower_of(leader);
+    wait_for("the follower to apply the submit", LONG, || async {
+        local_job(&cluster, i, &acked[0]).await
+    })
+    .await;
+    cluster.coordinators[i].proc.kill9();
+
+    // The newest vote record in sled's log: a format-2 record whose JSON is a vote.
+    let db_file = cluster.coordinators[i].data_dir.join("raft").join("db");
+    let bytes = std::fs::read(&db_file).expect("read sled's log");
+    let magic = b"cumulus-meta-2\n";
+    let header = magic.len() + 4 + 8;
+    let newest_vote = (0..bytes.len().saturating_sub(header))
+        .rev()
+        .find(|&at| {
+            bytes[at..].starts_with(magic)
+                && bytes[at + header..]
+                    .windows(14)
+                    .take(80)
+                    .any(|w| w == b"},\"committed\":")
+        })
+        .expect("a vote record in sled's log");
+    let at = newest_vote + header + 3;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&db_file)
+        .expect("open");
+    file.write_all_at(&[bytes[at] ^ 0x01], at as u64)
+        .expect("flip");
+    file.sync_all().expect("sync");
+
+    cluster.spawn_coordinator(i).expect("spawn");
+    let status = cluster.wait_coordinator_exit(i, LONG).await;
+    assert!(
+        !status.success(),
+        "a node that lost its vote must not start"
+    );
+    let log = std::fs::read_to_string(&cluster.coordinators[i].proc.log).expect("log");
+    assert!(
+        log.contains("lost flushed writes")
+            && log.contains("tree `raft_meta`")
+            && log.contains("key `vote`")
+            && log.contains("--rejoin-empty"),
+        "a clear refusal naming the tree and the key: {log}"
+    );
+}

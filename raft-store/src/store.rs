@@ -240,7 +240,11 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
         return Err(OpenError::LostWrites {
             path: path.clone(),
             newest: newest.map_or_else(
-                || format!("tree `{META_TREE}` holds no flushed record"),
+                || {
+                    format!(
+                        "tree `{META_TREE}`: neither key `vote` nor key `last_purged` holds one"
+                    )
+                },
                 |(key, _)| format!("tree `{META_TREE}`, key `{}`", String::from_utf8_lossy(key)),
             ),
             found: found_generation,
