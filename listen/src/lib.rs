@@ -775,7 +775,9 @@ fn http_builder() -> Builder<TokioExecutor> {
 /// Serves `router` on `listener` (HTTP/1 and HTTP/2; TLS when the listener has it) until
 /// `shutdown` is cancelled, then lets open requests finish. Connections are bounded as
 /// [`BoundedStream`] says, HTTP/1 headers must arrive within
-/// [`HTTP_HEADER_READ_TIMEOUT_MS`], HTTP/2 as [`http_builder`] sets. Every request
+/// [`HTTP_HEADER_READ_TIMEOUT_MS`], HTTP/2 keepalive and limits as
+/// [`HTTP2_KEEPALIVE_INTERVAL_MS`], [`HTTP2_MAX_CONCURRENT_STREAMS`] and
+/// [`HTTP2_MAX_HEADER_LIST_BYTES`] say. Every request
 /// carries the connection's [`ConnInfo`] as an `axum::Extension`.
 ///
 /// # Errors
