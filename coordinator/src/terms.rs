@@ -215,12 +215,12 @@ mod tests {
                         let next = terms[from] + 1;
                         prop_assert!(next <= MAX_RAFT_TERM + 1);
                         terms[from] = next;
-                        for to in 0..terms.len() {
+                        for (to, term) in terms.iter_mut().enumerate() {
                             if to != from
-                                && check_term(TermSource::Candidate, next, terms[to]).is_ok()
-                                && next > terms[to]
+                                && check_term(TermSource::Candidate, next, *term).is_ok()
+                                && next > *term
                             {
-                                terms[to] = next;
+                                *term = next;
                                 granted.push(next);
                             }
                         }

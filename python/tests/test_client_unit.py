@@ -1420,6 +1420,15 @@ def test_logs_of_an_unknown_job(client: Client, script: Script) -> None:
         list(client.logs("job-9"))
 
 
+def test_a_refused_log_stream_is_final_not_retried(client: Client, script: Script) -> None:
+    # A 403 says the same at every coordinator and on every try: raised at once, with the
+    # coordinator's message, and the next address is never asked.
+    script.on(A, "GET", "/v1/jobs/job-3/logs", status(403, "job job-3 belongs to alice"))
+    with pytest.raises(errors.Forbidden, match="belongs to alice"):
+        list(client.logs("job-3", follow=True))
+    assert script.where() == [f"{A} GET /v1/jobs/job-3/logs"]
+
+
 def test_the_sdk_is_loaded_lazily() -> None:
     assert cumulus.Client is Client
     with pytest.raises(AttributeError):

@@ -143,6 +143,13 @@ _STATUS_ERRORS: dict[int, type[ApiError]] = {
 }
 
 
+def _final_status(status: int) -> bool:
+    """Whether an answer is final for a retried read: a 4xx other than 408 (timeout) and
+    429 (too many requests) says the same on every try and at every coordinator (as
+    ``cumulusctl logs`` decides)."""
+    return 400 <= status < 500 and status not in (408, 429)
+
+
 #: What a 401 suggests when the request carried a token.
 TOKEN_HINT = "check the token: CUMULUS_TOKEN_FILE / token_file="
 
@@ -1052,7 +1059,10 @@ class Client:
         :param cursor: resume after a cursor (an event id seen before).
         :raises NotFound: no such job.
         :raises Unauthorized: wrong token (or a refused client certificate).
-        :raises Unavailable: 20 consecutive connections failed.
+        :raises Forbidden: the user may not read this job's logs.
+        :raises ApiError: another answer a retry cannot change (a 4xx but 408 and 429),
+            at once, with the coordinator's message.
+        :raises Unavailable: 20 consecutive tries failed (connections, 5xx, 408, 429).
         :raises ProtocolError: a malformed event.
         """
         params = {"follow": "true" if follow else "false"}
@@ -1079,7 +1089,7 @@ class Client:
                     headers=headers,
                     timeout=timeout,
                 ) as resp:
-                    if resp.status_code in (400, 401, 404):
+                    if _final_status(resp.status_code):
                         resp.read()
                         _raise_for(resp, base, self._unauthorized_hint)
                     if not resp.is_success:
@@ -1114,8 +1124,8 @@ class Client:
             failures += 1
             if failures >= LOG_MAX_CONSECUTIVE_FAILURES:
                 raise Unavailable(
-                    f"lost the log stream of {job_id}: {failures} consecutive connection "
-                    f"failures (last: {failure})",
+                    f"lost the log stream of {job_id}: {failures} consecutive failed tries "
+                    f"(last: {failure})",
                     address=base,
                 )
             index += 1
