@@ -232,9 +232,20 @@ async fn an_h2c_preface_flood_neither_holds_the_rank_api_nor_fails_a_job() {
         flood.push(conn);
     }
     let flooded_at = tokio::time::Instant::now();
-    assert!(flood.len() > FLOOD / 2, "opened {} flood connections", flood.len());
+    assert!(
+        flood.len() > FLOOD / 2,
+        "opened {} flood connections",
+        flood.len()
+    );
 
-    let args = ["--epochs", "1", "--ckpt-every", "20", "--step-sleep-ms", "5"];
+    let args = [
+        "--epochs",
+        "1",
+        "--ckpt-every",
+        "20",
+        "--step-sleep-ms",
+        "5",
+    ];
     let spec = trainer_spec(&w, 2, &root.join("ckpt"), &root.join("out"), &args);
     let job_id = cluster
         .submit("preface-flooded", spec)
