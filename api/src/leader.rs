@@ -16,13 +16,29 @@
 //! an agent's calls are idempotent and must outlast an overloaded or failing leader, so
 //! they retry RESOURCE_EXHAUSTED, ABORTED, UNKNOWN and INTERNAL too; a user's command
 //! shows those at once (a full cluster refusing a submit is an answer, not an outage).
+//!
+//! With TLS, a channel connects through [`TlsConnector`]: it accepts a server only if its
+//! certificate, issued by the cluster CA for the host dialled, names the identity the
+//! client expects ([`cumulus_tls::ExpectedServer`]: any coordinator here, one coordinator
+//! between Raft peers), and refuses it during the handshake, before a request or token
+//! is sent. A server refused so is not dialled again before a backoff that doubles from
+//! [`REFUSED_BACKOFF_MIN`] to [`REFUSED_BACKOFF_MAX`]; the refusal is logged at most every
+//! [`REFUSED_LOG_EVERY`].
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use cumulus_tls::ExpectedServer;
+use cumulus_tls::rustls::{self, ClientConfig};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
+use tonic::codegen::Service;
+use tonic::codegen::http::Uri;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status};
@@ -101,13 +117,238 @@ impl std::fmt::Debug for ClientTls {
 }
 
 impl ClientTls {
-    fn config(&self) -> tonic::transport::ClientTlsConfig {
-        let mut config = tonic::transport::ClientTlsConfig::new()
-            .ca_certificate(tonic::transport::Certificate::from_pem(&*self.ca_pem));
-        if let Some(id) = &self.identity_pem {
-            config = config.identity(tonic::transport::Identity::from_pem(&*id.cert, &*id.key));
+    /// The rustls configuration of these PEMs accepting only a server that names
+    /// `expected` ([`cumulus_tls::client_config_from_pem`]).
+    ///
+    /// # Errors
+    /// The PEMs hold no usable CA, certificate or key.
+    pub fn rustls_config(
+        &self,
+        expected: ExpectedServer,
+    ) -> Result<Arc<ClientConfig>, cumulus_tls::TlsError> {
+        let identity = self.identity_pem.as_ref().map(|id| (&*id.cert, &*id.key));
+        cumulus_tls::client_config_from_pem(&self.ca_pem, identity, expected)
+    }
+}
+
+/// Shortest wait before dialling again a server whose certificate was refused.
+pub const REFUSED_BACKOFF_MIN: Duration = Duration::from_millis(500);
+/// Longest such wait.
+pub const REFUSED_BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// A server's refusals are logged at most this often.
+pub const REFUSED_LOG_EVERY: Duration = Duration::from_secs(5);
+
+/// The refusals of one server's certificate: when it may be dialled again, and when the
+/// last was logged. Shared by the connectors of every channel to that server (a Raft peer
+/// gets a new channel per openraft client).
+#[derive(Clone, Debug, Default)]
+pub struct Refusals(Arc<Mutex<RefusalState>>);
+
+#[derive(Debug, Default)]
+struct RefusalState {
+    /// Refusals since the last handshake that passed.
+    count: u32,
+    /// No dialling before this.
+    retry_at: Option<Instant>,
+    /// The last refusal's reason.
+    reason: String,
+    /// When a refusal was last logged.
+    logged_at: Option<Instant>,
+}
+
+impl Refusals {
+    fn lock(&self) -> std::sync::MutexGuard<'_, RefusalState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How long the server is still not dialled after a refusal; `None` when it may be.
+    /// A caller that retries on its own (a Raft peer's replication) waits this out
+    /// rather than fail at once in a loop.
+    pub fn backoff_left(&self) -> Option<Duration> {
+        let st = self.lock();
+        st.retry_at?.checked_duration_since(Instant::now())
+    }
+
+    /// Why `addr` is not dialled now, while its backoff runs.
+    fn holding(&self, addr: &str) -> Option<std::io::Error> {
+        let st = self.lock();
+        let left = st.retry_at?.checked_duration_since(Instant::now())?;
+        Some(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            format!(
+                "{addr} was refused ({}); not dialled again for {} ms",
+                st.reason,
+                left.as_millis()
+            ),
+        ))
+    }
+
+    /// Records a refused certificate and logs it (at most every [`REFUSED_LOG_EVERY`]).
+    fn refused(&self, addr: &str, reason: String) {
+        let mut st = self.lock();
+        st.count = st.count.saturating_add(1);
+        let factor = 1u32 << st.count.saturating_sub(1).min(16);
+        let wait = REFUSED_BACKOFF_MIN
+            .saturating_mul(factor)
+            .min(REFUSED_BACKOFF_MAX);
+        let now = Instant::now();
+        st.retry_at = Some(now + wait);
+        if st
+            .logged_at
+            .is_none_or(|t| now.duration_since(t) >= REFUSED_LOG_EVERY)
+        {
+            st.logged_at = Some(now);
+            tracing::warn!(
+                server = addr,
+                refusals = st.count,
+                retry_in_ms = wait.as_millis() as u64,
+                "refused the server's TLS certificate: {reason}"
+            );
         }
-        config
+        st.reason = reason;
+    }
+
+    fn passed(&self) {
+        let mut st = self.lock();
+        st.count = 0;
+        st.retry_at = None;
+    }
+}
+
+/// A connector of tonic channels (`Endpoint::connect_with_connector`): TCP (no delay),
+/// then a TLS handshake with a rustls configuration whose verifier checks the server's
+/// identity ([`ClientTls::rustls_config`], `cumulus_tls::Credentials::client_config`),
+/// with ALPN `h2`. tonic's own TLS takes no such verifier. The endpoint's URI must be
+/// `http://` (tonic would do its own TLS on `https://`): see [`endpoint`].
+#[derive(Clone)]
+pub struct TlsConnector {
+    config: Arc<ClientConfig>,
+    refusals: Refusals,
+}
+
+impl std::fmt::Debug for TlsConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsConnector").finish_non_exhaustive()
+    }
+}
+
+impl TlsConnector {
+    /// Connects with `config` (its ALPN is set to `h2`), backing off from the server
+    /// while `refusals` says so.
+    pub fn new(config: Arc<ClientConfig>, refusals: Refusals) -> TlsConnector {
+        let mut config = (*config).clone();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        TlsConnector {
+            config: Arc::new(config),
+            refusals,
+        }
+    }
+
+    /// The refusals of its server.
+    pub fn refusals(&self) -> &Refusals {
+        &self.refusals
+    }
+}
+
+/// Whether a failed handshake's error is the server's certificate being refused (not a
+/// network failure, nor the server refusing ours).
+fn certificate_refused(err: &std::io::Error) -> bool {
+    matches!(
+        err.get_ref()
+            .and_then(|e| e.downcast_ref::<rustls::Error>()),
+        Some(rustls::Error::InvalidCertificate(_))
+            | Some(rustls::Error::Other(_))
+            | Some(rustls::Error::NoCertificatesPresented)
+    )
+}
+
+impl Service<Uri> for TlsConnector {
+    type Response = TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, std::io::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let config = self.config.clone();
+        let refusals = self.refusals.clone();
+        Box::pin(async move {
+            let bad = |why: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
+            let host = uri.host().ok_or_else(|| bad("no host in the address"))?;
+            let port = uri
+                .port_u16()
+                .ok_or_else(|| bad("no port in the address"))?;
+            let host = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string();
+            let addr = format!("{host}:{port}");
+            if let Some(err) = refusals.holding(&addr) {
+                return Err(err);
+            }
+            let name = rustls::pki_types::ServerName::try_from(host.clone())
+                .map_err(|e| bad(&format!("{host} is not a server name: {e}")))?;
+            let tcp = TcpStream::connect((host.as_str(), port)).await?;
+            tcp.set_nodelay(true)?;
+            match tokio_rustls::TlsConnector::from(config)
+                .connect(name, tcp)
+                .await
+            {
+                Ok(tls) => {
+                    refusals.passed();
+                    Ok(TokioIo::new(tls))
+                }
+                Err(e) => {
+                    let reason = format!("TLS handshake with {addr}: {e}");
+                    if certificate_refused(&e) {
+                        refusals.refused(&addr, e.to_string());
+                    }
+                    Err(std::io::Error::new(e.kind(), reason))
+                }
+            }
+        })
+    }
+}
+
+/// The endpoint of `addr` (`host:port`): `http://addr`, and with `tls` the origin
+/// `https://addr` that requests carry, for a channel made by [`connect_lazy`] or
+/// [`connect`] with a [`TlsConnector`].
+///
+/// # Errors
+/// `addr` is not a valid URI authority.
+pub fn endpoint(addr: &str, tls: bool) -> Result<Endpoint, tonic::transport::Error> {
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))?;
+    if !tls {
+        return Ok(endpoint);
+    }
+    let origin = Endpoint::from_shared(format!("https://{addr}"))?
+        .uri()
+        .clone();
+    Ok(endpoint.origin(origin))
+}
+
+/// A lazily connected channel of `endpoint` ([`endpoint`]), through `tls` when given.
+pub fn connect_lazy(endpoint: &Endpoint, tls: Option<TlsConnector>) -> Channel {
+    match tls {
+        Some(connector) => endpoint.connect_with_connector_lazy(connector),
+        None => endpoint.connect_lazy(),
+    }
+}
+
+/// A channel of `endpoint` ([`endpoint`]), connected now, through `tls` when given.
+///
+/// # Errors
+/// The connection or the handshake fails (the TLS error names the identity found when
+/// the server's certificate names another than expected).
+pub async fn connect(
+    endpoint: &Endpoint,
+    tls: Option<TlsConnector>,
+) -> Result<Channel, tonic::transport::Error> {
+    match tls {
+        Some(connector) => endpoint.connect_with_connector(connector).await,
+        None => endpoint.connect().await,
     }
 }
 
@@ -377,9 +618,9 @@ impl LeaderClient {
         };
         let mut channels = HashMap::new();
         for a in &addrs {
-            let channel = channel(a, &settings).map_err(|e| ConfigError::BadAddress {
+            let channel = channel(a, &settings).map_err(|reason| ConfigError::BadAddress {
                 addr: a.clone(),
-                reason: e.to_string(),
+                reason,
             })?;
             channels.insert(a.clone(), channel);
         }
@@ -550,17 +791,14 @@ impl LeaderClient {
     }
 }
 
-/// A lazily connected channel to `addr` (`host:port`).
+/// A lazily connected channel to `addr` (`host:port`); with TLS it accepts only a
+/// coordinator ([`TlsConnector`], [`ExpectedServer::AnyCoordinator`]).
 ///
 /// # Errors
-/// `http://{addr}` is not a valid URI.
-fn channel(addr: &str, settings: &ChannelSettings) -> Result<Channel, tonic::transport::Error> {
-    let scheme = if settings.tls.is_some() {
-        "https"
-    } else {
-        "http"
-    };
-    let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))?
+/// `http://{addr}` is not a valid URI, or the TLS PEMs are unusable.
+fn channel(addr: &str, settings: &ChannelSettings) -> Result<Channel, String> {
+    let mut endpoint = endpoint(addr, settings.tls.is_some())
+        .map_err(|e| e.to_string())?
         .connect_timeout(settings.connect_timeout)
         .timeout(settings.request_timeout);
     if let Some((interval, timeout)) = settings.keep_alive {
@@ -569,10 +807,15 @@ fn channel(addr: &str, settings: &ChannelSettings) -> Result<Channel, tonic::tra
             .keep_alive_timeout(timeout)
             .keep_alive_while_idle(true);
     }
-    if let Some(tls) = &settings.tls {
-        endpoint = endpoint.tls_config(tls.config())?;
-    }
-    Ok(endpoint.connect_lazy())
+    let tls = match &settings.tls {
+        Some(tls) => Some(TlsConnector::new(
+            tls.rustls_config(ExpectedServer::AnyCoordinator)
+                .map_err(|e| e.to_string())?,
+            Refusals::default(),
+        )),
+        None => None,
+    };
+    Ok(connect_lazy(&endpoint, tls))
 }
 
 #[cfg(test)]

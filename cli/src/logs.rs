@@ -294,20 +294,14 @@ where
     }
     let mut client = reqwest::Client::builder();
     if let Some(tls) = &conn.tls {
-        let ca =
-            reqwest::Certificate::from_pem_bundle(&tls.ca_pem).map_err(|e| LogError::Protocol {
+        // The CA, the user's certificate if any, and only a coordinator as the server.
+        let config = tls
+            .rustls_config(cumulus_tls::ExpectedServer::AnyCoordinator)
+            .map_err(|e| LogError::Protocol {
                 addr: String::new(),
-                reason: format!("the TLS CA certificate: {e}"),
+                reason: format!("the TLS configuration: {e}"),
             })?;
-        client = client.tls_certs_only(ca);
-        if let Some(identity) = &tls.identity_pem {
-            let pem = [&identity.cert[..], b"\n", &identity.key[..]].concat();
-            let identity = reqwest::Identity::from_pem(&pem).map_err(|e| LogError::Protocol {
-                addr: String::new(),
-                reason: format!("the TLS client certificate: {e}"),
-            })?;
-            client = client.identity(identity);
-        }
+        client = client.tls_backend_preconfigured((*config).clone());
     }
     let client = client
         .connect_timeout(Duration::from_secs(2))

@@ -336,36 +336,13 @@ pub async fn run(
         ..Default::default()
     };
     let raft_config = Arc::new(raft_config.validate().context("raft configuration")?);
-    let network = Network {
-        auth: AddToken::new(&peer_token)?,
-        tls: network::client_tls(&tls),
-    };
+    let network = Network::new(AddToken::new(&peer_token)?, network::client_tls(&tls));
     let raft =
         cumulus_raft_store::Raft::new(config.node_id, raft_config, network, log_store, sm_store)
             .await
             .context("starting raft")?;
 
-    let mut http = reqwest::Client::builder();
-    if let Tls::On(creds) = &tls {
-        let mut identity = creds.cert_pem().to_vec();
-        identity.extend_from_slice(creds.key_pem());
-        http = http
-            .tls_certs_only(
-                reqwest::Certificate::from_pem_bundle(creds.trust().ca_pem())
-                    .context("the CA for agent connections")?,
-            )
-            .identity(reqwest::Identity::from_pem(&identity).context("the agent client identity")?);
-    }
-    let http = http
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(10))
-        // Agents close a keep-alive connection idle for their header deadline; drop it
-        // first, so no request is sent on a connection the agent is closing.
-        .pool_idle_timeout(Duration::from_millis(
-            cumulus_listen::HTTP_HEADER_READ_TIMEOUT_MS / 2,
-        ))
-        .build()
-        .context("building the HTTP client")?;
+    let http = network::AgentHttp::new(network::client_tls(&tls)).map_err(anyhow::Error::msg)?;
     let cancel = CancellationToken::new();
     let node = Arc::new(Node {
         proposer: proposer::Proposer::start(raft.clone(), cancel.clone()),

@@ -158,7 +158,7 @@ enum Fetch {
 
 async fn fetch(
     node: &Node,
-    http_addr: &str,
+    (worker, http_addr): (&str, &str),
     (job_id, rank): (&str, u32),
     c: RankCursor,
     since_ms: Option<u64>,
@@ -175,8 +175,12 @@ async fn fetch(
     {
         query.push(("since_ms", since));
     }
-    let resp = node
-        .http
+    // With TLS, this client accepts only a certificate naming `worker`.
+    let http = match node.http.client(worker) {
+        Ok(http) => http,
+        Err(e) => return Fetch::Failed(e),
+    };
+    let resp = http
         .get(&url)
         .bearer_auth(&*node.token)
         .query(&query)
@@ -302,7 +306,7 @@ async fn poll_rank(
     let Some((http_addr, wstate)) = workers.get(&worker).cloned() else {
         return Some(RankPoll::Idle);
     };
-    match fetch(node, &http_addr, (job_id, rank), c, since_ms).await {
+    match fetch(node, (&worker, &http_addr), (job_id, rank), c, since_ms).await {
         Fetch::Chunk {
             start,
             body,

@@ -1,17 +1,26 @@
 //! openraft's network over tonic: one lazily connected gRPC channel per peer; requests
 //! and results travel inside `RaftPayload`, encoded by `cumulus_raft_store::codec`
-//! (MessagePack; JSON from earlier versions is still read).
+//! (MessagePack; JSON from earlier versions is still read). Also the HTTPS clients of
+//! the worker agents ([`AgentHttp`]).
+//!
+//! With TLS, a peer is accepted only if its certificate names the coordinator expected
+//! (`cumulus://coordinator/N` with N the target's node id) and an agent only if its
+//! names that worker; a peer refused so is not dialled again before a backoff
+//! ([`cumulus_api::leader::Refusals`], shared by every client of that target), and the
+//! call fails as unreachable.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cumulus_api::leader::{Refusals, TlsConnector};
 use cumulus_api::v1::raft_service_client::RaftServiceClient;
 use cumulus_api::v1::{RaftPayload, SnapshotChunk};
 use cumulus_raft_store::{
     CumulusNode, EntryPayload, NodeId, Snapshot, SnapshotData, TypeConfig, Vote, codec, stage,
 };
+use cumulus_tls::{Credentials, ExpectedServer};
 use futures::StreamExt;
 use openraft::base::{BoxFuture, BoxStream};
 use openraft::error::{
@@ -25,7 +34,7 @@ use openraft::raft::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::codegen::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::{Channel, Endpoint};
 
 use crate::auth::AddToken;
 use crate::terms::{TermSource, check_term};
@@ -139,38 +148,71 @@ pub enum CodecError {
     Task(#[from] tokio::task::JoinError),
 }
 
-/// The client TLS of this coordinator's outgoing gRPC (peers, `--rejoin-empty`): the
-/// cluster CA and its own certificate (mutual TLS); `None` with `--insecure`.
-pub fn client_tls(tls: &cumulus_tls::Tls) -> Option<ClientTlsConfig> {
-    let creds = tls.credentials()?;
-    Some(
-        ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(creds.trust().ca_pem()))
-            .identity(Identity::from_pem(creds.cert_pem(), creds.key_pem())),
-    )
+/// The client TLS of this coordinator's outgoing gRPC (peers, `--rejoin-empty`): its
+/// credentials (the cluster CA, and its own certificate for mutual TLS); `None` with
+/// `--insecure`.
+pub fn client_tls(tls: &cumulus_tls::Tls) -> Option<Arc<Credentials>> {
+    tls.credentials().cloned()
 }
 
-/// `https://addr` with `tls` applied, or `http://addr` without.
+/// The endpoint of a peer at `addr` ([`cumulus_api::leader::endpoint`]), to connect with
+/// [`peer_connector`] when `tls`.
 ///
 /// # Errors
-/// The address is not a valid URI, or tonic refuses the TLS configuration.
-pub fn endpoint(
-    addr: &str,
-    tls: Option<&ClientTlsConfig>,
-) -> Result<Endpoint, tonic::transport::Error> {
-    match tls {
-        Some(tls) => Endpoint::from_shared(format!("https://{addr}"))?.tls_config(tls.clone()),
-        None => Endpoint::from_shared(format!("http://{addr}")),
-    }
+/// The address is not a valid URI.
+pub fn endpoint(addr: &str, tls: bool) -> Result<Endpoint, tonic::transport::Error> {
+    cumulus_api::leader::endpoint(addr, tls)
+}
+
+/// The connector of channels to coordinator `target`: mutual TLS with `creds`, accepting
+/// only a certificate that names `cumulus://coordinator/{target}`.
+///
+/// # Errors
+/// rustls refuses the configuration (it was checked when the credentials were loaded).
+pub fn peer_connector(
+    creds: &Credentials,
+    target: NodeId,
+    refusals: Refusals,
+) -> Result<TlsConnector, cumulus_tls::TlsError> {
+    let config = creds.client_config(ExpectedServer::Coordinator(target))?;
+    Ok(TlsConnector::new(config, refusals))
 }
 
 /// Creates a [`PeerClient`] per target node.
 #[derive(Clone)]
 pub struct Network {
     /// Token interceptor for outgoing calls.
-    pub auth: AddToken,
+    auth: AddToken,
     /// Client TLS ([`client_tls`]); `None`: plaintext.
-    pub tls: Option<ClientTlsConfig>,
+    tls: Option<Arc<Credentials>>,
+    /// Each target's connector, made once: its refusals (and their backoff) outlive the
+    /// clients openraft makes and drops.
+    connectors: Arc<Mutex<HashMap<NodeId, TlsConnector>>>,
+}
+
+impl Network {
+    /// Clients calling with `auth`, over TLS with `tls` (`None`: plaintext).
+    pub fn new(auth: AddToken, tls: Option<Arc<Credentials>>) -> Network {
+        Network {
+            auth,
+            tls,
+            connectors: Arc::default(),
+        }
+    }
+
+    /// The connector of `target`'s channels; `None` without TLS.
+    fn connector(&self, target: NodeId) -> Result<Option<TlsConnector>, String> {
+        let Some(creds) = &self.tls else {
+            return Ok(None);
+        };
+        let mut connectors = self.connectors.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = connectors.get(&target) {
+            return Ok(Some(c.clone()));
+        }
+        let c = peer_connector(creds, target, Refusals::default()).map_err(|e| e.to_string())?;
+        connectors.insert(target, c.clone());
+        Ok(Some(c))
+    }
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -180,22 +222,33 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         // HTTP/2 keepalive: a replication stream waits for answers without a deadline, so
         // a peer that stops answering (stopped process, dropped packets) must break the
         // connection, which ends the stream with an error.
-        let endpoint = endpoint(&node.grpc_addr, self.tls.as_ref()).map(|e| {
-            e.connect_timeout(Duration::from_millis(500))
-                .tcp_nodelay(true)
-                .http2_keep_alive_interval(Duration::from_millis(KEEPALIVE_INTERVAL_MS))
-                .keep_alive_timeout(Duration::from_millis(KEEPALIVE_TIMEOUT_MS))
-                .keep_alive_while_idle(true)
-        });
-        let client = endpoint.ok().map(|e| {
-            RaftServiceClient::with_interceptor(e.connect_lazy(), self.auth.clone())
-                .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+        let endpoint = endpoint(&node.grpc_addr, self.tls.is_some())
+            .map(|e| {
+                e.connect_timeout(Duration::from_millis(500))
+                    .tcp_nodelay(true)
+                    .http2_keep_alive_interval(Duration::from_millis(KEEPALIVE_INTERVAL_MS))
+                    .keep_alive_timeout(Duration::from_millis(KEEPALIVE_TIMEOUT_MS))
+                    .keep_alive_while_idle(true)
+            })
+            .map_err(|e| format!("bad peer address {}: {e}", node.grpc_addr));
+        let connector = self.connector(target);
+        let refusals = match &connector {
+            Ok(Some(c)) => Some(c.refusals().clone()),
+            _ => None,
+        };
+        let client = endpoint.and_then(|e| {
+            let channel = cumulus_api::leader::connect_lazy(&e, connector?);
+            Ok(
+                RaftServiceClient::with_interceptor(channel, self.auth.clone())
+                    .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
+            )
         });
         PeerClient {
             target,
             addr: node.grpc_addr.clone(),
             client,
+            refusals,
         }
     }
 }
@@ -204,7 +257,10 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 pub struct PeerClient {
     target: NodeId,
     addr: String,
-    client: Option<RaftServiceClient<InterceptedService<Channel, AddToken>>>,
+    /// The client, or why there is none (a bad address).
+    client: Result<RaftServiceClient<InterceptedService<Channel, AddToken>>, String>,
+    /// The refusals of the target's certificate (with TLS).
+    refusals: Option<Refusals>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -282,16 +338,22 @@ impl PeerClient {
         &mut self,
     ) -> Result<&mut RaftServiceClient<InterceptedService<Channel, AddToken>>, CallError> {
         match self.client.as_mut() {
-            Some(c) => Ok(c),
-            None => Err(CallError::Unreachable(Msg(format!(
-                "bad peer address {}",
-                self.addr
-            )))),
+            Ok(c) => Ok(c),
+            Err(why) => Err(CallError::Unreachable(Msg(why.clone()))),
         }
     }
 
     fn status_error(&self, status: &tonic::Status) -> CallError {
         status_error(self.target, &self.addr, status)
+    }
+
+    /// Waits, at most `limit`, while the target is not dialled after its certificate was
+    /// refused. openraft opens the next replication stream as soon as one fails: failing
+    /// at once would spin (its own backoff delays only the requests of an open stream).
+    async fn wait_out_refusal(&self, limit: Duration) {
+        if let Some(left) = self.refusals.as_ref().and_then(Refusals::backoff_left) {
+            tokio::time::sleep(left.min(limit)).await;
+        }
     }
 
     /// Decodes a peer's `Result<Resp, E>` reply.
@@ -326,6 +388,7 @@ impl PeerClient {
     {
         let body = codec::encode(req)
             .map_err(|e| CallError::Network(Msg(format!("cannot encode a raft request: {e}"))))?;
+        self.wait_out_refusal(option.hard_ttl()).await;
         let mut request = tonic::Request::new(RaftPayload { body });
         request.set_timeout(option.hard_ttl());
         let client = self.client()?;
@@ -386,6 +449,7 @@ impl PeerClient {
                 data: Vec::new(),
             }),
         }
+        self.wait_out_refusal(deadline).await;
         let mut request = tonic::Request::new(futures::stream::iter(chunks));
         request.set_timeout(deadline);
         let result = self.client()?.install_snapshot(request).await;
@@ -529,6 +593,8 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
         S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
     {
         Box::pin(async move {
+            // The whole backoff: a stream is opened again only after it.
+            self.wait_out_refusal(Duration::MAX).await;
             let mut client = self.client().map_err(CallError::into_rpc)?.clone();
             let target = self.target;
             let sent: SentQueue = Arc::default();
@@ -702,6 +768,76 @@ impl RaftNetworkV2<TypeConfig> for PeerClient {
             }
         }
     }
+}
+
+/// Most per-worker agent clients kept; past it the cache starts over (a client is cheap
+/// to make, and a cluster has far fewer live workers).
+pub const MAX_AGENT_CLIENTS: usize = 4_096;
+
+/// HTTP clients of the worker agents (log retrieval), with timeouts. With TLS there is
+/// one per worker, made on first use: it presents this coordinator's certificate and
+/// accepts only a server certificate that names that worker (`cumulus://worker/ID`), so
+/// a request and its token go to no other process on the agent's address. Without TLS,
+/// one plaintext client for all.
+pub struct AgentHttp {
+    tls: Option<Arc<Credentials>>,
+    plain: reqwest::Client,
+    per_worker: Mutex<HashMap<String, reqwest::Client>>,
+}
+
+impl AgentHttp {
+    /// The clients of a coordinator with `tls`.
+    ///
+    /// # Errors
+    /// reqwest cannot build a client.
+    pub fn new(tls: Option<Arc<Credentials>>) -> Result<AgentHttp, String> {
+        let plain = agent_client_builder()
+            .build()
+            .map_err(|e| format!("building the agents' HTTP client: {e}"))?;
+        Ok(AgentHttp {
+            tls,
+            plain,
+            per_worker: Mutex::default(),
+        })
+    }
+
+    /// The client for worker `worker`'s agent.
+    ///
+    /// # Errors
+    /// Its TLS configuration cannot be made (its credentials were checked at start).
+    pub fn client(&self, worker: &str) -> Result<reqwest::Client, String> {
+        let Some(creds) = &self.tls else {
+            return Ok(self.plain.clone());
+        };
+        let mut clients = self.per_worker.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = clients.get(worker) {
+            return Ok(c.clone());
+        }
+        let config = creds
+            .client_config(ExpectedServer::Worker(worker.to_string()))
+            .map_err(|e| format!("TLS for worker {worker}'s agent: {e}"))?;
+        let client = agent_client_builder()
+            .tls_backend_preconfigured((*config).clone())
+            .build()
+            .map_err(|e| format!("the HTTP client of worker {worker}'s agent: {e}"))?;
+        if clients.len() >= MAX_AGENT_CLIENTS {
+            clients.clear();
+        }
+        clients.insert(worker.to_string(), client.clone());
+        Ok(client)
+    }
+}
+
+/// Timeouts of every agent client.
+fn agent_client_builder() -> reqwest::ClientBuilder {
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10))
+        // Agents close a keep-alive connection idle for their header deadline; drop it
+        // first, so no request is sent on a connection the agent is closing.
+        .pool_idle_timeout(Duration::from_millis(
+            cumulus_listen::HTTP_HEADER_READ_TIMEOUT_MS / 2,
+        ))
 }
 
 #[cfg(test)]

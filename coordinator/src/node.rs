@@ -51,8 +51,9 @@ pub struct Node {
     /// Whether every connection is TLS (`false`: `--insecure`). With TLS, the Raft and
     /// worker services check the caller's certificate, and agents are reached over HTTPS.
     pub tls: bool,
-    /// HTTP client for worker agents (log retrieval), with timeouts.
-    pub http: reqwest::Client,
+    /// HTTP clients of the worker agents (log retrieval): with TLS, one per worker that
+    /// accepts only that worker's certificate.
+    pub http: crate::network::AgentHttp,
     /// Bounds concurrent SSE log streams, with a share per user and a reserve for
     /// administrators.
     pub log_streams: crate::shares::SharedSlots,

@@ -12,6 +12,7 @@
 //! by entries or a snapshot) and `cluster promote`.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
@@ -41,7 +42,7 @@ pub async fn prepare(
     peers: &[Peer],
     data_dir: &Path,
     auth: AddToken,
-    tls: Option<tonic::transport::ClientTlsConfig>,
+    tls: Option<Arc<cumulus_tls::Credentials>>,
 ) -> anyhow::Result<Option<PathBuf>> {
     let others: Vec<&Peer> = peers.iter().filter(|p| p.id != node_id).collect();
     if others.is_empty() {
@@ -55,7 +56,7 @@ pub async fn prepare(
     let members = loop {
         let mut leader_members = None;
         for peer in &others {
-            match ask_members(&peer.node.grpc_addr, auth.clone(), tls.as_ref()).await {
+            match ask_members(peer, auth.clone(), tls.as_deref()).await {
                 Ok(Some(members)) => {
                     leader_members = Some((peer.id, members));
                     break;
@@ -89,22 +90,25 @@ pub async fn prepare(
     move_aside(data_dir)
 }
 
-/// Node ids of the voters, when the coordinator at `grpc_addr` is the leader (`None`
-/// when it is not). A learner never votes, so an operator may add the node back as a
-/// learner before or after it starts.
+/// Node ids of the voters, when `peer` is the leader (`None` when it is not). With TLS
+/// its certificate must name it (`cumulus://coordinator/{id}`). A learner never votes,
+/// so an operator may add the node back as a learner before or after it starts.
 async fn ask_members(
-    grpc_addr: &str,
+    peer: &Peer,
     auth: AddToken,
-    tls: Option<&tonic::transport::ClientTlsConfig>,
+    tls: Option<&cumulus_tls::Credentials>,
 ) -> anyhow::Result<Option<Vec<NodeId>>> {
-    let endpoint = crate::network::endpoint(grpc_addr, tls)
+    let grpc_addr = &peer.node.grpc_addr;
+    let endpoint = crate::network::endpoint(grpc_addr, tls.is_some())
         .with_context(|| format!("bad address {grpc_addr}"))?
         .connect_timeout(Duration::from_millis(ASK_TIMEOUT_MS))
         .timeout(Duration::from_millis(ASK_TIMEOUT_MS));
-    let channel = endpoint
-        .connect()
+    let connector = tls
+        .map(|creds| crate::network::peer_connector(creds, peer.id, Default::default()))
+        .transpose()?;
+    let channel = cumulus_api::leader::connect(&endpoint, connector)
         .await
-        .with_context(|| format!("connecting to {grpc_addr}"))?;
+        .with_context(|| format!("connecting to coordinator {} at {grpc_addr}", peer.id))?;
     let mut client = ClientServiceClient::with_interceptor(channel, auth);
     let status = client
         .cluster_status(ClusterStatusRequest {})

@@ -155,15 +155,28 @@ pub async fn connect_bounded(addr: &str, endpoint: Endpoint) -> anyhow::Result<C
 }
 
 /// A channel to the coordinator at `grpc_addr` (host:port): 1 s for the TCP connect,
-/// [`CONNECT_DEADLINE`] until ready, 10 s per call.
+/// [`CONNECT_DEADLINE`] until ready, 10 s per call. With `tls`, as the CLI connects: the
+/// server must present a certificate of the CA naming a coordinator.
 pub async fn coordinator_channel(
     grpc_addr: &str,
     tls: Option<&ClientTls>,
 ) -> anyhow::Result<Channel> {
-    let endpoint = endpoint(grpc_addr, tls)?
+    use cumulus_api::leader::{Refusals, TlsConnector};
+    let endpoint = cumulus_api::leader::endpoint(grpc_addr, tls.is_some())?
         .connect_timeout(Duration::from_secs(1))
         .timeout(Duration::from_secs(10));
-    connect_bounded(grpc_addr, endpoint).await
+    let connector = match tls {
+        Some(tls) => Some(TlsConnector::new(
+            tls.rustls_config(cumulus_tls::ExpectedServer::AnyCoordinator)?,
+            Refusals::default(),
+        )),
+        None => None,
+    };
+    let connect = cumulus_api::leader::connect(&endpoint, connector);
+    match tokio::time::timeout(CONNECT_DEADLINE, connect).await {
+        Ok(connected) => Ok(connected?),
+        Err(_) => anyhow::bail!("connecting to {grpc_addr}: not ready within {CONNECT_DEADLINE:?}"),
+    }
 }
 
 /// `https://addr` with the client TLS `tls` (CA, and a client certificate when it has

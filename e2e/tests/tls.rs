@@ -1,11 +1,13 @@
 //! TLS on a real cluster (the probes of the security issue): a sniffer between a client
 //! and the leader sees only TLS records and never the token; plaintext gRPC and HTTP to
 //! a TLS coordinator or agent get nothing; a client of another CA is refused; a worker's
-//! certificate cannot speak for another worker; and `cluster status` says whether the
-//! cluster is insecure.
+//! certificate cannot speak for another worker; `cluster status` says whether the
+//! cluster is insecure; and a process serving a worker's or a user's certificate on a
+//! coordinator's address gets no request from cumulusctl or the other coordinators.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cumulus_api::v1;
 use cumulus_e2e::{Cluster, ClusterOpts, TOKEN, worker_client};
@@ -363,4 +365,204 @@ async fn workers_without_certificates_enrol_with_the_cluster_token_and_keep_thei
         cumulus_tls::identity_of(&cert).expect("identity"),
         Identity::Worker("worker-9".into())
     );
+}
+
+/// A process posing as a coordinator: a TLS server presenting a certificate of the
+/// cluster CA that names someone else (a worker, a user).
+struct Impostor {
+    /// TCP connections accepted.
+    connections: Arc<AtomicUsize>,
+    /// Handshakes the server side completed.
+    handshakes: Arc<AtomicUsize>,
+    /// Every byte received after a completed handshake.
+    received: Arc<Mutex<Vec<u8>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Impostor {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Serves `tls`'s certificate (and key) on `listener`.
+fn impostor(listener: TcpListener, tls: &cumulus_api::leader::ClientTls) -> Impostor {
+    use std::path::Path;
+    let id = tls.identity_pem.as_ref().expect("a certificate to serve");
+    let trust = cumulus_tls::Trust::from_pem(Path::new("ca"), tls.ca_pem.to_vec()).expect("CA");
+    let creds = cumulus_tls::Credentials::from_pem(
+        trust,
+        (Path::new("cert"), id.cert.to_vec()),
+        (Path::new("key"), id.key.to_vec()),
+    )
+    .expect("credentials");
+    let acceptor = tokio_rustls::TlsAcceptor::from(creds.server_config().expect("server config"));
+    let connections: Arc<AtomicUsize> = Arc::default();
+    let handshakes: Arc<AtomicUsize> = Arc::default();
+    let received: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let (c, h, r) = (connections.clone(), handshakes.clone(), received.clone());
+    let task = tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            c.fetch_add(1, Ordering::SeqCst);
+            let (acceptor, h, r) = (acceptor.clone(), h.clone(), r.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                h.fetch_add(1, Ordering::SeqCst);
+                let mut buf = vec![0u8; 16 * 1024];
+                while let Ok(n) = tls.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    r.lock().expect("lock").extend_from_slice(&buf[..n]);
+                }
+            });
+        }
+    });
+    Impostor {
+        connections,
+        handshakes,
+        received,
+        task,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_and_peers_refuse_a_server_that_is_not_the_coordinator_they_expect() {
+    let mut cluster = Cluster::start(ClusterOpts {
+        coordinators: 3,
+        workers: 0,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let leader = cluster.wait_leader(LONG).await;
+    let ca = cluster.ca_file().expect("a TLS cluster");
+
+    // 1. cumulusctl against a worker's and a user's certificate on a free port: refused
+    //    in the handshake, naming what it found; nothing (no token) reaches the server.
+    for (who, found) in [
+        (
+            Identity::Worker("mallory".into()),
+            "cumulus://worker/mallory",
+        ),
+        (Identity::User("mallory".into()), "extended key usage"),
+    ] {
+        let tls = cluster.member_tls(&who).expect("issue").expect("TLS");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let server = impostor(listener, &tls);
+        let out = std::process::Command::new(cumulus_e2e::bin("cumulusctl"))
+            .args(["--tls-ca", ca.to_str().expect("utf-8"), "--timeout", "2"])
+            .args(["--addr", &addr, "--token-file"])
+            .arg(cluster.token_file())
+            .args(["cluster", "status"])
+            .output()
+            .expect("cumulusctl");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "cumulusctl accepted {who}");
+        assert!(stderr.contains(found), "{who}: {stderr}");
+        assert!(
+            server.connections.load(Ordering::SeqCst) >= 1,
+            "{who}: it was dialled"
+        );
+        assert_eq!(
+            server.handshakes.load(Ordering::SeqCst),
+            0,
+            "{who}: {stderr}"
+        );
+        assert!(server.received.lock().expect("lock").is_empty());
+
+        // The e2e channel helper (the CLI's connector) says the same.
+        let err = cumulus_e2e::coordinator_channel(&addr, cluster.client_tls().as_ref())
+            .await
+            .expect_err("a channel to an impostor");
+        assert!(format!("{err:#}").contains(found), "{who}: {err:#}");
+    }
+
+    // 2. A follower stops and a worker's certificate is served on its address: the
+    //    other coordinators' connections are refused and backed off (a bounded count,
+    //    not a hot loop), and no Raft request (nor the peer token) arrives.
+    let victim = cluster
+        .coordinators
+        .iter()
+        .position(|c| c.id != leader)
+        .expect("a follower");
+    cluster.coordinators[victim].proc.kill9();
+    let addr = cluster.coordinators[victim].grpc_listen.clone();
+    let listener = cumulus_e2e::wait_for("the stopped follower's port", LONG, || {
+        let addr = addr.clone();
+        async move { TcpListener::bind(&addr).await.ok() }
+    })
+    .await;
+    let tls = cluster
+        .member_tls(&Identity::Worker("mallory".into()))
+        .expect("issue")
+        .expect("TLS");
+    let server = impostor(listener, &tls);
+    let started = Instant::now();
+    cumulus_e2e::wait_for("the leader to dial the impostor", LONG, || {
+        let n = server.connections.load(Ordering::SeqCst);
+        async move { (n >= 1).then_some(()) }
+    })
+    .await;
+    const WINDOW: Duration = Duration::from_secs(4);
+    tokio::time::sleep(WINDOW).await;
+    let dialled = server.connections.load(Ordering::SeqCst);
+    // Two peers, each backing off from 0.5 s and doubling: a handful each in the window
+    // (and its wait for the first); a hot loop made thousands.
+    assert!(
+        dialled <= 24,
+        "{dialled} connections in {:?}",
+        started.elapsed()
+    );
+    assert_eq!(server.handshakes.load(Ordering::SeqCst), 0);
+    assert!(server.received.lock().expect("lock").is_empty());
+    let log = std::fs::read_to_string(
+        &cluster.coordinators[leader_index(&cluster, leader)]
+            .proc
+            .log,
+    )
+    .expect("leader log");
+    let warnings = log
+        .lines()
+        .filter(|l| l.contains("refused the server's TLS certificate"))
+        .collect::<Vec<_>>();
+    assert!(
+        warnings
+            .iter()
+            .any(|l| l.contains("is not coordinator") && l.contains("cumulus://worker/mallory")),
+        "the leader names whom it expected and found: {warnings:#?}"
+    );
+    assert!(
+        warnings.len() <= 4,
+        "logged at most every few seconds: {warnings:#?}"
+    );
+    // openraft opens a new replication stream as soon as one fails: it waits out the
+    // backoff instead of spinning on the refusal.
+    let replication_errors = log
+        .lines()
+        .filter(|l| l.contains("RPCError") && l.contains("cumulus://worker/mallory"))
+        .count();
+    assert!(
+        replication_errors <= 24,
+        "{replication_errors} replication errors"
+    );
+    eprintln!(
+        "the impostor was dialled {dialled} times in {:?}; the leader logged {} refusals \
+         and {replication_errors} replication errors",
+        started.elapsed(),
+        warnings.len(),
+    );
+    // The cluster still serves with the two others.
+    cluster.wait_leader(LONG).await;
+}
+
+fn leader_index(cluster: &Cluster, leader: u64) -> usize {
+    cluster
+        .coordinators
+        .iter()
+        .position(|c| c.id == leader)
+        .expect("the leader is a member")
 }

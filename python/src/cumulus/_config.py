@@ -15,8 +15,9 @@ import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from cumulus.errors import ConfigError
+from cumulus.errors import ConfigError, NotACoordinator
 
 __all__ = [
     "CA_FILE",
@@ -26,6 +27,7 @@ __all__ = [
     "MAX_PEM_FILE_BYTES",
     "MAX_TOKEN_BYTES",
     "Connection",
+    "check_coordinator",
     "check_token",
     "load_ca",
     "load_client_certificate",
@@ -159,10 +161,51 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     return check_token(text.strip(), str(p))
 
 
+def check_coordinator(peer_cert: Mapping[str, Any] | None, address: str) -> None:
+    """Checks that a verified server certificate (``SSLSocket.getpeercert()``) names a
+    coordinator: exactly one ``cumulus://`` URI subject alternative name, of the form
+    ``cumulus://coordinator/N`` (N ≥ 1).
+
+    :raises NotACoordinator: naming ``address`` and what the certificate names."""
+    names = (peer_cert or {}).get("subjectAltName", ())
+    uris = [
+        str(value)
+        for kind, value in names
+        if kind == "URI" and str(value).startswith(IDENTITY_SCHEME)
+    ]
+    if len(uris) == 1:
+        kind, _, node = uris[0][len(IDENTITY_SCHEME) :].partition("/")
+        if kind == "coordinator" and node.isdigit() and int(node) > 0:
+            return
+    found = ", ".join(uris) if uris else "no cumulus:// identity"
+    raise NotACoordinator(
+        f"{address} is not a coordinator (cumulus://coordinator/N): its certificate, "
+        f"issued by the cluster CA, names {found}; nothing was sent to it",
+        address=address,
+        found=found,
+    )
+
+
+class _CoordinatorSocket(ssl.SSLSocket):
+    """A client TLS socket that accepts only a coordinator: :func:`check_coordinator`
+    right after the handshake, before a byte of the request is written."""
+
+    def do_handshake(self, block: bool = False) -> None:
+        super().do_handshake(block)
+        try:
+            host, port = self.getpeername()[:2]
+            check_coordinator(self.getpeercert(), f"{self.server_hostname or host}:{port}")
+        except NotACoordinator:
+            self.close()
+            raise
+
+
 def load_ca(path: str | os.PathLike[str]) -> ssl.SSLContext:
     """The TLS context of a cluster client: it trusts only the CA certificate(s) in
     ``path`` (PEM, at most 1 MiB; not the system's CAs), and checks that the server's
-    certificate names the host dialled (coordinators' name 127.0.0.1, ::1 and localhost).
+    certificate names the host dialled (coordinators' name 127.0.0.1, ::1 and localhost)
+    and a coordinator (:func:`check_coordinator`: a worker's or a user's certificate,
+    though issued by the same CA, is refused with :class:`NotACoordinator`).
 
     :raises ConfigError: naming the file: missing, unreadable, too large, or no usable
         PEM certificate."""
@@ -177,7 +220,9 @@ def load_ca(path: str | os.PathLike[str]) -> ssl.SSLContext:
             f"TLS CA certificate {p}: holds no PEM certificate (-----BEGIN CERTIFICATE-----)"
         )
     try:
-        return ssl.create_default_context(cadata="\n".join(blocks))
+        context = ssl.create_default_context(cadata="\n".join(blocks))
+        context.sslsocket_class = _CoordinatorSocket
+        return context
     except (ssl.SSLError, ValueError) as e:
         reason = getattr(e, "reason", None) or str(e)
         raise ConfigError(f"TLS CA certificate {p}: not a usable PEM certificate: {reason}") from e

@@ -9,8 +9,8 @@ Two families share the base class :class:`CumulusError`:
   :class:`InvalidMetric`, :class:`InvalidState`, :class:`AgentError`,
   :class:`StaleAttempt`, :class:`CheckpointFailed`;
 * the client SDK (:mod:`cumulus.client`): :class:`ConfigError`, :class:`ApiError` and its
-  subclasses (one per HTTP status the coordinators answer), :class:`WaitTimeout`,
-  :class:`JobFailed`, :class:`Unsupported`.
+  subclasses (one per HTTP status the coordinators answer), :class:`NotACoordinator`,
+  :class:`WaitTimeout`, :class:`JobFailed`, :class:`Unsupported`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = [
     "InvalidState",
     "InvalidStep",
     "JobFailed",
+    "NotACoordinator",
     "NotFound",
     "NotInCumulusRank",
     "ProtocolError",
@@ -193,6 +194,19 @@ class Unavailable(ApiError, ConnectionError):
 
 class ProtocolError(ApiError):
     """A coordinator's answer is not what the API promises (malformed JSON or event)."""
+
+
+class NotACoordinator(CumulusError):
+    """A server's TLS certificate is valid under the cluster CA but does not name a
+    coordinator (``cumulus://coordinator/N``): a worker's or another member's certificate
+    served on a coordinator's address. The connection is closed after the handshake,
+    before any request or token is sent; it is not retried. :attr:`address` is the server
+    (``host:port``), :attr:`found` the identity its certificate names (or why none)."""
+
+    def __init__(self, message: str, *, address: str, found: str) -> None:
+        super().__init__(message)
+        self.address = address
+        self.found = found
 
 
 class WaitTimeout(CumulusError, TimeoutError):
