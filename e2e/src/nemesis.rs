@@ -864,16 +864,26 @@ async fn forge_raft_rpcs(cluster: &Cluster, anomalies: &mut Vec<Anomaly>) {
     }
 }
 
-/// Idle connections opened against each listener by [`flood_listeners`].
+/// Connections opened against each listener by [`flood_listeners`].
 const FLOOD_CONNECTIONS: usize = 600;
 
-/// Opens [`FLOOD_CONNECTIONS`] idle connections to every coordinator's gRPC and HTTP
-/// port and every agent's API and rank API, holds them for `hold`, then closes them.
+/// The HTTP/2 client connection preface (RFC 9113, section 3.4): what a connection that
+/// never opens a stream sends.
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Opens [`FLOOD_CONNECTIONS`] connections to every coordinator's gRPC and HTTP port and
+/// every agent's API and rank API, holds them for `hold`, then closes them. Every other
+/// connection is silent; the rest complete the TLS handshake where the port is TLS and
+/// send the HTTP/2 preface, then nothing (the HTTP/2 idle flood: such connections were
+/// once kept forever).
 async fn flood_listeners(cluster: &Cluster, hold: Duration) {
-    let mut targets: Vec<String> = Vec::new();
+    use cumulus_tls::ExpectedServer;
+    // (address, whom its certificate names when the cluster is TLS)
+    let mut targets: Vec<(String, Option<ExpectedServer>)> = Vec::new();
     for c in &cluster.coordinators {
-        targets.push(c.grpc_listen.clone());
-        targets.push(c.http.clone());
+        let me = Some(ExpectedServer::Coordinator(c.id));
+        targets.push((c.grpc_listen.clone(), me.clone()));
+        targets.push((c.http.clone(), me));
     }
     for w in &cluster.workers {
         let info = cluster.dir.path().join(&w.name).join("agent.json");
@@ -881,21 +891,63 @@ async fn flood_listeners(cluster: &Cluster, hold: Duration) {
             .map_err(anyhow::Error::from)
             .and_then(|b| Ok(serde_json::from_slice::<serde_json::Value>(&b)?))
         {
-            for k in ["listen_addr", "rank_api_addr"] {
-                if let Some(a) = v[k].as_str() {
-                    targets.push(a.to_string());
-                }
+            if let Some(a) = v["listen_addr"].as_str() {
+                targets.push((a.to_string(), Some(ExpectedServer::Worker(w.name.clone()))));
+            }
+            // The rank-local API is plaintext on loopback.
+            if let Some(a) = v["rank_api_addr"].as_str() {
+                targets.push((a.to_string(), None));
             }
         }
     }
-    let mut open = Vec::new();
-    for t in &targets {
-        for _ in 0..FLOOD_CONNECTIONS {
-            match tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(t))
-                .await
-            {
-                Ok(Ok(conn)) => open.push(conn),
-                _ => break,
+    let ca_pem = cluster.client_tls().map(|t| t.ca_pem);
+    // Held only to be dropped: plain streams and TLS streams alike.
+    let mut open: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
+    for (t, expected) in &targets {
+        let tls = match (&ca_pem, expected) {
+            (Some(ca), Some(expected)) => {
+                match cumulus_tls::client_config_from_pem(ca, None, expected.clone()) {
+                    Ok(config) => {
+                        let mut config = (*config).clone();
+                        config.alpn_protocols = vec![b"h2".to_vec()];
+                        Some(tokio_rustls::TlsConnector::from(Arc::new(config)))
+                    }
+                    Err(_) => None,
+                }
+            }
+            _ => None,
+        };
+        for k in 0..FLOOD_CONNECTIONS {
+            let Ok(Ok(conn)) =
+                tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(t))
+                    .await
+            else {
+                break;
+            };
+            if k % 2 == 0 {
+                open.push(Box::new(conn));
+                continue;
+            }
+            let preface = async {
+                use tokio::io::AsyncWriteExt;
+                match &tls {
+                    Some(connector) => {
+                        let name =
+                            tokio_rustls::rustls::pki_types::ServerName::try_from("localhost")
+                                .expect("a valid name");
+                        let mut stream = connector.connect(name, conn).await.ok()?;
+                        stream.write_all(H2_PREFACE).await.ok()?;
+                        Some(Box::new(stream) as Box<dyn std::any::Any + Send>)
+                    }
+                    None => {
+                        let mut conn = conn;
+                        conn.write_all(H2_PREFACE).await.ok()?;
+                        Some(Box::new(conn) as Box<dyn std::any::Any + Send>)
+                    }
+                }
+            };
+            if let Ok(Some(c)) = tokio::time::timeout(Duration::from_secs(2), preface).await {
+                open.push(c);
             }
         }
     }
