@@ -978,9 +978,9 @@ mod tests {
         let (addr, stop) = http_server(Limits::connections(4)).await;
         let mut held = Vec::new();
         for _ in 0..4 {
+            // Accepted in connect order (the backlog is FIFO), so the first is the idle
+            // longest: by its accept instant, and by its id on a tie.
             held.push(TcpStream::connect(addr).await.expect("connect"));
-            // Distinct accept instants: the first is the idle longest.
-            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         // A fifth is served; the first held one was closed to make room.
         let body = within(Duration::from_secs(30), async {

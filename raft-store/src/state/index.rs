@@ -88,14 +88,13 @@ impl JobIndex {
                 self.terminal_bytes -= old.total;
             }
         }
-        if let Some(old) = old
-            && old.unfinished
-            && let Some(owner) = self.unfinished_owner.remove(job_id)
-        {
-            self.take_owner_bytes(&owner, old.total);
-        }
+        // Bytes this job counted in its owner's unfinished bytes until now.
+        let was_unfinished = old.filter(|o| o.unfinished).map_or(0, |o| o.total);
         let Some(job) = job else {
             self.bytes.remove(job_id);
+            if let Some(owner) = self.unfinished_owner.remove(job_id) {
+                self.shift_owner_bytes(&owner, was_unfinished, 0);
+            }
             return;
         };
         let fixed = old.map_or_else(|| job.approx_static_bytes(), |o| o.fixed);
@@ -111,13 +110,21 @@ impl JobIndex {
                 unfinished,
             },
         );
-        if unfinished {
-            *self
-                .unfinished_by_owner
-                .entry(job.owner.clone())
-                .or_default() += total;
-            self.unfinished_owner
-                .insert(job_id.to_string(), job.owner.clone());
+        // The owner never changes: only a change of size or of class touches the maps.
+        self.shift_owner_bytes(
+            &job.owner,
+            was_unfinished,
+            if unfinished { total } else { 0 },
+        );
+        match (old.is_some_and(|o| o.unfinished), unfinished) {
+            (false, true) => {
+                self.unfinished_owner
+                    .insert(job_id.to_string(), job.owner.clone());
+            }
+            (true, false) => {
+                self.unfinished_owner.remove(job_id);
+            }
+            _ => {}
         }
         self.total_bytes += total;
         if job.fork.is_some() {
@@ -189,13 +196,23 @@ impl JobIndex {
         self.unfinished_by_owner.get(owner).copied().unwrap_or(0)
     }
 
-    /// Takes `bytes` off `owner`'s unfinished bytes, dropping the owner at zero.
-    fn take_owner_bytes(&mut self, owner: &str, bytes: u64) {
-        if let Some(held) = self.unfinished_by_owner.get_mut(owner) {
-            *held = held.saturating_sub(bytes);
-            if *held == 0 {
-                self.unfinished_by_owner.remove(owner);
+    /// Replaces `was` bytes of `owner`'s unfinished bytes with `now`, dropping the owner
+    /// at zero (no allocation unless the owner is new).
+    fn shift_owner_bytes(&mut self, owner: &str, was: u64, now: u64) {
+        if was == now {
+            return;
+        }
+        match self.unfinished_by_owner.get_mut(owner) {
+            Some(held) => {
+                *held = held.saturating_sub(was).saturating_add(now);
+                if *held == 0 {
+                    self.unfinished_by_owner.remove(owner);
+                }
             }
+            None if now > 0 => {
+                self.unfinished_by_owner.insert(owner.to_string(), now);
+            }
+            None => {}
         }
     }
 
