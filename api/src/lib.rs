@@ -9,10 +9,12 @@
 //! - [`states`]: job state, rank state and phase, restart scope, commit tier, with their
 //!   one wire spelling.
 //! - [`rank_env`]: the environment variables of the rank contract.
+//! - [`rank_local`]: the bodies of the rank-local HTTP API (agent ↔ rank).
 //! - [`limits`]: the limits more than one process checks.
 //! - [`gpus`]: GPU UUIDs, memory shares in thousandths, `CUDA_VISIBLE_DEVICES`.
 //! - [`files`]: one file of a checkpoint part, with its format-1 compatibility.
 //! - [`attempt`]: [`AttemptKey`], the identity of a rank attempt.
+//! - [`ids`]: the one rule for job ids and worker ids.
 //! - [`paths`]: which host paths a job may name (normalized, under the allowed roots).
 //! - [`token`]: what a bearer token must look like.
 //! - [`users`]: users' tokens (`cu.<name>.<secret>`), their names and stored hashes.
@@ -27,11 +29,13 @@ pub mod attempt;
 pub mod feature_stats;
 pub mod files;
 pub mod gpus;
+pub mod ids;
 #[cfg(feature = "grpc")]
 pub mod leader;
 pub mod limits;
 pub mod paths;
 pub mod rank_env;
+pub mod rank_local;
 pub mod states;
 pub mod text;
 pub mod token;

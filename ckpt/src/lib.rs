@@ -87,8 +87,7 @@ pub const MIN_MANIFEST_FORMAT_VERSION: u32 = 1;
 pub const MAX_MANIFEST_BYTES: u64 = 16 * 1024 * 1024;
 /// Largest `LATEST` file read back, in bytes.
 pub const MAX_LATEST_BYTES: u64 = 64;
-/// Longest job id accepted in a path, in bytes.
-pub const MAX_JOB_ID_BYTES: usize = 128;
+pub use cumulus_api::ids::MAX_JOB_ID_BYTES;
 /// Longest relative file path inside a part, in bytes.
 pub const MAX_REL_PATH_BYTES: usize = 4096;
 /// Longest single path component inside a part, in bytes (the usual file system limit).
@@ -240,28 +239,13 @@ impl CkptError {
     }
 }
 
-/// Checks a job id used as a directory name: 1..=[`MAX_JOB_ID_BYTES`] bytes of
-/// `[A-Za-z0-9._-]`, not `.` or `..`.
+/// Checks a job id used as a directory name or key component, by the one rule of
+/// [`cumulus_api::ids::check_job_id`].
+///
+/// # Errors
+/// [`CkptError::Invalid`] naming what is wrong.
 pub fn validate_job_id(job_id: &str) -> Result<(), CkptError> {
-    if job_id.is_empty() || job_id.len() > MAX_JOB_ID_BYTES {
-        return Err(CkptError::Invalid(format!(
-            "job id {job_id:?} must be 1..={MAX_JOB_ID_BYTES} bytes"
-        )));
-    }
-    if job_id == "." || job_id == ".." {
-        return Err(CkptError::Invalid(format!(
-            "job id {job_id:?} is not a directory name"
-        )));
-    }
-    if let Some(bad) = job_id
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
-    {
-        return Err(CkptError::Invalid(format!(
-            "job id {job_id:?} contains {bad:?}; only [A-Za-z0-9._-] is allowed"
-        )));
-    }
-    Ok(())
+    cumulus_api::ids::check_job_id(job_id).map_err(|e| CkptError::Invalid(e.to_string()))
 }
 
 /// Checks a file path relative to a part directory: non-empty, at most

@@ -210,7 +210,9 @@ impl ClusterFile {
         }
         let mut workers = HashSet::new();
         for w in &self.workers {
-            if !valid_worker_id(&w.worker_id) || !workers.insert(w.worker_id.as_str()) {
+            if cumulus_api::ids::check_worker_id(&w.worker_id).is_err()
+                || !workers.insert(w.worker_id.as_str())
+            {
                 return Err(ClusterFileError::WorkerId(w.worker_id.clone()));
             }
             if w.slots == 0 {
@@ -250,15 +252,6 @@ impl ClusterFile {
     pub fn http_addrs(&self) -> Vec<String> {
         self.coordinators.iter().map(|c| c.http.clone()).collect()
     }
-}
-
-/// Whether `id` is a valid worker id: 1..=64 bytes of `[A-Za-z0-9._-]`.
-pub fn valid_worker_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 64
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 /// Reads at most `limit` bytes of `path`; more is an error.

@@ -9,7 +9,7 @@ use cumulus_api::v1;
 use cumulus_api::v1::worker_service_server::WorkerService;
 use cumulus_api::{AttemptKey, FileEntry};
 use cumulus_raft_store::Command;
-use cumulus_raft_store::state::{PartInfo, WorkerState, valid_id};
+use cumulus_raft_store::state::{PartInfo, WorkerState};
 use tonic::{Request, Response, Status};
 
 use crate::convert::{desired_digest, desired_for_worker, next_backoff_end_ms, wanted_digest};
@@ -99,13 +99,8 @@ fn check_enrol_hosts(hosts: &[String]) -> Result<(), Status> {
 }
 
 fn check_worker_id(id: &str) -> Result<(), Status> {
-    if valid_id(id) {
-        Ok(())
-    } else {
-        Err(Status::invalid_argument(format!(
-            "invalid worker id {id:?}: use 1..=64 bytes of [A-Za-z0-9._-]"
-        )))
-    }
+    cumulus_api::ids::check_worker_id(id)
+        .map_err(|e| Status::invalid_argument(format!("invalid worker id: {e}")))
 }
 
 /// The worker a request's connection proved to be: the worker id its verified client
@@ -143,11 +138,8 @@ fn check_worker(tls: bool, certified: Option<String>, id: &str) -> Result<(), St
 }
 
 fn check_job_id(id: &str) -> Result<(), Status> {
-    if valid_id(id) {
-        Ok(())
-    } else {
-        Err(Status::invalid_argument(format!("invalid job id {id:?}")))
-    }
+    cumulus_api::ids::check_job_id(id)
+        .map_err(|e| Status::invalid_argument(format!("invalid job id: {e}")))
 }
 
 #[tonic::async_trait]

@@ -3,26 +3,21 @@
 //! `Authorization: Bearer $CUMULUS_AGENT_TOKEN`. A progress reply carries the agent's
 //! request to stop, when there is one.
 
-use std::collections::BTreeMap;
 use std::io::Read;
 use std::time::Duration;
 
 use cumulus_api::StopAction;
-use serde::{Deserialize, Serialize};
+pub use cumulus_api::rank_local::{CheckpointRequest, CommitReply, ProgressReport};
+use cumulus_api::rank_local::{ControlReply, ErrorReply};
+use serde::Serialize;
 use thiserror::Error;
 
 /// The action of a control reply `{"action": "pause"}`: `None` for `"none"` or a body
-/// without one; an unknown action is a plain stop.
+/// that is not a control reply; an unknown action is a plain stop.
 fn parse_action(body: &str) -> Option<StopAction> {
-    #[derive(Deserialize)]
-    struct Reply {
-        action: String,
-    }
-    let reply: Reply = serde_json::from_str(body).ok()?;
-    if reply.action == "none" {
-        return None;
-    }
-    Some(reply.action.parse().unwrap_or(StopAction::Stop))
+    serde_json::from_str::<ControlReply>(body)
+        .ok()?
+        .stop_action()
 }
 
 /// Time limit of one progress request, in milliseconds.
@@ -61,34 +56,6 @@ pub enum AgentError {
     BadReply(String),
 }
 
-/// Body of `POST /v1/progress`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ProgressReport {
-    /// Steps completed.
-    pub step: u64,
-    /// Steps of the whole run.
-    pub total_steps: u64,
-    /// Named metrics (finite values only), e.g. `loss`.
-    pub metrics: BTreeMap<String, f64>,
-}
-
-/// Body of `POST /v1/checkpoint`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CheckpointRequest {
-    /// The checkpoint's step.
-    pub step: u64,
-    /// The trainer's state (the content of `state.json`), a JSON object.
-    pub state: serde_json::Value,
-}
-
-/// The 200 reply of `POST /v1/checkpoint`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CommitReply {
-    /// The committed part, relative to the job's checkpoint dir, e.g.
-    /// `step-00000100/rank-0/attempt-1`.
-    pub dir: String,
-}
-
 /// A client of one agent, for one attempt's token.
 #[derive(Debug, Clone)]
 pub struct AgentClient {
@@ -105,11 +72,7 @@ fn read_body(resp: reqwest::blocking::Response) -> String {
 }
 
 fn error_message(body: &str) -> String {
-    #[derive(Deserialize)]
-    struct ErrorBody {
-        error: String,
-    }
-    match serde_json::from_str::<ErrorBody>(body) {
+    match serde_json::from_str::<ErrorReply>(body) {
         Ok(e) => e.error,
         Err(_) => body.trim().chars().take(500).collect(),
     }
@@ -212,6 +175,7 @@ impl AgentClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     #[test]
     fn stop_actions_are_read_from_replies() {

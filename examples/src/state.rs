@@ -19,8 +19,8 @@ use crate::digest::{DigestParseError, RecordDigest};
 pub const STATE_FORMAT: &str = "cumulus-trainer-state/1";
 
 /// Largest `state.json` accepted, in bytes (the rank-local API's limit on the state
-/// object).
-pub const MAX_STATE_BYTES: u64 = 64 * 1024;
+/// object, [`cumulus_api::limits::MAX_STATE_JSON_BYTES`]).
+pub const MAX_STATE_BYTES: u64 = cumulus_api::limits::MAX_STATE_JSON_BYTES as u64;
 
 fn parse_hex_u64(text: &str) -> Option<u64> {
     let digits = text.strip_prefix("0x")?;

@@ -23,8 +23,8 @@ use axum::routing::get;
 
 use crate::http::{json_error, limit_concurrency, request_permits, request_token};
 use crate::logs::{self, AttemptPaths, ReadLogError};
-use crate::validate;
 use cumulus_api::AttemptKey;
+use cumulus_api::ids;
 use cumulus_api::token::constant_time_eq;
 
 /// Header with the log's current size in bytes.
@@ -87,7 +87,7 @@ async fn read_log(
         Some(t) if constant_time_eq(t.as_bytes(), state.token.as_bytes()) => {}
         _ => return json_error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token"),
     }
-    if let Err(e) = validate::job_id(&job_id) {
+    if let Err(e) = ids::check_job_id(&job_id) {
         return json_error(StatusCode::BAD_REQUEST, e.to_string());
     }
     let Ok(rank) = rank.parse::<u32>() else {

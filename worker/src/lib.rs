@@ -32,7 +32,6 @@ pub mod reconcile;
 pub mod resources;
 pub mod spawn;
 pub mod supervisor;
-pub mod validate;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -318,7 +317,7 @@ impl Config {
                 .into_string()
                 .map_err(|_| anyhow::anyhow!("the host name is not UTF-8: give --worker-id"))?,
         };
-        validate::worker_id(&worker_id).context("invalid --worker-id")?;
+        cumulus_api::ids::check_worker_id(&worker_id).context("invalid --worker-id")?;
         let token = match (&self.token_file, &self.token) {
             (Some(path), _) => read_token_file(path)?,
             (None, Some(token)) => {

@@ -30,8 +30,8 @@ use thiserror::Error;
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use crate::validate::{self, IdError};
 use cumulus_api::AttemptKey;
+use cumulus_api::ids::{self, IdError};
 
 /// Most bytes one read of a log may ask for (docs/architecture.md: `max_bytes` ≤ 1 MiB).
 pub const MAX_READ_BYTES: u64 = 1 << 20;
@@ -74,7 +74,7 @@ pub struct AttemptPaths {
 impl AttemptPaths {
     /// Paths of `key` under `data_dir`; fails when the job id is not a safe path component.
     pub fn new(data_dir: &Path, key: &AttemptKey) -> Result<Self, IdError> {
-        validate::job_id(&key.job_id)?;
+        ids::check_job_id(&key.job_id)?;
         let dir = data_dir
             .join("logs")
             .join(&key.job_id)

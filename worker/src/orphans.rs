@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 
-use crate::validate::{self, IdError};
 use cumulus_api::AttemptKey;
+use cumulus_api::ids::{self, IdError};
 
 /// Largest pid record accepted when reading one back.
 const MAX_RECORD_BYTES: u64 = 4096;
@@ -50,7 +50,7 @@ pub fn records_dir(data_dir: &Path) -> PathBuf {
 
 /// Path of the record of `key`.
 pub fn record_path(data_dir: &Path, key: &AttemptKey) -> Result<PathBuf, IdError> {
-    validate::job_id(&key.job_id)?;
+    ids::check_job_id(&key.job_id)?;
     Ok(records_dir(data_dir).join(format!(
         "{}.rank-{}.attempt-{}.json",
         key.job_id, key.rank, key.attempt

@@ -24,8 +24,6 @@
 //!   failed or could not be reached (a retry of the same step re-reports the part already
 //!   committed locally). Errors are `{"error": ..}`.
 
-use std::collections::BTreeMap;
-
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
@@ -33,17 +31,15 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use cumulus_ckpt::CkptError;
-use serde::Deserialize;
 
 use crate::client::ClientError;
 use crate::http::{json_error, limit_concurrency, request_permits, request_token};
 use crate::supervisor::{CommitError, Progress, Supervisor};
-use cumulus_api::limits::{MAX_METRIC_NAME_BYTES, MAX_METRICS};
+use cumulus_api::limits::{MAX_METRIC_NAME_BYTES, MAX_METRICS, MAX_STATE_JSON_BYTES};
+use cumulus_api::rank_local::{CheckpointRequest, CommitReply, ControlReply, ProgressReport};
 
-/// Largest checkpoint `state`, serialized, in bytes.
-pub const MAX_STATE_BYTES: usize = 64 * 1024;
 /// Largest request body, in bytes (the state plus room for the envelope).
-pub const MAX_BODY_BYTES: usize = MAX_STATE_BYTES + 4 * 1024;
+pub const MAX_BODY_BYTES: usize = MAX_STATE_JSON_BYTES + 4 * 1024;
 
 /// The router of the rank-local API, with its body and concurrency limits. With
 /// `check_caller`, a token is honoured only from a process of its rank's session on the
@@ -68,21 +64,6 @@ pub fn router(supervisor: Supervisor, check_caller: bool) -> Router {
             request_permits(),
             limit_concurrency,
         ))
-}
-
-#[derive(Debug, Deserialize)]
-struct ProgressBody {
-    step: u64,
-    #[serde(default)]
-    total_steps: u64,
-    #[serde(default)]
-    metrics: BTreeMap<String, f64>,
-}
-
-#[derive(Debug, Deserialize)]
-struct CheckpointBody {
-    step: u64,
-    state: serde_json::Value,
 }
 
 /// Middleware: a request whose token names a live attempt passes only when it came over
@@ -173,7 +154,7 @@ async fn progress(State(sup): State<Supervisor>, headers: HeaderMap, body: Bytes
     if sup.attempt_for_token(token).is_none() {
         return unknown_token();
     }
-    let body: ProgressBody = match serde_json::from_slice(&body) {
+    let body: ProgressReport = match serde_json::from_slice(&body) {
         Ok(b) => b,
         Err(e) => {
             return json_error(
@@ -211,10 +192,7 @@ async fn progress(State(sup): State<Supervisor>, headers: HeaderMap, body: Bytes
 }
 
 fn action_response(action: Option<cumulus_api::StopAction>) -> Response {
-    axum::Json(serde_json::json!({
-        "action": action.map_or("none", cumulus_api::StopAction::as_str)
-    }))
-    .into_response()
+    axum::Json(ControlReply::new(action)).into_response()
 }
 
 async fn control(State(sup): State<Supervisor>, headers: HeaderMap) -> Response {
@@ -234,7 +212,7 @@ async fn checkpoint(State(sup): State<Supervisor>, headers: HeaderMap, body: Byt
     if sup.attempt_for_token(token).is_none() {
         return unknown_token();
     }
-    let body: CheckpointBody = match serde_json::from_slice(&body) {
+    let body: CheckpointRequest = match serde_json::from_slice(&body) {
         Ok(b) => b,
         Err(e) => {
             return json_error(
@@ -249,14 +227,14 @@ async fn checkpoint(State(sup): State<Supervisor>, headers: HeaderMap, body: Byt
     let state_len = serde_json::to_vec(&body.state)
         .map(|v| v.len())
         .unwrap_or(usize::MAX);
-    if state_len > MAX_STATE_BYTES {
+    if state_len > MAX_STATE_JSON_BYTES {
         return json_error(
             StatusCode::BAD_REQUEST,
-            format!("state is {state_len} bytes, at most {MAX_STATE_BYTES}"),
+            format!("state is {state_len} bytes, at most {MAX_STATE_JSON_BYTES}"),
         );
     }
     match sup.commit_checkpoint(token, body.step, body.state).await {
-        Ok(dir) => axum::Json(serde_json::json!({ "dir": dir })).into_response(),
+        Ok(dir) => axum::Json(CommitReply { dir }).into_response(),
         Err(e) => commit_error_response(e),
     }
 }

@@ -403,7 +403,11 @@ pub enum DirtyKey {
     Meta,
 }
 
-/// Returns true for ids made of 1..=64 bytes of `[A-Za-z0-9._-]`.
+/// The replay guard of `RegisterWorker`: 1..=64 bytes of `[A-Za-z0-9._-]`, not `.` or
+/// `..`. Admission checks worker ids by the one rule of [`cumulus_api::ids`] (stricter:
+/// no leading `.` or `-`) before proposing; this looser check stays as it was because
+/// apply must accept every entry an earlier version committed, or replicas replaying
+/// the log would diverge from those restored from a snapshot.
 pub fn valid_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 64

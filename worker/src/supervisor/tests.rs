@@ -869,4 +869,4 @@ async fn rank_api_checkpoint_commit_paths() {
     wait_finished(&api.h.sup, &key).await;
 }
 
-const MAX_BODY_TEST: usize = crate::rank_api::MAX_STATE_BYTES + 10;
+const MAX_BODY_TEST: usize = cumulus_api::limits::MAX_STATE_JSON_BYTES + 10;

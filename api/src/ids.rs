@@ -1,12 +1,17 @@
-//! Validation of identifiers that end up in file paths, URLs or gRPC requests.
+//! The identifiers every process checks, with one rule each: a job id and a worker id
+//! become directory names, S3 key components, URL path segments and log fields, so each
+//! is 1..=max bytes of `[A-Za-z0-9._-]` not starting with `.` or `-` (never `/`, `..`, a
+//! hidden name or an option-like name). The coordinator checks a worker id when a worker
+//! registers, the agent checks its own `--worker-id` and every job id the leader or a rank
+//! sends before it touches the disk, the checkpoint store checks job ids before it names a
+//! directory or key, and the CLI checks `cluster.json`.
 //!
-//! Everything the leader or a rank sends is checked before it touches the disk: a job id
-//! becomes a directory name, so it must never contain `/`, `..` or a leading dot.
+//! [`crate::is_job_id`] is narrower: the form the leader itself gives jobs.
 
 use thiserror::Error;
 
-/// Most bytes in a job id. The coordinator issues `job-NNNNNN`; the agent accepts any
-/// safe name up to this length.
+/// Most bytes in a job id. The leader issues `job-NNNNNN`; every process accepts any
+/// id of this module's rule up to this length.
 pub const MAX_JOB_ID_BYTES: usize = 128;
 /// Most bytes in a worker id (docs/architecture.md "Identifiers and limits").
 pub const MAX_WORKER_ID_BYTES: usize = 64;
@@ -55,12 +60,12 @@ fn check_id(what: &'static str, value: &str, max: usize) -> Result<(), IdError> 
 
 /// Checks that `job_id` is safe as a single path component: 1..=128 bytes of
 /// `[A-Za-z0-9._-]`, not starting with `.` or `-`.
-pub fn job_id(job_id: &str) -> Result<(), IdError> {
+pub fn check_job_id(job_id: &str) -> Result<(), IdError> {
     check_id("job id", job_id, MAX_JOB_ID_BYTES)
 }
 
 /// Checks a worker id: 1..=64 bytes of `[A-Za-z0-9._-]`, not starting with `.` or `-`.
-pub fn worker_id(worker_id: &str) -> Result<(), IdError> {
+pub fn check_worker_id(worker_id: &str) -> Result<(), IdError> {
     check_id("worker id", worker_id, MAX_WORKER_ID_BYTES)
 }
 
@@ -70,16 +75,19 @@ mod tests {
 
     #[test]
     fn job_ids() {
-        assert!(job_id("job-000001").is_ok());
-        assert!(job_id("a.b_c-9").is_ok());
-        assert!(matches!(job_id(""), Err(IdError::Length { len: 0, .. })));
+        assert!(check_job_id("job-000001").is_ok());
+        assert!(check_job_id("a.b_c-9").is_ok());
         assert!(matches!(
-            job_id(&"x".repeat(129)),
+            check_job_id(""),
+            Err(IdError::Length { len: 0, .. })
+        ));
+        assert!(matches!(
+            check_job_id(&"x".repeat(129)),
             Err(IdError::Length { len: 129, .. })
         ));
         for bad in ["..", ".hidden", "-x", "a/b", "a b", "é", "a\0"] {
             assert!(
-                matches!(job_id(bad), Err(IdError::Charset { .. })),
+                matches!(check_job_id(bad), Err(IdError::Charset { .. })),
                 "{bad:?}"
             );
         }
@@ -87,8 +95,8 @@ mod tests {
 
     #[test]
     fn worker_ids() {
-        assert!(worker_id("node-1.example").is_ok());
-        assert!(worker_id(&"w".repeat(64)).is_ok());
-        assert!(worker_id(&"w".repeat(65)).is_err());
+        assert!(check_worker_id("node-1.example").is_ok());
+        assert!(check_worker_id(&"w".repeat(64)).is_ok());
+        assert!(check_worker_id(&"w".repeat(65)).is_err());
     }
 }
