@@ -1,7 +1,7 @@
 //! Cumulus's replicated state machine and its openraft storage on sled.
 //!
 //! - [`state`]: the state ([`ClusterState`]), the commands ([`Command`]) and their pure,
-//!   deterministic `apply` (DESIGN.md "The replicated state").
+//!   deterministic `apply` (docs/architecture.md, "The replicated state").
 //! - [`store`]: openraft's `RaftLogStorage` and `RaftStateMachine` (openraft 0.10):
 //!   log entries in [`wal`], everything else (vote, state machine, snapshots) in sled;
 //!   checked by openraft's own storage test suite.

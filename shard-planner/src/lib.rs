@@ -4,7 +4,7 @@
 //! Raft state machine can compute them inside `apply` and every replica gets the same answer:
 //!
 //! - [`assign_shards`]: dataset shards → ranks. Shard `i` of the name-sorted list belongs to
-//!   rank `i mod world_size` (DESIGN.md, "Shards"). The plan never depends on the order in
+//!   rank `i mod world_size` (the original brief, `DESIGN.md`, "Shards"). The plan never depends on the order in
 //!   which the shard names were given.
 //! - [`place_ranks`]: ranks → workers, gang style (all ranks or none). Each rank goes to the
 //!   worker with the most free slots left at that moment, ties broken by the smallest worker

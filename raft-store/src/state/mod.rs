@@ -3,7 +3,7 @@
 //!
 //! `apply` reads no clock, draws no random number and does no I/O: every time and every
 //! jittered delay is stamped into the command by the leader that proposed it
-//! (DESIGN.md, "The replicated state"). Every command is validated here too, so a stale
+//! (docs/architecture.md, "The replicated state"). Every command is validated here too, so a stale
 //! or malformed command that reaches the log changes nothing and is answered with
 //! [`Response::Rejected`].
 //!
