@@ -66,6 +66,14 @@ impl v1::Job {
 }
 
 #[cfg(feature = "grpc")]
+impl v1::JobSummary {
+    /// The job's state, parsed from its wire spelling.
+    pub fn job_state(&self) -> Result<JobState, UnknownName> {
+        self.state.parse()
+    }
+}
+
+#[cfg(feature = "grpc")]
 impl v1::RankStatus {
     /// The rank's state as shown, parsed from its wire spelling.
     pub fn phase(&self) -> Result<RankPhase, UnknownName> {

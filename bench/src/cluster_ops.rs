@@ -5,6 +5,7 @@
 //! the kill time taken here come from the same machine's clock, so their differences
 //! are meaningful; everything else is measured with `Instant`.
 
+use cumulus_api::JobState;
 use cumulus_api::RankPhase;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -546,7 +547,9 @@ pub async fn pause(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
             })
             .await?;
         let stopped = cluster
-            .wait_job(&job_id, "paused", DEADLINE, |j| j.state == "paused")
+            .wait_job(&job_id, "paused", DEADLINE, |j| {
+                j.job_state() == Ok(JobState::Paused)
+            })
             .await;
         paused.push(ms(t.elapsed()));
         let step = stopped.committed_step.unwrap_or(0);

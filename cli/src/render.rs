@@ -5,8 +5,8 @@
 
 use comfy_table::{Table, presets};
 use cumulus_api::{
-    ClusterStatusResponse, Job, JobResponse, JobSummary, ListCheckpointsResponse,
-    ListJobSummariesResponse, ListJobsResponse, RankStatus, RestartRecord,
+    ClusterStatusResponse, Job, JobResponse, JobState, JobSummary, ListCheckpointsResponse,
+    ListJobSummariesResponse, ListJobsResponse, RankPhase, RankStatus, RestartRecord,
 };
 
 /// Default restart budget of a job whose spec leaves it unset.
@@ -517,7 +517,7 @@ pub fn progress_summary(job: &Job) -> Option<String> {
     let slowest = job
         .ranks
         .iter()
-        .filter(|r| r.total_steps > 0 && r.state == "running")
+        .filter(|r| r.total_steps > 0 && r.phase() == Ok(RankPhase::Running))
         .min_by_key(|r| r.step)?;
     let mut text = format!(
         "{}/{} steps ({:.0}%)",
@@ -581,7 +581,7 @@ pub fn summary_text(s: &JobSummary, now_ms: u64) -> String {
     row("step", step_of(s.step, s.total_steps));
     row(
         "steps/s",
-        match (s.steps_per_s > 0.0, s.state == "running") {
+        match (s.steps_per_s > 0.0, s.job_state() == Ok(JobState::Running)) {
             (false, _) => "unknown".into(),
             (true, true) => format!("{:.1}", s.steps_per_s),
             (true, false) => format!("{:.1} (last seen while running)", s.steps_per_s),

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cumulus_api::v1;
+use cumulus_api::{JobState, RankPhase};
 use cumulus_e2e::{
     Cluster, ClusterOpts, TOKEN, WorkerClient, Workload, assert_trainer_results, prepare_digits,
     read_result, trainer_spec, wait_for, worker_client,
@@ -117,7 +118,7 @@ async fn killed_rank_restarts_with_backoff_and_resumes_to_identical_weights() {
     let job = cluster
         .wait_job(&killed, "a committed step and rank 2 running", LONG, |j| {
             j.committed_step.is_some_and(|s| s >= 40)
-                && j.ranks[2].state == "running"
+                && j.ranks[2].phase() == Ok(RankPhase::Running)
                 && j.ranks[2].pid > 0
         })
         .await;
@@ -202,7 +203,7 @@ async fn leader_kill_elects_a_new_leader_and_the_job_finishes() {
             |j| {
                 j.committed_step.is_some_and(|s| s >= 20)
                     && j.ranks.iter().all(|r| {
-                        r.state == "running"
+                        r.phase() == Ok(RankPhase::Running)
                             && r.started_at_ms > 0
                             && now_ms().saturating_sub(r.started_at_ms) > 6_000
                     })
@@ -291,7 +292,8 @@ async fn killed_worker_expires_and_its_ranks_move() {
         .job_id;
     cluster
         .wait_job(&job_id, "ranks running on both workers", LONG, |j| {
-            j.committed_step.is_some() && j.ranks.iter().all(|r| r.state == "running")
+            j.committed_step.is_some()
+                && j.ranks.iter().all(|r| r.phase() == Ok(RankPhase::Running))
         })
         .await;
     let killed_at = Instant::now();
@@ -820,7 +822,7 @@ async fn restarted_coordinator_rejoins_with_its_state() {
             .await
             .ok()?;
         let job = r.into_inner().job?;
-        (job.state == "succeeded").then_some(())
+        (job.job_state() == Ok(JobState::Succeeded)).then_some(())
     })
     .await;
 }

@@ -12,6 +12,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use cumulus_api::RankPhase;
 use cumulus_api::{JobState, v1};
 use cumulus_e2e::{Cluster, ClusterOpts, wait_for};
 
@@ -224,7 +225,7 @@ async fn whole_gpus_are_disjoint_packed_and_replaced_when_unhealthy() {
     let first = rank_env(&out, 0, 0).await;
     let running = cluster
         .wait_job(&sick, "rank 0 running", LONG, |j| {
-            j.ranks[0].state == "running"
+            j.ranks[0].phase() == Ok(RankPhase::Running)
         })
         .await;
     let worker = running.ranks[0].worker_id.clone();

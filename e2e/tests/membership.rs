@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use cumulus_api::JobState;
 use cumulus_api::v1;
 use cumulus_e2e::{
     Cluster, ClusterOpts, expected_digest, prepare_digits, read_result, trainer_spec, wait_for,
@@ -87,7 +88,9 @@ async fn grow_3_to_5_to_3_while_a_job_runs() {
         .expect("submit")
         .job_id;
     cluster
-        .wait_job(&job_id, "the job running", LONG, |j| j.state == "running")
+        .wait_job(&job_id, "the job running", LONG, |j| {
+            j.job_state() == Ok(JobState::Running)
+        })
         .await;
     let mut acked = vec![("member-train".to_string(), job_id.clone())];
     let mut seq = 0;

@@ -12,6 +12,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use cumulus_api::JobState;
 use cumulus_api::leader::ClientTls;
 use cumulus_api::v1;
 use cumulus_api::v1::RaftPayload;
@@ -296,7 +297,7 @@ async fn forged_raft_rpcs_are_refused_and_change_nothing() {
         wait_for("every node to apply both jobs", LONG, || async {
             let a = local_job(&cluster, i, &job.job_id).await?;
             local_job(&cluster, i, &more.job_id).await?;
-            (a.state == "pending").then_some(())
+            (a.job_state() == Ok(JobState::Pending)).then_some(())
         })
         .await;
     }

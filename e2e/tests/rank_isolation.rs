@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use cumulus_api::v1;
+use cumulus_api::{JobState, RankPhase};
 use cumulus_e2e::{
     Cluster, ClusterOpts, assert_trainer_results, prepare_digits, trainer_spec, wait_for,
 };
@@ -347,7 +348,9 @@ async fn ranks_run_as_their_jobs_user_and_reach_nothing_else() {
         assert_probe(&text_b, probe, "denied");
     }
     cluster
-        .wait_job(&job_b, "job b succeeded", LONG, |j| j.state == "succeeded")
+        .wait_job(&job_b, "job b succeeded", LONG, |j| {
+            j.job_state() == Ok(JobState::Succeeded)
+        })
         .await;
     // The first job's rank survived the second's attempts on it.
     let job = cluster.job(&job_a).await.expect("job a");
@@ -398,7 +401,8 @@ async fn trainer_commits_and_resumes_as_its_jobs_user() {
         .job_id;
     let job = cluster
         .wait_job(&job_id, "a committed step", LONG, |j| {
-            j.committed_step.is_some() && j.ranks.iter().all(|r| r.state == "running")
+            j.committed_step.is_some()
+                && j.ranks.iter().all(|r| r.phase() == Ok(RankPhase::Running))
         })
         .await;
     let pid = job.ranks[0].pid;

@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use cumulus_api::RankPhase;
 use cumulus_api::v1;
 use cumulus_ckpt::CheckpointStore;
 use cumulus_e2e::{
@@ -211,7 +212,7 @@ async fn rank_moved_to_another_worker_resumes_from_l2_to_identical_weights() {
             LONG,
             |j| {
                 j.committed_step.is_some_and(|s| s >= 20)
-                    && j.ranks.iter().all(|r| r.state == "running")
+                    && j.ranks.iter().all(|r| r.phase() == Ok(RankPhase::Running))
                     && j.ranks.iter().any(|r| r.worker_id == "worker-2")
             },
         )
@@ -273,7 +274,7 @@ async fn s3_server_restart_mid_upload_loses_no_step_and_commits_no_partial_one()
     let before = cluster
         .wait_job(&job_id, "a committed step", LONG, |j| {
             j.committed_step.is_some_and(|s| s >= 20)
-                && j.ranks.iter().all(|r| r.state == "running")
+                && j.ranks.iter().all(|r| r.phase() == Ok(RankPhase::Running))
         })
         .await;
     server.stop();
@@ -343,7 +344,10 @@ async fn dataset_from_s3_is_cached_and_the_cache_is_hit_on_restart() {
     let job_id = cluster.submit("data", s).await.expect("submit").job_id;
     let job = cluster
         .wait_job(&job_id, "a committed step", LONG, |j| {
-            j.committed_step.is_some() && j.ranks.iter().all(|r| r.state == "running" && r.pid > 0)
+            j.committed_step.is_some()
+                && j.ranks
+                    .iter()
+                    .all(|r| r.phase() == Ok(RankPhase::Running) && r.pid > 0)
         })
         .await;
     let count = |what: &str| {
