@@ -11,6 +11,13 @@
 //! - [`rank_env`]: the environment variables of the rank contract.
 //! - [`rank_local`]: the bodies of the rank-local HTTP API (agent ↔ rank).
 //! - [`limits`]: the limits more than one process checks.
+//! - [`client_config`]: how a client (`cumulusctl`, the Python SDK) finds and reaches a
+//!   cluster: its environment variables, `cluster.json`, its retry bounds.
+//! - [`manifest`]: a checkpoint step's `MANIFEST.json`: file names, formats, fields.
+//! - [`shape`]: the shape of a JSON object one process writes and another reads.
+//! - [`contract`] (feature `grpc`): all of the above rendered for other languages: the
+//!   generated Python module `cumulus._contract` and `api/contract.json`
+//!   (`cargo run -p cumulus-api --bin cumulus-contract` rewrites them).
 //! - [`gpus`]: GPU UUIDs, memory shares in thousandths, `CUDA_VISIBLE_DEVICES`.
 //! - [`files`]: one file of a checkpoint part, with its format-1 compatibility.
 //! - [`attempt`]: [`AttemptKey`], the identity of a rank attempt.
@@ -22,10 +29,14 @@
 //! - [`leader`] (feature `grpc`): how a client follows the leader (the metadata naming it,
 //!   what is retried, backoff).
 //!
-//! Python's `cumulus` package speaks the same names; `docs/architecture.md` ("Wire
-//! names") has the table.
+//! Python's `cumulus` package speaks the same names: it imports them from the generated
+//! `cumulus._contract` ([`contract`]); `docs/architecture.md` ("Wire names") has the
+//! table.
 
 pub mod attempt;
+pub mod client_config;
+#[cfg(feature = "grpc")]
+pub mod contract;
 pub mod feature_stats;
 pub mod files;
 pub mod gpus;
@@ -33,9 +44,11 @@ pub mod ids;
 #[cfg(feature = "grpc")]
 pub mod leader;
 pub mod limits;
+pub mod manifest;
 pub mod paths;
 pub mod rank_env;
 pub mod rank_local;
+pub mod shape;
 pub mod states;
 pub mod text;
 pub mod token;

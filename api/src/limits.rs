@@ -43,3 +43,16 @@ pub const MAX_GPU_UUID_BYTES: usize = 128;
 pub const MAX_GPU_NAME_BYTES: usize = 128;
 /// Longest GPU error text in a heartbeat, in bytes (the agent cuts NVML's messages to it).
 pub const MAX_GPU_ERROR_BYTES: usize = 512;
+/// Largest shards file a rank reads (`CUMULUS_SHARDS_FILE`), in bytes (64 MiB): the
+/// example trainer and the Python runtime refuse a larger one.
+pub const MAX_SHARDS_FILE_BYTES: u64 = 64 << 20;
+/// Highest queue priority of a job (and, negated, the lowest): `-MAX_PRIORITY..=MAX_PRIORITY`.
+pub const MAX_PRIORITY: i32 = 1_000;
+/// Longest stop grace a job may ask for (`stop_grace_ms`): 1 hour, in milliseconds.
+pub const MAX_STOP_GRACE_MS: u64 = 3_600_000;
+/// Longest time limit a job may ask for (`time_limit_ms`): 365 days, in milliseconds.
+pub const MAX_TIME_LIMIT_MS: u64 = 365 * 86_400_000;
+/// Most job summaries one `ListJobSummaries` answers (`limit` is `1..=MAX_SUMMARIES`).
+pub const MAX_SUMMARIES: usize = 10_000;
+/// Summaries a `ListJobSummaries` without a limit answers.
+pub const DEFAULT_SUMMARIES: usize = 1_000;

@@ -270,6 +270,35 @@ impl CommitTier {
     }
 }
 
+/// A worker agent as the leader shows it (`WorkerInfo.state`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerPhase {
+    /// Its heartbeats arrive; ranks may be placed on it.
+    Alive,
+    /// Its heartbeats stopped for longer than the expiry: its ranks were failed.
+    Expired,
+}
+
+wire_enum!(WorkerPhase, "worker state", "alive, expired", {
+    Alive => "alive",
+    Expired => "expired",
+});
+
+/// A tier that holds a verified copy of a checkpoint step (`CheckpointInfo.tiers`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CheckpointTier {
+    /// The checkpoint directory (a worker's local disk, or a shared one).
+    L1,
+    /// S3.
+    L2,
+}
+
+wire_enum!(CheckpointTier, "checkpoint tier", "L1, L2", {
+    L1 => "L1",
+    L2 => "L2",
+});
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,6 +328,8 @@ mod tests {
         round_trips(CommitTier::ALL);
         round_trips(Role::ALL);
         round_trips(StopAction::ALL);
+        round_trips(WorkerPhase::ALL);
+        round_trips(CheckpointTier::ALL);
     }
 
     #[test]

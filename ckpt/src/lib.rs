@@ -74,17 +74,13 @@ pub use s3::{
 };
 pub use tiered::{CommitTier, TieredStore};
 
-/// File name of a step's manifest, inside `step-N/`.
-pub const MANIFEST_FILE: &str = "MANIFEST.json";
-/// File name of the pointer to the newest committed step, inside the job directory.
-pub const LATEST_FILE: &str = "LATEST";
-/// The manifest format this crate writes. Format 2 records each file's `digest` as
-/// `<algorithm>:<hex>` ([`digest`]); format 1 (still read) recorded a bare hex `sha256`.
-pub const MANIFEST_FORMAT_VERSION: u32 = 2;
-/// The oldest manifest format still read and verified.
-pub const MIN_MANIFEST_FORMAT_VERSION: u32 = 1;
-/// Largest `MANIFEST.json` written or read back, in bytes (16 MiB).
-pub const MAX_MANIFEST_BYTES: u64 = 16 * 1024 * 1024;
+// The manifest's and `LATEST`'s file names, the manifest formats written ([`digest`]: format
+// 2 records `<algorithm>:<hex>`) and still read, and the largest manifest: the contract's
+// (a rank reads a manifest back too), with the fields [`Manifest`] writes.
+pub use cumulus_api::manifest::{
+    LATEST_FILE, MANIFEST_FILE, MANIFEST_FORMAT_VERSION, MAX_MANIFEST_BYTES,
+    MIN_MANIFEST_FORMAT_VERSION,
+};
 /// Largest `LATEST` file read back, in bytes.
 pub const MAX_LATEST_BYTES: u64 = 64;
 pub use cumulus_api::ids::MAX_JOB_ID_BYTES;
@@ -613,6 +609,27 @@ mod tests {
             }],
             state: serde_json::json!({"shard": 0}),
         }
+    }
+
+    /// The keys of a JSON object, as a set.
+    fn keys(v: &serde_json::Value) -> std::collections::BTreeSet<String> {
+        v.as_object().expect("an object").keys().cloned().collect()
+    }
+
+    fn shape_keys(shape: &cumulus_api::shape::Shape) -> std::collections::BTreeSet<String> {
+        shape.field_names().into_iter().map(String::from).collect()
+    }
+
+    #[test]
+    fn the_manifest_writes_the_contract_fields() {
+        use cumulus_api::manifest::{MANIFEST, MANIFEST_FILE_ENTRY, MANIFEST_PART};
+        let v = serde_json::to_value(manifest(2)).expect("json");
+        assert_eq!(keys(&v), shape_keys(&MANIFEST));
+        assert_eq!(keys(&v["parts"][0]), shape_keys(&MANIFEST_PART));
+        assert_eq!(
+            keys(&v["parts"][0]["files"][0]),
+            shape_keys(&MANIFEST_FILE_ENTRY)
+        );
     }
 
     fn manifest(world_size: u32) -> Manifest {

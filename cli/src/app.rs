@@ -243,7 +243,7 @@ fn certs(cmd: CertsCommand) -> Result<()> {
 
 /// ` --local-dir DIR` when it is not the default, for printed example commands.
 fn local_dir_flag(g: &GlobalOpts) -> String {
-    if g.local_dir == Path::new(".cumulus") {
+    if g.local_dir == Path::new(cumulus_api::client_config::DEFAULT_LOCAL_DIR) {
         String::new()
     } else {
         format!(" --local-dir {}", g.local_dir.display())

@@ -4,10 +4,25 @@
 //! reads an environment variable, and when neither is given the values come from the
 //! `cluster.json` that `cumulusctl local up` writes into `--local-dir`.
 
+use cumulus_api::client_config::{
+    DEFAULT_LOCAL_DIR, ENV_ADDR, ENV_HTTP, ENV_INSECURE, ENV_LOCAL_DIR, ENV_TIMEOUT, ENV_TLS_CA,
+    ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, ENV_TOKEN_FILE, RETRY_TOTAL_MS,
+};
+use cumulus_api::limits::{MAX_PRIORITY, MAX_STOP_GRACE_MS, MAX_SUMMARIES};
 pub use cumulus_api::{CommitTier, RestartScope};
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+
+// The contract's bounds as clap's ranges take them (`u64`, or `i64` for smaller types).
+/// Longest `--stop-grace-s`, in seconds.
+const MAX_STOP_GRACE_S: u64 = MAX_STOP_GRACE_MS / 1000;
+/// Bound of `--priority` (`-PRIORITY_BOUND..=PRIORITY_BOUND`).
+const PRIORITY_BOUND: i64 = MAX_PRIORITY as i64;
+/// Most summaries `summary --limit` asks for.
+const SUMMARIES_BOUND: i64 = MAX_SUMMARIES as i64;
+/// Most shards `dataset split --shards` writes (the most one job may have).
+const SHARDS_BOUND: i64 = crate::dataset::MAX_SHARDS as i64;
 
 /// `cumulusctl`: submit, inspect, tail and cancel Cumulus jobs; run a local cluster.
 #[derive(Debug, Parser)]
@@ -40,18 +55,18 @@ pub struct Cli {
 pub struct GlobalOpts {
     /// Coordinator gRPC addresses, comma-separated `host:port` (any member; writes follow
     /// the leader). Default: the local cluster's, from `<local-dir>/cluster.json`.
-    #[arg(long, global = true, env = "CUMULUS_ADDR", value_delimiter = ',')]
+    #[arg(long, global = true, env = ENV_ADDR, value_delimiter = ',')]
     pub addr: Vec<String>,
     /// Coordinator HTTP addresses, comma-separated `host:port` (used by `logs`).
     /// Default: the local cluster's, from `<local-dir>/cluster.json`.
-    #[arg(long, global = true, env = "CUMULUS_HTTP", value_delimiter = ',')]
+    #[arg(long, global = true, env = ENV_HTTP, value_delimiter = ',')]
     pub http: Vec<String>,
     /// Cluster bearer token, from the environment only: `--token` on the command line is
     /// refused (every user of the machine sees it in `ps`).
     #[arg(
         long,
         global = true,
-        env = "CUMULUS_TOKEN",
+        env = ENV_TOKEN,
         conflicts_with = "token_file",
         hide = true,
         hide_env_values = true
@@ -59,25 +74,25 @@ pub struct GlobalOpts {
     pub token: Option<String>,
     /// File holding the cluster bearer token (surrounding whitespace is ignored), or set
     /// CUMULUS_TOKEN.
-    #[arg(long, global = true, env = "CUMULUS_TOKEN_FILE")]
+    #[arg(long, global = true, env = ENV_TOKEN_FILE)]
     pub token_file: Option<PathBuf>,
     /// The cluster's CA certificate (PEM): coordinators are verified against it. Default:
     /// the local cluster's, from `<local-dir>/cluster.json`.
-    #[arg(long, global = true, env = "CUMULUS_TLS_CA")]
+    #[arg(long, global = true, env = ENV_TLS_CA)]
     pub tls_ca: Option<PathBuf>,
     /// A user's client certificate (PEM, issued by `certs issue user NAME`): with
     /// `--tls-key` it authenticates as that user (a token counts only when `--token-file`
     /// is given on the command line, never one from the environment).
-    #[arg(long, global = true, env = "CUMULUS_TLS_CERT", requires = "tls_key")]
+    #[arg(long, global = true, env = ENV_TLS_CERT, requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     /// The private key of `--tls-cert` (PEM).
-    #[arg(long, global = true, env = "CUMULUS_TLS_KEY", requires = "tls_cert")]
+    #[arg(long, global = true, env = ENV_TLS_KEY, requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
     /// Talk plaintext to a cluster started with `--insecure`.
     #[arg(
         long,
         global = true,
-        env = "CUMULUS_INSECURE",
+        env = ENV_INSECURE,
         action = clap::ArgAction::SetTrue,
         value_parser = clap::builder::BoolishValueParser::new(),
         conflicts_with_all = ["tls_ca", "tls_cert"]
@@ -87,8 +102,8 @@ pub struct GlobalOpts {
     #[arg(
         long,
         global = true,
-        env = "CUMULUS_LOCAL_DIR",
-        default_value = ".cumulus"
+        env = ENV_LOCAL_DIR,
+        default_value = DEFAULT_LOCAL_DIR
     )]
     pub local_dir: PathBuf,
     /// Output format: human tables (`wide`: more columns), or JSON or YAML for scripts.
@@ -97,8 +112,8 @@ pub struct GlobalOpts {
     /// Give up on an unreachable or leaderless cluster after this many seconds
     /// (1..=3600): every call retries the other coordinators and follows the leader
     /// until then (a failover takes about a second).
-    #[arg(long, global = true, env = "CUMULUS_TIMEOUT", value_name = "SECONDS",
-          default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    #[arg(long, global = true, env = ENV_TIMEOUT, value_name = "SECONDS",
+          default_value_t = RETRY_TOTAL_MS / 1000, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub timeout: u64,
     /// Show the client's own diagnostics on stderr (retries, leader changes): `-v`
     /// warnings, `-vv` info, `-vvv` debug. `RUST_LOG` overrides.
@@ -331,11 +346,11 @@ pub struct SubmitArgs {
     /// Seconds between SIGTERM and SIGKILL when a rank is stopped (cancel, restart),
     /// and between a pause request and SIGTERM: room for a last checkpoint (0..=3600;
     /// default: the agent's --stop-grace-ms, 5 s).
-    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(0..=3600))]
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(0..=MAX_STOP_GRACE_S))]
     pub stop_grace_s: Option<u64>,
     /// Queue priority, -1000..=1000 (default 0): pending jobs start highest priority
     /// first, in submission order within one priority.
-    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-1000..=1000))]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-PRIORITY_BOUND..=PRIORITY_BOUND))]
     pub priority: Option<i32>,
     /// May be preempted: when a job of higher priority waits for its slots, this job's
     /// ranks are asked to checkpoint and stop (as for a pause) and the job is queued
@@ -460,7 +475,7 @@ pub struct SummaryArgs {
     #[arg(long, value_parser = parse_job_state, conflicts_with = "job")]
     pub state: Option<cumulus_api::JobState>,
     /// Without JOB: at most this many, newest first (default 50, at most 10000).
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000), conflicts_with = "job")]
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=SUMMARIES_BOUND), conflicts_with = "job")]
     pub limit: u32,
 }
 
@@ -561,7 +576,7 @@ pub struct SplitArgs {
     /// Input CSV, optionally gzip-compressed; no header; label (integer ≥ 0) last.
     pub file: PathBuf,
     /// Number of shard files to write (1..=100000).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=SHARDS_BOUND))]
     pub shards: u32,
     /// Output directory for `shard-00000.csv` …; must be empty or absent (see --force).
     #[arg(long)]

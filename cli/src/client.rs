@@ -11,6 +11,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use cumulus_api::client_config;
 use cumulus_api::client_service_client::ClientServiceClient;
 use cumulus_api::leader::{self, CallError, ChannelSettings, ConfigError, LeaderClient};
 use cumulus_api::{
@@ -46,14 +47,15 @@ pub struct RetryPolicy {
 }
 
 impl Default for RetryPolicy {
+    /// The contract's bounds ([`cumulus_api::client_config`]), as the Python SDK's.
     fn default() -> Self {
         RetryPolicy {
-            max_attempts: 20,
-            max_total: Duration::from_secs(30),
-            backoff_initial: Duration::from_millis(100),
-            backoff_max: Duration::from_secs(2),
-            connect_timeout: Duration::from_secs(2),
-            request_timeout: Duration::from_secs(10),
+            max_attempts: client_config::RETRY_MAX_TRIES,
+            max_total: Duration::from_millis(client_config::RETRY_TOTAL_MS),
+            backoff_initial: Duration::from_millis(client_config::RETRY_BACKOFF_INITIAL_MS),
+            backoff_max: Duration::from_millis(client_config::RETRY_BACKOFF_MAX_MS),
+            connect_timeout: Duration::from_millis(client_config::CONNECT_TIMEOUT_MS),
+            request_timeout: Duration::from_millis(client_config::REQUEST_TIMEOUT_MS),
         }
     }
 }

@@ -12,10 +12,9 @@ use serde::{Deserialize, Serialize};
 use crate::args::GlobalOpts;
 use cumulus_api::leader::ClientTls;
 
-/// Name of the cluster description inside `--local-dir`.
-pub const CLUSTER_FILE: &str = "cluster.json";
-/// Largest `cluster.json` read back, bytes.
-pub const MAX_CLUSTER_FILE_BYTES: u64 = 1024 * 1024;
+// The name of the cluster description inside `--local-dir`, and the largest read back:
+// the contract's, as the Python SDK's.
+pub use cumulus_api::client_config::{CLUSTER_FILE, MAX_CLUSTER_FILE_BYTES};
 /// Largest token accepted, bytes.
 pub const MAX_TOKEN_BYTES: usize = cumulus_api::token::MAX_TOKEN_BYTES;
 
@@ -403,7 +402,8 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
     // command line: one from the environment (`CUMULUS_TOKEN`, which is environment-only,
     // or `CUMULUS_TOKEN_FILE`) is left unused, as the Python SDK does, so that an
     // administrator's token in the shell does not silently replace the certificate.
-    let env_token_file = std::env::var_os("CUMULUS_TOKEN_FILE").map(PathBuf::from);
+    let env_token_file =
+        std::env::var_os(cumulus_api::client_config::ENV_TOKEN_FILE).map(PathBuf::from);
     let token_file = global
         .token_file
         .as_ref()
@@ -521,6 +521,44 @@ mod tests {
             verbose: 0,
             timeout: 30,
         }
+    }
+
+    /// The keys of a JSON object, as a set.
+    fn keys(v: &serde_json::Value) -> std::collections::BTreeSet<String> {
+        v.as_object().expect("an object").keys().cloned().collect()
+    }
+
+    fn shape_keys(shape: &cumulus_api::shape::Shape) -> std::collections::BTreeSet<String> {
+        shape.field_names().into_iter().map(String::from).collect()
+    }
+
+    #[test]
+    fn cluster_file_fields_are_the_contract_shape() {
+        use cumulus_api::client_config::{
+            CLUSTER_FILE_COORDINATOR, CLUSTER_FILE_SHAPE, CLUSTER_FILE_WORKER,
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut f = sample(dir.path());
+        f.tls_dir = Some(dir.path().join("tls"));
+        let v = serde_json::to_value(&f).expect("json");
+        assert_eq!(keys(&v), shape_keys(&CLUSTER_FILE_SHAPE));
+        assert_eq!(
+            keys(&v["coordinators"][0]),
+            shape_keys(&CLUSTER_FILE_COORDINATOR)
+        );
+        assert_eq!(keys(&v["workers"][0]), shape_keys(&CLUSTER_FILE_WORKER));
+        // What the contract says a writer may leave out, a reader here accepts without.
+        let mut bare = v.clone();
+        for field in CLUSTER_FILE_SHAPE.fields.iter().filter(|f| !f.required) {
+            bare.as_object_mut().expect("object").remove(field.name);
+        }
+        for field in CLUSTER_FILE_WORKER.fields.iter().filter(|f| !f.required) {
+            bare["workers"][0]
+                .as_object_mut()
+                .expect("object")
+                .remove(field.name);
+        }
+        serde_json::from_value::<ClusterFile>(bare).expect("optional fields are optional");
     }
 
     #[test]

@@ -22,8 +22,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-/// Most shards one split writes.
-pub const MAX_SHARDS: u32 = 100_000;
+/// Most shards one split writes: the most one job may have (the contract's limit).
+pub const MAX_SHARDS: u32 = cumulus_api::limits::MAX_SHARDS as u32;
 /// Longest input line accepted, bytes.
 pub const MAX_LINE_BYTES: usize = 1024 * 1024;
 /// Rows buffered in memory for all shards together before they are appended to disk, bytes.

@@ -491,10 +491,7 @@ pub async fn get_job(
     })
 }
 
-/// Most summaries one `ListJobSummaries` answers.
-pub const MAX_SUMMARIES: usize = 10_000;
-/// Summaries a `ListJobSummaries` without a limit answers.
-pub const DEFAULT_SUMMARIES: usize = 1_000;
+pub use cumulus_api::limits::{DEFAULT_SUMMARIES, MAX_SUMMARIES};
 
 /// One job's summary with its progress history (the leader's soft state: ask the
 /// leader for live figures).
@@ -1080,12 +1077,12 @@ pub async fn list_checkpoints(
             if let Some(l1) = &l1
                 && all_parts_verify(l1, job_id, manifest).await
             {
-                tiers.push("L1".to_string());
+                tiers.push(cumulus_api::states::CheckpointTier::L1.to_string());
             }
             if let Some(l2) = &l2
                 && all_parts_verify(l2, job_id, manifest).await
             {
-                tiers.push("L2".to_string());
+                tiers.push(cumulus_api::states::CheckpointTier::L2.to_string());
             }
         }
         let path = match (&l2, &l1) {

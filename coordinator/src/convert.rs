@@ -449,8 +449,8 @@ pub fn workers_to_proto(
                 slots: w.slots,
                 slots_used: used.get(&w.worker_id).copied().unwrap_or(0),
                 state: match w.state {
-                    WorkerState::Alive => "alive",
-                    WorkerState::Expired => "expired",
+                    WorkerState::Alive => cumulus_api::states::WorkerPhase::Alive,
+                    WorkerState::Expired => cumulus_api::states::WorkerPhase::Expired,
                 }
                 .to_string(),
                 last_heartbeat_age_ms: s.map_or(0, |s| s.last_seen.elapsed().as_millis() as u64),

@@ -21,10 +21,9 @@ use thiserror::Error;
 
 /// Longest accepted line of a shard, in bytes (excluding the line break).
 pub const MAX_LINE_BYTES: usize = 1 << 20;
-/// Most shards one shards file may list (the job-wide shard limit of Cumulus).
-pub const MAX_SHARDS: usize = 100_000;
-/// Largest accepted shards file, in bytes.
-pub const MAX_SHARDS_FILE_BYTES: u64 = 64 << 20;
+// Most shards one shards file may list (the job-wide shard limit of Cumulus), and the
+// largest accepted shards file, in bytes: the contract's, as the Python runtime's.
+pub use cumulus_api::limits::{MAX_SHARDS, MAX_SHARDS_FILE_BYTES};
 /// Most feature columns a record may have.
 pub const MAX_FEATURES: usize = 1_000_000;
 /// Most classes a model may have (labels are `0..MAX_CLASSES`).

@@ -15,8 +15,21 @@ import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from cumulus import _contract
+from cumulus._contract import (
+    CLIENT_ENV_ADDR,
+    CLIENT_ENV_HTTP,
+    CLIENT_ENV_INSECURE,
+    CLIENT_ENV_LOCAL_DIR,
+    CLIENT_ENV_TLS_CA,
+    CLIENT_ENV_TLS_CERT,
+    CLIENT_ENV_TLS_KEY,
+    CLIENT_ENV_TOKEN,
+    CLIENT_ENV_TOKEN_FILE,
+    ClusterFileJson,
+)
 from cumulus.errors import ConfigError, NotACoordinator
 
 __all__ = [
@@ -37,17 +50,17 @@ __all__ = [
 ]
 
 #: Name of the cluster description inside the local cluster's directory.
-CLUSTER_FILE = "cluster.json"
+CLUSTER_FILE = _contract.CLUSTER_FILE
 #: ``--local-dir`` default of ``cumulusctl``.
-DEFAULT_LOCAL_DIR = ".cumulus"
+DEFAULT_LOCAL_DIR = _contract.DEFAULT_LOCAL_DIR
 #: Largest ``cluster.json`` read, in bytes.
-MAX_CLUSTER_FILE_BYTES = 1024 * 1024
+MAX_CLUSTER_FILE_BYTES = _contract.MAX_CLUSTER_FILE_BYTES
 #: Largest token accepted, in bytes.
-MAX_TOKEN_BYTES = 4096
+MAX_TOKEN_BYTES = _contract.MAX_TOKEN_BYTES
 #: The CA certificate's name in a local cluster's TLS directory (``tls_dir``).
-CA_FILE = "ca.pem"
+CA_FILE = _contract.CA_FILE
 #: Largest CA certificate file read, in bytes (as ``cumulus_tls::MAX_PEM_FILE_BYTES``).
-MAX_PEM_FILE_BYTES = 1024 * 1024
+MAX_PEM_FILE_BYTES = _contract.MAX_PEM_FILE_BYTES
 
 _TRUE = frozenset({"1", "true", "yes"})
 _FALSE = frozenset({"", "0", "false", "no"})
@@ -56,7 +69,7 @@ _PEM_CERTIFICATE = re.compile(
 )
 _PEM_PRIVATE_KEY = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY-----")
 #: A certificate's identity: ``cumulus://KIND/NAME`` (``cumulus_tls::Identity``).
-IDENTITY_SCHEME = "cumulus://"
+IDENTITY_SCHEME = _contract.IDENTITY_SCHEME
 _IDENTITY_NAME = re.compile(r"[A-Za-z0-9._\-@]{1,128}")
 
 
@@ -382,7 +395,9 @@ def _env_flag(env: Mapping[str, str], name: str) -> bool:
     raise ConfigError(f"bad {name}={raw!r}: expected 1, true or yes (or 0, false, no)")
 
 
-def _load_cluster_file(local_dir: Path) -> Mapping[str, object] | None:
+def _load_cluster_file(local_dir: Path) -> ClusterFileJson | None:
+    """The local cluster's ``cluster.json``, its shape checked as far as this module reads
+    it (``None`` when there is none)."""
     path = local_dir / CLUSTER_FILE
     if not path.exists():
         return None
@@ -391,11 +406,15 @@ def _load_cluster_file(local_dir: Path) -> Mapping[str, object] | None:
         parsed = json.loads(data)
     except ValueError as e:
         raise ConfigError(f"{path} is not a valid cluster file: {e}") from e
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("coordinators"), list):
+    # Typed as the contract's shape (mypy checks the field names); the values are checked
+    # here and where they are read.
+    cluster = cast(ClusterFileJson, parsed) if isinstance(parsed, dict) else None
+    if cluster is None or not isinstance(cluster.get("coordinators"), list):
         raise ConfigError(f"{path} is not a valid cluster file: no coordinators list")
-    if not isinstance(parsed.get("tls_dir", ""), (str, type(None))):
+    tls_dir: object = cluster.get("tls_dir", "")
+    if not isinstance(tls_dir, (str, type(None))):
         raise ConfigError(f"{path} is not a valid cluster file: tls_dir is not a path")
-    return parsed
+    return cluster
 
 
 def resolve(
@@ -445,12 +464,12 @@ def resolve(
     """
     env = os.environ if environ is None else environ
     local = Path(
-        local_dir if local_dir is not None else env.get("CUMULUS_LOCAL_DIR") or DEFAULT_LOCAL_DIR
+        local_dir if local_dir is not None else env.get(CLIENT_ENV_LOCAL_DIR) or DEFAULT_LOCAL_DIR
     )
     cluster_path = local / CLUSTER_FILE
-    file: Mapping[str, object] | None = None
+    file: ClusterFileJson | None = None
 
-    def cluster_file() -> Mapping[str, object] | None:
+    def cluster_file() -> ClusterFileJson | None:
         nonlocal file
         if file is None:
             file = _load_cluster_file(local)
@@ -460,12 +479,12 @@ def resolve(
     if insecure is not None:
         plaintext, insecure_origin = bool(insecure), "insecure=True"
     else:
-        plaintext, insecure_origin = _env_flag(env, "CUMULUS_INSECURE"), "CUMULUS_INSECURE"
+        plaintext, insecure_origin = _env_flag(env, CLIENT_ENV_INSECURE), CLIENT_ENV_INSECURE
     if tls_ca is not None:
         ca: Path | None = Path(tls_ca)
         ca_origin = "tls_ca="
-    elif env.get("CUMULUS_TLS_CA", "").strip():
-        ca, ca_origin = Path(env["CUMULUS_TLS_CA"].strip()), "CUMULUS_TLS_CA"
+    elif env.get(CLIENT_ENV_TLS_CA, "").strip():
+        ca, ca_origin = Path(env[CLIENT_ENV_TLS_CA].strip()), CLIENT_ENV_TLS_CA
     else:
         ca, ca_origin = None, ""
     if plaintext and ca is not None:
@@ -473,17 +492,17 @@ def resolve(
             f"both {insecure_origin} (plaintext) and {ca_origin} (TLS CA {ca}) are set: set "
             "only one (as cumulusctl requires)"
         )
-    cert, cert_origin = _path_setting(tls_cert, "tls_cert=", env, "CUMULUS_TLS_CERT")
-    key, key_origin = _path_setting(tls_key, "tls_key=", env, "CUMULUS_TLS_KEY")
+    cert, cert_origin = _path_setting(tls_cert, "tls_cert=", env, CLIENT_ENV_TLS_CERT)
+    key, key_origin = _path_setting(tls_key, "tls_key=", env, CLIENT_ENV_TLS_KEY)
     if cert is not None and key is None:
         raise ConfigError(
             f"{cert_origin} (TLS client certificate {cert}) is set without its private key: "
-            "pass tls_key= (or set CUMULUS_TLS_KEY) too"
+            f"pass tls_key= (or set {CLIENT_ENV_TLS_KEY}) too"
         )
     if key is not None and cert is None:
         raise ConfigError(
             f"{key_origin} (TLS client key {key}) is set without its certificate: pass "
-            "tls_cert= (or set CUMULUS_TLS_CERT) too"
+            f"tls_cert= (or set {CLIENT_ENV_TLS_CERT}) too"
         )
     certified = cert is not None
     if plaintext and certified:
@@ -496,14 +515,14 @@ def resolve(
     from_file = False
     if addresses is not None:
         raw, origin = _split(addresses), "addresses"
-    elif env.get("CUMULUS_HTTP", "").strip():
-        raw, origin = _split(env["CUMULUS_HTTP"]), "CUMULUS_HTTP"
-    elif env.get("CUMULUS_ADDR", "").strip():
+    elif env.get(CLIENT_ENV_HTTP, "").strip():
+        raw, origin = _split(env[CLIENT_ENV_HTTP]), CLIENT_ENV_HTTP
+    elif env.get(CLIENT_ENV_ADDR, "").strip():
         # cumulusctl: explicit gRPC addresses of another cluster; the local file's HTTP
         # ports would be wrong.
         raise ConfigError(
-            "CUMULUS_ADDR names coordinator gRPC addresses, but the Python client speaks "
-            "HTTP: set CUMULUS_HTTP (or pass addresses=[...]) to the coordinators' HTTP "
+            f"{CLIENT_ENV_ADDR} names coordinator gRPC addresses, but the Python client speaks "
+            f"HTTP: set {CLIENT_ENV_HTTP} (or pass addresses=[...]) to the coordinators' HTTP "
             "host:port"
         )
     else:
@@ -518,7 +537,7 @@ def resolve(
         from_file = True
     if not raw:
         raise ConfigError(
-            "no coordinator HTTP address: pass addresses=[...], set CUMULUS_HTTP, or start "
+            f"no coordinator HTTP address: pass addresses=[...], set {CLIENT_ENV_HTTP}, or start "
             f"a local cluster with `cumulusctl local up` (looked for {cluster_path})"
         )
     host_ports = list(dict.fromkeys(_host_port(a, origin) for a in raw))
@@ -532,21 +551,21 @@ def resolve(
         # A user's certificate alone: never the environment's or the local cluster's
         # (administrator) token, which would decide alone.
         tok = None
-    elif env.get("CUMULUS_TOKEN") and env.get("CUMULUS_TOKEN_FILE"):
+    elif env.get(CLIENT_ENV_TOKEN) and env.get(CLIENT_ENV_TOKEN_FILE):
         raise ConfigError(
-            "both CUMULUS_TOKEN and CUMULUS_TOKEN_FILE are set; set only one (as cumulusctl "
-            "requires)"
+            f"both {CLIENT_ENV_TOKEN} and {CLIENT_ENV_TOKEN_FILE} are set; set only one (as "
+            "cumulusctl requires)"
         )
-    elif env.get("CUMULUS_TOKEN"):
-        tok = check_token(env["CUMULUS_TOKEN"].strip(), "CUMULUS_TOKEN")
-    elif env.get("CUMULUS_TOKEN_FILE"):
-        tok = read_token_file(env["CUMULUS_TOKEN_FILE"])
+    elif env.get(CLIENT_ENV_TOKEN):
+        tok = check_token(env[CLIENT_ENV_TOKEN].strip(), CLIENT_ENV_TOKEN)
+    elif env.get(CLIENT_ENV_TOKEN_FILE):
+        tok = read_token_file(env[CLIENT_ENV_TOKEN_FILE])
     else:
         f = cluster_file()
         token_path = f.get("token_file") if f else None
         if not isinstance(token_path, str) or not token_path:
             raise ConfigError(
-                "no token: pass token=/token_file=, set CUMULUS_TOKEN_FILE, or start a "
+                f"no token: pass token=/token_file=, set {CLIENT_ENV_TOKEN_FILE}, or start a "
                 f"local cluster with `cumulusctl local up` (looked for {cluster_path})"
             )
         tok = read_token_file(token_path)
@@ -562,22 +581,22 @@ def resolve(
     elif certified:
         raise ConfigError(
             f"no TLS CA certificate for the coordinators at {origin}: the TLS client "
-            f"certificate ({cert_origin} {cert}) needs one: set CUMULUS_TLS_CA (or pass "
+            f"certificate ({cert_origin} {cert}) needs one: set {CLIENT_ENV_TLS_CA} (or pass "
             "tls_ca=) to the cluster's CA certificate (a local cluster's is "
             "<local-dir>/tls/ca.pem)"
         )
     else:
         raise ConfigError(
-            f"no TLS CA certificate for the coordinators at {origin}: set CUMULUS_TLS_CA (or "
+            f"no TLS CA certificate for the coordinators at {origin}: set {CLIENT_ENV_TLS_CA} (or "
             "pass tls_ca=) to the cluster's CA certificate (a local cluster's is "
-            "<local-dir>/tls/ca.pem), or CUMULUS_INSECURE=1 (insecure=True) for a cluster "
+            f"<local-dir>/tls/ca.pem), or {CLIENT_ENV_INSECURE}=1 (insecure=True) for a cluster "
             "started with --insecure"
         )
     if certified and ca_file is None:
         raise ConfigError(
             f"the TLS client certificate ({cert_origin} {cert}) needs TLS, but the local "
             f"cluster of {cluster_path} is plaintext (started with --insecure): pass tls_ca= "
-            "(or set CUMULUS_TLS_CA) for a TLS cluster, or leave the certificate out"
+            f"(or set {CLIENT_ENV_TLS_CA}) for a TLS cluster, or leave the certificate out"
         )
     scheme = "http" if ca_file is None else "https"
     urls = tuple(f"{scheme}://{hp}" for hp in host_ports)

@@ -60,6 +60,7 @@ from typing import Any
 import httpx
 from httpx_sse import EventSource, SSEError
 
+from cumulus import _contract
 from cumulus._config import Connection, normalize_address, resolve
 from cumulus.errors import (
     ApiError,
@@ -88,22 +89,22 @@ from cumulus.models import (
 __all__ = ["LEADER_HTTP_HEADER", "Client", "Job", "new_request_id"]
 
 #: Header naming the leader's HTTP address in a follower's 503.
-LEADER_HTTP_HEADER = "x-cumulus-leader-http"
+LEADER_HTTP_HEADER = _contract.LEADER_HTTP_HEADER
 #: Longest request id, in bytes.
-MAX_REQUEST_ID_BYTES = 128
+MAX_REQUEST_ID_BYTES = _contract.MAX_REQUEST_ID_BYTES
 #: Most ``env`` entries of a job.
-MAX_ENV = 256
+MAX_ENV = _contract.MAX_ENV_ENTRIES
 #: Most whole GPUs one rank may ask for (``gpus_per_rank``).
-MAX_GPUS_PER_RANK = 64
+MAX_GPUS_PER_RANK = _contract.MAX_GPUS_PER_WORKER
 #: Thousandths of a GPU in one whole GPU: a ``gpu_memory_fraction`` is kept in these steps.
-WHOLE_GPU_PERMILLE = 1000
+WHOLE_GPU_PERMILLE = _contract.WHOLE_GPU_PERMILLE
 #: Consecutive failed log-stream connections before :meth:`Job.logs` gives up.
 LOG_MAX_CONSECUTIVE_FAILURES = 20
 #: A silent log stream is presumed dead (and resumed elsewhere) after this, in seconds.
 LOG_READ_TIMEOUT_S = 30.0
 #: Longest time limit a job may ask for, in seconds (365 days; the coordinator's
 #: ``MAX_TIME_LIMIT_MS``).
-MAX_TIME_LIMIT_S = 365 * 86_400
+MAX_TIME_LIMIT_S = _contract.MAX_TIME_LIMIT_MS // 1000
 #: Largest checkpoint step (``resume_from``): the coordinator keeps steps as ``u64``.
 MAX_STEP = 2**64 - 1
 #: A job id as the leader makes them: ``job-`` and 6 to 20 ASCII digits (the Rust
@@ -114,7 +115,11 @@ JOB_ID_PATTERN = re.compile(r"job-[0-9]{6,20}")
 MAX_PURGE_AGE_MS = 2**53 - 1
 #: Most job summaries one :meth:`Client.summaries` call asks for (the coordinator's
 #: ``MAX_SUMMARIES``).
-MAX_SUMMARIES = 10_000
+MAX_SUMMARIES = _contract.MAX_SUMMARIES
+#: Highest queue priority a job may have (and, negated, the lowest).
+_MAX_PRIORITY = _contract.MAX_PRIORITY
+#: Longest stop grace a job may ask for, in seconds.
+_MAX_STOP_GRACE_S = _contract.MAX_STOP_GRACE_MS // 1000
 
 
 def new_request_id() -> str:
@@ -385,8 +390,8 @@ def _summaries_params(state: object, limit: object) -> dict[str, str]:
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_SUMMARIES:
             raise InvalidSpec(
-                f"limit must be None (the coordinator's default, 1000) or an int "
-                f"1..={MAX_SUMMARIES}, got {limit!r}",
+                f"limit must be None (the coordinator's default, {_contract.DEFAULT_SUMMARIES}) "
+                f"or an int 1..={MAX_SUMMARIES}, got {limit!r}",
                 status=None,
             )
         params["limit"] = str(limit)
@@ -445,10 +450,10 @@ class Client:
         tls_key: str | os.PathLike[str] | None = None,
         insecure: bool | None = None,
         local_dir: str | os.PathLike[str] | None = None,
-        timeout_s: float = 10.0,
-        connect_timeout_s: float = 2.0,
-        retry_max_tries: int = 20,
-        retry_total_s: float = 30.0,
+        timeout_s: float = _contract.REQUEST_TIMEOUT_MS / 1000,
+        connect_timeout_s: float = _contract.CONNECT_TIMEOUT_MS / 1000,
+        retry_max_tries: int = _contract.RETRY_MAX_TRIES,
+        retry_total_s: float = _contract.RETRY_TOTAL_MS / 1000,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.connection: Connection = resolve(
@@ -512,7 +517,8 @@ class Client:
     # -- transport -------------------------------------------------------------------
 
     def _backoff_s(self, retry: int) -> float:
-        return float(min(0.1 * 2 ** max(retry - 1, 0), 2.0))
+        initial_s = _contract.RETRY_BACKOFF_INITIAL_MS / 1000
+        return float(min(initial_s * 2 ** max(retry - 1, 0), _contract.RETRY_BACKOFF_MAX_MS / 1000))
 
     def _request(
         self,
@@ -754,10 +760,11 @@ class Client:
             if (
                 isinstance(stop_grace_s, bool)
                 or not isinstance(stop_grace_s, (int, float))
-                or not 0 <= stop_grace_s <= 3600
+                or not 0 <= stop_grace_s <= _MAX_STOP_GRACE_S
             ):
                 raise InvalidSpec(
-                    f"stop_grace_s must be a number of seconds in 0..=3600, got {stop_grace_s!r}",
+                    f"stop_grace_s must be a number of seconds in 0..={_MAX_STOP_GRACE_S}, "
+                    f"got {stop_grace_s!r}",
                     status=None,
                 )
             spec["stop_grace_ms"] = round(stop_grace_s * 1000)
@@ -765,10 +772,11 @@ class Client:
             if (
                 isinstance(priority, bool)
                 or not isinstance(priority, int)
-                or not -1000 <= priority <= 1000
+                or not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY
             ):
                 raise InvalidSpec(
-                    f"priority must be an integer in -1000..=1000, got {priority!r}",
+                    f"priority must be an integer in -{_MAX_PRIORITY}..={_MAX_PRIORITY}, "
+                    f"got {priority!r}",
                     status=None,
                 )
             spec["priority"] = priority
@@ -890,7 +898,7 @@ class Client:
         except Conflict:
             # A retried cancel whose first try went through, or a second cancel.
             info = self.get_job(job_id)
-            if info.state == "cancelled":
+            if info.state == _contract.JobState.CANCELLED.value:
                 return info
             raise
         return self._job_answer(f"/v1/jobs/{job_id}/cancel", body)
@@ -914,7 +922,9 @@ class Client:
         except Conflict:
             # A retried pause whose first try went through, or a second pause.
             info = self.get_job(job_id)
-            if info.state == "paused" or (info.stop_action == "pause" and not info.finished):
+            paused = _contract.JobState.PAUSED.value
+            pausing = info.stop_action == _contract.StopAction.PAUSE.value
+            if info.state == paused or (pausing and not info.finished):
                 return info
             raise
         return self._job_answer(path, body)
@@ -936,7 +946,8 @@ class Client:
         except Conflict:
             # A retried resume whose first try went through.
             info = self.get_job(job_id)
-            if info.state in ("pending", "running") and not info.stop_action:
+            queued = (_contract.JobState.PENDING.value, _contract.JobState.RUNNING.value)
+            if info.state in queued and not info.stop_action:
                 return info
             raise
         return self._job_answer(path, body)

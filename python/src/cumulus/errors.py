@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cumulus import _contract
+
 if TYPE_CHECKING:
     from cumulus.models import JobInfo
 
@@ -76,7 +78,8 @@ class RankEnvironmentError(CumulusError, ValueError):
     @property
     def is_resume(self) -> bool:
         """Whether the problem concerns the resume variables (``CUMULUS_RESUME_*``)."""
-        return "CUMULUS_RESUME" in (self.name or "") or "CUMULUS_RESUME" in str(self)
+        names = (_contract.RANK_ENV_RESUME_DIR, _contract.RANK_ENV_RESUME_STEP)
+        return any(n in (self.name or "") or n in str(self) for n in names)
 
 
 class CheckpointsDisabled(CumulusError, RuntimeError):

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from cumulus import _contract
 from cumulus.errors import ProtocolError
 
 __all__ = [
@@ -32,20 +33,12 @@ __all__ = [
 ]
 
 #: Every job state, in the order of the Rust ``JobState``.
-JOB_STATES: tuple[str, ...] = (
-    "pending",
-    "running",
-    "succeeded",
-    "failed",
-    "cancelled",
-    "paused",
-    "timed_out",
-)
+JOB_STATES: tuple[str, ...] = _contract.JOB_STATES
 #: Job states after which nothing changes (``paused`` is not one: a paused job can be
 #: resumed or cancelled).
-FINISHED_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
+FINISHED_STATES = _contract.TERMINAL_JOB_STATES
 #: Values of :attr:`JobInfo.stop_action` while a stop of the job's ranks is in flight.
-STOP_ACTIONS = frozenset({"pause", "time_limit", "preempt"})
+STOP_ACTIONS = frozenset(_contract.STOP_ACTIONS) - {_contract.StopAction.STOP.value}
 
 T = TypeVar("T")
 
@@ -299,17 +292,17 @@ class JobInfo:
     def paused(self) -> bool:
         """Whether the job is paused (:meth:`Job.resume <cumulus.Job.resume>` continues
         it)."""
-        return self.state == "paused"
+        return self.state == _contract.JobState.PAUSED.value
 
     @property
     def timed_out(self) -> bool:
         """Whether the job ended at its time limit."""
-        return self.state == "timed_out"
+        return self.state == _contract.JobState.TIMED_OUT.value
 
     @property
     def succeeded(self) -> bool:
         """Whether the job succeeded."""
-        return self.state == "succeeded"
+        return self.state == _contract.JobState.SUCCEEDED.value
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> JobInfo:

@@ -143,12 +143,9 @@ pub struct ResumeFrom {
 // The planner (no dependency on the contract crate) spells a whole GPU too.
 const _: () = assert!(shard_planner::WHOLE_GPU_PERMILLE == cumulus_api::gpus::WHOLE_GPU_PERMILLE);
 
-/// Longest stop grace a job may ask for: 1 hour, in milliseconds.
-pub const MAX_STOP_GRACE_MS: u64 = 3_600_000;
-/// Highest queue priority (and, negated, the lowest).
-pub const MAX_PRIORITY: i32 = 1_000;
-/// Longest time limit a job may ask for: 365 days, in milliseconds.
-pub const MAX_TIME_LIMIT_MS: u64 = 365 * 86_400_000;
+// The stop grace, priority and time limit bounds are the contract's (the CLI and the
+// Python SDK check them too).
+pub use cumulus_api::limits::{MAX_PRIORITY, MAX_STOP_GRACE_MS, MAX_TIME_LIMIT_MS};
 
 impl JobSpec {
     /// The smallest spec: `world_size` ranks running `command`, every other field at the

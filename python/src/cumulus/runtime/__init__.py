@@ -72,6 +72,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from cumulus._contract import RANK_ENV_CUDA_VISIBLE_DEVICES, RANK_ENV_GPU_MEMORY_FRACTION
 from cumulus.errors import CumulusError, RankEnvironmentError
 from cumulus.runtime._agent import AgentClient
 from cumulus.runtime._checkpoint import (
@@ -300,17 +301,17 @@ class Runtime:
             torch = importlib.import_module("torch")
         except ImportError as e:
             raise ImportError(
-                f"CUMULUS_GPU_MEMORY_FRACTION={fraction} is set (the job was submitted with "
+                f"{RANK_ENV_GPU_MEMORY_FRACTION}={fraction} is set (the job was submitted with "
                 "--gpu-memory-fraction) but PyTorch cannot be imported here: "
                 f"apply_gpu_memory_fraction() needs torch with CUDA ({e})"
             ) from e
         if not torch.cuda.is_available():
             raise RankEnvironmentError(
-                f"CUMULUS_GPU_MEMORY_FRACTION={fraction} is set (the job was submitted with "
+                f"{RANK_ENV_GPU_MEMORY_FRACTION}={fraction} is set (the job was submitted with "
                 "--gpu-memory-fraction) but torch.cuda.is_available() is False: this rank "
                 "sees no CUDA GPU (a CPU-only torch, no driver, or an empty "
-                "CUDA_VISIBLE_DEVICES), so there is no GPU memory to limit",
-                "CUMULUS_GPU_MEMORY_FRACTION",
+                f"{RANK_ENV_CUDA_VISIBLE_DEVICES}), so there is no GPU memory to limit",
+                RANK_ENV_GPU_MEMORY_FRACTION,
             )
         if device is None:
             device = torch.cuda.current_device()

@@ -25,8 +25,9 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from cumulus._contract import MANIFEST_FILE, MAX_STATE_JSON_BYTES, Manifest, ManifestPart
 from cumulus.errors import (
     AgentError,
     CheckpointFailed,
@@ -51,7 +52,7 @@ __all__ = [
 ]
 
 #: Largest checkpoint ``state``, serialized compactly, in bytes (the agent's limit).
-MAX_STATE_BYTES = 64 * 1024
+MAX_STATE_BYTES = MAX_STATE_JSON_BYTES
 #: File in every part holding the ``state`` it was committed with (read by ``resume()``
 #: whatever the storage backend). The name is reserved in the staging dir.
 STATE_FILE = "cumulus-state.json"
@@ -282,14 +283,22 @@ def _read_state_file(part: Path) -> dict[str, Any] | None:
 def _read_manifest_state(part: Path, rank: int) -> dict[str, Any] | None:
     """The part's state from the step's ``MANIFEST.json`` (local layout:
     ``step-N/rank-R/attempt-A``), or ``None``."""
-    manifest = part.parent.parent / "MANIFEST.json"
+    path = part.parent.parent / MANIFEST_FILE
     try:
-        parsed = json.loads(manifest.read_bytes())
+        parsed = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return None
-    for p in parsed.get("parts", []) if isinstance(parsed, dict) else []:
-        if isinstance(p, dict) and p.get("rank") == rank and isinstance(p.get("state"), dict):
-            return dict(p["state"])
+    if not isinstance(parsed, dict):
+        return None
+    # Read as the contract's shapes, so that mypy checks the field names; the values are
+    # still checked, as anything read from disk.
+    parts: object = cast(Manifest, parsed).get("parts", [])
+    for p in parts if isinstance(parts, list) else []:
+        if not isinstance(p, dict):
+            continue
+        entry = cast(ManifestPart, p)
+        if entry.get("rank") == rank and isinstance(entry.get("state"), dict):
+            return dict(entry["state"])
     return None
 
 

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from cumulus import _contract
 from cumulus.errors import StaleAttempt
 from cumulus.runtime._agent import ACTION_NONE, CONTROL_TIMEOUT_S, AgentClient
 
@@ -50,18 +51,18 @@ __all__ = [
 #: Least time between two ``GET /v1/control`` polls made by the checks, in seconds.
 CONTROL_POLL_INTERVAL_S = 1.0
 #: The attempt is no longer wanted (job cancelled, group restart, the job ended): exit.
-ACTION_STOP = "stop"
+ACTION_STOP = _contract.StopAction.STOP.value
 #: The user paused the job: commit a checkpoint at the current step and exit 0; the job
 #: resumes from it later.
-ACTION_PAUSE = "pause"
+ACTION_PAUSE = _contract.StopAction.PAUSE.value
 #: The job's time limit is near: commit a checkpoint and exit 0; the job ends
 #: ``timed_out``.
-ACTION_TIME_LIMIT = "time_limit"
+ACTION_TIME_LIMIT = _contract.StopAction.TIME_LIMIT.value
 #: The scheduler needs the slots: as a pause, and the job is queued again.
-ACTION_PREEMPT = "preempt"
+ACTION_PREEMPT = _contract.StopAction.PREEMPT.value
 #: Every stop action of the rank-local API (a newer agent may add others: each is a
 #: request to stop).
-STOP_ACTIONS = frozenset({ACTION_STOP, ACTION_PAUSE, ACTION_TIME_LIMIT, ACTION_PREEMPT})
+STOP_ACTIONS = frozenset(_contract.STOP_ACTIONS)
 #: Actions after which the job continues later, from the checkpoint committed now.
 PAUSE_ACTIONS = frozenset({ACTION_PAUSE, ACTION_PREEMPT})
 

@@ -10,6 +10,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cumulus import _contract
+from cumulus._contract import (
+    RANK_CONTRACT_VARS,
+    RANK_ENV_AGENT_SOCKET,
+    RANK_ENV_AGENT_TOKEN,
+    RANK_ENV_AGENT_URL,
+    RANK_ENV_ATTEMPT,
+    RANK_ENV_CKPT_STAGING,
+    RANK_ENV_GPU_MEMORY_FRACTION,
+    RANK_ENV_JOB_ID,
+    RANK_ENV_LOCAL_RANK,
+    RANK_ENV_LOCAL_WORLD_SIZE,
+    RANK_ENV_MASTER_ADDR,
+    RANK_ENV_MASTER_PORT,
+    RANK_ENV_RANK,
+    RANK_ENV_RESUME_DIR,
+    RANK_ENV_RESUME_STEP,
+    RANK_ENV_SHARDS_FILE,
+    RANK_ENV_WORLD_SIZE,
+)
 from cumulus.errors import NotInCumulusRank, RankEnvironmentError
 
 __all__ = [
@@ -27,49 +47,32 @@ __all__ = [
 
 #: The variables of the rank contract, as the worker agent sets them. A job's own ``env``
 #: entry with one of these names is dropped by the agent, so a job cannot fake them.
-CONTRACT_VARS: tuple[str, ...] = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUMULUS_JOB_ID",
-    "CUMULUS_ATTEMPT",
-    "CUMULUS_SHARDS_FILE",
-    "CUMULUS_AGENT_URL",
-    "CUMULUS_AGENT_TOKEN",
-    "CUMULUS_AGENT_SOCKET",
-    "CUMULUS_CKPT_STAGING",
-    "CUMULUS_RESUME_DIR",
-    "CUMULUS_RESUME_STEP",
-    "CUMULUS_GPU_MEMORY_FRACTION",
-)
+CONTRACT_VARS: tuple[str, ...] = RANK_CONTRACT_VARS
 
 #: Variables the agent always sets for a rank (the others depend on the job).
 REQUIRED_VARS: tuple[str, ...] = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUMULUS_ATTEMPT",
-    "CUMULUS_SHARDS_FILE",
-    "CUMULUS_AGENT_URL",
-    "CUMULUS_AGENT_TOKEN",
+    RANK_ENV_RANK,
+    RANK_ENV_WORLD_SIZE,
+    RANK_ENV_LOCAL_RANK,
+    RANK_ENV_LOCAL_WORLD_SIZE,
+    RANK_ENV_MASTER_ADDR,
+    RANK_ENV_MASTER_PORT,
+    RANK_ENV_ATTEMPT,
+    RANK_ENV_SHARDS_FILE,
+    RANK_ENV_AGENT_URL,
+    RANK_ENV_AGENT_TOKEN,
 )
 
 #: Variables that only a Cumulus rank has; one of them without ``CUMULUS_JOB_ID`` means a
 #: broken environment, not a standalone run.
 _AGENT_ONLY_VARS: tuple[str, ...] = (
-    "CUMULUS_ATTEMPT",
-    "CUMULUS_AGENT_URL",
-    "CUMULUS_AGENT_TOKEN",
-    "CUMULUS_AGENT_SOCKET",
-    "CUMULUS_CKPT_STAGING",
-    "CUMULUS_RESUME_DIR",
-    "CUMULUS_RESUME_STEP",
+    RANK_ENV_ATTEMPT,
+    RANK_ENV_AGENT_URL,
+    RANK_ENV_AGENT_TOKEN,
+    RANK_ENV_AGENT_SOCKET,
+    RANK_ENV_CKPT_STAGING,
+    RANK_ENV_RESUME_DIR,
+    RANK_ENV_RESUME_STEP,
 )
 
 #: ``MASTER_ADDR`` of a standalone context when the environment has none.
@@ -77,9 +80,9 @@ DEFAULT_MASTER_ADDR = "127.0.0.1"
 #: ``MASTER_PORT`` of a standalone context when the environment has none (torchrun's).
 DEFAULT_MASTER_PORT = 29500
 #: Largest shards file read, in bytes (as the Rust example trainer).
-MAX_SHARDS_FILE_BYTES = 64 << 20
+MAX_SHARDS_FILE_BYTES = _contract.MAX_SHARDS_FILE_BYTES
 #: Most shards one rank may be given (the job-wide limit of Cumulus).
-MAX_SHARDS = 100_000
+MAX_SHARDS = _contract.MAX_SHARDS
 #: Longest ``CUMULUS_AGENT_SOCKET`` path, in bytes: a Unix socket address holds 108 bytes
 #: (``sun_path`` on Linux), the path's terminating NUL included.
 MAX_AGENT_SOCKET_BYTES = 107
@@ -199,7 +202,7 @@ _DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)", re.ASCII)
 
 def _gpu_memory_fraction(env: Mapping[str, str]) -> float | None:
     """``CUMULUS_GPU_MEMORY_FRACTION`` as a float ``0 < f <= 1``, ``None`` when unset."""
-    raw = _get(env, "CUMULUS_GPU_MEMORY_FRACTION")
+    raw = _get(env, RANK_ENV_GPU_MEMORY_FRACTION)
     if raw is None:
         return None
     text = raw.strip()
@@ -207,9 +210,9 @@ def _gpu_memory_fraction(env: Mapping[str, str]) -> float | None:
     value = float(text) if _DECIMAL.fullmatch(text) else math.nan
     if not (math.isfinite(value) and 0.0 < value <= 1.0):
         raise RankEnvironmentError(
-            f"environment variable CUMULUS_GPU_MEMORY_FRACTION={_cut(raw)!r} is invalid: "
+            f"environment variable {RANK_ENV_GPU_MEMORY_FRACTION}={_cut(raw)!r} is invalid: "
             "expected a decimal fraction 0 < f <= 1 (e.g. 0.5)",
-            "CUMULUS_GPU_MEMORY_FRACTION",
+            RANK_ENV_GPU_MEMORY_FRACTION,
         )
     return value
 
@@ -227,56 +230,56 @@ def read_shards_file(path: Path) -> tuple[Path, ...]:
             data = f.read(MAX_SHARDS_FILE_BYTES + 1)
     except OSError as e:
         raise RankEnvironmentError(
-            f"cannot read the shards file {path} (CUMULUS_SHARDS_FILE): {e}",
-            "CUMULUS_SHARDS_FILE",
+            f"cannot read the shards file {path} ({RANK_ENV_SHARDS_FILE}): {e}",
+            RANK_ENV_SHARDS_FILE,
         ) from e
     if len(data) > MAX_SHARDS_FILE_BYTES:
         raise RankEnvironmentError(
             f"shards file {path} is larger than {MAX_SHARDS_FILE_BYTES} bytes",
-            "CUMULUS_SHARDS_FILE",
+            RANK_ENV_SHARDS_FILE,
         )
     text = data.decode("utf-8", errors="surrogateescape")
     shards = tuple(Path(line.rstrip("\r")) for line in text.split("\n") if line.strip())
     if len(shards) > MAX_SHARDS:
         raise RankEnvironmentError(
             f"shards file {path} lists {len(shards)} shards, at most {MAX_SHARDS}",
-            "CUMULUS_SHARDS_FILE",
+            RANK_ENV_SHARDS_FILE,
         )
     return shards
 
 
 def _resume(env: Mapping[str, str]) -> tuple[int | None, Path | None]:
-    dir_raw = _get(env, "CUMULUS_RESUME_DIR")
-    step_raw = _get(env, "CUMULUS_RESUME_STEP")
+    dir_raw = _get(env, RANK_ENV_RESUME_DIR)
+    step_raw = _get(env, RANK_ENV_RESUME_STEP)
     if dir_raw is None and step_raw is None:
         return None, None
     if dir_raw is None:
         raise RankEnvironmentError(
-            "CUMULUS_RESUME_STEP is set but CUMULUS_RESUME_DIR is not", "CUMULUS_RESUME_DIR"
+            f"{RANK_ENV_RESUME_STEP} is set but {RANK_ENV_RESUME_DIR} is not", RANK_ENV_RESUME_DIR
         )
     if step_raw is None:
         raise RankEnvironmentError(
-            "CUMULUS_RESUME_DIR is set but CUMULUS_RESUME_STEP is not", "CUMULUS_RESUME_STEP"
+            f"{RANK_ENV_RESUME_DIR} is set but {RANK_ENV_RESUME_STEP} is not", RANK_ENV_RESUME_STEP
         )
     step = _int(
         env,
-        "CUMULUS_RESUME_STEP",
+        RANK_ENV_RESUME_STEP,
         what="a non-negative integer (the checkpoint step)",
     )
     return step, Path(dir_raw)
 
 
 def _agent_url(env: Mapping[str, str]) -> str:
-    url = _get(env, "CUMULUS_AGENT_URL")
+    url = _get(env, RANK_ENV_AGENT_URL)
     if url is None:
         raise RankEnvironmentError(
-            "environment variable CUMULUS_AGENT_URL is not set", "CUMULUS_AGENT_URL"
+            f"environment variable {RANK_ENV_AGENT_URL} is not set", RANK_ENV_AGENT_URL
         )
     if not url.startswith(("http://", "https://")):
         raise RankEnvironmentError(
-            f"environment variable CUMULUS_AGENT_URL={_cut(url)!r} is invalid: "
+            f"environment variable {RANK_ENV_AGENT_URL}={_cut(url)!r} is invalid: "
             "expected an http:// or https:// URL",
-            "CUMULUS_AGENT_URL",
+            RANK_ENV_AGENT_URL,
         )
     return url.rstrip("/")
 
@@ -284,7 +287,7 @@ def _agent_url(env: Mapping[str, str]) -> str:
 def _agent_socket(env: Mapping[str, str]) -> str | None:
     """``CUMULUS_AGENT_SOCKET``: an absolute path of at most :data:`MAX_AGENT_SOCKET_BYTES`
     bytes without NUL, ``None`` when unset."""
-    path = _get(env, "CUMULUS_AGENT_SOCKET")
+    path = _get(env, RANK_ENV_AGENT_SOCKET)
     if path is None:
         return None
     problem = None
@@ -305,9 +308,9 @@ def _agent_socket(env: Mapping[str, str]) -> str | None:
                 )
     if problem is not None:
         raise RankEnvironmentError(
-            f"environment variable CUMULUS_AGENT_SOCKET={_cut(path)!r} is invalid: it "
+            f"environment variable {RANK_ENV_AGENT_SOCKET}={_cut(path)!r} is invalid: it "
             f"{problem} (expected the absolute path of the agent's Unix socket)",
-            "CUMULUS_AGENT_SOCKET",
+            RANK_ENV_AGENT_SOCKET,
         )
     return path
 
@@ -315,23 +318,30 @@ def _agent_socket(env: Mapping[str, str]) -> str | None:
 def _ranks(env: Mapping[str, str], standalone: bool) -> tuple[int, int, int, int]:
     """``(rank, world_size, local_rank, local_world_size)``, checked against each other."""
     default = (lambda d: d) if standalone else (lambda d: None)
-    world_size = _int(env, "WORLD_SIZE", default=default(1), minimum=1, what="a positive integer")
-    rank = _int(env, "RANK", default=default(0))
-    local_world_size = _int(
-        env, "LOCAL_WORLD_SIZE", default=default(1), minimum=1, what="a positive integer"
+    world_size = _int(
+        env, RANK_ENV_WORLD_SIZE, default=default(1), minimum=1, what="a positive integer"
     )
-    local_rank = _int(env, "LOCAL_RANK", default=default(0))
+    rank = _int(env, RANK_ENV_RANK, default=default(0))
+    local_world_size = _int(
+        env, RANK_ENV_LOCAL_WORLD_SIZE, default=default(1), minimum=1, what="a positive integer"
+    )
+    local_rank = _int(env, RANK_ENV_LOCAL_RANK, default=default(0))
     if rank >= world_size:
-        raise RankEnvironmentError(f"RANK={rank} must be below WORLD_SIZE={world_size}", "RANK")
+        raise RankEnvironmentError(
+            f"{RANK_ENV_RANK}={rank} must be below {RANK_ENV_WORLD_SIZE}={world_size}",
+            RANK_ENV_RANK,
+        )
     if local_rank >= local_world_size:
         raise RankEnvironmentError(
-            f"LOCAL_RANK={local_rank} must be below LOCAL_WORLD_SIZE={local_world_size}",
-            "LOCAL_RANK",
+            f"{RANK_ENV_LOCAL_RANK}={local_rank} must be below "
+            f"{RANK_ENV_LOCAL_WORLD_SIZE}={local_world_size}",
+            RANK_ENV_LOCAL_RANK,
         )
     if local_world_size > world_size:
         raise RankEnvironmentError(
-            f"LOCAL_WORLD_SIZE={local_world_size} is larger than WORLD_SIZE={world_size}",
-            "LOCAL_WORLD_SIZE",
+            f"{RANK_ENV_LOCAL_WORLD_SIZE}={local_world_size} is larger than "
+            f"{RANK_ENV_WORLD_SIZE}={world_size}",
+            RANK_ENV_LOCAL_WORLD_SIZE,
         )
     return rank, world_size, local_rank, local_world_size
 
@@ -346,18 +356,18 @@ def context_from_env(env: Mapping[str, str], *, standalone: bool = False) -> Con
     :raises RankEnvironmentError: a variable is missing or malformed, or Cumulus-only
         variables are set without ``CUMULUS_JOB_ID``.
     """
-    job_id = _get(env, "CUMULUS_JOB_ID")
+    job_id = _get(env, RANK_ENV_JOB_ID)
     if job_id is None:
         stray = [name for name in _AGENT_ONLY_VARS if _get(env, name) is not None]
         if stray:
             raise RankEnvironmentError(
-                f"{', '.join(stray)} set but CUMULUS_JOB_ID is not: this is neither a "
+                f"{', '.join(stray)} set but {RANK_ENV_JOB_ID} is not: this is neither a "
                 "Cumulus rank (the worker agent sets them all) nor a clean standalone run",
                 stray[0],
             )
         if not standalone:
             raise NotInCumulusRank(
-                "not running as a Cumulus rank (CUMULUS_JOB_ID is not set); submit the "
+                f"not running as a Cumulus rank ({RANK_ENV_JOB_ID} is not set); submit the "
                 "script to a cluster (cumulusctl submit / cumulus.Client.submit), or call "
                 "get_context(standalone=True) to run it under plain python or torchrun"
             )
@@ -366,30 +376,32 @@ def context_from_env(env: Mapping[str, str], *, standalone: bool = False) -> Con
     missing = [name for name in REQUIRED_VARS if _get(env, name) is None]
     if missing:
         raise RankEnvironmentError(
-            f"CUMULUS_JOB_ID={_cut(job_id)!r} is set but {', '.join(missing)} "
+            f"{RANK_ENV_JOB_ID}={_cut(job_id)!r} is set but {', '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} not: the rank environment is "
             "incomplete (is this process really started by a Cumulus worker agent?)",
             missing[0],
         )
     rank, world_size, local_rank, local_world_size = _ranks(env, standalone=False)
-    master_addr = _get(env, "MASTER_ADDR") or DEFAULT_MASTER_ADDR
-    master_port = _int(env, "MASTER_PORT", minimum=1, maximum=65535, what="a TCP port (1..=65535)")
-    attempt = _int(env, "CUMULUS_ATTEMPT")
+    master_addr = _get(env, RANK_ENV_MASTER_ADDR) or DEFAULT_MASTER_ADDR
+    master_port = _int(
+        env, RANK_ENV_MASTER_PORT, minimum=1, maximum=65535, what="a TCP port (1..=65535)"
+    )
+    attempt = _int(env, RANK_ENV_ATTEMPT)
     agent_url = _agent_url(env)
-    agent_token = _get(env, "CUMULUS_AGENT_TOKEN")
+    agent_token = _get(env, RANK_ENV_AGENT_TOKEN)
     agent_socket = _agent_socket(env)
-    shards_file = _get(env, "CUMULUS_SHARDS_FILE")
+    shards_file = _get(env, RANK_ENV_SHARDS_FILE)
     assert shards_file is not None  # checked with REQUIRED_VARS
     shard_paths = read_shards_file(Path(shards_file))
-    staging_raw = _get(env, "CUMULUS_CKPT_STAGING")
+    staging_raw = _get(env, RANK_ENV_CKPT_STAGING)
     staging_dir = Path(staging_raw) if staging_raw is not None else None
     resume_step, resume_dir = _resume(env)
     gpu_memory_fraction = _gpu_memory_fraction(env)
     if resume_step is not None and staging_dir is None:
         raise RankEnvironmentError(
-            "CUMULUS_RESUME_STEP is set but CUMULUS_CKPT_STAGING is not: a resumed job "
+            f"{RANK_ENV_RESUME_STEP} is set but {RANK_ENV_CKPT_STAGING} is not: a resumed job "
             "always has a checkpoint target",
-            "CUMULUS_RESUME_STEP",
+            RANK_ENV_RESUME_STEP,
         )
     return Context(
         rank=rank,
@@ -416,21 +428,21 @@ def _standalone(env: Mapping[str, str]) -> Context:
     rank, world_size, local_rank, local_world_size = _ranks(env, standalone=True)
     master_port = _int(
         env,
-        "MASTER_PORT",
+        RANK_ENV_MASTER_PORT,
         default=DEFAULT_MASTER_PORT,
         minimum=1,
         maximum=65535,
         what="a TCP port (1..=65535)",
     )
     attempt = _int(env, "TORCHELASTIC_RESTART_COUNT", default=0)
-    shards_file = _get(env, "CUMULUS_SHARDS_FILE")
+    shards_file = _get(env, RANK_ENV_SHARDS_FILE)
     shard_paths = read_shards_file(Path(shards_file)) if shards_file is not None else ()
     return Context(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
         local_world_size=local_world_size,
-        master_addr=_get(env, "MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+        master_addr=_get(env, RANK_ENV_MASTER_ADDR) or DEFAULT_MASTER_ADDR,
         master_port=master_port,
         job_id=None,
         attempt=attempt,

@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from cumulus import _contract
 from cumulus.errors import AgentError, InvalidMetric, InvalidStep, StaleAttempt
 from cumulus.runtime._agent import AgentClient
 from cumulus.runtime._control import StopControl
@@ -41,9 +42,9 @@ __all__ = [
 ]
 
 #: Most metrics in one report (the agent's limit).
-MAX_METRICS = 64
+MAX_METRICS = _contract.MAX_METRICS
 #: Longest metric name, in UTF-8 bytes (the agent's limit).
-MAX_METRIC_NAME_BYTES = 128
+MAX_METRIC_NAME_BYTES = _contract.MAX_METRIC_NAME_BYTES
 #: Least time between two reports sent, in seconds (as the Rust example trainer).
 MIN_INTERVAL_S = 0.2
 #: Failed sends logged in full on stderr; after that only every 100th.
