@@ -61,7 +61,7 @@ async fn require_token(State(node): State<Arc<Node>>, mut req: Request, next: Ne
     let certified = req
         .extensions()
         .get::<cumulus_listen::ConnInfo>()
-        .and_then(|c| c.peer_identity());
+        .and_then(|c| c.peer_cert());
     if let Some(principal) = crate::auth::authenticate(&node, header, certified) {
         req.extensions_mut().insert(principal);
         next.run(req).await

@@ -7,9 +7,10 @@
 //! existing file creates no user; `cumulusctl logs` refused with 403 stops at once with
 //! the coordinator's message; the data dirs holding the tokens' hashes are private.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cumulus_api::{JobState, v1};
+use cumulus_coordinator::auth::USER_CERT_SKEW_MS;
 use cumulus_e2e::{Client, Cluster, ClusterOpts, wait_for};
 use tonic::Code;
 
@@ -435,7 +436,9 @@ fn ctl_with_cert(
 /// A client certificate issued by the cluster CA for a user (`certs issue user NAME`)
 /// authenticates as that user, with the role the cluster gave them, over gRPC and HTTPS
 /// (logs), with no token; it cannot act beyond that role; revoking the user revokes the
-/// certificate; a worker's certificate is not a user's.
+/// certificate, also once the name is given to a user again (a certificate issued before
+/// the new user's creation is refused as an unknown user's; a new one works); a
+/// worker's certificate is not a user's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_certificates_name_users() {
     let cluster = Cluster::start(ClusterOpts {
@@ -559,6 +562,45 @@ async fn client_certificates_name_users() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // A certificate issued for this dave as early as the rule allows (USER_CERT_SKEW_MS
+    // before their creation, to the second above) also authenticates as them.
+    let created = |users: v1::ListUsersResponse| {
+        users
+            .users
+            .iter()
+            .find(|u| u.name == "dave")
+            .map(|u| u.created_at_ms)
+            .expect("dave is listed")
+    };
+    let first_created_ms = created(
+        admin
+            .list_users(v1::ListUsersRequest {})
+            .await
+            .expect("list users")
+            .into_inner(),
+    );
+    let early_ms = (first_created_ms - USER_CERT_SKEW_MS).div_ceil(1000) * 1000;
+    let ca = cumulus_tls::generate::ClusterCa::load(
+        &tls_dir.join(cumulus_tls::generate::CA_FILE),
+        &tls_dir.join(cumulus_tls::generate::CA_KEY_FILE),
+    )
+    .expect("the cluster CA");
+    let early = ca
+        .issue_valid_from(
+            &cumulus_tls::Identity::User("dave".into()),
+            &[],
+            UNIX_EPOCH + Duration::from_millis(early_ms),
+        )
+        .expect("issue")
+        .write(&tls_dir, "user-dave-early")
+        .expect("write");
+    let out = ctl_with_cert(&cluster, &early.cert, &early.key, &["whoami"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("dave (role submit)"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     // Revoking the user revokes the certificate.
     admin
         .revoke_user(v1::RevokeUserRequest {
@@ -568,9 +610,67 @@ async fn client_certificates_name_users() {
         .expect("revoke");
     let out = ctl_with_cert(&cluster, &cert, &key, &["whoami"]);
     assert!(!out.status.success());
+    let unknown_user = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("token")
-            || String::from_utf8_lossy(&out.stderr).contains("authenticat"),
+        unknown_user.contains("token") || unknown_user.contains("authenticat"),
+        "{unknown_user}"
+    );
+
+    // The name given again (another person, another role): the certificate issued for
+    // the earlier dave, now more than USER_CERT_SKEW_MS before the new dave's creation,
+    // is refused as an unknown user's; one issued after the creation names the new dave.
+    wait_for(
+        "the clock to pass the first dave's creation by a second",
+        LONG,
+        || {
+            let now_ms = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .expect("after 1970")
+                .as_millis();
+            async move { (now_ms > u128::from(first_created_ms) + 1000).then_some(()) }
+        },
+    )
+    .await;
+    create_user(&mut admin, "dave", "read").await;
+    let second_created_ms = created(
+        admin
+            .list_users(v1::ListUsersRequest {})
+            .await
+            .expect("list users")
+            .into_inner(),
+    );
+    assert!(early_ms < second_created_ms - USER_CERT_SKEW_MS);
+    let out = ctl_with_cert(&cluster, &early.cert, &early.key, &["whoami"]);
+    assert!(!out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stderr), unknown_user);
+    let out = cluster
+        .cumulusctl(&[
+            "certs",
+            "issue",
+            "user",
+            "dave",
+            "--dir",
+            &tls_dir.display().to_string(),
+        ])
+        .expect("certs issue");
+    assert!(out.status.success());
+    let out = ctl_with_cert(&cluster, &cert, &key, &["whoami"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("dave (role read)"),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Over HTTPS (the logs) alike: the earlier dave's job's output, to the new dave only.
+    let out = ctl_with_cert(&cluster, &early.cert, &early.key, &["logs", &job_id]);
+    assert!(
+        !out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("hello-from-dave"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = ctl_with_cert(&cluster, &cert, &key, &["logs", &job_id]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("hello-from-dave"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );

@@ -68,9 +68,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use cumulus_tls::Identity;
 use cumulus_tls::rustls::ServerConfig;
 use cumulus_tls::rustls::pki_types::CertificateDer;
+use cumulus_tls::{Identity, PeerCert};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::server::graceful::GracefulShutdown;
@@ -439,7 +439,13 @@ async fn handshake(
     {
         Ok(Ok(tls)) => {
             let served = ServedStream::Tls(Box::new(tls));
-            let coordinator = matches!(served.client_identity(), Some(Identity::Coordinator(_)));
+            let coordinator = matches!(
+                served.client_cert(),
+                Some(PeerCert {
+                    identity: Identity::Coordinator(_),
+                    ..
+                })
+            );
             let ServedStream::Tls(t) = &served else {
                 unreachable!("built as TLS above")
             };
@@ -472,9 +478,10 @@ pub struct ConnInfo {
     pub peer_certs: Option<Arc<Vec<CertificateDer<'static>>>>,
     /// Whether the connection is TLS.
     pub tls: bool,
-    /// Who the verified client certificate names, parsed once per connection (not per
-    /// request: a worker's heartbeats arrive every second on the same connection).
-    pub identity: Option<Identity>,
+    /// Who the verified client certificate names and since when it is valid, parsed
+    /// once per connection (not per request: a worker's heartbeats arrive every second
+    /// on the same connection).
+    pub peer: Option<PeerCert>,
     /// The connection's requests in flight and idle time, which [`Track`] updates
     /// (`None` outside a [`BoundedListener`]).
     pub activity: Option<Arc<Activity>>,
@@ -484,7 +491,13 @@ impl ConnInfo {
     /// Who the client's verified certificate names (`None`: plaintext, no certificate,
     /// or a certificate naming no identity).
     pub fn peer_identity(&self) -> Option<Identity> {
-        self.identity.clone()
+        self.peer.as_ref().map(|p| p.identity.clone())
+    }
+
+    /// The client's verified certificate: whom it names and its notBefore (`None` as
+    /// for [`ConnInfo::peer_identity`]).
+    pub fn peer_cert(&self) -> Option<&PeerCert> {
+        self.peer.as_ref()
     }
 }
 
@@ -497,8 +510,9 @@ pub enum ServedStream {
 }
 
 impl ServedStream {
-    /// Who the verified client certificate names (`None`: plaintext, or none).
-    fn client_identity(&self) -> Option<Identity> {
+    /// Who the verified client certificate names and since when (`None`: plaintext,
+    /// none, or one naming no identity).
+    fn client_cert(&self) -> Option<PeerCert> {
         match self {
             ServedStream::Plain(_) => None,
             ServedStream::Tls(t) => t
@@ -506,7 +520,7 @@ impl ServedStream {
                 .1
                 .peer_certificates()
                 .and_then(|c| c.first())
-                .and_then(|c| cumulus_tls::identity_of(c).ok()),
+                .and_then(|c| cumulus_tls::peer_cert_of(c).ok()),
         }
     }
 
@@ -517,7 +531,7 @@ impl ServedStream {
                 remote_addr: s.peer_addr().ok(),
                 peer_certs: None,
                 tls: false,
-                identity: None,
+                peer: None,
                 activity: Some(s.slot.activity().clone()),
             },
             ServedStream::Tls(t) => {
@@ -527,7 +541,7 @@ impl ServedStream {
                     remote_addr: s.peer_addr().ok(),
                     peer_certs: certs.map(|c| Arc::new(c.to_vec())),
                     tls: true,
-                    identity: self.client_identity(),
+                    peer: self.client_cert(),
                     activity: Some(s.slot.activity().clone()),
                 }
             }

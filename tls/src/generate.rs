@@ -8,6 +8,11 @@
 //! certificate per process is enough. A user's names no host and may only connect
 //! (client auth): it can never serve as a coordinator. The CA is valid for 10 years, leaves for [`LEAF_VALIDITY_DAYS`]; both from one
 //! day before they are made, which absorbs small clock differences between machines.
+//! Except a user's: it is valid from the second it is issued, because its notBefore
+//! tells the coordinators when it was issued, and a certificate issued before its user
+//! was (re)created does not authenticate as them (the coordinator's `auth` module). A
+//! coordinator whose clock is behind the issuing machine's refuses it in the handshake
+//! (not yet valid) until its clock reaches that second.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -41,6 +46,13 @@ fn validity(params: &mut CertificateParams, days: i64) {
     params.not_after = now + time::Duration::days(days);
 }
 
+/// Valid from `not_before`, to the whole second (what X.509 stores), for
+/// [`LEAF_VALIDITY_DAYS`] from now.
+fn valid_from(params: &mut CertificateParams, not_before: time::OffsetDateTime) {
+    params.not_before = not_before.replace_nanosecond(0).unwrap_or(not_before);
+    params.not_after = time::OffsetDateTime::now_utc() + time::Duration::days(LEAF_VALIDITY_DAYS);
+}
+
 /// Parameters that name `identity` (URI subject alternative name and common name) and
 /// the hosts it serves: `hosts` and [`LOCAL_HOSTS`], each once. Nothing else: what a
 /// signing request carries.
@@ -63,8 +75,8 @@ fn named_params(identity: &Identity, hosts: &[String]) -> Result<CertificatePara
 
 /// The parameters of a leaf certificate for `identity`, valid [`LEAF_VALIDITY_DAYS`]:
 /// for a coordinator or worker, serving `hosts` and [`LOCAL_HOSTS`] with server and
-/// client authentication; for a user, client authentication only and no host (`hosts`
-/// is ignored).
+/// client authentication, from a day ago; for a user, client authentication only and no
+/// host (`hosts` is ignored), from now (the second it is issued).
 fn leaf_params(identity: &Identity, hosts: &[String]) -> Result<CertificateParams, TlsError> {
     let user = matches!(identity, Identity::User(_));
     let mut params = named_params(identity, hosts)?;
@@ -84,7 +96,11 @@ fn leaf_params(identity: &Identity, hosts: &[String]) -> Result<CertificateParam
         ]
     };
     params.use_authority_key_identifier_extension = true;
-    validity(&mut params, LEAF_VALIDITY_DAYS);
+    if user {
+        valid_from(&mut params, time::OffsetDateTime::now_utc());
+    } else {
+        validity(&mut params, LEAF_VALIDITY_DAYS);
+    }
     Ok(params)
 }
 
@@ -209,6 +225,27 @@ impl ClusterCa {
     /// [`TlsError::Generate`] for a host name rcgen cannot encode, or when signing fails.
     pub fn issue(&self, identity: &Identity, hosts: &[String]) -> Result<Issued, TlsError> {
         let params = leaf_params(identity, hosts)?;
+        self.sign_new_key(params)
+    }
+
+    /// As [`ClusterCa::issue`], but valid from `not_before` (to the second): a
+    /// certificate as an earlier issue would have made it (tests of the rule that a
+    /// certificate issued before its user was created does not authenticate).
+    ///
+    /// # Errors
+    /// As [`ClusterCa::issue`].
+    pub fn issue_valid_from(
+        &self,
+        identity: &Identity,
+        hosts: &[String],
+        not_before: std::time::SystemTime,
+    ) -> Result<Issued, TlsError> {
+        let mut params = leaf_params(identity, hosts)?;
+        valid_from(&mut params, not_before.into());
+        self.sign_new_key(params)
+    }
+
+    fn sign_new_key(&self, params: CertificateParams) -> Result<Issued, TlsError> {
         let key = KeyPair::generate().map_err(gen_err)?;
         let cert = params.signed_by(&key, &self.issuer).map_err(gen_err)?;
         Ok(Issued {

@@ -122,9 +122,34 @@ impl fmt::Display for Identity {
 /// # Errors
 /// [`TlsError::BadCertificate`] when it does not parse, names no identity or several.
 pub fn identity_of(cert: &CertificateDer<'_>) -> Result<Identity, TlsError> {
+    peer_cert_of(cert).map(|p| p.identity)
+}
+
+/// What a served connection knows of its client's verified certificate: whom it names
+/// and since when it is valid (a user's certificate counts only if it was issued after
+/// the user was created: the coordinator's `auth::authenticate`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerCert {
+    /// Whom it names ([`identity_of`]).
+    pub identity: Identity,
+    /// Its notBefore, in milliseconds since the Unix epoch (whole seconds: X.509 times
+    /// have no fraction; negative before 1970).
+    pub not_before_unix_ms: i64,
+}
+
+/// The [`PeerCert`] of a (verified) certificate, parsed once.
+///
+/// # Errors
+/// [`TlsError::BadCertificate`] when it does not parse, names no identity or several.
+pub fn peer_cert_of(cert: &CertificateDer<'_>) -> Result<PeerCert, TlsError> {
     let bad = |why: &str| TlsError::BadCertificate(why.to_owned());
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| bad(&format!("does not parse: {e}")))?;
+    let not_before_unix_ms = parsed
+        .validity()
+        .not_before
+        .timestamp()
+        .saturating_mul(1000);
     let san = parsed
         .subject_alternative_name()
         .map_err(|e| bad(&format!("its subject alternative names do not parse: {e}")))?
@@ -139,7 +164,12 @@ pub fn identity_of(cert: &CertificateDer<'_>) -> Result<Identity, TlsError> {
     if found.next().is_some() {
         return Err(bad("it names more than one cumulus:// identity"));
     }
-    Identity::from_uri(uri).ok_or_else(|| bad(&format!("identity {uri:?} is malformed")))
+    let identity =
+        Identity::from_uri(uri).ok_or_else(|| bad(&format!("identity {uri:?} is malformed")))?;
+    Ok(PeerCert {
+        identity,
+        not_before_unix_ms,
+    })
 }
 
 /// What a certificate says about how long it is valid and which hosts it serves.

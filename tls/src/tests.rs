@@ -372,3 +372,48 @@ fn only_members_certificates_may_serve() {
     assert_eq!(usages(Identity::Coordinator(1)), (true, true, 4));
     assert_eq!(usages(Identity::Worker("w-1".into())), (true, true, 4));
 }
+
+/// A user's certificate is valid from the second it is issued (its notBefore tells the
+/// coordinators when it was issued); a member's from a day before, which absorbs clock
+/// differences; `issue_valid_from` sets the second asked for.
+#[test]
+fn a_users_certificate_is_valid_from_when_it_was_issued() {
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+    let pki = pki();
+    let unix_ms = |t: SystemTime| {
+        t.duration_since(UNIX_EPOCH)
+            .expect("after 1970")
+            .as_millis() as i64
+    };
+    let not_before = |issued: generate::Issued| {
+        let der = CertificateDer::from_pem_slice(issued.cert_pem.as_bytes()).expect("pem");
+        peer_cert_of(&der).expect("peer cert")
+    };
+    let before = unix_ms(SystemTime::now());
+    let user = not_before(
+        pki.ca
+            .issue(&Identity::User("alice".into()), &[])
+            .expect("issue"),
+    );
+    let after = unix_ms(SystemTime::now());
+    assert_eq!(user.identity, Identity::User("alice".into()));
+    assert_eq!(user.not_before_unix_ms % 1000, 0, "whole seconds");
+    assert!(
+        before - 1000 < user.not_before_unix_ms && user.not_before_unix_ms <= after,
+        "{before} {} {after}",
+        user.not_before_unix_ms
+    );
+    let worker = not_before(
+        pki.ca
+            .issue(&Identity::Worker("w-1".into()), &[])
+            .expect("issue"),
+    );
+    assert!(worker.not_before_unix_ms <= before - 86_400_000 + 1000);
+
+    let earlier = UNIX_EPOCH + Duration::from_millis(1_700_000_000_750);
+    let old = pki
+        .ca
+        .issue_valid_from(&Identity::User("alice".into()), &[], earlier)
+        .expect("issue");
+    assert_eq!(not_before(old).not_before_unix_ms, 1_700_000_000_000);
+}

@@ -1103,6 +1103,58 @@ fn the_planners_larger_than_the_cluster_test_agrees_with_the_outlook() {
     assert_eq!(never, [false, false, true, false, true, false, true]);
 }
 
+/// The coordinator's rule for users' certificates (`auth::issued_after_creation`) reads
+/// `UserRecord::created_at_ms`, taken from `CreateUser`'s `at_ms`: both have been there
+/// since users exist, so log entries and snapshots written then (JSON; MessagePack maps
+/// with field names) carry it, and a re-created user's record has the new time.
+#[test]
+fn users_creation_times_read_from_entries_and_snapshots_written_before() {
+    let digest = "ab".repeat(32);
+    let entry = format!(
+        r#"{{"CreateUser":{{"name":"alice","role":"submit","secret_sha256":"{digest}","created_by":"admin","at_ms":1800000000000}}}}"#
+    );
+    let cmd: Command = crate::codec::decode(entry.as_bytes()).expect("a JSON entry");
+    assert_eq!(
+        crate::codec::decode::<Command>(&crate::codec::encode(&cmd).expect("encode"))
+            .expect("MessagePack"),
+        cmd
+    );
+    let mut s = ClusterState::default();
+    assert_eq!(apply(&mut s, cmd), Response::Ok);
+    assert_eq!(s.users["alice"].created_at_ms, 1_800_000_000_000);
+
+    let snapshot = format!(
+        r#"{{"next_job_seq":1,"jobs":{{}},"request_ids":{{}},"workers":{{}},"users":{{"alice":{{"name":"alice","role":"read","secret_sha256":"{digest}","created_by":"admin","created_at_ms":1700000000000}}}}}}"#
+    );
+    let back: ClusterState = crate::codec::decode(snapshot.as_bytes()).expect("a JSON snapshot");
+    assert_eq!(back.users["alice"].created_at_ms, 1_700_000_000_000);
+    assert_eq!(back.users["alice"].role, cumulus_api::Role::Read);
+    let packed: ClusterState =
+        crate::codec::decode(&crate::codec::encode(&back).expect("encode")).expect("MessagePack");
+    assert_eq!(packed.users, back.users);
+
+    // Revoked and created again: the record holds the second creation's time.
+    let mut s = back;
+    assert_eq!(
+        apply(
+            &mut s,
+            Command::RevokeUser {
+                name: "alice".into()
+            }
+        ),
+        Response::Ok
+    );
+    let again = Command::CreateUser {
+        name: "alice".into(),
+        role: cumulus_api::Role::Submit,
+        secret_sha256: digest,
+        created_by: "admin".into(),
+        at_ms: 1_800_000_000_000,
+    };
+    assert_eq!(apply(&mut s, again), Response::Ok);
+    assert_eq!(s.users["alice"].created_at_ms, 1_800_000_000_000);
+}
+
 #[test]
 fn users_are_created_once_revoked_and_kept_in_snapshots() {
     let mut s = ClusterState::default();
