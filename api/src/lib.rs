@@ -58,6 +58,7 @@ pub use attempt::{AttemptKey, is_job_id};
 pub use files::FileEntry;
 pub use states::{
     CommitTier, JobState, RankPhase, RankState, RestartScope, Role, StopAction, UnknownName,
+    WorkerPhase,
 };
 
 /// Generated code for `cumulus.v1`.
@@ -82,6 +83,14 @@ impl v1::Job {
 impl v1::JobSummary {
     /// The job's state, parsed from its wire spelling.
     pub fn job_state(&self) -> Result<JobState, UnknownName> {
+        self.state.parse()
+    }
+}
+
+#[cfg(feature = "grpc")]
+impl v1::WorkerInfo {
+    /// The worker's state, parsed from its wire spelling.
+    pub fn worker_phase(&self) -> Result<WorkerPhase, UnknownName> {
         self.state.parse()
     }
 }

@@ -372,7 +372,11 @@ pub async fn worker_expiry(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         cluster.spawn_worker(wi)?;
         cluster
             .wait_status("the worker registered again", DEADLINE, |s| {
-                s.workers.iter().filter(|w| w.state == "alive").count() == 2
+                s.workers
+                    .iter()
+                    .filter(|w| w.worker_phase() == Ok(cumulus_api::WorkerPhase::Alive))
+                    .count()
+                    == 2
             })
             .await;
     }

@@ -118,7 +118,7 @@ async fn one_fleet(n: usize, window: Duration) -> anyhow::Result<Vec<Row>> {
     let expired = status
         .workers
         .iter()
-        .filter(|w| w.state == "expired")
+        .filter(|w| w.worker_phase() == Ok(cumulus_api::WorkerPhase::Expired))
         .count();
     stop.store(1, Ordering::SeqCst);
     for t in tasks {

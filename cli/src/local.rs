@@ -778,10 +778,9 @@ pub fn readiness(
     let missing: Vec<String> = expected_workers
         .iter()
         .filter(|id| {
-            !status
-                .workers
-                .iter()
-                .any(|w| &w.worker_id == *id && w.state == "alive")
+            !status.workers.iter().any(|w| {
+                &w.worker_id == *id && w.worker_phase() == Ok(cumulus_api::WorkerPhase::Alive)
+            })
         })
         .cloned()
         .collect();

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use cumulus_api::{RankPhase, v1};
 use cumulus_raft_store::state::{
     ClusterState, Job, JobSpec, JobState, RankState, RestartPolicy, RestartScope, ResumeFrom,
-    StopAction, WorkerState,
+    StopAction,
 };
 
 use crate::error::ApiError;
@@ -448,11 +448,7 @@ pub fn workers_to_proto(
                 http_addr: w.http_addr.clone(),
                 slots: w.slots,
                 slots_used: used.get(&w.worker_id).copied().unwrap_or(0),
-                state: match w.state {
-                    WorkerState::Alive => cumulus_api::states::WorkerPhase::Alive,
-                    WorkerState::Expired => cumulus_api::states::WorkerPhase::Expired,
-                }
-                .to_string(),
+                state: w.state.to_string(),
                 last_heartbeat_age_ms: s.map_or(0, |s| s.last_seen.elapsed().as_millis() as u64),
                 cpu_percent: res.cpu_percent,
                 memory_used_bytes: res.memory_used_bytes,

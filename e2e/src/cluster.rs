@@ -318,7 +318,11 @@ impl Cluster {
         let n = opts.workers;
         cluster
             .wait_status("every worker registered", Duration::from_secs(60), |s| {
-                s.workers.iter().filter(|w| w.state == "alive").count() == n
+                s.workers
+                    .iter()
+                    .filter(|w| w.worker_phase() == Ok(cumulus_api::WorkerPhase::Alive))
+                    .count()
+                    == n
             })
             .await;
         Ok(cluster)

@@ -39,7 +39,10 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
     cluster.wait_leader(LONG).await;
     wait_for("the worker registered", LONG, || async {
         let s = cluster.status().await?;
-        s.workers.iter().any(|w| w.state == "alive").then_some(())
+        s.workers
+            .iter()
+            .any(|w| w.worker_phase() == Ok(cumulus_api::WorkerPhase::Alive))
+            .then_some(())
     })
     .await;
 

@@ -318,9 +318,8 @@ async fn killed_worker_expires_and_its_ranks_move() {
     );
     let s = cluster.status().await.expect("status");
     assert!(
-        s.workers
-            .iter()
-            .any(|w| w.worker_id == "worker-2" && w.state == "expired")
+        s.workers.iter().any(|w| w.worker_id == "worker-2"
+            && w.worker_phase() == Ok(cumulus_api::WorkerPhase::Expired))
     );
     let job = cluster.wait_finished(&job_id, LONG).await;
     assert_eq!(job.state, "succeeded", "{job:?}");

@@ -137,7 +137,7 @@ async fn a_paused_job_resumes_on_another_worker_to_identical_weights() {
             s.workers
                 .iter()
                 .filter(|wk| used.contains(&wk.worker_id))
-                .all(|wk| wk.state == "expired")
+                .all(|wk| wk.worker_phase() == Ok(cumulus_api::WorkerPhase::Expired))
         })
         .await;
     let out = cluster.cumulusctl(&["resume", &paused]).expect("resume");

@@ -444,15 +444,9 @@ pub fn submit_bytes(spec: &JobSpec, shards: &[String]) -> u64 {
     submit_static_bytes(spec, shards.iter()) + RANK_BYTES as u64 * u64::from(spec.world_size)
 }
 
-/// Whether a worker is heartbeating.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum WorkerState {
-    /// Registered and not expired.
-    Alive,
-    /// Silent for longer than the heartbeat timeout; must register again.
-    Expired,
-}
+/// Whether a worker is heartbeating: the contract's [`cumulus_api::WorkerPhase`] (the
+/// same serde names, `alive` and `expired`, in the log and snapshots as on the wire).
+pub use cumulus_api::WorkerPhase as WorkerState;
 
 /// One GPU of a worker, as its agent registered it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
