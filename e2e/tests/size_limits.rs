@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use cumulus_api::v1;
+use cumulus_api::{JobState, v1};
 use cumulus_e2e::{Cluster, ClusterOpts, make_named_files, wait_for};
 
 const LONG: Duration = Duration::from_secs(300);
@@ -259,7 +259,9 @@ async fn submits_past_the_state_byte_budget_are_refused_until_jobs_finish() {
         .into_inner()
         .jobs;
     assert_eq!(
-        jobs.iter().filter(|j| j.state != "cancelled").count(),
+        jobs.iter()
+            .filter(|j| j.job_state() != Ok(JobState::Cancelled))
+            .count(),
         3,
         "the refused submits created nothing"
     );
