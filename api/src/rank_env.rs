@@ -75,3 +75,14 @@ pub const CONTRACT_VARS: &[&str] = &[
 /// Variables an agent with GPUs sets for every rank; a job's own `env` entry with one of
 /// these names is dropped there (on an agent without GPUs the job's value stays).
 pub const GPU_VARS: &[&str] = &[CUDA_VISIBLE_DEVICES];
+
+/// Exit code of a rank that stopped because it could not reach its agent's rank-local
+/// API ([`AGENT_URL`], [`AGENT_SOCKET`]) after its retries: no answer at all (connection
+/// refused, reset or closed, timed out), not an HTTP error status. 75 is `EX_TEMPFAIL`
+/// of `sysexits.h`. The agent believes it only with evidence of its own: when its rank
+/// API turned connections away (at its cap, accept errors) or was not serving during the
+/// attempt, it reports the exit as its fault, and the restart spends none of the job's
+/// budget (at most `MAX_AGENT_FAULT_RESTARTS` such restarts); otherwise the exit is the
+/// rank's own failure like any other code. The example trainer and the Python runtime
+/// exit with it; any trainer may.
+pub const EXIT_AGENT_UNREACHABLE: i32 = 75;
