@@ -1,6 +1,9 @@
 //! The contract between Cumulus processes, in one crate every other crate uses (as neon's
 //! `pageserver_api`): what coordinators, worker agents, the CLI, rank processes and the
-//! tests say to each other, and nothing else (no I/O, no policy).
+//! tests say to each other, and nothing else: no policy, no state, no network. Its one
+//! read of the file system is [`paths::Roots`], which resolves symlinks (`canonicalize`,
+//! read-only) so that coordinators and agents judge a job's path by one rule; the
+//! leader-following client, which connects and retries, is the `cumulus-client` crate.
 //!
 //! - [`v1`] (feature `grpc`, on by default): the gRPC contract, package `cumulus.v1`, the
 //!   messages and the tonic clients and servers generated from `proto/cumulus.proto`.
@@ -26,8 +29,8 @@
 //! - [`token`]: what a bearer token must look like.
 //! - [`users`]: users' tokens (`cu.<name>.<secret>`), their names and stored hashes.
 //! - [`text`]: user-supplied text on a terminal (printable names, escaped output).
-//! - [`leader`] (feature `grpc`): how a client follows the leader (the metadata naming it,
-//!   what is retried, backoff).
+//! - [`leader`]: how a follower names the leader to a client (the metadata and header);
+//!   the client that follows it is the `cumulus-client` crate.
 //!
 //! Python's `cumulus` package speaks the same names: it imports them from the generated
 //! `cumulus._contract` ([`contract`]); `docs/architecture.md` ("Wire names") has the
@@ -41,7 +44,6 @@ pub mod feature_stats;
 pub mod files;
 pub mod gpus;
 pub mod ids;
-#[cfg(feature = "grpc")]
 pub mod leader;
 pub mod limits;
 pub mod manifest;

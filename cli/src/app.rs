@@ -378,7 +378,7 @@ mod tests {
     #[test]
     fn hints_for_common_failures() {
         let e = anyhow::Error::new(ClientError::Exhausted(
-            cumulus_api::leader::CallError::Exhausted {
+            cumulus_client::CallError::Exhausted {
                 method: "GetJob",
                 attempts: 20,
                 elapsed_ms: 30_000,

@@ -1,5 +1,5 @@
 //! gRPC client of the coordinators' `ClientService`: the shared leader-following client
-//! ([`cumulus_api::leader::LeaderClient`]) with the CLI's bounds and errors.
+//! ([`cumulus_client::LeaderClient`]) with the CLI's bounds and errors.
 //!
 //! Every call carries `authorization: Bearer <token>`. A follower answers a write with
 //! UNAVAILABLE and the leader's address in [`cumulus_api::leader::LEADER_GRPC_METADATA`]:
@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use cumulus_api::client_config;
 use cumulus_api::client_service_client::ClientServiceClient;
-use cumulus_api::leader::{self, CallError, ChannelSettings, ConfigError, LeaderClient};
 use cumulus_api::{
     CancelJobRequest, ClusterStatusRequest, ClusterStatusResponse, DeleteJobRequest,
     DeleteJobResponse, GetJobRequest, GetJobSummaryRequest, JobResponse, JobSummary,
@@ -21,6 +20,7 @@ use cumulus_api::{
     ListJobSummariesResponse, ListJobsRequest, ListJobsResponse, PauseJobRequest, PurgeJobsRequest,
     PurgeJobsResponse, ResumeJobRequest, SubmitJobRequest, SubmitJobResponse,
 };
+use cumulus_client::{self as leader, CallError, ChannelSettings, ConfigError, LeaderClient};
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::args::GlobalOpts;
-use cumulus_api::leader::ClientTls;
+use cumulus_client::ClientTls;
 
 // The name of the cluster description inside `--local-dir`, and the largest read back:
 // the contract's, as the Python SDK's.
@@ -463,7 +463,7 @@ pub fn resolve(global: &GlobalOpts) -> Result<Conn, ConfigError> {
                 identity: creds.identity().to_string(),
             });
         }
-        tls.identity_pem = Some(cumulus_api::leader::IdentityPem {
+        tls.identity_pem = Some(cumulus_client::IdentityPem {
             cert: creds.cert_pem().into(),
             key: creds.key_pem().into(),
         });

@@ -6,7 +6,7 @@
 //! With TLS, a peer is accepted only if its certificate names the coordinator expected
 //! (`cumulus://coordinator/N` with N the target's node id) and an agent only if its
 //! names that worker; a peer refused so is not dialled again before a backoff
-//! ([`cumulus_api::leader::Refusals`], shared by every client of that target), and the
+//! ([`cumulus_client::Refusals`], shared by every client of that target), and the
 //! call fails as unreachable.
 
 use std::collections::{HashMap, VecDeque};
@@ -14,9 +14,9 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cumulus_api::leader::{Refusals, TlsConnector};
 use cumulus_api::v1::raft_service_client::RaftServiceClient;
 use cumulus_api::v1::{RaftPayload, SnapshotChunk};
+use cumulus_client::{Refusals, TlsConnector};
 use cumulus_raft_store::{
     CumulusNode, EntryPayload, NodeId, Snapshot, SnapshotData, TypeConfig, Vote, codec, stage,
 };
@@ -155,13 +155,13 @@ pub fn client_tls(tls: &cumulus_tls::Tls) -> Option<Arc<Credentials>> {
     tls.credentials().cloned()
 }
 
-/// The endpoint of a peer at `addr` ([`cumulus_api::leader::endpoint`]), to connect with
+/// The endpoint of a peer at `addr` ([`cumulus_client::endpoint`]), to connect with
 /// [`peer_connector`] when `tls`.
 ///
 /// # Errors
 /// The address is not a valid URI.
 pub fn endpoint(addr: &str, tls: bool) -> Result<Endpoint, tonic::transport::Error> {
-    cumulus_api::leader::endpoint(addr, tls)
+    cumulus_client::endpoint(addr, tls)
 }
 
 /// The connector of channels to coordinator `target`: mutual TLS with `creds`, accepting
@@ -237,7 +237,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             _ => None,
         };
         let client = endpoint.and_then(|e| {
-            let channel = cumulus_api::leader::connect_lazy(&e, connector?);
+            let channel = cumulus_client::connect_lazy(&e, connector?);
             Ok(
                 RaftServiceClient::with_interceptor(channel, self.auth.clone())
                     .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)

@@ -106,7 +106,7 @@ async fn ask_members(
     let connector = tls
         .map(|creds| crate::network::peer_connector(creds, peer.id, Default::default()))
         .transpose()?;
-    let channel = cumulus_api::leader::connect(&endpoint, connector)
+    let channel = cumulus_client::connect(&endpoint, connector)
         .await
         .with_context(|| format!("connecting to coordinator {} at {grpc_addr}", peer.id))?;
     let mut client = ClientServiceClient::with_interceptor(channel, auth);

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use cumulus_api::JobState;
-use cumulus_api::leader::{ChannelSettings, ClientTls, LeaderClient, RetryPolicy};
 use cumulus_api::v1;
 use cumulus_api::v1::client_service_client::ClientServiceClient;
+use cumulus_client::{ChannelSettings, ClientTls, LeaderClient, RetryPolicy};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -608,7 +608,7 @@ impl Cluster {
         let issued = pki.ca.issue(identity, &[])?;
         Ok(Some(ClientTls {
             ca_pem: pki.user.ca_pem.clone(),
-            identity_pem: Some(cumulus_api::leader::IdentityPem {
+            identity_pem: Some(cumulus_client::IdentityPem {
                 cert: issued.cert_pem.into_bytes().into(),
                 key: issued.key_pem.into_bytes().into(),
             }),

@@ -20,9 +20,9 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use cumulus_api::leader::ClientTls;
 use cumulus_api::v1;
 use cumulus_api::v1::client_service_client::ClientServiceClient;
+use cumulus_client::ClientTls;
 use tonic::codegen::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
@@ -161,8 +161,8 @@ pub async fn coordinator_channel(
     grpc_addr: &str,
     tls: Option<&ClientTls>,
 ) -> anyhow::Result<Channel> {
-    use cumulus_api::leader::{Refusals, TlsConnector};
-    let endpoint = cumulus_api::leader::endpoint(grpc_addr, tls.is_some())?
+    use cumulus_client::{Refusals, TlsConnector};
+    let endpoint = cumulus_client::endpoint(grpc_addr, tls.is_some())?
         .connect_timeout(Duration::from_secs(1))
         .timeout(Duration::from_secs(10));
     let connector = match tls {
@@ -172,7 +172,7 @@ pub async fn coordinator_channel(
         )),
         None => None,
     };
-    let connect = cumulus_api::leader::connect(&endpoint, connector);
+    let connect = cumulus_client::connect(&endpoint, connector);
     match tokio::time::timeout(CONNECT_DEADLINE, connect).await {
         Ok(connected) => Ok(connected?),
         Err(_) => anyhow::bail!("connecting to {grpc_addr}: not ready within {CONNECT_DEADLINE:?}"),

@@ -924,7 +924,7 @@ struct FakeAgent {
     /// The agent's worker id.
     worker_id: String,
     /// TLS with a certificate naming `worker_id` (`None`: insecure cluster).
-    tls: Option<cumulus_api::leader::ClientTls>,
+    tls: Option<cumulus_client::ClientTls>,
 }
 
 impl FakeAgent {

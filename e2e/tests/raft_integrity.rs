@@ -13,10 +13,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use cumulus_api::JobState;
-use cumulus_api::leader::ClientTls;
 use cumulus_api::v1;
 use cumulus_api::v1::RaftPayload;
 use cumulus_api::v1::raft_service_client::RaftServiceClient;
+use cumulus_client::ClientTls;
 use cumulus_e2e::{Auth, Cluster, ClusterOpts, PEER_TOKEN, TOKEN, wait_for};
 use cumulus_raft_store::state::Command;
 use cumulus_raft_store::{Entry, EntryPayload, LeaderId, LogId, TypeConfig, Vote};

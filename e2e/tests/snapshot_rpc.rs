@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use cumulus_api::leader::ClientTls;
 use cumulus_api::v1::SnapshotChunk;
 use cumulus_api::v1::raft_service_client::RaftServiceClient;
+use cumulus_client::ClientTls;
 use cumulus_coordinator::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader};
 use cumulus_e2e::{Auth, Cluster, ClusterOpts, PEER_TOKEN, wait_for};
 use cumulus_raft_store::{SnapshotMeta, TypeConfig, Vote};

@@ -143,7 +143,7 @@ async fn tls_hides_the_token_refuses_plaintext_and_binds_worker_identities() {
 
     // 3. A client that trusts another CA refuses the cluster's certificate.
     let other_ca = cumulus_tls::generate::ClusterCa::generate("another cluster").expect("ca");
-    let stranger = cumulus_api::leader::ClientTls {
+    let stranger = cumulus_client::ClientTls {
         ca_pem: other_ca.cert_pem().as_bytes().into(),
         identity_pem: None,
     };
@@ -386,7 +386,7 @@ impl Drop for Impostor {
 }
 
 /// Serves `tls`'s certificate (and key) on `listener`.
-fn impostor(listener: TcpListener, tls: &cumulus_api::leader::ClientTls) -> Impostor {
+fn impostor(listener: TcpListener, tls: &cumulus_client::ClientTls) -> Impostor {
     use std::path::Path;
     let id = tls.identity_pem.as_ref().expect("a certificate to serve");
     let trust = cumulus_tls::Trust::from_pem(Path::new("ca"), tls.ca_pem.to_vec()).expect("CA");

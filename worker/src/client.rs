@@ -1,5 +1,5 @@
 //! gRPC client to the coordinators: the shared leader-following client
-//! ([`cumulus_api::leader::LeaderClient`]) with the agent's channel settings and retry
+//! ([`cumulus_client::LeaderClient`]) with the agent's channel settings and retry
 //! policies.
 //!
 //! Every call carries `authorization: Bearer <token>`, follows a follower's leader hint,
@@ -15,8 +15,8 @@
 use std::future::Future;
 use std::time::Duration;
 
-use cumulus_api::leader::{self, ChannelSettings, LeaderClient};
 use cumulus_api::worker_service_client::WorkerServiceClient;
+use cumulus_client::{self as leader, ChannelSettings, LeaderClient};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
@@ -124,7 +124,7 @@ impl CoordinatorClient {
     pub fn with_tls(
         coordinators: &[String],
         token: &str,
-        tls: Option<cumulus_api::leader::ClientTls>,
+        tls: Option<cumulus_client::ClientTls>,
         cancel: CancellationToken,
     ) -> Result<Self, ClientConfigError> {
         let settings = ChannelSettings {

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use cumulus_api::leader::ClientTls;
+use cumulus_client::ClientTls;
 use cumulus_tls::generate::{Issued, PairFiles, Request};
 use cumulus_tls::{Credentials, Identity};
 use tokio_util::sync::CancellationToken;

@@ -469,9 +469,9 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
         .tls
         .load_for(&cumulus_tls::Identity::Worker(resolved.worker_id.clone()))?;
     let client_tls = match &tls {
-        Tls::On(creds) => Some(cumulus_api::leader::ClientTls {
+        Tls::On(creds) => Some(cumulus_client::ClientTls {
             ca_pem: creds.trust().ca_pem().into(),
-            identity_pem: Some(cumulus_api::leader::IdentityPem {
+            identity_pem: Some(cumulus_client::IdentityPem {
                 cert: creds.cert_pem().into(),
                 key: creds.key_pem().into(),
             }),
