@@ -7,8 +7,11 @@
 //! coordinator for longer than its heartbeat timeout); a hung rank (a trainer rank
 //! SIGSTOPped: it neither exits nor progresses; the trainer job has a progress timeout
 //! and the leader must fail that attempt as hung and restart it); storage and hostile
-//! input faults: a byte flipped in a stopped follower's raft log (it must refuse to
-//! start, then `--rejoin-empty` rebuilds it from the others), forged Raft RPCs (with the
+//! input faults: a bit flipped in a stopped follower's raft log (it must refuse to
+//! start, then `--rejoin-empty` rebuilds it from the others), a bit flipped in its sled
+//! database or generation file (it refuses to start, naming the damage, and is rebuilt
+//! the same way, or the bit lay where nothing reads and it catches up as a consistent
+//! member), forged Raft RPCs (with the
 //! client token, from a non-member, with term `u64::MAX`: each must be refused), and a
 //! flood of idle connections against every listener of every process; and a pause of
 //! the trainer job, held, then resumed. The clients' workload submits small jobs (some
@@ -28,7 +31,7 @@
 //! time limit never runs more than [`TIME_LIMIT_SLACK_MS`] past it and never succeeds.
 //! Job states are ordered by `Job.state_changes` (a paused or preempted job goes back).
 //!
-//! Why one file of ~1,100 lines: the workload, the fault schedule and the checks share one
+//! Why one file of ~1,800 lines: the workload, the fault schedule and the checks share one
 //! seeded random stream and one recorded history; replaying a seed needs them in one
 //! order, which this file keeps visible.
 
@@ -62,7 +65,30 @@ pub struct RunOpts {
     /// Inject a hang-rank fault first, as soon as a trainer rank reports progress (so a
     /// short run covers it; later faults are drawn at random, hang-rank among them).
     pub hang_first: bool,
+    /// Inject only this fault (one of [`FAULTS`]) instead of the one drawn: to exercise
+    /// one fault kind in a short run. The draw is still made, so the rest of the seeded
+    /// stream stays as without it.
+    pub only: Option<String>,
 }
+
+/// The faults, by the number drawn for each (equal odds).
+pub const FAULTS: [&str; 15] = [
+    "kill-leader",
+    "kill-follower",
+    "kill-worker",
+    "kill-rank",
+    "stop-coordinator",
+    "stop-worker",
+    "partition-follower",
+    "partition-leader",
+    "hang-rank",
+    "partition-worker",
+    "corrupt-follower-log",
+    "forged-raft-rpc",
+    "flood-listeners",
+    "pause-resume-trainer",
+    "corrupt-follower-sled",
+];
 
 /// Counts of what one run did and found.
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -93,6 +119,13 @@ pub struct Report {
     pub attempt_overlap_longest_ms: u64,
     /// Hung-rank faults: milliseconds from the SIGSTOP to the leader's restart, each.
     pub hang_detect_ms: Vec<u64>,
+    /// `corrupt-follower-sled` faults by outcome: `refused` (the follower refused to
+    /// start, naming the damage, and was rebuilt), `started` (the flipped bit lay in bytes
+    /// nobody reads: it restarted and caught up), `anomaly` (anything else).
+    pub sled_outcomes: BTreeMap<String, u64>,
+    /// One line per `corrupt-follower-sled` fault: the node, the file, the offset and bit
+    /// flipped, the outcome and, for a refusal, the coordinator's message.
+    pub sled_flips: Vec<String>,
     /// Everything the checks found (empty: the run passed).
     pub anomalies: Vec<String>,
     /// Wall time of the run, in milliseconds.
@@ -517,6 +550,7 @@ async fn one_fault(
     cluster: &mut Cluster,
     rng: &mut StdRng,
     trainer_job: &str,
+    only: Option<&str>,
     report: &mut Report,
     anomalies: &mut Vec<Anomaly>,
 ) -> anyhow::Result<&'static str> {
@@ -526,8 +560,9 @@ async fn one_fault(
         .filter(|i| Some(*i) != li)
         .collect();
     let hold = Duration::from_millis(rng.random_range(500..2_500));
-    let kind = match rng.random_range(0..14u32) {
-        13 => {
+    let drawn = FAULTS[rng.random_range(0..FAULTS.len())];
+    let kind = match only.unwrap_or(drawn) {
+        "pause-resume-trainer" => {
             // Bounded whatever the cluster does: the faults go on after it.
             let _ = tokio::time::timeout(
                 Duration::from_secs(90),
@@ -536,38 +571,43 @@ async fn one_fault(
             .await;
             "pause-resume-trainer"
         }
-        10 => {
+        "corrupt-follower-log" => {
             let i = followers[rng.random_range(0..followers.len())];
             corrupt_and_rebuild(cluster, i, rng, anomalies).await?;
             "corrupt-follower-log"
         }
-        11 => {
+        "corrupt-follower-sled" => {
+            let i = followers[rng.random_range(0..followers.len())];
+            corrupt_sled(cluster, i, rng, report, anomalies).await?;
+            "corrupt-follower-sled"
+        }
+        "forged-raft-rpc" => {
             forge_raft_rpcs(cluster, anomalies).await;
             "forged-raft-rpc"
         }
-        12 => {
+        "flood-listeners" => {
             flood_listeners(cluster, hold).await;
             "flood-listeners"
         }
-        0 => {
+        "kill-leader" => {
             let Some(i) = li else { return Ok("none") };
             cluster.coordinators[i].proc.kill9();
             tokio::time::sleep(hold).await;
             "kill-leader"
         }
-        1 => {
+        "kill-follower" => {
             let i = followers[rng.random_range(0..followers.len())];
             cluster.coordinators[i].proc.kill9();
             tokio::time::sleep(hold).await;
             "kill-follower"
         }
-        2 => {
+        "kill-worker" => {
             let i = rng.random_range(0..cluster.workers.len());
             cluster.workers[i].kill9();
             tokio::time::sleep(hold).await;
             "kill-worker"
         }
-        3 => {
+        "kill-rank" => {
             let job = cluster.job(trainer_job).await;
             let pids: Vec<u32> = job
                 .map(|j| {
@@ -586,33 +626,33 @@ async fn one_fault(
             let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
             "kill-rank"
         }
-        4 => {
+        "stop-coordinator" => {
             let i = rng.random_range(0..cluster.coordinators.len());
             signal(&cluster.coordinators[i].proc, Signal::SIGSTOP);
             tokio::time::sleep(hold).await;
             signal(&cluster.coordinators[i].proc, Signal::SIGCONT);
             "stop-coordinator"
         }
-        5 => {
+        "stop-worker" => {
             let i = rng.random_range(0..cluster.workers.len());
             signal(&cluster.workers[i], Signal::SIGSTOP);
             tokio::time::sleep(hold).await;
             signal(&cluster.workers[i], Signal::SIGCONT);
             "stop-worker"
         }
-        6 => {
+        "partition-follower" => {
             let i = followers[rng.random_range(0..followers.len())];
             isolate_coordinator(cluster, i);
             tokio::time::sleep(hold).await;
             "partition-follower"
         }
-        7 => {
+        "partition-leader" => {
             let Some(i) = li else { return Ok("none") };
             isolate_coordinator(cluster, i);
             tokio::time::sleep(hold).await;
             "partition-leader"
         }
-        8 => {
+        "hang-rank" => {
             if hang_rank(cluster, rng, trainer_job, report, anomalies)
                 .await
                 .is_none()
@@ -621,7 +661,7 @@ async fn one_fault(
             }
             "hang-rank"
         }
-        _ => {
+        "partition-worker" => {
             // Longer than the heartbeat timeout: the worker must stop its own ranks
             // and the leader reschedules them.
             let i = rng.random_range(0..cluster.workers.len());
@@ -636,28 +676,73 @@ async fn one_fault(
             tokio::time::sleep(Duration::from_millis(HEARTBEAT_TIMEOUT_MS + 1_500)).await;
             "partition-worker"
         }
+        other => anyhow::bail!("unknown fault {other:?} (known: {FAULTS:?})"),
     };
     repair(cluster)?;
     Ok(kind)
 }
 
-/// Stops follower `i`, flips one byte among the records of its raft log's newest
-/// segment that holds any, and restarts it: it must refuse to start (an anomaly if it
-/// runs). Then rebuilds it as an operator would: `cluster remove`, a restart with
-/// `--rejoin-empty`, `cluster add-learner`, `cluster promote`.
+/// Records an anomaly of the cluster (not of one job).
+fn cluster_anomaly(anomalies: &mut Vec<Anomaly>, what: String) {
+    anomalies.push(Anomaly {
+        job_id: "-".into(),
+        what,
+    });
+}
+
+/// Flips one random bit of `file` among its bytes up to its last non-zero one (where
+/// what was written ends; a preallocated zero tail is never read) and syncs it. Returns
+/// the offset and the bit's mask; `None` (nothing flipped) when every byte is zero.
+fn flip_a_bit(file: &Path, rng: &mut StdRng) -> anyhow::Result<Option<(u64, u8)>> {
+    use std::os::unix::fs::FileExt;
+    let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+    let Some(last) = bytes.iter().rposition(|b| *b != 0) else {
+        return Ok(None);
+    };
+    let at = rng.random_range(0..=last);
+    let mask = 1u8 << rng.random_range(0..8u32);
+    let f = std::fs::OpenOptions::new().write(true).open(file)?;
+    f.write_all_at(&[bytes[at] ^ mask], at as u64)?;
+    f.sync_all()?;
+    Ok(Some((at as u64, mask)))
+}
+
+/// The exit status of coordinator `i` when it has exited (it is then reaped and
+/// forgotten: [`repair`] would start it again), `None` while it runs.
+fn reap_coordinator(
+    cluster: &mut Cluster,
+    i: usize,
+) -> anyhow::Result<Option<std::process::ExitStatus>> {
+    let Some(child) = cluster.coordinators[i].proc.child.as_mut() else {
+        anyhow::bail!("coordinator {} is not running", cluster.coordinators[i].id);
+    };
+    let status = child.try_wait()?;
+    if status.is_some() {
+        cluster.coordinators[i].proc.child = None;
+    }
+    Ok(status)
+}
+
+/// Length of a log file (where what a process writes next starts).
+fn log_len(log: &Path) -> u64 {
+    std::fs::metadata(log).map_or(0, |m| m.len())
+}
+
+/// What a process wrote to `log` after byte `from`.
+fn log_since(log: &Path, from: u64) -> String {
+    let bytes = std::fs::read(log).unwrap_or_default();
+    String::from_utf8_lossy(bytes.get(from as usize..).unwrap_or_default()).into_owned()
+}
+
+/// Stops follower `i`, flips one bit among the records of its raft log's newest segment
+/// that holds any, and restarts it: it must refuse to start (an anomaly if it runs).
+/// Then rebuilds it as an operator would ([`rebuild_coordinator`]).
 async fn corrupt_and_rebuild(
     cluster: &mut Cluster,
     i: usize,
     rng: &mut StdRng,
     anomalies: &mut Vec<Anomaly>,
 ) -> anyhow::Result<()> {
-    use std::os::unix::fs::FileExt;
-    let mut anomaly = |what: String| {
-        anomalies.push(Anomaly {
-            job_id: "-".into(),
-            what,
-        })
-    };
     cluster.coordinators[i].proc.kill9();
     let wal = cluster.coordinators[i].data_dir.join("raft").join("wal");
     let mut segments: Vec<PathBuf> = std::fs::read_dir(&wal)?
@@ -666,48 +751,46 @@ async fn corrupt_and_rebuild(
     segments.sort();
     let mut flipped = false;
     for seg in segments.iter().rev() {
-        let bytes = std::fs::read(seg)?;
-        let Some(last) = bytes.iter().rposition(|b| *b != 0) else {
-            continue;
-        };
-        let at = rng.random_range(0..=last);
-        let file = std::fs::OpenOptions::new().write(true).open(seg)?;
-        file.write_all_at(&[bytes[at] ^ (1 << rng.random_range(0..8u32))], at as u64)?;
-        file.sync_all()?;
-        flipped = true;
-        break;
+        if flip_a_bit(seg, rng)?.is_some() {
+            flipped = true;
+            break;
+        }
     }
     if !flipped {
         return Ok(()); // nothing written yet: an ordinary restart
     }
     let id = cluster.coordinators[i].id;
     cluster.spawn_coordinator(i)?;
-    let exited = {
-        let give_up = Instant::now() + LONG;
-        loop {
-            let child = cluster.coordinators[i]
-                .proc
-                .child
-                .as_mut()
-                .expect("spawned");
-            if let Some(status) = child.try_wait()? {
-                break Some(status);
-            }
-            if Instant::now() > give_up {
-                break None;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+    let give_up = Instant::now() + LONG;
+    let exited = loop {
+        if let Some(status) = reap_coordinator(cluster, i)? {
+            break Some(status);
         }
+        if Instant::now() > give_up {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    match exited {
-        Some(status) if !status.success() => cluster.coordinators[i].proc.child = None,
-        _ => {
-            anomaly(format!(
-                "coordinator {id} started (or did not exit within {LONG:?}) with a flipped byte in its raft log"
-            ));
-            return Ok(());
-        }
+    if exited.is_none_or(|s| s.success()) {
+        cluster_anomaly(
+            anomalies,
+            format!(
+                "coordinator {id} started (or did not exit within {LONG:?}) with a flipped bit in its raft log"
+            ),
+        );
+        return Ok(());
     }
+    rebuild_coordinator(cluster, i, anomalies).await
+}
+
+/// Rebuilds coordinator `i`, down with a damaged data dir, as an operator would:
+/// `cluster remove`, a restart with `--rejoin-empty` (which moves the data dir aside),
+/// `cluster add-learner`, `cluster promote`. A step that fails is an anomaly.
+async fn rebuild_coordinator(
+    cluster: &mut Cluster,
+    i: usize,
+    anomalies: &mut Vec<Anomaly>,
+) -> anyhow::Result<()> {
     /// Runs cumulusctl; its stderr is the error when it fails.
     fn ctl(cluster: &Cluster, args: &[&str]) -> anyhow::Result<()> {
         let out = cluster.cumulusctl(args)?;
@@ -718,8 +801,12 @@ async fn corrupt_and_rebuild(
         );
         Ok(())
     }
+    let id = cluster.coordinators[i].id;
     if let Err(e) = ctl(cluster, &["cluster", "remove", &id.to_string()]) {
-        anomaly(format!("cannot remove damaged coordinator {id}: {e}"));
+        cluster_anomaly(
+            anomalies,
+            format!("cannot remove damaged coordinator {id}: {e}"),
+        );
         return Ok(());
     }
     // `--rejoin-empty` checks the membership with every other coordinator: it gets all
@@ -735,12 +822,7 @@ async fn corrupt_and_rebuild(
         let settled = Instant::now() + Duration::from_secs(5);
         let mut exited = false;
         while Instant::now() < settled {
-            let child = cluster.coordinators[i]
-                .proc
-                .child
-                .as_mut()
-                .expect("spawned");
-            if child.try_wait()?.is_some() {
+            if reap_coordinator(cluster, i)?.is_some() {
                 exited = true;
                 break;
             }
@@ -749,11 +831,13 @@ async fn corrupt_and_rebuild(
         if !exited {
             break;
         }
-        cluster.coordinators[i].proc.child = None;
         if attempts >= 10 {
-            anomaly(format!(
-                "coordinator {id} started with --rejoin-empty exited {attempts} times after its removal"
-            ));
+            cluster_anomaly(
+                anomalies,
+                format!(
+                    "coordinator {id} started with --rejoin-empty exited {attempts} times after its removal"
+                ),
+            );
             return Ok(());
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -768,10 +852,267 @@ async fn corrupt_and_rebuild(
         vec!["cluster", "promote", id_text.as_str()],
     ] {
         if let Err(e) = ctl(cluster, &step) {
-            anomaly(format!("cannot rebuild coordinator {id} ({step:?}): {e}"));
+            cluster_anomaly(
+                anomalies,
+                format!("cannot rebuild coordinator {id} ({step:?}): {e}"),
+            );
             return Ok(());
         }
     }
+    Ok(())
+}
+
+/// How long a follower restarted with a flipped bit in its sled database may take to
+/// either refuse to start or be a caught-up member again.
+pub const SLED_RESTART_DEADLINE: Duration = Duration::from_secs(120);
+
+/// The generation file of the raft metadata, beside sled's files
+/// (`cumulus_raft_store::record::GENERATION_FILE`).
+const GENERATION_FILE: &str = "meta.generation";
+
+/// The file of a stopped coordinator's raft directory to damage: sled's log (`db`) half
+/// the time, the generation file a quarter, otherwise one of sled's other files (`conf`,
+/// its snapshots `snap.*`, `blobs/*`), each as likely; `db` when the one chosen does not
+/// exist. `None` when there is no sled database yet.
+fn pick_sled_file(raft: &Path, rng: &mut StdRng) -> anyhow::Result<Option<PathBuf>> {
+    let mut others = Vec::new();
+    for e in std::fs::read_dir(raft)? {
+        let path = e?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name == "blobs" && path.is_dir() {
+            for b in std::fs::read_dir(&path)? {
+                let b = b?.path();
+                if b.is_file() {
+                    others.push(b);
+                }
+            }
+        } else if path.is_file() && name != "db" && name != GENERATION_FILE {
+            others.push(path);
+        }
+    }
+    others.sort();
+    let db = raft.join("db");
+    let pick = match rng.random_range(0..4u32) {
+        0 | 1 => db.clone(),
+        2 => raft.join(GENERATION_FILE),
+        _ if !others.is_empty() => others[rng.random_range(0..others.len())].clone(),
+        _ => db.clone(),
+    };
+    Ok([pick, db].into_iter().find(|p| p.is_file()))
+}
+
+/// Whether a refusal's message says what is damaged (sled's database, one of its
+/// records, or the generation file).
+fn names_the_damage(message: &str) -> bool {
+    ["sled", "generation file", "corrupt", "damaged"]
+        .iter()
+        .any(|w| message.contains(w))
+}
+
+/// The line of a coordinator's log that says why it exited (`Error: ...`, as its `main`
+/// prints it), else its last line; at most 400 characters.
+fn exit_message(log: &str) -> String {
+    let line = log
+        .lines()
+        .find(|l| l.starts_with("Error:"))
+        .or_else(|| log.lines().rev().find(|l| !l.trim().is_empty()))
+        .unwrap_or("");
+    line.chars().take(400).collect()
+}
+
+/// `fut`, bounded by [`HARNESS_CALL`]; `None` when it did not answer in time.
+async fn bounded<T>(fut: impl std::future::Future<Output = Option<T>>) -> Option<T> {
+    tokio::time::timeout(HARNESS_CALL, fut).await.ok().flatten()
+}
+
+/// The `corrupt-follower-sled` fault: stops follower `i`, flips one random bit of its
+/// sled database or of its generation file ([`pick_sled_file`]), and restarts it.
+/// Either it refuses to start, exiting non-zero with a message naming the damage, and is
+/// rebuilt ([`rebuild_coordinator`]); or the bit lay in bytes nobody reads (sled's free
+/// space, old pages) and it becomes a caught-up member again within
+/// [`SLED_RESTART_DEADLINE`], holding every job the leader listed before the kill.
+/// Anomalies: it exits 0, panics, or exits without naming the damage; it restarts at a
+/// term below the one it had, or leads at a term below the cluster's; it misses a job;
+/// it neither exits nor catches up in time (then it is stopped and rebuilt).
+async fn corrupt_sled(
+    cluster: &mut Cluster,
+    i: usize,
+    rng: &mut StdRng,
+    report: &mut Report,
+    anomalies: &mut Vec<Anomaly>,
+) -> anyhow::Result<()> {
+    let id = cluster.coordinators[i].id;
+    let anomalies_before = anomalies.len();
+    // Before the kill: the node's own term (restarting below it means it lost its vote),
+    // every job the leader lists, and then the leader's commit index (the restarted node
+    // holds them all once it has applied that far).
+    let own_term = bounded(cluster.status_of(i)).await.map(|s| s.term);
+    let listed: Option<Vec<String>> = bounded(async {
+        let mut c = cluster.leader_client().await.ok()?;
+        let r = c
+            .list_jobs(v1::ListJobsRequest { linearizable: true })
+            .await
+            .ok()?;
+        Some(r.into_inner().jobs.into_iter().map(|j| j.id).collect())
+    })
+    .await;
+    let leader_status = bounded(async {
+        let leader = cluster.status().await?.leader_id?;
+        cluster.status_of(cluster.index_of(leader)?).await
+    })
+    .await;
+    let cluster_term = leader_status.as_ref().map_or(0, |s| s.term);
+    let caught_up_at = leader_status
+        .as_ref()
+        .and_then(|s| s.commit_index)
+        .unwrap_or(0);
+
+    cluster.coordinators[i].proc.kill9();
+    let data_dir = cluster.coordinators[i].data_dir.clone();
+    let raft = data_dir.join("raft");
+    let Some(file) = pick_sled_file(&raft, rng)? else {
+        return Ok(()); // no sled database yet: an ordinary restart
+    };
+    let Some((at, mask)) = flip_a_bit(&file, rng)? else {
+        return Ok(());
+    };
+    let place = format!(
+        "coordinator {id}: bit {mask:#04x} of byte {at} of {}",
+        file.strip_prefix(&data_dir).unwrap_or(&file).display()
+    );
+    eprintln!("nemesis: corrupt-follower-sled: flipped {place}");
+    let log = cluster.coordinators[i].proc.log.clone();
+    let from = log_len(&log);
+    cluster.spawn_coordinator(i)?;
+    let started = Instant::now();
+    let mut answered = false;
+    let mut lower_term_seen = false;
+    let mut led_stale = false;
+    let mut exited = None;
+    let mut healthy = false;
+    while started.elapsed() < SLED_RESTART_DEADLINE {
+        if let Some(status) = reap_coordinator(cluster, i)? {
+            exited = Some(status);
+            break;
+        }
+        if let Some(s) = bounded(cluster.status_of(i)).await {
+            answered = true;
+            if let Some(before) = own_term
+                && s.term < before
+                && !lower_term_seen
+            {
+                lower_term_seen = true;
+                cluster_anomaly(
+                    anomalies,
+                    format!(
+                        "{place}: it restarted at term {} below its term {before} before the kill (a lost vote)",
+                        s.term
+                    ),
+                );
+            }
+            if s.leader_id == Some(id) && s.term < cluster_term && !led_stale {
+                led_stale = true;
+                cluster_anomaly(
+                    anomalies,
+                    format!(
+                        "{place}: it serves as leader at term {} below the cluster's term {cluster_term}",
+                        s.term
+                    ),
+                );
+            }
+            let member = s.members.iter().any(|m| m.node_id == id && m.voter);
+            if s.leader_id.is_some() && member && s.last_applied_index.unwrap_or(0) >= caught_up_at
+            {
+                healthy = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let outcome = if let Some(status) = exited {
+        let said = log_since(&log, from);
+        let message = exit_message(&said);
+        if status.success() {
+            cluster_anomaly(
+                anomalies,
+                format!("{place}: it exited 0 after its restart: {message}"),
+            );
+        } else if said.contains("panicked") {
+            cluster_anomaly(
+                anomalies,
+                format!("{place}: it panicked instead of refusing to start: {message}"),
+            );
+        } else if !names_the_damage(&message) {
+            cluster_anomaly(
+                anomalies,
+                format!("{place}: it exited ({status}) without naming the damage: {message}"),
+            );
+        }
+        rebuild_coordinator(cluster, i, anomalies).await?;
+        // A node that answered first stopped later on (fail-stop on damage it read).
+        let when = if answered { " after it answered" } else { "" };
+        format!("refused ({status}){when}: {message}")
+    } else if healthy {
+        // Every job the leader listed before the kill, in the node's own state.
+        if let Some(listed) = &listed {
+            let local: Option<Vec<String>> = bounded(async {
+                let mut c = cluster.client_of(i).await.ok()?;
+                let r = c
+                    .list_jobs(v1::ListJobsRequest {
+                        linearizable: false,
+                    })
+                    .await
+                    .ok()?;
+                Some(r.into_inner().jobs.into_iter().map(|j| j.id).collect())
+            })
+            .await;
+            match local {
+                Some(local) => {
+                    let missing: Vec<&String> =
+                        listed.iter().filter(|j| !local.contains(j)).collect();
+                    if !missing.is_empty() {
+                        cluster_anomaly(
+                            anomalies,
+                            format!(
+                                "{place}: caught up to index {caught_up_at} but misses {} jobs: {missing:?}",
+                                missing.len()
+                            ),
+                        );
+                    }
+                }
+                None => cluster_anomaly(
+                    anomalies,
+                    format!("{place}: caught up but does not list its jobs"),
+                ),
+            }
+        }
+        format!(
+            "started, a caught-up voter again after {} ms",
+            started.elapsed().as_millis()
+        )
+    } else {
+        cluster_anomaly(
+            anomalies,
+            format!(
+                "{place}: it neither refused to start nor caught up (index {caught_up_at}) within {SLED_RESTART_DEADLINE:?}"
+            ),
+        );
+        cluster.coordinators[i].proc.kill9();
+        rebuild_coordinator(cluster, i, anomalies).await?;
+        "neither refused nor caught up".to_string()
+    };
+    let kind = if anomalies.len() > anomalies_before {
+        "anomaly"
+    } else if exited.is_some() {
+        "refused"
+    } else {
+        "started"
+    };
+    eprintln!("nemesis: corrupt-follower-sled: {place}: {kind}: {outcome}");
+    *report.sled_outcomes.entry(kind.into()).or_default() += 1;
+    report
+        .sled_flips
+        .push(format!("{place}: {kind}: {outcome}"));
     Ok(())
 }
 
@@ -1004,6 +1345,12 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
         "nemesis: seed {} ({} ms of faults)",
         opts.seed, opts.fault_ms
     );
+    if let Some(only) = &opts.only {
+        anyhow::ensure!(
+            FAULTS.contains(&only.as_str()),
+            "unknown fault {only:?} (known: {FAULTS:?})"
+        );
+    }
     let mut cluster = Cluster::start(ClusterOpts {
         workers: 2,
         slots: 4,
@@ -1097,6 +1444,7 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
             &mut cluster,
             &mut rng,
             &trainer_job,
+            opts.only.as_deref(),
             &mut report,
             &mut anomalies,
         )
@@ -1363,4 +1711,87 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
         ));
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flipped_bit_lies_before_the_zero_tail() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("f");
+        let before = [0u8, 7, 0, 9, 0, 0, 0];
+        for seed in 0..50 {
+            std::fs::write(&file, before).expect("write");
+            let mut rng = StdRng::seed_from_u64(seed);
+            let (at, mask) = flip_a_bit(&file, &mut rng).expect("flip").expect("flipped");
+            let after = std::fs::read(&file).expect("read");
+            assert!(at <= 3, "offset {at}");
+            assert_eq!(mask.count_ones(), 1);
+            let changed: Vec<usize> = (0..before.len())
+                .filter(|&k| before[k] != after[k])
+                .collect();
+            assert_eq!(changed, vec![at as usize]);
+            assert_eq!(before[at as usize] ^ after[at as usize], mask);
+        }
+        std::fs::write(&file, [0u8; 16]).expect("write");
+        let mut rng = StdRng::seed_from_u64(1);
+        assert!(flip_a_bit(&file, &mut rng).expect("read").is_none());
+    }
+
+    #[test]
+    fn the_sled_file_to_damage_is_never_the_raft_log() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let raft = dir.path();
+        let mut rng = StdRng::seed_from_u64(7);
+        assert!(pick_sled_file(raft, &mut rng).expect("pick").is_none());
+        std::fs::create_dir_all(raft.join("blobs")).expect("mkdir");
+        std::fs::create_dir_all(raft.join("wal")).expect("mkdir");
+        for f in [
+            "db",
+            "conf",
+            GENERATION_FILE,
+            "snap.00000000000001B1",
+            "blobs/1",
+            "wal/0.wal",
+        ] {
+            std::fs::write(raft.join(f), b"x").expect("write");
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..400 {
+            let p = pick_sled_file(raft, &mut rng)
+                .expect("pick")
+                .expect("a file");
+            seen.insert(p.strip_prefix(raft).expect("inside").display().to_string());
+        }
+        let want: std::collections::BTreeSet<String> = [
+            "db",
+            "conf",
+            GENERATION_FILE,
+            "snap.00000000000001B1",
+            "blobs/1",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        assert_eq!(seen, want);
+    }
+
+    #[test]
+    fn a_refusal_must_name_the_damage() {
+        let log = "2026-11-28T19:31:02Z  INFO starting\n\
+                   Error: the sled database at /d/raft is damaged: Read corrupted data; \
+                   refusing to start.\n\nCaused by:\n    Read corrupted data\n";
+        let message = exit_message(log);
+        assert!(message.starts_with("Error: the sled database"), "{message}");
+        assert!(names_the_damage(&message));
+        assert!(names_the_damage(
+            "Error: cannot use the raft metadata's generation file: /d/raft/meta.generation"
+        ));
+        assert!(!names_the_damage(
+            "Error: address already in use (os error 98)"
+        ));
+        assert_eq!(exit_message("a\nlast line\n\n"), "last line");
+    }
 }

@@ -25,6 +25,7 @@ async fn short_nemesis_schedule_keeps_every_invariant() {
             clients: 3,
             epochs: 2,
             hang_first: true,
+            only: None,
         }),
     )
     .await

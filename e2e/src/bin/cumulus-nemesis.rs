@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use clap::Parser;
-use cumulus_e2e::nemesis::{RunOpts, run};
+use cumulus_e2e::nemesis::{FAULTS, RunOpts, run};
 
 /// Command line.
 #[derive(Parser, Debug)]
@@ -36,6 +36,10 @@ struct Args {
     /// Trainer epochs per run.
     #[arg(long, default_value_t = 2)]
     epochs: u32,
+    /// Inject only this fault kind, every time one is drawn (e.g. `corrupt-follower-sled`;
+    /// the kinds are listed in docs/reliability.md).
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(FAULTS))]
+    only: Option<String>,
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -53,6 +57,7 @@ async fn main() -> anyhow::Result<()> {
     let mut errors: Vec<(u64, String)> = Vec::new();
     let mut faults: BTreeMap<String, u64> = BTreeMap::new();
     let mut ops: BTreeMap<String, u64> = BTreeMap::new();
+    let mut sled_outcomes: BTreeMap<String, u64> = BTreeMap::new();
     let (mut acked, mut reads, mut restarts) = (0u64, 0u64, 0u64);
     while n < u64::from(args.runs) || start.elapsed().as_secs() < args.minutes * 60 {
         let seed = first + n;
@@ -63,6 +68,7 @@ async fn main() -> anyhow::Result<()> {
             clients: args.clients,
             epochs: args.epochs,
             hang_first: false,
+            only: args.only.clone(),
         };
         // SIGINT/SIGTERM end the schedule: the run in flight is dropped (its cluster's
         // processes are killed by the harness's Drop) and the summary of the completed
@@ -90,6 +96,9 @@ async fn main() -> anyhow::Result<()> {
         for (k, v) in &report.faults {
             *faults.entry(k.clone()).or_default() += v;
         }
+        for (k, v) in &report.sled_outcomes {
+            *sled_outcomes.entry(k.clone()).or_default() += v;
+        }
         for (k, v) in &report.ops {
             *ops.entry(k.clone()).or_default() += v;
         }
@@ -101,7 +110,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     eprintln!(
-        "summary: {n} runs in {} s, seeds {first}..{}; ops {ops:?}; acked submits {acked}; linearizable reads {reads}; faults {faults:?}; trainer restarts {restarts}; runs with anomalies {}; runs the harness could not complete {}",
+        "summary: {n} runs in {} s, seeds {first}..{}; ops {ops:?}; acked submits {acked}; linearizable reads {reads}; faults {faults:?}; corrupt-follower-sled outcomes {sled_outcomes:?}; trainer restarts {restarts}; runs with anomalies {}; runs the harness could not complete {}",
         start.elapsed().as_secs(),
         first + n - 1,
         failed.len(),
