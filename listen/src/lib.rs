@@ -83,7 +83,7 @@ use tokio_util::sync::CancellationToken;
 mod pool;
 mod track;
 
-pub use pool::{Activity, Counts, Source};
+pub use pool::{Activity, Counts, Source, TurnedAway};
 use pool::{Due, Pool, Refused, Slot};
 pub use track::{Track, TrackLayer, TrackedBody, is_refusal};
 
@@ -353,6 +353,7 @@ impl BoundedListener {
             let (stream, peer) = match self.listener.accept().await {
                 Ok(accepted) => accepted,
                 Err(e) => {
+                    self.pool.note_accept_error();
                     self.warnings.note(self.name, Some(&e), None);
                     tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_MS)).await;
                     continue;
@@ -411,9 +412,26 @@ impl BoundedListener {
 pub struct Counter(Arc<Pool>);
 
 impl Counter {
+    /// The connection pool of a Unix socket listener not serving yet, with `limits`:
+    /// hand it to [`serve_unix_http_counted`] and keep a clone to read it.
+    pub fn unix(limits: Limits) -> Counter {
+        Counter(Pool::new(limits))
+    }
+
     /// The counts now.
     pub fn counts(&self) -> Counts {
         self.0.counts()
+    }
+
+    /// The connections the listener turned away so far (cheap: two atomic loads).
+    pub fn turned_away(&self) -> TurnedAway {
+        self.0.turned_away()
+    }
+
+    /// Whether the listener's accept loop runs ([`serve_http`], [`serve_unix_http`]):
+    /// false before it starts and once it ended.
+    pub fn serving(&self) -> bool {
+        self.0.serving()
     }
 }
 
@@ -803,6 +821,7 @@ pub async fn serve_http(
 ) -> io::Result<()> {
     let builder = http_builder();
     let graceful = GracefulShutdown::new();
+    let serving = listener.pool.serve();
     loop {
         let (stream, _) = tokio::select! {
             accepted = listener.accept_bounded() => accepted,
@@ -822,6 +841,7 @@ pub async fn serve_http(
             serve_connection(&builder, watcher, router, info, activity, stream).await;
         });
     }
+    drop(serving);
     drop(listener);
     graceful.shutdown().await;
     Ok(())
@@ -879,24 +899,32 @@ pub async fn serve_unix_http(
     router: axum::Router,
     shutdown: CancellationToken,
 ) -> io::Result<()> {
-    serve_unix_http_counted(listener, name, Pool::new(limits), router, shutdown).await
+    serve_unix_http_counted(listener, name, Counter::unix(limits), router, shutdown).await
 }
 
-async fn serve_unix_http_counted(
+/// [`serve_unix_http`] with the connection pool of `counter` ([`Counter::unix`]), so the
+/// caller can read its counts and what it turned away.
+///
+/// # Errors
+/// None today: failed accepts are retried after [`ACCEPT_RETRY_MS`].
+pub async fn serve_unix_http_counted(
     listener: tokio::net::UnixListener,
     name: &'static str,
-    pool: Arc<Pool>,
+    counter: Counter,
     router: axum::Router,
     shutdown: CancellationToken,
 ) -> io::Result<()> {
+    let pool = counter.0;
     let builder = http_builder();
     let graceful = GracefulShutdown::new();
     let mut warnings = Warnings::default();
+    let serving = pool.serve();
     loop {
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(e) => {
+                    pool.note_accept_error();
                     warnings.note(name, Some(&e), None);
                     tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_MS)).await;
                     continue;
@@ -932,6 +960,7 @@ async fn serve_unix_http_counted(
             serve_connection(&builder, watcher, router, peer, activity, stream).await;
         });
     }
+    drop(serving);
     drop(listener);
     graceful.shutdown().await;
     Ok(())
@@ -1079,6 +1108,71 @@ mod tests {
             .expect("client");
         assert!(stranger.get(&url).send().await.is_err());
         stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn connections_turned_away_by_busy_requests_are_counted() {
+        // A source's share of the pending pool held by requests whose bodies never end:
+        // busy, so never evicted; the next connection of that source is turned away.
+        let limits = Limits {
+            max_pending_per_source: 2,
+            ..Limits::connections(16)
+        };
+        let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = BoundedListener::new(tcp, "test", limits);
+        let addr = listener.local_addr().expect("addr");
+        let counter = listener.counter();
+        assert!(!counter.serving());
+        let router = axum::Router::new().route(
+            "/",
+            axum::routing::post(|body: bytes::Bytes| async move { body.len().to_string() }),
+        );
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve_http(listener, router, stop.clone()));
+        until("the listener serves", || counter.serving()).await;
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let mut c = TcpStream::connect(addr).await.expect("connect");
+            c.write_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+                .await
+                .expect("write");
+            held.push(c);
+        }
+        until("both requests in flight", || counter.counts().pending == 2).await;
+        let before = counter.turned_away();
+        let mut turned = TcpStream::connect(addr).await.expect("connect");
+        turned
+            .write_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            .await
+            .ok();
+        let mut reply = Vec::new();
+        let _ = within(Duration::from_secs(30), turned.read_to_end(&mut reply)).await;
+        assert!(
+            reply.is_empty(),
+            "no answer: {}",
+            String::from_utf8_lossy(&reply)
+        );
+        let turned_away = counter.turned_away().since(before);
+        assert_eq!((turned_away.refused, turned_away.accept_errors), (1, 0));
+        // The held requests were never evicted; once they end, a request is served.
+        drop(held);
+        until("the held slots back", || counter.counts().open == 0).await;
+        let mut c = TcpStream::connect(addr).await.expect("connect");
+        c.write_all(
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+        )
+        .await
+        .expect("write");
+        let mut reply = Vec::new();
+        let _ = within(Duration::from_secs(30), c.read_to_end(&mut reply)).await;
+        assert!(
+            reply.starts_with(b"HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&reply)
+        );
+        stop.cancel();
+        server.await.expect("join").expect("serve");
+        assert!(!counter.serving(), "a stopped listener does not serve");
     }
 
     #[tokio::test]
@@ -1393,7 +1487,7 @@ mod tests {
             first_request_timeout_ms: 300,
             ..Limits::connections(64)
         };
-        let pool = Pool::new(limits);
+        let pool = Counter::unix(limits);
         let stop = CancellationToken::new();
         tokio::spawn(serve_unix_http_counted(
             listener,

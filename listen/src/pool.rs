@@ -23,6 +23,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -118,6 +119,40 @@ pub(crate) enum Refused {
 pub(crate) struct Pool {
     limits: Limits,
     state: Mutex<State>,
+    /// Connections refused for want of room (every [`Refused`], and a reserved one with
+    /// no room after its handshake), ever.
+    refused: AtomicU64,
+    /// Failed `accept` calls of the listener, ever.
+    accept_errors: AtomicU64,
+    /// The listener's accept loop is running.
+    serving: AtomicBool,
+}
+
+/// What a listener turned away since it was made: evidence that a client could not reach
+/// it for the server's own reasons. Monotonic counters: a caller keeps one reading and
+/// subtracts it from a later one ([`TurnedAway::since`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TurnedAway {
+    /// Connections accepted and closed at once: the cap, the pending pool or the
+    /// source's share was full of busy connections.
+    pub refused: u64,
+    /// `accept` calls that failed (descriptors exhausted, say).
+    pub accept_errors: u64,
+}
+
+impl TurnedAway {
+    /// What was turned away between `earlier` and `self`.
+    pub fn since(self, earlier: TurnedAway) -> TurnedAway {
+        TurnedAway {
+            refused: self.refused.saturating_sub(earlier.refused),
+            accept_errors: self.accept_errors.saturating_sub(earlier.accept_errors),
+        }
+    }
+
+    /// Nothing was turned away.
+    pub fn is_none(self) -> bool {
+        self.refused == 0 && self.accept_errors == 0
+    }
 }
 
 /// Counts of a listener's connections, for logs and tests.
@@ -136,7 +171,31 @@ impl Pool {
         Arc::new(Pool {
             limits,
             state: Mutex::new(State::default()),
+            refused: AtomicU64::new(0),
+            accept_errors: AtomicU64::new(0),
+            serving: AtomicBool::new(false),
         })
+    }
+
+    pub(crate) fn turned_away(&self) -> TurnedAway {
+        TurnedAway {
+            refused: self.refused.load(Ordering::Relaxed),
+            accept_errors: self.accept_errors.load(Ordering::Relaxed),
+        }
+    }
+
+    pub(crate) fn note_accept_error(&self) {
+        self.accept_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn serving(&self) -> bool {
+        self.serving.load(Ordering::Relaxed)
+    }
+
+    /// Marks the listener's accept loop as running until the returned guard drops.
+    pub(crate) fn serve(self: &Arc<Self>) -> Serving {
+        self.serving.store(true, Ordering::Relaxed);
+        Serving(self.clone())
     }
 
     pub(crate) fn limits(&self) -> Limits {
@@ -167,6 +226,14 @@ impl Pool {
         source: Source,
         may_reserve: bool,
     ) -> Result<Slot, Refused> {
+        let admitted = self.try_admit(source, may_reserve);
+        if admitted.is_err() {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        admitted
+    }
+
+    fn try_admit(self: &Arc<Self>, source: Source, may_reserve: bool) -> Result<Slot, Refused> {
         let l = self.limits;
         let mut s = self.state();
         let of_source = s.pending_by_source.get(&source).copied().unwrap_or(0);
@@ -305,6 +372,7 @@ impl Slot {
         }
         if reserved {
             if s.general >= l.max_connections {
+                self.pool.refused.fetch_add(1, Ordering::Relaxed);
                 return false;
             }
             s.reserved -= 1;
@@ -312,6 +380,16 @@ impl Slot {
             s.conns.get_mut(&id).expect("present").reserved = false;
         }
         true
+    }
+}
+
+/// The running accept loop of a listener ([`Pool::serve`]); its pool stops counting as
+/// serving when this drops.
+pub(crate) struct Serving(Arc<Pool>);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.serving.store(false, Ordering::Relaxed);
     }
 }
 
@@ -542,12 +620,14 @@ mod tests {
             held.push((s, busy));
         }
         assert_eq!(pool.admit(Source::Uid(50), false).err(), Some(Refused::Cap));
+        assert_eq!(pool.turned_away().refused, 1);
         // A TLS connection waits for its handshake in the reserved pool: a coordinator
         // stays, anyone else is closed.
         let coordinator = pool.admit(Source::Uid(60), true).expect("reserve");
         assert!(coordinator.identify(true));
         let stranger = pool.admit(Source::Uid(61), true).expect("reserve");
         assert!(!stranger.identify(false));
+        assert_eq!(pool.turned_away().refused, 2, "no room after the handshake");
         assert_eq!(pool.counts().reserved, 2);
         drop(stranger);
         assert_eq!(
