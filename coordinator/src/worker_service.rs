@@ -375,6 +375,11 @@ impl WorkerService for WorkerSvc {
                 "spawn_error is longer than 4096 bytes",
             ));
         }
+        if r.agent_evidence.len() > 4_096 {
+            return Err(Status::invalid_argument(
+                "agent_evidence is longer than 4096 bytes",
+            ));
+        }
         if r.exit_code.is_none() && r.signal.is_none() && r.spawn_error.is_empty() {
             return Err(Status::invalid_argument(
                 "an exit needs an exit code, a signal or a spawn error",
@@ -391,6 +396,7 @@ impl WorkerService for WorkerSvc {
                 spawn_error: r.spawn_error,
                 at_ms: now_ms(),
                 agent_fault: r.agent_fault,
+                agent_evidence: r.agent_evidence,
                 exec_failed: r.exec_failed,
                 step: r.step,
                 total_steps: r.total_steps,

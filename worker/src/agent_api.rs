@@ -259,6 +259,7 @@ mod tests {
                 signal: None,
                 spawn_error: None,
                 agent_fault: false,
+                agent_evidence: None,
             },
         )
         .await

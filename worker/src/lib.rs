@@ -534,6 +534,12 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
         "rank API",
         cumulus_listen::Limits::connections(caps[1]),
     );
+    let mut rank_api_listeners = vec![("rank API", rank_listener.counter())];
+    let rank_socket = rank_socket.map(|(path, listener)| {
+        let counter = cumulus_listen::Counter::unix(cumulus_listen::Limits::connections(caps[2]));
+        rank_api_listeners.push(("rank API socket", counter.clone()));
+        (path, listener, counter)
+    });
     let http_addr = format!(
         "{}:{}",
         url_host(config.advertise_host.trim()),
@@ -562,7 +568,7 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
             data_dir: config.data_dir.clone(),
             advertise_host: config.advertise_host.trim().to_string(),
             rank_api_url: format!("http://{rank_api_addr}"),
-            rank_api_socket: rank_socket.as_ref().map(|(path, _)| path.clone()),
+            rank_api_socket: rank_socket.as_ref().map(|(path, _, _)| path.clone()),
             stop_grace: Duration::from_millis(config.stop_grace_ms),
             log_max_bytes: config.log_max_bytes,
             commit_retry: RetryPolicy::STANDARD,
@@ -575,6 +581,7 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
             roots,
             has_gpus: !gpu_monitor.inventory().is_empty(),
             identity,
+            rank_api_watch: supervisor::RankApiWatch::new(rank_api_listeners),
         },
         spawner,
         client.clone(),
@@ -604,14 +611,18 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
             .await
             .context("rank API server failed")
     });
-    if let Some((_, listener)) = rank_socket {
+    if let Some((_, listener, counter)) = rank_socket {
         let stop = servers_cancel.clone();
-        let cap = caps[2];
         servers.spawn(async move {
-            let limits = cumulus_listen::Limits::connections(cap);
-            cumulus_listen::serve_unix_http(listener, "rank API socket", limits, rank_router, stop)
-                .await
-                .context("rank API socket server failed")
+            cumulus_listen::serve_unix_http_counted(
+                listener,
+                "rank API socket",
+                counter,
+                rank_router,
+                stop,
+            )
+            .await
+            .context("rank API socket server failed")
         });
     }
 

@@ -99,9 +99,16 @@ pub struct ExitRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spawn_error: Option<String>,
     /// With `spawn_error`: the agent lacked a resource of its own (descriptors, memory,
-    /// disk, process slots); not the rank's failure ([`is_agent_resource_error`]).
+    /// disk, process slots); not the rank's failure ([`is_agent_resource_error`]). With
+    /// exit code [`cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE`]: the rank could not
+    /// reach the agent's rank-local API, and `agent_evidence` says why that was the
+    /// agent's doing.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub agent_fault: bool,
+    /// With `agent_fault` and exit code `EXIT_AGENT_UNREACHABLE`: what the agent saw of
+    /// its rank-local API during the attempt ([`crate::supervisor::RankApiWatch`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_evidence: Option<String>,
     /// With `spawn_error`: the program cannot be executed ([`is_exec_error`]); no
     /// restart can fix that.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -148,6 +155,7 @@ impl ExitRecord {
             signal: status.signal(),
             spawn_error: None,
             agent_fault: false,
+            agent_evidence: None,
             exec_failed: false,
         }
     }
@@ -159,6 +167,7 @@ impl ExitRecord {
             signal: None,
             spawn_error: Some(error.into()),
             agent_fault: false,
+            agent_evidence: None,
             exec_failed: false,
         }
     }
@@ -906,6 +915,7 @@ mod tests {
             signal: None,
             spawn_error: None,
             agent_fault: false,
+            agent_evidence: None,
         };
         write_exit_record(&path, &rec).await.expect("write");
         assert_eq!(read_exit_record(&path).await.expect("read"), Some(rec));

@@ -180,6 +180,7 @@ fn group_restart_then_budget_exhaustion() {
             spawn_error: String::new(),
             at_ms: 50,
             agent_fault: false,
+            agent_evidence: String::new(),
         },
         &mut d,
     );
@@ -238,6 +239,7 @@ fn group_restart_then_budget_exhaustion() {
             spawn_error: String::new(),
             at_ms: 800,
             agent_fault: false,
+            agent_evidence: String::new(),
         },
         &mut d,
     );
@@ -276,6 +278,7 @@ fn agent_resource_errors_restart_elsewhere_without_spending_budget() {
                 signal: None,
                 spawn_error: "cannot create log …: Too many open files (os error 24)".into(),
                 agent_fault: true,
+                agent_evidence: String::new(),
                 at_ms: 50,
             },
             &mut d,
@@ -343,6 +346,63 @@ fn agent_resource_errors_restart_elsewhere_without_spending_budget() {
         matches!(actions.as_slice(), [Action::FailJob { .. }]),
         "{actions:?}"
     );
+}
+
+/// A rank that exited with `EXIT_AGENT_UNREACHABLE` (issue 39 item 1) is the agent's
+/// fault only when its agent says so with evidence of its own: then the restart spends no
+/// budget; a claim without evidence, or evidence with another exit code, spends it.
+#[test]
+fn an_unreachable_agent_is_its_fault_only_with_its_evidence() {
+    let unreachable = cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE;
+    for (code, evidence, spends) in [
+        (unreachable, "3 connections turned away at capacity", false),
+        (unreachable, "", true),
+        (1, "3 connections turned away at capacity", true),
+    ] {
+        let (mut s, job_id) = state_with_running_job(1, RestartScope::Group);
+        let w = s.jobs[&job_id].ranks[0].worker_id.clone().expect("placed");
+        let exited = Command::RankExited {
+            step: 0,
+            total_steps: 0,
+            exec_failed: false,
+            job_id: job_id.clone(),
+            rank: 0,
+            attempt: 0,
+            worker_id: w,
+            exit_code: Some(code),
+            signal: None,
+            spawn_error: String::new(),
+            agent_fault: true,
+            agent_evidence: evidence.into(),
+            at_ms: 50,
+        };
+        assert_eq!(s.apply(&exited, &mut BTreeSet::new()), Response::Ok);
+        let mut zero = || 0.0;
+        let actions = plan(&s, &Observations::default(), 5_000, &mut zero);
+        let [
+            Action::Restart {
+                agent_fault, cause, ..
+            },
+        ] = actions.as_slice()
+        else {
+            panic!("{actions:?}")
+        };
+        assert_eq!(
+            *agent_fault, !spends,
+            "exit {code}, evidence {evidence:?}: {cause}"
+        );
+        if spends {
+            assert!(
+                cause.contains(&format!("exited with code {code}")),
+                "{cause}"
+            );
+        } else {
+            assert!(
+                cause.contains("could not reach its agent") && cause.contains(evidence),
+                "{cause}"
+            );
+        }
+    }
 }
 
 #[test]

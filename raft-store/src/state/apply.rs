@@ -302,6 +302,7 @@ impl ClusterState {
                 signal,
                 spawn_error,
                 agent_fault,
+                agent_evidence,
                 exec_failed,
                 step,
                 total_steps,
@@ -335,9 +336,24 @@ impl ClusterState {
                         r.failure = None;
                     } else {
                         r.state = RankState::Failed;
-                        r.agent_fault = *agent_fault && !spawn_error.is_empty();
+                        // A rank that could not reach its agent is the agent's fault only
+                        // with the agent's own evidence of it.
+                        let unreachable = *exit_code
+                            == Some(cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE)
+                            && spawn_error.is_empty()
+                            && !agent_evidence.is_empty();
+                        r.agent_fault = *agent_fault && (!spawn_error.is_empty() || unreachable);
                         r.exec_failed = *exec_failed && !spawn_error.is_empty();
-                        r.failure = Some(if r.agent_fault {
+                        r.failure = Some(if r.agent_fault && unreachable {
+                            format!(
+                                "rank {} attempt {} exited with code {} on {worker_id}: it \
+                                 could not reach its agent, for the agent's fault (not the \
+                                 rank's): {agent_evidence}",
+                                r.rank,
+                                r.attempt,
+                                cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE
+                            )
+                        } else if r.agent_fault {
                             format!(
                                 "rank {} attempt {} could not start on {worker_id}, for a \
                              resource error of the agent (not the rank's): {spawn_error}",

@@ -164,9 +164,15 @@ pub enum Command {
         signal: Option<i32>,
         /// Non-empty when it could not start.
         spawn_error: String,
-        /// It could not start for lack of a resource on the agent (not the rank's fault).
+        /// It could not start for lack of a resource on the agent, or it exited with
+        /// [`cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE`] and `agent_evidence` says why
+        /// that was the agent's doing (not the rank's fault).
         #[serde(default)]
         agent_fault: bool,
+        /// With `agent_fault` and exit code `EXIT_AGENT_UNREACHABLE`: what the agent saw of
+        /// its own rank-local API during the attempt (connections turned away, not serving).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        agent_evidence: String,
         /// Its program cannot be executed (missing, not executable): no restart can fix
         /// it, the leader fails the job.
         #[serde(default)]

@@ -83,6 +83,7 @@ fn exit(job_id: &str, rank: u32, attempt: u32, worker: &str, code: i32) -> Comma
         spawn_error: String::new(),
         at_ms: 100,
         agent_fault: false,
+        agent_evidence: String::new(),
     }
 }
 

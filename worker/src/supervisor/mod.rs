@@ -10,8 +10,9 @@
 //! [`crate::logs::LINE_PIECE_MAX_BYTES`] (plus one pipe read) in memory; one thread per live attempt reads its output ([`logs::spawn_pump`]).
 //!
 //! Split along its seams: [`prepare`] (what an attempt needs before its process starts),
-//! [`commit`] (a rank's checkpoint part committed and reported); this module holds the
-//! table and the process lifecycle.
+//! [`commit`] (a rank's checkpoint part committed and reported), [`reach`] (whether a
+//! rank that could not reach this agent did so for the agent's reasons); this module
+//! holds the table and the process lifecycle.
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io;
 use std::os::fd::OwnedFd;
@@ -86,6 +87,9 @@ pub struct SupervisorSettings {
     pub has_gpus: bool,
     /// Who ranks run as and what of the agent's environment they inherit.
     pub identity: crate::identity::RankIdentity,
+    /// The rank API's listeners, whose refusals make a rank's
+    /// [`cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE`] the agent's fault ([`reach`]).
+    pub rank_api_watch: RankApiWatch,
 }
 
 /// The latest progress a rank reported (soft state).
@@ -385,6 +389,7 @@ impl Supervisor {
                 signal: None,
                 spawn_error: format!("the agent already runs {MAX_LIVE_ATTEMPTS} rank attempts"),
                 agent_fault: true,
+                agent_evidence: String::new(),
                 exec_failed: false,
                 step: 0,
                 total_steps: 0,
@@ -599,6 +604,7 @@ impl Supervisor {
                         signal: Some(Signal::SIGKILL as i32),
                         spawn_error: None,
                         agent_fault: false,
+                        agent_evidence: None,
                         exec_failed: false,
                     }
                 } else {
@@ -634,6 +640,7 @@ impl Supervisor {
             signal: exit.signal,
             spawn_error: exit.spawn_error.clone().unwrap_or_default(),
             agent_fault: exit.agent_fault,
+            agent_evidence: exit.agent_evidence.clone().unwrap_or_default(),
             exec_failed: exit.exec_failed,
         }));
     }
@@ -741,6 +748,8 @@ impl Supervisor {
             }
             Err(e) => return fail_start(log, ExitRecord::spawn_failed(e.to_string())).await,
         };
+        // What the rank API turned away before this attempt is not its evidence.
+        let rank_api_before = settings.rank_api_watch.reading();
         let spawned = match self.inner.spawner.spawn(request).await {
             Ok(s) => s,
             Err(e) => {
@@ -779,7 +788,24 @@ impl Supervisor {
             tracing::warn!(attempt = %key, "cannot finish log: {e}");
         }
         match status {
-            Ok(status) => ExitRecord::from_status(status),
+            Ok(status) => {
+                let seen = settings.rank_api_watch.since(&rank_api_before);
+                let exit = reach::judge(ExitRecord::from_status(status), &seen);
+                if exit.exit_code == Some(cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE) {
+                    match &exit.agent_evidence {
+                        Some(why) => tracing::warn!(
+                            attempt = %key,
+                            "the rank could not reach this agent, the agent's fault: {why}"
+                        ),
+                        None => tracing::info!(
+                            attempt = %key,
+                            "the rank says it could not reach this agent, but the rank API \
+                             turned nothing away during the attempt: the rank's own failure"
+                        ),
+                    }
+                }
+                exit
+            }
             Err(e) => ExitRecord::spawn_failed(format!("cannot wait for process {pid}: {e}")),
         }
     }
@@ -905,7 +931,9 @@ async fn supervise(
 
 mod commit;
 mod prepare;
+pub mod reach;
 #[cfg(test)]
 mod tests;
 
 use prepare::*;
+pub use reach::RankApiWatch;

@@ -75,6 +75,7 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
             has_gpus: false,
             identity: Default::default(),
             rank_api_socket: None,
+            rank_api_watch: Default::default(),
         },
         spawner,
         client,
@@ -180,6 +181,7 @@ async fn spawns_with_the_full_env_contract() {
             signal: None,
             spawn_error: None,
             agent_fault: false,
+            agent_evidence: None,
         }
     );
 
