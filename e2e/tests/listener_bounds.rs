@@ -8,6 +8,10 @@
 //!
 //! The flood is bounded: a fixed number of connections per listener, refilled for a
 //! bounded time, on 127.0.0.1 only.
+//!
+//! And the other side of a bounded rank API (issue 39 item 1): a rank that its agent's
+//! rank API turned away exits 75 and restarts without spending its job's budget; a rank
+//! that exits 75 while the agent turned nothing away spends it.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -15,6 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use cumulus_api::JobState;
 use cumulus_e2e::{Cluster, ClusterOpts, assert_trainer_results, prepare_digits, trainer_spec};
 use tokio::net::TcpStream;
 
@@ -286,4 +291,136 @@ async fn an_h2c_preface_flood_neither_holds_the_rank_api_nor_fails_a_job() {
     assert_eq!(job.state, "succeeded", "{job:?}");
     assert_eq!(job.restarts_used, 0, "no restart: {job:?}");
     assert_trainer_results(&cluster, &w, &root.join("out"), 2, 1, None);
+}
+
+/// A connection to the rank API with a request in flight that never ends: the headers of
+/// a `POST` whose body never comes. The server is reading the body, so the connection is
+/// busy and never evicted as idle; the request holds its slot until the test drops it.
+async fn busy_connection(rank_api: SocketAddr) -> TcpStream {
+    let mut conn = TcpStream::connect(rank_api).await.expect("connect");
+    let _ = conn.set_zero_linger();
+    tokio::io::AsyncWriteExt::write_all(
+        &mut conn,
+        b"POST /v1/progress HTTP/1.1\r\nHost: agent\r\nAuthorization: Bearer held\r\n\
+          Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"step\":",
+    )
+    .await
+    .expect("write");
+    conn
+}
+
+/// Whether a new connection to the rank API gets no answer at all: accepted by the
+/// kernel, then closed by the agent before it reads a request.
+async fn turned_away(rank_api: SocketAddr) -> bool {
+    let Ok(mut conn) = TcpStream::connect(rank_api).await else {
+        return true;
+    };
+    let _ = conn.set_zero_linger();
+    let _ = tokio::io::AsyncWriteExt::write_all(
+        &mut conn,
+        b"GET /v1/control HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    let mut reply = Vec::new();
+    let read = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::io::AsyncReadExt::read_to_end(&mut conn, &mut reply),
+    )
+    .await;
+    read.is_ok() && reply.is_empty()
+}
+
+/// Issue 39 item 1: a rank that cannot reach its agent for the agent's reasons does not
+/// spend its job's budget. The worker's rank API has a small cap; the test holds its
+/// source's share with requests in flight (never evicted: they are busy), so the rank's
+/// checkpoint commits are turned away, it exits with `EXIT_AGENT_UNREACHABLE` (75), and
+/// the agent, which counted the connections it turned away during the attempt, reports
+/// its own fault: the job (`--max-restarts 0`) restarts without spending budget and
+/// succeeds once the test lets go. The control: a rank that exits 75 while the agent
+/// turned nothing away spends its budget like any failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_its_agent_turned_away_restarts_without_spending_budget() {
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 1,
+        worker_args: vec!["--max-rank-api-connections".into(), "16".into()],
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let root = cluster.dir.path().to_path_buf();
+    let (_, rank_api) = agent_addrs(&root.join("worker-1"));
+    let no_budget = |backoff_initial_ms| {
+        Some(cumulus_api::v1::RestartPolicy {
+            max_restarts: Some(0),
+            backoff_initial_ms: Some(backoff_initial_ms),
+            ..Default::default()
+        })
+    };
+
+    // The control first, while nothing holds the rank API: exit 75 is only a claim.
+    let claim = cumulus_api::v1::JobSpec {
+        world_size: 1,
+        command: vec!["sh".into(), "-c".into(), "exit 75".into()],
+        restart: no_budget(100),
+        ..Default::default()
+    };
+    let job_id = cluster
+        .submit("claims-75", claim)
+        .await
+        .expect("submit")
+        .job_id;
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.job_state(), Ok(JobState::Failed), "{job:?}");
+    assert!(
+        job.failure_cause.contains("budget of 0 exhausted")
+            && job.failure_cause.contains("exited with code 75"),
+        "{}",
+        job.failure_cause
+    );
+
+    // Hold the loopback source's share of the pending pool (4 of a cap of 16) with
+    // requests in flight, until a new connection is turned away.
+    let mut held = Vec::new();
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        if held.len() < 8 {
+            held.push(busy_connection(rank_api).await);
+        }
+        if held.len() >= 4 && turned_away(rank_api).await {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the rank API still answers with {} requests held",
+            held.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let w = prepare_digits(&root, 2).expect("shards");
+    let args = ["--epochs", "1", "--ckpt-every", "5", "--step-sleep-ms", "5"];
+    let mut spec = trainer_spec(&w, 1, &root.join("ckpt"), &root.join("out"), &args);
+    spec.restart = no_budget(1_000);
+    let job_id = cluster
+        .submit("turned-away", spec)
+        .await
+        .expect("submit")
+        .job_id;
+    let restarted = cluster
+        .wait_job(&job_id, "a restart for the agent's fault", LONG, |j| {
+            !j.restarts.is_empty()
+        })
+        .await;
+    drop(held);
+    let cause = &restarted.restarts[0].cause;
+    assert!(
+        cause.contains("exited with code 75")
+            && cause.contains("could not reach its agent")
+            && cause.contains("turned away at capacity"),
+        "{cause}"
+    );
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.job_state(), Ok(JobState::Succeeded), "{job:?}");
+    assert_eq!(job.restarts_used, 0, "no budget spent: {job:?}");
+    assert_trainer_results(&cluster, &w, &root.join("out"), 1, 1, None);
 }

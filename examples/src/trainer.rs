@@ -69,6 +69,11 @@ pub const EXIT_RESUME: i32 = 2;
 pub const EXIT_STALE: i32 = 3;
 /// Exit code when a checkpoint could not be committed after every retry.
 pub const EXIT_COMMIT_FAILED: i32 = 4;
+/// Exit code when a checkpoint could not be committed because the agent never answered
+/// (its last try failed with a transport error: refused, reset, timed out): the rank
+/// contract's code, which the agent counts as its own fault when it saw its rank API
+/// turn connections away (docs/scheduling.md, "Failures that are the agent's").
+pub const EXIT_AGENT_UNREACHABLE: i32 = cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE;
 
 /// Why a checkpoint could not be resumed.
 #[derive(Debug, Error)]
@@ -164,6 +169,10 @@ pub enum TrainError {
     /// A checkpoint could not be committed after every retry.
     #[error("checkpoint commit failed: {0}")]
     CommitFailed(String),
+    /// A checkpoint could not be committed after every retry, the last for want of any
+    /// answer from the agent.
+    #[error("checkpoint commit failed, the agent is unreachable: {0}")]
+    AgentUnreachable(String),
 }
 
 impl TrainError {
@@ -176,6 +185,7 @@ impl TrainError {
             TrainError::Resume(_) => EXIT_RESUME,
             TrainError::Stale(_) => EXIT_STALE,
             TrainError::CommitFailed(_) => EXIT_COMMIT_FAILED,
+            TrainError::AgentUnreachable(_) => EXIT_AGENT_UNREACHABLE,
         }
     }
 }
@@ -982,7 +992,9 @@ fn warn_foreign_entries(staging: &Path, step: u64) {
 }
 
 /// Writes the checkpoint into `staging` and has the agent commit it, retrying failures
-/// [`CKPT_MAX_RETRIES`] times with doubling backoff. A stale verdict stops at once.
+/// [`CKPT_MAX_RETRIES`] times with doubling backoff. A stale verdict stops at once. When
+/// the last try got no answer from the agent at all, the error is
+/// [`TrainError::AgentUnreachable`].
 fn commit_checkpoint(
     trainer: &Trainer<'_>,
     staging: &Path,
@@ -992,7 +1004,9 @@ fn commit_checkpoint(
     let step = trainer.step();
     let mut backoff_ms = CKPT_BACKOFF_INITIAL_MS;
     let mut last_error = String::new();
+    let mut unreachable = false;
     for attempt in 0..=CKPT_MAX_RETRIES {
+        unreachable = false;
         if attempt > 0 {
             std::thread::sleep(Duration::from_millis(backoff_ms));
             backoff_ms *= 2;
@@ -1031,15 +1045,21 @@ fn commit_checkpoint(
                 )));
             }
             Err(e) => {
+                unreachable = matches!(e, AgentError::Transport(_));
                 last_error = e.to_string();
                 eprintln!("checkpoint step {step}: try {} failed: {e}", attempt + 1);
             }
         }
     }
-    Err(TrainError::CommitFailed(format!(
+    let why = format!(
         "step {step}: {} tries failed; last error: {last_error}",
         CKPT_MAX_RETRIES + 1
-    )))
+    );
+    Err(if unreachable {
+        TrainError::AgentUnreachable(why)
+    } else {
+        TrainError::CommitFailed(why)
+    })
 }
 
 /// Runs `cumulus-trainer train`: loads and validates the data (and the test file),
@@ -1415,6 +1435,55 @@ mod tests {
 
     fn bits(m: &SoftmaxModel) -> Vec<u64> {
         m.weights().iter().map(|w| w.to_bits()).collect()
+    }
+
+    /// A commit whose every try gets no answer (nothing listens) exits with the rank
+    /// contract's code for an unreachable agent; an answer that is an error does not.
+    #[test]
+    fn a_commit_the_agent_never_answers_exits_as_unreachable() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = data::load_shards(&toy(dir.path())).unwrap();
+        let data = TrainData::prepare(d, None, FeatureScale::Auto, None).unwrap();
+        let t = Trainer::new(&data, hyper()).unwrap();
+        let staging = dir.path().join("staging");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let agent = AgentClient::new(&format!("http://127.0.0.1:{port}"), "t", None).unwrap();
+        let err = commit_checkpoint(&t, &staging, &agent, &mut Vec::new()).unwrap_err();
+        assert!(matches!(err, TrainError::AgentUnreachable(_)), "{err}");
+        assert_eq!(err.exit_code(), EXIT_AGENT_UNREACHABLE);
+        assert_eq!(EXIT_AGENT_UNREACHABLE, 75);
+        // A server that answers 500 every time: the rank's commit failed, not the agent's reach.
+        let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().unwrap();
+        std::thread::spawn(move || {
+            use std::io::{BufRead, BufReader, Read as _};
+            for conn in server.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut length = 0;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap_or(0);
+                    }
+                }
+                let mut body = vec![0; length];
+                let _ = reader.read_exact(&mut body);
+                let _ = conn.write_all(
+                    b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+                );
+            }
+        });
+        let agent = AgentClient::new(&format!("http://{addr}"), "t", None).unwrap();
+        let err = commit_checkpoint(&t, &staging, &agent, &mut Vec::new()).unwrap_err();
+        assert_eq!(err.exit_code(), EXIT_COMMIT_FAILED, "{err}");
     }
 
     #[test]

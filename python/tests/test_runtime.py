@@ -982,6 +982,88 @@ def test_a_rank_process_sees_the_agent_action_or_sigterm(
     assert all(q.authorization == "Bearer tok-1" for q in agent.of("/v1/control"))
 
 
+UNREACHABLE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from cumulus import errors, runtime
+    runtime.init(commit_deadline_s=0.3)
+    if sys.argv[1] == "caught":
+        try:
+            with runtime.checkpoint(1):
+                pass
+        except errors.CheckpointFailed as e:
+            print("caught", type(e.__cause__).__name__, e.__cause__.status, flush=True)
+        sys.exit(0)
+    with runtime.checkpoint(1):
+        pass
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("how", "code"),
+    [("uncaught", 75), ("caught", 0), ("answered", 1)],
+)
+def test_a_rank_that_never_reaches_its_agent_exits_75(
+    agent: FakeAgent, staging: Path, tmp_path: Path, how: str, code: int
+) -> None:
+    """An uncaught commit failure for want of any answer from the agent exits with the
+    contract's EXIT_AGENT_UNREACHABLE; a script that catches it keeps control; a failure
+    the agent answered (HTTP 503 until the deadline) stays Python's exit 1."""
+    from cumulus._contract import EXIT_AGENT_UNREACHABLE
+
+    assert EXIT_AGENT_UNREACHABLE == 75
+    shards = tmp_path / "shards"
+    shards.write_text("")
+    if how == "answered":
+        agent.queue("/v1/checkpoint", *[(503, {"error": "leader unreachable"})] * 50)
+    url = agent.url if how == "answered" else f"http://127.0.0.1:{closed_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUMULUS_")}
+    env.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        CUMULUS_JOB_ID="job-000001",
+        CUMULUS_ATTEMPT="0",
+        CUMULUS_SHARDS_FILE=str(shards),
+        CUMULUS_AGENT_URL=url,
+        CUMULUS_AGENT_TOKEN="tok-1",
+        CUMULUS_CKPT_STAGING=str(staging),
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", UNREACHABLE_SCRIPT, how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert r.returncode == code, r.stdout + r.stderr
+    if how == "uncaught":
+        assert "CheckpointFailed" in r.stderr and "exiting with code 75" in r.stderr, r.stderr
+    elif how == "caught":
+        assert r.stdout.splitlines() == ["caught AgentError None"], r.stdout + r.stderr
+    else:
+        assert "CheckpointFailed" in r.stderr and "exiting with code" not in r.stderr, r.stderr
+
+
+def test_only_errors_without_an_answer_are_unreachable() -> None:
+    from cumulus.runtime._agent import agent_unreachable
+
+    no_answer = errors.AgentError("POST /v1/checkpoint failed: refused", status=None)
+    failed = errors.CheckpointFailed("commit failed", 1)
+    failed.__cause__ = no_answer
+    answered = errors.CheckpointFailed("commit failed", 1)
+    answered.__cause__ = errors.AgentError("HTTP 503", status=503)
+    assert agent_unreachable(no_answer) and agent_unreachable(failed)
+    assert not agent_unreachable(answered)
+    assert not agent_unreachable(errors.StaleAttempt("stale", status=409))
+    assert not agent_unreachable(errors.CheckpointFailed("no cause", 1))
+    assert not agent_unreachable(ValueError("x")) and not agent_unreachable(None)
+
+
 STOP_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, time

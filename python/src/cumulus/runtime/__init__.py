@@ -74,7 +74,7 @@ from typing import Any
 
 from cumulus._contract import RANK_ENV_CUDA_VISIBLE_DEVICES, RANK_ENV_GPU_MEMORY_FRACTION
 from cumulus.errors import CumulusError, RankEnvironmentError
-from cumulus.runtime._agent import AgentClient
+from cumulus.runtime._agent import AgentClient, install_unreachable_exit
 from cumulus.runtime._checkpoint import (
     COMMIT_DEADLINE_S,
     MAX_STATE_BYTES,
@@ -345,6 +345,11 @@ def init(
     environment, and returns it. Optional: the first module-level call does it with the
     defaults.
 
+    In a Cumulus rank, the runtime made here (or by the first module-level call) also
+    chains a :data:`sys.excepthook` that exits with ``EXIT_AGENT_UNREACHABLE`` (75) when
+    an uncaught error says the agent never answered
+    (:func:`cumulus.runtime._agent.install_unreachable_exit`).
+
     :param standalone: outside a Cumulus rank, run standalone (the default) instead of
         raising :class:`~cumulus.errors.NotInCumulusRank`.
     :param commit_deadline_s: how long a checkpoint commit is retried, in seconds.
@@ -364,6 +369,8 @@ def init(
             )
         _default = Runtime(get_context(standalone=standalone), commit_deadline_s=commit_deadline_s)
         rt = _default
+    if rt.agent is not None:
+        install_unreachable_exit()
     if handle_sigterm:
         install_stop_handler()
     return rt
@@ -381,6 +388,8 @@ def get_runtime() -> Runtime:
     with _default_lock:
         if _default is None:
             _default = Runtime(get_context(standalone=True))
+            if _default.agent is not None:
+                install_unreachable_exit()
         return _default
 
 

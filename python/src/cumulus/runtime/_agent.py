@@ -8,19 +8,32 @@ It mirrors the Rust example trainer's client (``examples/src/agent.rs``): 2xx is
 401 and 409 mean this attempt is stale (:class:`~cumulus.errors.StaleAttempt`), any other
 status is an :class:`~cumulus.errors.AgentError` with the agent's message, and no answer
 at all is an :class:`~cumulus.errors.AgentError` with ``status=None``.
+
+A rank whose process ends on such an error, uncaught (or on a
+:class:`~cumulus.errors.CheckpointFailed` caused by one), exits with
+:data:`~cumulus._contract.EXIT_AGENT_UNREACHABLE` (75) instead of Python's 1 once the
+process-wide runtime is made (:func:`install_unreachable_exit`): the agent then counts the
+failure as its own when it saw its rank API turn connections away, and the job's restart
+budget is not spent (docs/scheduling.md).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import http.client
 import json
+import os
 import re
 import socket
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
+from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from cumulus.errors import AgentError, StaleAttempt
+from cumulus._contract import EXIT_AGENT_UNREACHABLE
+from cumulus.errors import AgentError, CheckpointFailed, StaleAttempt
 
 __all__ = [
     "ACTION_NONE",
@@ -30,6 +43,8 @@ __all__ = [
     "MAX_REPLY_BYTES",
     "PROGRESS_TIMEOUT_S",
     "AgentClient",
+    "agent_unreachable",
+    "install_unreachable_exit",
     "parse_action",
 ]
 
@@ -258,3 +273,52 @@ class AgentClient:
                 status=status,
             )
         return str(reply["dir"])
+
+
+def agent_unreachable(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says the agent never answered: an
+    :class:`~cumulus.errors.AgentError` with ``status`` ``None`` (connection refused or
+    reset, timeout, a missing socket), or a :class:`~cumulus.errors.CheckpointFailed`
+    whose ``__cause__`` is one (every retry of a commit got no answer, the last one
+    included)."""
+    if isinstance(exc, CheckpointFailed):
+        exc = exc.__cause__
+    return isinstance(exc, AgentError) and not isinstance(exc, StaleAttempt) and exc.status is None
+
+
+_ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
+_installed_hook: _ExceptHook | None = None
+
+
+def install_unreachable_exit() -> None:
+    """Chains a :data:`sys.excepthook` (once per process) that, after the hook before it
+    (the traceback is printed as usual), ends a process whose uncaught exception is
+    :func:`agent_unreachable` with :data:`~cumulus._contract.EXIT_AGENT_UNREACHABLE`
+    instead of Python's 1: the exit handlers run, then :func:`os._exit`. An exception the
+    script catches is left alone, and so is every other uncaught one. The process-wide
+    runtime installs it when it is made in a Cumulus rank."""
+    global _installed_hook
+    if _installed_hook is not None and sys.excepthook is _installed_hook:
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        previous(exc_type, exc, tb)
+        if not agent_unreachable(exc):
+            return
+        try:
+            print(
+                f"cumulus: the worker agent's rank-local API never answered; exiting with "
+                f"code {EXIT_AGENT_UNREACHABLE} (the agent counts it as its own failure "
+                "when it turned this rank's connections away)",
+                file=sys.stderr,
+            )
+            atexit._run_exitfuncs()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError):
+                    stream.flush()
+            os._exit(EXIT_AGENT_UNREACHABLE)
+
+    sys.excepthook = hook
+    _installed_hook = hook
