@@ -36,7 +36,7 @@ use anyhow::{Context, bail};
 use cumulus_api::v1::client_service_server::ClientServiceServer;
 use cumulus_api::v1::raft_service_server::RaftServiceServer;
 use cumulus_api::v1::worker_service_server::WorkerServiceServer;
-use cumulus_raft_store::{CumulusNode, NodeId};
+use cumulus_raft_store::{CumulusNode, NodeId, SharedState};
 use cumulus_tls::Tls;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -44,7 +44,7 @@ use tracing::{info, warn};
 use crate::auth::{AddToken, AuthInterceptor};
 // Workers: the cluster token only (never a user's).
 use crate::network::{MAX_RAFT_MESSAGE_BYTES, Network};
-use crate::node::{Node, NodeLimits};
+use crate::node::{Node, NodeLimits, Raft};
 use crate::soft::SoftState;
 
 /// A peer given on the command line: `ID=GRPC_ADDR@HTTP_ADDR`.
@@ -259,131 +259,20 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let me = config.validate()?;
-    if let Some(t) = &config.token {
-        cumulus_api::token::refuse_command_line(t, "--token", "CUMULUS_TOKEN")?;
-    }
-    if let Some(t) = &config.peer_token {
-        cumulus_api::token::refuse_command_line(t, "--peer-token", "CUMULUS_PEER_TOKEN")?;
-    }
-    let roots = config.roots.load()?;
-    if roots.dataset.is_any() || roots.ckpt.is_any() {
-        tracing::info!(
-            "no --allowed-dataset-roots or --allowed-ckpt-roots: jobs may name any dataset or checkpoint dir this coordinator can list or create"
-        );
-    }
-    let tls = config
-        .tls
-        .load_for(&cumulus_tls::Identity::Coordinator(config.node_id))?;
-    if matches!(tls, Tls::Insecure) {
-        warn!(
-            "--insecure: every connection is plaintext; tokens and job data cross the network readable"
-        );
-    }
-    let enrolment_ca = match (&config.tls_ca_key, &config.tls.tls_ca) {
-        (Some(key), Some(ca)) => Some(Arc::new(load_enrolment_ca(ca, key)?)),
-        _ => None,
-    };
-    let token = auth::load_token(config.token_file.as_deref(), config.token.as_deref())?;
-    let peer_token = auth::load_peer_token(
-        config.peer_token_file.as_deref(),
-        config.peer_token.as_deref(),
-    )?;
-    if peer_token == token {
-        bail!(
-            "the peer token must differ from the cluster token (clients and workers hold \
-             the cluster token; only coordinators may speak Raft)"
-        );
-    }
+    let Credentials {
+        roots,
+        tls,
+        enrolment_ca,
+        token,
+        peer_token,
+    } = load_credentials(&config)?;
     if config.rejoin_empty {
-        let aside = rejoin::prepare(
-            config.node_id,
-            &config.peers,
-            &config.data_dir,
-            AddToken::new(&token)?,
-            network::client_tls(&tls),
-        )
-        .await?;
-        if let Some(aside) = aside {
-            warn!(
-                data_dir = %config.data_dir.display(),
-                moved_to = %aside.display(),
-                "moved the damaged data dir aside; starting empty, waiting to be added back \
-                 with `cumulusctl cluster add-learner`"
-            );
-        }
+        rejoin_empty(&config, &token, &tls).await?;
     }
-    datadir::prepare(&config.data_dir)?;
-    let (mut log_store, sm_store) = cumulus_raft_store::open(&config.data_dir.join("raft"))?;
-    log_store.set_local_node(config.node_id);
-    let shared = sm_store.shared();
-
-    let raft_config = openraft::Config {
-        cluster_name: "cumulus".into(),
-        heartbeat_interval: config.raft_heartbeat_ms,
-        election_timeout_min: config.election_timeout_min_ms,
-        election_timeout_max: config.election_timeout_max_ms,
-        // Snapshots are triggered by `snapshots::run`, at an interval that grows with the
-        // state.
-        snapshot_policy: openraft::SnapshotPolicy::Never,
-        max_in_snapshot_log_to_keep: config.keep_log_entries,
-        // Replicate an entry as soon as the leader's `append` has written it, while the
-        // leader's own `fdatasync` runs (its flush still counts toward the quorum only
-        // once done). Off by default in openraft; it is what etcd's leader does.
-        broadcast_submitted_on_append: Some(true),
-        // A node cut off from a majority does not raise its term while it waits, so an
-        // honest candidate is never far ahead of its voters (`terms`).
-        enable_pre_vote: Some(true),
-        ..Default::default()
-    };
-    let raft_config = Arc::new(raft_config.validate().context("raft configuration")?);
-    let network = Network::new(AddToken::new(&peer_token)?, network::client_tls(&tls));
-    let raft =
-        cumulus_raft_store::Raft::new(config.node_id, raft_config, network, log_store, sm_store)
-            .await
-            .context("starting raft")?;
-
-    let http = network::AgentHttp::new(network::client_tls(&tls)).map_err(anyhow::Error::msg)?;
+    let (raft, shared) = start_raft(&config, &peer_token, &tls).await?;
     let cancel = CancellationToken::new();
-    let node = Arc::new(Node {
-        proposer: proposer::Proposer::start(raft.clone(), cancel.clone()),
-        id: config.node_id,
-        raft: raft.clone(),
-        shared,
-        soft: Mutex::new(SoftState::default()),
-        limits: NodeLimits {
-            heartbeat_interval_ms: config.heartbeat_interval_ms,
-            heartbeat_timeout_ms: config.heartbeat_timeout_ms,
-            max_world_size: config.max_world_size,
-            max_state_bytes: config.max_state_bytes,
-            roots,
-        },
-        token: token.clone(),
-        tls: matches!(tls, Tls::On(_)),
-        http,
-        log_streams: shares::SharedSlots::new(config.max_log_streams),
-        s3: cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?,
-        local_fs: Arc::default(),
-        state_reserved_bytes: Default::default(),
-    });
-
-    // The lowest-id member bootstraps a pristine cluster with the configured membership;
-    // the others wait to be contacted (several nodes initializing at once race their
-    // first elections).
-    // A joining node never bootstraps: the leader adds it.
-    let bootstrapper = !config.join
-        && !config.rejoin_empty
-        && config.peers.iter().map(|p| p.id).min() == Some(config.node_id);
-    if bootstrapper && !raft.is_initialized().await? {
-        let members: BTreeMap<NodeId, CumulusNode> = config
-            .peers
-            .iter()
-            .map(|p| (p.id, p.node.clone()))
-            .collect();
-        match raft.initialize(members).await {
-            Ok(()) => info!("initialized a new cluster"),
-            Err(e) => info!(error = %e, "not initializing (state exists)"),
-        }
-    }
+    let node = new_node(&config, &raft, shared, roots, token.clone(), &tls, &cancel)?;
+    bootstrap_if_first(&config, &raft).await?;
 
     // Whom a pristine node may vote for: the members it bootstraps with (a joining node,
     // none: it is added as a learner first).
@@ -392,89 +281,17 @@ pub async fn run(
     } else {
         config.peers.iter().map(|p| p.id).collect()
     };
-    let grpc_listener = tokio::net::TcpListener::bind(config.grpc_listen)
-        .await
-        .with_context(|| format!("binding gRPC on {}", config.grpc_listen))?;
-    let http_listener = tokio::net::TcpListener::bind(config.http_listen)
-        .await
-        .with_context(|| format!("binding HTTP on {}", config.http_listen))?;
-    let budget = cumulus_listen::fd_budget(cumulus_listen::open_fds())
-        .context("reading the open-file limit")?;
-    let caps = cumulus_listen::fit_caps(
-        &[config.max_grpc_connections, config.max_http_connections],
-        budget,
-    );
-    if caps != [config.max_grpc_connections, config.max_http_connections] {
-        warn!(
-            grpc = caps[0],
-            http = caps[1],
-            fd_budget = budget,
-            "connection caps lowered to fit the open-file limit"
-        );
-    }
-    let server_tls = match &tls {
-        Tls::On(creds) => Some(creds.server_config()?),
-        Tls::Insecure => None,
-    };
-    // Raft between coordinators shares this port with clients but not their slots:
-    // a connection whose verified TLS certificate names a coordinator leaves the
-    // pending pool at its handshake and counts against connections reserved for
-    // coordinators, so a client flood (idle, preface-only, refused) never takes them.
-    let grpc_listener = cumulus_listen::BoundedListener::new(
-        grpc_listener,
-        "coordinator gRPC",
-        cumulus_listen::Limits::connections(caps[0])
-            .with_reserved(cumulus_listen::COORDINATOR_RESERVED_CONNECTIONS),
-    )
-    .with_tls(server_tls.clone());
-    let http_listener = cumulus_listen::BoundedListener::new(
-        http_listener,
-        "coordinator HTTP",
-        cumulus_listen::Limits::connections(caps[1]),
-    )
-    .with_tls(server_tls);
+    let (grpc_listener, http_listener) = bind_listeners(&config, &tls).await?;
     info!(node_id = config.node_id, grpc = %me.grpc_addr, http = %me.http_addr, tls = node.tls, "coordinator listening");
 
-    let interceptor = AuthInterceptor {
-        token: token.clone(),
-    };
-    // HTTP/2 and TCP keepalive: a replication stream from a leader that vanished (host
-    // down, network cut) ends instead of holding its task and openraft's behind it.
-    // Streams per connection and header bytes bounded; `TrackLayer` counts each
-    // connection's calls for the listener's first-request and idle deadlines.
-    let grpc = tonic::transport::Server::builder()
-        .concurrency_limit_per_connection(cumulus_listen::GRPC_MAX_CONCURRENT_STREAMS as usize)
-        .max_concurrent_streams(cumulus_listen::GRPC_MAX_CONCURRENT_STREAMS)
-        .http2_max_header_list_size(cumulus_listen::HTTP2_MAX_HEADER_LIST_BYTES)
-        .http2_keepalive_interval(Some(Duration::from_millis(network::KEEPALIVE_INTERVAL_MS)))
-        .http2_keepalive_timeout(Some(Duration::from_millis(network::KEEPALIVE_TIMEOUT_MS)))
-        .layer(cumulus_listen::TrackLayer)
-        .add_service(tonic::service::interceptor::InterceptedService::new(
-            RaftServiceServer::new(raft_service::RaftSvc::new(node.clone(), initial_members))
-                .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
-            AuthInterceptor { token: peer_token },
-        ))
-        // Users: the cluster token or a user's token, with its role.
-        .add_service(ClientServiceServer::with_interceptor(
-            client_service::ClientSvc { node: node.clone() },
-            auth::UserAuth { node: node.clone() },
-        ))
-        .add_service(WorkerServiceServer::with_interceptor(
-            worker_service::WorkerSvc {
-                node: node.clone(),
-                enrolment_ca,
-            },
-            interceptor,
-        ));
-    let grpc_cancel = cancel.clone();
-    // The bounded listeners set TCP_NODELAY on every accepted connection: with Nagle's
-    // algorithm a small gRPC reply (an AppendEntries ack, a submit's answer) written
-    // behind unacknowledged bytes waits for the peer's delayed ACK (~40 ms on Linux).
-    let grpc_task = tokio::spawn(
-        grpc.serve_with_incoming_shutdown(grpc_listener.into_incoming(), async move {
-            grpc_cancel.cancelled().await
-        }),
+    let grpc_task = spawn_grpc(
+        &node,
+        grpc_listener,
+        initial_members,
+        token,
+        peer_token,
+        enrolment_ca,
+        cancel.clone(),
     );
     let http_task = tokio::spawn(cumulus_listen::serve_http(
         http_listener,
@@ -519,6 +336,317 @@ pub async fn run(
         warn!(error = %e, "raft shutdown");
     }
     Ok(())
+}
+
+/// What a coordinator trusts and is trusted with, loaded from its configuration before
+/// it touches its data dir.
+struct Credentials {
+    /// The roots jobs' dataset and checkpoint directories must lie under.
+    roots: cumulus_api::paths::JobRoots,
+    /// This node's TLS credentials (identity `cumulus://coordinator/N`), or `--insecure`.
+    tls: Tls,
+    /// The cluster CA that signs enrolling workers' certificates (`--tls-ca-key`).
+    enrolment_ca: Option<Arc<cumulus_tls::generate::ClusterCa>>,
+    /// The cluster token (clients, workers, the administrator).
+    token: Arc<str>,
+    /// The token coordinators present to each other's Raft service.
+    peer_token: Arc<str>,
+}
+
+/// Loads the job roots, TLS credentials, enrolment CA and both tokens from `config`,
+/// logging an info line when jobs may name any directory and a warning for `--insecure`.
+///
+/// # Errors
+/// A token given on the command line, unreadable roots, TLS files or tokens, an
+/// enrolment CA key others may read, or a peer token equal to the cluster token.
+fn load_credentials(config: &Config) -> anyhow::Result<Credentials> {
+    if let Some(t) = &config.token {
+        cumulus_api::token::refuse_command_line(t, "--token", "CUMULUS_TOKEN")?;
+    }
+    if let Some(t) = &config.peer_token {
+        cumulus_api::token::refuse_command_line(t, "--peer-token", "CUMULUS_PEER_TOKEN")?;
+    }
+    let roots = config.roots.load()?;
+    if roots.dataset.is_any() || roots.ckpt.is_any() {
+        tracing::info!(
+            "no --allowed-dataset-roots or --allowed-ckpt-roots: jobs may name any dataset or checkpoint dir this coordinator can list or create"
+        );
+    }
+    let tls = config
+        .tls
+        .load_for(&cumulus_tls::Identity::Coordinator(config.node_id))?;
+    if matches!(tls, Tls::Insecure) {
+        warn!(
+            "--insecure: every connection is plaintext; tokens and job data cross the network readable"
+        );
+    }
+    let enrolment_ca = match (&config.tls_ca_key, &config.tls.tls_ca) {
+        (Some(key), Some(ca)) => Some(Arc::new(load_enrolment_ca(ca, key)?)),
+        _ => None,
+    };
+    let token = auth::load_token(config.token_file.as_deref(), config.token.as_deref())?;
+    let peer_token = auth::load_peer_token(
+        config.peer_token_file.as_deref(),
+        config.peer_token.as_deref(),
+    )?;
+    if peer_token == token {
+        bail!(
+            "the peer token must differ from the cluster token (clients and workers hold \
+             the cluster token; only coordinators may speak Raft)"
+        );
+    }
+    Ok(Credentials {
+        roots,
+        tls,
+        enrolment_ca,
+        token,
+        peer_token,
+    })
+}
+
+/// `--rejoin-empty`: checks with the leader (found among the other `--peer`s, asked
+/// with the cluster `token`) that this node is no longer a member, then moves its data
+/// dir aside (when it exists) and logs where it went.
+///
+/// # Errors
+/// No other coordinator is given or answers; the node is still a member; the move fails.
+async fn rejoin_empty(config: &Config, token: &Arc<str>, tls: &Tls) -> anyhow::Result<()> {
+    let aside = rejoin::prepare(
+        config.node_id,
+        &config.peers,
+        &config.data_dir,
+        AddToken::new(token)?,
+        network::client_tls(tls),
+    )
+    .await?;
+    if let Some(aside) = aside {
+        warn!(
+            data_dir = %config.data_dir.display(),
+            moved_to = %aside.display(),
+            "moved the damaged data dir aside; starting empty, waiting to be added back \
+             with `cumulusctl cluster add-learner`"
+        );
+    }
+    Ok(())
+}
+
+/// Prepares the data dir, opens the Raft log and state machine under it and starts
+/// this node's Raft core, whose peers it reaches with `peer_token` over `tls`. Returns
+/// the core's handle and the state machine's applied state.
+///
+/// # Errors
+/// A data dir others may read, damaged stores (the node refuses to start and changes
+/// nothing), an invalid Raft configuration.
+async fn start_raft(
+    config: &Config,
+    peer_token: &Arc<str>,
+    tls: &Tls,
+) -> anyhow::Result<(Raft, Arc<SharedState>)> {
+    datadir::prepare(&config.data_dir)?;
+    let (mut log_store, sm_store) = cumulus_raft_store::open(&config.data_dir.join("raft"))?;
+    log_store.set_local_node(config.node_id);
+    let shared = sm_store.shared();
+
+    let raft_config = openraft::Config {
+        cluster_name: "cumulus".into(),
+        heartbeat_interval: config.raft_heartbeat_ms,
+        election_timeout_min: config.election_timeout_min_ms,
+        election_timeout_max: config.election_timeout_max_ms,
+        // Snapshots are triggered by `snapshots::run`, at an interval that grows with the
+        // state.
+        snapshot_policy: openraft::SnapshotPolicy::Never,
+        max_in_snapshot_log_to_keep: config.keep_log_entries,
+        // Replicate an entry as soon as the leader's `append` has written it, while the
+        // leader's own `fdatasync` runs (its flush still counts toward the quorum only
+        // once done). Off by default in openraft; it is what etcd's leader does.
+        broadcast_submitted_on_append: Some(true),
+        // A node cut off from a majority does not raise its term while it waits, so an
+        // honest candidate is never far ahead of its voters (`terms`).
+        enable_pre_vote: Some(true),
+        ..Default::default()
+    };
+    let raft_config = Arc::new(raft_config.validate().context("raft configuration")?);
+    let network = Network::new(AddToken::new(peer_token)?, network::client_tls(tls));
+    let raft =
+        cumulus_raft_store::Raft::new(config.node_id, raft_config, network, log_store, sm_store)
+            .await
+            .context("starting raft")?;
+    Ok((raft, shared))
+}
+
+/// The node every service and loop shares: `raft` with its applied state `shared`, the
+/// proposer (stopped by `cancel`), empty soft state, the limits from `config`, and the
+/// HTTPS client of the agents.
+///
+/// # Errors
+/// The agents' HTTPS client or the S3 settings cannot be built.
+fn new_node(
+    config: &Config,
+    raft: &Raft,
+    shared: Arc<SharedState>,
+    roots: cumulus_api::paths::JobRoots,
+    token: Arc<str>,
+    tls: &Tls,
+    cancel: &CancellationToken,
+) -> anyhow::Result<Arc<Node>> {
+    let http = network::AgentHttp::new(network::client_tls(tls)).map_err(anyhow::Error::msg)?;
+    Ok(Arc::new(Node {
+        proposer: proposer::Proposer::start(raft.clone(), cancel.clone()),
+        id: config.node_id,
+        raft: raft.clone(),
+        shared,
+        soft: Mutex::new(SoftState::default()),
+        limits: NodeLimits {
+            heartbeat_interval_ms: config.heartbeat_interval_ms,
+            heartbeat_timeout_ms: config.heartbeat_timeout_ms,
+            max_world_size: config.max_world_size,
+            max_state_bytes: config.max_state_bytes,
+            roots,
+        },
+        token,
+        tls: matches!(tls, Tls::On(_)),
+        http,
+        log_streams: shares::SharedSlots::new(config.max_log_streams),
+        s3: cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?,
+        local_fs: Arc::default(),
+        state_reserved_bytes: Default::default(),
+    }))
+}
+
+/// The lowest-id member of a pristine cluster bootstraps it with the configured
+/// membership; the others wait to be contacted (several nodes initializing at once race
+/// their first elections). A joining or rejoining node never bootstraps: the leader adds
+/// it. A failed initialization (state exists) is logged, not an error.
+///
+/// # Errors
+/// The Raft core cannot say whether it is initialized.
+async fn bootstrap_if_first(config: &Config, raft: &Raft) -> anyhow::Result<()> {
+    let bootstrapper = !config.join
+        && !config.rejoin_empty
+        && config.peers.iter().map(|p| p.id).min() == Some(config.node_id);
+    if bootstrapper && !raft.is_initialized().await? {
+        let members: BTreeMap<NodeId, CumulusNode> = config
+            .peers
+            .iter()
+            .map(|p| (p.id, p.node.clone()))
+            .collect();
+        match raft.initialize(members).await {
+            Ok(()) => info!("initialized a new cluster"),
+            Err(e) => info!(error = %e, "not initializing (state exists)"),
+        }
+    }
+    Ok(())
+}
+
+/// Binds the gRPC and HTTP ports and wraps them in bounded listeners (TLS when
+/// configured): their connection caps lowered, with a warning, to fit the open-file
+/// limit, and on the gRPC port connections reserved for coordinators. Returns
+/// `(gRPC, HTTP)`.
+///
+/// # Errors
+/// A port in use, an unreadable open-file limit, an unusable server TLS configuration.
+async fn bind_listeners(
+    config: &Config,
+    tls: &Tls,
+) -> anyhow::Result<(
+    cumulus_listen::BoundedListener,
+    cumulus_listen::BoundedListener,
+)> {
+    let grpc_listener = tokio::net::TcpListener::bind(config.grpc_listen)
+        .await
+        .with_context(|| format!("binding gRPC on {}", config.grpc_listen))?;
+    let http_listener = tokio::net::TcpListener::bind(config.http_listen)
+        .await
+        .with_context(|| format!("binding HTTP on {}", config.http_listen))?;
+    let budget = cumulus_listen::fd_budget(cumulus_listen::open_fds())
+        .context("reading the open-file limit")?;
+    let caps = cumulus_listen::fit_caps(
+        &[config.max_grpc_connections, config.max_http_connections],
+        budget,
+    );
+    if caps != [config.max_grpc_connections, config.max_http_connections] {
+        warn!(
+            grpc = caps[0],
+            http = caps[1],
+            fd_budget = budget,
+            "connection caps lowered to fit the open-file limit"
+        );
+    }
+    let server_tls = match tls {
+        Tls::On(creds) => Some(creds.server_config()?),
+        Tls::Insecure => None,
+    };
+    // Raft between coordinators shares this port with clients but not their slots:
+    // a connection whose verified TLS certificate names a coordinator leaves the
+    // pending pool at its handshake and counts against connections reserved for
+    // coordinators, so a client flood (idle, preface-only, refused) never takes them.
+    let grpc_listener = cumulus_listen::BoundedListener::new(
+        grpc_listener,
+        "coordinator gRPC",
+        cumulus_listen::Limits::connections(caps[0])
+            .with_reserved(cumulus_listen::COORDINATOR_RESERVED_CONNECTIONS),
+    )
+    .with_tls(server_tls.clone());
+    let http_listener = cumulus_listen::BoundedListener::new(
+        http_listener,
+        "coordinator HTTP",
+        cumulus_listen::Limits::connections(caps[1]),
+    )
+    .with_tls(server_tls);
+    Ok((grpc_listener, http_listener))
+}
+
+/// Serves the gRPC services on `listener` until `cancel`: Raft (the `peer_token` only;
+/// a pristine node votes only for `initial_members`), the client service (the cluster
+/// `token` or a user's) and the worker service (the cluster `token` only; enrolment
+/// signed by `enrolment_ca`). Returns the server's task.
+fn spawn_grpc(
+    node: &Arc<Node>,
+    listener: cumulus_listen::BoundedListener,
+    initial_members: Vec<NodeId>,
+    token: Arc<str>,
+    peer_token: Arc<str>,
+    enrolment_ca: Option<Arc<cumulus_tls::generate::ClusterCa>>,
+    cancel: CancellationToken,
+) -> tokio::task::JoinHandle<Result<(), tonic::transport::Error>> {
+    let interceptor = AuthInterceptor { token };
+    // HTTP/2 and TCP keepalive: a replication stream from a leader that vanished (host
+    // down, network cut) ends instead of holding its task and openraft's behind it.
+    // Streams per connection and header bytes bounded; `TrackLayer` counts each
+    // connection's calls for the listener's first-request and idle deadlines.
+    let grpc = tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(cumulus_listen::GRPC_MAX_CONCURRENT_STREAMS as usize)
+        .max_concurrent_streams(cumulus_listen::GRPC_MAX_CONCURRENT_STREAMS)
+        .http2_max_header_list_size(cumulus_listen::HTTP2_MAX_HEADER_LIST_BYTES)
+        .http2_keepalive_interval(Some(Duration::from_millis(network::KEEPALIVE_INTERVAL_MS)))
+        .http2_keepalive_timeout(Some(Duration::from_millis(network::KEEPALIVE_TIMEOUT_MS)))
+        .layer(cumulus_listen::TrackLayer)
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            RaftServiceServer::new(raft_service::RaftSvc::new(node.clone(), initial_members))
+                .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
+            AuthInterceptor { token: peer_token },
+        ))
+        // Users: the cluster token or a user's token, with its role.
+        .add_service(ClientServiceServer::with_interceptor(
+            client_service::ClientSvc { node: node.clone() },
+            auth::UserAuth { node: node.clone() },
+        ))
+        .add_service(WorkerServiceServer::with_interceptor(
+            worker_service::WorkerSvc {
+                node: node.clone(),
+                enrolment_ca,
+            },
+            interceptor,
+        ));
+    // The bounded listeners set TCP_NODELAY on every accepted connection: with Nagle's
+    // algorithm a small gRPC reply (an AppendEntries ack, a submit's answer) written
+    // behind unacknowledged bytes waits for the peer's delayed ACK (~40 ms on Linux).
+    tokio::spawn(
+        grpc.serve_with_incoming_shutdown(listener.into_incoming(), async move {
+            cancel.cancelled().await
+        }),
+    )
 }
 
 /// Resolves when this node's Raft core has stopped: its metrics report a fatal error

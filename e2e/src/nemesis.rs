@@ -35,7 +35,7 @@
 //! seeded random stream and one recorded history; replaying a seed needs them in one
 //! order, which this file keeps visible.
 
-use cumulus_api::{JobState, RankPhase};
+use cumulus_api::{JobState, RankPhase, StopAction};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -508,7 +508,7 @@ async fn pause_and_resume(cluster: &Cluster, trainer_job: &str, hold: Duration) 
             .await
             .ok()
             .flatten()
-            .is_some_and(|j| j.state == "paused")
+            .is_some_and(|j| j.job_state() == Ok(JobState::Paused))
         {
             tokio::time::sleep(hold).await;
             break;
@@ -540,7 +540,12 @@ async fn resume_until_accepted(cluster: &Cluster, job_id: &str, deadline: Durati
             return;
         }
         match tokio::time::timeout(HARNESS_CALL, cluster.job(job_id)).await {
-            Ok(Some(j)) if j.state != "paused" && j.stop_action != "pause" => return,
+            Ok(Some(j))
+                if j.job_state() != Ok(JobState::Paused)
+                    && j.stop_action != StopAction::Pause.as_str() =>
+            {
+                return;
+            }
             _ => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     }
@@ -1484,11 +1489,9 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
             let list = list.into_inner();
             // The workload's paused jobs are resumed now: everything must finish (within
             // the liveness deadline, whatever the resumes meet).
-            for j in list
-                .jobs
-                .iter()
-                .filter(|j| j.state == "paused" || j.stop_action == "pause")
-            {
+            for j in list.jobs.iter().filter(|j| {
+                j.job_state() == Ok(JobState::Paused) || j.stop_action == StopAction::Pause.as_str()
+            }) {
                 let left = LONG.saturating_sub(started_wait.elapsed());
                 if left.is_zero() {
                     break;
@@ -1622,7 +1625,7 @@ pub async fn run(opts: &RunOpts) -> anyhow::Result<Report> {
                 ),
             });
         }
-        if j.state == "succeeded" {
+        if j.job_state() == Ok(JobState::Succeeded) {
             anomalies.push(Anomaly {
                 job_id: j.id.clone(),
                 what: format!(

@@ -5,8 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use cumulus_raft_store::state::{
-    ClusterState, Job, JobState, MAX_AGENT_FAULT_RESTARTS, RankState, RestartScope, StopAction,
-    WorkerState,
+    ClusterState, Job, JobState, MAX_AGENT_FAULT_RESTARTS, RankRecord, RankState, RestartScope,
+    StopAction, WorkerState,
 };
 use shard_planner::{GpuFree, WorkerGpus, WorkerSlots};
 
@@ -189,6 +189,11 @@ pub(super) fn truncate(mut s: String) -> String {
     s
 }
 
+/// `(rank, worker)` for each placed rank, and `(rank, GPU UUIDs)` for each when the job
+/// has GPUs (empty otherwise): the two lists [`Action::Place`] and [`Action::Restart`]
+/// carry.
+type Placed = (Vec<(u32, String)>, Vec<(u32, Vec<String>)>);
+
 /// Plans the leader's next actions. Pure: the same inputs give the same plan;
 /// `jitter` yields the random units in [−1, 1] the restart delays need.
 pub fn plan(
@@ -198,23 +203,7 @@ pub fn plan(
     jitter: &mut dyn FnMut() -> f64,
 ) -> Vec<Action> {
     let mut actions = Vec::new();
-    let mut expiring: BTreeSet<&str> = BTreeSet::new();
-    for w in state.workers.values() {
-        if w.state != WorkerState::Alive {
-            continue;
-        }
-        if obs
-            .worker_silence_ms
-            .get(&w.worker_id)
-            .is_some_and(|s| *s > heartbeat_timeout_ms)
-        {
-            expiring.insert(&w.worker_id);
-            actions.push(Action::ExpireWorker {
-                worker_id: w.worker_id.clone(),
-            });
-        }
-    }
-
+    let expiring = expire_silent_workers(state, obs, heartbeat_timeout_ms, &mut actions);
     let alive = |id: &str| {
         !expiring.contains(id)
             && state
@@ -226,25 +215,12 @@ pub fn plan(
         slots: state.slots_used(None),
         gpus: state.gpus_used(None),
     };
-    let mut free_slots = |used: &BTreeMap<String, u32>| -> Vec<WorkerSlots> {
-        state
-            .workers
-            .values()
-            .filter(|w| alive(&w.worker_id))
-            .map(|w| WorkerSlots {
-                worker_id: w.worker_id.clone(),
-                free_slots: w
-                    .slots
-                    .saturating_sub(used.get(&w.worker_id).copied().unwrap_or(0)),
-            })
-            .collect()
-    };
 
     // An upper bound on the free slots left: placements below only lower it (restarts
     // in `plan_running` may use slots it still counts, which costs an exact check, never
     // a wrong plan). Most pending jobs wait for capacity that is not there, and this
     // turns each of them into one comparison instead of a walk over every worker.
-    let mut free_upper_bound: u64 = free_slots(&used.slots)
+    let free_upper_bound: u64 = free_workers(state, &alive, &used.slots)
         .iter()
         .map(|w| u64::from(w.free_slots))
         .sum();
@@ -262,56 +238,130 @@ pub fn plan(
                     action: StopAction::TimeLimit,
                 });
             }
-            JobState::Running => plan_running(
-                state,
-                job,
-                obs,
-                &mut used,
-                &mut free_slots,
-                &alive,
-                jitter,
-                &mut actions,
-            ),
+            JobState::Running => {
+                plan_running(state, job, obs, &mut used, &alive, jitter, &mut actions);
+            }
             _ => {}
         }
+    }
+    if free_upper_bound == 0 {
+        plan_queue_without_room(state, &used, &alive, &mut actions);
+    } else {
+        plan_queue(state, obs, &mut used, &alive, &mut actions);
+    }
+    actions
+}
+
+/// Expires every alive worker silent for more than `heartbeat_timeout_ms` (one
+/// [`Action::ExpireWorker`] each, pushed onto `actions`) and returns their ids: the
+/// rest of the pass treats them as gone.
+fn expire_silent_workers<'a>(
+    state: &'a ClusterState,
+    obs: &Observations,
+    heartbeat_timeout_ms: u64,
+    actions: &mut Vec<Action>,
+) -> BTreeSet<&'a str> {
+    let mut expiring = BTreeSet::new();
+    for w in state.workers.values() {
+        if w.state != WorkerState::Alive {
+            continue;
+        }
+        if obs
+            .worker_silence_ms
+            .get(&w.worker_id)
+            .is_some_and(|s| *s > heartbeat_timeout_ms)
+        {
+            expiring.insert(w.worker_id.as_str());
+            actions.push(Action::ExpireWorker {
+                worker_id: w.worker_id.clone(),
+            });
+        }
+    }
+    expiring
+}
+
+/// The alive workers (`alive`) with their free slots, given the slots `used` per
+/// worker (workers with none free included).
+fn free_workers(
+    state: &ClusterState,
+    alive: &dyn Fn(&str) -> bool,
+    used: &BTreeMap<String, u32>,
+) -> Vec<WorkerSlots> {
+    state
+        .workers
+        .values()
+        .filter(|w| alive(&w.worker_id))
+        .map(|w| WorkerSlots {
+            worker_id: w.worker_id.clone(),
+            free_slots: w
+                .slots
+                .saturating_sub(used.get(&w.worker_id).copied().unwrap_or(0)),
+        })
+        .collect()
+}
+
+/// The queue when no slot is free at the start of the pass: only preemption can start
+/// its first job that could ever fit, and only when a running job may be preempted at
+/// all; otherwise the queue is not walked.
+fn plan_queue_without_room(
+    state: &ClusterState,
+    used: &Used,
+    alive: &dyn Fn(&str) -> bool,
+    actions: &mut Vec<Action>,
+) {
+    let index = state.job_index();
+    let preemptible = index
+        .running
+        .iter()
+        .filter_map(|id| state.jobs.get(id))
+        .any(|j| j.spec.preemptible && j.stop.is_none());
+    if !preemptible {
+        return;
     }
     // Computed once per pass: a queue of jobs larger than the cluster (queued with
     // `--allow-pending`) costs one comparison per job, not a walk over every worker.
     let totals = state.alive_totals();
-    let never = |job: &Job| totals.never_fits(&job.spec);
-    if free_upper_bound == 0 {
-        // Nothing is free: only preemption can start the queue's first job, and only
-        // when a running job may be preempted at all; otherwise the queue is not walked.
-        let preemptible = index
-            .running
-            .iter()
-            .filter_map(|id| state.jobs.get(id))
-            .any(|j| j.spec.preemptible && j.stop.is_none());
-        if !preemptible {
-            return actions;
-        }
-        if let Some(first) = index
-            .queue
-            .iter()
-            .filter_map(|(_, id)| state.jobs.get(id))
-            .find(|j| j.state == JobState::Pending && !never(j))
-        {
-            plan_preemption(state, first, &used, &alive, &mut actions);
-        }
-        return actions;
+    if let Some(first) = index
+        .queue
+        .iter()
+        .filter_map(|(_, id)| state.jobs.get(id))
+        .find(|j| j.state == JobState::Pending && !totals.never_fits(&j.spec))
+    {
+        plan_preemption(state, first, used, alive, actions);
     }
-    // The first job of the queue that does not fit holds a reservation; a job behind it
-    // is placed only when that cannot delay it (EASY backfill, below).
+}
+
+/// Walks the queue (highest priority first, submission order within one priority) and
+/// places each pending job that fits ([`Action::Place`], its slots and GPUs added to
+/// `used`). The first job that does not fit holds a reservation; a job behind it is
+/// placed only when that cannot delay it (EASY backfill), and preemption is then
+/// planned for it.
+fn plan_queue(
+    state: &ClusterState,
+    obs: &Observations,
+    used: &mut Used,
+    alive: &dyn Fn(&str) -> bool,
+    actions: &mut Vec<Action>,
+) {
+    // Computed once per pass: a queue of jobs larger than the cluster (queued with
+    // `--allow-pending`) costs one comparison per job, not a walk over every worker.
+    let totals = state.alive_totals();
+    let never = |job: &Job| totals.never_fits(&job.spec);
     let mut head: Option<Reservation> = None;
     let mut head_job: Option<&Job> = None;
     // The workers with a free slot, kept up to date as jobs are placed below: a
     // placement costs O(those workers), not O(every worker).
-    let mut free: Vec<WorkerSlots> = free_slots(&used.slots)
+    let mut free: Vec<WorkerSlots> = free_workers(state, alive, &used.slots)
         .into_iter()
         .filter(|w| w.free_slots > 0)
         .collect();
-    free_upper_bound = free.iter().map(|w| u64::from(w.free_slots)).sum();
-    for job in index.queue.iter().filter_map(|(_, id)| state.jobs.get(id)) {
+    let mut free_upper_bound: u64 = free.iter().map(|w| u64::from(w.free_slots)).sum();
+    for job in state
+        .job_index()
+        .queue
+        .iter()
+        .filter_map(|(_, id)| state.jobs.get(id))
+    {
         // Nothing is free any more and the queue's first waiting job is known: no job
         // further back can start (O(placed jobs) per pass, not O(queued jobs)).
         if free_upper_bound == 0 && head.is_some() {
@@ -320,51 +370,20 @@ pub fn plan(
         if job.state != JobState::Pending {
             continue;
         }
-        let world = u64::from(job.spec.world_size);
-        let mut uses_extra = false;
-        if let Some(h) = &head {
-            if h.gpus || job.spec.gpu_demand().is_some() {
-                continue; // GPUs: no backfill past a job that waits
-            }
-            let ends_in_time = job.spec.time_limit_ms > 0
-                && h.shadow_ms.is_some_and(|s| job.spec.time_limit_ms <= s);
-            if !ends_in_time {
-                if world > h.extra_slots {
-                    continue;
-                }
-                uses_extra = true;
-            }
-        }
-        let planned = if free_upper_bound < world {
+        let Some(uses_extra) = backfill_fit(head.as_ref(), job) else {
+            continue;
+        };
+        let planned = if free_upper_bound < u64::from(job.spec.world_size) {
             None
         } else {
-            let ranks: Vec<u32> = (0..job.spec.world_size).collect();
-            match job.spec.gpu_demand() {
-                None => shard_planner::place_ranks(&ranks, &free)
-                    .ok()
-                    .flatten()
-                    .map(|placements| (placements, Vec::new())),
-                Some(demand) => shard_planner::place_gpu_ranks(
-                    &ranks,
-                    &gpu_capacity(state, obs, &alive, &used),
-                    demand,
-                )
-                .ok()
-                .flatten()
-                .map(split_gpu_plan),
-            }
+            place_job(state, obs, job, &free, used, alive)
         };
         match planned {
             Some((placements, gpus)) => {
                 free_upper_bound = free_upper_bound.saturating_sub(placements.len() as u64);
-                for (_, worker) in &placements {
-                    if let Some(w) = free.iter_mut().find(|w| w.worker_id == *worker) {
-                        w.free_slots = w.free_slots.saturating_sub(1);
-                    }
-                }
-                free.retain(|w| w.free_slots > 0);
+                take_slots(&mut free, &placements);
                 if uses_extra && let Some(h) = &mut head {
-                    h.extra_slots -= world;
+                    h.extra_slots -= u64::from(job.spec.world_size);
                 }
                 used.add(&placements, &gpus, job.spec.gpu_share_permille());
                 actions.push(Action::Place {
@@ -377,16 +396,75 @@ pub fn plan(
             // for running jobs to end: it holds no reservation (it would hold the queue
             // for ever).
             None if head.is_none() && !never(job) => {
-                head = Some(reserve(state, job, obs.now_ms, &used, &alive));
+                head = Some(reserve(state, job, obs.now_ms, used, alive));
                 head_job = Some(job);
             }
             None => {}
         }
     }
     if let Some(first) = head_job {
-        plan_preemption(state, first, &used, &alive, &mut actions);
+        plan_preemption(state, first, used, alive, actions);
     }
-    actions
+}
+
+/// Whether the pending `job` may start ahead of the queue's waiting `head` (`None`
+/// while no job waits): `None` when it may not, `Some(uses_extra)` when it may, where
+/// `uses_extra` says it must fit in the head's extra slots because it may still run
+/// when the head's reservation starts. Jobs with GPUs are never backfilled, nor
+/// backfilled past.
+fn backfill_fit(head: Option<&Reservation>, job: &Job) -> Option<bool> {
+    let Some(h) = head else {
+        return Some(false);
+    };
+    if h.gpus || job.spec.gpu_demand().is_some() {
+        return None; // GPUs: no backfill past a job that waits
+    }
+    let ends_in_time =
+        job.spec.time_limit_ms > 0 && h.shadow_ms.is_some_and(|s| job.spec.time_limit_ms <= s);
+    if ends_in_time {
+        Some(false)
+    } else if u64::from(job.spec.world_size) > h.extra_slots {
+        None
+    } else {
+        Some(true)
+    }
+}
+
+/// A gang placement of every rank of the pending `job` on the workers with free slots
+/// (`free`) or, for a job with GPUs, on the alive workers' free GPUs given `used`;
+/// `None` when it does not fit.
+fn place_job(
+    state: &ClusterState,
+    obs: &Observations,
+    job: &Job,
+    free: &[WorkerSlots],
+    used: &Used,
+    alive: &dyn Fn(&str) -> bool,
+) -> Option<Placed> {
+    let ranks: Vec<u32> = (0..job.spec.world_size).collect();
+    match job.spec.gpu_demand() {
+        None => shard_planner::place_ranks(&ranks, free)
+            .ok()
+            .flatten()
+            .map(|placements| (placements, Vec::new())),
+        Some(demand) => {
+            shard_planner::place_gpu_ranks(&ranks, &gpu_capacity(state, obs, alive, used), demand)
+                .ok()
+                .flatten()
+                .map(split_gpu_plan)
+        }
+    }
+}
+
+/// Takes one slot in `free` for each of `placements`, dropping the workers left with
+/// none.
+fn take_slots(free: &mut Vec<WorkerSlots>, placements: &[(u32, String)]) {
+    for (_, worker) in placements {
+        if let Some(w) = free.iter_mut().find(|w| w.worker_id == *worker) {
+            w.free_slots = w.free_slots.saturating_sub(1);
+        }
+    }
+    free.retain(|w| w.free_slots > 0);
 }
 
 /// Preemption for `head`, the queue's first job, which does not fit now: when running
@@ -585,52 +663,56 @@ fn plan_stopping(job: &Job, obs: &Observations, actions: &mut Vec<Action>) {
     });
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(super) fn plan_running(
+/// A running job with no stop requested and time left: fails the attempts found lost,
+/// on an unhealthy GPU or hung (and re-plans next pass, once that is committed);
+/// otherwise succeeds the job, finalizes a complete checkpoint step, or restarts its
+/// failed ranks ([`plan_restart`]). Slots and GPUs a restart takes are added to `used`.
+fn plan_running(
     state: &ClusterState,
     job: &Job,
     obs: &Observations,
     used: &mut Used,
-    free_slots: &mut dyn FnMut(&BTreeMap<String, u32>) -> Vec<WorkerSlots>,
     alive: &dyn Fn(&str) -> bool,
     jitter: &mut dyn FnMut() -> f64,
     actions: &mut Vec<Action>,
 ) {
-    // Failure detection on running attempts.
+    if fail_unhealthy_attempts(job, obs, actions) {
+        return; // re-plan once the failures are committed
+    }
+    let failed: Vec<&RankRecord> = job
+        .ranks
+        .iter()
+        .filter(|r| r.state == RankState::Failed)
+        .collect();
+    if !failed.is_empty() {
+        plan_restart(state, job, obs, &failed, used, alive, jitter, actions);
+    } else if job.all_ranks_succeeded() {
+        actions.push(Action::Succeed {
+            job_id: job.id.clone(),
+        });
+    } else if let Some((step, _)) = job
+        .pending_parts
+        .iter()
+        .rev()
+        .find(|(_, parts)| parts.len() == job.spec.world_size as usize)
+    {
+        actions.push(Action::Finalize {
+            job_id: job.id.clone(),
+            step: *step,
+        });
+    }
+}
+
+/// Failure detection on a running job's pending and running attempts: pushes an
+/// [`Action::FailRank`] for each one [`failure_cause`] finds a cause for, and returns
+/// whether there was any.
+fn fail_unhealthy_attempts(job: &Job, obs: &Observations, actions: &mut Vec<Action>) -> bool {
     let mut newly_failed = false;
     for r in &job.ranks {
         if !matches!(r.state, RankState::Running | RankState::Pending) {
             continue;
         }
-        let key = AttemptKey::new(job.id.clone(), r.rank, r.attempt);
-        let cause = if obs.lost.contains(&key) {
-            Some(if r.state == RankState::Pending {
-                "lost: its worker neither prepares nor runs it".to_string()
-            } else {
-                "lost: its worker no longer reports the process".to_string()
-            })
-        } else if let Some((uuid, why)) = r
-            .gpus
-            .iter()
-            .find_map(|g| obs.unhealthy_gpus.get(g).map(|why| (g, why)))
-        {
-            Some(format!("GPU {uuid} is unhealthy {why}"))
-        } else if r.state != RankState::Running {
-            None
-        } else if job.spec.progress_timeout_ms > 0
-            && obs
-                .progress_stall_ms
-                .get(&key)
-                .is_some_and(|s| *s > job.spec.progress_timeout_ms)
-        {
-            Some(format!(
-                "hung: no progress for more than {} ms",
-                job.spec.progress_timeout_ms
-            ))
-        } else {
-            None
-        };
-        if let Some(cause) = cause {
+        if let Some(cause) = failure_cause(job, r, obs) {
             newly_failed = true;
             actions.push(Action::FailRank {
                 job_id: job.id.clone(),
@@ -640,33 +722,58 @@ pub(super) fn plan_running(
             });
         }
     }
-    if newly_failed {
-        return; // re-plan once the failures are committed
-    }
+    newly_failed
+}
 
-    let failed: Vec<_> = job
-        .ranks
+/// Why the pending or running attempt `r` of `job` has failed, as shown to users:
+/// lost by its worker, placed on a GPU reported unhealthy, or (running only) without
+/// progress for longer than the job's progress timeout; `None` when it has not.
+fn failure_cause(job: &Job, r: &RankRecord, obs: &Observations) -> Option<String> {
+    let key = AttemptKey::new(job.id.clone(), r.rank, r.attempt);
+    if obs.lost.contains(&key) {
+        Some(if r.state == RankState::Pending {
+            "lost: its worker neither prepares nor runs it".to_string()
+        } else {
+            "lost: its worker no longer reports the process".to_string()
+        })
+    } else if let Some((uuid, why)) = r
+        .gpus
         .iter()
-        .filter(|r| r.state == RankState::Failed)
-        .collect();
-    if failed.is_empty() {
-        if job.all_ranks_succeeded() {
-            actions.push(Action::Succeed {
-                job_id: job.id.clone(),
-            });
-        } else if let Some((step, _)) = job
-            .pending_parts
-            .iter()
-            .rev()
-            .find(|(_, parts)| parts.len() == job.spec.world_size as usize)
-        {
-            actions.push(Action::Finalize {
-                job_id: job.id.clone(),
-                step: *step,
-            });
-        }
-        return;
+        .find_map(|g| obs.unhealthy_gpus.get(g).map(|why| (g, why)))
+    {
+        Some(format!("GPU {uuid} is unhealthy {why}"))
+    } else if r.state != RankState::Running {
+        None
+    } else if job.spec.progress_timeout_ms > 0
+        && obs
+            .progress_stall_ms
+            .get(&key)
+            .is_some_and(|s| *s > job.spec.progress_timeout_ms)
+    {
+        Some(format!(
+            "hung: no progress for more than {} ms",
+            job.spec.progress_timeout_ms
+        ))
+    } else {
+        None
     }
+}
+
+/// A running job with `failed` ranks (not empty): fails the job when a program cannot
+/// be executed or the restart budget is spent; otherwise restarts the ranks its policy's
+/// scope names ([`Action::Restart`], their slots and GPUs added to `used`) once
+/// [`restart_placements`] finds room for them, and plans nothing while it does not.
+#[allow(clippy::too_many_arguments)]
+fn plan_restart(
+    state: &ClusterState,
+    job: &Job,
+    obs: &Observations,
+    failed: &[&RankRecord],
+    used: &mut Used,
+    alive: &dyn Fn(&str) -> bool,
+    jitter: &mut dyn FnMut() -> f64,
+    actions: &mut Vec<Action>,
+) {
     let causes = truncate(
         failed
             .iter()
@@ -702,95 +809,10 @@ pub(super) fn plan_running(
         });
         return;
     }
-    let to_restart: Vec<u32> = match policy.scope {
-        RestartScope::Group => job.ranks.iter().map(|r| r.rank).collect(),
-        RestartScope::Rank => failed.iter().map(|r| r.rank).collect(),
+    let Some((placements, gpus)) = restart_placements(state, job, obs, failed, used, alive) else {
+        return; // wait for capacity
     };
-    // Keep each restarted rank on its worker (and its GPUs) when that worker is alive
-    // (and could start it) and its GPUs are healthy; re-place the rest.
-    let faulty: BTreeSet<&str> = failed
-        .iter()
-        .filter(|r| r.agent_fault)
-        .filter_map(|r| r.worker_id.as_deref())
-        .collect();
-    let demand = job.spec.gpu_demand();
-    let share = job.spec.gpu_share_permille();
-    let mut placements = Vec::new();
-    let mut gpus = Vec::new();
-    let mut homeless = Vec::new();
-    let restarting: BTreeSet<u32> = to_restart.iter().copied().collect();
-    for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
-        let gpus_ok = demand.is_none()
-            || (r.gpus.len() == job.spec.gpus_per_rank as usize
-                && r.gpus.iter().all(|g| !obs.unhealthy_gpus.contains_key(g)));
-        match &r.worker_id {
-            Some(w) if alive(w) && !faulty.contains(w.as_str()) && gpus_ok => {
-                placements.push((r.rank, w.clone()));
-                if demand.is_some() {
-                    gpus.push((r.rank, r.gpus.clone()));
-                }
-            }
-            _ => homeless.push(r.rank),
-        }
-    }
-    if !homeless.is_empty() {
-        // Free the slots and GPUs of the ranks being restarted before placing the
-        // homeless ones; count those of the ranks that stay.
-        let mut used_without = used.clone();
-        for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
-            if let (Some(w), RankState::Pending | RankState::Running) = (&r.worker_id, r.state) {
-                if let Some(n) = used_without.slots.get_mut(w) {
-                    *n = n.saturating_sub(1);
-                }
-                for g in &r.gpus {
-                    if let Some(n) = used_without.gpus.get_mut(g) {
-                        *n = n.saturating_sub(share);
-                    }
-                }
-            }
-        }
-        used_without.add(&placements, &gpus, share);
-        // Away from a worker that could not start its ranks, when others have room;
-        // back on it otherwise (its trouble may have passed).
-        let placed = match demand {
-            None => {
-                let mut elsewhere = free_slots(&used_without.slots);
-                elsewhere.retain(|w| !faulty.contains(w.worker_id.as_str()));
-                match shard_planner::place_ranks(&homeless, &elsewhere) {
-                    Ok(Some(more)) => Some((more, Vec::new())),
-                    _ => match shard_planner::place_ranks(
-                        &homeless,
-                        &free_slots(&used_without.slots),
-                    ) {
-                        Ok(Some(more)) => Some((more, Vec::new())),
-                        _ => None,
-                    },
-                }
-            }
-            Some(demand) => {
-                let all = gpu_capacity(state, obs, alive, &used_without);
-                let mut elsewhere = all.clone();
-                elsewhere.retain(|w| !faulty.contains(w.worker_id.as_str()));
-                match shard_planner::place_gpu_ranks(&homeless, &elsewhere, demand) {
-                    Ok(Some(more)) => Some(split_gpu_plan(more)),
-                    _ => match shard_planner::place_gpu_ranks(&homeless, &all, demand) {
-                        Ok(Some(more)) => Some(split_gpu_plan(more)),
-                        _ => None,
-                    },
-                }
-            }
-        };
-        match placed {
-            Some((more, more_gpus)) => {
-                placements.extend(more);
-                gpus.extend(more_gpus);
-            }
-            None => return, // wait for capacity
-        }
-        placements.sort();
-        gpus.sort();
-    }
-    used.add(&placements, &gpus, share);
+    used.add(&placements, &gpus, job.spec.gpu_share_permille());
     let number = if agent_fault {
         job.agent_fault_restarts + 1
     } else {
@@ -806,4 +828,112 @@ pub(super) fn plan_running(
         cause: causes,
         agent_fault,
     });
+}
+
+/// Where the ranks a restart of `job` covers (every rank for a group restart, the
+/// `failed` ones for a rank restart) run next, sorted by rank: each stays on its worker
+/// (and its GPUs) when that worker is alive, could start it, and its GPUs are healthy;
+/// the rest are re-placed given `used`. `None` when there is no room for them yet.
+fn restart_placements(
+    state: &ClusterState,
+    job: &Job,
+    obs: &Observations,
+    failed: &[&RankRecord],
+    used: &Used,
+    alive: &dyn Fn(&str) -> bool,
+) -> Option<Placed> {
+    let restarting: BTreeSet<u32> = match job.spec.restart.scope {
+        RestartScope::Group => job.ranks.iter().map(|r| r.rank).collect(),
+        RestartScope::Rank => failed.iter().map(|r| r.rank).collect(),
+    };
+    let faulty: BTreeSet<&str> = failed
+        .iter()
+        .filter(|r| r.agent_fault)
+        .filter_map(|r| r.worker_id.as_deref())
+        .collect();
+    let demand = job.spec.gpu_demand();
+    let share = job.spec.gpu_share_permille();
+    let mut placements = Vec::new();
+    let mut gpus = Vec::new();
+    let mut homeless = Vec::new();
+    for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
+        let gpus_ok = demand.is_none()
+            || (r.gpus.len() == job.spec.gpus_per_rank as usize
+                && r.gpus.iter().all(|g| !obs.unhealthy_gpus.contains_key(g)));
+        match &r.worker_id {
+            Some(w) if alive(w) && !faulty.contains(w.as_str()) && gpus_ok => {
+                placements.push((r.rank, w.clone()));
+                if demand.is_some() {
+                    gpus.push((r.rank, r.gpus.clone()));
+                }
+            }
+            _ => homeless.push(r.rank),
+        }
+    }
+    if homeless.is_empty() {
+        return Some((placements, gpus));
+    }
+    // Free the slots and GPUs of the ranks being restarted before placing the homeless
+    // ones; count those of the ranks that stay.
+    let mut used_without = used.clone();
+    for r in job.ranks.iter().filter(|r| restarting.contains(&r.rank)) {
+        if let (Some(w), RankState::Pending | RankState::Running) = (&r.worker_id, r.state) {
+            if let Some(n) = used_without.slots.get_mut(w) {
+                *n = n.saturating_sub(1);
+            }
+            for g in &r.gpus {
+                if let Some(n) = used_without.gpus.get_mut(g) {
+                    *n = n.saturating_sub(share);
+                }
+            }
+        }
+    }
+    used_without.add(&placements, &gpus, share);
+    let (more, more_gpus) =
+        place_homeless(state, obs, job, &homeless, &faulty, &used_without, alive)?;
+    placements.extend(more);
+    gpus.extend(more_gpus);
+    placements.sort();
+    gpus.sort();
+    Some((placements, gpus))
+}
+
+/// Places the `homeless` ranks of `job`'s restart given `used`: away from the `faulty`
+/// workers (those that could not start its ranks) when others have room, back on them
+/// otherwise (their trouble may have passed). `None` when neither fits.
+fn place_homeless(
+    state: &ClusterState,
+    obs: &Observations,
+    job: &Job,
+    homeless: &[u32],
+    faulty: &BTreeSet<&str>,
+    used: &Used,
+    alive: &dyn Fn(&str) -> bool,
+) -> Option<Placed> {
+    match job.spec.gpu_demand() {
+        None => {
+            let all = free_workers(state, alive, &used.slots);
+            let mut elsewhere = all.clone();
+            elsewhere.retain(|w| !faulty.contains(w.worker_id.as_str()));
+            match shard_planner::place_ranks(homeless, &elsewhere) {
+                Ok(Some(more)) => Some((more, Vec::new())),
+                _ => match shard_planner::place_ranks(homeless, &all) {
+                    Ok(Some(more)) => Some((more, Vec::new())),
+                    _ => None,
+                },
+            }
+        }
+        Some(demand) => {
+            let all = gpu_capacity(state, obs, alive, used);
+            let mut elsewhere = all.clone();
+            elsewhere.retain(|w| !faulty.contains(w.worker_id.as_str()));
+            match shard_planner::place_gpu_ranks(homeless, &elsewhere, demand) {
+                Ok(Some(more)) => Some(split_gpu_plan(more)),
+                _ => match shard_planner::place_gpu_ranks(homeless, &all, demand) {
+                    Ok(Some(more)) => Some(split_gpu_plan(more)),
+                    _ => None,
+                },
+            }
+        }
+    }
 }
