@@ -200,6 +200,43 @@ impl Inner {
         }
     }
 
+    /// Adds the valid record of `index` read at `offset` of the segment starting at index
+    /// `segment` (file `path`): decodes its `payload`, notes where it lives and caches the
+    /// entry.
+    ///
+    /// # Errors
+    /// [`WalError::Corrupt`] when `index` does not follow the last live record (indexes
+    /// must increase) or the payload does not decode to the entry of that index.
+    fn load_record(
+        &mut self,
+        path: &Path,
+        segment: u64,
+        offset: u64,
+        index: u64,
+        payload: &[u8],
+    ) -> Result<(), WalError> {
+        if !self.locs.is_empty() && index < self.next_index() {
+            return Err(WalError::Corrupt {
+                path: path.display().to_string(),
+                reason: format!(
+                    "entry {index} follows entry {} (indexes must increase)",
+                    self.next_index() - 1
+                ),
+            });
+        }
+        let entry = decode(path, index, payload)?;
+        self.locs.insert(
+            index,
+            Loc {
+                segment,
+                offset,
+                len: payload.len() as u32,
+            },
+        );
+        self.push_cache(entry, payload.len());
+        Ok(())
+    }
+
     /// Forgets the cached entries with index ≥ `since`.
     fn drop_cache_from(&mut self, since: u64) {
         for (_, (_, b)) in self.cache.split_off(&since) {
@@ -560,6 +597,33 @@ pub struct TornTail {
 }
 
 impl TornTail {
+    /// Decides what the bad bytes at `offset` of the newest segment (`file` at `path`,
+    /// `capacity_bytes` long) are, `reason` saying what was found there and `after_index`
+    /// the index of the last good record before them (or the purge point): a torn tail,
+    /// returned for [`ScannedWal::repair`] to cut, or damage ([`classify_bad_tail`]).
+    ///
+    /// # Errors
+    /// [`WalError::Corrupt`] when the bytes are not a torn write or a valid record follows
+    /// them; [`WalError::Io`] when the segment cannot be read.
+    fn classify(
+        file: &Arc<File>,
+        path: &Path,
+        capacity_bytes: u64,
+        offset: u64,
+        after_index: Option<u64>,
+        reason: String,
+    ) -> Result<TornTail, WalError> {
+        classify_bad_tail(file, path, capacity_bytes, offset, after_index, &reason)?;
+        Ok(TornTail {
+            path: path.to_path_buf(),
+            file: file.clone(),
+            offset,
+            capacity_bytes,
+            after_index,
+            reason,
+        })
+    }
+
     /// The segment file the tail is in.
     pub fn path(&self) -> &Path {
         &self.path
@@ -703,6 +767,40 @@ impl Wal {
     }
 
     fn scan_checked(dir: &Path, last_purged: Option<u64>) -> Result<ScannedWal, WalError> {
+        let firsts = Self::list_segments(dir)?;
+        let mut inner = Inner {
+            segments: BTreeMap::new(),
+            locs: BTreeMap::new(),
+            cache: BTreeMap::new(),
+            cache_bytes: 0,
+        };
+        let mut newest_file = None;
+        let mut torn = None;
+        let count = firsts.len();
+        for (i, first) in firsts.into_iter().enumerate() {
+            let newest = i + 1 == count;
+            let (segment, tail) = Self::scan_segment(dir, first, newest, last_purged, &mut inner)?;
+            if newest {
+                newest_file = Some((segment.file.clone(), segment.path.clone()));
+                torn = tail;
+            }
+            inner.segments.insert(first, segment);
+        }
+        Ok(ScannedWal {
+            dir: dir.to_path_buf(),
+            inner,
+            newest: newest_file,
+            torn,
+            last_purged,
+        })
+    }
+
+    /// The first indexes of the segments in `dir`, sorted (a missing `dir` has none).
+    ///
+    /// # Errors
+    /// [`WalError::Corrupt`] for a file in `dir` that is not a segment (its name is not
+    /// `<20 digits>.wal`), [`WalError::Io`] when the directory cannot be listed.
+    fn list_segments(dir: &Path) -> Result<Vec<u64>, WalError> {
         let mut firsts = Vec::new();
         let listing = match std::fs::read_dir(dir) {
             Ok(listing) => Some(listing),
@@ -727,141 +825,102 @@ impl Wal {
             }
         }
         firsts.sort_unstable();
+        Ok(firsts)
+    }
 
-        let mut inner = Inner {
-            segments: BTreeMap::new(),
-            locs: BTreeMap::new(),
-            cache: BTreeMap::new(),
-            cache_bytes: 0,
-        };
-        let mut newest_file = None;
+    /// Reads and checks every record of the segment starting at index `first`, adding the
+    /// live ones (above `last_purged`) to `inner`, and returns the segment (written up to
+    /// the end of its last valid record) and its torn tail, if any. Only the `newest`
+    /// segment may end in a torn tail: a bad record there, or bytes after a zero header,
+    /// is classified ([`TornTail::classify`]) and returned for the repair to decide on;
+    /// nothing is written.
+    ///
+    /// # Errors
+    /// [`WalError::Corrupt`] for a bad record in an older segment, damage that is not a
+    /// torn write in the newest one, indexes that do not increase or an entry that does not
+    /// decode; [`WalError::Io`] when the file cannot be opened or read.
+    fn scan_segment(
+        dir: &Path,
+        first: u64,
+        newest: bool,
+        last_purged: Option<u64>,
+        inner: &mut Inner,
+    ) -> Result<(Segment, Option<TornTail>), WalError> {
+        let path = segment_path(dir, first);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(io_error(&path))?;
+        let capacity_bytes = file.metadata().map_err(io_error(&path))?.len();
+        let file = Arc::new(file);
+        let mut offset = 0;
+        let mut last_index = None;
         let mut torn = None;
-        let count = firsts.len();
-        for (i, first) in firsts.into_iter().enumerate() {
-            let newest = i + 1 == count;
-            let path = segment_path(dir, first);
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .map_err(io_error(&path))?;
-            let capacity_bytes = file.metadata().map_err(io_error(&path))?.len();
-            let file = Arc::new(file);
-            let mut offset = 0;
-            let mut last_index = None;
-            // Index of the last record read in this log (live or skipped as purged).
-            let last_good = |inner: &Inner| {
-                inner
-                    .locs
-                    .last_key_value()
-                    .map(|(i, _)| *i)
-                    .max(last_purged)
-            };
-            loop {
-                match read_record(&file, capacity_bytes, offset).map_err(io_error(&path))? {
-                    Read::End if newest => {
-                        // A torn write can also leave a zero header followed by written
-                        // bytes; they must not read as records once the log goes on here.
-                        if !all_zero(&file, offset, capacity_bytes).map_err(io_error(&path))? {
-                            let reason = format!("bytes follow the zero header at offset {offset}");
-                            let after_index = last_good(&inner);
-                            classify_bad_tail(
-                                &file,
-                                &path,
-                                capacity_bytes,
-                                offset,
-                                after_index,
-                                &reason,
-                            )?;
-                            torn = Some(TornTail {
-                                path: path.clone(),
-                                file: file.clone(),
-                                offset,
-                                capacity_bytes,
-                                after_index,
-                                reason,
-                            });
-                        }
-                        break;
-                    }
-                    Read::End => break,
-                    Read::Bad(reason) if newest => {
-                        let after_index = last_good(&inner);
-                        classify_bad_tail(
+        // Index of the last record read in this log (live or skipped as purged).
+        let last_good = |inner: &Inner| {
+            inner
+                .locs
+                .last_key_value()
+                .map(|(i, _)| *i)
+                .max(last_purged)
+        };
+        loop {
+            match read_record(&file, capacity_bytes, offset).map_err(io_error(&path))? {
+                Read::End if newest => {
+                    // A torn write can also leave a zero header followed by written
+                    // bytes; they must not read as records once the log goes on here.
+                    if !all_zero(&file, offset, capacity_bytes).map_err(io_error(&path))? {
+                        let reason = format!("bytes follow the zero header at offset {offset}");
+                        let after_index = last_good(inner);
+                        torn = Some(TornTail::classify(
                             &file,
                             &path,
                             capacity_bytes,
                             offset,
                             after_index,
-                            &reason,
-                        )?;
-                        torn = Some(TornTail {
-                            path: path.clone(),
-                            file: file.clone(),
-                            offset,
-                            capacity_bytes,
-                            after_index,
                             reason,
-                        });
-                        break;
+                        )?);
                     }
-                    Read::Bad(reason) => {
-                        return Err(WalError::Corrupt {
-                            path: path.display().to_string(),
-                            reason: format!(
-                                "{reason} (a segment older than the newest is never torn)"
-                            ),
-                        });
+                    break;
+                }
+                Read::End => break,
+                Read::Bad(reason) if newest => {
+                    let after_index = last_good(inner);
+                    torn = Some(TornTail::classify(
+                        &file,
+                        &path,
+                        capacity_bytes,
+                        offset,
+                        after_index,
+                        reason,
+                    )?);
+                    break;
+                }
+                Read::Bad(reason) => {
+                    return Err(WalError::Corrupt {
+                        path: path.display().to_string(),
+                        reason: format!("{reason} (a segment older than the newest is never torn)"),
+                    });
+                }
+                Read::Record(index, payload, end) => {
+                    let skip = last_purged.is_some_and(|p| index <= p);
+                    if !skip {
+                        inner.load_record(&path, first, offset, index, &payload)?;
+                        last_index = Some(index);
                     }
-                    Read::Record(index, payload, end) => {
-                        let skip = last_purged.is_some_and(|p| index <= p);
-                        if !skip {
-                            if !inner.locs.is_empty() && index < inner.next_index() {
-                                return Err(WalError::Corrupt {
-                                    path: path.display().to_string(),
-                                    reason: format!(
-                                        "entry {index} follows entry {} (indexes must increase)",
-                                        inner.next_index() - 1
-                                    ),
-                                });
-                            }
-                            let entry = decode(&path, index, &payload)?;
-                            inner.locs.insert(
-                                index,
-                                Loc {
-                                    segment: first,
-                                    offset,
-                                    len: payload.len() as u32,
-                                },
-                            );
-                            inner.push_cache(entry, payload.len());
-                            last_index = Some(index);
-                        }
-                        offset = end;
-                    }
+                    offset = end;
                 }
             }
-            if newest {
-                newest_file = Some((file.clone(), path.clone()));
-            }
-            inner.segments.insert(
-                first,
-                Segment {
-                    path,
-                    file,
-                    capacity_bytes,
-                    written_bytes: offset,
-                    last_index,
-                },
-            );
         }
-        Ok(ScannedWal {
-            dir: dir.to_path_buf(),
-            inner,
-            newest: newest_file,
-            torn,
-            last_purged,
-        })
+        let segment = Segment {
+            path,
+            file,
+            capacity_bytes,
+            written_bytes: offset,
+            last_index,
+        };
+        Ok((segment, torn))
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
