@@ -6,6 +6,7 @@
 #     comparison), debootstrap and binutils (the docker-compose test's offline base image);
 #   - s3s-fs, a real S3-compatible server (the S3 checkpoint tests start it on loopback),
 #     with `cargo install` (~3 min on 2 cores, once);
+#   - cargo-deny, the dependency policy check of deny.toml (`cargo install`, ~3.5 min once);
 #   - python/.venv: the Python package `cumulus` (python/) with its test tools and PyTorch.
 # The README's first command (`cargo build --release`) needs none of this.
 #
@@ -14,6 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 S3S_FS_VERSION=0.14.1
+CARGO_DENY_VERSION=0.20.2
 
 need=()
 command -v cc >/dev/null 2>&1 || need+=(build-essential)
@@ -40,6 +42,10 @@ fi
 if [ "$have_s3s" = 0 ]; then
   echo "== setup: installing s3s-fs $S3S_FS_VERSION (cargo install, ~3 min once)"
   cargo install "s3s-fs@$S3S_FS_VERSION" --locked --features binary
+fi
+if ! cargo deny --version 2>/dev/null | grep -qx "cargo-deny $CARGO_DENY_VERSION"; then
+  echo "== setup: installing cargo-deny $CARGO_DENY_VERSION (cargo install, ~3.5 min once)"
+  cargo install "cargo-deny@$CARGO_DENY_VERSION" --locked
 fi
 # The Python package's virtualenv (python/.venv): the package in editable mode with its
 # test tools (pytest, ruff, mypy, httpx; scikit-learn, skops, XGBoost, LightGBM for the
