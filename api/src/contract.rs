@@ -108,9 +108,23 @@ macro_rules! constant {
     (@value strs, $($path:ident)::+) => { Value::Strs($($path)::+) };
 }
 
+/// Every constant of the contract, sorted by name.
 fn constants() -> Vec<Constant> {
-    let mut all = vec![
-        // Limits more than one process checks.
+    let mut all = job_spec_limit_constants();
+    all.extend(report_limit_constants());
+    all.extend(connection_constants());
+    all.extend(manifest_constants());
+    all.extend(rank_env_constants());
+    all.extend(client_config_constants());
+    all.sort_by(|a, b| a.name.cmp(b.name));
+    all
+}
+
+/// The bounds of a job's spec ([`limits`]) that more than one process checks: name and
+/// idempotency key, world size, command and environment, shards, restarts, checkpoints
+/// kept, priority, stop grace and time limit, and the unit of a GPU share.
+fn job_spec_limit_constants() -> Vec<Constant> {
+    vec![
         constant!(
             int,
             limits::MAX_REQUEST_ID_BYTES,
@@ -164,6 +178,33 @@ fn constants() -> Vec<Constant> {
         ),
         constant!(
             int,
+            limits::MAX_PRIORITY,
+            "Highest queue priority (and, negated, the lowest)."
+        ),
+        constant!(
+            int,
+            limits::MAX_STOP_GRACE_MS,
+            "Longest stop grace a job may ask for, in milliseconds."
+        ),
+        constant!(
+            int,
+            limits::MAX_TIME_LIMIT_MS,
+            "Longest time limit a job may ask for, in milliseconds."
+        ),
+        constant!(
+            int,
+            gpus::WHOLE_GPU_PERMILLE,
+            "Thousandths of a GPU in one whole GPU."
+        ),
+    ]
+}
+
+/// The limits ([`limits`]) of what ranks and agents report (checkpoint parts, resume
+/// state, metrics, GPUs) and of what a job list answers.
+fn report_limit_constants() -> Vec<Constant> {
+    vec![
+        constant!(
+            int,
             limits::MAX_PART_FILES,
             "Most files in one checkpoint part."
         ),
@@ -204,21 +245,6 @@ fn constants() -> Vec<Constant> {
         ),
         constant!(
             int,
-            limits::MAX_PRIORITY,
-            "Highest queue priority (and, negated, the lowest)."
-        ),
-        constant!(
-            int,
-            limits::MAX_STOP_GRACE_MS,
-            "Longest stop grace a job may ask for, in milliseconds."
-        ),
-        constant!(
-            int,
-            limits::MAX_TIME_LIMIT_MS,
-            "Longest time limit a job may ask for, in milliseconds."
-        ),
-        constant!(
-            int,
             limits::MAX_SUMMARIES,
             "Most job summaries one list answers."
         ),
@@ -227,11 +253,14 @@ fn constants() -> Vec<Constant> {
             limits::DEFAULT_SUMMARIES,
             "Job summaries a list without a limit answers."
         ),
-        constant!(
-            int,
-            gpus::WHOLE_GPU_PERMILLE,
-            "Thousandths of a GPU in one whole GPU."
-        ),
+    ]
+}
+
+/// What a client needs to connect to a cluster and find its leader: the bearer token
+/// bounds, the leader header of a follower's reply, and from [`cumulus_tls`] the CA
+/// certificate's file name, the PEM file bound and the certificates' identity scheme.
+fn connection_constants() -> Vec<Constant> {
+    vec![
         constant!(
             int,
             token::MIN_TOKEN_BYTES,
@@ -247,7 +276,31 @@ fn constants() -> Vec<Constant> {
             leader::LEADER_HTTP_HEADER,
             "HTTP header naming the leader's HTTP address in a follower's 503."
         ),
-        // The checkpoint layout.
+        Constant {
+            name: "CA_FILE",
+            rust: "cumulus_tls::generate::CA_FILE".into(),
+            value: Value::Str(cumulus_tls::generate::CA_FILE),
+            doc: "File name of the cluster's CA certificate inside its TLS directory.",
+        },
+        Constant {
+            name: "MAX_PEM_FILE_BYTES",
+            rust: "cumulus_tls::MAX_PEM_FILE_BYTES".into(),
+            value: Value::Int(i128::from(cumulus_tls::MAX_PEM_FILE_BYTES)),
+            doc: "Largest PEM file (certificate, key) read, in bytes.",
+        },
+        Constant {
+            name: "IDENTITY_SCHEME",
+            rust: "cumulus_tls::IDENTITY_SCHEME".into(),
+            value: Value::Str(cumulus_tls::IDENTITY_SCHEME),
+            doc: "Scheme of the identity URI in every certificate the cluster CA issues.",
+        },
+    ]
+}
+
+/// The checkpoint layout ([`manifest`]): the manifest's and `LATEST`'s file names, the
+/// manifest formats written and read, and the manifest's size bound.
+fn manifest_constants() -> Vec<Constant> {
+    vec![
         constant!(
             str,
             manifest::MANIFEST_FILE,
@@ -273,7 +326,13 @@ fn constants() -> Vec<Constant> {
             manifest::MAX_MANIFEST_BYTES,
             "Largest ``MANIFEST.json``, in bytes."
         ),
-        // The rank environment.
+    ]
+}
+
+/// The rank environment ([`rank_env`]): every variable a rank is started with, and the
+/// exit code of a rank that could not reach its agent.
+fn rank_env_constants() -> Vec<Constant> {
+    vec![
         constant!(strs, rank_env::CONTRACT_VARS as "RANK_CONTRACT_VARS", "Every variable of the rank contract, in order."),
         constant!(strs, rank_env::GPU_VARS as "RANK_GPU_VARS", "Variables an agent with GPUs sets for every rank."),
         constant!(str, rank_env::RANK as "RANK_ENV_RANK", "Global rank, ``0..WORLD_SIZE``."),
@@ -298,7 +357,13 @@ fn constants() -> Vec<Constant> {
             rank_env::EXIT_AGENT_UNREACHABLE,
             "Exit code of a rank that could not reach its agent's rank-local API after its retries."
         ),
-        // How a client finds and reaches a cluster.
+    ]
+}
+
+/// How a client finds and reaches a cluster ([`client_config`]): its environment
+/// variables, the local cluster's directory and file, and the retry and timeout bounds.
+fn client_config_constants() -> Vec<Constant> {
+    vec![
         constant!(
             strs,
             client_config::CLIENT_ENV_VARS,
@@ -359,27 +424,7 @@ fn constants() -> Vec<Constant> {
             client_config::REQUEST_TIMEOUT_MS,
             "Time limit of one request, in milliseconds."
         ),
-    ];
-    all.push(Constant {
-        name: "CA_FILE",
-        rust: "cumulus_tls::generate::CA_FILE".into(),
-        value: Value::Str(cumulus_tls::generate::CA_FILE),
-        doc: "File name of the cluster's CA certificate inside its TLS directory.",
-    });
-    all.push(Constant {
-        name: "MAX_PEM_FILE_BYTES",
-        rust: "cumulus_tls::MAX_PEM_FILE_BYTES".into(),
-        value: Value::Int(i128::from(cumulus_tls::MAX_PEM_FILE_BYTES)),
-        doc: "Largest PEM file (certificate, key) read, in bytes.",
-    });
-    all.push(Constant {
-        name: "IDENTITY_SCHEME",
-        rust: "cumulus_tls::IDENTITY_SCHEME".into(),
-        value: Value::Str(cumulus_tls::IDENTITY_SCHEME),
-        doc: "Scheme of the identity URI in every certificate the cluster CA issues.",
-    });
-    all.sort_by(|a, b| a.name.cmp(b.name));
-    all
+    ]
 }
 
 fn members<T: Copy + std::fmt::Debug>(

@@ -95,6 +95,20 @@ def committed_step(ctx: runtime.Context) -> int:
     return int(text.removeprefix("step-"))
 
 
+def kill_self(ctx: runtime.Context, rnd: int, ckpt_every: int) -> None:
+    """Fault injection: SIGKILLs this process once the last checkpoint before round
+    ``rnd`` is committed."""
+    if ctx.staging_dir is not None:
+        last = rnd - rnd % ckpt_every
+        deadline = time.monotonic() + 60
+        while committed_step(ctx) < last:
+            if time.monotonic() > deadline:
+                sys.exit(f"timed out waiting for round {last} to be committed")
+            time.sleep(0.02)
+    print(f"killing itself at round {rnd}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> int:
     args = parse_args()
     rt = runtime.init(handle_sigterm=True)
@@ -159,15 +173,7 @@ def main() -> int:
             print(f"checkpoint {rnd} committed: {part.dir}", flush=True)
 
         if rnd == args.kill_at_round and ctx.attempt == 0:
-            if ctx.staging_dir is not None:
-                last = rnd - rnd % args.ckpt_every
-                deadline = time.monotonic() + 60
-                while committed_step(ctx) < last:
-                    if time.monotonic() > deadline:
-                        sys.exit(f"timed out waiting for round {last} to be committed")
-                    time.sleep(0.02)
-            print(f"killing itself at round {rnd}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_self(ctx, rnd, args.ckpt_every)
         if rt.should_stop():
             print(f"asked to stop at round {rnd}", flush=True)
             return 0

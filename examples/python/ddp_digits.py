@@ -49,7 +49,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -137,10 +139,11 @@ def stop_everywhere(rt: runtime.Runtime, device: torch.device) -> bool:
     return bool(flag.item() > 0)
 
 
-def main() -> int:
-    args = parse_args()
-    rt = runtime.init(handle_sigterm=True)
-    ctx = rt.context
+def init_distributed(
+    args: argparse.Namespace, ctx: runtime.Context
+) -> tuple[torch.device, str]:
+    """Deterministic PyTorch, this rank's device and the process group: ``(device,
+    backend)``."""
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available() and args.backend != "gloo"
@@ -164,10 +167,216 @@ def main() -> int:
         world_size=ctx.world_size,
         timeout=datetime.timedelta(seconds=120),
     )
+    return device, backend
 
+
+@dataclass
+class DataPosition:
+    """Where this rank is in its records, carried in every checkpoint: the shuffle of
+    the current epoch, the next index into it, the records consumed and their digest."""
+
+    perm: torch.Tensor
+    epoch: int = 0
+    pos: int = 0
+    records: int = 0
+    digest: bytes = bytes(32)
+
+    def next_batch(
+        self, ids: list[str], order: torch.Generator, size: int
+    ) -> list[int]:
+        """The next ``size`` record indices (a new shuffle from ``order`` at each epoch's
+        end), chained into the digest."""
+        n = len(ids)
+        batch: list[int] = []
+        while len(batch) < size:
+            if self.pos == n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self.perm = torch.randperm(n, generator=order)
+            take = min(size - len(batch), n - self.pos)
+            batch.extend(self.perm[self.pos : self.pos + take].tolist())
+            self.pos += take
+        h = hashlib.sha256(self.digest)
+        for i in batch:
+            h.update(f"{self.epoch}:{ids[i]}\n".encode())
+        self.digest = hashlib.sha256(h.digest()).digest()
+        self.records += len(batch)
+        return batch
+
+    def state(self) -> dict[str, Any]:
+        """The checkpoint's JSON state (the shuffle itself is saved as a tensor)."""
+        return {
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "records": self.records,
+            "digest": self.digest.hex(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Takes back :meth:`state` of a loaded checkpoint."""
+        self.epoch, self.pos, self.records = (
+            state["epoch"],
+            state["pos"],
+            state["records"],
+        )
+        self.digest = bytes.fromhex(state["digest"])
+
+
+class Checkpoints:
+    """This rank's checkpoints: the periodic ones asynchronous, one in flight at a time;
+    the stop one synchronous (committed before the rank exits)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        # The periodic checkpoint being committed in the background, if any.
+        self.pending: ckpt.PendingCheckpoint | None = None
+
+    def _committed(self, p: ckpt.PendingCheckpoint) -> None:
+        """Waits for ``p``; raises its error (StaleAttempt: this attempt was replaced)."""
+        part = p.wait()
+        print(f"rank={self.rank} checkpoint {p.step} committed: {part.dir}", flush=True)
+
+    def reap(self) -> None:
+        """Takes the background checkpoint's result once it is done."""
+        if self.pending is not None and self.pending.done():
+            self._committed(self.pending)
+            self.pending = None
+
+    def drain(self) -> None:
+        """Waits for the background checkpoint, if any."""
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            self._committed(p)
+
+    def save(
+        self, step: int, state: dict[str, Any], *, stop: bool, **objects: Any
+    ) -> None:
+        """Saves ``step``: in the background, or, at a stop, committed before it returns
+        (after the periodic one still in flight)."""
+        if not stop:
+            # One at a time (the next call would wait too).
+            self.drain()
+            # Blocks while the state is copied; written and committed meanwhile.
+            self.pending = ckpt.save_checkpoint_async(step, state, **objects)
+            return
+        try:
+            self.drain()
+            part = ckpt.save_checkpoint(step, state, **objects)
+        except errors.StaleAttempt as e:
+            # Cancelled, or replaced by a restart: nothing to keep.
+            print(f"rank={self.rank} stop checkpoint refused: {e}", flush=True)
+        else:
+            print(
+                f"rank={self.rank} checkpoint {step} committed: {part.dir}", flush=True
+            )
+
+
+def kill_self(
+    ctx: runtime.Context, step: int, ckpt_every: int, saver: Checkpoints
+) -> None:
+    """Fault injection: SIGKILLs this rank once the last checkpoint before ``step`` is
+    committed by every rank."""
+    saver.drain()  # this rank's part; then the others'
+    if ctx.staging_dir is not None:
+        last = step - step % ckpt_every
+        deadline = time.monotonic() + 60
+        while committed_step(ctx) < last:
+            if time.monotonic() > deadline:
+                sys.exit(f"timed out waiting for step {last} to be committed")
+            time.sleep(0.02)
+    print(f"rank={ctx.rank} killing itself at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class Training:
+    """What the training loop works on."""
+
+    args: argparse.Namespace
+    rt: runtime.Runtime
+    device: torch.device
+    model: nn.Module
+    ddp: nn.Module
+    opt: torch.optim.Optimizer
+    order: torch.Generator
+    data: DataPosition
+    ids: list[str]
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def train(t: Training, start: int) -> tuple[int, float, bool]:
+    """Steps ``start + 1`` to ``--steps``, checkpointing: ``(last step, its loss,
+    stopped)``, ``stopped`` when every rank was asked to stop (its checkpoint taken)."""
+    args, rt, ctx = t.args, t.rt, t.rt.context
+    loss_fn = nn.CrossEntropyLoss()
+    saver = Checkpoints(ctx.rank)
+    step, value = start, float("nan")
+    for step in range(start + 1, args.steps + 1):
+        batch = t.data.next_batch(t.ids, t.order, args.batch_size)
+        idx = torch.tensor(batch, device=t.device)
+        loss = loss_fn(t.ddp(t.x[idx]), t.y[idx])
+        t.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t.opt.step()
+        value = loss.item()
+        rt.report(step, args.steps, loss=value)
+        if args.step_sleep_ms > 0:
+            time.sleep(args.step_sleep_ms / 1000)
+        if step % args.log_every == 0 and ctx.rank == 0:
+            print(
+                f"step {step}/{args.steps} epoch {t.data.epoch} loss {value:.4f}",
+                flush=True,
+            )
+        saver.reap()
+        # Every rank stops at the same step: the step's checkpoint needs all their parts.
+        stop = stop_everywhere(rt, t.device)
+        if (step % args.ckpt_every == 0 or stop) and rt.checkpoints_enabled:
+            saver.save(
+                step,
+                t.data.state(),
+                stop=stop,
+                model=t.model,
+                optimizer=t.opt,
+                perm=t.data.perm,
+                rng=ckpt.RNG(t.order),
+            )
+        if (
+            ctx.rank == args.kill_rank
+            and step == args.kill_at_step
+            and ctx.attempt == 0
+        ):
+            kill_self(ctx, step, args.ckpt_every, saver)
+        if stop:
+            asked = rt.stop_request() or "another rank was asked"
+            print(f"rank={ctx.rank} asked to stop at step {step} ({asked})", flush=True)
+            return step, value, True
+    saver.drain()  # the last checkpoint is committed before the rank ends
+    return step, value, False
+
+
+def save_weights(t: Training) -> str:
+    """Rank 0 writes ``<out>/model.safetensors``; every rank gets the SHA-256 of its
+    final weights."""
+    out = t.args.out
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {
+        k: v.detach().cpu().contiguous() for k, v in t.model.state_dict().items()
+    }
+    blob = st_save(weights)
+    if t.rt.context.rank == 0:
+        tmp = out / "model.safetensors.tmp"
+        tmp.write_bytes(blob)
+        tmp.replace(out / "model.safetensors")
+    return hashlib.sha256(blob).hexdigest()
+
+
+def main() -> int:
+    args = parse_args()
+    rt = runtime.init(handle_sigterm=True)
+    ctx = rt.context
+    device, backend = init_distributed(args, ctx)
     x, y, ids = load_records(ctx, args.data)
     x, y = x.to(device), y.to(device)
-    n = len(ids)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = nn.Sequential(
@@ -181,150 +390,40 @@ def main() -> int:
     order = torch.Generator().manual_seed(
         args.seed * 1000 + 500 + ctx.rank
     )  # data order
-    perm = torch.randperm(n, generator=order)
-    epoch, pos, records, digest = 0, 0, 0, bytes(32)
+    data = DataPosition(torch.randperm(len(ids), generator=order))
 
     start = 0
     point = ckpt.load_checkpoint(
-        model=model, optimizer=opt, perm=perm, rng=ckpt.RNG(order)
+        model=model, optimizer=opt, perm=data.perm, rng=ckpt.RNG(order)
     )
     if point is not None:
-        s = point.state
-        start, epoch, pos, records = point.step, s["epoch"], s["pos"], s["records"]
-        digest = bytes.fromhex(s["digest"])
+        start = point.step
+        data.restore(point.state)
     print(
         f"rank={ctx.rank} attempt={ctx.attempt} world={ctx.world_size} backend={backend} "
-        f"records={n} start={start}",
+        f"records={len(ids)} start={start}",
         flush=True,
     )
     ddp = nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if cuda else None
+        model, device_ids=[device.index] if device.type == "cuda" else None
     )
-    loss_fn = nn.CrossEntropyLoss()
-
-    # The periodic checkpoint being committed in the background, if any.
-    pending: ckpt.PendingCheckpoint | None = None
-
-    def committed(p: ckpt.PendingCheckpoint) -> None:
-        """Waits for ``p``; raises its error (StaleAttempt: this attempt was replaced)."""
-        part = p.wait()
-        print(f"rank={ctx.rank} checkpoint {p.step} committed: {part.dir}", flush=True)
-
+    t = Training(args, rt, device, model, ddp, opt, order, data, ids, x, y)
     t0 = time.monotonic()
-    step, value = start, float("nan")
-    for step in range(start + 1, args.steps + 1):
-        batch: list[int] = []
-        while len(batch) < args.batch_size:
-            if pos == n:
-                epoch, pos = epoch + 1, 0
-                perm = torch.randperm(n, generator=order)
-            take = min(args.batch_size - len(batch), n - pos)
-            batch.extend(perm[pos : pos + take].tolist())
-            pos += take
-        h = hashlib.sha256(digest)
-        for i in batch:
-            h.update(f"{epoch}:{ids[i]}\n".encode())
-        digest = hashlib.sha256(h.digest()).digest()
-        records += len(batch)
-
-        idx = torch.tensor(batch, device=device)
-        loss = loss_fn(ddp(x[idx]), y[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        value = loss.item()
-        rt.report(step, args.steps, loss=value)
-        if args.step_sleep_ms > 0:
-            time.sleep(args.step_sleep_ms / 1000)
-        if step % args.log_every == 0 and ctx.rank == 0:
-            print(
-                f"step {step}/{args.steps} epoch {epoch} loss {value:.4f}", flush=True
-            )
-
-        if pending is not None and pending.done():
-            committed(pending)
-            pending = None
-
-        # Every rank stops at the same step: the step's checkpoint needs all their parts.
-        stop = stop_everywhere(rt, device)
-        if (step % args.ckpt_every == 0 or stop) and rt.checkpoints_enabled:
-            state = {
-                "epoch": epoch,
-                "pos": pos,
-                "records": records,
-                "digest": digest.hex(),
-            }
-            objects = {
-                "model": model,
-                "optimizer": opt,
-                "perm": perm,
-                "rng": ckpt.RNG(order),
-            }
-            if not stop:
-                if pending is not None:
-                    committed(pending)  # one at a time (the next call would wait too)
-                # Blocks while the state is copied; written and committed meanwhile.
-                pending = ckpt.save_checkpoint_async(step, state, **objects)
-            else:
-                # The stop checkpoint must be committed before exit 0: synchronous,
-                # after the periodic one still in flight.
-                try:
-                    if pending is not None:
-                        p, pending = pending, None
-                        committed(p)
-                    part = ckpt.save_checkpoint(step, state, **objects)
-                except errors.StaleAttempt as e:
-                    # Cancelled, or replaced by a restart: nothing to keep.
-                    print(f"rank={ctx.rank} stop checkpoint refused: {e}", flush=True)
-                else:
-                    print(
-                        f"rank={ctx.rank} checkpoint {step} committed: {part.dir}",
-                        flush=True,
-                    )
-
-        if (
-            ctx.rank == args.kill_rank
-            and step == args.kill_at_step
-            and ctx.attempt == 0
-        ):
-            if pending is not None:
-                p, pending = pending, None
-                committed(p)  # this rank's part; then the others'
-            if ctx.staging_dir is not None:
-                last = step - step % args.ckpt_every
-                deadline = time.monotonic() + 60
-                while committed_step(ctx) < last:
-                    if time.monotonic() > deadline:
-                        sys.exit(f"timed out waiting for step {last} to be committed")
-                    time.sleep(0.02)
-            print(f"rank={ctx.rank} killing itself at step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if stop:
-            asked = rt.stop_request() or "another rank was asked"
-            print(f"rank={ctx.rank} asked to stop at step {step} ({asked})", flush=True)
-            rt.close()
-            dist.destroy_process_group()
-            return 0
-
-    if pending is not None:
-        committed(pending)  # the last checkpoint is committed before the rank ends
+    step, value, stopped = train(t, start)
+    if stopped:
+        rt.close()
+        dist.destroy_process_group()
+        return 0
     elapsed = time.monotonic() - t0
-    args.out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    blob = st_save(weights)
-    if ctx.rank == 0:
-        tmp = args.out / "model.safetensors.tmp"
-        tmp.write_bytes(blob)
-        tmp.replace(args.out / "model.safetensors")
     result = {
         "rank": ctx.rank,
         "attempt": ctx.attempt,
         "resumed_from": start if point is not None else None,
         "steps": step,
-        "epoch": epoch,
-        "records": records,
-        "record_digest": digest.hex(),
-        "weights_sha256": hashlib.sha256(blob).hexdigest(),
+        "epoch": data.epoch,
+        "records": data.records,
+        "record_digest": data.digest.hex(),
+        "weights_sha256": save_weights(t),
         "final_loss": value if step > start else None,
         "steps_per_s": (step - start) / elapsed if elapsed > 0 else None,
     }

@@ -752,7 +752,8 @@ def local_cluster(tmp: Path) -> Iterator[cumulus.Client]:
         yield client
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config, set[str]]:
+    """The command line: its arguments, the sizes to run at and the measurements to run."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="where the JSON goes (created)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes; checks it runs")
@@ -777,6 +778,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error("--ddp-pairs must be at least 1")
         cfg = replace(cfg, ddp_pairs=args.ddp_pairs)
     only = set(args.only or ["ddp", "kill", "report", "ckpt"])
+    return args, cfg, only
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, cfg, only = parse_args(argv)
 
     def on_term(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)

@@ -42,19 +42,20 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=1024)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--plain-dir", type=Path, required=True)
     p.add_argument("--result", type=Path, required=True)
-    args = p.parse_args()
+    return p.parse_args()
 
-    rt = runtime.init(standalone=False)
-    if not rt.checkpoints_enabled:
-        sys.exit("this job has no checkpoint dir")
+
+def make_model(mib: int) -> tuple[nn.Module, list[nn.Parameter]]:
+    """A model of ``mib`` MiB of random float32 parameters, in tensors of at most
+    ``CHUNK`` elements, and those parameters."""
     torch.manual_seed(0)
-    numel = args.mib * (1 << 20) // 4
+    numel = mib * (1 << 20) // 4
     model = nn.Module()
     params = []
     left = numel
@@ -63,6 +64,15 @@ def main() -> int:
         params.append(nn.Parameter(torch.empty(n).uniform_(-1, 1)))
         left -= n
     model.params = nn.ParameterList(params)
+    return model, params
+
+
+def main() -> int:
+    args = parse_args()
+    rt = runtime.init(standalone=False)
+    if not rt.checkpoints_enabled:
+        sys.exit("this job has no checkpoint dir")
+    model, params = make_model(args.mib)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(f"state: {nbytes / 2**20:.0f} MiB in {len(params)} tensors", flush=True)
 

@@ -417,6 +417,219 @@ def _load_cluster_file(local_dir: Path) -> ClusterFileJson | None:
     return cluster
 
 
+class _LocalCluster:
+    """The local cluster's directory and its ``cluster.json``, read the first time a
+    setting needs it (never when the arguments and the environment say it all)."""
+
+    def __init__(self, local_dir: Path) -> None:
+        self.dir = local_dir
+        #: Where ``cluster.json`` is looked for (named in error messages).
+        self.path = local_dir / CLUSTER_FILE
+        self._file: ClusterFileJson | None = None
+
+    def file(self) -> ClusterFileJson | None:
+        """The parsed ``cluster.json``, ``None`` when there is none.
+
+        :raises ConfigError: it is malformed (see :func:`_load_cluster_file`)."""
+        if self._file is None:
+            self._file = _load_cluster_file(self.dir)
+        return self._file
+
+
+@dataclass(frozen=True)
+class _TlsSettings:
+    """The TLS choices of :func:`resolve`'s arguments and the environment, each with
+    where it came from (for error messages); they do not conflict."""
+
+    plaintext: bool
+    insecure_origin: str
+    ca: Path | None
+    ca_origin: str
+    cert: Path | None
+    cert_origin: str
+    key: Path | None
+
+    @property
+    def certified(self) -> bool:
+        """A client certificate (and its key) is given."""
+        return self.cert is not None
+
+
+def _ca_setting(
+    tls_ca: str | os.PathLike[str] | None, env: Mapping[str, str]
+) -> tuple[Path | None, str]:
+    """The CA certificate setting and where it came from: ``tls_ca``, else
+    ``$CUMULUS_TLS_CA``, else ``(None, "")``."""
+    if tls_ca is not None:
+        return Path(tls_ca), "tls_ca="
+    if env.get(CLIENT_ENV_TLS_CA, "").strip():
+        return Path(env[CLIENT_ENV_TLS_CA].strip()), CLIENT_ENV_TLS_CA
+    return None, ""
+
+
+def _tls_settings(
+    tls_ca: str | os.PathLike[str] | None,
+    tls_cert: str | os.PathLike[str] | None,
+    tls_key: str | os.PathLike[str] | None,
+    insecure: bool | None,
+    env: Mapping[str, str],
+) -> _TlsSettings:
+    """:func:`resolve`'s TLS settings from its arguments, else the environment, checked
+    against each other before anything else is looked at (as cumulusctl's flags are).
+
+    :raises ConfigError: plaintext with a CA or a client certificate, a client
+        certificate without its key or a key without its certificate, or a malformed
+        ``$CUMULUS_INSECURE``."""
+    if insecure is not None:
+        plaintext, insecure_origin = bool(insecure), "insecure=True"
+    else:
+        plaintext, insecure_origin = _env_flag(env, CLIENT_ENV_INSECURE), CLIENT_ENV_INSECURE
+    ca, ca_origin = _ca_setting(tls_ca, env)
+    if plaintext and ca is not None:
+        raise ConfigError(
+            f"both {insecure_origin} (plaintext) and {ca_origin} (TLS CA {ca}) are set: set "
+            "only one (as cumulusctl requires)"
+        )
+    cert, cert_origin = _path_setting(tls_cert, "tls_cert=", env, CLIENT_ENV_TLS_CERT)
+    key, key_origin = _path_setting(tls_key, "tls_key=", env, CLIENT_ENV_TLS_KEY)
+    if cert is not None and key is None:
+        raise ConfigError(
+            f"{cert_origin} (TLS client certificate {cert}) is set without its private key: "
+            f"pass tls_key= (or set {CLIENT_ENV_TLS_KEY}) too"
+        )
+    if key is not None and cert is None:
+        raise ConfigError(
+            f"{key_origin} (TLS client key {key}) is set without its certificate: pass "
+            f"tls_cert= (or set {CLIENT_ENV_TLS_CERT}) too"
+        )
+    if plaintext and cert is not None:
+        raise ConfigError(
+            f"both {insecure_origin} (plaintext) and {cert_origin} (TLS client certificate "
+            f"{cert}) are set: a client certificate needs TLS; set only one (as cumulusctl "
+            "requires)"
+        )
+    return _TlsSettings(plaintext, insecure_origin, ca, ca_origin, cert, cert_origin, key)
+
+
+def _coordinator_addresses(
+    addresses: str | Sequence[str] | None, env: Mapping[str, str], local: _LocalCluster
+) -> tuple[list[str], str, bool]:
+    """The coordinators' ``host:port`` list (duplicates dropped), where it came from, and
+    whether that is the local cluster's file: ``addresses``, else ``$CUMULUS_HTTP``, else
+    the ``http`` of every coordinator in ``cluster.json``.
+
+    :raises ConfigError: ``$CUMULUS_ADDR`` (gRPC addresses) is set instead, no address
+        is found, or one is malformed."""
+    from_file = False
+    if addresses is not None:
+        raw, origin = _split(addresses), "addresses"
+    elif env.get(CLIENT_ENV_HTTP, "").strip():
+        raw, origin = _split(env[CLIENT_ENV_HTTP]), CLIENT_ENV_HTTP
+    elif env.get(CLIENT_ENV_ADDR, "").strip():
+        # cumulusctl: explicit gRPC addresses of another cluster; the local file's HTTP
+        # ports would be wrong.
+        raise ConfigError(
+            f"{CLIENT_ENV_ADDR} names coordinator gRPC addresses, but the Python client speaks "
+            f"HTTP: set {CLIENT_ENV_HTTP} (or pass addresses=[...]) to the coordinators' HTTP "
+            "host:port"
+        )
+    else:
+        f = local.file()
+        coordinators = f.get("coordinators") if f else None
+        raw = [
+            str(c["http"])
+            for c in (coordinators if isinstance(coordinators, list) else [])
+            if isinstance(c, dict) and isinstance(c.get("http"), str)
+        ]
+        origin = str(local.path)
+        from_file = True
+    if not raw:
+        raise ConfigError(
+            f"no coordinator HTTP address: pass addresses=[...], set {CLIENT_ENV_HTTP}, or start "
+            f"a local cluster with `cumulusctl local up` (looked for {local.path})"
+        )
+    return list(dict.fromkeys(_host_port(a, origin) for a in raw)), origin, from_file
+
+
+def _token(
+    token: str | None,
+    token_file: str | os.PathLike[str] | None,
+    *,
+    certified: bool,
+    env: Mapping[str, str],
+    local: _LocalCluster,
+) -> str | None:
+    """The bearer token: ``token``, else ``token_file``, else (with a client certificate)
+    none, else ``$CUMULUS_TOKEN``, else ``$CUMULUS_TOKEN_FILE``, else the cluster file's
+    ``token_file``.
+
+    :raises ConfigError: both variables are set, none of these gives a token, or the
+        token (or its file) is malformed."""
+    if token is not None:
+        return check_token(token.strip(), "token argument")
+    if token_file is not None:
+        return read_token_file(token_file)
+    if certified:
+        # A user's certificate alone: never the environment's or the local cluster's
+        # (administrator) token, which would decide alone.
+        return None
+    if env.get(CLIENT_ENV_TOKEN) and env.get(CLIENT_ENV_TOKEN_FILE):
+        raise ConfigError(
+            f"both {CLIENT_ENV_TOKEN} and {CLIENT_ENV_TOKEN_FILE} are set; set only one (as "
+            "cumulusctl requires)"
+        )
+    if env.get(CLIENT_ENV_TOKEN):
+        return check_token(env[CLIENT_ENV_TOKEN].strip(), CLIENT_ENV_TOKEN)
+    if env.get(CLIENT_ENV_TOKEN_FILE):
+        return read_token_file(env[CLIENT_ENV_TOKEN_FILE])
+    f = local.file()
+    token_path = f.get("token_file") if f else None
+    if not isinstance(token_path, str) or not token_path:
+        raise ConfigError(
+            f"no token: pass token=/token_file=, set {CLIENT_ENV_TOKEN_FILE}, or start a "
+            f"local cluster with `cumulusctl local up` (looked for {local.path})"
+        )
+    return read_token_file(token_path)
+
+
+def _ca_file(tls: _TlsSettings, origin: str, from_file: bool, local: _LocalCluster) -> Path | None:
+    """The CA certificate that verifies the coordinators (``None``: plaintext), as the
+    numbered list of :func:`resolve` says.
+
+    :raises ConfigError: explicit addresses with neither a CA nor plaintext chosen, or a
+        client certificate for a plaintext local cluster."""
+    if tls.plaintext:
+        ca_file = None
+    elif tls.ca is not None:
+        ca_file = tls.ca
+    elif from_file:
+        f = local.file()
+        tls_dir = f.get("tls_dir") if f else None
+        ca_file = Path(tls_dir) / CA_FILE if isinstance(tls_dir, str) and tls_dir else None
+    elif tls.certified:
+        raise ConfigError(
+            f"no TLS CA certificate for the coordinators at {origin}: the TLS client "
+            f"certificate ({tls.cert_origin} {tls.cert}) needs one: set {CLIENT_ENV_TLS_CA} "
+            "(or pass tls_ca=) to the cluster's CA certificate (a local cluster's is "
+            "<local-dir>/tls/ca.pem)"
+        )
+    else:
+        raise ConfigError(
+            f"no TLS CA certificate for the coordinators at {origin}: set {CLIENT_ENV_TLS_CA} (or "
+            "pass tls_ca=) to the cluster's CA certificate (a local cluster's is "
+            f"<local-dir>/tls/ca.pem), or {CLIENT_ENV_INSECURE}=1 (insecure=True) for a cluster "
+            "started with --insecure"
+        )
+    if tls.certified and ca_file is None:
+        raise ConfigError(
+            f"the TLS client certificate ({tls.cert_origin} {tls.cert}) needs TLS, but the "
+            f"local cluster of {local.path} is plaintext (started with --insecure): pass "
+            f"tls_ca= (or set {CLIENT_ENV_TLS_CA}) for a TLS cluster, or leave the certificate "
+            "out"
+        )
+    return ca_file
+
+
 def resolve(
     addresses: str | Sequence[str] | None = None,
     *,
@@ -463,141 +676,19 @@ def resolve(
         file is malformed (the message names where it came from).
     """
     env = os.environ if environ is None else environ
-    local = Path(
-        local_dir if local_dir is not None else env.get(CLIENT_ENV_LOCAL_DIR) or DEFAULT_LOCAL_DIR
+    local = _LocalCluster(
+        Path(
+            local_dir
+            if local_dir is not None
+            else env.get(CLIENT_ENV_LOCAL_DIR) or DEFAULT_LOCAL_DIR
+        )
     )
-    cluster_path = local / CLUSTER_FILE
-    file: ClusterFileJson | None = None
-
-    def cluster_file() -> ClusterFileJson | None:
-        nonlocal file
-        if file is None:
-            file = _load_cluster_file(local)
-        return file
-
-    # The TLS settings conflict before anything else is looked at (cumulusctl's flags do).
-    if insecure is not None:
-        plaintext, insecure_origin = bool(insecure), "insecure=True"
-    else:
-        plaintext, insecure_origin = _env_flag(env, CLIENT_ENV_INSECURE), CLIENT_ENV_INSECURE
-    if tls_ca is not None:
-        ca: Path | None = Path(tls_ca)
-        ca_origin = "tls_ca="
-    elif env.get(CLIENT_ENV_TLS_CA, "").strip():
-        ca, ca_origin = Path(env[CLIENT_ENV_TLS_CA].strip()), CLIENT_ENV_TLS_CA
-    else:
-        ca, ca_origin = None, ""
-    if plaintext and ca is not None:
-        raise ConfigError(
-            f"both {insecure_origin} (plaintext) and {ca_origin} (TLS CA {ca}) are set: set "
-            "only one (as cumulusctl requires)"
-        )
-    cert, cert_origin = _path_setting(tls_cert, "tls_cert=", env, CLIENT_ENV_TLS_CERT)
-    key, key_origin = _path_setting(tls_key, "tls_key=", env, CLIENT_ENV_TLS_KEY)
-    if cert is not None and key is None:
-        raise ConfigError(
-            f"{cert_origin} (TLS client certificate {cert}) is set without its private key: "
-            f"pass tls_key= (or set {CLIENT_ENV_TLS_KEY}) too"
-        )
-    if key is not None and cert is None:
-        raise ConfigError(
-            f"{key_origin} (TLS client key {key}) is set without its certificate: pass "
-            f"tls_cert= (or set {CLIENT_ENV_TLS_CERT}) too"
-        )
-    certified = cert is not None
-    if plaintext and certified:
-        raise ConfigError(
-            f"both {insecure_origin} (plaintext) and {cert_origin} (TLS client certificate "
-            f"{cert}) are set: a client certificate needs TLS; set only one (as cumulusctl "
-            "requires)"
-        )
-
-    from_file = False
-    if addresses is not None:
-        raw, origin = _split(addresses), "addresses"
-    elif env.get(CLIENT_ENV_HTTP, "").strip():
-        raw, origin = _split(env[CLIENT_ENV_HTTP]), CLIENT_ENV_HTTP
-    elif env.get(CLIENT_ENV_ADDR, "").strip():
-        # cumulusctl: explicit gRPC addresses of another cluster; the local file's HTTP
-        # ports would be wrong.
-        raise ConfigError(
-            f"{CLIENT_ENV_ADDR} names coordinator gRPC addresses, but the Python client speaks "
-            f"HTTP: set {CLIENT_ENV_HTTP} (or pass addresses=[...]) to the coordinators' HTTP "
-            "host:port"
-        )
-    else:
-        f = cluster_file()
-        coordinators = f.get("coordinators") if f else None
-        raw = [
-            str(c["http"])
-            for c in (coordinators if isinstance(coordinators, list) else [])
-            if isinstance(c, dict) and isinstance(c.get("http"), str)
-        ]
-        origin = str(cluster_path)
-        from_file = True
-    if not raw:
-        raise ConfigError(
-            f"no coordinator HTTP address: pass addresses=[...], set {CLIENT_ENV_HTTP}, or start "
-            f"a local cluster with `cumulusctl local up` (looked for {cluster_path})"
-        )
-    host_ports = list(dict.fromkeys(_host_port(a, origin) for a in raw))
-
-    tok: str | None
-    if token is not None:
-        tok = check_token(token.strip(), "token argument")
-    elif token_file is not None:
-        tok = read_token_file(token_file)
-    elif certified:
-        # A user's certificate alone: never the environment's or the local cluster's
-        # (administrator) token, which would decide alone.
-        tok = None
-    elif env.get(CLIENT_ENV_TOKEN) and env.get(CLIENT_ENV_TOKEN_FILE):
-        raise ConfigError(
-            f"both {CLIENT_ENV_TOKEN} and {CLIENT_ENV_TOKEN_FILE} are set; set only one (as "
-            "cumulusctl requires)"
-        )
-    elif env.get(CLIENT_ENV_TOKEN):
-        tok = check_token(env[CLIENT_ENV_TOKEN].strip(), CLIENT_ENV_TOKEN)
-    elif env.get(CLIENT_ENV_TOKEN_FILE):
-        tok = read_token_file(env[CLIENT_ENV_TOKEN_FILE])
-    else:
-        f = cluster_file()
-        token_path = f.get("token_file") if f else None
-        if not isinstance(token_path, str) or not token_path:
-            raise ConfigError(
-                f"no token: pass token=/token_file=, set {CLIENT_ENV_TOKEN_FILE}, or start a "
-                f"local cluster with `cumulusctl local up` (looked for {cluster_path})"
-            )
-        tok = read_token_file(token_path)
-
-    if plaintext:
-        ca_file = None
-    elif ca is not None:
-        ca_file = ca
-    elif from_file:
-        f = cluster_file()
-        tls_dir = f.get("tls_dir") if f else None
-        ca_file = Path(tls_dir) / CA_FILE if isinstance(tls_dir, str) and tls_dir else None
-    elif certified:
-        raise ConfigError(
-            f"no TLS CA certificate for the coordinators at {origin}: the TLS client "
-            f"certificate ({cert_origin} {cert}) needs one: set {CLIENT_ENV_TLS_CA} (or pass "
-            "tls_ca=) to the cluster's CA certificate (a local cluster's is "
-            "<local-dir>/tls/ca.pem)"
-        )
-    else:
-        raise ConfigError(
-            f"no TLS CA certificate for the coordinators at {origin}: set {CLIENT_ENV_TLS_CA} (or "
-            "pass tls_ca=) to the cluster's CA certificate (a local cluster's is "
-            f"<local-dir>/tls/ca.pem), or {CLIENT_ENV_INSECURE}=1 (insecure=True) for a cluster "
-            "started with --insecure"
-        )
-    if certified and ca_file is None:
-        raise ConfigError(
-            f"the TLS client certificate ({cert_origin} {cert}) needs TLS, but the local "
-            f"cluster of {cluster_path} is plaintext (started with --insecure): pass tls_ca= "
-            f"(or set {CLIENT_ENV_TLS_CA}) for a TLS cluster, or leave the certificate out"
-        )
+    tls = _tls_settings(tls_ca, tls_cert, tls_key, insecure, env)
+    host_ports, origin, from_file = _coordinator_addresses(addresses, env, local)
+    tok = _token(token, token_file, certified=tls.certified, env=env, local=local)
+    ca_file = _ca_file(tls, origin, from_file, local)
     scheme = "http" if ca_file is None else "https"
     urls = tuple(f"{scheme}://{hp}" for hp in host_ports)
-    return Connection(addresses=urls, token=tok, ca_file=ca_file, cert_file=cert, key_file=key)
+    return Connection(
+        addresses=urls, token=tok, ca_file=ca_file, cert_file=tls.cert, key_file=tls.key
+    )

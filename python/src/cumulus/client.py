@@ -328,6 +328,169 @@ def _check_flag(name: str, value: object) -> bool:
     return value
 
 
+def _argv(command: Sequence[str]) -> list[str]:
+    """:meth:`Client.submit`'s ``command`` as a list of ``str`` (path-like arguments
+    converted).
+
+    :raises TypeError: a single string (not split into arguments).
+    :raises InvalidSpec: empty, or an argument that is not a ``str``."""
+    if isinstance(command, (str, bytes)):
+        raise TypeError(
+            "command must be a sequence of arguments (argv), e.g. ['python', 'train.py']; "
+            "split a shell string with shlex.split()"
+        )
+    argv = [str(a) if isinstance(a, os.PathLike) else a for a in command]
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise InvalidSpec("command must be a non-empty list of str", status=None)
+    return argv
+
+
+def _check_world_size(world_size: object) -> None:
+    """:raises InvalidSpec: ``world_size`` is not an int ``>= 1`` (``bool`` refused)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidSpec(f"world_size must be an int >= 1, got {world_size!r}", status=None)
+
+
+def _request_id(request_id: str | None) -> str:
+    """``request_id``, or a new random one for ``None``.
+
+    :raises InvalidSpec: not 1 to :data:`MAX_REQUEST_ID_BYTES` bytes."""
+    rid = request_id if request_id is not None else new_request_id()
+    if not 1 <= len(rid.encode()) <= MAX_REQUEST_ID_BYTES:
+        raise InvalidSpec(f"request_id must be 1..={MAX_REQUEST_ID_BYTES} bytes", status=None)
+    return rid
+
+
+def _env_map(env: Mapping[str, str] | None) -> dict[str, str]:
+    """A job's ``env`` as a new dict.
+
+    :raises InvalidSpec: too many entries, or an entry that is not ``str`` to ``str`` with
+        a non-empty key without ``=``."""
+    env_map = dict(env or {})
+    if len(env_map) > MAX_ENV:
+        raise InvalidSpec(f"at most {MAX_ENV} env entries, got {len(env_map)}", status=None)
+    for k, v in env_map.items():
+        if not isinstance(k, str) or not isinstance(v, str) or not k or "=" in k:
+            raise InvalidSpec(
+                f"env entry {k!r}={v!r}: keys and values must be str, keys non-empty without '='",
+                status=None,
+            )
+    return env_map
+
+
+def _restart_policy(
+    restart_scope: str | None,
+    max_restarts: int | None,
+    backoff_initial_ms: int | None,
+    backoff_max_ms: int | None,
+) -> dict[str, Any]:
+    """The spec's ``restart`` object: the arguments that are given.
+
+    :raises InvalidSpec: ``backoff_initial_ms`` is larger than ``backoff_max_ms``."""
+    if (
+        backoff_initial_ms is not None
+        and backoff_max_ms is not None
+        and backoff_initial_ms > backoff_max_ms
+    ):
+        raise InvalidSpec(
+            f"backoff_initial_ms {backoff_initial_ms} is larger than backoff_max_ms "
+            f"{backoff_max_ms}",
+            status=None,
+        )
+    restart: dict[str, Any] = {}
+    if restart_scope is not None:
+        restart["scope"] = restart_scope
+    if max_restarts is not None:
+        restart["max_restarts"] = max_restarts
+    if backoff_initial_ms is not None:
+        restart["backoff_initial_ms"] = backoff_initial_ms
+    if backoff_max_ms is not None:
+        restart["backoff_max_ms"] = backoff_max_ms
+    return restart
+
+
+def _absolute(p: str | os.PathLike[str] | None) -> str:
+    """A spec path: ``""`` for none, an ``s3://`` URL as is, else made absolute here (the
+    workers would resolve a relative one elsewhere)."""
+    if p is None:
+        return ""
+    s = os.fspath(p)
+    return s if s.startswith("s3://") or not s else os.path.abspath(s)
+
+
+def _stop_grace_ms(stop_grace_s: float | None) -> int | None:
+    """``stop_grace_s`` in milliseconds (``None`` when not given).
+
+    :raises InvalidSpec: not a number of seconds from 0 to ``_MAX_STOP_GRACE_S``
+        (``bool`` refused)."""
+    if stop_grace_s is None:
+        return None
+    if (
+        isinstance(stop_grace_s, bool)
+        or not isinstance(stop_grace_s, (int, float))
+        or not 0 <= stop_grace_s <= _MAX_STOP_GRACE_S
+    ):
+        raise InvalidSpec(
+            f"stop_grace_s must be a number of seconds in 0..={_MAX_STOP_GRACE_S}, "
+            f"got {stop_grace_s!r}",
+            status=None,
+        )
+    return round(stop_grace_s * 1000)
+
+
+def _check_priority(priority: int | None) -> None:
+    """:raises InvalidSpec: ``priority`` is given and not an int within
+    ``±_MAX_PRIORITY`` (``bool`` refused)."""
+    if priority is not None and (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY
+    ):
+        raise InvalidSpec(
+            f"priority must be an integer in -{_MAX_PRIORITY}..={_MAX_PRIORITY}, got {priority!r}",
+            status=None,
+        )
+
+
+def _optional_spec_fields(
+    *,
+    ckpt_keep: int | None,
+    gpus_per_rank: int | None,
+    gpu_memory_fraction: float | None,
+    stop_grace_ms: int | None,
+    priority: int | None,
+    time_limit_ms: int | None,
+    signal_before_ms: int | None,
+    resume: tuple[str, int | None] | None,
+    preemptible: bool,
+) -> dict[str, Any]:
+    """The spec fields a job leaves out unless it sets them (the coordinator's defaults
+    apply), from already checked values."""
+    fields: dict[str, Any] = {}
+    if ckpt_keep is not None:
+        fields["ckpt_keep"] = ckpt_keep
+    if gpus_per_rank is not None:
+        fields["gpus_per_rank"] = gpus_per_rank
+    if gpu_memory_fraction is not None:
+        fields["gpu_memory_fraction"] = float(gpu_memory_fraction)
+    if stop_grace_ms is not None:
+        fields["stop_grace_ms"] = stop_grace_ms
+    if priority is not None:
+        fields["priority"] = priority
+    if time_limit_ms is not None:
+        fields["time_limit_ms"] = time_limit_ms
+    if signal_before_ms is not None:
+        fields["signal_before_ms"] = signal_before_ms
+    if resume is not None:
+        resume_job, resume_step = resume
+        fields["resume_from_job"] = resume_job
+        if resume_step is not None:
+            fields["resume_from_step"] = resume_step
+    if preemptible:
+        fields["preemptible"] = True
+    return fields
+
+
 def _purge_age_ms(older_than_s: object) -> int:
     """``older_than_s`` seconds as whole milliseconds (rounded), for :meth:`Client.purge`.
 
@@ -684,113 +847,41 @@ class Client:
         :raises Unauthorized: wrong token.
         :raises Unavailable: no coordinator could take the write.
         """
-        if isinstance(command, (str, bytes)):
-            raise TypeError(
-                "command must be a sequence of arguments (argv), e.g. ['python', 'train.py']; "
-                "split a shell string with shlex.split()"
-            )
-        argv = [str(a) if isinstance(a, os.PathLike) else a for a in command]
-        if not argv or not all(isinstance(a, str) for a in argv):
-            raise InvalidSpec("command must be a non-empty list of str", status=None)
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise InvalidSpec(f"world_size must be an int >= 1, got {world_size!r}", status=None)
-        rid = request_id if request_id is not None else new_request_id()
-        if not 1 <= len(rid.encode()) <= MAX_REQUEST_ID_BYTES:
-            raise InvalidSpec(f"request_id must be 1..={MAX_REQUEST_ID_BYTES} bytes", status=None)
-        env_map = dict(env or {})
-        if len(env_map) > MAX_ENV:
-            raise InvalidSpec(f"at most {MAX_ENV} env entries, got {len(env_map)}", status=None)
-        for k, v in env_map.items():
-            if not isinstance(k, str) or not isinstance(v, str) or not k or "=" in k:
-                raise InvalidSpec(
-                    f"env entry {k!r}={v!r}: keys and values must be str, keys non-empty "
-                    "without '='",
-                    status=None,
-                )
+        argv = _argv(command)
+        _check_world_size(world_size)
+        rid = _request_id(request_id)
+        env_map = _env_map(env)
         _check_gpus(gpus_per_rank, gpu_memory_fraction)
         time_limit_ms, signal_before_ms = _time_limit_ms(time_limit_s, signal_before_s)
         resume = _resume_from(resume_from)
         _check_flag("preemptible", preemptible)
-        if (
-            backoff_initial_ms is not None
-            and backoff_max_ms is not None
-            and backoff_initial_ms > backoff_max_ms
-        ):
-            raise InvalidSpec(
-                f"backoff_initial_ms {backoff_initial_ms} is larger than backoff_max_ms "
-                f"{backoff_max_ms}",
-                status=None,
-            )
-
-        def absolute(p: str | os.PathLike[str] | None) -> str:
-            if p is None:
-                return ""
-            s = os.fspath(p)
-            return s if s.startswith("s3://") or not s else os.path.abspath(s)
-
-        restart: dict[str, Any] = {}
-        if restart_scope is not None:
-            restart["scope"] = restart_scope
-        if max_restarts is not None:
-            restart["max_restarts"] = max_restarts
-        if backoff_initial_ms is not None:
-            restart["backoff_initial_ms"] = backoff_initial_ms
-        if backoff_max_ms is not None:
-            restart["backoff_max_ms"] = backoff_max_ms
+        restart = _restart_policy(restart_scope, max_restarts, backoff_initial_ms, backoff_max_ms)
         spec: dict[str, Any] = {
             "name": name or "",
             "world_size": world_size,
             "command": argv,
             "env": env_map,
-            "dataset": absolute(dataset),
-            "ckpt_dir": absolute(ckpt_dir),
+            "dataset": _absolute(dataset),
+            "ckpt_dir": _absolute(ckpt_dir),
             "restart": restart,
             "progress_timeout_ms": round((progress_timeout_s or 0) * 1000),
-            "working_dir": absolute(working_dir),
+            "working_dir": _absolute(working_dir),
             "ckpt_url": ckpt_url or "",
             "ckpt_commit_tier": ckpt_commit_tier or "",
         }
-        if ckpt_keep is not None:
-            spec["ckpt_keep"] = ckpt_keep
-        if gpus_per_rank is not None:
-            spec["gpus_per_rank"] = gpus_per_rank
-        if gpu_memory_fraction is not None:
-            spec["gpu_memory_fraction"] = float(gpu_memory_fraction)
-        if stop_grace_s is not None:
-            if (
-                isinstance(stop_grace_s, bool)
-                or not isinstance(stop_grace_s, (int, float))
-                or not 0 <= stop_grace_s <= _MAX_STOP_GRACE_S
-            ):
-                raise InvalidSpec(
-                    f"stop_grace_s must be a number of seconds in 0..={_MAX_STOP_GRACE_S}, "
-                    f"got {stop_grace_s!r}",
-                    status=None,
-                )
-            spec["stop_grace_ms"] = round(stop_grace_s * 1000)
-        if priority is not None:
-            if (
-                isinstance(priority, bool)
-                or not isinstance(priority, int)
-                or not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY
-            ):
-                raise InvalidSpec(
-                    f"priority must be an integer in -{_MAX_PRIORITY}..={_MAX_PRIORITY}, "
-                    f"got {priority!r}",
-                    status=None,
-                )
-            spec["priority"] = priority
-        if time_limit_ms is not None:
-            spec["time_limit_ms"] = time_limit_ms
-        if signal_before_ms is not None:
-            spec["signal_before_ms"] = signal_before_ms
-        if resume is not None:
-            resume_job, resume_step = resume
-            spec["resume_from_job"] = resume_job
-            if resume_step is not None:
-                spec["resume_from_step"] = resume_step
-        if preemptible:
-            spec["preemptible"] = True
+        stop_grace_ms = _stop_grace_ms(stop_grace_s)
+        _check_priority(priority)
+        spec |= _optional_spec_fields(
+            ckpt_keep=ckpt_keep,
+            gpus_per_rank=gpus_per_rank,
+            gpu_memory_fraction=gpu_memory_fraction,
+            stop_grace_ms=stop_grace_ms,
+            priority=priority,
+            time_limit_ms=time_limit_ms,
+            signal_before_ms=signal_before_ms,
+            resume=resume,
+            preemptible=preemptible,
+        )
         request: dict[str, Any] = {"request_id": rid, "spec": spec}
         if allow_pending:
             request["allow_pending"] = True

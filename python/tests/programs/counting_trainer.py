@@ -46,7 +46,7 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> 
         time.sleep(0.02)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ckpt-every", type=int, default=10)
@@ -54,8 +54,44 @@ def main() -> int:
     p.add_argument("--kill-rank", type=int, default=None)
     p.add_argument("--kill-at-step", type=int, default=None)
     p.add_argument("--stale-probe", action="store_true")
-    args = p.parse_args()
+    return p.parse_args()
 
+
+def probe_and_exit(rt: runtime.Runtime, out: Path, step: int) -> int:
+    """``--stale-probe``: tries one more checkpoint commit after ``step`` and records
+    what it raised."""
+    ctx = rt.context
+    record: dict[str, object] = {
+        "rank": ctx.rank,
+        "attempt": ctx.attempt,
+        "error": None,
+        "status": None,
+    }
+    try:
+        with rt.checkpoint(step + 1000, state={"probe": True}) as part:
+            (part / "probe.txt").write_text("stale")
+        record["error"] = "committed"
+    except errors.StaleAttempt as e:
+        record["error"], record["status"] = "StaleAttempt", e.status
+    except errors.CumulusError as e:
+        record["error"] = f"{type(e).__name__}: {e}"
+    name = f"probe-rank-{ctx.rank}.attempt-{ctx.attempt}.json"
+    (out / name).write_text(json.dumps(record))
+    print(f"probe: {record}", flush=True)
+    return 0
+
+
+def kill_self(ctx: runtime.Context, staging: Path, step: int, ckpt_every: int) -> None:
+    """``--kill-rank``: SIGKILLs this rank once the last checkpoint before ``step`` is
+    committed."""
+    last = step - step % ckpt_every
+    wait_until(lambda: (latest_step(staging) or 0) >= last, 60, f"step {last} committed")
+    print(f"rank={ctx.rank} killing itself at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> int:
+    args = parse_args()
     rt = runtime.init(handle_sigterm=True)
     ctx = rt.context
     reader = runtime.ShardReader(ctx.shard_paths)
@@ -73,26 +109,6 @@ def main() -> int:
         flush=True,
     )
 
-    def probe_and_exit() -> int:
-        record: dict[str, object] = {
-            "rank": ctx.rank,
-            "attempt": ctx.attempt,
-            "error": None,
-            "status": None,
-        }
-        try:
-            with rt.checkpoint(step + 1000, state={"probe": True}) as part:
-                (part / "probe.txt").write_text("stale")
-            record["error"] = "committed"
-        except errors.StaleAttempt as e:
-            record["error"], record["status"] = "StaleAttempt", e.status
-        except errors.CumulusError as e:
-            record["error"] = f"{type(e).__name__}: {e}"
-        name = f"probe-rank-{ctx.rank}.attempt-{ctx.attempt}.json"
-        (args.out / name).write_text(json.dumps(record))
-        print(f"probe: {record}", flush=True)
-        return 0
-
     probing = args.stale_probe and ctx.attempt == 0 and ctx.rank != args.kill_rank
     for record in reader:
         step += 1
@@ -108,7 +124,7 @@ def main() -> int:
                 if not probing:
                     raise
                 # Replaced while committing: the probe's outcome already.
-                return probe_and_exit()
+                return probe_and_exit(rt, args.out, step)
             assert part.committed is not None
             print(f"rank={ctx.rank} checkpoint {step} committed: {part.committed.dir}", flush=True)
         if (
@@ -117,25 +133,17 @@ def main() -> int:
             and step == args.kill_at_step
             and ctx.staging_dir is not None
         ):
-            last = step - step % args.ckpt_every
-            staging = ctx.staging_dir
-            wait_until(
-                lambda: (latest_step(staging) or 0) >= last,  # noqa: B023 (called at once)
-                60,
-                f"step {last} committed",
-            )
-            print(f"rank={ctx.rank} killing itself at step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_self(ctx, ctx.staging_dir, step, args.ckpt_every)
         if rt.should_stop():
             print(f"rank={ctx.rank} asked to stop at step {step}", flush=True)
-            return probe_and_exit() if probing else 0
+            return probe_and_exit(rt, args.out, step) if probing else 0
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1000)
 
     if probing:
         # Stay until the agent stops this attempt (the killed rank's restart does).
         wait_until(rt.should_stop, 120, "SIGTERM")
-        return probe_and_exit()
+        return probe_and_exit(rt, args.out, step)
 
     rt.flush()
     result = {
