@@ -389,6 +389,68 @@ impl ShardWriter {
 
 /// Validates the options, then splits. See the module docs for the rules.
 pub fn split(opts: &SplitOptions) -> Result<SplitReport, SplitError> {
+    let (out, holdout) = check_options(opts)?;
+    let mut reader = open_input(&opts.input)?;
+    let other_files = prepare_out(&out, opts.force)?;
+
+    let n = opts.shards as usize;
+    let mut shards = ShardWriter {
+        dir: out.clone(),
+        buffers: vec![Vec::new(); n],
+        buffered: 0,
+        rows: vec![0; n],
+    };
+    let holdout_partial = holdout.as_ref().map(|h| {
+        let mut name = h.file_name().map(|s| s.to_os_string()).unwrap_or_default();
+        name.push(".partial");
+        h.with_file_name(name)
+    });
+    let result = write_partials(
+        opts,
+        &mut *reader,
+        &out,
+        &mut shards,
+        holdout_partial.as_deref(),
+    )
+    .map(|counts| SplitReport {
+        input: opts.input.clone(),
+        rows: counts.rows,
+        columns: counts.columns,
+        labels: counts.labels.into_iter().collect(),
+        holdout_rows: counts.held,
+        holdout_file: holdout.clone(),
+        out_dir: out.clone(),
+        shard_rows: shards.rows.clone(),
+        other_files,
+    });
+    match result {
+        Ok(report) => {
+            shards.publish()?;
+            if let (Some(from), Some(to)) = (&holdout_partial, &holdout) {
+                fs::rename(from, to).map_err(io_err(to))?;
+            }
+            Ok(report)
+        }
+        Err(e) => {
+            shards.remove_partials();
+            let _ = fs::remove_file(out.join(FEATURE_STATS_FILE));
+            if let Some(p) = &holdout_partial {
+                let _ = fs::remove_file(p);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Checks `opts` against each other and the file system: the shard count, the holdout
+/// fraction, the holdout file given exactly when the fraction is positive, outside the
+/// output directory, and new unless `--force` (its parent directory is created).
+/// Returns the output directory and the holdout file, both absolute.
+///
+/// # Errors
+/// [`SplitError::Options`] for inconsistent options, [`SplitError::HoldoutExists`],
+/// [`SplitError::Io`] when a path cannot be resolved or the holdout's parent created.
+fn check_options(opts: &SplitOptions) -> Result<(PathBuf, Option<PathBuf>), SplitError> {
     if opts.shards == 0 || opts.shards > MAX_SHARDS {
         return Err(SplitError::Options(format!(
             "--shards must be 1..={MAX_SHARDS}, got {}",
@@ -433,122 +495,137 @@ pub fn split(opts: &SplitOptions) -> Result<SplitReport, SplitError> {
             fs::create_dir_all(parent).map_err(io_err(parent))?;
         }
     }
-    let mut reader = open_input(&opts.input)?;
-    let other_files = prepare_out(&out, opts.force)?;
+    Ok((out, holdout))
+}
 
-    let n = opts.shards as usize;
-    let mut shards = ShardWriter {
-        dir: out.clone(),
-        buffers: vec![Vec::new(); n],
-        buffered: 0,
-        rows: vec![0; n],
+/// What the rows of a split's input held.
+struct RowCounts {
+    /// Data rows read.
+    rows: u64,
+    /// Columns per row (features + label).
+    columns: usize,
+    /// Distinct labels seen.
+    labels: std::collections::BTreeSet<u64>,
+    /// Rows written to the holdout.
+    held: u64,
+}
+
+/// Writes every row of `reader` to the partial files: the held-out ones to
+/// `holdout_partial` (when the fraction is positive), the others round-robin to
+/// `shards`, flushed; then the shards' feature statistics into `out`, and the holdout
+/// synced. Nothing is published: the caller renames or removes what was written.
+///
+/// # Errors
+/// [`SplitError::BadRow`] for the first invalid row, [`SplitError::Empty`] for an input
+/// without rows, [`SplitError::Io`] naming the file that could not be read or written.
+fn write_partials(
+    opts: &SplitOptions,
+    reader: &mut dyn BufRead,
+    out: &Path,
+    shards: &mut ShardWriter,
+    holdout_partial: Option<&Path>,
+) -> Result<RowCounts, SplitError> {
+    let mut hold_writer = match holdout_partial {
+        Some(p) => Some(BufWriter::new(File::create(p).map_err(io_err(p))?)),
+        None => None,
     };
-    let holdout_partial = holdout.as_ref().map(|h| {
-        let mut name = h.file_name().map(|s| s.to_os_string()).unwrap_or_default();
-        name.push(".partial");
-        h.with_file_name(name)
-    });
-    let result = (|| -> Result<SplitReport, SplitError> {
-        let mut hold_writer = match &holdout_partial {
-            Some(p) => Some(BufWriter::new(File::create(p).map_err(io_err(p))?)),
-            None => None,
-        };
-        let mut columns = 0usize;
-        let mut labels = std::collections::BTreeSet::new();
-        // The shards' per-column statistics (not the holdout's: it is for testing).
-        let mut stats = StatsAccumulator::default();
-        let (mut rows, mut held, mut kept) = (0u64, 0u64, 0u64);
-        let mut buf = Vec::new();
-        let mut line_no = 0u64;
-        loop {
-            buf.clear();
-            let read = (&mut reader)
-                .take(MAX_LINE_BYTES as u64 + 1)
-                .read_until(b'\n', &mut buf)
-                .map_err(io_err(&opts.input))?;
-            if read == 0 {
-                break;
-            }
-            line_no += 1;
-            let bad = |reason: RowError| SplitError::BadRow {
-                path: opts.input.clone(),
-                line: line_no,
-                reason,
-            };
-            if buf.len() > MAX_LINE_BYTES && buf.last() != Some(&b'\n') {
-                return Err(bad(RowError::TooLong));
-            }
-            let text = std::str::from_utf8(&buf).map_err(|_| bad(RowError::NotUtf8))?;
-            let text = text.strip_suffix('\n').unwrap_or(text);
-            let text = text.strip_suffix('\r').unwrap_or(text);
-            let info = parse_row(text).map_err(bad)?;
-            if rows == 0 {
-                columns = info.columns;
-            } else if info.columns != columns {
-                return Err(bad(RowError::ColumnCount {
-                    found: info.columns,
-                    first: columns,
-                }));
-            }
-            labels.insert(info.label);
-            if is_held_out(rows, f) {
-                let w = hold_writer
-                    .as_mut()
-                    .expect("a positive fraction always has a holdout writer");
-                let p = holdout_partial.as_deref().expect("writer implies path");
-                w.write_all(text.as_bytes()).map_err(io_err(p))?;
-                w.write_all(b"\n").map_err(io_err(p))?;
-                held += 1;
-            } else {
-                shards.push((kept % n as u64) as usize, text)?;
-                stats.add(&info.features);
-                kept += 1;
-            }
-            rows += 1;
-        }
-        if rows == 0 {
-            return Err(SplitError::Empty(opts.input.clone()));
-        }
-        shards.flush(true)?;
-        if let Some(stats) = stats.finish() {
-            write_stats(&out, &stats)?;
-        }
-        if let (Some(w), Some(p)) = (hold_writer, &holdout_partial) {
-            let file = w.into_inner().map_err(|e| SplitError::Io {
-                path: p.clone(),
-                source: e.into_error(),
-            })?;
-            file.sync_all().map_err(io_err(p))?;
-        }
-        Ok(SplitReport {
-            input: opts.input.clone(),
-            rows,
-            columns,
-            labels: labels.into_iter().collect(),
-            holdout_rows: held,
-            holdout_file: holdout.clone(),
-            out_dir: out.clone(),
-            shard_rows: shards.rows.clone(),
-            other_files,
-        })
-    })();
-    match result {
-        Ok(report) => {
-            shards.publish()?;
-            if let (Some(from), Some(to)) = (&holdout_partial, &holdout) {
-                fs::rename(from, to).map_err(io_err(to))?;
-            }
-            Ok(report)
-        }
-        Err(e) => {
-            shards.remove_partials();
-            let _ = fs::remove_file(out.join(FEATURE_STATS_FILE));
-            if let Some(p) = &holdout_partial {
-                let _ = fs::remove_file(p);
-            }
-            Err(e)
-        }
+    // The shards' per-column statistics (not the holdout's: it is for testing).
+    let mut stats = StatsAccumulator::default();
+    let counts = split_rows(
+        opts,
+        reader,
+        shards,
+        hold_writer.as_mut().zip(holdout_partial),
+        &mut stats,
+    )?;
+    if counts.rows == 0 {
+        return Err(SplitError::Empty(opts.input.clone()));
     }
+    shards.flush(true)?;
+    if let Some(stats) = stats.finish() {
+        write_stats(out, &stats)?;
+    }
+    if let (Some(w), Some(p)) = (hold_writer, holdout_partial) {
+        let file = w.into_inner().map_err(|e| SplitError::Io {
+            path: p.to_path_buf(),
+            source: e.into_error(),
+        })?;
+        file.sync_all().map_err(io_err(p))?;
+    }
+    Ok(counts)
+}
+
+/// Reads, validates and distributes the rows of `reader` one line at a time: each held
+/// out (by `opts.holdout_fraction`) goes to `holdout` (its writer and path), every
+/// other one to the next shard of `shards` round-robin, its features into `stats`.
+///
+/// # Errors
+/// [`SplitError::BadRow`] for a line too long, not UTF-8, malformed or with another
+/// column count than the first; [`SplitError::Io`] when reading or writing fails.
+fn split_rows(
+    opts: &SplitOptions,
+    reader: &mut dyn BufRead,
+    shards: &mut ShardWriter,
+    mut holdout: Option<(&mut BufWriter<File>, &Path)>,
+    stats: &mut StatsAccumulator,
+) -> Result<RowCounts, SplitError> {
+    let f = opts.holdout_fraction;
+    let n = opts.shards as usize;
+    let mut counts = RowCounts {
+        rows: 0,
+        columns: 0,
+        labels: std::collections::BTreeSet::new(),
+        held: 0,
+    };
+    let mut kept = 0u64;
+    let mut buf = Vec::new();
+    let mut line_no = 0u64;
+    loop {
+        buf.clear();
+        let read = (&mut *reader)
+            .take(MAX_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut buf)
+            .map_err(io_err(&opts.input))?;
+        if read == 0 {
+            break;
+        }
+        line_no += 1;
+        let bad = |reason: RowError| SplitError::BadRow {
+            path: opts.input.clone(),
+            line: line_no,
+            reason,
+        };
+        if buf.len() > MAX_LINE_BYTES && buf.last() != Some(&b'\n') {
+            return Err(bad(RowError::TooLong));
+        }
+        let text = std::str::from_utf8(&buf).map_err(|_| bad(RowError::NotUtf8))?;
+        let text = text.strip_suffix('\n').unwrap_or(text);
+        let text = text.strip_suffix('\r').unwrap_or(text);
+        let info = parse_row(text).map_err(bad)?;
+        if counts.rows == 0 {
+            counts.columns = info.columns;
+        } else if info.columns != counts.columns {
+            return Err(bad(RowError::ColumnCount {
+                found: info.columns,
+                first: counts.columns,
+            }));
+        }
+        counts.labels.insert(info.label);
+        if is_held_out(counts.rows, f) {
+            let (w, p) = holdout
+                .as_mut()
+                .expect("a positive fraction always has a holdout writer");
+            w.write_all(text.as_bytes()).map_err(io_err(p))?;
+            w.write_all(b"\n").map_err(io_err(p))?;
+            counts.held += 1;
+        } else {
+            shards.push((kept % n as u64) as usize, text)?;
+            stats.add(&info.features);
+            kept += 1;
+        }
+        counts.rows += 1;
+    }
+    Ok(counts)
 }
 
 /// Human summary of a split.

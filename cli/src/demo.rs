@@ -380,6 +380,12 @@ struct JobCtx<'a> {
     trainer: &'a Path,
 }
 
+/// Steps 5 to 7 of the demo and its results: kills the victim rank once a checkpoint
+/// step is committed, measures its detection, restart and resume, waits for the job to
+/// succeed, then checks and prints every rank's results, the job and its checkpoints.
+///
+/// # Errors
+/// A step that fails or misses its deadline, or results that differ from a straight run.
 async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>) -> Result<()> {
     let JobCtx {
         dir,
@@ -389,6 +395,47 @@ async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>
         report,
         trainer,
     } = *ctx;
+    let victim = kill_victim(steps, client, job_id, submitted).await?;
+    watch_recovery(steps, client, job_id, &victim).await?;
+    let final_resp = wait_for_success(steps, client, job_id).await?;
+    println!();
+    let results = verify_results(dir, out_dir, report, trainer)?;
+    print!("{}", results.table);
+    println!("{}\n", results.summary);
+    print!("{}", render::job_status(&final_resp, render::now_ms()));
+    println!();
+    let ckpts = client.list_checkpoints(job_id).await?;
+    print!("{}", render::checkpoints_table(&ckpts));
+    println!(
+        "checkpoints under {}",
+        dir.join("ckpt").join(job_id).display()
+    );
+    Ok(())
+}
+
+/// The victim rank as it was SIGKILLed.
+struct Victim {
+    /// Its attempt that was killed.
+    attempt: u32,
+    /// Restart records the job had before the kill.
+    restarts_before: usize,
+    /// When the signal was sent.
+    killed: Instant,
+}
+
+/// Step 5: waits until checkpoint step [`KILL_AFTER_STEP`] is committed and the victim
+/// rank runs, then SIGKILLs its process (after checking, through `/proc`, that it is the
+/// trainer).
+///
+/// # Errors
+/// The job finishes first, the step is not committed within [`KILL_DEADLINE`] of
+/// `submitted`, the pid is not the trainer's, or the signal cannot be sent.
+async fn kill_victim(
+    steps: &mut Steps,
+    client: &Client,
+    job_id: &str,
+    submitted: Instant,
+) -> Result<Victim> {
     steps.begin(
         5,
         &format!("Wait for checkpoint step {KILL_AFTER_STEP}, then SIGKILL rank {VICTIM_RANK}"),
@@ -440,7 +487,31 @@ async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>
         steps.start.elapsed().as_secs_f64()
     );
     steps.done("rank killed");
+    Ok(Victim {
+        attempt: victim_attempt,
+        restarts_before,
+        killed,
+    })
+}
 
+/// Step 6: polls the job until a new attempt of the victim rank reports progress past
+/// the step it resumed from, printing when the kill was detected, the restart record,
+/// when the new attempt ran and when it progressed, each measured from the kill.
+///
+/// # Errors
+/// The job finishes during recovery (but for a success after the restart record was
+/// seen), or the rank does not recover within [`RECOVERY_DEADLINE`].
+async fn watch_recovery(
+    steps: &mut Steps,
+    client: &Client,
+    job_id: &str,
+    victim: &Victim,
+) -> Result<()> {
+    let Victim {
+        attempt: victim_attempt,
+        restarts_before,
+        killed,
+    } = *victim;
     steps.begin(6, "Detection, restart and resume");
     let (mut detected, mut running, mut progressed) =
         (None::<Duration>, None::<Duration>, None::<Duration>);
@@ -455,23 +526,10 @@ async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>
                 || job.restarts.len() > restarts_before)
         {
             detected = Some(killed.elapsed());
-            let exit = render::exit_text(&r);
-            let exit = if exit == "-" {
-                String::new()
-            } else {
-                format!(" ({exit})")
-            };
-            let what = if r.attempt == victim_attempt {
-                format!("attempt {} is {}{exit}", r.attempt, r.state)
-            } else {
-                format!(
-                    "attempt {victim_attempt} is gone; attempt {} is {}{exit}",
-                    r.attempt, r.state
-                )
-            };
             println!(
-                "    detected after {} ms: rank {VICTIM_RANK} {what}",
-                killed.elapsed().as_millis()
+                "    detected after {} ms: rank {VICTIM_RANK} {}",
+                killed.elapsed().as_millis(),
+                detection_text(&r, victim_attempt)
             );
         }
         if !record_shown && let Some(rec) = job.restarts.get(restarts_before) {
@@ -540,7 +598,40 @@ async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>
         ms(progressed)
     );
     steps.done("recovered");
+    Ok(())
+}
 
+/// What became of the victim rank when its kill was first noticed (`r`, its status
+/// then): its attempt's state and exit, or that the killed `victim_attempt` is gone and
+/// which attempt replaced it.
+fn detection_text(r: &RankStatus, victim_attempt: u32) -> String {
+    let exit = render::exit_text(r);
+    let exit = if exit == "-" {
+        String::new()
+    } else {
+        format!(" ({exit})")
+    };
+    if r.attempt == victim_attempt {
+        format!("attempt {} is {}{exit}", r.attempt, r.state)
+    } else {
+        format!(
+            "attempt {victim_attempt} is gone; attempt {} is {}{exit}",
+            r.attempt, r.state
+        )
+    }
+}
+
+/// Step 7: polls the job (linearizable reads) until it finishes, within
+/// [`SUCCESS_DEADLINE`]. Returns its last response.
+///
+/// # Errors
+/// The job finishes otherwise than succeeded (its status is printed first), or does not
+/// finish in time.
+async fn wait_for_success(
+    steps: &mut Steps,
+    client: &Client,
+    job_id: &str,
+) -> Result<cumulus_api::JobResponse> {
     steps.begin(7, "Wait for the job to succeed");
     let deadline = Instant::now() + SUCCESS_DEADLINE;
     let final_resp = loop {
@@ -566,19 +657,7 @@ async fn measure_and_finish(steps: &mut Steps, client: &Client, ctx: &JobCtx<'_>
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
     steps.done("succeeded");
-    println!();
-    let results = verify_results(dir, out_dir, report, trainer)?;
-    print!("{}", results.table);
-    println!("{}\n", results.summary);
-    print!("{}", render::job_status(&final_resp, render::now_ms()));
-    println!();
-    let ckpts = client.list_checkpoints(job_id).await?;
-    print!("{}", render::checkpoints_table(&ckpts));
-    println!(
-        "checkpoints under {}",
-        dir.join("ckpt").join(job_id).display()
-    );
-    Ok(())
+    Ok(final_resp)
 }
 
 /// The ranks' results, checked against a straight run.

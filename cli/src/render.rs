@@ -243,13 +243,47 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
         return "the coordinator returned no job\n".into();
     };
     let spec = job.spec.clone().unwrap_or_default();
-    let restart = spec.restart.clone().unwrap_or_default();
     let mut out = String::new();
     let mut kv = Table::new();
     kv.load_style(presets::NOTHING);
     let mut row = |k: &str, v: String| {
         add_row(&mut kv, vec![format!("{k}:"), v]);
     };
+    state_rows(&mut row, job, &spec);
+    schedule_rows(&mut row, job, &spec);
+    if !job.failure_cause.is_empty() {
+        row("failure cause", job.failure_cause.clone());
+    }
+    row("submitted", age(job.submitted_at_ms, now_ms));
+    if job.finished_at_ms != 0 {
+        row("finished", age(job.finished_at_ms, now_ms));
+    }
+    inputs_rows(&mut row, &spec);
+    row(
+        "read",
+        if resp.linearizable {
+            "linearizable (leader read index)".into()
+        } else {
+            "local (may be stale)".into()
+        },
+    );
+    out.push_str(&table_text(&kv));
+
+    out.push('\n');
+    out.push_str(&ranks_table(job, &spec));
+
+    if !job.restarts.is_empty() {
+        out.push('\n');
+        out.push_str(&restarts_table(&job.restarts));
+    }
+    out
+}
+
+/// The first rows of `status`'s summary, through `row(key, value)`: what the job is and
+/// how far it got (name, state, owner, why it waits, size, GPUs, restarts, committed
+/// step, progress). Rows that would say nothing are left out.
+fn state_rows(row: &mut dyn FnMut(&str, String), job: &Job, spec: &cumulus_api::JobSpec) {
+    let restart = spec.restart.clone().unwrap_or_default();
     row(
         "job",
         if spec.name.is_empty() {
@@ -300,6 +334,12 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
     if let Some(p) = progress_summary(job) {
         row("progress", p);
     }
+}
+
+/// The rows of `status`'s summary about how the job is scheduled and how long it ran,
+/// through `row(key, value)`: running and paused time, stop grace, priority, the job it
+/// resumed from, its time limit. Each only when set.
+fn schedule_rows(row: &mut dyn FnMut(&str, String), job: &Job, spec: &cumulus_api::JobSpec) {
     if job.running_ms > 0 && spec.time_limit_ms == 0 {
         row("running time", duration_text(job.running_ms));
     }
@@ -310,7 +350,7 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
         row("stop grace", duration_text(spec.stop_grace_ms));
     }
     if spec.priority != 0 || spec.preemptible {
-        row("priority", priority_text(&spec));
+        row("priority", priority_text(spec));
     }
     if !spec.resume_from_job.is_empty() {
         row(
@@ -336,13 +376,13 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
         }
         row("time limit", limit);
     }
-    if !job.failure_cause.is_empty() {
-        row("failure cause", job.failure_cause.clone());
-    }
-    row("submitted", age(job.submitted_at_ms, now_ms));
-    if job.finished_at_ms != 0 {
-        row("finished", age(job.finished_at_ms, now_ms));
-    }
+}
+
+/// The rows of `status`'s summary about what the job runs and where its files are,
+/// through `row(key, value)`: its command, dataset, L2 checkpoints (with the commit
+/// tier) and checkpoint directory (with how many steps are kept). Empty ones are left
+/// out.
+fn inputs_rows(row: &mut dyn FnMut(&str, String), spec: &cumulus_api::JobSpec) {
     row("command", shell_words(&spec.command));
     if !spec.dataset.is_empty() {
         row("dataset", spec.dataset.clone());
@@ -371,17 +411,12 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
             ),
         );
     }
-    row(
-        "read",
-        if resp.linearizable {
-            "linearizable (leader read index)".into()
-        } else {
-            "local (may be stale)".into()
-        },
-    );
-    out.push_str(&table_text(&kv));
+}
 
-    out.push('\n');
+/// `status`'s ranks table: each rank's current attempt, worker, state, pid, exit and
+/// step, with a GPUS column for a job with GPUs and a METRICS column when a rank
+/// reported metrics.
+fn ranks_table(job: &Job, spec: &cumulus_api::JobSpec) -> String {
     let gpus = spec.gpus_per_rank > 0;
     let metrics = job.ranks.iter().any(|r| !r.metrics.is_empty());
     let mut header = vec!["RANK", "ATTEMPT", "WORKER", "STATE", "PID", "EXIT", "STEP"];
@@ -414,13 +449,7 @@ pub fn job_status(resp: &JobResponse, now_ms: u64) -> String {
         }
         add_row(&mut ranks, cells);
     }
-    out.push_str(&table_text(&ranks));
-
-    if !job.restarts.is_empty() {
-        out.push('\n');
-        out.push_str(&restarts_table(&job.restarts));
-    }
-    out
+    table_text(&ranks)
 }
 
 /// A job's events in time order, from its record: submitted, each failure and the
