@@ -77,6 +77,35 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let dir = ctx.work_dir.join(SCENARIO);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
 
+    let large = measure_large(&dir, per_rank_bytes, warmup_reps, reps).await?;
+    let mut rows = large_rows(&large, per_rank_bytes);
+    rows.push(Row::new(
+        SCENARIO,
+        "host 1-min load average before the runs",
+        load_before,
+        "load",
+        1,
+    ));
+
+    let small = small_commits(&dir, small_samples).await?;
+    rows.extend(small_rows(&small));
+    std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    Ok(rows)
+}
+
+/// Runs `warmup_reps` uncounted then `reps` counted rounds of the large step: each
+/// round one Cumulus step and one raw write of `per_rank_bytes` per rank in `dir`,
+/// alternating which goes first, settling the disk after each; prints every round.
+/// Returns the counted rounds' `(Cumulus, raw)` times.
+///
+/// # Errors
+/// Writing, committing, checking or removing the files fails.
+async fn measure_large(
+    dir: &Path,
+    per_rank_bytes: u64,
+    warmup_reps: usize,
+    reps: usize,
+) -> anyhow::Result<Vec<(CumulusTimes, RawTimes)>> {
     let patterns: Vec<Vec<u8>> = (0..RANKS)
         .map(|rank| pattern(CHUNK_BYTES, 0x5eed_0000 + u64::from(rank)))
         .collect();
@@ -87,11 +116,11 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         let mut raw = None;
         for cumulus_turn in [cumulus_first, !cumulus_first] {
             if cumulus_turn {
-                cumulus = Some(cumulus_step(&dir, per_rank_bytes, &patterns).await?);
+                cumulus = Some(cumulus_step(dir, per_rank_bytes, &patterns).await?);
             } else {
-                raw = Some(raw_write(&dir, per_rank_bytes, &patterns).await?);
+                raw = Some(raw_write(dir, per_rank_bytes, &patterns).await?);
             }
-            settle(&dir)?;
+            settle(dir)?;
         }
         let cumulus = cumulus.expect("the loop runs the Cumulus turn once");
         let raw = raw.expect("the loop runs the raw turn once");
@@ -117,7 +146,14 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
             large.push((cumulus, raw));
         }
     }
+    Ok(large)
+}
 
+/// The large step's rows from the counted rounds (`per_rank_bytes` per rank): the
+/// raw/Cumulus ratio (the target; median of per-round ratios), both throughputs, the
+/// Cumulus step's total and phases, the raw total, the digest alone and the full
+/// verification.
+fn large_rows(large: &[(CumulusTimes, RawTimes)], per_rank_bytes: u64) -> Vec<Row> {
     let total_bytes = per_rank_bytes * u64::from(RANKS);
     let n = large.len();
     let median_of = |f: &dyn Fn(&(CumulusTimes, RawTimes)) -> f64| -> f64 {
@@ -127,7 +163,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let ratio = median_of(&|(c, r)| r.write_fsync.as_secs_f64() / c.total.as_secs_f64());
     let gib = total_bytes as f64 / f64::from(1u32 << 30);
     let size = format!("{gib:.3} GiB over {RANKS} ranks");
-    let mut rows = vec![
+    vec![
         Row::at_least(
             SCENARIO,
             &format!("raw/cumulus throughput, {size} (median of per-run ratios)"),
@@ -206,21 +242,16 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
             "ms",
             n,
         ),
-    ];
+    ]
+}
 
-    rows.push(Row::new(
-        SCENARIO,
-        "host 1-min load average before the runs",
-        load_before,
-        "load",
-        1,
-    ));
-
-    let small = small_commits(&dir, small_samples).await?;
+/// The small commits' rows: p50 and p99 of a 4 KiB part commit and of an atomic file
+/// replace, and the ratio of their p50s.
+fn small_rows(small: &SmallTimes) -> Vec<Row> {
     let n = small.cumulus_ms.len();
     let c50 = percentile(&small.cumulus_ms, 50.0);
     let r50 = percentile(&small.replace_ms, 50.0);
-    rows.extend([
+    vec![
         Row::new(SCENARIO, "4 KiB part commit p50", c50, "ms", n),
         Row::new(
             SCENARIO,
@@ -250,9 +281,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
             "ratio",
             n,
         ),
-    ]);
-    std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
-    Ok(rows)
+    ]
 }
 
 /// The host's 1-minute load average (`/proc/loadavg`): how busy the CPUs were, which

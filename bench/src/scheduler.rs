@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 
 use cumulus_api::v1;
 use cumulus_api::v1::client_service_client::ClientServiceClient;
-use cumulus_api::v1::worker_service_client::WorkerServiceClient;
-use cumulus_e2e::{Auth, Cluster, ClusterOpts, TOKEN};
+use cumulus_e2e::{Auth, Cluster, TOKEN};
 use tokio::sync::{Mutex, Semaphore};
 use tonic::transport::Endpoint;
 
@@ -59,23 +58,47 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     // draining (at most ~400 placements per second here).
     let window = Duration::from_secs(ctx.pick(10, 3));
     // Plaintext: the simulated agents share a few channels (as in heartbeat_scale).
-    let cluster = Cluster::start(ClusterOpts {
-        workers: 0,
-        tls: false,
-        ..ClusterOpts::default()
-    })
-    .await?;
-    let leader = cluster.wait_leader(Duration::from_secs(60)).await;
-    let li = cluster
-        .coordinators
-        .iter()
-        .position(|c| c.id == leader)
-        .expect("leader is a member");
-    let leader_pid = cluster.coordinators[li].proc.pid().expect("leader alive");
-    let endpoint = format!("http://{}", cluster.coordinators[li].grpc);
+    let (cluster, leader_pid, endpoint) = crate::heartbeat_scale::plaintext_cluster().await?;
 
     // The queue first: every job pending, no worker yet.
-    let client_channel = Endpoint::from_shared(endpoint.clone())?
+    queue_jobs(&endpoint, jobs).await?;
+
+    let counters = Arc::new(Counters::default());
+    counters.hold.store(true, Ordering::SeqCst);
+    let channels = crate::heartbeat_scale::worker_channels(
+        &endpoint,
+        workers.div_ceil(WORKERS_PER_CHANNEL),
+        Duration::from_secs(40),
+    )
+    .await?;
+    let register = Arc::new(Semaphore::new(CONCURRENCY));
+    let mut agents = Vec::new();
+    for i in 0..workers {
+        let client: WorkerClient = channels[i / WORKERS_PER_CHANNEL].clone();
+        let (counters, register) = (counters.clone(), register.clone());
+        agents.push(tokio::spawn(async move {
+            simulated_agent(i, client, counters, register).await
+        }));
+    }
+
+    // Idle first: every slot busy with an attempt that does not end yet, the rest of
+    // the queue waiting; then draining.
+    let idle = measure_idle(&cluster, &counters, leader_pid, workers, jobs, window).await?;
+    let drain = measure_drain(&counters, leader_pid, window).await?;
+    counters.stop.store(true, Ordering::SeqCst);
+    for a in agents {
+        let _ = a.await;
+    }
+    Ok(scheduler_rows(workers, jobs, &idle, &drain))
+}
+
+/// Submits `jobs` single-rank jobs (`true`, pending allowed) to the leader at `endpoint`,
+/// [`CONCURRENCY`] at a time, and prints how long the queue took.
+///
+/// # Errors
+/// The connection fails or a submit is refused.
+async fn queue_jobs(endpoint: &str, jobs: usize) -> anyhow::Result<()> {
+    let client_channel = Endpoint::from_shared(endpoint.to_string())?
         .timeout(Duration::from_secs(30))
         .connect()
         .await?;
@@ -111,29 +134,31 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         "   {jobs} jobs queued in {:.1} s",
         t_submit.elapsed().as_secs_f64()
     );
+    Ok(())
+}
 
-    let counters = Arc::new(Counters::default());
-    counters.hold.store(true, Ordering::SeqCst);
-    let mut channels = Vec::new();
-    for _ in 0..workers.div_ceil(WORKERS_PER_CHANNEL) {
-        let ch = Endpoint::from_shared(endpoint.clone())?
-            .timeout(Duration::from_secs(40))
-            .connect()
-            .await?;
-        channels.push(WorkerServiceClient::with_interceptor(ch, Auth::new(TOKEN)));
-    }
-    let register = Arc::new(Semaphore::new(CONCURRENCY));
-    let mut agents = Vec::new();
-    for i in 0..workers {
-        let client: WorkerClient = channels[i / WORKERS_PER_CHANNEL].clone();
-        let (counters, register) = (counters.clone(), register.clone());
-        agents.push(tokio::spawn(async move {
-            simulated_agent(i, client, counters, register).await
-        }));
-    }
+/// The idle phase: the leader with every slot busy and the rest of the queue pending.
+struct Idle {
+    /// Jobs still pending during the window.
+    pending: usize,
+    /// The leader's CPU, in cores.
+    cpu: f64,
+}
 
-    // Idle first: every slot busy with an attempt that does not end yet, the rest of
-    // the queue waiting; then draining.
+/// Waits (up to 600 s each) until all `workers` are registered and every slot runs an
+/// attempt (while `counters.hold` keeps them from ending), lets the leader settle 2 s,
+/// then measures its CPU (`leader_pid`) over one `window`.
+///
+/// # Errors
+/// The leader's CPU cannot be read.
+async fn measure_idle(
+    cluster: &Cluster,
+    counters: &Counters,
+    leader_pid: u32,
+    workers: usize,
+    jobs: usize,
+    window: Duration,
+) -> anyhow::Result<Idle> {
     cumulus_e2e::wait_for(
         "every simulated worker registered",
         Duration::from_secs(600),
@@ -157,9 +182,33 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let cpu0 = cpu_seconds(leader_pid)?;
     let t0 = Instant::now();
     tokio::time::sleep(window).await;
-    let idle_cpu = (cpu_seconds(leader_pid)? - cpu0) / t0.elapsed().as_secs_f64();
+    let cpu = (cpu_seconds(leader_pid)? - cpu0) / t0.elapsed().as_secs_f64();
     eprintln!("   {pending} jobs pending in the idle window");
+    Ok(Idle { pending, cpu })
+}
 
+/// The draining phase: attempts end and slots refill from the queue.
+struct Drain {
+    /// Attempts given to agents per second.
+    placed_per_s: f64,
+    /// The leader's CPU, in cores.
+    cpu: f64,
+    /// Slot freed -> next attempt given, in milliseconds.
+    refill_ms: Vec<f64>,
+    /// The leader's RSS after the window, in MB.
+    rss_mb: f64,
+}
+
+/// Lets the attempts end (clears `counters.hold`) and measures one `window` of the
+/// queue draining: placements, refill times and the leader's CPU, then its RSS.
+///
+/// # Errors
+/// The leader's CPU or RSS cannot be read.
+async fn measure_drain(
+    counters: &Counters,
+    leader_pid: u32,
+    window: Duration,
+) -> anyhow::Result<Drain> {
     counters.hold.store(false, Ordering::SeqCst);
     counters.placed.store(0, Ordering::SeqCst);
     counters.measuring.store(true, Ordering::SeqCst);
@@ -167,55 +216,64 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let t0 = Instant::now();
     tokio::time::sleep(window).await;
     let elapsed = t0.elapsed().as_secs_f64();
-    let drain_cpu = (cpu_seconds(leader_pid)? - cpu0) / elapsed;
+    let cpu = (cpu_seconds(leader_pid)? - cpu0) / elapsed;
     counters.measuring.store(false, Ordering::SeqCst);
     let placed_per_s = counters.placed.load(Ordering::SeqCst) as f64 / elapsed;
-    let refill = counters.refill_ms.lock().await.clone();
+    let refill_ms = counters.refill_ms.lock().await.clone();
     let rss_mb = rss_bytes(leader_pid)? as f64 / 1e6;
-    counters.stop.store(true, Ordering::SeqCst);
-    for a in agents {
-        let _ = a.await;
-    }
+    Ok(Drain {
+        placed_per_s,
+        cpu,
+        refill_ms,
+        rss_mb,
+    })
+}
 
+/// The scenario's rows for `workers` agents and `jobs` queued: placements, refill p50
+/// and p99, the leader's CPU and RSS while draining, and its CPU while idle.
+fn scheduler_rows(workers: usize, jobs: usize, idle: &Idle, drain: &Drain) -> Vec<Row> {
     let label = |m: &str| format!("{workers} workers, {jobs} queued: {m}");
-    Ok(vec![
+    vec![
         Row::new(
             "scheduler",
             &label("placements while draining"),
-            placed_per_s,
+            drain.placed_per_s,
             "per s",
-            refill.len(),
+            drain.refill_ms.len(),
         ),
         Row::new(
             "scheduler",
             &label("slot freed -> next attempt p50"),
-            percentile(&refill, 50.0),
+            percentile(&drain.refill_ms, 50.0),
             "ms",
-            refill.len(),
+            drain.refill_ms.len(),
         ),
         Row::new(
             "scheduler",
             &label("slot freed -> next attempt p99"),
-            percentile(&refill, 99.0),
+            percentile(&drain.refill_ms, 99.0),
             "ms",
-            refill.len(),
+            drain.refill_ms.len(),
         ),
         Row::new(
             "scheduler",
             &label("leader CPU while draining"),
-            drain_cpu,
+            drain.cpu,
             "cores",
             1,
         ),
-        Row::new("scheduler", &label("leader RSS"), rss_mb, "MB", 1),
+        Row::new("scheduler", &label("leader RSS"), drain.rss_mb, "MB", 1),
         Row::new(
             "scheduler",
-            &label(&format!("leader CPU, every slot busy, {pending} pending")),
-            idle_cpu,
+            &label(&format!(
+                "leader CPU, every slot busy, {} pending",
+                idle.pending
+            )),
+            idle.cpu,
             "cores",
             1,
         ),
-    ])
+    ]
 }
 
 /// A rank attempt: `(job, rank, attempt)`.

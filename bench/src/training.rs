@@ -233,29 +233,57 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     .await?;
     drop(cluster);
 
-    let n = pairs.len();
-    let median = |f: &dyn Fn(&(RunResult, RunResult)) -> f64| -> f64 {
-        percentile(&pairs.iter().map(f).collect::<Vec<_>>(), 50.0)
+    let measured = Measured {
+        load_before,
+        pairs,
+        quiet,
+        checkpointed,
     };
-    let direct_rate = median(&|(d, _)| d.steps_per_s());
-    let ratio = median(&|(d, c)| c.steps_per_s() / d.steps_per_s());
-    let cpu_ratio = median(&|(d, c)| c.steps_per_cpu_s() / d.steps_per_cpu_s());
+    let mut rows = pair_rows(&measured);
+    rows.extend(diagnostic_rows(&measured));
+    Ok(rows)
+}
+
+/// What the scenario measured, for its rows.
+struct Measured {
+    /// The host's 1-minute load average before the runs.
+    load_before: f64,
+    /// The counted `(direct, Cumulus)` pairs, in the order they ran (at least one).
+    pairs: Vec<(RunResult, RunResult)>,
+    /// The diagnostic pair run with `--log-every 0`.
+    quiet: (RunResult, RunResult),
+    /// The run under Cumulus with a checkpoint every [`CKPT_EVERY`] steps.
+    checkpointed: RunResult,
+}
+
+impl Measured {
+    /// The median over the counted pairs of `f` of each `(direct, Cumulus)` pair.
+    fn median(&self, f: &dyn Fn(&(RunResult, RunResult)) -> f64) -> f64 {
+        percentile(&self.pairs.iter().map(f).collect::<Vec<_>>(), 50.0)
+    }
+
+    /// The median steps per second of the direct runs (the rate checkpoint costs are
+    /// measured against).
+    fn direct_rate(&self) -> f64 {
+        self.median(&|(d, _)| d.steps_per_s())
+    }
+}
+
+/// The rows of the counted pairs: the target ratio (medians of per-pair ratios), the
+/// ratio per CPU-second and of the best runs, the host's load, each arm's steps per
+/// second, and the CPU the agent, the coordinators and this process used meanwhile.
+fn pair_rows(m: &Measured) -> Vec<Row> {
+    let pairs = &m.pairs;
+    let n = pairs.len();
+    let direct_rate = m.direct_rate();
+    let ratio = m.median(&|(d, c)| c.steps_per_s() / d.steps_per_s());
+    let cpu_ratio = m.median(&|(d, c)| c.steps_per_cpu_s() / d.steps_per_cpu_s());
     let best = |f: &dyn Fn(&(RunResult, RunResult)) -> f64| -> f64 {
         pairs.iter().map(f).fold(0.0, f64::max)
     };
     let best_ratio = best(&|(_, c)| c.steps_per_s()) / best(&|(d, _)| d.steps_per_s());
-    let leader_rate = median(&|(_, c)| {
-        c.leader_wall
-            .map_or(0.0, |w| c.steps as f64 / w.as_secs_f64())
-    });
-    let checkpoints = checkpointed.steps / CKPT_EVERY;
-    let ckpt_cost_ms = if checkpoints > 0 {
-        let at_direct_rate = checkpointed.steps as f64 / direct_rate;
-        (checkpointed.elapsed.as_secs_f64() - at_direct_rate) * 1_000.0 / checkpoints as f64
-    } else {
-        0.0
-    };
-    Ok(vec![
+    let load_before = m.load_before;
+    vec![
         Row::at_least(
             SCENARIO,
             "cumulus/direct steps per second",
@@ -295,45 +323,67 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         Row::new(
             SCENARIO,
             "cumulus steps/s (trainer wall, wrapper-stamped)",
-            median(&|(_, c)| c.steps_per_s()),
+            m.median(&|(_, c)| c.steps_per_s()),
             "steps/s",
             n,
         ),
         Row::new(
             SCENARIO,
             "agent CPU during a run under Cumulus",
-            median(&|(_, c)| c.others_cpu.agent_s),
+            m.median(&|(_, c)| c.others_cpu.agent_s),
             "s",
             n,
         ),
         Row::new(
             SCENARIO,
             "agent CPU during a direct run (idle agent)",
-            median(&|(d, _)| d.others_cpu.agent_s),
+            m.median(&|(d, _)| d.others_cpu.agent_s),
             "s",
             n,
         ),
         Row::new(
             SCENARIO,
             "3 coordinators' CPU during a run under Cumulus",
-            median(&|(_, c)| c.others_cpu.coordinators_s),
+            m.median(&|(_, c)| c.others_cpu.coordinators_s),
             "s",
             n,
         ),
         Row::new(
             SCENARIO,
             "3 coordinators' CPU during a direct run",
-            median(&|(d, _)| d.others_cpu.coordinators_s),
+            m.median(&|(d, _)| d.others_cpu.coordinators_s),
             "s",
             n,
         ),
         Row::new(
             SCENARIO,
             "bench CPU during a direct run (draining its output)",
-            median(&|(d, _)| d.others_cpu.bench_s),
+            m.median(&|(d, _)| d.others_cpu.bench_s),
             "s",
             n,
         ),
+    ]
+}
+
+/// The diagnostic rows: the quiet pair's ratio and agent CPU, the steps per run, the rank's
+/// rate as the leader stamps it, and the checkpointed run's rate, checkpoint count, latest
+/// committed step and mean cost per checkpoint over the direct rate.
+fn diagnostic_rows(m: &Measured) -> Vec<Row> {
+    let (pairs, quiet, checkpointed) = (&m.pairs, &m.quiet, &m.checkpointed);
+    let n = pairs.len();
+    let direct_rate = m.direct_rate();
+    let leader_rate = m.median(&|(_, c)| {
+        c.leader_wall
+            .map_or(0.0, |w| c.steps as f64 / w.as_secs_f64())
+    });
+    let checkpoints = checkpointed.steps / CKPT_EVERY;
+    let ckpt_cost_ms = if checkpoints > 0 {
+        let at_direct_rate = checkpointed.steps as f64 / direct_rate;
+        (checkpointed.elapsed.as_secs_f64() - at_direct_rate) * 1_000.0 / checkpoints as f64
+    } else {
+        0.0
+    };
+    vec![
         Row::new(
             SCENARIO,
             "cumulus/direct steps per second with --log-every 0 (one pair)",
@@ -390,7 +440,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
             "ms",
             usize::try_from(checkpoints).unwrap_or(usize::MAX),
         ),
-    ])
+    ]
 }
 
 /// The host's 1-minute load average (`/proc/loadavg`): how busy the machine was.
