@@ -14,7 +14,7 @@ use crate::states::{
     CheckpointTier, CommitTier, JobState, RankPhase, RankState, RestartScope, Role, StopAction,
     WorkerPhase,
 };
-use crate::{client_config, gpus, leader, limits, manifest, rank_env, token};
+use crate::{client_config, gpus, leader, limits, manifest, rank_env, rank_local, token};
 
 /// The one command that rewrites both generated files.
 pub const REGENERATE: &str = "cargo run -p cumulus-api --bin cumulus-contract";
@@ -357,6 +357,8 @@ fn rank_env_constants() -> Vec<Constant> {
             rank_env::EXIT_AGENT_UNREACHABLE,
             "Exit code of a rank that could not reach its agent's rank-local API after its retries."
         ),
+        constant!(str, rank_local::ACTION_NONE as "RANK_ACTION_NONE", "The rank-local control action that asks nothing (go on)."),
+        constant!(int, rank_local::MAX_REPLY_BYTES as "RANK_MAX_REPLY_BYTES", "Most bytes of a rank-local reply body a rank reads."),
     ]
 }
 

@@ -58,6 +58,10 @@ pub struct ControlReply {
 /// The action of a [`ControlReply`] that asks nothing.
 pub const ACTION_NONE: &str = "none";
 
+/// Most bytes of a rank-local reply body a rank reads (every reply is far shorter; a
+/// longer one is cut there, so a broken agent cannot make a rank buffer without bound).
+pub const MAX_REPLY_BYTES: usize = 64 * 1024;
+
 impl ControlReply {
     /// The reply for `action` (`None`: go on).
     pub fn new(action: Option<StopAction>) -> Self {

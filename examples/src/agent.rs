@@ -26,7 +26,7 @@ pub const PROGRESS_TIMEOUT_MS: u64 = 2_000;
 /// waits for the leader before answering).
 pub const CHECKPOINT_TIMEOUT_MS: u64 = 60_000;
 /// Most bytes of a reply body that are read.
-pub const MAX_REPLY_BYTES: u64 = 64 * 1024;
+pub const MAX_REPLY_BYTES: u64 = cumulus_api::rank_local::MAX_REPLY_BYTES as u64;
 
 /// A request to the agent failed.
 #[derive(Debug, Error)]

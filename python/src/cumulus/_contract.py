@@ -69,6 +69,7 @@ __all__ = [
     "MAX_WORLD_SIZE",
     "MIN_MANIFEST_FORMAT_VERSION",
     "MIN_TOKEN_BYTES",
+    "RANK_ACTION_NONE",
     "RANK_CONTRACT_VARS",
     "RANK_ENV_AGENT_SOCKET",
     "RANK_ENV_AGENT_TOKEN",
@@ -88,6 +89,7 @@ __all__ = [
     "RANK_ENV_SHARDS_FILE",
     "RANK_ENV_WORLD_SIZE",
     "RANK_GPU_VARS",
+    "RANK_MAX_REPLY_BYTES",
     "RANK_PHASES",
     "RANK_STATES",
     "REQUEST_TIMEOUT_MS",
@@ -255,6 +257,9 @@ MAX_WORLD_SIZE: Final = 65_536
 MIN_MANIFEST_FORMAT_VERSION: Final = 1
 #: Shortest bearer token, in bytes. Rust: ``cumulus_api::token::MIN_TOKEN_BYTES``.
 MIN_TOKEN_BYTES: Final = 16
+#: The rank-local control action that asks nothing (go on). Rust:
+#: ``cumulus_api::rank_local::ACTION_NONE``.
+RANK_ACTION_NONE: Final = "none"
 #: Every variable of the rank contract, in order. Rust: ``cumulus_api::rank_env::CONTRACT_VARS``.
 RANK_CONTRACT_VARS: Final[tuple[str, ...]] = (
     "RANK",
@@ -316,6 +321,9 @@ RANK_ENV_SHARDS_FILE: Final = "CUMULUS_SHARDS_FILE"
 RANK_ENV_WORLD_SIZE: Final = "WORLD_SIZE"
 #: Variables an agent with GPUs sets for every rank. Rust: ``cumulus_api::rank_env::GPU_VARS``.
 RANK_GPU_VARS: Final[tuple[str, ...]] = ("CUDA_VISIBLE_DEVICES",)
+#: Most bytes of a rank-local reply body a rank reads. Rust:
+#: ``cumulus_api::rank_local::MAX_REPLY_BYTES``.
+RANK_MAX_REPLY_BYTES: Final = 65_536
 #: Time limit of one request, in milliseconds. Rust:
 #: ``cumulus_api::client_config::REQUEST_TIMEOUT_MS``.
 REQUEST_TIMEOUT_MS: Final = 10_000

@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from cumulus._contract import EXIT_AGENT_UNREACHABLE
+from cumulus._contract import EXIT_AGENT_UNREACHABLE, RANK_ACTION_NONE, RANK_MAX_REPLY_BYTES
 from cumulus.errors import AgentError, CheckpointFailed, StaleAttempt
 
 __all__ = [
@@ -57,9 +57,9 @@ CHECKPOINT_TIMEOUT_S = 60.0
 #: waits for it (see :func:`cumulus.runtime.should_stop`).
 CONTROL_TIMEOUT_S = 0.5
 #: Most bytes of a reply body that are read.
-MAX_REPLY_BYTES = 64 * 1024
+MAX_REPLY_BYTES = RANK_MAX_REPLY_BYTES
 #: The control action that asks nothing ("keep going").
-ACTION_NONE = "none"
+ACTION_NONE = RANK_ACTION_NONE
 #: Longest action accepted in a reply, in bytes (the known ones are far shorter).
 MAX_ACTION_BYTES = 64
 _ACTION_NAME = re.compile(r"[a-z][a-z0-9_]*")
