@@ -329,8 +329,9 @@ fn manifest_constants() -> Vec<Constant> {
     ]
 }
 
-/// The rank environment ([`rank_env`]): every variable a rank is started with, and the
-/// exit code of a rank that could not reach its agent.
+/// The rank's side of the contract: every variable a rank is started with and the exit
+/// code of a rank that could not reach its agent ([`rank_env`]), and the rank-local
+/// API's "no action" spelling and reply bound ([`rank_local`]).
 fn rank_env_constants() -> Vec<Constant> {
     vec![
         constant!(strs, rank_env::CONTRACT_VARS as "RANK_CONTRACT_VARS", "Every variable of the rank contract, in order."),
