@@ -1,0 +1,226 @@
+//! Tests of `cumulusctl local`: free ports, command lines, liveness and readiness
+//! checks, `down` and its purge, a missing binary.
+
+use super::*;
+
+#[test]
+fn ports_are_distinct_and_nonzero() {
+    let ports = free_ports(6).expect("ports");
+    let set: std::collections::HashSet<u16> = ports.iter().copied().collect();
+    assert_eq!(set.len(), 6);
+    assert!(ports.iter().all(|&p| p != 0));
+}
+
+#[test]
+fn command_lines_follow_the_contract() {
+    let dir = Path::new("/tmp/c");
+    let f = plan(dir, 3, 2, 4, &[1001, 1002, 1003, 1004, 1005, 1006]);
+    assert_eq!(
+        coordinator_args(&f, &f.coordinators[1]),
+        vec![
+            "--node-id",
+            "2",
+            "--grpc-listen",
+            "127.0.0.1:1003",
+            "--http-listen",
+            "127.0.0.1:1004",
+            "--peer",
+            "1=127.0.0.1:1001@127.0.0.1:1002",
+            "--peer",
+            "2=127.0.0.1:1003@127.0.0.1:1004",
+            "--peer",
+            "3=127.0.0.1:1005@127.0.0.1:1006",
+            "--data-dir",
+            "/tmp/c/coord-2",
+            "--token-file",
+            "/tmp/c/token",
+            "--peer-token-file",
+            "/tmp/c/peer-token",
+            "--insecure",
+        ]
+    );
+    let mut want = vec![
+        "--worker-id",
+        "worker-2",
+        "--coordinators",
+        "127.0.0.1:1001,127.0.0.1:1003,127.0.0.1:1005",
+        "--token-file",
+        "/tmp/c/token",
+        "--data-dir",
+        "/tmp/c/worker-2",
+        "--slots",
+        "4",
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    if nix::unistd::geteuid().is_root() {
+        want.push("--allow-root");
+    }
+    want.push("--insecure");
+    assert_eq!(worker_args(&f, &f.workers[1]), want);
+    assert_eq!(f.coordinators[2].log, Path::new("/tmp/c/coord-3.log"));
+    f.validate().expect("a plan is a valid cluster file");
+    // With a TLS dir, each process gets its own certificate and the CA.
+    let mut f = f;
+    f.tls_dir = Some(dir.join("tls"));
+    let args = worker_args(&f, &f.workers[1]);
+    assert_eq!(
+        &args[args.len() - 6..],
+        [
+            "--tls-cert",
+            "/tmp/c/tls/worker-2.pem",
+            "--tls-key",
+            "/tmp/c/tls/worker-2-key.pem",
+            "--tls-ca",
+            "/tmp/c/tls/ca.pem",
+        ]
+    );
+    let args = coordinator_args(&f, &f.coordinators[0]);
+    assert!(
+        args.contains(&"/tmp/c/tls/coordinator-1.pem".to_string()),
+        "{args:?}"
+    );
+}
+
+#[test]
+fn token_file_is_private_and_64_hex() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = dir.path().join("token");
+    fs::write(&p, "old").expect("write");
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o644)).expect("chmod");
+    let t = new_token();
+    assert_eq!(t.len(), 64);
+    write_token(&p, &t).expect("write");
+    assert_eq!(
+        fs::metadata(&p).expect("meta").permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(read_token_file(&p).expect("read"), t);
+}
+
+#[test]
+fn liveness_checks_binary_name_and_data_dir_of_a_real_process() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("sleep.log");
+    let marker = dir.path().join("data");
+    fs::write(&marker, "").expect("marker");
+    // `tail -f FILE` runs until signalled and has the path among its arguments.
+    let tail = find_binary("tail", None).expect("tail in PATH");
+    let mut child =
+        spawn_detached(&tail, &["-f".into(), marker.display().to_string()], &log).expect("spawn");
+    let pid = child.id();
+    // `spawn` returns once exec has begun; the kernel sets the new argv a moment
+    // later (an empty cmdline until then), so wait for it on a condition.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !is_ours(pid, "tail", &marker) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        is_ours(pid, "tail", &marker),
+        "a live child with our argv; log: {}",
+        log_tail(&log)
+    );
+    assert!(
+        !is_ours(pid, "cumulus-worker", &marker),
+        "wrong binary name"
+    );
+    assert!(
+        !is_ours(pid, "tail", Path::new("/elsewhere")),
+        "wrong data dir"
+    );
+    // Its own process group.
+    assert_eq!(
+        nix::unistd::getpgid(Some(Pid::from_raw(pid as i32)))
+            .expect("pgid")
+            .as_raw(),
+        pid as i32
+    );
+    let p = Proc {
+        name: "x".into(),
+        binary: "tail",
+        pid: Some(pid),
+        data_dir: marker.clone(),
+        log,
+    };
+    let out = stop_processes(std::slice::from_ref(&p), Duration::from_secs(5));
+    let _ = child.wait();
+    assert_eq!(out[0].1, StopOutcome::Terminated);
+    assert!(!is_ours(pid, "tail", &marker));
+}
+
+#[test]
+fn readiness_needs_leader_and_every_worker_alive() {
+    let mut s = ClusterStatusResponse {
+        node_id: 1,
+        ..Default::default()
+    };
+    let want = vec!["worker-1".to_string(), "worker-2".to_string()];
+    assert_eq!(
+        readiness(&s, &want),
+        Err(NotReady::NoLeader {
+            node_id: 1,
+            term: 0
+        })
+    );
+    s.leader_id = Some(2);
+    s.workers.push(cumulus_api::WorkerInfo {
+        worker_id: "worker-1".into(),
+        state: "alive".into(),
+        ..Default::default()
+    });
+    s.workers.push(cumulus_api::WorkerInfo {
+        worker_id: "worker-2".into(),
+        state: "expired".into(),
+        ..Default::default()
+    });
+    assert_eq!(
+        readiness(&s, &want),
+        Err(NotReady::WorkersMissing(vec!["worker-2".into()]))
+    );
+    s.workers[1].state = "alive".into();
+    readiness(&s, &want).expect("ready");
+}
+
+#[test]
+fn down_without_cluster_file_and_purge_removes_only_ours() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    assert!(matches!(
+        down(dir.path(), false),
+        Err(LocalError::NotFound(_))
+    ));
+    let f = plan(dir.path(), 1, 1, 2, &free_ports(2).expect("ports"));
+    for p in processes(&f) {
+        fs::create_dir_all(&p.data_dir).expect("mkdir");
+        fs::write(&p.log, "log").expect("log");
+    }
+    write_token(&f.token_file, &new_token()).expect("token");
+    let mut g = f.clone();
+    g.coordinators[0].pid = Some(1); // init: alive but not ours, so left alone
+    g.store(dir.path()).expect("store");
+    fs::write(dir.path().join("mine.txt"), "user file").expect("write");
+    let out = down(dir.path(), false).expect("down");
+    assert!(out.iter().all(|(_, o)| *o == StopOutcome::NotRunning));
+    assert_eq!(
+        ClusterFile::load(dir.path())
+            .expect("load")
+            .expect("kept")
+            .coordinators[0]
+            .pid,
+        None
+    );
+    down(dir.path(), true).expect("purge");
+    let left: Vec<String> = fs::read_dir(dir.path())
+        .expect("ls")
+        .map(|e| e.expect("e").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, vec!["mine.txt".to_string()]);
+}
+
+#[test]
+fn missing_binary_names_where_it_looked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let err = find_binary("cumulus-does-not-exist", Some(dir.path())).expect_err("absent");
+    assert!(err.to_string().contains("--bin-dir"), "{err}");
+    let err = find_binary("cumulus-does-not-exist", None).expect_err("absent");
+    assert!(err.to_string().contains("PATH"), "{err}");
+}
