@@ -9,9 +9,11 @@
 //!
 //! The module is split along its seams: [`spec`] (what a user submits), [`model`] (what
 //! the state holds), [`index`] (what is derived from it), [`command`] (what the log
-//! carries) and [`apply`] (how a command changes the state).
+//! carries), [`apply`] (how a command changes the state) and `capacity` (what the
+//! alive workers offer, and whether a job or a placement fits it).
 
 mod apply;
+mod capacity;
 mod command;
 mod index;
 mod model;
@@ -27,6 +29,7 @@ pub use cumulus_api::limits::{
 pub use cumulus_api::{CommitTier, FileEntry, JobState, RankState, RestartScope, StopAction};
 
 pub use apply::*;
+pub use capacity::*;
 pub use command::*;
 pub use index::*;
 pub use model::*;
