@@ -1,17 +1,17 @@
 //! The client API's operations, shared by the gRPC `ClientService`
 //! (`crate::client_service`) and the REST mirror (`crate::http`), one module per concern:
 //!
-//! - [`authorization`]: the role and ownership checks ([`require_role`],
+//! - `authorization`: the role and ownership checks ([`require_role`],
 //!   [`require_owner`]) every other concern runs first;
-//! - [`admission`]: [`submit`] and its checks (spec, paths under the roots, dataset
+//! - `admission`: [`submit`] and its checks (spec, paths under the roots, dataset
 //!   listing, checkpoint target, capacity, byte budget);
-//! - [`jobs`]: reading jobs ([`get_job`], [`job_summary`], [`job_summaries`],
+//! - `jobs`: reading jobs ([`get_job`], [`job_summary`], [`job_summaries`],
 //!   [`list_jobs`]);
-//! - [`lifecycle`]: [`cancel`], [`pause`], [`resume`], [`delete`], [`purge`];
-//! - [`membership`]: [`cluster_status`] and the Raft membership changes
+//! - `lifecycle`: [`cancel`], [`pause`], [`resume`], [`delete`], [`purge`];
+//! - `membership`: [`cluster_status`] and the Raft membership changes
 //!   ([`add_learner`], [`promote_member`], [`remove_member`]);
-//! - [`users`]: [`create_user`], [`revoke_user`], [`list_users`];
-//! - [`checkpoints`]: [`list_checkpoints`], and deleting a job's checkpoints.
+//! - `users`: [`create_user`], [`revoke_user`], [`list_users`];
+//! - `checkpoints`: [`list_checkpoints`], and deleting a job's checkpoints.
 //!
 //! Every operation is reached through the re-exports here (`crate::api::submit`).
 
