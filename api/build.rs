@@ -8,6 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
     // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
+    #[allow(unsafe_code)]
     unsafe {
         std::env::set_var("PROTOC", protoc);
     }

@@ -532,6 +532,7 @@ impl Cluster {
         if let Some(nofile) = self.opts.worker_nofile {
             use std::os::unix::process::CommandExt;
             // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+            #[allow(unsafe_code)]
             unsafe {
                 command.pre_exec(move || {
                     nix::sys::resource::setrlimit(

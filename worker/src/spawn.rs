@@ -168,6 +168,7 @@ fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
     // async-signal-safe functions (setsid, setgroups, setgid, setuid, prctl, getppid)
     // without allocating: the io::Error values are built from raw OS error numbers and
     // the id lists were built before the fork.
+    #[allow(unsafe_code)]
     unsafe {
         cmd.pre_exec(move || {
             nix::unistd::setsid().map_err(errno)?;
