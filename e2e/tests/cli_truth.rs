@@ -24,6 +24,8 @@ fn stderr(out: &std::process::Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+// One scenario against one cluster: read in order.
+#[allow(clippy::too_many_lines)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submit_time_errors_fast_failure_and_truthful_status() {
     let dir = tempfile::tempdir().expect("tempdir");

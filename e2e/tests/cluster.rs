@@ -982,6 +982,8 @@ impl FakeAgent {
 /// again by its agent to the new leader. That retry must succeed and change nothing;
 /// before, it was rejected as "not after the committed step" (FAILED_PRECONDITION, which
 /// an agent reads as a stale attempt) and a healthy rank was ended.
+// One scenario (commit, lose the reply with the leader, retry): read in order.
+#[allow(clippy::too_many_lines)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoint_part_retried_at_a_new_leader_after_its_step_committed_is_acknowledged() {
     let mut cluster = Cluster::start(ClusterOpts {

@@ -43,6 +43,8 @@ fn code<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> Code {
     }
 }
 
+// One scenario, each role's rights checked in turn: read in order.
+#[allow(clippy::too_many_lines)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn roles_limit_what_each_user_may_do() {
     let mut cluster = Cluster::start(ClusterOpts {
@@ -439,6 +441,8 @@ fn ctl_with_cert(
 /// certificate, also once the name is given to a user again (a certificate issued before
 /// the new user's creation is refused as an unknown user's; a new one works); a
 /// worker's certificate is not a user's.
+// One scenario (issue, use, revoke, reuse the name): read in order.
+#[allow(clippy::too_many_lines)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_certificates_name_users() {
     let cluster = Cluster::start(ClusterOpts {

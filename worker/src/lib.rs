@@ -423,9 +423,121 @@ async fn write_agent_info(data_dir: &Path, info: &AgentInfo) -> std::io::Result<
 /// after the grace time), waits for them, reports their exits (best effort, for at most
 /// [`SHUTDOWN_REPORT_TIMEOUT`]) and returns `Ok(())`. Fails early on an invalid
 /// configuration, a data dir in use by another agent, or an address that cannot be bound.
+///
+/// Startup, in order: the data dir (locked, enrolled), the GPUs, the credentials, the
+/// listeners, the coordinator client, the supervisor, the servers, `agent.json`, the
+/// loops; shutdown in [`Running::stop`].
 pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()> {
     let resolved = config.resolve().context("invalid configuration")?;
     let mut shutdown = std::pin::pin!(shutdown);
+    let Some(_lock) = take_data_dir(&mut config, &resolved, &mut shutdown).await? else {
+        return Ok(());
+    };
+    let gpu_monitor = open_gpus(&config).await?;
+    let (tls, client_tls) = credentials(&config, &resolved)?;
+    let identity = rank_identity(&config)?;
+    let listeners = bind_listeners(&config, &identity, &tls).await?;
+    let http_addr = format!(
+        "{}:{}",
+        url_host(config.advertise_host.trim()),
+        listeners.listen_addr.port()
+    );
+    let heartbeat_interval = Duration::from_millis(config.heartbeat_interval_ms);
+
+    let client_cancel = CancellationToken::new();
+    let client = Arc::new(
+        CoordinatorClient::with_tls(
+            &config.coordinators,
+            &resolved.token,
+            client_tls,
+            client_cancel.clone(),
+        )
+        .context("invalid coordinator client configuration")?,
+    );
+    let events = EventReporter::new(client.clone(), heartbeat_interval);
+    let Listeners {
+        agent: agent_listener,
+        rank: rank_listener,
+        rank_socket,
+        rank_api_watch,
+        listen_addr,
+        rank_api_addr,
+    } = listeners;
+    let supervisor = start_supervisor(
+        &config,
+        &resolved,
+        SupervisorWiring {
+            rank_api_addr,
+            rank_api_socket: rank_socket.as_ref().map(|(path, _, _)| path.clone()),
+            rank_api_watch,
+            has_gpus: !gpu_monitor.inventory().is_empty(),
+            identity,
+        },
+        &client,
+        &events,
+    )
+    .await?;
+    let (servers_cancel, servers) = start_servers(
+        &config,
+        &resolved,
+        agent_listener,
+        rank_listener,
+        rank_socket,
+        &supervisor,
+    );
+    announce(
+        &config,
+        &resolved,
+        AgentInfo {
+            worker_id: resolved.worker_id.clone(),
+            pid: std::process::id(),
+            http_addr: http_addr.clone(),
+            listen_addr,
+            rank_api_addr,
+        },
+    )
+    .await?;
+
+    let loops_cancel = CancellationToken::new();
+    let events_task = tokio::spawn(events.clone().run(loops_cancel.clone()));
+    let control = ControlLoop {
+        client: client.clone(),
+        supervisor: supervisor.clone(),
+        registration: RegisterWorkerRequest {
+            worker_id: resolved.worker_id.clone(),
+            host: config.advertise_host.trim().to_string(),
+            http_addr,
+            slots: config.slots,
+            gpus: gpu_monitor.inventory().to_vec(),
+        },
+        gpus: Arc::new(std::sync::Mutex::new(gpu_monitor)),
+        heartbeat_interval,
+        applied: Default::default(),
+    };
+    let control_task = tokio::spawn(control.run(loops_cancel.clone()));
+    let mut running = Running {
+        loops_cancel,
+        control_task,
+        events_task,
+        supervisor,
+        events,
+        servers_cancel,
+        servers,
+        client_cancel,
+    };
+    let outcome = running.until_the_end(&mut shutdown).await;
+    running.stop(&config.data_dir).await;
+    outcome
+}
+
+/// The data dir prepared (its modes), locked (`agent.lock`, held while the agent runs)
+/// and, with `--tls-enrol`, holding the agent's certificate, whose paths then go into
+/// `config`. `None` when `shutdown` completed during the enrolment.
+async fn take_data_dir(
+    config: &mut Config,
+    resolved: &Resolved,
+    shutdown: &mut std::pin::Pin<&mut impl Future>,
+) -> anyhow::Result<Option<nix::fcntl::Flock<std::fs::File>>> {
     let enrol_ca = if config.tls_enrol {
         Some(enrol::check_flags(&config.tls)?.to_path_buf())
     } else {
@@ -437,7 +549,7 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
         .as_deref()
         .is_some_and(|r| !r.trim().is_empty());
     datadir::prepare(&config.data_dir, ranks_other_user)?;
-    let _lock = lock_data_dir(&config.data_dir)?;
+    let lock = lock_data_dir(&config.data_dir)?;
     if let Some(ca) = enrol_ca {
         let enrolment = enrol::Enrolment {
             data_dir: &config.data_dir,
@@ -450,14 +562,19 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
         let cancel = CancellationToken::new();
         let files = tokio::select! {
             files = enrolment.ensure(&cancel) => files?,
-            _ = &mut shutdown => {
+            _ = shutdown.as_mut() => {
                 tracing::info!("shutdown requested while enrolling");
-                return Ok(());
+                return Ok(None);
             }
         };
         config.tls.tls_cert = Some(files.cert);
         config.tls.tls_key = Some(files.key);
     }
+    Ok(Some(lock))
+}
+
+/// The GPUs this agent offers (`--gpus`), detected off the runtime thread.
+async fn open_gpus(config: &Config) -> anyhow::Result<gpus::GpuMonitor> {
     let gpu_setting = config.gpus.clone();
     let gpu_monitor = tokio::task::spawn_blocking(move || gpus::GpuMonitor::open(&gpu_setting))
         .await
@@ -465,6 +582,15 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
     if !gpu_monitor.inventory().is_empty() {
         tracing::info!(gpus = ?gpu_monitor.inventory(), "GPUs offered");
     }
+    Ok(gpu_monitor)
+}
+
+/// The agent's TLS credentials (or `--insecure`) and what its coordinator client
+/// presents and trusts.
+fn credentials(
+    config: &Config,
+    resolved: &Resolved,
+) -> anyhow::Result<(Tls, Option<cumulus_client::ClientTls>)> {
     let tls = config
         .tls
         .load_for(&cumulus_tls::Identity::Worker(resolved.worker_id.clone()))?;
@@ -483,7 +609,32 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
             None
         }
     };
-    let identity = rank_identity(&config)?;
+    Ok((tls, client_tls))
+}
+
+/// The agent's bound listeners, before they serve.
+struct Listeners {
+    /// The agent API (TLS unless `--insecure`).
+    agent: cumulus_listen::BoundedListener,
+    /// The rank-local API over TCP.
+    rank: cumulus_listen::BoundedListener,
+    /// With `--run-as`: the rank-local API's Unix socket (path, listener, its pool).
+    rank_socket: Option<(PathBuf, tokio::net::UnixListener, cumulus_listen::Counter)>,
+    /// What the rank-local API's listeners turn away, for the supervisor.
+    rank_api_watch: supervisor::RankApiWatch,
+    /// Bound address of the agent API.
+    listen_addr: SocketAddr,
+    /// Bound address of the rank-local API.
+    rank_api_addr: SocketAddr,
+}
+
+/// Binds the rank API's Unix socket (ranks of another user), the agent API and the
+/// rank API, with connection caps fitted to the open-file limit.
+async fn bind_listeners(
+    config: &Config,
+    identity: &identity::RankIdentity,
+    tls: &Tls,
+) -> anyhow::Result<Listeners> {
     let rank_socket = if identity.run_as.is_other_user() {
         // Absolute: ranks run in their own working directories.
         let path = std::fs::canonicalize(&config.data_dir)
@@ -525,7 +676,7 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
         "agent API",
         cumulus_listen::Limits::connections(caps[0]),
     )
-    .with_tls(match &tls {
+    .with_tls(match tls {
         Tls::On(creds) => Some(creds.server_config()?),
         Tls::Insecure => None,
     });
@@ -540,24 +691,34 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
         rank_api_listeners.push(("rank API socket", counter.clone()));
         (path, listener, counter)
     });
-    let http_addr = format!(
-        "{}:{}",
-        url_host(config.advertise_host.trim()),
-        listen_addr.port()
-    );
-    let heartbeat_interval = Duration::from_millis(config.heartbeat_interval_ms);
+    Ok(Listeners {
+        agent: agent_listener,
+        rank: rank_listener,
+        rank_socket,
+        rank_api_watch: supervisor::RankApiWatch::new(rank_api_listeners),
+        listen_addr,
+        rank_api_addr,
+    })
+}
 
-    let client_cancel = CancellationToken::new();
-    let client = Arc::new(
-        CoordinatorClient::with_tls(
-            &config.coordinators,
-            &resolved.token,
-            client_tls,
-            client_cancel.clone(),
-        )
-        .context("invalid coordinator client configuration")?,
-    );
-    let events = EventReporter::new(client.clone(), heartbeat_interval);
+/// What the supervisor learns from the startup steps before it.
+struct SupervisorWiring {
+    rank_api_addr: SocketAddr,
+    rank_api_socket: Option<PathBuf>,
+    rank_api_watch: supervisor::RankApiWatch,
+    has_gpus: bool,
+    identity: identity::RankIdentity,
+}
+
+/// Starts the spawner thread and the supervisor, which then kills what a previous
+/// agent left running.
+async fn start_supervisor(
+    config: &Config,
+    resolved: &Resolved,
+    wiring: SupervisorWiring,
+    client: &Arc<CoordinatorClient>,
+    events: &EventReporter,
+) -> anyhow::Result<Supervisor> {
     let spawner = Spawner::start(tokio::runtime::Handle::current())
         .context("cannot start the spawner thread")?;
     let s3 = cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?;
@@ -567,8 +728,8 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
             worker_id: resolved.worker_id.clone(),
             data_dir: config.data_dir.clone(),
             advertise_host: config.advertise_host.trim().to_string(),
-            rank_api_url: format!("http://{rank_api_addr}"),
-            rank_api_socket: rank_socket.as_ref().map(|(path, _, _)| path.clone()),
+            rank_api_url: format!("http://{}", wiring.rank_api_addr),
+            rank_api_socket: wiring.rank_api_socket,
             stop_grace: Duration::from_millis(config.stop_grace_ms),
             log_max_bytes: config.log_max_bytes,
             commit_retry: RetryPolicy::STANDARD,
@@ -579,16 +740,28 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
                 s3,
             ))),
             roots,
-            has_gpus: !gpu_monitor.inventory().is_empty(),
-            identity,
-            rank_api_watch: supervisor::RankApiWatch::new(rank_api_listeners),
+            has_gpus: wiring.has_gpus,
+            identity: wiring.identity,
+            rank_api_watch: wiring.rank_api_watch,
         },
         spawner,
         client.clone(),
         events.clone(),
     );
     supervisor.recover_orphans().await;
+    Ok(supervisor)
+}
 
+/// Serves the agent API, the rank API and (with `--run-as`) the rank API's socket until
+/// the returned token is cancelled.
+fn start_servers(
+    config: &Config,
+    resolved: &Resolved,
+    agent_listener: cumulus_listen::BoundedListener,
+    rank_listener: cumulus_listen::BoundedListener,
+    rank_socket: Option<(PathBuf, tokio::net::UnixListener, cumulus_listen::Counter)>,
+    supervisor: &Supervisor,
+) -> (CancellationToken, JoinSet<anyhow::Result<()>>) {
     let servers_cancel = CancellationToken::new();
     let mut servers = JoinSet::new();
     let agent_router = agent_api::router(AgentApiState {
@@ -625,17 +798,21 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
             .context("rank API socket server failed")
         });
     }
+    (servers_cancel, servers)
+}
 
-    let info = AgentInfo {
-        worker_id: resolved.worker_id.clone(),
-        pid: std::process::id(),
-        http_addr: http_addr.clone(),
-        listen_addr,
-        rank_api_addr,
-    };
+/// Writes `agent.json` and logs that the agent started (with a warning when coordinators
+/// on other machines cannot reach its loopback listener).
+async fn announce(config: &Config, resolved: &Resolved, info: AgentInfo) -> anyhow::Result<()> {
     write_agent_info(&config.data_dir, &info)
         .await
         .context("cannot write agent.json")?;
+    let AgentInfo {
+        http_addr,
+        listen_addr,
+        rank_api_addr,
+        ..
+    } = info;
     let host = config.advertise_host.trim();
     if listen_addr.ip().is_loopback() && !matches!(host, "127.0.0.1" | "localhost" | "::1") {
         tracing::warn!(
@@ -651,70 +828,77 @@ pub async fn run(mut config: Config, shutdown: impl Future) -> anyhow::Result<()
         coordinators = ?config.coordinators,
         "agent started"
     );
+    Ok(())
+}
 
-    let loops_cancel = CancellationToken::new();
-    let events_task = tokio::spawn(events.clone().run(loops_cancel.clone()));
-    let control = ControlLoop {
-        client: client.clone(),
-        supervisor: supervisor.clone(),
-        registration: RegisterWorkerRequest {
-            worker_id: resolved.worker_id.clone(),
-            host: config.advertise_host.trim().to_string(),
-            http_addr,
-            slots: config.slots,
-            gpus: gpu_monitor.inventory().to_vec(),
-        },
-        gpus: Arc::new(std::sync::Mutex::new(gpu_monitor)),
-        heartbeat_interval,
-        applied: Default::default(),
-    };
-    let control_task = tokio::spawn(control.run(loops_cancel.clone()));
+/// The running agent: its loops, supervisor, servers and coordinator client.
+struct Running {
+    loops_cancel: CancellationToken,
+    control_task: tokio::task::JoinHandle<()>,
+    events_task: tokio::task::JoinHandle<()>,
+    supervisor: Supervisor,
+    events: EventReporter,
+    servers_cancel: CancellationToken,
+    servers: JoinSet<anyhow::Result<()>>,
+    client_cancel: CancellationToken,
+}
 
-    let outcome = tokio::select! {
-        _ = &mut shutdown => {
-            tracing::info!("shutdown requested: stopping every rank");
-            Ok(())
+impl Running {
+    /// Waits for `shutdown` (then `Ok`) or the first server to stop (an error).
+    async fn until_the_end(
+        &mut self,
+        shutdown: &mut std::pin::Pin<&mut impl Future>,
+    ) -> anyhow::Result<()> {
+        tokio::select! {
+            _ = shutdown.as_mut() => {
+                tracing::info!("shutdown requested: stopping every rank");
+                Ok(())
+            }
+            Some(result) = self.servers.join_next() => {
+                let error = match result {
+                    Ok(Ok(())) => anyhow::anyhow!("an HTTP server stopped unexpectedly"),
+                    Ok(Err(e)) => e,
+                    Err(e) => anyhow::anyhow!("an HTTP server task failed: {e}"),
+                };
+                tracing::error!("{error:#}: stopping the agent");
+                Err(error)
+            }
         }
-        Some(result) = servers.join_next() => {
-            let error = match result {
-                Ok(Ok(())) => anyhow::anyhow!("an HTTP server stopped unexpectedly"),
-                Ok(Err(e)) => e,
-                Err(e) => anyhow::anyhow!("an HTTP server task failed: {e}"),
-            };
-            tracing::error!("{error:#}: stopping the agent");
-            Err(error)
-        }
-    };
+    }
 
-    loops_cancel.cancel();
-    if let Err(e) = control_task.await {
-        tracing::error!("control loop task failed: {e}");
+    /// Shutdown, in order: the loops, every rank (and their exits reported, bounded), the
+    /// servers (bounded), the coordinator client, `agent.json`.
+    async fn stop(mut self, data_dir: &Path) {
+        self.loops_cancel.cancel();
+        if let Err(e) = self.control_task.await {
+            tracing::error!("control loop task failed: {e}");
+        }
+        if let Err(e) = self.events_task.await {
+            tracing::error!("event reporter task failed: {e}");
+        }
+        self.supervisor.shutdown().await;
+        let unreported = self.events.flush(SHUTDOWN_REPORT_TIMEOUT).await;
+        if unreported > 0 {
+            tracing::warn!("{unreported} rank events could not be reported before exiting");
+        }
+        self.servers_cancel.cancel();
+        let servers = &mut self.servers;
+        let drained = tokio::time::timeout(SERVER_SHUTDOWN_TIMEOUT, async {
+            while servers.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!(
+                "HTTP servers did not finish within {SERVER_SHUTDOWN_TIMEOUT:?}: aborting them"
+            );
+            self.servers.abort_all();
+        }
+        self.client_cancel.cancel();
+        if let Err(e) = tokio::fs::remove_file(agent_info_path(data_dir)).await {
+            tracing::warn!("cannot remove agent.json: {e}");
+        }
+        tracing::info!("agent stopped");
     }
-    if let Err(e) = events_task.await {
-        tracing::error!("event reporter task failed: {e}");
-    }
-    supervisor.shutdown().await;
-    let unreported = events.flush(SHUTDOWN_REPORT_TIMEOUT).await;
-    if unreported > 0 {
-        tracing::warn!("{unreported} rank events could not be reported before exiting");
-    }
-    servers_cancel.cancel();
-    let drained = tokio::time::timeout(SERVER_SHUTDOWN_TIMEOUT, async {
-        while servers.join_next().await.is_some() {}
-    })
-    .await;
-    if drained.is_err() {
-        tracing::warn!(
-            "HTTP servers did not finish within {SERVER_SHUTDOWN_TIMEOUT:?}: aborting them"
-        );
-        servers.abort_all();
-    }
-    client_cancel.cancel();
-    if let Err(e) = tokio::fs::remove_file(agent_info_path(&config.data_dir)).await {
-        tracing::warn!("cannot remove agent.json: {e}");
-    }
-    tracing::info!("agent stopped");
-    outcome
 }
 
 #[cfg(test)]
