@@ -18,8 +18,8 @@
 //!
 //! Classes: `--classes`, or the largest training label + 1.
 //!
-//! Why one file of ~1,000 lines: one training loop, whose resume is exact only if data
-//! order, RNG state, checkpoint content and step counting agree; they stay side by side.
+//! The training loop stays in this one file: its resume is exact only if data order, RNG
+//! state, checkpoint content and step counting agree, so they stay side by side.
 //! One rank's run under the agent ([`run`]: progress reports, checkpoint commits, the
 //! results) is in `trainer/rank.rs`.
 

@@ -18,9 +18,10 @@
 //! ([`OpenError::CorruptRecord`], naming the tree and the key), and so does a sled that
 //! lost flushed writes ([`OpenError::LostWrites`]): never silently wrong state.
 //!
-//! Why one file of ~800 lines: it implements openraft's two storage traits, whose methods
-//! share one ordering contract with the flusher (every vote, truncation and purge waits for
-//! the flushes before it); kept together so that contract reads in one place.
+//! This file implements openraft's two storage traits, whose methods share one ordering
+//! contract with the flusher (every vote, truncation and purge waits for the flushes
+//! before it); they stay together so that contract reads in one place. Opening a data dir,
+//! with its checks and repairs, is the child module `open`.
 
 use std::collections::BTreeSet;
 use std::fmt::Debug;

@@ -60,9 +60,9 @@
 //! - A new segment's directory entry is made durable (directory `fsync`) before any
 //!   record in it is reported.
 //!
-//! Why one file of ~1,000 lines: the record format, the writer and the reader that decides
-//! torn write or corruption are one contract; a change to any of them must be read against
-//! the other two.
+//! The record format and the rule that tells a torn write from damage are in `format`
+//! (a child module); the writer and the scan that apply that rule are here. They are one
+//! contract: a change to either must be read against the other.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
