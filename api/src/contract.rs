@@ -14,7 +14,7 @@ use crate::states::{
     CheckpointTier, CommitTier, JobState, RankPhase, RankState, RestartScope, Role, StopAction,
     WorkerPhase,
 };
-use crate::{client_config, gpus, leader, limits, manifest, rank_env, rank_local, token};
+use crate::{blobs, client_config, gpus, leader, limits, manifest, rank_env, rank_local, token};
 
 /// The one command that rewrites both generated files.
 pub const REGENERATE: &str = "cargo run -p cumulus-api --bin cumulus-contract";
@@ -116,6 +116,7 @@ fn constants() -> Vec<Constant> {
     all.extend(manifest_constants());
     all.extend(rank_env_constants());
     all.extend(client_config_constants());
+    all.extend(blob_constants());
     all.sort_by(|a, b| a.name.cmp(b.name));
     all
 }
@@ -358,8 +359,36 @@ fn rank_env_constants() -> Vec<Constant> {
             rank_env::EXIT_AGENT_UNREACHABLE,
             "Exit code of a rank that could not reach its agent's rank-local API after its retries."
         ),
+        constant!(str, rank_env::OUTPUT_DIR as "RANK_ENV_OUTPUT_DIR", "Directory whose contents are uploaded as the attempt's artifacts when it ends."),
+        constant!(
+            int,
+            rank_env::EXIT_CANNOT_RUN,
+            "Exit code of a rank that cannot run here whatever restarts: the job fails at once."
+        ),
         constant!(str, rank_local::ACTION_NONE as "RANK_ACTION_NONE", "The rank-local control action that asks nothing (go on)."),
         constant!(int, rank_local::MAX_REPLY_BYTES as "RANK_MAX_REPLY_BYTES", "Most bytes of a rank-local reply body a rank reads."),
+        constant!(int, rank_local::MAX_LISTED_STEPS as "RANK_MAX_LISTED_STEPS", "Most committed steps one rank-local GET /v1/checkpoints reply lists (the newest)."),
+    ]
+}
+
+/// The blob store ([`blobs`]): blob names, the packed-directory format's limits, the
+/// result files of a remote function.
+fn blob_constants() -> Vec<Constant> {
+    vec![
+        constant!(int, blobs::DIGEST_HEX_LEN as "BLOB_DIGEST_HEX_LEN", "Length of a blob digest (BLAKE3, lowercase hex)."),
+        constant!(int, blobs::DEFAULT_MAX_WORKDIR_BYTES, "Default cap on a packed working directory, in bytes."),
+        constant!(int, blobs::MAX_BLOB_BYTES, "Hard cap on one blob a coordinator accepts, in bytes."),
+        constant!(int, blobs::CHUNK_BYTES as "BLOB_CHUNK_BYTES", "Most bytes of one blob chunk on the wire."),
+        constant!(int, blobs::MAX_UNPACKED_BYTES, "Most bytes an archive may unpack to."),
+        constant!(int, blobs::MAX_EXPANSION_RATIO, "Largest unpacked-to-packed ratio of an archive."),
+        constant!(int, blobs::MAX_ARCHIVE_ENTRIES, "Most entries of one archive."),
+        constant!(int, blobs::MAX_ENTRY_PATH_BYTES, "Longest path of one archive entry, in bytes."),
+        constant!(int, blobs::DEFAULT_MAX_ARTIFACT_BYTES, "Default cap on one attempt's packed artifacts, in bytes."),
+        constant!(int, blobs::DEFAULT_MAX_RESULT_BYTES, "Default cap on a remote function's pickled result, in bytes."),
+        constant!(int, blobs::MAX_REQUIREMENTS_BYTES, "Longest requirements text of an environment, in bytes."),
+        constant!(int, blobs::MAX_FIND_LINKS, "Most find-links entries of an environment."),
+        constant!(str, blobs::RESULT_FILE as "REMOTE_RESULT_FILE", "Where a remote function's result is written under the output dir."),
+        constant!(str, blobs::ERROR_FILE as "REMOTE_ERROR_FILE", "Where a remote function's exception is written under the output dir."),
     ]
 }
 

@@ -12,6 +12,7 @@
 //! - [`states`]: job state, rank state and phase, restart scope, commit tier, with their
 //!   one wire spelling.
 //! - [`rank_env`]: the environment variables of the rank contract.
+//! - [`blobs`]: the blob store: digests, the packed-directory format, its limits.
 //! - [`rank_local`]: the bodies of the rank-local HTTP API (agent ↔ rank).
 //! - [`limits`]: the limits more than one process checks.
 //! - [`client_config`]: how a client (`cumulusctl`, the Python SDK) finds and reaches a
@@ -37,6 +38,7 @@
 //! table.
 
 pub mod attempt;
+pub mod blobs;
 pub mod client_config;
 #[cfg(feature = "grpc")]
 pub mod contract;

@@ -50,6 +50,11 @@ pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 /// `torch.cuda.set_per_process_memory_fraction`. Cooperative: nothing enforces it.
 pub const GPU_MEMORY_FRACTION: &str = "CUMULUS_GPU_MEMORY_FRACTION";
 
+/// A directory private to this attempt, empty at its start: what the rank leaves there
+/// is packed and uploaded to the cluster's blob store when the attempt ends (also when
+/// it fails), and listed as the job's artifacts (`cumulusctl artifacts`).
+pub const OUTPUT_DIR: &str = "CUMULUS_OUTPUT_DIR";
+
 /// Every variable of the rank contract. A job's own `env` entry with one of these names is
 /// dropped by the agent (even when it does not set that variable for this attempt), so a
 /// job cannot fake, say, a resume; tests remove them all to run hermetically.
@@ -70,6 +75,7 @@ pub const CONTRACT_VARS: &[&str] = &[
     RESUME_DIR,
     RESUME_STEP,
     GPU_MEMORY_FRACTION,
+    OUTPUT_DIR,
 ];
 
 /// Variables an agent with GPUs sets for every rank; a job's own `env` entry with one of
@@ -86,3 +92,10 @@ pub const GPU_VARS: &[&str] = &[CUDA_VISIBLE_DEVICES];
 /// rank's own failure like any other code. The example trainer and the Python runtime
 /// exit with it; any trainer may.
 pub const EXIT_AGENT_UNREACHABLE: i32 = 75;
+
+/// Exit code of a rank that found it cannot run here, whatever restarts (a remote
+/// function built for another Python version, a required module missing): `EX_CONFIG`
+/// of `sysexits.h`. The agent reports it as a failure no restart can fix (like a program
+/// that cannot be executed): the leader fails the job at once and spends no restart
+/// budget. A rank exiting with it can only end its own job early.
+pub const EXIT_CANNOT_RUN: i32 = 78;

@@ -6,7 +6,8 @@
 //! Every body is JSON. Paths: `POST /v1/progress` ([`ProgressReport`] → 204, or 200
 //! [`ControlReply`] once the rank is asked to stop), `GET /v1/control` (200
 //! [`ControlReply`]), `POST /v1/checkpoint` ([`CheckpointRequest`] → 200
-//! [`CommitReply`]). Errors are [`ErrorReply`].
+//! [`CommitReply`]), `GET /v1/checkpoints` (200 [`CheckpointsReply`]). Errors are
+//! [`ErrorReply`].
 
 use std::collections::BTreeMap;
 
@@ -46,6 +47,20 @@ pub struct CommitReply {
     /// `step-00000100/rank-0/attempt-1`.
     pub dir: String,
 }
+
+/// The 200 reply of `GET /v1/checkpoints`: the committed steps of the rank's job as its
+/// checkpoint store shows them (the step `LATEST` names and every older step with a
+/// valid manifest), ascending, at most the newest [`MAX_LISTED_STEPS`]. Empty for a job
+/// without checkpoints or before its first committed step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointsReply {
+    /// Committed steps, ascending.
+    pub steps: Vec<u64>,
+}
+
+/// Most steps one [`CheckpointsReply`] lists (the newest ones): its JSON stays under
+/// [`MAX_REPLY_BYTES`] (each step is at most 21 bytes with its comma).
+pub const MAX_LISTED_STEPS: usize = 1024;
 
 /// What the agent asks of the rank: the 200 reply of `GET /v1/control` and of a progress
 /// report once the rank has been asked to stop.
@@ -109,5 +124,14 @@ mod tests {
             action: "drain_somehow".into(),
         };
         assert_eq!(newer.stop_action(), Some(StopAction::Stop));
+    }
+
+    #[test]
+    fn the_longest_checkpoint_listing_fits_a_reply() {
+        let reply = CheckpointsReply {
+            steps: vec![u64::MAX; MAX_LISTED_STEPS],
+        };
+        let json = serde_json::to_vec(&reply).expect("serializes");
+        assert!(json.len() <= MAX_REPLY_BYTES, "{} bytes", json.len());
     }
 }

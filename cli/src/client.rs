@@ -718,6 +718,37 @@ mod tests {
                 self.0.gate(&req)?;
                 Err(Status::unimplemented("not served by this test node"))
             }
+
+            type GetBlobStream = std::pin::Pin<
+                Box<
+                    dyn futures::Stream<Item = Result<cumulus_api::BlobChunk, Status>>
+                        + Send
+                        + 'static,
+                >,
+            >;
+
+            async fn stat_blob(
+                &self,
+                req: Request<cumulus_api::StatBlobRequest>,
+            ) -> Result<Response<cumulus_api::StatBlobResponse>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::unimplemented("not served by this test node"))
+            }
+
+            async fn put_blob(
+                &self,
+                _req: Request<tonic::Streaming<cumulus_api::BlobChunk>>,
+            ) -> Result<Response<cumulus_api::PutBlobResponse>, Status> {
+                Err(Status::unimplemented("not served by this test node"))
+            }
+
+            async fn get_blob(
+                &self,
+                req: Request<cumulus_api::GetBlobRequest>,
+            ) -> Result<Response<Self::GetBlobStream>, Status> {
+                self.0.gate(&req)?;
+                Err(Status::unimplemented("not served by this test node"))
+            }
         }
 
         async fn serve(node: Arc<Node>) -> String {

@@ -13,6 +13,8 @@ import enum
 from typing import Final, TypedDict
 
 __all__ = [
+    "BLOB_CHUNK_BYTES",
+    "BLOB_DIGEST_HEX_LEN",
     "CA_FILE",
     "CHECKPOINT_TIERS",
     "CLIENT_ENV_ADDR",
@@ -31,21 +33,30 @@ __all__ = [
     "CONNECT_TIMEOUT_MS",
     "DEFAULT_COMMIT_TIER",
     "DEFAULT_LOCAL_DIR",
+    "DEFAULT_MAX_ARTIFACT_BYTES",
+    "DEFAULT_MAX_RESULT_BYTES",
+    "DEFAULT_MAX_WORKDIR_BYTES",
     "DEFAULT_RESTART_SCOPE",
     "DEFAULT_SUMMARIES",
     "EXIT_AGENT_UNREACHABLE",
+    "EXIT_CANNOT_RUN",
     "IDENTITY_SCHEME",
     "JOB_STATES",
     "LATEST_FILE",
     "LEADER_HTTP_HEADER",
     "MANIFEST_FILE",
     "MANIFEST_FORMAT_VERSION",
+    "MAX_ARCHIVE_ENTRIES",
     "MAX_ARG_BYTES",
     "MAX_BACKOFF_MS",
+    "MAX_BLOB_BYTES",
     "MAX_CKPT_KEEP",
     "MAX_CLUSTER_FILE_BYTES",
     "MAX_COMMAND_ARGS",
+    "MAX_ENTRY_PATH_BYTES",
     "MAX_ENV_ENTRIES",
+    "MAX_EXPANSION_RATIO",
+    "MAX_FIND_LINKS",
     "MAX_GPUS_PER_WORKER",
     "MAX_GPU_ERROR_BYTES",
     "MAX_GPU_NAME_BYTES",
@@ -58,6 +69,7 @@ __all__ = [
     "MAX_PEM_FILE_BYTES",
     "MAX_PRIORITY",
     "MAX_REQUEST_ID_BYTES",
+    "MAX_REQUIREMENTS_BYTES",
     "MAX_RESTART_BUDGET",
     "MAX_SHARDS",
     "MAX_SHARDS_FILE_BYTES",
@@ -66,6 +78,7 @@ __all__ = [
     "MAX_SUMMARIES",
     "MAX_TIME_LIMIT_MS",
     "MAX_TOKEN_BYTES",
+    "MAX_UNPACKED_BYTES",
     "MAX_WORLD_SIZE",
     "MIN_MANIFEST_FORMAT_VERSION",
     "MIN_TOKEN_BYTES",
@@ -83,15 +96,19 @@ __all__ = [
     "RANK_ENV_LOCAL_WORLD_SIZE",
     "RANK_ENV_MASTER_ADDR",
     "RANK_ENV_MASTER_PORT",
+    "RANK_ENV_OUTPUT_DIR",
     "RANK_ENV_RANK",
     "RANK_ENV_RESUME_DIR",
     "RANK_ENV_RESUME_STEP",
     "RANK_ENV_SHARDS_FILE",
     "RANK_ENV_WORLD_SIZE",
     "RANK_GPU_VARS",
+    "RANK_MAX_LISTED_STEPS",
     "RANK_MAX_REPLY_BYTES",
     "RANK_PHASES",
     "RANK_STATES",
+    "REMOTE_ERROR_FILE",
+    "REMOTE_RESULT_FILE",
     "REQUEST_TIMEOUT_MS",
     "RESTART_SCOPES",
     "RETRY_BACKOFF_INITIAL_MS",
@@ -122,6 +139,10 @@ __all__ = [
 
 # --- Constants ------------------------------------------------------------------------------------
 
+#: Most bytes of one blob chunk on the wire. Rust: ``cumulus_api::blobs::CHUNK_BYTES``.
+BLOB_CHUNK_BYTES: Final = 1_048_576
+#: Length of a blob digest (BLAKE3, lowercase hex). Rust: ``cumulus_api::blobs::DIGEST_HEX_LEN``.
+BLOB_DIGEST_HEX_LEN: Final = 64
 #: File name of the cluster's CA certificate inside its TLS directory. Rust:
 #: ``cumulus_tls::generate::CA_FILE``.
 CA_FILE: Final = "ca.pem"
@@ -170,11 +191,23 @@ CONNECT_TIMEOUT_MS: Final = 2000
 #: The local cluster's directory by default. Rust:
 #: ``cumulus_api::client_config::DEFAULT_LOCAL_DIR``.
 DEFAULT_LOCAL_DIR: Final = ".cumulus"
+#: Default cap on one attempt's packed artifacts, in bytes. Rust:
+#: ``cumulus_api::blobs::DEFAULT_MAX_ARTIFACT_BYTES``.
+DEFAULT_MAX_ARTIFACT_BYTES: Final = 268_435_456
+#: Default cap on a remote function's pickled result, in bytes. Rust:
+#: ``cumulus_api::blobs::DEFAULT_MAX_RESULT_BYTES``.
+DEFAULT_MAX_RESULT_BYTES: Final = 67_108_864
+#: Default cap on a packed working directory, in bytes. Rust:
+#: ``cumulus_api::blobs::DEFAULT_MAX_WORKDIR_BYTES``.
+DEFAULT_MAX_WORKDIR_BYTES: Final = 536_870_912
 #: Job summaries a list without a limit answers. Rust: ``cumulus_api::limits::DEFAULT_SUMMARIES``.
 DEFAULT_SUMMARIES: Final = 1000
 #: Exit code of a rank that could not reach its agent's rank-local API after its retries. Rust:
 #: ``cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE``.
 EXIT_AGENT_UNREACHABLE: Final = 75
+#: Exit code of a rank that cannot run here whatever restarts: the job fails at once. Rust:
+#: ``cumulus_api::rank_env::EXIT_CANNOT_RUN``.
+EXIT_CANNOT_RUN: Final = 78
 #: Scheme of the identity URI in every certificate the cluster CA issues. Rust:
 #: ``cumulus_tls::IDENTITY_SCHEME``.
 IDENTITY_SCHEME: Final = "cumulus://"
@@ -189,11 +222,16 @@ LEADER_HTTP_HEADER: Final = "x-cumulus-leader-http"
 MANIFEST_FILE: Final = "MANIFEST.json"
 #: The manifest format written now. Rust: ``cumulus_api::manifest::MANIFEST_FORMAT_VERSION``.
 MANIFEST_FORMAT_VERSION: Final = 2
+#: Most entries of one archive. Rust: ``cumulus_api::blobs::MAX_ARCHIVE_ENTRIES``.
+MAX_ARCHIVE_ENTRIES: Final = 100_000
 #: Longest command argument, env key or env value, in bytes. Rust:
 #: ``cumulus_api::limits::MAX_ARG_BYTES``.
 MAX_ARG_BYTES: Final = 4096
 #: Longest restart backoff, in milliseconds. Rust: ``cumulus_api::limits::MAX_BACKOFF_MS``.
 MAX_BACKOFF_MS: Final = 3_600_000
+#: Hard cap on one blob a coordinator accepts, in bytes. Rust:
+#: ``cumulus_api::blobs::MAX_BLOB_BYTES``.
+MAX_BLOB_BYTES: Final = 2_147_483_648
 #: Most kept checkpoint steps (``ckpt_keep``). Rust: ``cumulus_api::limits::MAX_CKPT_KEEP``.
 MAX_CKPT_KEEP: Final = 100
 #: Largest ``cluster.json`` a client reads, in bytes. Rust:
@@ -201,8 +239,15 @@ MAX_CKPT_KEEP: Final = 100
 MAX_CLUSTER_FILE_BYTES: Final = 1_048_576
 #: Most arguments of a rank command. Rust: ``cumulus_api::limits::MAX_COMMAND_ARGS``.
 MAX_COMMAND_ARGS: Final = 256
+#: Longest path of one archive entry, in bytes. Rust: ``cumulus_api::blobs::MAX_ENTRY_PATH_BYTES``.
+MAX_ENTRY_PATH_BYTES: Final = 4096
 #: Most ``env`` entries of a job. Rust: ``cumulus_api::limits::MAX_ENV_ENTRIES``.
 MAX_ENV_ENTRIES: Final = 256
+#: Largest unpacked-to-packed ratio of an archive. Rust:
+#: ``cumulus_api::blobs::MAX_EXPANSION_RATIO``.
+MAX_EXPANSION_RATIO: Final = 200
+#: Most find-links entries of an environment. Rust: ``cumulus_api::blobs::MAX_FIND_LINKS``.
+MAX_FIND_LINKS: Final = 16
 #: Most GPUs one worker registers, and one rank asks for. Rust:
 #: ``cumulus_api::limits::MAX_GPUS_PER_WORKER``.
 MAX_GPUS_PER_WORKER: Final = 64
@@ -230,6 +275,9 @@ MAX_PRIORITY: Final = 1000
 #: Longest submit idempotency key, in bytes (never empty). Rust:
 #: ``cumulus_api::limits::MAX_REQUEST_ID_BYTES``.
 MAX_REQUEST_ID_BYTES: Final = 128
+#: Longest requirements text of an environment, in bytes. Rust:
+#: ``cumulus_api::blobs::MAX_REQUIREMENTS_BYTES``.
+MAX_REQUIREMENTS_BYTES: Final = 65_536
 #: Most restarts a job may be given (``max_restarts``). Rust:
 #: ``cumulus_api::limits::MAX_RESTART_BUDGET``.
 MAX_RESTART_BUDGET: Final = 1000
@@ -250,6 +298,8 @@ MAX_SUMMARIES: Final = 10_000
 MAX_TIME_LIMIT_MS: Final = 31_536_000_000
 #: Longest bearer token, in bytes. Rust: ``cumulus_api::token::MAX_TOKEN_BYTES``.
 MAX_TOKEN_BYTES: Final = 4096
+#: Most bytes an archive may unpack to. Rust: ``cumulus_api::blobs::MAX_UNPACKED_BYTES``.
+MAX_UNPACKED_BYTES: Final = 8_589_934_592
 #: Largest world size a job may have. Rust: ``cumulus_api::limits::MAX_WORLD_SIZE``.
 MAX_WORLD_SIZE: Final = 65_536
 #: The oldest manifest format still read. Rust:
@@ -278,6 +328,7 @@ RANK_CONTRACT_VARS: Final[tuple[str, ...]] = (
     "CUMULUS_RESUME_DIR",
     "CUMULUS_RESUME_STEP",
     "CUMULUS_GPU_MEMORY_FRACTION",
+    "CUMULUS_OUTPUT_DIR",
 )
 #: Unix socket of the rank-local API (ranks run as another user). Rust:
 #: ``cumulus_api::rank_env::AGENT_SOCKET``.
@@ -308,6 +359,9 @@ RANK_ENV_LOCAL_WORLD_SIZE: Final = "LOCAL_WORLD_SIZE"
 RANK_ENV_MASTER_ADDR: Final = "MASTER_ADDR"
 #: Port of rank 0's rendezvous. Rust: ``cumulus_api::rank_env::MASTER_PORT``.
 RANK_ENV_MASTER_PORT: Final = "MASTER_PORT"
+#: Directory whose contents are uploaded as the attempt's artifacts when it ends. Rust:
+#: ``cumulus_api::rank_env::OUTPUT_DIR``.
+RANK_ENV_OUTPUT_DIR: Final = "CUMULUS_OUTPUT_DIR"
 #: Global rank, ``0..WORLD_SIZE``. Rust: ``cumulus_api::rank_env::RANK``.
 RANK_ENV_RANK: Final = "RANK"
 #: Directory of the committed part this attempt resumes from. Rust:
@@ -321,9 +375,18 @@ RANK_ENV_SHARDS_FILE: Final = "CUMULUS_SHARDS_FILE"
 RANK_ENV_WORLD_SIZE: Final = "WORLD_SIZE"
 #: Variables an agent with GPUs sets for every rank. Rust: ``cumulus_api::rank_env::GPU_VARS``.
 RANK_GPU_VARS: Final[tuple[str, ...]] = ("CUDA_VISIBLE_DEVICES",)
+#: Most committed steps one rank-local GET /v1/checkpoints reply lists (the newest). Rust:
+#: ``cumulus_api::rank_local::MAX_LISTED_STEPS``.
+RANK_MAX_LISTED_STEPS: Final = 1024
 #: Most bytes of a rank-local reply body a rank reads. Rust:
 #: ``cumulus_api::rank_local::MAX_REPLY_BYTES``.
 RANK_MAX_REPLY_BYTES: Final = 65_536
+#: Where a remote function's exception is written under the output dir. Rust:
+#: ``cumulus_api::blobs::ERROR_FILE``.
+REMOTE_ERROR_FILE: Final = "_cumulus/error.json"
+#: Where a remote function's result is written under the output dir. Rust:
+#: ``cumulus_api::blobs::RESULT_FILE``.
+REMOTE_RESULT_FILE: Final = "_cumulus/result.pkl"
 #: Time limit of one request, in milliseconds. Rust:
 #: ``cumulus_api::client_config::REQUEST_TIMEOUT_MS``.
 REQUEST_TIMEOUT_MS: Final = 10_000

@@ -393,6 +393,7 @@ impl Supervisor {
                 exec_failed: false,
                 step: 0,
                 total_steps: 0,
+                artifacts: None,
             }));
             return;
         }
@@ -642,6 +643,7 @@ impl Supervisor {
             agent_fault: exit.agent_fault,
             agent_evidence: exit.agent_evidence.clone().unwrap_or_default(),
             exec_failed: exit.exec_failed,
+            artifacts: None,
         }));
     }
 
