@@ -22,7 +22,12 @@
 //!   acknowledged the part; 409 when the attempt is no longer desired or the leader rejects
 //!   it as stale; 400 for a bad body or a job without checkpoints; 502/503 when the leader
 //!   failed or could not be reached (a retry of the same step re-reports the part already
-//!   committed locally). Errors are `{"error": ..}`.
+//!   committed locally).
+//! - `GET /v1/checkpoints` → 200 `{"steps": [u64]}`: the committed steps of the rank's job,
+//!   ascending (at most the newest 1,024; empty without checkpoints); 503 while the
+//!   attempt's checkpoint target is being prepared, 500 when the store cannot be read.
+//!
+//! Errors are `{"error": ..}`.
 
 use axum::Router;
 use axum::body::Bytes;
@@ -36,7 +41,9 @@ use crate::client::ClientError;
 use crate::http::{json_error, limit_concurrency, request_permits, request_token};
 use crate::supervisor::{CommitError, Progress, Supervisor};
 use cumulus_api::limits::{MAX_METRIC_NAME_BYTES, MAX_METRICS, MAX_STATE_JSON_BYTES};
-use cumulus_api::rank_local::{CheckpointRequest, CommitReply, ControlReply, ProgressReport};
+use cumulus_api::rank_local::{
+    CheckpointRequest, CheckpointsReply, CommitReply, ControlReply, ProgressReport,
+};
 
 /// Largest request body, in bytes (the state plus room for the envelope).
 pub const MAX_BODY_BYTES: usize = MAX_STATE_JSON_BYTES + 4 * 1024;
@@ -48,7 +55,8 @@ pub fn router(supervisor: Supervisor, check_caller: bool) -> Router {
     let router = Router::new()
         .route("/v1/progress", post(progress))
         .route("/v1/checkpoint", post(checkpoint))
-        .route("/v1/control", get(control));
+        .route("/v1/control", get(control))
+        .route("/v1/checkpoints", get(checkpoints));
     let router = if check_caller {
         router.layer(axum::middleware::from_fn_with_state(
             supervisor.clone(),
@@ -235,6 +243,16 @@ async fn checkpoint(State(sup): State<Supervisor>, headers: HeaderMap, body: Byt
     }
     match sup.commit_checkpoint(token, body.step, body.state).await {
         Ok(dir) => axum::Json(CommitReply { dir }).into_response(),
+        Err(e) => commit_error_response(e),
+    }
+}
+
+async fn checkpoints(State(sup): State<Supervisor>, headers: HeaderMap) -> Response {
+    let Some(token) = request_token(&headers) else {
+        return missing_token();
+    };
+    match sup.committed_steps(token).await {
+        Ok(steps) => axum::Json(CheckpointsReply { steps }).into_response(),
         Err(e) => commit_error_response(e),
     }
 }

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use cumulus_api::rank_local::MAX_LISTED_STEPS;
 use cumulus_api::{AttemptKey, CommitCheckpointPartRequest};
 
 use super::*;
@@ -78,6 +79,60 @@ impl Supervisor {
                 Err(CommitError::Coordinator(e))
             }
         }
+    }
+
+    /// The committed steps of the job of the attempt `token` names, ascending, as its
+    /// checkpoint store shows them: the step `LATEST` names and every older step whose
+    /// manifest reads and validates (a step left partial by a restart has none), at most
+    /// the newest [`MAX_LISTED_STEPS`] of them. Empty for a job without checkpoints, or
+    /// before `LATEST` exists. Reads at most that many manifests; never hashes content.
+    ///
+    /// # Errors
+    /// [`CommitError::UnknownToken`]; [`CommitError::NotReady`] while the attempt's
+    /// checkpoint target is being prepared; [`CommitError::Store`] when the store cannot
+    /// be read (an unusable step is skipped, not an error).
+    pub async fn committed_steps(&self, token: &str) -> Result<Vec<u64>, CommitError> {
+        let (key, target) = {
+            let table = self.table();
+            let key = table
+                .tokens
+                .get(token)
+                .ok_or(CommitError::UnknownToken)?
+                .clone();
+            let entry = table.entries.get(&key).ok_or(CommitError::UnknownToken)?;
+            if !entry.ckpt_enabled {
+                return Ok(Vec::new());
+            }
+            let target = entry
+                .ckpt
+                .clone()
+                .ok_or_else(|| CommitError::NotReady(key.clone()))?;
+            (key, target)
+        };
+        let store = &*target.store;
+        let Some(latest) = store.read_latest(&key.job_id).await? else {
+            return Ok(Vec::new());
+        };
+        let mut candidates: Vec<u64> = store
+            .list_steps(&key.job_id)
+            .await?
+            .into_iter()
+            .filter(|&s| s <= latest)
+            .collect();
+        if !candidates.contains(&latest) {
+            candidates.push(latest);
+        }
+        candidates.sort_unstable();
+        let newest = &candidates[candidates.len().saturating_sub(MAX_LISTED_STEPS)..];
+        let mut steps = Vec::with_capacity(newest.len());
+        for &step in newest {
+            match store.read_manifest(&key.job_id, step).await {
+                Ok(_) => steps.push(step),
+                Err(e) if e.is_unusable_checkpoint() => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(steps)
     }
 
     #[allow(clippy::type_complexity)]
