@@ -8,6 +8,7 @@ use tonic::{Request, Response, Status};
 
 use crate::api;
 use crate::auth::principal_of;
+use crate::blobs;
 use crate::error::to_status;
 use crate::node::Node;
 
@@ -216,5 +217,56 @@ impl ClientService for ClientSvc {
             name: who.name,
             role: who.role.to_string(),
         }))
+    }
+
+    type GetBlobStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<v1::BlobChunk, Status>> + Send + 'static>,
+    >;
+
+    /// Whether this coordinator holds a blob: any authenticated principal.
+    async fn stat_blob(
+        &self,
+        req: Request<v1::StatBlobRequest>,
+    ) -> Result<Response<v1::StatBlobResponse>, Status> {
+        let _who = principal_of(&req)?;
+        api::stat_blob(&self.node, &req.into_inner().digest)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    /// An upload (the first chunk names the blob), acknowledged once a majority of the
+    /// voting coordinators hold it.
+    async fn put_blob(
+        &self,
+        req: Request<tonic::Streaming<v1::BlobChunk>>,
+    ) -> Result<Response<v1::PutBlobResponse>, Status> {
+        let who = principal_of(&req)?;
+        let (header, chunks) = blobs::peers::from_chunks(req.into_inner()).await?;
+        api::put_blob(&self.node, &who, header, chunks)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+
+    /// A blob's bytes, verified as they stream (a corrupt copy ends the stream with
+    /// DATA_LOSS and is fetched again from a peer by the next read).
+    async fn get_blob(
+        &self,
+        req: Request<v1::GetBlobRequest>,
+    ) -> Result<Response<Self::GetBlobStream>, Status> {
+        let who = principal_of(&req)?;
+        let digest = req.into_inner().digest;
+        let read = api::get_blob(&self.node, &who, &digest)
+            .await
+            .map_err(to_status)?;
+        let header = blobs::BlobHeader {
+            digest,
+            size_bytes: read.size_bytes,
+        };
+        Ok(Response::new(Box::pin(blobs::peers::download_chunks(
+            header,
+            read.chunks,
+        ))))
     }
 }

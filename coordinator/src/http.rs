@@ -1,5 +1,6 @@
 //! The coordinator's HTTP API (axum): `/health`, the JSON mirror of the client API
-//! under `/v1/jobs…` and `/v1/users…`, and the SSE log stream (see [`crate::logs`]).
+//! under `/v1/jobs…` and `/v1/users…`, the blob store under `/v1/blobs/{digest}`
+//! (`HEAD`, streamed `PUT` and `GET`), and the SSE log stream (see [`crate::logs`]).
 //! Everything but `/health` requires a bearer token: the cluster token or a user's
 //! (`crate::auth::authenticate`); what each role may do is checked in `crate::api`.
 
@@ -42,6 +43,16 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/users", get(list_users).post(create_user))
         .route("/v1/users/{name}", axum::routing::delete(revoke_user))
         .route("/v1/whoami", get(who_am_i))
+        .route(
+            "/v1/blobs/{digest}",
+            get(get_blob)
+                .head(head_blob)
+                .put(put_blob)
+                // A blob's body has its own limit, not the JSON bodies' 1 MiB.
+                .layer(axum::extract::DefaultBodyLimit::max(
+                    usize::try_from(node.blobs.store.max_blob_bytes()).unwrap_or(usize::MAX),
+                )),
+        )
         .layer(axum::middleware::from_fn_with_state(
             node.clone(),
             require_token,
@@ -240,4 +251,82 @@ async fn checkpoints(
 
 async fn cluster(State(node): State<Arc<Node>>) -> Json<v1::ClusterStatusResponse> {
     Json(api::cluster_status(&node))
+}
+
+/// `HEAD /v1/blobs/{digest}`: 200 with the blob's size as Content-Length when this
+/// coordinator holds it, else 404 (any authenticated principal).
+async fn head_blob(
+    State(node): State<Arc<Node>>,
+    Path(digest): Path<String>,
+) -> Result<Response, HttpError> {
+    let stat = api::stat_blob(&node, &digest).await?;
+    if !stat.present {
+        return Ok(StatusCode::NOT_FOUND.into_response());
+    }
+    Ok((
+        StatusCode::OK,
+        [(
+            axum::http::header::CONTENT_LENGTH,
+            stat.size_bytes.to_string(),
+        )],
+    )
+        .into_response())
+}
+
+/// `PUT /v1/blobs/{digest}`: the body is the blob, streamed (its Content-Length is its
+/// size: required, and the bytes must match it and the digest); 201 with the
+/// `PutBlobResponse` once a majority of the voting coordinators hold it.
+async fn put_blob(
+    State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
+    Path(digest): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Result<(StatusCode, Json<v1::PutBlobResponse>), HttpError> {
+    use futures::StreamExt;
+    let size_bytes = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| {
+            ApiError::InvalidArgument(
+                "PUT /v1/blobs/{digest} needs a Content-Length header: the blob's size in \
+                 bytes (a chunked body is refused)"
+                    .into(),
+            )
+        })?;
+    let chunks = body.into_data_stream().map(|r| {
+        r.map_err(|e| crate::blobs::BlobError::Aborted(format!("the request body broke: {e}")))
+    });
+    let header = crate::blobs::BlobHeader { digest, size_bytes };
+    let answer = api::put_blob(&node, &who, header, Box::pin(chunks)).await?;
+    Ok((StatusCode::CREATED, Json(answer)))
+}
+
+/// `GET /v1/blobs/{digest}`: the blob's bytes, streamed with its Content-Length (who may
+/// read which blob: `api::get_blob`). A copy found corrupt as it streams breaks the
+/// response (the client sees a short body) and is fetched again by the next read.
+async fn get_blob(
+    State(node): State<Arc<Node>>,
+    Extension(who): Extension<Principal>,
+    Path(digest): Path<String>,
+) -> Result<Response, HttpError> {
+    use futures::StreamExt;
+    let read = api::get_blob(&node, &who, &digest).await?;
+    let body = axum::body::Body::from_stream(read.chunks.map(|r| r.map_err(std::io::Error::other)));
+    Ok((
+        StatusCode::OK,
+        [
+            (
+                axum::http::header::CONTENT_TYPE,
+                "application/octet-stream".to_string(),
+            ),
+            (
+                axum::http::header::CONTENT_LENGTH,
+                read.size_bytes.to_string(),
+            ),
+        ],
+        body,
+    )
+        .into_response())
 }

@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod blobs;
 pub mod client_service;
 pub mod control;
 pub mod convert;
@@ -210,6 +211,9 @@ pub struct Config {
     /// verifies parts, writes manifests and LATEST there.
     #[command(flatten)]
     pub s3: cumulus_ckpt::S3Args,
+    /// The blob store (packed working directories, artifacts) under `<data-dir>/blobs`.
+    #[command(flatten)]
+    pub blobs: blobs::BlobArgs,
 }
 
 impl Config {
@@ -242,6 +246,7 @@ impl Config {
         if !(MIN_STATE_BYTES..=max_state).contains(&self.max_state_bytes) {
             bail!("need {MIN_STATE_BYTES} <= --max-state-bytes <= {max_state}");
         }
+        self.blobs.validate()?;
         Ok(me)
     }
 }
@@ -271,7 +276,20 @@ pub async fn run(
     }
     let (raft, shared) = start_raft(&config, &peer_token, &tls).await?;
     let cancel = CancellationToken::new();
-    let node = new_node(&config, &raft, shared, roots, token.clone(), &tls, &cancel)?;
+    let blobs = Arc::new(blobs::Blobs::load(
+        &config.data_dir,
+        &config.blobs,
+        (config.node_id, raft.clone(), shared.clone()),
+        blobs::peers::BlobPeers::new(AddToken::new(&peer_token)?, network::client_tls(&tls)),
+    )?);
+    let node = new_node(
+        &config,
+        (&raft, shared),
+        (roots, blobs.clone()),
+        token.clone(),
+        &tls,
+        &cancel,
+    )?;
     bootstrap_if_first(&config, &raft).await?;
 
     // Whom a pristine node may vote for: the members it bootstraps with (a joining node,
@@ -299,6 +317,7 @@ pub async fn run(
         cancel.clone(),
     ));
     let control_task = tokio::spawn(control::run(node.clone(), cancel.clone()));
+    let blob_gc_task = tokio::spawn(blobs::gc::run(blobs, cancel.clone()));
     let snapshot_task = tokio::spawn(snapshots::run(
         raft.clone(),
         node.shared.clone(),
@@ -327,6 +346,7 @@ pub async fn run(
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
         let _ = control_task.await;
+        let _ = blob_gc_task.await;
         let _ = snapshot_task.await;
         let _ = grpc_task.await;
         let _ = http_task.await;
@@ -475,16 +495,15 @@ async fn start_raft(
 }
 
 /// The node every service and loop shares: `raft` with its applied state `shared`, the
-/// proposer (stopped by `cancel`), empty soft state, the limits from `config`, and the
-/// HTTPS client of the agents.
+/// proposer (stopped by `cancel`), empty soft state, the limits from `config` and the
+/// job `roots`, the blob store `blobs`, and the HTTPS client of the agents.
 ///
 /// # Errors
 /// The agents' HTTPS client or the S3 settings cannot be built.
 fn new_node(
     config: &Config,
-    raft: &Raft,
-    shared: Arc<SharedState>,
-    roots: cumulus_api::paths::JobRoots,
+    (raft, shared): (&Raft, Arc<SharedState>),
+    (roots, blobs): (cumulus_api::paths::JobRoots, Arc<blobs::Blobs>),
     token: Arc<str>,
     tls: &Tls,
     cancel: &CancellationToken,
@@ -510,6 +529,7 @@ fn new_node(
         s3: cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?,
         local_fs: Arc::default(),
         state_reserved_bytes: Default::default(),
+        blobs,
     }))
 }
 

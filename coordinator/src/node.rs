@@ -67,6 +67,8 @@ pub struct Node {
     /// Estimated bytes of the submits admitted and not yet applied, in bytes (see
     /// [`Node::reserve_state_bytes`]).
     pub state_reserved_bytes: std::sync::atomic::AtomicU64,
+    /// The blob store on this coordinator's data dir (see [`crate::blobs`]).
+    pub blobs: Arc<crate::blobs::Blobs>,
 }
 
 /// One user's (not an administrator's) share of the state byte budget: at most

@@ -14,6 +14,7 @@ use openraft::raft::{AppendEntriesRequest, SnapshotResponse, VoteRequest};
 use serde::Serialize;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::blobs;
 use crate::network::{MAX_SNAPSHOT_BYTES, SnapshotHeader, off_runtime_if};
 use crate::node::Node;
 use crate::terms::{TermSource, check_term, strip_transfer};
@@ -507,6 +508,89 @@ impl RaftService for RaftSvc {
                 .install_full_snapshot(header.vote, snapshot)
                 .await,
         )
+    }
+
+    type FetchBlobStream =
+        Pin<Box<dyn Stream<Item = Result<cumulus_api::v1::BlobChunk, Status>> + Send + 'static>>;
+
+    /// A peer's replica of a blob it stored (the first chunk names it): stored here only
+    /// (never replicated on), verified and fsynced before the answer.
+    async fn replicate_blob(
+        &self,
+        req: Request<Streaming<cumulus_api::v1::BlobChunk>>,
+    ) -> Result<Response<cumulus_api::v1::PutBlobResponse>, Status> {
+        self.check_blob_peer(peer_node_id(&req))?;
+        let md = req.metadata().clone();
+        let (header, chunks) = blobs::peers::from_chunks(req.into_inner()).await?;
+        let meta = blobs::peers::provenance_from(&md, header.size_bytes);
+        let stored = self
+            .node
+            .blobs
+            .receive_replica(header.clone(), meta, chunks)
+            .await?;
+        Ok(Response::new(cumulus_api::v1::PutBlobResponse {
+            digest: header.digest,
+            size_bytes: stored.size_bytes,
+            replicas: 1,
+        }))
+    }
+
+    /// A blob this node holds, for a peer that lacks it (NOT_FOUND when it lacks it too:
+    /// never asked of another peer); its uploader and time in the answer's metadata.
+    async fn fetch_blob(
+        &self,
+        req: Request<cumulus_api::v1::GetBlobRequest>,
+    ) -> Result<Response<Self::FetchBlobStream>, Status> {
+        self.check_blob_peer(peer_node_id(&req))?;
+        let digest = req.into_inner().digest;
+        let (meta, read) = self.node.blobs.open_local(&digest).await?;
+        let header = blobs::BlobHeader {
+            digest,
+            size_bytes: meta.size_bytes,
+        };
+        let mut response: Response<Self::FetchBlobStream> =
+            Response::new(Box::pin(blobs::peers::download_chunks(header, read.chunks)));
+        blobs::peers::provenance_into(response.metadata_mut(), &meta);
+        Ok(response)
+    }
+}
+
+impl RaftSvc {
+    /// A blob call between coordinators: the peer token (checked by the interceptor)
+    /// and, with TLS, a connection whose certificate names a member (the initial members
+    /// while this node knows no membership).
+    ///
+    /// # Errors
+    /// `permission_denied` naming what is missing; the refusal is logged.
+    fn check_blob_peer(&self, certified: Option<cumulus_raft_store::NodeId>) -> Result<(), Status> {
+        if !self.node.tls {
+            return Ok(());
+        }
+        let Some(id) = certified else {
+            tracing::warn!(
+                "refused a blob call whose connection presents no coordinator certificate"
+            );
+            return Err(Status::permission_denied(
+                "a blob call between coordinators needs a coordinator certificate",
+            ));
+        };
+        let members = self.members();
+        let allowed = if members.is_empty() {
+            &self.initial_members
+        } else {
+            &members
+        };
+        if allowed.contains(&id) {
+            Ok(())
+        } else {
+            tracing::warn!(
+                sender = id,
+                "refused a blob call from a coordinator that is not a member"
+            );
+            Err(Status::permission_denied(format!(
+                "coordinator {id} is not a member of this cluster"
+            )))
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! Admission: a submitted job's checks before it enters the log (request id, spec,
-//! names and paths under the roots, dataset listing, checkpoint target, capacity, the
-//! state's byte budget), then its proposal; a resumed job's spec completed from its
-//! source.
+//! names and paths under the roots, dataset listing, checkpoint target, capacity, a
+//! workdir blob held by the blob store, the state's byte budget), then its proposal; a
+//! resumed job's spec completed from its source.
 
 use std::path::Path;
 
@@ -338,6 +338,10 @@ async fn submit_checked(
     shards.sort();
     if existing.is_none() {
         check_fits(node, &spec, shards.len(), req.allow_pending)?;
+        // A workdir blob must be in the blob store (on the leader, and a majority).
+        if let Some(workdir) = req.spec.as_ref().and_then(|s| s.workdir.as_ref()) {
+            super::blobs::check_workdir(node, workdir).await?;
+        }
     }
     // A new job must fit the state's byte budget; a retried request id adds nothing.
     let _reservation = if existing.is_none() {

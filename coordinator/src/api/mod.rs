@@ -11,12 +11,15 @@
 //! - `membership`: [`cluster_status`] and the Raft membership changes
 //!   ([`add_learner`], [`promote_member`], [`remove_member`]);
 //! - `users`: [`create_user`], [`revoke_user`], [`list_users`];
-//! - `checkpoints`: [`list_checkpoints`], and deleting a job's checkpoints.
+//! - `checkpoints`: [`list_checkpoints`], and deleting a job's checkpoints;
+//! - `blobs`: the blob store as clients see it ([`stat_blob`], [`put_blob`],
+//!   [`get_blob`]) and the admission check of a workdir blob.
 //!
 //! Every operation is reached through the re-exports here (`crate::api::submit`).
 
 mod admission;
 mod authorization;
+mod blobs;
 mod checkpoints;
 mod jobs;
 mod lifecycle;
@@ -25,6 +28,7 @@ mod users;
 
 pub use admission::{list_dataset, submit};
 pub use authorization::{require_owner, require_role};
+pub use blobs::{get_blob, put_blob, stat_blob};
 pub use checkpoints::list_checkpoints;
 pub use jobs::{DEFAULT_SUMMARIES, MAX_SUMMARIES, get_job, job_summaries, job_summary, list_jobs};
 pub use lifecycle::{MAX_PURGE_JOBS, cancel, delete, pause, purge, resume};

@@ -1,0 +1,103 @@
+//! Garbage collection of the local blob store, on every coordinator (leader or not): a
+//! blob no job of this node's applied state references (as its workdir or an artifact)
+//! and neither stored nor used for `--blob-retention-ms` is removed, and with it its
+//! bytes from its uploader's quota; temp files no write owns are removed once stale.
+//!
+//! A sweep runs once the node has caught up (a leader is known and the state machine
+//! has applied what the cluster committed: a node still replaying its log must not take
+//! a referenced blob for an orphan), then every [`sweep_interval`].
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use openraft::async_runtime::watch::WatchReceiver;
+use tokio_util::sync::CancellationToken;
+
+use super::{Blobs, refs};
+use crate::soft::now_ms;
+
+/// Longest pause between two sweeps, in milliseconds.
+pub const MAX_SWEEP_INTERVAL_MS: u64 = 5 * 60 * 1_000;
+/// Shortest pause between two sweeps, in milliseconds (also the poll while catching up).
+pub const MIN_SWEEP_INTERVAL_MS: u64 = 1_000;
+
+/// The pause between sweeps for a retention of `retention_ms`: half of it, within
+/// [`MIN_SWEEP_INTERVAL_MS`]..=[`MAX_SWEEP_INTERVAL_MS`].
+pub fn sweep_interval(retention_ms: u64) -> Duration {
+    Duration::from_millis((retention_ms / 2).clamp(MIN_SWEEP_INTERVAL_MS, MAX_SWEEP_INTERVAL_MS))
+}
+
+/// What one sweep removed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Swept {
+    /// Blobs removed.
+    pub blobs: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Stale temp files removed.
+    pub temp_files: usize,
+}
+
+/// Whether this node's applied state is current: a leader is known and everything the
+/// cluster committed (as this node knows it) is applied.
+fn caught_up(blobs: &Blobs) -> bool {
+    let m = blobs.raft.metrics();
+    let m = m.borrow_watched();
+    let committed = m.cluster_committed.or(m.local_committed).map(|l| l.index);
+    m.current_leader.is_some() && m.last_applied.map(|l| l.index) >= committed
+}
+
+/// Sweeps until `cancel`: once caught up, then every [`sweep_interval`].
+pub async fn run(blobs: Arc<Blobs>, cancel: CancellationToken) {
+    let interval = sweep_interval(blobs.retention_ms);
+    loop {
+        let pause = if caught_up(&blobs) {
+            let swept = sweep(&blobs).await;
+            if swept != Swept::default() {
+                tracing::info!(
+                    blobs = swept.blobs,
+                    bytes = swept.bytes,
+                    temp_files = swept.temp_files,
+                    retention_ms = blobs.retention_ms,
+                    "removed unreferenced blobs"
+                );
+            }
+            interval
+        } else {
+            Duration::from_millis(MIN_SWEEP_INTERVAL_MS)
+        };
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
+/// One sweep: removes the blobs unused for the retention that no job references, and
+/// the stale temp files.
+pub async fn sweep(blobs: &Arc<Blobs>) -> Swept {
+    let cut = now_ms().saturating_sub(blobs.retention_ms);
+    let mut candidates: HashSet<String> = blobs.store.unused_since(cut).into_iter().collect();
+    if !candidates.is_empty() {
+        blobs
+            .shared
+            .read(|d| refs::drop_referenced(&d.state, &mut candidates));
+    }
+    let mut swept = Swept::default();
+    for digest in candidates {
+        match blobs.store.remove_if_unused(&digest, cut).await {
+            Ok(Some(size)) => {
+                swept.blobs += 1;
+                swept.bytes += size;
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(%digest, error = %e, "cannot remove an unreferenced blob"),
+        }
+    }
+    let this = blobs.clone();
+    swept.temp_files = tokio::task::spawn_blocking(move || this.store.sweep_temp())
+        .await
+        .unwrap_or(0);
+    swept
+}
