@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use cumulus_api::{RankPhase, v1};
 use cumulus_raft_store::state::{
-    ClusterState, Job, JobSpec, JobState, RankState, RestartPolicy, RestartScope, ResumeFrom,
-    StopAction,
+    BlobRef, ClusterState, Environment, Job, JobSpec, JobState, RankState, RestartPolicy,
+    RestartScope, ResumeFrom, StopAction,
 };
 
 use crate::error::ApiError;
@@ -72,6 +72,8 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
             step: p.resume_from_step,
         }),
         preemptible: p.preemptible,
+        workdir: p.workdir.as_ref().map(blob_from_proto),
+        environment: p.environment.as_ref().map(environment_from_proto),
     };
     spec.validate(max_world_size)
         .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
@@ -116,6 +118,44 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             .unwrap_or_default(),
         resume_from_step: s.resume_from.as_ref().and_then(|r| r.step),
         preemptible: s.preemptible,
+        workdir: s.workdir.as_ref().map(blob_to_proto),
+        environment: s.environment.as_ref().map(environment_to_proto),
+    }
+}
+
+/// A blob reference as the state holds it (validated with the spec or the exit).
+pub fn blob_from_proto(b: &v1::BlobRef) -> BlobRef {
+    BlobRef {
+        digest: b.digest.clone(),
+        size_bytes: b.size_bytes,
+    }
+}
+
+/// The wire form of a stored blob reference.
+pub fn blob_to_proto(b: &BlobRef) -> v1::BlobRef {
+    v1::BlobRef {
+        digest: b.digest.clone(),
+        size_bytes: b.size_bytes,
+    }
+}
+
+fn environment_from_proto(e: &v1::EnvironmentSpec) -> Environment {
+    Environment {
+        requirements: e.requirements.clone(),
+        python: e.python.clone(),
+        index_url: e.index_url.clone(),
+        find_links: e.find_links.clone(),
+        no_index: e.no_index,
+    }
+}
+
+fn environment_to_proto(e: &Environment) -> v1::EnvironmentSpec {
+    v1::EnvironmentSpec {
+        requirements: e.requirements.clone(),
+        python: e.python.clone(),
+        index_url: e.index_url.clone(),
+        find_links: e.find_links.clone(),
+        no_index: e.no_index,
     }
 }
 
@@ -211,6 +251,15 @@ pub fn job_to_proto(
         running_ms: job.running_ms_at(now_ms),
         paused_ms: job.paused_ms_at(now_ms),
         state_changes: job.state_changes,
+        artifacts: job
+            .artifacts
+            .iter()
+            .map(|a| v1::Artifact {
+                rank: a.rank,
+                attempt: a.attempt,
+                blob: Some(blob_to_proto(&a.blob)),
+            })
+            .collect(),
     }
 }
 
@@ -412,6 +461,8 @@ fn desired_rank(
             Some(StopAction::TimeLimit) => job.spec.signal_before_ms,
             _ => 0,
         },
+        workdir: job.spec.workdir.as_ref().map(blob_to_proto),
+        environment: job.spec.environment.as_ref().map(environment_to_proto),
     }
 }
 

@@ -12,6 +12,7 @@ use cumulus_raft_store::Command;
 use cumulus_raft_store::state::{PartInfo, WorkerState};
 use tonic::{Request, Response, Status};
 
+use crate::blobs;
 use crate::convert::{desired_digest, desired_for_worker, next_backoff_end_ms, wanted_digest};
 use crate::error::{ApiError, to_status};
 use crate::node::Node;
@@ -385,6 +386,18 @@ impl WorkerService for WorkerSvc {
                 "an exit needs an exit code, a signal or a spawn error",
             ));
         }
+        let artifacts = r.artifacts.as_ref().map(crate::convert::blob_from_proto);
+        if let Some(a) = &artifacts
+            && !a.is_valid()
+        {
+            return Err(Status::invalid_argument(format!(
+                "artifacts {:?} of {} bytes is not a blob: it needs a BLAKE3 digest (64 \
+                 lowercase hex digits) and a size between 1 and {} bytes",
+                cumulus_api::text::escape_control(&a.digest.chars().take(80).collect::<String>()),
+                a.size_bytes,
+                cumulus_api::blobs::MAX_BLOB_BYTES
+            )));
+        }
         self.node
             .propose_ok(Command::RankExited {
                 job_id: r.job_id,
@@ -400,6 +413,7 @@ impl WorkerService for WorkerSvc {
                 exec_failed: r.exec_failed,
                 step: r.step,
                 total_steps: r.total_steps,
+                artifacts,
             })
             .await
             .map_err(to_status)?;
@@ -490,6 +504,58 @@ impl WorkerService for WorkerSvc {
             "signed a certificate for an enrolling worker"
         );
         Ok(Response::new(v1::EnrolWorkerResponse { cert_pem }))
+    }
+
+    type GetBlobStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<v1::BlobChunk, Status>> + Send + 'static>,
+    >;
+
+    /// An attempt's artifacts, stored like a user's upload (a majority of the voters
+    /// before the answer); recorded as uploaded by `worker/ID`, outside every quota.
+    async fn put_blob(
+        &self,
+        req: Request<tonic::Streaming<v1::BlobChunk>>,
+    ) -> Result<Response<v1::PutBlobResponse>, Status> {
+        let worker = check_blob_worker(self.node.tls, certified_worker(&req))?;
+        let (header, chunks) = blobs::peers::from_chunks(req.into_inner()).await?;
+        self.node
+            .blobs
+            .put(header, &blobs::ops::Uploader::Worker(worker), chunks)
+            .await
+            .map(Response::new)
+            .map_err(Status::from)
+    }
+
+    /// A blob a job needs (its workdir), fetched from a peer first when this coordinator
+    /// lacks it; verified as it streams.
+    async fn get_blob(
+        &self,
+        req: Request<v1::GetBlobRequest>,
+    ) -> Result<Response<Self::GetBlobStream>, Status> {
+        check_blob_worker(self.node.tls, certified_worker(&req))?;
+        let digest = req.into_inner().digest;
+        let read = self.node.blobs.open(&digest).await?;
+        let header = blobs::BlobHeader {
+            digest,
+            size_bytes: read.size_bytes,
+        };
+        Ok(Response::new(Box::pin(blobs::peers::download_chunks(
+            header,
+            read.chunks,
+        ))))
+    }
+}
+
+/// With TLS on, a blob call on the worker service must come from a worker's certificate
+/// (the cluster token alone does not name a worker). Returns the worker's id (`""`
+/// without TLS).
+fn check_blob_worker(tls: bool, certified: Option<String>) -> Result<String, Status> {
+    match (tls, certified) {
+        (_, Some(id)) => Ok(id),
+        (false, None) => Ok(String::new()),
+        (true, None) => Err(Status::permission_denied(
+            "a blob call on the worker service needs a worker certificate",
+        )),
     }
 }
 

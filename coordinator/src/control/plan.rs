@@ -781,16 +781,21 @@ fn plan_restart(
             .collect::<Vec<_>>()
             .join("; "),
     );
-    // A program that cannot be executed fails the same way on every restart: the job
+    // A program that cannot be executed (or an environment that cannot be built, or a
+    // rank that exited EXIT_CANNOT_RUN) fails the same way on every restart: the job
     // fails now instead of spending its budget on it.
     if let Some(r) = failed.iter().find(|r| r.exec_failed) {
+        let why = if r.exit_code == Some(cumulus_api::rank_env::EXIT_CANNOT_RUN) {
+            "the rank found it cannot run on this cluster, and no restart can fix that \
+             (its log says why)"
+        } else {
+            "the program cannot be executed, and no restart can fix that (check the \
+             command, its path and permissions on the workers, or the job's environment, \
+             then submit again)"
+        };
         actions.push(Action::FailJob {
             job_id: job.id.clone(),
-            cause: truncate(format!(
-                "{}: the program cannot be executed, and no restart can fix that (check the \
-                 command, its path and permissions on the workers, then submit again)",
-                r.failure.clone().unwrap_or_default()
-            )),
+            cause: truncate(format!("{}: {why}", r.failure.clone().unwrap_or_default())),
         });
         return;
     }

@@ -127,6 +127,7 @@ impl ClusterState {
                 exec_failed,
                 step,
                 total_steps,
+                artifacts,
                 at_ms,
             } => {
                 let exit = RankExit {
@@ -137,6 +138,7 @@ impl ClusterState {
                     agent_evidence,
                     exec_failed: *exec_failed,
                     progress: (*step, *total_steps),
+                    artifacts: artifacts.as_ref(),
                 };
                 self.rank_exited(job_id, (*rank, *attempt), worker_id, &exit, *at_ms, dirty)
             }

@@ -173,8 +173,10 @@ pub enum Command {
         /// its own rank-local API during the attempt (connections turned away, not serving).
         #[serde(default, skip_serializing_if = "String::is_empty")]
         agent_evidence: String,
-        /// Its program cannot be executed (missing, not executable): no restart can fix
-        /// it, the leader fails the job.
+        /// No restart can fix it, the leader fails the job: its program cannot be
+        /// executed (missing, not executable; with `spawn_error`), its environment could
+        /// not be built (with `spawn_error`), or it exited with
+        /// [`cumulus_api::rank_env::EXIT_CANNOT_RUN`].
         #[serde(default)]
         exec_failed: bool,
         /// The last step the rank reported before it exited (0: none).
@@ -183,6 +185,11 @@ pub enum Command {
         /// The total steps of that report (0: unknown).
         #[serde(default)]
         total_steps: u64,
+        /// What the attempt left in its `CUMULUS_OUTPUT_DIR`, stored in the blob store
+        /// before this report (`None`: nothing, or its upload failed). Recorded in
+        /// [`Job::artifacts`] only when the exit is accepted.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        artifacts: Option<BlobRef>,
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },

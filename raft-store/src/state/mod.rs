@@ -20,6 +20,8 @@ mod model;
 mod spec;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_code;
 
 pub use cumulus_api::limits::{
     MAX_ARG_BYTES, MAX_BACKOFF_MS, MAX_CKPT_KEEP, MAX_COMMAND_ARGS, MAX_ENV_ENTRIES,

@@ -56,8 +56,9 @@ pub struct RankRecord {
     /// exited, kept for the job's status once the process is gone ((0, 0): none).
     #[serde(default, skip_serializing_if = "is_zero_pair")]
     pub last_progress: (u64, u64),
-    /// The current attempt's program cannot be executed (missing, not executable): the
-    /// leader fails the job instead of restarting it.
+    /// No restart can fix the current attempt's failure (its program cannot be executed,
+    /// its environment could not be built, or it exited `EXIT_CANNOT_RUN`): the leader
+    /// fails the job instead of restarting it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exec_failed: bool,
     /// UUIDs of the GPUs of the current attempt (empty for a job without GPUs).
@@ -226,6 +227,23 @@ pub struct Job {
     /// paused, resumed and preempted.
     #[serde(default)]
     pub state_changes: u64,
+    /// What the ranks' attempts left in `CUMULUS_OUTPUT_DIR`: for each rank, the newest
+    /// attempt that left any, in rank order (at most one per rank, so at most the world
+    /// size). Recorded from an accepted [`Command::RankExited`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub artifacts: Vec<Artifact>,
+}
+
+/// What one rank attempt left in its `CUMULUS_OUTPUT_DIR`, packed and stored in the
+/// blob store by its agent before the attempt's exit was reported.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Artifact {
+    /// Global rank, `0..world_size`.
+    pub rank: u32,
+    /// The attempt that left it.
+    pub attempt: u32,
+    /// The packed directory (tar.gz).
+    pub blob: BlobRef,
 }
 
 /// A request that a running job's ranks checkpoint and stop.
@@ -341,6 +359,22 @@ impl Job {
         self.pending_parts.clear();
     }
 
+    /// Records what attempt `attempt` of `rank` left in its output directory: it
+    /// replaces the rank's entry of an older (or the same) attempt and is dropped beside
+    /// a newer one's; entries stay in rank order, one per rank.
+    pub(super) fn record_artifact(&mut self, rank: u32, attempt: u32, blob: &BlobRef) {
+        let artifact = Artifact {
+            rank,
+            attempt,
+            blob: blob.clone(),
+        };
+        match self.artifacts.binary_search_by_key(&rank, |a| a.rank) {
+            Ok(i) if self.artifacts[i].attempt <= attempt => self.artifacts[i] = artifact,
+            Ok(_) => {}
+            Err(i) => self.artifacts.insert(i, artifact),
+        }
+    }
+
     /// True when every rank's current attempt exited 0.
     pub fn all_ranks_succeeded(&self) -> bool {
         self.ranks.iter().all(|r| r.state == RankState::Exited)
@@ -411,8 +445,17 @@ impl Job {
                     .map(|d| d.len() + PER_STRING_BYTES)
                     .sum::<usize>()
         });
-        (ranks + restarts + parts + fork + self.failure_cause.as_ref().map_or(0, String::len))
-            as u64
+        let artifacts: usize = self
+            .artifacts
+            .iter()
+            .map(|a| ARTIFACT_BYTES + a.blob.digest.len())
+            .sum();
+        (ranks
+            + restarts
+            + parts
+            + fork
+            + artifacts
+            + self.failure_cause.as_ref().map_or(0, String::len)) as u64
     }
 }
 
@@ -427,6 +470,8 @@ pub(super) const RANK_BYTES: usize = 512;
 pub(super) const RESTART_BYTES: usize = 256;
 /// Allowance for one checkpoint part's field names and scalar fields, in bytes.
 pub(super) const PART_BYTES: usize = 256;
+/// Allowance for one artifact's field names and scalar fields, in bytes.
+pub(super) const ARTIFACT_BYTES: usize = 96;
 /// Allowance for one checkpoint part file's field names and size, in bytes.
 pub(super) const PART_FILE_BYTES: usize = 64;
 

@@ -61,6 +61,10 @@ impl RestartPolicy {
     }
 }
 
+pub use cumulus_api::blobs::{
+    MAX_BLOB_BYTES, MAX_FIND_LINKS, MAX_REQUIREMENTS_BYTES, is_valid_digest,
+    is_valid_python_version,
+};
 pub use cumulus_api::is_job_id;
 
 /// Committed checkpoint steps kept when a submit names none.
@@ -128,6 +132,72 @@ pub struct JobSpec {
     /// job of higher priority waits for its slots; that costs no restart budget.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub preemptible: bool,
+    /// The ranks' working directory sent by the client: a packed directory in the
+    /// cluster's blob store, unpacked afresh for every attempt. Not with `working_dir`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<BlobRef>,
+    /// The Python environment the ranks run in, built and cached on each worker
+    /// (`None`: the worker's own interpreter and packages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<Environment>,
+}
+
+/// A content-addressed blob of the cluster's blob store ([`cumulus_api::blobs`]): only
+/// its name and size are in the Raft log, never its bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlobRef {
+    /// BLAKE3 of the blob's bytes, 64 lowercase hex digits
+    /// ([`cumulus_api::blobs::is_valid_digest`]).
+    pub digest: String,
+    /// The blob's size in bytes, `1..=`[`MAX_BLOB_BYTES`].
+    pub size_bytes: u64,
+}
+
+impl BlobRef {
+    /// Whether the reference names a blob at all: a valid digest and a size in
+    /// `1..=`[`MAX_BLOB_BYTES`].
+    pub fn is_valid(&self) -> bool {
+        is_valid_digest(&self.digest) && self.size_bytes > 0 && self.size_bytes <= MAX_BLOB_BYTES
+    }
+}
+
+/// A Python virtual environment the ranks run in, built with uv on each worker and
+/// cached per (requirements, Python version, platform, index options).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Environment {
+    /// requirements.txt text (pip's format), at most [`MAX_REQUIREMENTS_BYTES`] without
+    /// NUL; "" = a bare virtual environment.
+    #[serde(default)]
+    pub requirements: String,
+    /// Python version `3.X` or `3.X.Y` ("" = the worker's python3).
+    #[serde(default)]
+    pub python: String,
+    /// uv's `--index-url` ("" = uv's default), at most [`MAX_ARG_BYTES`].
+    #[serde(default)]
+    pub index_url: String,
+    /// uv's `--find-links`: directories on the worker or URLs, at most
+    /// [`MAX_FIND_LINKS`] of at most [`MAX_ARG_BYTES`] each.
+    #[serde(default)]
+    pub find_links: Vec<String>,
+    /// uv's `--no-index`: packages come from `find_links` only.
+    #[serde(default)]
+    pub no_index: bool,
+}
+
+impl Environment {
+    /// The bytes of its variable-size strings, each with a per-string allowance.
+    fn approx_string_bytes(&self) -> usize {
+        // Requirements are multi-line text: JSON escapes each newline.
+        2 * self.requirements.len()
+            + self.python.len()
+            + self.index_url.len()
+            + self
+                .find_links
+                .iter()
+                .map(|l| l.len() + PER_STRING_BYTES)
+                .sum::<usize>()
+            + 4 * PER_STRING_BYTES
+    }
 }
 
 /// A committed step of an earlier job that a new job starts from (`--resume-from JOB@STEP`).
@@ -174,6 +244,8 @@ impl JobSpec {
             priority: 0,
             resume_from: None,
             preemptible: false,
+            workdir: None,
+            environment: None,
         }
     }
 
@@ -214,6 +286,14 @@ impl JobSpec {
             + self.ckpt_url.len()
             + self.ckpt_commit_tier.len()
             + self.resume_from.as_ref().map_or(0, |r| r.job_id.len())
+            + self
+                .workdir
+                .as_ref()
+                .map_or(0, |w| w.digest.len() + 2 * PER_STRING_BYTES)
+            + self
+                .environment
+                .as_ref()
+                .map_or(0, Environment::approx_string_bytes)
     }
 
     /// True when the job checkpoints (a local root, an S3 target, or both).
@@ -366,6 +446,51 @@ impl JobSpec {
         {
             return Err(SpecError::GpuShare);
         }
+        self.validate_code()
+    }
+
+    /// Checks what the job brings with it: its packed working directory and its
+    /// Python environment.
+    fn validate_code(&self) -> Result<(), SpecError> {
+        if let Some(w) = &self.workdir {
+            if !w.is_valid() {
+                return Err(SpecError::BadWorkdir {
+                    digest: w.digest.chars().take(80).collect(),
+                    size_bytes: w.size_bytes,
+                });
+            }
+            if !self.working_dir.is_empty() {
+                return Err(SpecError::WorkdirAndWorkingDir);
+            }
+        }
+        let Some(env) = &self.environment else {
+            return Ok(());
+        };
+        if env.requirements.len() > MAX_REQUIREMENTS_BYTES || env.requirements.contains('\0') {
+            return Err(SpecError::Requirements {
+                bytes: env.requirements.len(),
+            });
+        }
+        if !is_valid_python_version(&env.python) {
+            return Err(SpecError::PythonVersion {
+                python: env.python.chars().take(32).collect(),
+            });
+        }
+        if env.find_links.len() > MAX_FIND_LINKS {
+            return Err(SpecError::TooManyFindLinks {
+                count: env.find_links.len(),
+            });
+        }
+        for (field, value) in std::iter::once(("index_url", &env.index_url))
+            .chain(env.find_links.iter().map(|l| ("find_links", l)))
+        {
+            if value.len() > MAX_ARG_BYTES || value.contains(['\0', '\n', '\r']) {
+                return Err(SpecError::BadIndexOption {
+                    field,
+                    prefix: value.chars().take(32).collect(),
+                });
+            }
+        }
         Ok(())
     }
 }
@@ -507,4 +632,52 @@ pub enum SpecError {
         "a GPU memory fraction below 1 applies to one GPU per rank (gpus_per_rank 1), in thousandths 1..=999"
     )]
     GpuShare,
+    /// A workdir reference whose digest is not 64 lowercase hex digits, or whose size is
+    /// 0 or above [`MAX_BLOB_BYTES`].
+    #[error(
+        "workdir {digest:?} of {size_bytes} bytes is not a blob: it needs a BLAKE3 digest \
+         (64 lowercase hex digits) and a size between 1 and {MAX_BLOB_BYTES} bytes"
+    )]
+    BadWorkdir {
+        /// The digest as given (its first 80 characters).
+        digest: String,
+        /// The size as given, in bytes.
+        size_bytes: u64,
+    },
+    /// Both a packed workdir and a `working_dir` path on the workers.
+    #[error(
+        "workdir (an uploaded directory) and working_dir (a path on the workers) exclude each other"
+    )]
+    WorkdirAndWorkingDir,
+    /// Requirements over [`MAX_REQUIREMENTS_BYTES`] or holding NUL.
+    #[error(
+        "environment requirements ({bytes} bytes) are longer than {MAX_REQUIREMENTS_BYTES} bytes or contain NUL"
+    )]
+    Requirements {
+        /// Their length, in bytes.
+        bytes: usize,
+    },
+    /// A Python version that is not `3.X` or `3.X.Y`.
+    #[error("environment python {python:?} must be 3.X or 3.X.Y")]
+    PythonVersion {
+        /// The version as given (its first 32 characters).
+        python: String,
+    },
+    /// More than [`MAX_FIND_LINKS`] find-links entries.
+    #[error("environment has {count} find_links entries, more than the limit of {MAX_FIND_LINKS}")]
+    TooManyFindLinks {
+        /// The number given.
+        count: usize,
+    },
+    /// An index URL or find-links entry over [`MAX_ARG_BYTES`], or holding NUL or a
+    /// line break.
+    #[error(
+        "environment {field} {prefix:?}… is longer than {MAX_ARG_BYTES} bytes or contains NUL or a line break"
+    )]
+    BadIndexOption {
+        /// `index_url` or `find_links`.
+        field: &'static str,
+        /// The value's first 32 characters.
+        prefix: String,
+    },
 }

@@ -2,7 +2,7 @@ use std::collections::BTreeSet;
 
 use super::*;
 
-fn spec(world_size: u32) -> JobSpec {
+pub(super) fn spec(world_size: u32) -> JobSpec {
     JobSpec {
         ckpt_dir: "/ckpt".into(),
         ckpt_keep: 2,
@@ -14,11 +14,11 @@ fn spec(world_size: u32) -> JobSpec {
     }
 }
 
-fn apply(s: &mut ClusterState, cmd: Command) -> Response {
+pub(super) fn apply(s: &mut ClusterState, cmd: Command) -> Response {
     s.apply(&cmd, &mut BTreeSet::new())
 }
 
-fn cluster_with_job(world_size: u32) -> (ClusterState, String) {
+pub(super) fn cluster_with_job(world_size: u32) -> (ClusterState, String) {
     let mut s = ClusterState::default();
     for w in ["w1", "w2"] {
         let r = apply(
@@ -69,7 +69,7 @@ fn cluster_with_job(world_size: u32) -> (ClusterState, String) {
     (s, job_id)
 }
 
-fn exit(job_id: &str, rank: u32, attempt: u32, worker: &str, code: i32) -> Command {
+pub(super) fn exit(job_id: &str, rank: u32, attempt: u32, worker: &str, code: i32) -> Command {
     Command::RankExited {
         step: 0,
         total_steps: 0,
@@ -84,6 +84,7 @@ fn exit(job_id: &str, rank: u32, attempt: u32, worker: &str, code: i32) -> Comma
         at_ms: 100,
         agent_fault: false,
         agent_evidence: String::new(),
+        artifacts: None,
     }
 }
 

@@ -116,6 +116,7 @@ impl ClusterState {
             paused_ms: 0,
             paused_at_ms: 0,
             state_changes: 0,
+            artifacts: Vec::new(),
         };
         // Indexed now (its fixed size computed once, kept by the index), so that the
         // eviction below counts it.

@@ -18,10 +18,25 @@ pub(super) struct RankExit<'a> {
     pub(super) agent_fault: bool,
     /// What the agent saw of its rank-local API, behind an unreachable-agent exit.
     pub(super) agent_evidence: &'a str,
-    /// Its program cannot be executed.
+    /// The agent says no restart can fix it ([`RankExit::cannot_run`] decides).
     pub(super) exec_failed: bool,
     /// The last `(step, total_steps)` the rank reported.
     pub(super) progress: (u64, u64),
+    /// What the attempt left in its output directory, stored in the blob store.
+    pub(super) artifacts: Option<&'a BlobRef>,
+}
+
+impl RankExit<'_> {
+    /// Whether no restart can fix this exit: the agent says so, with a spawn error (the
+    /// program cannot be executed, its environment could not be built) or with the exit
+    /// code [`cumulus_api::rank_env::EXIT_CANNOT_RUN`] of a rank that found it cannot
+    /// run here. The agent's flag alone, on any other exit, is ignored.
+    fn cannot_run(&self) -> bool {
+        self.exec_failed
+            && (!self.spawn_error.is_empty()
+                || (self.exit_code == Some(cumulus_api::rank_env::EXIT_CANNOT_RUN)
+                    && self.signal.is_none()))
+    }
 }
 
 impl ClusterState {
@@ -86,7 +101,9 @@ impl ClusterState {
     /// running job, placed on `worker_id` and not ended yet, records its exit code,
     /// signal, time and last progress; exit 0 with no spawn error makes it exited, else
     /// it failed, with the agent's fault (a spawn error, or an unreachable agent with the
-    /// agent's evidence), whether its program cannot run, and the failure in words.
+    /// agent's evidence), whether it cannot run ([`RankExit::cannot_run`]), and the
+    /// failure in words. An accepted exit (either kind) records the attempt's artifacts
+    /// when it names a valid blob ([`Job::record_artifact`]).
     pub(super) fn rank_exited(
         &mut self,
         job_id: &str,
@@ -97,8 +114,8 @@ impl ClusterState {
         dirty: &mut BTreeSet<DirtyKey>,
     ) -> Response {
         // A job that already ended still records its ranks' exits.
-        if self.jobs.get(job_id).is_some_and(|j| j.state.is_terminal()) {
-            return self.final_exit(
+        let resp = if self.jobs.get(job_id).is_some_and(|j| j.state.is_terminal()) {
+            self.final_exit(
                 job_id,
                 (rank, attempt),
                 worker_id,
@@ -106,8 +123,30 @@ impl ClusterState {
                 exit.progress,
                 at_ms,
                 dirty,
-            );
+            )
+        } else {
+            self.live_exit(job_id, (rank, attempt), worker_id, exit, at_ms, dirty)
+        };
+        if resp == Response::Ok
+            && let Some(blob) = exit.artifacts.filter(|b| b.is_valid())
+            && let Some(job) = self.jobs.get_mut(job_id)
+        {
+            Arc::make_mut(job).record_artifact(rank, attempt, blob);
+            dirty.insert(DirtyKey::Job(job_id.to_string()));
         }
+        resp
+    }
+
+    /// The exit of the current attempt of a rank of a live job ([`Self::rank_exited`]).
+    fn live_exit(
+        &mut self,
+        job_id: &str,
+        (rank, attempt): (u32, u32),
+        worker_id: &str,
+        exit: &RankExit<'_>,
+        at_ms: u64,
+        dirty: &mut BTreeSet<DirtyKey>,
+    ) -> Response {
         self.with_current_rank(job_id, rank, attempt, Some(worker_id), dirty, |_, r| {
             if !matches!(r.state, RankState::Pending | RankState::Running) {
                 return reject(format!(
@@ -131,7 +170,7 @@ impl ClusterState {
                     && exit.spawn_error.is_empty()
                     && !exit.agent_evidence.is_empty();
                 r.agent_fault = exit.agent_fault && (!exit.spawn_error.is_empty() || unreachable);
-                r.exec_failed = exit.exec_failed && !exit.spawn_error.is_empty();
+                r.exec_failed = exit.cannot_run();
                 r.failure = Some(exit_failure(r, worker_id, exit, unreachable));
             }
             Response::Ok
@@ -374,6 +413,13 @@ fn exit_failure(r: &RankRecord, worker_id: &str, exit: &RankExit<'_>, unreachabl
         format!(
             "rank {} attempt {} could not start: {spawn_error}",
             r.rank, r.attempt
+        )
+    } else if r.exec_failed {
+        format!(
+            "rank {} attempt {} exited with code {} on {worker_id}: it cannot run there",
+            r.rank,
+            r.attempt,
+            cumulus_api::rank_env::EXIT_CANNOT_RUN
         )
     } else if let Some(sig) = signal {
         format!(
