@@ -4,12 +4,16 @@
   :func:`~cumulus.runtime.get_context`, :func:`~cumulus.runtime.report`,
   :func:`~cumulus.runtime.checkpoint`, :func:`~cumulus.runtime.resume`,
   :func:`~cumulus.runtime.should_stop`, :func:`~cumulus.runtime.should_pause`,
-  :func:`~cumulus.runtime.stop_request`, :class:`~cumulus.runtime.ShardReader`. Standard
-  library only.
+  :func:`~cumulus.runtime.stop_request`, :func:`~cumulus.runtime.time_to_checkpoint`,
+  :func:`~cumulus.runtime.list_checkpoints`, :class:`~cumulus.runtime.ShardReader`.
+  Standard library only.
 * :mod:`cumulus.ckpt` — framework checkpoints (PyTorch, NumPy, JSON values, RNG state)
   written into a checkpoint part and restored bit for bit; frameworks imported lazily.
-* :class:`cumulus.Client` — submit jobs, follow them, read their logs and checkpoints
-  (needs ``httpx``; imported only when first used, so ranks never load it).
+* :class:`cumulus.Client` — submit jobs (a local directory uploaded with them, a Python
+  environment built for them), run functions on the cluster (``client.run(fn, ...)``
+  returns their value), follow jobs, read their logs, checkpoints and artifacts (needs
+  ``httpx``, ``cloudpickle``, ``pathspec``, ``blake3``; imported only when first used, so
+  ranks never load them).
 * :mod:`cumulus.errors` — every exception.
 """
 
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from cumulus import errors, runtime
 from cumulus.errors import (
     ApiError,
+    BundleError,
     CheckpointFailed,
     CheckpointsDisabled,
     ConfigError,
@@ -31,14 +36,19 @@ from cumulus.errors import (
     NotACoordinator,
     NotFound,
     NotInCumulusRank,
+    PythonVersionMismatch,
     RankEnvironmentError,
+    RemoteError,
+    ResultUnavailable,
     StaleAttempt,
     Unauthorized,
     Unavailable,
     Unsupported,
     WaitTimeout,
+    WorkdirTooLarge,
 )
 from cumulus.models import (
+    ArtifactFile,
     CheckpointInfo,
     ClusterInfo,
     GpuInfo,
@@ -47,6 +57,7 @@ from cumulus.models import (
     LogLine,
     ProgressSample,
     RankInfo,
+    UploadInfo,
 )
 from cumulus.runtime import (
     Context,
@@ -54,11 +65,13 @@ from cumulus.runtime import (
     ShardReader,
     checkpoint,
     get_context,
+    list_checkpoints,
     report,
     resume,
     should_pause,
     should_stop,
     stop_request,
+    time_to_checkpoint,
 )
 
 if TYPE_CHECKING:
@@ -68,6 +81,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ApiError",
+    "ArtifactFile",
+    "BundleError",
     "CheckpointFailed",
     "CheckpointInfo",
     "CheckpointsDisabled",
@@ -89,25 +104,32 @@ __all__ = [
     "NotFound",
     "NotInCumulusRank",
     "ProgressSample",
+    "PythonVersionMismatch",
     "RankEnvironmentError",
     "RankInfo",
+    "RemoteError",
+    "ResultUnavailable",
     "ResumePoint",
     "ShardReader",
     "StaleAttempt",
     "Unauthorized",
     "Unavailable",
     "Unsupported",
+    "UploadInfo",
     "WaitTimeout",
+    "WorkdirTooLarge",
     "__version__",
     "checkpoint",
     "errors",
     "get_context",
+    "list_checkpoints",
     "report",
     "resume",
     "runtime",
     "should_pause",
     "should_stop",
     "stop_request",
+    "time_to_checkpoint",
 ]
 
 

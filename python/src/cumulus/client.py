@@ -51,16 +51,18 @@ import json
 import math
 import numbers
 import os
+import pathlib
 import re
 import secrets
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
 from httpx_sse import EventSource, SSEError
 
-from cumulus import _contract
+from cumulus import _bundle, _contract, _remote, _transfer
+from cumulus._bundle import PackedDir
 from cumulus._config import Connection, normalize_address, resolve
 from cumulus.errors import (
     ApiError,
@@ -71,6 +73,7 @@ from cumulus.errors import (
     NotFound,
     ProtocolError,
     ResourceExhausted,
+    ResultUnavailable,
     ServerError,
     Unauthorized,
     Unavailable,
@@ -79,11 +82,13 @@ from cumulus.errors import (
 from cumulus.models import (
     FINISHED_STATES,
     JOB_STATES,
+    ArtifactFile,
     CheckpointInfo,
     ClusterInfo,
     JobInfo,
     JobSummary,
     LogLine,
+    UploadInfo,
 )
 
 __all__ = ["LEADER_HTTP_HEADER", "Client", "Job", "new_request_id"]
@@ -561,6 +566,86 @@ def _summaries_params(state: object, limit: object) -> dict[str, str]:
     return params
 
 
+#: A Python version an environment may ask for: ``3.X`` or ``3.X.Y`` (the Rust
+#: ``blobs::is_valid_python_version``).
+PYTHON_VERSION_PATTERN = re.compile(r"3\.[0-9]{1,3}(\.[0-9]{1,3})?")
+
+
+def _requirements_text(requirements: Sequence[str] | str | os.PathLike[str]) -> str:
+    """The requirements text of ``requirements``: a list of requirement lines, or the
+    path of a requirements file (read here).
+
+    :raises InvalidSpec: a line holds a newline or is not a ``str``, the file cannot be
+        read, or the text is over ``MAX_REQUIREMENTS_BYTES``."""
+    if isinstance(requirements, (str, os.PathLike)):
+        path = os.fspath(requirements)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(_contract.MAX_REQUIREMENTS_BYTES + 1)
+            text = data.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidSpec(f"requirements file {path}: {e}", status=None) from e
+    else:
+        if isinstance(requirements, bytes) or not all(
+            isinstance(r, str) and "\n" not in r and "\r" not in r for r in requirements
+        ):
+            raise InvalidSpec(
+                "requirements must be a list of requirement lines (str, no newline) or the "
+                f"path of a requirements file, got {requirements!r}",
+                status=None,
+            )
+        text = "".join(f"{r}\n" for r in requirements)
+    if len(text.encode()) > _contract.MAX_REQUIREMENTS_BYTES:
+        raise InvalidSpec(
+            f"the requirements are over {_contract.MAX_REQUIREMENTS_BYTES} bytes", status=None
+        )
+    return text
+
+
+def _environment(
+    requirements: Sequence[str] | str | os.PathLike[str] | None,
+    python: str | None,
+    index_url: str | None,
+    find_links: Sequence[str | os.PathLike[str]] | None,
+    no_index: bool,
+) -> dict[str, Any] | None:
+    """The spec's ``environment`` (``None`` without ``requirements`` and ``python``).
+
+    :raises InvalidSpec: an invalid value, or index options without an environment."""
+    _check_flag("no_index", no_index)
+    if requirements is None and python is None:
+        if index_url is not None or find_links is not None or no_index:
+            raise InvalidSpec(
+                "index_url, find_links and no_index apply to an environment: give "
+                "requirements (or python) too",
+                status=None,
+            )
+        return None
+    if python is not None and (
+        not isinstance(python, str) or not PYTHON_VERSION_PATTERN.fullmatch(python)
+    ):
+        raise InvalidSpec(f'python must be "3.X" or "3.X.Y", got {python!r}', status=None)
+    links = [os.fspath(x) for x in find_links or []]
+    if isinstance(find_links, (str, bytes)) or not all(isinstance(x, str) and x for x in links):
+        raise InvalidSpec(
+            f"find_links must be a list of directories or URLs, got {find_links!r}", status=None
+        )
+    if len(links) > _contract.MAX_FIND_LINKS:
+        raise InvalidSpec(
+            f"at most {_contract.MAX_FIND_LINKS} find_links, got {len(links)}", status=None
+        )
+    if index_url is not None and not isinstance(index_url, str):
+        raise InvalidSpec(f"index_url must be a str, got {index_url!r}", status=None)
+    return {
+        "requirements": "" if requirements is None else _requirements_text(requirements),
+        "python": python or "",
+        "index_url": index_url or "",
+        # Worker paths made absolute here, as every spec path; URLs as they are.
+        "find_links": [x if "://" in x else os.path.abspath(x) for x in links],
+        "no_index": no_index,
+    }
+
+
 class Client:
     """A client of one Cumulus cluster's coordinators.
 
@@ -695,6 +780,29 @@ class Client:
 
         :raises ApiError: the mapped error of a definitive answer, or
             :class:`Unavailable` once the retry budget is spent."""
+        resp, base = self._call(
+            method,
+            path,
+            lambda base: self._http.request(method, base + path, json=body, params=params),
+        )
+        try:
+            return resp.json()
+        except ValueError as e:
+            raise ProtocolError(
+                f"{method} {path}: the answer is not JSON: {resp.text[:200]!r}",
+                status=resp.status_code,
+                address=base,
+            ) from e
+
+    def _call(
+        self, method: str, path: str, send: Callable[[str], httpx.Response]
+    ) -> tuple[httpx.Response, str]:
+        """Sends one call with leader following and rotation: ``send(base)`` makes one
+        try against the coordinator at ``base``. Returns the first successful (2xx)
+        response and its coordinator; a streamed response is the caller's to close.
+
+        :raises ApiError: the mapped error of a definitive answer, or
+            :class:`Unavailable` once the retry budget is spent."""
         addrs = list(self.addresses)
         start = time.monotonic()
         index = addrs.index(self._preferred) if self._preferred in addrs else 0
@@ -706,21 +814,18 @@ class Client:
         while True:
             tries += 1
             try:
-                resp = self._http.request(method, base + path, json=body, params=params)
+                resp = send(base)
             except httpx.TransportError as e:
                 last = f"{base}: {type(e).__name__}: {e}"
                 leader = None
             else:
                 if resp.is_success:
                     self._preferred = base
-                    try:
-                        return resp.json()
-                    except ValueError as e:
-                        raise ProtocolError(
-                            f"{method} {path}: the answer is not JSON: {resp.text[:200]!r}",
-                            status=resp.status_code,
-                            address=base,
-                        ) from e
+                    return resp, base
+                try:
+                    resp.read()
+                finally:
+                    resp.close()
                 if resp.status_code != 503:
                     _raise_for(resp, base, self._unauthorized_hint)
                 last = f"{base}: HTTP 503: {_error_text(resp)}"
@@ -781,6 +886,13 @@ class Client:
         priority: int | None = None,
         resume_from: str | tuple[str, int] | None = None,
         preemptible: bool = False,
+        upload: str | os.PathLike[str] | PackedDir | None = None,
+        upload_max_bytes: int = _contract.DEFAULT_MAX_WORKDIR_BYTES,
+        requirements: Sequence[str] | str | os.PathLike[str] | None = None,
+        python: str | None = None,
+        index_url: str | None = None,
+        find_links: Sequence[str | os.PathLike[str]] | None = None,
+        no_index: bool = False,
     ) -> Job:
         """Submits a job: ``command`` (argv; ``argv[0]`` is looked up in the worker's
         ``PATH``) run by ``world_size`` ranks. Relative paths are made absolute here, as
@@ -838,16 +950,46 @@ class Client:
             :func:`cumulus.runtime.stop_request` ``== "preempt"``) and it is queued
             again, resuming from that step; no restart budget is spent. ``False``
             (default): never preempted.
+        :param upload: a local directory sent as the ranks' working directory: packed
+            (``.git`` left out, ``.gitignore`` and ``.cumulusignore`` honoured) and
+            stored in the cluster's blob store unless it has the same digest already
+            (an unchanged directory sends nothing; :attr:`Job.upload` says what was
+            sent). Each rank attempt runs in a fresh unpacked copy of it. Not with
+            ``working_dir``.
+        :param upload_max_bytes: largest packed ``upload`` accepted, in bytes (default
+            512 MiB); past it :class:`~cumulus.errors.WorkdirTooLarge` names the largest
+            files.
+        :param requirements: the ranks' Python environment: requirement lines
+            (``["numpy==2.1", "torch"]``) or the path of a requirements file, installed
+            with uv into a virtual environment each worker builds once and caches (the
+            ranks' ``python3`` is its interpreter). A failed install fails the job once,
+            spending no restart.
+        :param python: the environment's Python, ``"3.X"`` or ``"3.X.Y"`` (default: the
+            worker's ``python3``); alone, a bare environment of that version.
+        :param index_url: the package index of the environment (uv's ``--index-url``).
+        :param find_links: directories (on the workers) or URLs with packages (uv's
+            ``--find-links``), at most 16.
+        :param no_index: use ``find_links`` only (uv's ``--no-index``).
         :param allow_pending: accept a job larger than the alive workers offer in all
             (slots, GPUs); it stays pending until workers join. Without it the
             coordinator refuses such a job (:class:`InvalidSpec`).
         :returns: the job's handle (``created`` says whether this call created it).
         :raises InvalidSpec: the coordinator refused the spec (the message says why),
             or an argument is invalid (checked here first; a ``ValueError``).
+        :raises WorkdirTooLarge: ``upload`` packs to more than ``upload_max_bytes``.
+        :raises BundleError: ``upload`` cannot be packed (a symbolic link or special
+            file in it, an unreadable file...).
         :raises Unauthorized: wrong token.
         :raises Unavailable: no coordinator could take the write.
         """
         argv = _argv(command)
+        environment = _environment(requirements, python, index_url, find_links, no_index)
+        if upload is not None and working_dir is not None:
+            raise InvalidSpec(
+                "upload and working_dir exclude each other: the ranks run in the uploaded "
+                "directory",
+                status=None,
+            )
         _check_world_size(world_size)
         rid = _request_id(request_id)
         env_map = _env_map(env)
@@ -882,22 +1024,35 @@ class Client:
             resume=resume,
             preemptible=preemptible,
         )
+        if environment is not None:
+            spec["environment"] = environment
+        uploaded = None
+        if upload is not None:
+            uploaded = _transfer.upload_directory(self, upload, max_bytes=upload_max_bytes)
+            spec["workdir"] = uploaded.blob.to_json()
         request: dict[str, Any] = {"request_id": rid, "spec": spec}
         if allow_pending:
             request["allow_pending"] = True
         body = self._request("POST", "/v1/jobs", body=request)
         if not isinstance(body, dict) or not isinstance(body.get("job_id"), str):
             raise ProtocolError(f"submit: malformed answer {body!r}")
-        return Job(self, body["job_id"], created=bool(body.get("created", True)), request_id=rid)
+        return Job(
+            self,
+            body["job_id"],
+            created=bool(body.get("created", True)),
+            request_id=rid,
+            upload=uploaded,
+        )
 
-    def run(
+    def run_command(
         self,
         command: Sequence[str],
         *,
         timeout_s: float | None = None,
         **submit_args: Any,
     ) -> JobInfo:
-        """Submits a job (arguments as :meth:`submit`) and waits until it finishes.
+        """Submits a job running ``command`` (arguments as :meth:`submit`) and waits
+        until it finishes.
 
         :param timeout_s: give up waiting after this many seconds (the job keeps running).
         :returns: the final status of a job that succeeded.
@@ -912,6 +1067,196 @@ class Client:
             cause = f": {info.failure_cause}" if info.failure_cause else ""
             raise JobFailed(f"job {info.id} {info.state}{cause}", info)
         return info
+
+    def run(
+        self,
+        fn: Callable[..., Any] | Sequence[str],
+        *args: Any,
+        world_size: int = 1,
+        gpus_per_rank: int | None = None,
+        gpu_memory: float | None = None,
+        duration: float | None = None,
+        requirements: Sequence[str] | str | os.PathLike[str] | None = None,
+        upload: str | os.PathLike[str] | None = None,
+        gather: bool = False,
+        timeout: float | None = None,
+        ckpt_dir: str | os.PathLike[str] | None = None,
+        max_restarts: int | None = None,
+        options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Runs ``fn(*args, **kwargs)`` on ``world_size`` ranks of the cluster and
+        returns rank 0's return value (with ``gather``: every rank's, a list in rank
+        order). :meth:`run_async` then :meth:`Job.result`; see :meth:`run_async` for the
+        arguments.
+
+        ``client.run(["python", "train.py"], timeout_s=60, **submit_args)`` (a command,
+        not a function) is :meth:`run_command`, as in earlier versions.
+
+        :param timeout: give up waiting after this many seconds (the job keeps running;
+            :class:`~cumulus.errors.WaitTimeout`).
+        :raises RemoteError: ``fn`` raised on a rank (its type, message and traceback),
+            or its result could not be delivered (too large, not picklable).
+        :raises PythonVersionMismatch: the ranks' Python is not this client's
+            ``major.minor``; the job failed at once.
+        :raises JobFailed: the job failed otherwise, was cancelled or timed out.
+        :raises: as :meth:`run_async`.
+        """
+        if not callable(fn):
+            return self._run_command_form(
+                fn,
+                args,
+                {
+                    "world_size": world_size,
+                    "gpus_per_rank": gpus_per_rank,
+                    "gpu_memory_fraction": gpu_memory,
+                    "time_limit_s": duration,
+                    "requirements": requirements,
+                    "upload": upload,
+                    "ckpt_dir": ckpt_dir,
+                    "max_restarts": max_restarts,
+                },
+                timeout,
+                kwargs,
+            )
+        job = self.run_async(
+            fn,
+            *args,
+            world_size=world_size,
+            gpus_per_rank=gpus_per_rank,
+            gpu_memory=gpu_memory,
+            duration=duration,
+            requirements=requirements,
+            upload=upload,
+            gather=gather,
+            ckpt_dir=ckpt_dir,
+            max_restarts=max_restarts,
+            options=options,
+            **kwargs,
+        )
+        return job.result(timeout=timeout)
+
+    def _run_command_form(
+        self,
+        command: Sequence[str],
+        args: tuple[Any, ...],
+        named: dict[str, Any],
+        timeout: float | None,
+        kwargs: dict[str, Any],
+    ) -> JobInfo:
+        """``run(command, ...)``: :meth:`run_command` with the arguments given."""
+        if args:
+            raise TypeError("run(command, ...) takes the command alone, then keywords")
+        if not isinstance(command, Sequence):
+            raise TypeError(f"run() needs a function (or a command), got {command!r}")
+        submit_args = {k: v for k, v in named.items() if v is not None}
+        if submit_args.get("world_size") == 1:
+            del submit_args["world_size"]
+        timeout_s = kwargs.pop("timeout_s", timeout)
+        return self.run_command(command, timeout_s=timeout_s, **submit_args, **kwargs)
+
+    def run_async(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        world_size: int = 1,
+        gpus_per_rank: int | None = None,
+        gpu_memory: float | None = None,
+        duration: float | None = None,
+        requirements: Sequence[str] | str | os.PathLike[str] | None = None,
+        upload: str | os.PathLike[str] | None = None,
+        gather: bool = False,
+        ckpt_dir: str | os.PathLike[str] | None = None,
+        max_restarts: int | None = None,
+        options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Job:
+        """Submits ``fn(*args, **kwargs)`` to run on every one of ``world_size`` ranks and
+        returns the job's handle (:meth:`Job.result` waits for the value;
+        :meth:`Job.pause`, :meth:`Job.resume`, :meth:`Job.cancel`, :meth:`Job.logs`,
+        :meth:`Job.checkpoints`, :meth:`Job.artifacts` as for any job).
+
+        The function and its arguments are pickled by value with cloudpickle (its module
+        too when it is your own code rather than an installed package) and sent, with
+        copies of ``cumulus`` and ``cloudpickle``, in the job's working directory; each
+        rank runs it with the worker's ``python3`` (or the environment's, with
+        ``requirements``) inside the rank runtime, so :mod:`cumulus.runtime` works in it
+        (:func:`~cumulus.runtime.get_context`, checkpoints, :func:`~cumulus.runtime.resume`
+        after a restart, :func:`~cumulus.runtime.should_pause`). Rank 0 (every rank with
+        ``gather``) writes its pickled return value into its ``$CUMULUS_OUTPUT_DIR``; an
+        exception is written there as its type, message and traceback, and the rank
+        exits 1 (the job restarts within its budget, as for any failure; a function that
+        checkpoints resumes). A function pickled by this client's Python needs the same
+        ``major.minor`` on the ranks: otherwise the job fails at once, spending no
+        restart. A function may ``sys.exit(0)`` (after its checkpoint for a pause):
+        nothing is written then.
+
+        The names below are options of the run; every other keyword is passed to
+        ``fn`` (to pass one of these names to it, bind it with ``functools.partial``).
+
+        :param world_size: ranks to run ``fn`` on (``torch.distributed`` is set up by
+            the rank environment: ``MASTER_ADDR``, ``RANK``...).
+        :param gpus_per_rank: whole GPUs each rank gets (see :meth:`submit`).
+        :param gpu_memory: share of one GPU each rank gets, ``0 < f <= 1``
+            (:meth:`submit`'s ``gpu_memory_fraction``).
+        :param duration: the job's time limit in seconds (:meth:`submit`'s
+            ``time_limit_s``).
+        :param requirements: packages the ranks need (requirement lines or a
+            requirements file): an environment built on each worker with this client's
+            Python ``major.minor`` (unless ``options`` names a ``python``).
+        :param upload: a local directory sent as the ranks' working directory (see
+            :meth:`submit`): importable by ``fn`` (it is the rank's current directory).
+        :param gather: return every rank's value, a list in rank order.
+        :param ckpt_dir: the job's checkpoint root (needed for
+            :func:`cumulus.runtime.checkpoint` in ``fn``).
+        :param max_restarts: the job's restart budget (cluster default 3).
+        :param options: further :meth:`submit` arguments (``env``, ``name``,
+            ``dataset``, ``ckpt_url``, ``backoff_initial_ms``, ``find_links``,
+            ``no_index``, ``python``...), and ``max_result_bytes`` (default 64 MiB: past
+            it the rank writes an error instead of the value).
+        :raises TypeError: ``fn`` is not callable, or it or its arguments cannot be
+            pickled.
+        :raises: as :meth:`submit`.
+        """
+        if not callable(fn):
+            raise TypeError(f"run_async() needs a function, got {fn!r}")
+        _check_flag("gather", gather)
+        opts = dict(options or {})
+        for taken in ("command", "working_dir", "upload", "requirements", "world_size"):
+            if taken in opts:
+                raise TypeError(f"options may not set {taken!r}: it is run's own")
+        max_result_bytes = opts.pop("max_result_bytes", _contract.DEFAULT_MAX_RESULT_BYTES)
+        if isinstance(max_result_bytes, bool) or not isinstance(max_result_bytes, int):
+            raise InvalidSpec(f"max_result_bytes must be an int, got {max_result_bytes!r}")
+        if requirements is not None and "python" not in opts:
+            opts["python"] = _remote.client_python()
+        opts["env"] = {**_remote.RUN_ENV, **dict(opts.get("env") or {})}
+        for name, value in (
+            ("gpus_per_rank", gpus_per_rank),
+            ("gpu_memory_fraction", gpu_memory),
+            ("time_limit_s", duration),
+            ("ckpt_dir", ckpt_dir),
+            ("max_restarts", max_restarts),
+        ):
+            if value is not None:
+                if name in opts:
+                    raise TypeError(f"{name!r} is given twice (as an argument and in options)")
+                opts[name] = value
+        upload_max = opts.pop("upload_max_bytes", _contract.DEFAULT_MAX_WORKDIR_BYTES)
+        with _remote.function_bundle(fn, args, kwargs, max_result_bytes=max_result_bytes) as d:
+            packed = _bundle.pack_directory(
+                upload, mounts={_remote.RUN_DIR: d}, max_bytes=upload_max
+            )
+        with packed:
+            job = self.submit(
+                _remote.run_command(gather),
+                world_size=world_size,
+                upload=packed,
+                requirements=requirements,
+                **opts,
+            )
+        job.gather = gather
+        return job
 
     def job(self, job_id: str) -> Job:
         """The handle of an existing job (no request is made)."""
@@ -1248,12 +1593,19 @@ class Job:
         *,
         created: bool = False,
         request_id: str | None = None,
+        upload: UploadInfo | None = None,
+        gather: bool | None = None,
     ) -> None:
         self.client = client
         #: e.g. ``job-000001``.
         self.id = job_id
         self.created = created
         self.request_id = request_id
+        #: The working directory this submit sent (``submit(upload=...)``), else ``None``.
+        self.upload = upload
+        #: Whether :meth:`result` returns every rank's value (``Client.run(gather=...)``);
+        #: ``None``: read from the job's command.
+        self.gather = gather
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
@@ -1330,3 +1682,106 @@ class Job:
         whether checkpoints were deleted (see :meth:`Client.delete`). The handle names a
         job that no longer exists afterwards."""
         return self.client.delete(self.id, checkpoints=checkpoints)
+
+    # -- remote functions and artifacts ----------------------------------------------
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Waits until the job of :meth:`Client.run_async` finishes and returns rank 0's
+        return value (with ``gather``: every rank's, a list in rank order), downloaded
+        from the ranks' artifacts. A result is a pickle: only read results of jobs you
+        trust (your own).
+
+        :param timeout: give up after this many seconds (the job keeps running).
+        :raises RemoteError: the function raised on a rank (its remote type, message and
+            traceback; the lowest such rank's), or its result could not be delivered.
+        :raises PythonVersionMismatch: a rank's Python was not the client's
+            ``major.minor``.
+        :raises JobFailed: the job failed without a remote error (e.g. a rank was
+            killed and the restart budget ran out), was cancelled or timed out.
+        :raises ResultUnavailable: it succeeded but a rank left no result (not a job of
+            :meth:`Client.run`, or its artifacts were not uploaded).
+        :raises WaitTimeout: ``timeout`` passed first.
+        """
+        info = self.wait(timeout_s=timeout)
+        gather = self.gather if self.gather is not None else _remote.GATHER_FLAG in info.command
+        if not info.succeeded:
+            self._raise_failure(info)
+        values = []
+        for rank in range(info.world_size) if gather else [0]:
+            outcome = self._outcome(info, rank)
+            if outcome is None or outcome.result is None:
+                raise ResultUnavailable(
+                    f"job {info.id} succeeded but rank {rank} left no result "
+                    f"({_contract.REMOTE_RESULT_FILE} in its artifacts): not a job of "
+                    "Client.run, or its artifacts were not uploaded (see its log)",
+                    info,
+                )
+            values.append(_remote.load_result(outcome.result))
+        return values if gather else values[0]
+
+    def _outcome(self, info: JobInfo, rank: int) -> _remote.RemoteOutcome | None:
+        artifact = _transfer.artifact_of(info, rank)
+        if artifact is None:
+            return None
+        wanted = frozenset({_contract.REMOTE_RESULT_FILE, _contract.REMOTE_ERROR_FILE})
+        files = _transfer.read_artifact(self.client, artifact, want=wanted)
+        return _remote.outcome_of(rank, artifact.attempt, files)
+
+    def _raise_failure(self, info: JobInfo) -> None:
+        outcomes = [self._outcome(info, a.rank) for a in info.artifacts]
+        errors = [o for o in outcomes if o is not None and o.error is not None]
+        # A refused interpreter explains everything else; then the lowest rank's error.
+        errors.sort(key=lambda o: (o.error.get("kind") != "python_version_mismatch", o.rank))  # type: ignore[union-attr]
+        if errors:
+            _remote.raise_remote_error(errors[0], info)
+        cause = f": {info.failure_cause}" if info.failure_cause else ""
+        raise JobFailed(f"job {info.id} {info.state}{cause}", info)
+
+    def artifacts(self) -> list[ArtifactFile]:
+        """The files the job's ranks left in their ``$CUMULUS_OUTPUT_DIR`` (the newest
+        attempt of each rank that left any), in rank order then archive order; a
+        :meth:`Client.run` job's result and error files among them
+        (``_cumulus/...``). Reads each rank's packed artifacts from the cluster.
+
+        :raises Forbidden: the job is not the caller's (only its owner or an admin reads
+            its artifacts).
+        :raises BundleError: an artifact archive is malformed.
+        """
+        info = self.status()
+        out = []
+        for artifact in sorted(info.artifacts, key=lambda a: a.rank):
+            for f in _transfer.read_artifact(self.client, artifact):
+                out.append(ArtifactFile(artifact.rank, artifact.attempt, f.path, f.size))
+        return out
+
+    def download(self, path: str, dest: str | os.PathLike[str], *, rank: int = 0) -> pathlib.Path:
+        """Writes the file ``path`` (relative to the output dir, as :meth:`artifacts`
+        lists it) of rank ``rank``'s artifacts to ``dest`` (a file, or an existing
+        directory to put it in under its name); returns where it was written. Replaces
+        ``dest`` atomically.
+
+        :raises FileNotFoundError: the rank left no artifacts, or none at ``path``.
+        :raises Forbidden: the job is not the caller's.
+        """
+        info = self.status()
+        artifact = _transfer.artifact_of(info, rank)
+        if artifact is None:
+            raise FileNotFoundError(f"rank {rank} of {self.id} left no artifacts")
+        files = _transfer.read_artifact(self.client, artifact, want=path)
+        found = [f for f in files if f.path == path and f.data is not None]
+        if not found:
+            listed = ", ".join(f.path for f in files[:20]) or "nothing"
+            raise FileNotFoundError(
+                f"rank {rank} of {self.id} (attempt {artifact.attempt}) left no {path!r} "
+                f"in its artifacts (it left {listed})"
+            )
+        target = pathlib.Path(dest)
+        if target.is_dir():
+            target = target / pathlib.PurePosixPath(path).name
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            tmp.write_bytes(found[0].data or b"")
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return target

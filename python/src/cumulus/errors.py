@@ -10,7 +10,10 @@ Two families share the base class :class:`CumulusError`:
   :class:`StaleAttempt`, :class:`CheckpointFailed`;
 * the client SDK (:mod:`cumulus.client`): :class:`ConfigError`, :class:`ApiError` and its
   subclasses (one per HTTP status the coordinators answer), :class:`NotACoordinator`,
-  :class:`WaitTimeout`, :class:`JobFailed`, :class:`Unsupported`.
+  :class:`WaitTimeout`, :class:`JobFailed`, :class:`Unsupported`; remote functions
+  (:meth:`cumulus.Client.run`) and uploads: :class:`RemoteError`,
+  :class:`PythonVersionMismatch`, :class:`ResultUnavailable`, :class:`BundleError`,
+  :class:`WorkdirTooLarge`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AgentError",
     "ApiError",
+    "BundleError",
     "CheckpointFailed",
     "CheckpointsDisabled",
     "ConfigError",
@@ -40,14 +44,18 @@ __all__ = [
     "NotFound",
     "NotInCumulusRank",
     "ProtocolError",
+    "PythonVersionMismatch",
     "RankEnvironmentError",
+    "RemoteError",
     "ResourceExhausted",
+    "ResultUnavailable",
     "ServerError",
     "StaleAttempt",
     "Unauthorized",
     "Unavailable",
     "Unsupported",
     "WaitTimeout",
+    "WorkdirTooLarge",
 ]
 
 
@@ -237,3 +245,79 @@ class Unsupported(CumulusError, NotImplementedError):
     def __init__(self, message: str, *, feature: str) -> None:
         super().__init__(message)
         self.feature = feature
+
+
+# ---------------------------------------------------------------------------------------
+# Remote functions and uploads
+# ---------------------------------------------------------------------------------------
+
+
+class BundleError(CumulusError, ValueError):
+    """A directory cannot be packed for upload (a symbolic link out of it, a special file
+    in it, an unreadable file, a path too long, too many files), or a packed directory read back
+    (a job's artifacts) is not one: an entry that is a link or a device, a path that is
+    absolute or climbs out with ``..``, a decompression bomb. The message names the
+    entry."""
+
+
+class WorkdirTooLarge(BundleError):
+    """A directory to upload holds more bytes in files than the upload limit
+    (``DEFAULT_MAX_WORKDIR_BYTES``, 512 MiB, unless raised). The message names the
+    largest files; :attr:`limit_bytes` is the limit."""
+
+    def __init__(self, message: str, *, limit_bytes: int) -> None:
+        super().__init__(message)
+        self.limit_bytes = limit_bytes
+
+
+class RemoteError(CumulusError):
+    """The function :meth:`cumulus.Client.run` ran raised an exception on a rank (or its
+    result could not be delivered: too large, not picklable). :attr:`remote_type` is the
+    exception's qualified type name (e.g. ``builtins.ValueError``), :attr:`remote_message`
+    its text, :attr:`remote_traceback` the remote traceback as text, :attr:`rank` the rank
+    that raised it and :attr:`job` the job's final status (``None`` when unknown)."""
+
+    def __init__(
+        self,
+        *,
+        remote_type: str,
+        remote_message: str,
+        remote_traceback: str,
+        rank: int,
+        job: JobInfo | None = None,
+    ) -> None:
+        where = f" (rank {rank} of {job.id})" if job is not None else f" (rank {rank})"
+        text = f"{remote_type}: {remote_message}{where}"
+        if remote_traceback:
+            text += f"\n\nRemote traceback:\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+        self.rank = rank
+        self.job = job
+
+
+class PythonVersionMismatch(CumulusError):
+    """A remote function was refused before it ran: the rank's Python (``major.minor``,
+    :attr:`remote`) is not the client's (:attr:`client`), and a function pickled by one
+    cannot be loaded by the other. The job failed at once, spending no restart. Run it
+    with an environment of the client's version (``requirements=[...]`` builds one with
+    the client's ``major.minor``), or from a client of the workers' version."""
+
+    def __init__(self, message: str, *, client: str, remote: str, job: JobInfo | None) -> None:
+        super().__init__(message)
+        self.client = client
+        self.remote = remote
+        self.job = job
+
+
+class ResultUnavailable(CumulusError):
+    """A job ended without the result :meth:`cumulus.Job.result` looks for: it succeeded
+    but rank 0 (with ``gather``, some rank) left no result file (not a job of
+    :meth:`cumulus.Client.run`, or its artifacts were not uploaded: the rank's log says
+    why). :attr:`job` is its final status."""
+
+    def __init__(self, message: str, job: JobInfo) -> None:
+        super().__init__(message)
+        self.job = job

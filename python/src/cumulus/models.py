@@ -19,6 +19,9 @@ __all__ = [
     "FINISHED_STATES",
     "JOB_STATES",
     "STOP_ACTIONS",
+    "ArtifactFile",
+    "ArtifactRef",
+    "BlobRef",
     "CheckpointInfo",
     "ClusterInfo",
     "GpuInfo",
@@ -29,6 +32,7 @@ __all__ = [
     "ProgressSample",
     "RankInfo",
     "RestartInfo",
+    "UploadInfo",
     "WorkerInfo",
 ]
 
@@ -108,6 +112,83 @@ def _float_map(d: Mapping[str, Any], key: str) -> dict[str, float]:
             raise ProtocolError(f"field {key!r} of the coordinator's answer has a non-str key")
         out[name] = _get(m, name, float, 0.0)
     return out
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """A blob of the cluster's blob store: a packed directory named by its digest."""
+
+    #: BLAKE3 of its bytes, 64 lowercase hex digits.
+    digest: str
+    size_bytes: int
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> BlobRef:
+        """Builds it from a ``BlobRef`` JSON object.
+
+        :raises ProtocolError: a field has the wrong type or the digest is malformed."""
+        d = _obj(d, "a blob reference")
+        digest = _get(d, "digest", str, "")
+        if len(digest) != _contract.BLOB_DIGEST_HEX_LEN or any(
+            c not in "0123456789abcdef" for c in digest
+        ):
+            raise ProtocolError(f"a blob digest in the coordinator's answer is {digest!r}")
+        size = _get(d, "size_bytes", int, 0)
+        if size < 0:
+            raise ProtocolError(f"a blob size in the coordinator's answer is {size}")
+        return cls(digest=digest, size_bytes=size)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``BlobRef`` JSON object."""
+        return {"digest": self.digest, "size_bytes": self.size_bytes}
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """What one rank attempt left in its ``CUMULUS_OUTPUT_DIR``, packed (``Job.artifacts``
+    on the wire: the newest attempt of each rank that left any)."""
+
+    rank: int
+    attempt: int
+    blob: BlobRef
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ArtifactRef:
+        """Builds it from an ``Artifact`` JSON object."""
+        d = _obj(d, "an artifact")
+        blob = d.get("blob")
+        if blob is None:
+            raise ProtocolError("an artifact in the coordinator's answer has no blob")
+        return cls(
+            rank=_get(d, "rank", int, 0),
+            attempt=_get(d, "attempt", int, 0),
+            blob=BlobRef.from_json(blob),
+        )
+
+
+@dataclass(frozen=True)
+class ArtifactFile:
+    """One file a rank attempt left in its ``CUMULUS_OUTPUT_DIR`` (:meth:`Job.artifacts
+    <cumulus.Job.artifacts>`)."""
+
+    rank: int
+    attempt: int
+    #: Relative to the output dir, ``/``-separated.
+    path: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class UploadInfo:
+    """A working directory sent with a submit (:attr:`Job.upload <cumulus.Job.upload>`)."""
+
+    #: The packed directory in the blob store.
+    blob: BlobRef
+    #: Bytes sent: 0 when the cluster already had the digest (an unchanged directory).
+    sent_bytes: int
+    #: Regular files packed, and their total size in bytes.
+    file_count: int
+    unpacked_bytes: int
 
 
 @dataclass(frozen=True)
@@ -281,6 +362,11 @@ class JobInfo:
     #: How many times the job's state has changed: it only grows (the state itself can
     #: go back, to ``pending`` after a preemption or ``paused``), so it orders two reads.
     state_changes: int = 0
+    #: What the ranks left in their output dirs: the newest attempt of each rank that
+    #: left any, in rank order.
+    artifacts: tuple[ArtifactRef, ...] = ()
+    #: The packed working directory sent with the job (``None``: none).
+    workdir: BlobRef | None = None
 
     @property
     def finished(self) -> bool:
@@ -345,6 +431,8 @@ class JobInfo:
             preemptible=_get(spec, "preemptible", bool, False),
             paused_ms=_get(d, "paused_ms", int, 0),
             state_changes=_get(d, "state_changes", int, 0),
+            artifacts=tuple(ArtifactRef.from_json(a) for a in _list(d, "artifacts")),
+            workdir=BlobRef.from_json(spec["workdir"]) if spec.get("workdir") else None,
         )
 
 

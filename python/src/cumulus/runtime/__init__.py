@@ -22,6 +22,9 @@ A short loop::
         if stop:
             sys.exit(0)                          # a paused job resumes from this step
 
+:func:`time_to_checkpoint` says when to checkpoint (every N steps, every T seconds, and
+whenever a stop was asked), :func:`list_checkpoints` lists the job's committed steps.
+
 Stopping: the worker agent tells a rank to stop before it signals it. Its control action
 (``"stop"``, ``"pause"``, ``"time_limit"``, ``"preempt"``) comes in the replies to the
 progress reports and from ``GET /v1/control``, which :func:`should_stop` polls at most
@@ -106,6 +109,7 @@ from cumulus.runtime._progress import (
     validate_report,
 )
 from cumulus.runtime._rng import RNG_STATE_VERSION, rng_state, set_rng_state
+from cumulus.runtime._schedule import CheckpointSchedule
 from cumulus.runtime._shards import ShardReader, shard_format
 from cumulus.runtime._stop import install_stop_handler, request_stop, stop_signalled
 
@@ -121,6 +125,7 @@ __all__ = [
     "STATE_FILE",
     "STOP_ACTIONS",
     "AgentClient",
+    "CheckpointSchedule",
     "Checkpointer",
     "CommittedPart",
     "Context",
@@ -139,6 +144,7 @@ __all__ = [
     "get_runtime",
     "init",
     "install_stop_handler",
+    "list_checkpoints",
     "read_shards_file",
     "report",
     "request_stop",
@@ -150,6 +156,7 @@ __all__ = [
     "should_pause",
     "should_stop",
     "stop_request",
+    "time_to_checkpoint",
 ]
 
 
@@ -189,6 +196,7 @@ class Runtime:
             if agent
             else None
         )
+        self._schedule = CheckpointSchedule()
 
     def __repr__(self) -> str:
         return f"Runtime({self.context!r})"
@@ -255,6 +263,67 @@ class Runtime:
         """Where this attempt resumes: the committed step, this rank's part dir and the
         state it was committed with; ``None`` for a fresh start (and standalone)."""
         return self.checkpointer.resume()
+
+    def time_to_checkpoint(
+        self,
+        step: int,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+    ) -> bool:
+        """Whether to commit a checkpoint at ``step`` now: checkpoints can be committed
+        (:attr:`checkpoints_enabled`: always false standalone or for a job without a
+        checkpoint dir, so the same loop runs anywhere), ``step`` is after the last step
+        this rank committed or resumed from, and any of
+
+        * a stop was asked (:meth:`should_stop`: pause, time limit, preemption, SIGTERM),
+        * ``step`` is a positive multiple of ``every_steps``,
+        * ``every_seconds`` seconds passed since the runtime started or this last
+          returned true (each true restarts that clock: checkpoint when told).
+
+        ::
+
+            for step in range(start + 1, total + 1):
+                train_step()
+                if runtime.time_to_checkpoint(step, every_steps=100, every_seconds=600):
+                    with runtime.checkpoint(step) as part:
+                        save(part)
+                if runtime.should_stop():
+                    sys.exit(0)
+
+        :raises InvalidStep: ``step`` is not a non-negative int.
+        :raises ValueError: ``every_steps`` is not ``None`` or an int >= 1, or
+            ``every_seconds`` not ``None`` or a positive, finite number.
+        :raises RuntimeError: as :meth:`should_stop` (its first call installs the SIGTERM
+            handler, from the main thread only).
+        """
+        ckpt = self.checkpointer
+        floor = ckpt.last_committed_step
+        resumed = self.context.resume_step
+        if resumed is not None and (floor is None or resumed > floor):
+            floor = resumed
+        return self._schedule.due(
+            step,
+            every_steps=every_steps,
+            every_seconds=every_seconds,
+            enabled=ckpt.enabled,
+            floor=floor,
+            stop=self.should_stop,
+        )
+
+    def list_checkpoints(self) -> list[int]:
+        """The committed checkpoint steps of this rank's job, ascending, as its checkpoint
+        store shows them (the step ``LATEST`` names and every older step with a valid
+        manifest; at most the newest 1,024). A step is committed once every rank's part
+        is in and the leader wrote its manifest, shortly after the last rank's
+        :meth:`checkpoint` returned. Empty standalone and for a job without a
+        checkpoint dir.
+
+        :raises StaleAttempt: the agent no longer knows this attempt (it ended).
+        :raises AgentError: the agent could not read the store, or did not answer.
+        """
+        if self.agent is None or not self.checkpoints_enabled:
+            return []
+        return self.agent.checkpoints()
 
     def should_stop(self) -> bool:
         """True once this rank was asked to stop: the agent's control action is one
@@ -416,6 +485,21 @@ def save_checkpoint(
     """Writes (again on retry) and commits checkpoint ``step``; see
     :meth:`Runtime.save_checkpoint`."""
     return get_runtime().save_checkpoint(step, write, state)
+
+
+def time_to_checkpoint(
+    step: int, every_steps: int | None = None, every_seconds: float | None = None
+) -> bool:
+    """Whether to commit a checkpoint at ``step`` now (every ``every_steps`` steps, every
+    ``every_seconds`` seconds, and whenever a stop was asked; never when checkpoints
+    cannot be committed); see :meth:`Runtime.time_to_checkpoint`."""
+    return get_runtime().time_to_checkpoint(step, every_steps, every_seconds)
+
+
+def list_checkpoints() -> list[int]:
+    """The committed checkpoint steps of this rank's job, ascending (empty standalone or
+    without checkpoints); see :meth:`Runtime.list_checkpoints`."""
+    return get_runtime().list_checkpoints()
 
 
 def checkpoints_enabled() -> bool:

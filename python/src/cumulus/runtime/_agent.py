@@ -1,8 +1,9 @@
 """Client of the worker agent's rank-local HTTP API (docs/architecture.md, "Rank-local HTTP
-API"), standard library only: ``POST /v1/progress``, ``POST /v1/checkpoint`` and ``GET
-/v1/control``, all with ``Authorization: Bearer $CUMULUS_AGENT_TOKEN``, over TCP to
-``CUMULUS_AGENT_URL`` or, when the agent sets ``CUMULUS_AGENT_SOCKET`` (ranks run as
-another user than the agent), over that Unix domain socket.
+API"), standard library only: ``POST /v1/progress``, ``POST /v1/checkpoint``, ``GET
+/v1/control`` and ``GET /v1/checkpoints``, all with ``Authorization: Bearer
+$CUMULUS_AGENT_TOKEN``, over TCP to ``CUMULUS_AGENT_URL`` or, when the agent sets
+``CUMULUS_AGENT_SOCKET`` (ranks run as another user than the agent), over that Unix
+domain socket.
 
 It mirrors the Rust example trainer's client (``examples/src/agent.rs``): 2xx is success,
 401 and 409 mean this attempt is stale (:class:`~cumulus.errors.StaleAttempt`), any other
@@ -32,14 +33,21 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from cumulus._contract import EXIT_AGENT_UNREACHABLE, RANK_ACTION_NONE, RANK_MAX_REPLY_BYTES
+from cumulus._contract import (
+    EXIT_AGENT_UNREACHABLE,
+    RANK_ACTION_NONE,
+    RANK_MAX_LISTED_STEPS,
+    RANK_MAX_REPLY_BYTES,
+)
 from cumulus.errors import AgentError, CheckpointFailed, StaleAttempt
 
 __all__ = [
     "ACTION_NONE",
     "CHECKPOINT_TIMEOUT_S",
     "CONTROL_TIMEOUT_S",
+    "LIST_TIMEOUT_S",
     "MAX_ACTION_BYTES",
+    "MAX_LISTED_STEPS",
     "MAX_REPLY_BYTES",
     "PROGRESS_TIMEOUT_S",
     "AgentClient",
@@ -50,6 +58,11 @@ __all__ = [
 
 #: Time limit of one progress request, in seconds.
 PROGRESS_TIMEOUT_S = 2.0
+#: Time limit of one ``GET /v1/checkpoints``, in seconds (the agent reads the step
+#: manifests, from S3 for an S3 checkpoint target).
+LIST_TIMEOUT_S = 30.0
+#: Most steps one ``GET /v1/checkpoints`` reply may list.
+MAX_LISTED_STEPS = RANK_MAX_LISTED_STEPS
 #: Time limit of one checkpoint commit request, in seconds (the agent hashes and fsyncs
 #: every file and waits for the leader before it answers).
 CHECKPOINT_TIMEOUT_S = 60.0
@@ -245,6 +258,34 @@ class AgentClient:
                 f"the agent's reply to GET /v1/control is malformed ({e}): {data[:200]!r}",
                 status=status,
             ) from e
+
+    def checkpoints(self, *, timeout_s: float = LIST_TIMEOUT_S) -> list[int]:
+        """``GET /v1/checkpoints``: the committed steps of this rank's job, ascending (the
+        step ``LATEST`` names and every older one with a valid manifest; at most the
+        newest :data:`MAX_LISTED_STEPS`; empty for a job without checkpoints).
+
+        :raises StaleAttempt: 401/409: the attempt has ended.
+        :raises AgentError: any other failure, or a malformed reply.
+        """
+        status, data = self._request("GET", "/v1/checkpoints", None, timeout_s)
+        self._check("/v1/checkpoints", status, data)
+        try:
+            reply = json.loads(data)
+        except ValueError:
+            reply = None
+        steps = reply.get("steps") if isinstance(reply, dict) else None
+        if (
+            not isinstance(steps, list)
+            or len(steps) > MAX_LISTED_STEPS
+            or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**64 for s in steps
+            )
+        ):
+            raise AgentError(
+                f"the agent's reply to GET /v1/checkpoints is malformed: {data[:200]!r}",
+                status=status,
+            )
+        return sorted(set(steps))
 
     def commit_checkpoint(
         self,

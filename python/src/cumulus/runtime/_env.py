@@ -24,6 +24,7 @@ from cumulus._contract import (
     RANK_ENV_LOCAL_WORLD_SIZE,
     RANK_ENV_MASTER_ADDR,
     RANK_ENV_MASTER_PORT,
+    RANK_ENV_OUTPUT_DIR,
     RANK_ENV_RANK,
     RANK_ENV_RESUME_DIR,
     RANK_ENV_RESUME_STEP,
@@ -146,6 +147,11 @@ class Context:
     #: ``agent_url`` still applies, its host and port do not); ``None`` when the agent is
     #: reached over TCP at ``agent_url`` (and standalone).
     agent_socket: str | None = None
+    #: ``CUMULUS_OUTPUT_DIR``: a directory of this attempt, empty at its start, whose
+    #: contents the agent uploads as the attempt's artifacts when it ends (also when it
+    #: fails): ``cumulusctl artifacts``, :meth:`cumulus.Job.artifacts`. ``None`` when
+    #: not set (an agent older than artifacts; standalone unless set by hand).
+    output_dir: Path | None = None
 
     @property
     def is_resuming(self) -> bool:
@@ -421,7 +427,13 @@ def context_from_env(env: Mapping[str, str], *, standalone: bool = False) -> Con
         standalone=False,
         gpu_memory_fraction=gpu_memory_fraction,
         agent_socket=agent_socket,
+        output_dir=_output_dir(env),
     )
+
+
+def _output_dir(env: Mapping[str, str]) -> Path | None:
+    raw = _get(env, RANK_ENV_OUTPUT_DIR)
+    return Path(raw) if raw is not None else None
 
 
 def _standalone(env: Mapping[str, str]) -> Context:
@@ -452,6 +464,7 @@ def _standalone(env: Mapping[str, str]) -> Context:
         resume_dir=None,
         standalone=True,
         gpu_memory_fraction=_gpu_memory_fraction(env),
+        output_dir=_output_dir(env),
     )
 
 
