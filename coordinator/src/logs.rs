@@ -7,6 +7,11 @@
 //! coordinator — resumes exactly after the last line received: no gap, no duplicate.
 //! Attempts of a rank are streamed in order; an attempt moves on to the next once its
 //! log is complete (the process exited) and drained.
+//!
+//! `?tail=N` starts each streamed rank at its last N lines so far (of its newest
+//! attempts, read backwards from the agents: at most [`MAX_TAIL_LINES`] lines and
+//! [`MAX_TAIL_SCAN_BYTES`] per rank) instead of the beginning; a resumed stream
+//! (`Last-Event-ID`) goes on from its cursor.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -46,6 +51,24 @@ pub struct LogParams {
     /// one second earlier; attempts that ended before it show nothing). A resumed stream
     /// (`Last-Event-ID`) goes on from its cursor.
     pub since_ms: Option<u64>,
+    /// Start each rank at its last N lines so far (`0..=`[`MAX_TAIL_LINES`]; 0: at the
+    /// current end); not with `since_ms`. Ignored when resuming (`Last-Event-ID`).
+    pub tail: Option<u32>,
+}
+
+/// Most lines `?tail=N` may ask for.
+pub const MAX_TAIL_LINES: u32 = 10_000;
+/// Most bytes read backwards per rank to find its last lines for `?tail=N`; a rank whose
+/// last N lines are longer starts where the scan stopped (a line's start).
+pub const MAX_TAIL_SCAN_BYTES: u64 = 16 * 1024 * 1024;
+
+/// What a pump streams besides the cursor: follow, since when, how many last lines.
+#[derive(Clone, Copy, Debug)]
+struct PumpOpts {
+    follow: bool,
+    since_ms: Option<u64>,
+    /// `?tail=N` on a stream that does not resume.
+    tail: Option<u32>,
 }
 
 /// Position of one rank in its logs.
@@ -116,7 +139,27 @@ pub async fn stream(
         }
         None => (0..world_size).collect(),
     };
-    let given = match headers.get("last-event-id").and_then(|v| v.to_str().ok()) {
+    if let Some(n) = p.tail {
+        if n > MAX_TAIL_LINES {
+            return Err(ApiError::InvalidArgument(format!(
+                "tail={n} is more than the {MAX_TAIL_LINES} lines a stream may start with"
+            ))
+            .into());
+        }
+        if p.since_ms.is_some() {
+            return Err(ApiError::InvalidArgument(
+                "tail and since_ms cannot be combined: give one".into(),
+            )
+            .into());
+        }
+    }
+    let resumed = headers.get("last-event-id").and_then(|v| v.to_str().ok());
+    let opts = PumpOpts {
+        follow: p.follow,
+        since_ms: p.since_ms,
+        tail: p.tail.filter(|_| resumed.is_none()),
+    };
+    let given = match resumed {
         Some(s) => parse_cursor(s).map_err(ApiError::InvalidArgument)?,
         None => BTreeMap::new(),
     };
@@ -139,7 +182,7 @@ pub async fn stream(
     let (tx, rx) = mpsc::channel(STREAM_BUFFER_EVENTS);
     tokio::spawn(async move {
         let _permit = permit;
-        pump(node, job_id, cursor, (p.follow, p.since_ms), tx).await;
+        pump(node, job_id, cursor, opts, tx).await;
     });
     Ok(Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()))
 }
@@ -158,17 +201,41 @@ enum Fetch {
 
 async fn fetch(
     node: &Node,
+    at: (&str, &str),
+    job_rank: (&str, u32),
+    c: RankCursor,
+    since_ms: Option<u64>,
+) -> Fetch {
+    fetch_page(node, at, job_rank, c, (CHUNK_BYTES, since_ms)).await
+}
+
+/// Reads `max_bytes` (at most [`CHUNK_BYTES`]) of a log from `c`.
+async fn fetch_bounded(
+    node: &Node,
+    at: (&str, &str),
+    job_rank: (&str, u32),
+    c: RankCursor,
+    max_bytes: u64,
+) -> Fetch {
+    let max_bytes = max_bytes.clamp(1, CHUNK_BYTES);
+    fetch_page(node, at, job_rank, c, (max_bytes, None)).await
+}
+
+/// Reads up to `max_bytes` of an attempt's log from `c` (from where `since_ms` places a
+/// first read).
+async fn fetch_page(
+    node: &Node,
     (worker, http_addr): (&str, &str),
     (job_id, rank): (&str, u32),
     c: RankCursor,
-    since_ms: Option<u64>,
+    (max_bytes, since_ms): (u64, Option<u64>),
 ) -> Fetch {
     let scheme = if node.tls { "https" } else { "http" };
     let url = format!(
         "{scheme}://{http_addr}/v1/logs/{job_id}/{rank}/{}",
         c.attempt
     );
-    let mut query = vec![("offset", c.offset), ("max_bytes", CHUNK_BYTES)];
+    let mut query = vec![("offset", c.offset), ("max_bytes", max_bytes)];
     // A first read of an attempt starts where its output since that time begins.
     if let Some(since) = since_ms
         && c.offset == 0
@@ -220,6 +287,200 @@ async fn fetch(
             size,
         },
         Err(e) => Fetch::Failed(e.to_string()),
+    }
+}
+
+/// Where a rank's last `n` lines so far begin: read backwards from its newest placed
+/// attempt (older attempts when that one has fewer), at most [`MAX_TAIL_SCAN_BYTES`].
+/// A still-running attempt's unfinished last line does not count (the stream shows it
+/// once it is complete). A log that cannot be read starts at its beginning.
+async fn tail_start(
+    node: &Node,
+    job_id: &str,
+    rank: u32,
+    view: &RankView,
+    workers: &BTreeMap<String, (String, WorkerState)>,
+    n: u32,
+) -> RankCursor {
+    let mut need = u64::from(n);
+    let mut budget = MAX_TAIL_SCAN_BYTES;
+    let mut start = RankCursor::default();
+    let mut seen = std::collections::BTreeSet::new();
+    for (attempt, worker) in view.attempt_workers.iter().rev() {
+        if !seen.insert(*attempt) {
+            continue;
+        }
+        let Some((http_addr, _)) = workers.get(worker) else {
+            continue;
+        };
+        let at = (worker.as_str(), http_addr.as_str());
+        let probe = RankCursor {
+            attempt: *attempt,
+            offset: 0,
+        };
+        let (size, complete) = match fetch_bounded(node, at, (job_id, rank), probe, 1).await {
+            Fetch::Chunk { size, complete, .. } => (size, complete),
+            Fetch::NotFound => continue,
+            Fetch::Failed(_) => return probe,
+        };
+        match scan_back(
+            node,
+            at,
+            (job_id, rank),
+            *attempt,
+            (size, complete),
+            &mut need,
+            &mut budget,
+        )
+        .await
+        {
+            Some(offset) => {
+                return RankCursor {
+                    attempt: *attempt,
+                    offset,
+                };
+            }
+            None => start = probe,
+        }
+        if need == 0 || budget == 0 {
+            break;
+        }
+    }
+    if need == u64::from(n) && n == 0 {
+        // tail=0 with no log yet: from the current attempt's beginning.
+        return RankCursor {
+            attempt: view.current_attempt,
+            offset: 0,
+        };
+    }
+    start
+}
+
+/// The backward search for the start of a log's last lines, fed the log's pages from
+/// its end.
+#[derive(Debug)]
+struct BackScan {
+    /// Lines still to find.
+    need: u64,
+    /// Where the last whole line ends: the log's end when complete, else after its last
+    /// newline (found in the first page read).
+    end: Option<u64>,
+    /// The earliest line start counted so far: where a scan cut short starts.
+    earliest: Option<u64>,
+}
+
+impl BackScan {
+    fn new(need: u64, size: u64, complete: bool) -> Self {
+        BackScan {
+            need,
+            end: complete.then_some(size),
+            earliest: None,
+        }
+    }
+
+    /// Takes the page of the log at `lo` (read backwards: each page ends where the
+    /// previous one began; bytes the agent left out after a page's last newline hold
+    /// none). `Some(offset)` once the start of the `need`th last line is found.
+    fn page(&mut self, lo: u64, body: &[u8]) -> Option<u64> {
+        for (i, b) in body.iter().enumerate().rev() {
+            if *b != b'\n' {
+                continue;
+            }
+            let line_start = lo + i as u64 + 1;
+            match self.end {
+                None => self.end = Some(line_start),
+                Some(e) if line_start < e && self.need > 0 => {
+                    self.earliest = Some(line_start);
+                    self.need -= 1;
+                    if self.need == 0 {
+                        return Some(line_start);
+                    }
+                }
+                Some(_) => {}
+            }
+        }
+        None
+    }
+
+    /// The log's first line (at 0) counts too: `Some(0)` when it is the last one needed.
+    fn at_start(&mut self) -> Option<u64> {
+        if self.need > 0 && self.end.is_some_and(|e| e > 0) {
+            self.need -= 1;
+            if self.need == 0 {
+                return Some(0);
+            }
+        }
+        None
+    }
+}
+
+/// Reads one attempt's log backwards from its end (`size`, `complete`) for the start of
+/// its last `need` lines. `Some(offset)` when found (or the scan budget ran out there);
+/// `None` when the attempt holds fewer lines: `need` is lowered by what it holds.
+async fn scan_back(
+    node: &Node,
+    at: (&str, &str),
+    (job_id, rank): (&str, u32),
+    attempt: u32,
+    (size, complete): (u64, bool),
+    need: &mut u64,
+    budget: &mut u64,
+) -> Option<u64> {
+    if *need == 0 {
+        return Some(if complete {
+            size
+        } else {
+            last_line_end(node, at, (job_id, rank), attempt, size).await
+        });
+    }
+    let mut scan = BackScan::new(*need, size, complete);
+    let mut hi = size;
+    let found = loop {
+        if hi == 0 {
+            break scan.at_start();
+        }
+        if *budget == 0 {
+            break Some(scan.earliest.unwrap_or(hi));
+        }
+        let lo = hi.saturating_sub(CHUNK_BYTES.min(*budget));
+        let c = RankCursor {
+            attempt,
+            offset: lo,
+        };
+        let body = match fetch_bounded(node, at, (job_id, rank), c, hi - lo).await {
+            Fetch::Chunk { body, .. } => body,
+            _ => break Some(scan.earliest.unwrap_or(hi)),
+        };
+        *budget = budget.saturating_sub(hi - lo);
+        if let Some(start) = scan.page(lo, &body) {
+            break Some(start);
+        }
+        hi = lo;
+    };
+    *need = scan.need;
+    found
+}
+
+/// Where an unfinished log's last whole line ends (for `tail=0`): after its last newline
+/// within the last [`CHUNK_BYTES`], else `size` less that chunk.
+async fn last_line_end(
+    node: &Node,
+    at: (&str, &str),
+    (job_id, rank): (&str, u32),
+    attempt: u32,
+    size: u64,
+) -> u64 {
+    let lo = size.saturating_sub(CHUNK_BYTES);
+    let c = RankCursor {
+        attempt,
+        offset: lo,
+    };
+    match fetch_bounded(node, at, (job_id, rank), c, size - lo).await {
+        Fetch::Chunk { body, .. } => body
+            .iter()
+            .rposition(|b| *b == b'\n')
+            .map_or(lo, |i| lo + i as u64 + 1),
+        _ => lo,
     }
 }
 
@@ -383,38 +644,65 @@ async fn poll_rank(
     }
 }
 
+/// A job's ranks and the workers' addresses, as the applied state has them now.
+type JobView = (
+    bool,
+    BTreeMap<u32, RankView>,
+    BTreeMap<String, (String, WorkerState)>,
+);
+
+/// Whether job `job_id` is over, its ranks' attempts and where they ran; `None` once the
+/// job is gone.
+fn job_view(node: &Node, job_id: &str) -> Option<JobView> {
+    node.read_state(|s| {
+        s.jobs.get(job_id).map(|j| {
+            let views: BTreeMap<u32, RankView> = j
+                .ranks
+                .iter()
+                .map(|r| {
+                    (
+                        r.rank,
+                        RankView {
+                            current_attempt: r.attempt,
+                            attempt_workers: r.attempt_workers.clone(),
+                        },
+                    )
+                })
+                .collect();
+            let workers: BTreeMap<String, (String, WorkerState)> = s
+                .workers
+                .values()
+                .map(|w| (w.worker_id.clone(), (w.http_addr.clone(), w.state)))
+                .collect();
+            (j.state.is_terminal(), views, workers)
+        })
+    })
+}
+
 async fn pump(
     node: Arc<Node>,
     job_id: String,
     mut cursor: BTreeMap<u32, RankCursor>,
-    (follow, since_ms): (bool, Option<u64>),
+    opts: PumpOpts,
     tx: mpsc::Sender<Result<Event, Infallible>>,
 ) {
+    let PumpOpts {
+        follow, since_ms, ..
+    } = opts;
     let ranks: Vec<u32> = cursor.keys().copied().collect();
+    if let Some(n) = opts.tail {
+        let Some((_, views, workers)) = job_view(&node, &job_id) else {
+            return;
+        };
+        for rank in &ranks {
+            if let Some(view) = views.get(rank) {
+                let start = tail_start(&node, &job_id, *rank, view, &workers, n).await;
+                cursor.insert(*rank, start);
+            }
+        }
+    }
     loop {
-        let Some((terminal, views, workers)) = node.read_state(|s| {
-            s.jobs.get(&job_id).map(|j| {
-                let views: BTreeMap<u32, RankView> = j
-                    .ranks
-                    .iter()
-                    .map(|r| {
-                        (
-                            r.rank,
-                            RankView {
-                                current_attempt: r.attempt,
-                                attempt_workers: r.attempt_workers.clone(),
-                            },
-                        )
-                    })
-                    .collect();
-                let workers: BTreeMap<String, (String, WorkerState)> = s
-                    .workers
-                    .values()
-                    .map(|w| (w.worker_id.clone(), (w.http_addr.clone(), w.state)))
-                    .collect();
-                (j.state.is_terminal(), views, workers)
-            })
-        }) else {
+        let Some((terminal, views, workers)) = job_view(&node, &job_id) else {
             return;
         };
         let mut progressed = false;
@@ -484,5 +772,50 @@ mod tests {
         for bad in ["x", "r0a1", "r0a1o", "r0ao1", "r0a1o2.r0a1o3", "r-1a0o0"] {
             assert!(parse_cursor(bad).is_err(), "{bad}");
         }
+    }
+
+    /// The start of a log's last `need` lines, read backwards in pages of `page` bytes
+    /// (an unfinished log's pages cut after their last newline, as the agent cuts them).
+    fn tail_of(log: &[u8], complete: bool, need: u64, page: usize) -> (Option<u64>, u64) {
+        let mut scan = BackScan::new(need, log.len() as u64, complete);
+        let mut hi = log.len();
+        loop {
+            if hi == 0 {
+                return (scan.at_start(), scan.need);
+            }
+            let lo = hi.saturating_sub(page);
+            let mut body = &log[lo..hi];
+            if !complete {
+                body = match body.iter().rposition(|b| *b == b'\n') {
+                    Some(i) => &body[..=i],
+                    None => &[],
+                };
+            }
+            if let Some(start) = scan.page(lo as u64, body) {
+                return (Some(start), scan.need);
+            }
+            hi = lo;
+        }
+    }
+
+    #[test]
+    fn the_last_lines_are_found_backwards_across_pages() {
+        let log = b"one\ntwo\nthree\nfour\n";
+        for page in [1, 3, 4, 100] {
+            assert_eq!(tail_of(log, true, 1, page), (Some(14), 0), "page {page}");
+            assert_eq!(tail_of(log, true, 2, page), (Some(8), 0), "page {page}");
+            assert_eq!(tail_of(log, true, 4, page), (Some(0), 0), "page {page}");
+            // Fewer lines than asked: the caller goes on with an earlier attempt.
+            assert_eq!(tail_of(log, true, 6, page), (None, 2), "page {page}");
+        }
+        // A complete log whose last line has no newline: that line counts.
+        assert_eq!(tail_of(b"a\nbb", true, 1, 2), (Some(2), 0));
+        assert_eq!(tail_of(b"a\nbb", true, 2, 2), (Some(0), 0));
+        // An unfinished log: its partial last line does not count (it streams once
+        // complete), nor does anything after its last newline.
+        assert_eq!(tail_of(b"a\nbb\ncc", false, 1, 2), (Some(2), 0));
+        assert_eq!(tail_of(b"a\nbb\ncc", false, 2, 3), (Some(0), 0));
+        assert_eq!(tail_of(b"partial", false, 1, 3), (None, 1));
+        assert_eq!(tail_of(b"", true, 1, 3), (None, 1));
     }
 }
