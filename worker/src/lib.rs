@@ -14,13 +14,17 @@
 //! logs/<job>/rank-<r>/attempt-<a>.log|.exit    attempt logs and exit records
 //! jobs/<job>/rank-<r>.attempt-<a>.shards       CUMULUS_SHARDS_FILE (removed at exit)
 //! pids/<job>.rank-<r>.attempt-<a>.json         pid records of live attempts
+//! envs/<key>/                                  jobs' Python environments ([`envs`])
+//! uv-cache/                                    uv's cache
 //! ```
 
 pub mod agent;
 pub mod agent_api;
+pub mod blobs;
 pub mod client;
 pub mod datadir;
 pub mod enrol;
+pub mod envs;
 pub mod events;
 pub mod gpus;
 pub mod http;
@@ -201,6 +205,25 @@ pub struct Config {
     #[arg(long, env = "CUMULUS_MAX_RANK_API_CONNECTIONS", default_value_t = 256,
           value_parser = clap::value_parser!(u64).range(16..=1_000_000))]
     pub max_rank_api_connections: u64,
+
+    /// uv, which builds the jobs' Python environments (`pip install uv`). Default: `uv`
+    /// on PATH, else `uv` beside the `python3` on PATH. Without one, a job asking for an
+    /// environment fails with that message.
+    #[arg(long, env = "CUMULUS_UV")]
+    pub uv: Option<PathBuf>,
+
+    /// Most bytes of Python environments and uv's cache kept in `<data-dir>/envs` and
+    /// `<data-dir>/uv-cache`: past it, the least recently used environments no attempt
+    /// uses are removed (then uv's cache).
+    #[arg(long, env = "CUMULUS_ENV_CACHE_BYTES", default_value_t = envs::DEFAULT_CACHE_BYTES,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub env_cache_bytes: u64,
+
+    /// Longest build of one Python environment, in milliseconds (1000..=86400000); past
+    /// it the build is stopped and the attempts waiting for it fail.
+    #[arg(long, env = "CUMULUS_ENV_BUILD_TIMEOUT_MS", default_value_t = envs::DEFAULT_BUILD_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1_000..=86_400_000))]
+    pub env_build_timeout_ms: u64,
 }
 
 impl std::fmt::Debug for Config {
@@ -224,6 +247,9 @@ impl std::fmt::Debug for Config {
             .field("run_as", &self.run_as)
             .field("allow_root", &self.allow_root)
             .field("pass_env", &self.pass_env)
+            .field("uv", &self.uv)
+            .field("env_cache_bytes", &self.env_cache_bytes)
+            .field("env_build_timeout_ms", &self.env_build_timeout_ms)
             .finish()
     }
 }
@@ -723,6 +749,7 @@ async fn start_supervisor(
         .context("cannot start the spawner thread")?;
     let s3 = cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?;
     let roots = config.roots.load()?;
+    let envs = open_environments(config, &wiring.identity, &spawner)?;
     let supervisor = Supervisor::new(
         SupervisorSettings {
             worker_id: resolved.worker_id.clone(),
@@ -743,6 +770,7 @@ async fn start_supervisor(
             has_gpus: wiring.has_gpus,
             identity: wiring.identity,
             rank_api_watch: wiring.rank_api_watch,
+            envs,
         },
         spawner,
         client.clone(),
@@ -750,6 +778,40 @@ async fn start_supervisor(
     );
     supervisor.recover_orphans().await;
     Ok(supervisor)
+}
+
+/// The jobs' Python environments under the data dir, with the uv of `--uv` (or found on
+/// PATH) and the `python3` on PATH.
+///
+/// # Errors
+/// `--uv` names no executable; `envs/` or `uv-cache/` cannot be prepared.
+fn open_environments(
+    config: &Config,
+    identity: &identity::RankIdentity,
+    spawner: &Spawner,
+) -> anyhow::Result<Arc<envs::Environments>> {
+    let path = std::env::var_os("PATH");
+    let uv = envs::locate_uv(config.uv.as_deref(), path.as_deref()).map_err(anyhow::Error::msg)?;
+    match &uv {
+        Some(uv) => tracing::info!(uv = %uv.display(), "Python environments are built with uv"),
+        None => tracing::warn!(
+            "no uv (--uv, or on PATH): jobs asking for a Python environment fail here"
+        ),
+    }
+    let settings = envs::EnvSettings {
+        data_dir: config.data_dir.clone(),
+        uv,
+        python: envs::locate_python3(path.as_deref()),
+        max_bytes: config.env_cache_bytes,
+        build_timeout: Duration::from_millis(config.env_build_timeout_ms),
+        ranks_other_user: identity.run_as.is_other_user(),
+    };
+    envs::Environments::open(settings, spawner.clone()).with_context(|| {
+        format!(
+            "cannot prepare {}",
+            config.data_dir.join(envs::ENVS_DIR).display()
+        )
+    })
 }
 
 /// Serves the agent API, the rank API and (with `--run-as`) the rank API's socket until

@@ -90,6 +90,8 @@ pub struct SupervisorSettings {
     /// The rank API's listeners, whose refusals make a rank's
     /// [`cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE`] the agent's fault ([`reach`]).
     pub rank_api_watch: RankApiWatch,
+    /// The jobs' Python environments, built with uv ([`environment`]).
+    pub envs: Arc<crate::envs::Environments>,
 }
 
 /// The latest progress a rank reported (soft state).
@@ -728,6 +730,16 @@ impl Supervisor {
             let exit = ExitRecord::start_failed(format!("cannot write pid record: {e}"), &e);
             return fail_start(log, exit).await;
         }
+        let env = tokio::select! {
+            r = self.setup_environment(key, desired, &mut log) => r,
+            _ = stop.cancelled() => Err(ExitRecord::spawn_failed(
+                "stopped by the agent before the process started",
+            )),
+        };
+        let env = match env {
+            Ok(env) => env,
+            Err(exit) => return fail_start(log, exit).await,
+        };
         let request = tokio::select! {
             r = self.prepare(key, desired, token) => r,
             _ = stop.cancelled() => Err(PrepareError::Ended(key.clone())),
@@ -750,6 +762,10 @@ impl Supervisor {
             }
             Err(e) => return fail_start(log, ExitRecord::spawn_failed(e.to_string())).await,
         };
+        let mut request = request;
+        if let Some(env) = &env {
+            environment::activate(&mut request, env.dir());
+        }
         // What the rank API turned away before this attempt is not its evidence.
         let rank_api_before = settings.rank_api_watch.reading();
         let spawned = match self.inner.spawner.spawn(request).await {
@@ -932,6 +948,7 @@ async fn supervise(
 }
 
 mod commit;
+mod environment;
 mod prepare;
 pub mod reach;
 #[cfg(test)]

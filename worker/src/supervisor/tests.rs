@@ -23,6 +23,8 @@ struct Options {
     log_max_bytes: u64,
     rank_api_url: String,
     roots: cumulus_api::paths::JobRoots,
+    /// Python environments with the uv and python3 of python/.venv (else: no uv).
+    with_uv: bool,
 }
 
 impl Default for Options {
@@ -32,6 +34,7 @@ impl Default for Options {
             log_max_bytes: 1 << 20,
             rank_api_url: "http://127.0.0.1:9".into(),
             roots: Default::default(),
+            with_uv: false,
         }
     }
 }
@@ -55,6 +58,18 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
     );
     let events = EventReporter::new(client.clone(), Duration::from_secs(3600));
     let spawner = Spawner::start(tokio::runtime::Handle::current()).expect("spawner");
+    let envs = crate::envs::Environments::open(
+        crate::envs::EnvSettings {
+            data_dir: root.join("data"),
+            uv: opts.with_uv.then(|| crate::envs::tests::venv_bin("uv")),
+            python: opts.with_uv.then(|| crate::envs::tests::venv_bin("python")),
+            max_bytes: crate::envs::DEFAULT_CACHE_BYTES,
+            build_timeout: Duration::from_secs(60),
+            ranks_other_user: false,
+        },
+        spawner.clone(),
+    )
+    .expect("environments");
     Supervisor::new(
         SupervisorSettings {
             worker_id: "w-test".into(),
@@ -76,6 +91,7 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
             identity: Default::default(),
             rank_api_socket: None,
             rank_api_watch: Default::default(),
+            envs,
         },
         spawner,
         client,
@@ -872,3 +888,70 @@ async fn rank_api_checkpoint_commit_paths() {
 }
 
 const MAX_BODY_TEST: usize = cumulus_api::limits::MAX_STATE_JSON_BYTES + 10;
+
+/// A rank runs in the environment its job asks for (built once, its output in the log as
+/// the setup stream), a restart finds it cached, and an environment that cannot be built
+/// fails the attempt as one no restart can fix, with uv's message.
+#[tokio::test]
+async fn ranks_run_in_their_environment_and_a_failed_install_cannot_run() {
+    let h = harness(Options {
+        with_uv: true,
+        ..Options::default()
+    });
+    let wheels = h.root.join("wheels");
+    std::fs::create_dir(&wheels).expect("mkdir");
+    crate::envs::tests::write_wheel(&wheels, "cumtestpkg", "1.0", 42);
+    let env = |requirements: &str| cumulus_api::EnvironmentSpec {
+        requirements: requirements.into(),
+        find_links: vec![wheels.display().to_string()],
+        no_index: true,
+        ..Default::default()
+    };
+    let script = "python -c 'import cumtestpkg, os, sys; \
+        print(\"VALUE\", cumtestpkg.VALUE, os.environ[\"VIRTUAL_ENV\"] == sys.prefix)'";
+    for attempt in 0..2 {
+        let mut d = desired("job-000001", 0, attempt, script);
+        d.environment = Some(env("cumtestpkg"));
+        h.sup.apply_desired(std::slice::from_ref(&d));
+        let key = AttemptKey::of(&d);
+        let exit = wait_finished(&h.sup, &key).await;
+        let log = log_text(&h.sup, &key);
+        assert_eq!(exit.exit_code, Some(0), "{exit:?}\n{log}");
+        assert!(log.contains("VALUE 42 True"), "{log}");
+        let setup = if attempt == 0 {
+            "[setup] building environment"
+        } else {
+            "(cached)"
+        };
+        assert!(
+            log.lines()
+                .any(|l| l.starts_with("[setup] ") && l.contains(setup)),
+            "{log}"
+        );
+    }
+    assert_eq!(h.sup.inner.settings.envs.builds_started(), 1);
+
+    let mut d = desired("job-000002", 0, 0, "echo never runs");
+    d.environment = Some(env("doesnotexist"));
+    h.sup.apply_desired(std::slice::from_ref(&d));
+    let key = AttemptKey::of(&d);
+    let exit = wait_finished(&h.sup, &key).await;
+    let log = log_text(&h.sup, &key);
+    assert!(exit.exec_failed && !exit.agent_fault, "{exit:?}");
+    let message = exit.spawn_error.expect("spawn error");
+    assert!(
+        message.contains("uv pip install failed") && message.contains("doesnotexist"),
+        "{message}"
+    );
+    assert!(!log.contains("never runs"), "{log}");
+    assert!(
+        log.contains("[cumulus: cannot start the rank: cannot build the Python environment"),
+        "{log}"
+    );
+    let reported = exited_events(&h.sup);
+    let report = reported
+        .iter()
+        .find(|r| r.job_id == "job-000002")
+        .expect("exit report");
+    assert!(report.exec_failed && report.spawn_error.contains("doesnotexist"));
+}
