@@ -5,6 +5,7 @@ stream."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import ssl
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from conftest import (
     USER_KEY_PEM,
     WORKER_CERT_PEM,
 )
-from cumulus import errors
+from cumulus import _bundle, errors
 from cumulus._config import (
     MAX_PEM_FILE_BYTES,
     Connection,
@@ -2032,3 +2033,94 @@ def test_a_job_shows_its_state_changes_and_where_each_rank_resumed_from() -> Non
     assert (job.ranks[1].resume_step, job.ranks[1].resume_job_id) == (None, "")
     with pytest.raises(errors.ProtocolError, match="resume_step"):
         cumulus.JobInfo.from_json(job_json(ranks=[{"rank": 0, "resume_step": "40"}]))
+
+
+# -- uploads, environments, remote functions (issue 41) --------------------------------
+
+
+def test_logs_tail_is_sent_and_checked(client: Client, script: Script) -> None:
+    def tailed(r: httpx.Request) -> httpx.Response:
+        assert r.url.params["tail"] == "5"
+        data = sse(("log", "r0a0o4", line(0, 0, 0, "last")), ("end", "r0a0o4", {}))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=data)
+
+    script.on(A, "GET", "/v1/jobs/job-000001/logs", tailed)
+    assert [x.line for x in client.job("job-000001").logs(tail=5)] == ["last"]
+    for bad in (-1, 10_001, True, "5"):
+        with pytest.raises(errors.InvalidSpec, match="tail must be"):
+            list(client.logs("job-000001", tail=bad))  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidSpec, match="exclude"):
+        list(client.logs("job-000001", tail=1, cursor="r0a0o4"))
+
+
+def test_an_upload_is_put_once_then_named_in_the_spec(
+    client: Client, script: Script, tmp_path: Path
+) -> None:
+    (tmp_path / "train.py").write_text("print(1)\n")
+    with _bundle.pack_directory(tmp_path) as packed:
+        digest, data = packed.digest, packed.read()
+    path = f"/v1/blobs/{digest}"
+
+    def put(r: httpx.Request) -> httpx.Response:
+        body = r.read()
+        assert r.headers["content-length"] == str(len(body)) and body == data
+        return httpx.Response(201, json={"digest": digest, "size_bytes": len(body)})
+
+    stored = lambda r: httpx.Response(200, headers={"content-length": str(len(data))})  # noqa: E731
+    script.on(A, "HEAD", path, lambda r: httpx.Response(404), stored)
+    script.on(A, "PUT", path, put)
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    first = client.submit(["python3", "train.py"], upload=tmp_path, requirements=["numpy==2.1"])
+    second = client.submit(["python3", "train.py"], upload=tmp_path)
+    assert first.upload is not None and second.upload is not None
+    assert first.upload.sent_bytes == first.upload.blob.size_bytes == len(data)
+    assert second.upload.sent_bytes == 0 and second.upload.blob == first.upload.blob
+    assert [c.method for c in script.calls] == ["HEAD", "PUT", "POST", "HEAD", "POST"]
+    spec = json.loads(script.calls[2].content)["spec"]
+    assert spec["workdir"] == {"digest": digest, "size_bytes": len(data)}
+    assert spec["environment"] == {
+        "requirements": "numpy==2.1\n",
+        "python": "",
+        "index_url": "",
+        "find_links": [],
+        "no_index": False,
+    }
+    assert "environment" not in json.loads(script.calls[4].content)["spec"]
+
+
+def test_environment_arguments_are_checked_before_sending(
+    client: Client, script: Script, tmp_path: Path
+) -> None:
+    req = tmp_path / "requirements.txt"
+    req.write_text("torch\n")
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    client.submit(["x"], requirements=req, python="3.11", find_links=["wheels"], no_index=True)
+    env = json.loads(script.calls[0].content)["spec"]["environment"]
+    assert env["requirements"] == "torch\n" and env["python"] == "3.11"
+    assert env["find_links"] == [os.path.abspath("wheels")] and env["no_index"] is True
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"requirements": ["a\nb"]}, "no newline"),
+        ({"requirements": "absent.txt"}, "requirements file"),
+        ({"requirements": ["x" * 70_000]}, "over 65536 bytes"),
+        ({"python": "3"}, "python must be"),
+        ({"python": "2.7"}, "python must be"),
+        ({"no_index": True}, "give requirements"),
+        ({"requirements": [], "find_links": "dir"}, "find_links must be a list"),
+        ({"requirements": [], "find_links": ["d"] * 17}, "at most 16 find_links"),
+        ({"upload": tmp_path, "working_dir": tmp_path}, "exclude each other"),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(errors.InvalidSpec, match=match):
+            client.submit(["x"], **kwargs)
+    assert len(script.calls) == 1
+
+
+def test_run_keeps_its_own_options_apart_from_the_functions(client: Client) -> None:
+    with pytest.raises(TypeError, match="needs a function"):
+        client.run_async("not callable")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="options may not set 'upload'"):
+        client.run_async(len, options={"upload": "."})
+    with pytest.raises(TypeError, match="given twice"):
+        client.run_async(len, ckpt_dir="/c", options={"ckpt_dir": "/d"})
+    with pytest.raises(TypeError, match="picklable"):
+        client.run_async(len, __import__("threading").Lock())

@@ -6,7 +6,8 @@ It checks that this interpreter's ``major.minor`` is the client's, since a funct
 pickled by one Python cannot be loaded by another: on a mismatch it writes the error
 file into ``$CUMULUS_OUTPUT_DIR`` and exits with ``EXIT_CANNOT_RUN`` (78: the job fails
 at once and spends no restart). Otherwise it puts the copies of ``cumulus`` and
-``cloudpickle`` the client sent first on ``sys.path`` and hands over to
+``cloudpickle`` the client sent first on ``sys.path``, then the working directory (the
+modules of an uploaded directory), and hands over to
 :func:`cumulus._run_rank.main`.
 
 It uses the standard library only and syntax every Python 3 reads, so the check runs
@@ -59,7 +60,9 @@ def main() -> None:
         sys.stderr.write("cumulus: %s\n" % message)
         sys.stderr.flush()
         sys.exit(int(meta["exit_cannot_run"]))
-    sys.path.insert(0, os.path.join(here, "lib"))
+    # The copies the client sent first, then the working directory (an uploaded
+    # directory's modules), instead of this script's own directory.
+    sys.path[0:1] = [os.path.join(here, "lib"), os.getcwd()]
     from cumulus import _run_rank
 
     sys.exit(_run_rank.main(here, meta, "--gather" in sys.argv[1:]))

@@ -105,6 +105,8 @@ MAX_GPUS_PER_RANK = _contract.MAX_GPUS_PER_WORKER
 WHOLE_GPU_PERMILLE = _contract.WHOLE_GPU_PERMILLE
 #: Consecutive failed log-stream connections before :meth:`Job.logs` gives up.
 LOG_MAX_CONSECUTIVE_FAILURES = 20
+#: Most last lines ``logs(tail=...)`` may ask for (the coordinator's ``MAX_TAIL_LINES``).
+MAX_TAIL = 10_000
 #: A silent log stream is presumed dead (and resumed elsewhere) after this, in seconds.
 LOG_READ_TIMEOUT_S = 30.0
 #: Longest time limit a job may ask for, in seconds (365 days; the coordinator's
@@ -644,6 +646,25 @@ def _environment(
         "find_links": [x if "://" in x else os.path.abspath(x) for x in links],
         "no_index": no_index,
     }
+
+
+def _logs_params(
+    follow: bool, rank: int | None, tail: int | None, cursor: str | None
+) -> dict[str, str]:
+    """The query of a log stream.
+
+    :raises InvalidSpec: ``tail`` is not an int ``0..=MAX_TAIL``, or comes with a
+        ``cursor``."""
+    params = {"follow": "true" if follow else "false"}
+    if rank is not None:
+        params["rank"] = str(rank)
+    if tail is not None:
+        if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail <= MAX_TAIL:
+            raise InvalidSpec(f"tail must be an int 0..={MAX_TAIL}, got {tail!r}", status=None)
+        if cursor:
+            raise InvalidSpec("tail and cursor exclude each other", status=None)
+        params["tail"] = str(tail)
+    return params
 
 
 class Client:
@@ -1495,6 +1516,7 @@ class Client:
         follow: bool = True,
         rank: int | None = None,
         cursor: str | None = None,
+        tail: int | None = None,
     ) -> Iterator[LogLine]:
         """Every log line of a job's ranks (all attempts, in order per rank) over
         Server-Sent Events. A dropped stream is resumed on the next coordinator with
@@ -1504,6 +1526,9 @@ class Client:
             ``False`` stops at the current end.
         :param rank: only this rank.
         :param cursor: resume after a cursor (an event id seen before).
+        :param tail: start each rank at its last ``tail`` lines so far (``0..=10000``;
+            0: at the current end), as ``cumulusctl logs --tail``; ``None``: from the
+            beginning. Not with ``cursor`` (a resumed stream goes on from its cursor).
         :raises NotFound: no such job.
         :raises Unauthorized: wrong token (or a refused client certificate).
         :raises Forbidden: the user may not read this job's logs.
@@ -1512,9 +1537,7 @@ class Client:
         :raises Unavailable: 20 consecutive tries failed (connections, 5xx, 408, 429).
         :raises ProtocolError: a malformed event.
         """
-        params = {"follow": "true" if follow else "false"}
-        if rank is not None:
-            params["rank"] = str(rank)
+        params = _logs_params(follow, rank, tail, cursor)
         addrs = list(self.addresses)
         index = addrs.index(self._preferred) if self._preferred in addrs else 0
         last_offset: dict[tuple[int, int], int] = {}
@@ -1662,10 +1685,16 @@ class Job:
     get_checkpoints = checkpoints
 
     def logs(
-        self, *, follow: bool = True, rank: int | None = None, cursor: str | None = None
+        self,
+        *,
+        follow: bool = True,
+        rank: int | None = None,
+        cursor: str | None = None,
+        tail: int | None = None,
     ) -> Iterator[LogLine]:
-        """The job's log lines (see :meth:`Client.logs`)."""
-        return self.client.logs(self.id, follow=follow, rank=rank, cursor=cursor)
+        """The job's log lines (see :meth:`Client.logs`; ``tail=N``: each rank's last N
+        lines so far, then what follows)."""
+        return self.client.logs(self.id, follow=follow, rank=rank, cursor=cursor, tail=tail)
 
     def pause(self) -> JobInfo:
         """Pauses the job: its ranks checkpoint and exit, it becomes ``paused`` (see
