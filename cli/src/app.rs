@@ -5,8 +5,8 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 use crate::args::{
-    CertKind, CertsCommand, CkptCommand, Cli, ClusterCommand, Command, DatasetCommand, GlobalOpts,
-    LocalCommand, OutputFormat, TokenCommand,
+    ArtifactsCommand, CertKind, CertsCommand, CkptCommand, Cli, ClusterCommand, Command,
+    DatasetCommand, GlobalOpts, LocalCommand, OutputFormat, SplitArgs, TokenCommand,
 };
 use crate::client::{Client, ClientError, RetryPolicy};
 use crate::config::{self, ClusterFile, ConfigError};
@@ -25,8 +25,18 @@ pub async fn run(cli: Cli) -> Result<()> {
     let out = g.output;
     match cli.command {
         Command::Submit(a) => {
-            jobs::warn_missing_dir("--dataset", &a.dataset);
+            jobs::warn_missing_dir("--dataset", &a.job.dataset);
             jobs::submit(&config::resolve(g)?, &a, out).await
+        }
+        Command::Run(a) => {
+            jobs::warn_missing_dir("--dataset", &a.job.dataset);
+            crate::run::run(&config::resolve(g)?, &a, out).await
+        }
+        Command::Artifacts(ArtifactsCommand::Ls(a)) => {
+            crate::artifacts::ls(&config::resolve(g)?, &a.job, a.rank, out).await
+        }
+        Command::Artifacts(ArtifactsCommand::Get(a)) => {
+            crate::artifacts::get(&config::resolve(g)?, &a).await
         }
         Command::Status(j) => jobs::status(&config::resolve(g)?, &j.job, out).await,
         Command::Describe(j) => jobs::describe(&config::resolve(g)?, &j.job, out).await,
@@ -82,31 +92,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Cluster(ClusterCommand::Remove(m)) => {
             jobs::remove(&config::resolve(g)?, m.id, out).await
         }
-        Command::Dataset(DatasetCommand::Split(a)) => {
-            let holdout_fraction = a.holdout_fraction.unwrap_or(if a.holdout_out.is_some() {
-                dataset::DEFAULT_HOLDOUT_FRACTION
-            } else {
-                0.0
-            });
-            let opts = SplitOptions {
-                input: a.file,
-                shards: a.shards,
-                out: a.out,
-                holdout_fraction,
-                holdout_out: a.holdout_out,
-                force: a.force,
-            };
-            let report = tokio::task::spawn_blocking(move || dataset::split(&opts))
-                .await
-                .context("dataset split task")??;
-            match out {
-                OutputFormat::Json | OutputFormat::Yaml => print_data(out, &report)?,
-                OutputFormat::Table | OutputFormat::Wide => {
-                    print!("{}", dataset::report_text(&report))
-                }
-            }
-            Ok(())
-        }
+        Command::Dataset(DatasetCommand::Split(a)) => dataset_split(a, out).await,
         Command::Local(LocalCommand::Up(a)) => {
             let opts = UpOptions {
                 dir: g.local_dir.clone(),
@@ -167,6 +153,31 @@ pub async fn run(cli: Cli) -> Result<()> {
         }
         Command::Certs(c) => certs(c),
     }
+}
+
+/// `dataset split`: the shards written on a blocking thread, then the report.
+async fn dataset_split(a: SplitArgs, out: OutputFormat) -> Result<()> {
+    let holdout_fraction = a.holdout_fraction.unwrap_or(if a.holdout_out.is_some() {
+        dataset::DEFAULT_HOLDOUT_FRACTION
+    } else {
+        0.0
+    });
+    let opts = SplitOptions {
+        input: a.file,
+        shards: a.shards,
+        out: a.out,
+        holdout_fraction,
+        holdout_out: a.holdout_out,
+        force: a.force,
+    };
+    let report = tokio::task::spawn_blocking(move || dataset::split(&opts))
+        .await
+        .context("dataset split task")??;
+    match out {
+        OutputFormat::Json | OutputFormat::Yaml => print_data(out, &report)?,
+        OutputFormat::Table | OutputFormat::Wide => print!("{}", dataset::report_text(&report)),
+    }
+    Ok(())
 }
 
 /// `certs init` and `certs issue`: files written, one line each.

@@ -37,6 +37,8 @@ const SHARDS_BOUND: i64 = crate::dataset::MAX_SHARDS as i64;
   cumulusctl local up                               # 3 coordinators + 2 workers on 127.0.0.1 under .cumulus/
   cumulusctl dataset split data/digits/digits.csv.gz --shards 8 --out shards --holdout-out holdout.csv
   cumulusctl submit --world-size 4 --dataset shards --ckpt-dir ckpt -- python train.py
+  cumulusctl run --upload . --requirements requirements.txt -- python train.py
+  cumulusctl run -c 'import sys; print(sys.version)'
   cumulusctl logs -f job-000001
   cumulusctl status job-000001"
 )]
@@ -149,6 +151,18 @@ impl OutputFormat {
 pub enum Command {
     /// Submit a job: `submit --world-size 4 -- python train.py --lr 0.1`.
     Submit(SubmitArgs),
+    /// Submit a job, stream its output and exit with its outcome: `run -c 'print(42)'`.
+    ///
+    /// Like `docker run`: submits, prints the ranks' output as it comes, waits for the
+    /// end and exits 0 when the job succeeded, else with the failing rank's exit code.
+    /// `run --upload . --requirements requirements.txt -- python train.py` sends the
+    /// current directory and an environment; `run -c CODE` runs `python3 -c CODE`.
+    /// Ctrl-C asks whether to cancel the job (on a terminal; otherwise it leaves the job
+    /// running and says how to follow it).
+    Run(RunArgs),
+    /// What a job's ranks left in `$CUMULUS_OUTPUT_DIR`: list, download.
+    #[command(subcommand)]
+    Artifacts(ArtifactsCommand),
     /// Show one job: state, ranks, restarts.
     Status(JobArg),
     /// Show one job with its events in time order (submitted, failures, restarts and
@@ -307,6 +321,57 @@ pub struct SubmitArgs {
     /// (its coordinators' `--max-world-size`, 1024 by default).
     #[arg(long, value_parser = parse_world_size)]
     pub world_size: u32,
+    /// What the job runs with: data, checkpoints, restarts, resources, code, environment.
+    #[command(flatten)]
+    pub job: JobOpts,
+    /// Wait until the job finishes; exit 0 only if it succeeded.
+    #[arg(long)]
+    pub wait: bool,
+    /// With --wait: give up waiting after this many seconds (the job keeps running).
+    #[arg(long, requires = "wait")]
+    pub wait_timeout_s: Option<u64>,
+    /// The command every rank runs (argv; argv[0] is looked up in PATH on the worker).
+    /// Put it after `--` when it has options of its own.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    pub command: Vec<String>,
+}
+
+/// `run` options: those of `submit`, one rank by default, and `-c CODE`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Number of ranks (processes) of the job.
+    #[arg(long, default_value_t = 1, value_parser = parse_world_size)]
+    pub world_size: u32,
+    /// What the job runs with: data, checkpoints, restarts, resources, code, environment.
+    #[command(flatten)]
+    pub job: JobOpts,
+    /// Run this Python code (`python3 -c CODE` on every rank) instead of a command.
+    #[arg(
+        short = 'c',
+        long = "code",
+        value_name = "CODE",
+        conflicts_with = "command"
+    )]
+    pub code: Option<String>,
+    /// The command every rank runs (argv; argv[0] is looked up in PATH on the worker).
+    /// Put it after `--` when it has options of its own.
+    #[arg(
+        required_unless_present = "code",
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    pub command: Vec<String>,
+}
+
+/// The options of a job that `submit` and `run` share.
+#[derive(Debug, Args)]
+pub struct JobOpts {
     /// Dataset directory: its regular files, sorted by name, are the shards; shard i goes
     /// to rank i mod world-size. Must be readable at this path on the workers. Or an S3
     /// prefix `s3://bucket/prefix`: its objects are the shards, downloaded by the workers
@@ -392,28 +457,102 @@ pub struct SubmitArgs {
     /// Human-readable job name (≤ 128 bytes).
     #[arg(long)]
     pub name: Option<String>,
-    /// Working directory of every rank (default: the worker's own).
+    /// Working directory of every rank: a path on the workers (default: the worker's
+    /// own). See `--upload` to send a directory instead.
     #[arg(long)]
     pub workdir: Option<PathBuf>,
+    /// Send this directory as the ranks' working directory: packed (honouring
+    /// `.gitignore` and `.cumulusignore`; `.git` is left out), stored in the cluster once
+    /// per content (an unchanged directory uploads nothing), and unpacked afresh for
+    /// every attempt.
+    #[arg(long, value_name = "DIR", conflicts_with = "workdir")]
+    pub upload: Option<PathBuf>,
+    /// Most MiB the files of `--upload` may hold (default 512, at most 2048); past it the
+    /// upload is refused, naming the largest files.
+    #[arg(long, value_name = "MIB", requires = "upload",
+          value_parser = clap::value_parser!(u64).range(1..=MAX_UPLOAD_MIB))]
+    pub max_upload_mib: Option<u64>,
+    /// Python environment: install the packages of this requirements file (pip's format)
+    /// into a virtual environment built with uv on each worker, cached and shared
+    /// between jobs.
+    #[arg(long, value_name = "FILE", help_heading = "Environment")]
+    pub requirements: Option<PathBuf>,
+    /// Python environment: install this package (a requirement such as `numpy` or
+    /// `torch==2.3.1`; repeatable), as `--requirements` does.
+    #[arg(long, value_name = "PKG", help_heading = "Environment")]
+    pub pip: Vec<String>,
+    /// Python environment: this Python version, `3.X` or `3.X.Y` (default: the worker's
+    /// python3).
+    #[arg(long, value_name = "3.X", value_parser = parse_python_version, help_heading = "Environment")]
+    pub python: Option<String>,
+    /// Python environment: the package index uv installs from (default: uv's).
+    #[arg(long, value_name = "URL", help_heading = "Environment")]
+    pub index_url: Option<String>,
+    /// Python environment: also look for packages here, a directory on the workers or a
+    /// URL (repeatable, at most 16).
+    #[arg(long, value_name = "PATH|URL", help_heading = "Environment")]
+    pub find_links: Vec<String>,
+    /// Python environment: use no package index, only `--find-links`.
+    #[arg(long, conflicts_with = "index_url", help_heading = "Environment")]
+    pub no_index: bool,
     /// Idempotency key (1..=128 bytes); default: random, generated once per invocation
     /// and reused by every retry, so a retried submit never creates two jobs.
     #[arg(long)]
     pub request_id: Option<String>,
-    /// Wait until the job finishes; exit 0 only if it succeeded.
+}
+
+/// Largest `--max-upload-mib`: the cluster's cap on one blob.
+pub const MAX_UPLOAD_MIB: u64 = cumulus_api::blobs::MAX_BLOB_BYTES / (1024 * 1024);
+
+/// Parses `--python`: `3.X` or `3.X.Y`.
+fn parse_python_version(text: &str) -> Result<String, String> {
+    let text = text.trim();
+    if text.is_empty() || !cumulus_api::blobs::is_valid_python_version(text) {
+        return Err(format!(
+            "{} is not a Python version like 3.11 or 3.11.9",
+            cumulus_api::text::escape_control(text)
+        ));
+    }
+    Ok(text.to_string())
+}
+
+/// `artifacts` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ArtifactsCommand {
+    /// List what a job's ranks left in `$CUMULUS_OUTPUT_DIR` (the newest attempt of each
+    /// rank that left any): rank, attempt, path, size.
+    Ls(ArtifactsLsArgs),
+    /// Download one file of a rank's artifacts.
+    Get(ArtifactsGetArgs),
+}
+
+/// `artifacts ls JOB [--rank N]`.
+#[derive(Debug, Args)]
+pub struct ArtifactsLsArgs {
+    /// Job id, e.g. `job-000001`.
+    pub job: String,
+    /// Only this rank's.
     #[arg(long)]
-    pub wait: bool,
-    /// With --wait: give up waiting after this many seconds (the job keeps running).
-    #[arg(long, requires = "wait")]
-    pub wait_timeout_s: Option<u64>,
-    /// The command every rank runs (argv; argv[0] is looked up in PATH on the worker).
-    /// Put it after `--` when it has options of its own.
-    #[arg(
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "CMD"
-    )]
-    pub command: Vec<String>,
+    pub rank: Option<u32>,
+}
+
+/// `artifacts get JOB PATH [--rank N] [--out FILE]`.
+#[derive(Debug, Args)]
+pub struct ArtifactsGetArgs {
+    /// Job id, e.g. `job-000001`.
+    pub job: String,
+    /// The file's path in the artifacts, as `artifacts ls` shows it.
+    pub path: String,
+    /// Whose artifacts (default: rank 0's).
+    #[arg(long, default_value_t = 0)]
+    pub rank: u32,
+    /// Where to write it (default: the file's name in the current directory; `-`:
+    /// standard output). (`-o` is the output format of every command.)
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Replace the file if it exists.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `logs` options.
@@ -707,8 +846,8 @@ mod tests {
             panic!("not submit")
         };
         assert_eq!(s.world_size, 4);
-        assert_eq!(s.env, vec!["A=1", "B=x=y"]);
-        assert_eq!(s.restart_scope, Some(RestartScope::Rank));
+        assert_eq!(s.job.env, vec!["A=1", "B=x=y"]);
+        assert_eq!(s.job.restart_scope, Some(RestartScope::Rank));
         assert_eq!(s.command, vec!["python", "train.py", "--lr", "0.1"]);
     }
 

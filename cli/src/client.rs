@@ -9,10 +9,14 @@
 //! answer (a full cluster refusing a submit included) is shown at once.
 
 use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cumulus_api::blobs::CHUNK_BYTES;
 use cumulus_api::client_config;
 use cumulus_api::client_service_client::ClientServiceClient;
+use cumulus_api::{BlobChunk, GetBlobRequest, PutBlobResponse, StatBlobRequest, StatBlobResponse};
 use cumulus_api::{
     CancelJobRequest, ClusterStatusRequest, ClusterStatusResponse, DeleteJobRequest,
     DeleteJobResponse, GetJobRequest, GetJobSummaryRequest, JobResponse, JobSummary,
@@ -28,6 +32,13 @@ use crate::config::Conn;
 
 /// A failing call warns once (on stderr, via tracing) after this many tries.
 pub const WARN_AFTER_ATTEMPTS: u32 = 5;
+
+/// Slowest transfer rate a blob upload or download is given time for, bytes per second
+/// ([`RetryPolicy::for_transfer`]).
+pub const MIN_TRANSFER_BYTES_PER_S: u64 = 1024 * 1024;
+
+/// Longest wait for the next chunk of a blob download.
+pub const CHUNK_IDLE_TIMEOUT: Duration = Duration::from_millis(client_config::REQUEST_TIMEOUT_MS);
 
 /// Bounds of one call's retry loop and of every attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +85,17 @@ impl RetryPolicy {
         }
     }
 
+    /// This policy with each attempt given time to move `bytes` at
+    /// [`MIN_TRANSFER_BYTES_PER_S`] on top of its request timeout (a blob upload is one
+    /// request; the channel's timeout covers all of it).
+    pub fn for_transfer(self, bytes: u64) -> Self {
+        RetryPolicy {
+            request_timeout: self.request_timeout
+                + Duration::from_secs(bytes.div_ceil(MIN_TRANSFER_BYTES_PER_S)),
+            ..self
+        }
+    }
+
     /// The shared client's policy: only transport failures, timeouts and elections are
     /// retried; one warning after [`WARN_AFTER_ATTEMPTS`] tries.
     fn leader_policy(&self) -> leader::RetryPolicy {
@@ -115,6 +137,10 @@ pub enum ClientError {
     /// spent, the last address and error).
     #[error(transparent)]
     Exhausted(CallError),
+    /// A blob transfer failed on this side: a local file, a stalled stream, bytes that
+    /// do not match the blob's digest or size.
+    #[error("{0}")]
+    Transfer(String),
     /// An address cannot be made into an endpoint.
     #[error("bad coordinator address {0:?}")]
     BadAddress(String),
@@ -444,6 +470,181 @@ impl Client {
             c.list_checkpoints(r).await
         })
         .await
+    }
+
+    /// `StatBlob`: whether the cluster stores the blob `digest`, and its size.
+    pub async fn stat_blob(&self, digest: &str) -> Result<StatBlobResponse, ClientError> {
+        let req = StatBlobRequest {
+            digest: digest.to_string(),
+        };
+        self.call(
+            "StatBlob",
+            req,
+            |mut c, r| async move { c.stat_blob(r).await },
+        )
+        .await
+    }
+
+    /// `PutBlob`: streams the file at `path`, whose BLAKE3 is `digest` and size
+    /// `size_bytes`, in chunks of [`CHUNK_BYTES`] (the first names the blob). Answered
+    /// once the cluster stored it durably. Use a client made with
+    /// [`RetryPolicy::for_transfer`]. A retried attempt sends the file again from its
+    /// start (the cluster keeps a blob once, by its digest).
+    pub async fn put_blob(
+        &self,
+        path: &Path,
+        digest: &str,
+        size_bytes: u64,
+    ) -> Result<PutBlobResponse, ClientError> {
+        let upload = Upload {
+            path: path.to_path_buf(),
+            digest: digest.to_string(),
+            size_bytes,
+            failed: Arc::new(Mutex::new(None)),
+        };
+        let failed = upload.failed.clone();
+        let result = self
+            .call("PutBlob", upload, |mut c, r| async move {
+                let (metadata, extensions, upload) = r.into_parts();
+                c.put_blob(tonic::Request::from_parts(
+                    metadata,
+                    extensions,
+                    upload.chunks(),
+                ))
+                .await
+            })
+            .await;
+        let local = failed.lock().map(|mut f| f.take()).unwrap_or_default();
+        match (result, local) {
+            (Err(_), Some(e)) => Err(ClientError::Transfer(e)),
+            (result, _) => result,
+        }
+    }
+
+    /// `GetBlob`: writes the blob `digest` into `out`, at most `max_bytes`, each chunk
+    /// within [`CHUNK_IDLE_TIMEOUT`]; checks its BLAKE3 against `digest`. Its size.
+    pub async fn get_blob(
+        &self,
+        digest: &str,
+        max_bytes: u64,
+        out: &mut (dyn std::io::Write + Send),
+    ) -> Result<u64, ClientError> {
+        let req = GetBlobRequest {
+            digest: digest.to_string(),
+        };
+        let mut stream = self
+            .call(
+                "GetBlob",
+                req,
+                |mut c, r| async move { c.get_blob(r).await },
+            )
+            .await?;
+        let mut hasher = blake3::Hasher::new();
+        let mut total = 0u64;
+        loop {
+            let chunk = match tokio::time::timeout(CHUNK_IDLE_TIMEOUT, stream.message()).await {
+                Err(_) => {
+                    return Err(ClientError::Transfer(format!(
+                        "blob {digest}: no data for {} s",
+                        CHUNK_IDLE_TIMEOUT.as_secs()
+                    )));
+                }
+                Ok(Err(status)) => return Err(to_error("GetBlob", &status)),
+                Ok(Ok(None)) => break,
+                Ok(Ok(Some(chunk))) => chunk,
+            };
+            if chunk.data.len() > CHUNK_BYTES {
+                return Err(ClientError::Transfer(format!(
+                    "blob {digest}: a chunk of {} bytes, over {CHUNK_BYTES}",
+                    chunk.data.len()
+                )));
+            }
+            total += chunk.data.len() as u64;
+            if total > max_bytes {
+                return Err(ClientError::Transfer(format!(
+                    "blob {digest}: more than the {max_bytes} bytes expected"
+                )));
+            }
+            hasher.update(&chunk.data);
+            out.write_all(&chunk.data)
+                .map_err(|e| ClientError::Transfer(format!("writing blob {digest}: {e}")))?;
+        }
+        let got = hasher.finalize().to_hex();
+        if got.as_str() != digest {
+            return Err(ClientError::Transfer(format!(
+                "blob {digest}: the bytes received hash to {got}"
+            )));
+        }
+        Ok(total)
+    }
+}
+
+/// An upload of `PutBlob`: the file to send; cloned for each attempt.
+#[derive(Debug, Clone)]
+struct Upload {
+    path: PathBuf,
+    digest: String,
+    size_bytes: u64,
+    /// Why reading the file failed, if it did (the stream then ends early and the
+    /// cluster refuses the short blob; this says why).
+    failed: Arc<Mutex<Option<String>>>,
+}
+
+/// Where the chunk stream of an [`Upload`] is.
+struct ChunkState {
+    upload: Upload,
+    file: Option<tokio::fs::File>,
+    left: u64,
+    first: bool,
+}
+
+impl Upload {
+    /// The file as chunks of at most [`CHUNK_BYTES`]: exactly `size_bytes` bytes, the
+    /// first chunk naming the blob (one empty chunk for an empty blob).
+    fn chunks(self) -> impl futures::Stream<Item = BlobChunk> + Send + 'static {
+        let left = self.size_bytes;
+        let state = ChunkState {
+            upload: self,
+            file: None,
+            left,
+            first: true,
+        };
+        futures::stream::unfold(state, |mut st| async move {
+            use tokio::io::AsyncReadExt;
+            if !st.first && st.left == 0 {
+                return None;
+            }
+            let n = usize::try_from(st.left.min(CHUNK_BYTES as u64)).unwrap_or(CHUNK_BYTES);
+            let mut data = vec![0u8; n];
+            let read = async {
+                if st.file.is_none() {
+                    st.file = Some(tokio::fs::File::open(&st.upload.path).await?);
+                }
+                let file = st.file.as_mut().expect("opened above");
+                file.read_exact(&mut data).await.map(drop)
+            };
+            if let Err(e) = read.await {
+                if let Ok(mut failed) = st.upload.failed.lock() {
+                    *failed = Some(format!("reading {}: {e}", st.upload.path.display()));
+                }
+                return None;
+            }
+            st.left -= n as u64;
+            let (digest, size_bytes) = if st.first {
+                st.first = false;
+                (st.upload.digest.clone(), st.upload.size_bytes)
+            } else {
+                (String::new(), 0)
+            };
+            Some((
+                BlobChunk {
+                    digest,
+                    size_bytes,
+                    data,
+                },
+                st,
+            ))
+        })
     }
 }
 
@@ -888,5 +1089,76 @@ mod tests {
             }
             assert!(start.elapsed() < Duration::from_secs(10));
         }
+    }
+}
+
+#[cfg(test)]
+mod blob_tests {
+    use super::*;
+    use futures::StreamExt;
+
+    async fn chunks_of(size: usize) -> (Vec<BlobChunk>, Vec<u8>) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("blob");
+        let bytes: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &bytes).expect("write");
+        let upload = Upload {
+            path,
+            digest: blake3::hash(&bytes).to_hex().to_string(),
+            size_bytes: size as u64,
+            failed: Arc::new(Mutex::new(None)),
+        };
+        (upload.chunks().collect().await, bytes)
+    }
+
+    #[tokio::test]
+    async fn an_upload_is_chunks_of_at_most_chunk_bytes_the_first_naming_the_blob() {
+        for size in [0, 1, CHUNK_BYTES, CHUNK_BYTES + 1, 3 * CHUNK_BYTES - 7] {
+            let (chunks, bytes) = chunks_of(size).await;
+            assert_eq!(
+                chunks.len(),
+                size.div_ceil(CHUNK_BYTES).max(1),
+                "size {size}"
+            );
+            assert_eq!(chunks[0].digest, blake3::hash(&bytes).to_hex().as_str());
+            assert_eq!(chunks[0].size_bytes, size as u64);
+            assert!(
+                chunks[1..]
+                    .iter()
+                    .all(|c| c.digest.is_empty() && c.size_bytes == 0)
+            );
+            assert!(chunks.iter().all(|c| c.data.len() <= CHUNK_BYTES));
+            let joined: Vec<u8> = chunks.into_iter().flat_map(|c| c.data).collect();
+            assert_eq!(joined, bytes, "size {size}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_file_shorter_than_announced_ends_the_stream_and_says_why() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("blob");
+        std::fs::write(&path, vec![1u8; 10]).expect("write");
+        let upload = Upload {
+            path,
+            digest: "ab".repeat(32),
+            size_bytes: CHUNK_BYTES as u64 + 5,
+            failed: Arc::new(Mutex::new(None)),
+        };
+        let failed = upload.failed.clone();
+        let chunks: Vec<BlobChunk> = upload.chunks().collect().await;
+        assert!(chunks.is_empty(), "the first read already fails");
+        let why = failed.lock().expect("lock").clone().expect("a reason");
+        assert!(why.contains("reading") && why.contains("blob"), "{why}");
+    }
+
+    #[test]
+    fn transfers_get_time_for_their_bytes() {
+        let p = RetryPolicy::default();
+        let t = p.for_transfer(512 * 1024 * 1024);
+        assert_eq!(
+            t.request_timeout,
+            p.request_timeout + Duration::from_secs(512)
+        );
+        assert_eq!(p.for_transfer(0).request_timeout, p.request_timeout);
     }
 }

@@ -6,9 +6,10 @@ use std::path::{Component, Path};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use cumulus_api::{JobSpec, RestartPolicy, SubmitJobRequest};
+use cumulus_api::blobs::{MAX_FIND_LINKS, MAX_REQUIREMENTS_BYTES};
+use cumulus_api::{EnvironmentSpec, JobSpec, RestartPolicy, SubmitJobRequest};
 
-use crate::args::{ListArgs, OutputFormat, SubmitArgs, TokenCreateArgs};
+use crate::args::{JobOpts, ListArgs, OutputFormat, SubmitArgs, TokenCreateArgs};
 use crate::client::{Client, new_request_id};
 use crate::config::Conn;
 use crate::dataset::{absolute, canonical_lenient};
@@ -71,8 +72,19 @@ fn abs_string(p: &Option<std::path::PathBuf>, flag: &str) -> Result<String> {
 }
 
 /// Builds the request of `submit` (relative paths made absolute; request id kept or
-/// generated once).
+/// generated once; the environment read and checked). `--upload` is not packed here:
+/// [`submit`] sets `spec.workdir` once the directory is stored.
 pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
+    build_request(args.world_size, &args.job, args.command.clone())
+}
+
+/// Builds the request of a job of `world_size` ranks running `command` with `args`
+/// (`submit`, `run`).
+pub fn build_request(
+    world_size: u32,
+    args: &JobOpts,
+    command: Vec<String>,
+) -> Result<SubmitJobRequest> {
     let request_id = match &args.request_id {
         Some(id) if id.is_empty() || id.len() > MAX_REQUEST_ID_BYTES => {
             bail!("--request-id must be 1..={MAX_REQUEST_ID_BYTES} bytes")
@@ -80,7 +92,7 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
         Some(id) => id.clone(),
         None => new_request_id(),
     };
-    if args.command.is_empty() {
+    if command.is_empty() {
         bail!("no command: put it after `--`, e.g. `submit --world-size 2 -- python train.py`");
     }
     let progress_timeout_ms = match args.progress_timeout_s {
@@ -104,8 +116,8 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
     }
     let spec = JobSpec {
         name: args.name.clone().unwrap_or_default(),
-        world_size: args.world_size,
-        command: args.command.clone(),
+        world_size,
+        command,
         env: parse_env(&args.env)?,
         dataset: match &args.dataset {
             // An S3 prefix goes as is; a directory is made absolute.
@@ -142,6 +154,8 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
             .unwrap_or_default(),
         resume_from_step: args.resume_from.as_ref().and_then(|r| r.step),
         preemptible: args.preemptible,
+        workdir: None,
+        environment: build_environment(args)?,
     };
     Ok(SubmitJobRequest {
         allow_pending: args.allow_pending,
@@ -150,9 +164,129 @@ pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
     })
 }
 
+/// The Python environment of `--requirements`, `--pip`, `--python` and the index options
+/// (`None` when none is given), checked against the contract's limits
+/// ([`cumulus_api::blobs`]) before anything is sent.
+///
+/// # Errors
+/// Index options without packages, an unreadable or oversized requirements file, a
+/// package that is not one requirement, too many or malformed index options.
+pub fn build_environment(args: &JobOpts) -> Result<Option<EnvironmentSpec>> {
+    let packages = args.requirements.is_some() || !args.pip.is_empty() || args.python.is_some();
+    let index = args.index_url.is_some() || !args.find_links.is_empty() || args.no_index;
+    if !packages {
+        if index {
+            bail!(
+                "--index-url, --find-links and --no-index say where the packages of --requirements or --pip come from: name packages too"
+            );
+        }
+        return Ok(None);
+    }
+    let mut requirements = match &args.requirements {
+        Some(path) => read_requirements(path)?,
+        None => String::new(),
+    };
+    for pkg in &args.pip {
+        let pkg = pkg.trim();
+        if pkg.is_empty() || pkg.starts_with('-') || !cumulus_api::text::is_printable(pkg) {
+            bail!(
+                "--pip {}: give one requirement such as numpy or torch==2.3.1 (options and several lines go in a --requirements file)",
+                cumulus_api::text::escape_control(pkg)
+            );
+        }
+        if !requirements.is_empty() && !requirements.ends_with('\n') {
+            requirements.push('\n');
+        }
+        requirements.push_str(pkg);
+        requirements.push('\n');
+    }
+    if requirements.len() > MAX_REQUIREMENTS_BYTES {
+        bail!(
+            "the requirements hold {} bytes, more than the limit of {MAX_REQUIREMENTS_BYTES}",
+            requirements.len()
+        );
+    }
+    if args.find_links.len() > MAX_FIND_LINKS {
+        bail!(
+            "{} --find-links, more than the limit of {MAX_FIND_LINKS}",
+            args.find_links.len()
+        );
+    }
+    let index_url = match &args.index_url {
+        Some(url) => index_option("--index-url", url)?,
+        None => String::new(),
+    };
+    let mut find_links = Vec::with_capacity(args.find_links.len());
+    for link in &args.find_links {
+        let link = index_option("--find-links", link)?;
+        find_links.push(if link.contains("://") {
+            link
+        } else {
+            // A directory on the workers, named as on this machine (a shared file system).
+            abs_string(&Some(link.into()), "--find-links")?
+        });
+    }
+    Ok(Some(EnvironmentSpec {
+        requirements,
+        python: args.python.clone().unwrap_or_default(),
+        index_url,
+        find_links,
+        no_index: args.no_index,
+    }))
+}
+
+/// Reads a `--requirements` file: at most [`MAX_REQUIREMENTS_BYTES`] of UTF-8 text
+/// without NUL.
+fn read_requirements(path: &Path) -> Result<String> {
+    use std::io::Read;
+    let file =
+        std::fs::File::open(path).with_context(|| format!("--requirements {}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_REQUIREMENTS_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("reading --requirements {}", path.display()))?;
+    if bytes.len() > MAX_REQUIREMENTS_BYTES {
+        bail!(
+            "--requirements {} is larger than the limit of {MAX_REQUIREMENTS_BYTES} bytes",
+            path.display()
+        );
+    }
+    let text = String::from_utf8(bytes)
+        .map_err(|_| anyhow::anyhow!("--requirements {} is not UTF-8 text", path.display()))?;
+    if text.contains('\0') {
+        bail!("--requirements {} holds a NUL byte", path.display());
+    }
+    Ok(text)
+}
+
+/// An `--index-url` or `--find-links` value: 1..=MAX_ARG_BYTES visible characters.
+fn index_option(flag: &str, value: &str) -> Result<String> {
+    let value = value.trim();
+    if value.is_empty()
+        || value.len() > cumulus_api::limits::MAX_ARG_BYTES
+        || value.chars().any(|c| c.is_whitespace() || c.is_control())
+    {
+        bail!(
+            "{flag} {}: give a URL or a path of at most {} bytes, without spaces or control characters",
+            cumulus_api::text::escape_control(value),
+            cumulus_api::limits::MAX_ARG_BYTES
+        );
+    }
+    Ok(value.to_string())
+}
+
 /// `submit`.
 pub async fn submit(conn: &Conn, args: &SubmitArgs, output: OutputFormat) -> Result<()> {
-    let req = build_submit(args)?;
+    let mut req = build_submit(args)?;
+    if let Some(dir) = &args.job.upload {
+        let blob =
+            crate::upload::upload_workdir(conn, dir, crate::upload::max_upload_bytes(&args.job))
+                .await?;
+        req.spec
+            .as_mut()
+            .context("a built request has a spec")?
+            .workdir = Some(blob);
+    }
     let client = Client::new(conn)?;
     let resp = client.submit_job(req.clone()).await?;
     match output {
@@ -961,6 +1095,156 @@ mod tests {
                 "true"
             ]))
             .is_err()
+        );
+    }
+
+    fn env_of(extra: &[&str]) -> Result<Option<EnvironmentSpec>> {
+        let mut argv = extra.to_vec();
+        argv.extend_from_slice(&["--", "python", "t.py"]);
+        build_submit(&submit_args(&argv)).map(|r| r.spec.expect("spec").environment)
+    }
+
+    #[test]
+    fn environment_flags_make_one_checked_environment() {
+        assert_eq!(env_of(&[]).expect("none"), None);
+        let e = env_of(&[
+            "--pip",
+            "numpy",
+            "--pip",
+            " torch==2.3.1 ",
+            "--python",
+            "3.11",
+        ])
+        .expect("valid")
+        .expect("an environment");
+        assert_eq!(e.requirements, "numpy\ntorch==2.3.1\n");
+        assert_eq!(e.python, "3.11");
+        assert!(e.index_url.is_empty() && e.find_links.is_empty() && !e.no_index);
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let req = dir.path().join("requirements.txt");
+        std::fs::write(&req, "pandas>=2\n# a comment\nrequests").expect("write");
+        let wheels = dir.path().join("wheels");
+        let e = env_of(&[
+            "--requirements",
+            req.to_str().expect("utf8"),
+            "--pip",
+            "tqdm",
+            "--no-index",
+            "--find-links",
+            wheels.to_str().expect("utf8"),
+            "--find-links",
+            "https://example.org/wheels/",
+        ])
+        .expect("valid")
+        .expect("an environment");
+        assert_eq!(e.requirements, "pandas>=2\n# a comment\nrequests\ntqdm\n");
+        assert_eq!(
+            e.find_links,
+            vec![
+                wheels.to_str().expect("utf8"),
+                "https://example.org/wheels/"
+            ]
+        );
+        assert!(e.no_index);
+        assert_eq!(e.python, "", "the worker's python3");
+
+        // A bare environment of another Python; relative find-links made absolute.
+        let e = env_of(&["--python", "3.12.1", "--pip", "x", "--find-links", "w"])
+            .expect("valid")
+            .expect("an environment");
+        assert_eq!(
+            (e.python.as_str(), e.requirements.as_str()),
+            ("3.12.1", "x\n")
+        );
+        let cwd = std::env::current_dir().expect("cwd");
+        assert_eq!(e.find_links, vec![cwd.join("w").to_str().expect("utf8")]);
+    }
+
+    #[test]
+    fn environment_flags_are_refused_before_sending() {
+        let parse = |argv: &[&str]| {
+            let mut full = vec!["cumulusctl", "submit", "--world-size", "1"];
+            full.extend_from_slice(argv);
+            full.extend_from_slice(&["--", "true"]);
+            Cli::try_parse_from(full).map(|_| ())
+        };
+        for bad in [
+            ["--python", "3"],
+            ["--python", "2.7"],
+            ["--python", "python3.11"],
+        ] {
+            assert!(parse(&bad).is_err(), "{bad:?}");
+        }
+        assert!(
+            parse(&["--no-index", "--index-url", "https://x"]).is_err(),
+            "conflict"
+        );
+        assert!(
+            parse(&["--upload", ".", "--workdir", "/w"]).is_err(),
+            "conflict"
+        );
+        assert!(
+            parse(&["--max-upload-mib", "10"]).is_err(),
+            "requires --upload"
+        );
+        assert!(
+            parse(&["--upload", ".", "--max-upload-mib", "2049"]).is_err(),
+            "over 2 GiB"
+        );
+        assert!(parse(&["--upload", ".", "--max-upload-mib", "2048"]).is_ok());
+
+        let err = env_of(&["--index-url", "https://pypi.example/simple"]).expect_err("no packages");
+        assert!(err.to_string().contains("name packages too"), "{err}");
+        let err = env_of(&["--pip=-e", "--pip", "x"]).expect_err("an option");
+        assert!(err.to_string().contains("--requirements file"), "{err}");
+        let err = env_of(&["--pip", "a\nb"]).expect_err("two lines");
+        assert!(err.to_string().contains("one requirement"), "{err}");
+        let err = env_of(&["--pip", "x", "--index-url", "https://a b"]).expect_err("space");
+        assert!(err.to_string().contains("--index-url"), "{err}");
+        let many: Vec<String> = (0..=MAX_FIND_LINKS)
+            .map(|i| format!("https://h/{i}"))
+            .collect();
+        let mut argv = vec!["--pip", "x"];
+        for l in &many {
+            argv.extend_from_slice(&["--find-links", l]);
+        }
+        let err = env_of(&argv).expect_err("too many");
+        assert!(err.to_string().contains("limit of 16"), "{err}");
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let big = dir.path().join("big.txt");
+        std::fs::write(&big, "x\n".repeat(MAX_REQUIREMENTS_BYTES)).expect("write");
+        let err = env_of(&["--requirements", big.to_str().expect("utf8")]).expect_err("big");
+        assert!(err.to_string().contains("larger than the limit"), "{err}");
+        let binary = dir.path().join("bin.txt");
+        std::fs::write(&binary, b"\xff\xfe").expect("write");
+        let err = env_of(&["--requirements", binary.to_str().expect("utf8")]).expect_err("binary");
+        assert!(err.to_string().contains("not UTF-8"), "{err}");
+        let err = env_of(&["--requirements", "/nonexistent/req.txt"]).expect_err("missing");
+        assert!(err.to_string().contains("/nonexistent/req.txt"), "{err}");
+        // A requirements file filled up to the limit by --pip.
+        let near = dir.path().join("near.txt");
+        std::fs::write(&near, "x".repeat(MAX_REQUIREMENTS_BYTES - 2)).expect("write");
+        let err = env_of(&["--requirements", near.to_str().expect("utf8"), "--pip", "y"])
+            .expect_err("over with --pip");
+        assert!(err.to_string().contains("more than the limit"), "{err}");
+    }
+
+    #[test]
+    fn upload_sets_no_workdir_path_and_keeps_its_size_limit() {
+        let a = submit_args(&["--upload", ".", "--max-upload-mib", "3", "--", "true"]);
+        let spec = build_submit(&a).expect("build").spec.expect("spec");
+        assert_eq!(
+            spec.working_dir, "",
+            "the blob, set after upload, is the workdir"
+        );
+        assert_eq!(spec.workdir, None);
+        assert_eq!(crate::upload::max_upload_bytes(&a.job), 3 * 1024 * 1024);
+        let a = submit_args(&["--", "true"]);
+        assert_eq!(
+            crate::upload::max_upload_bytes(&a.job),
+            cumulus_api::blobs::DEFAULT_MAX_WORKDIR_BYTES
         );
     }
 

@@ -72,6 +72,16 @@ fn main() -> ExitCode {
         {
             ExitCode::SUCCESS
         }
+        // `run`: the job's outcome as the exit code.
+        Err(err) if err.downcast_ref::<cumulusctl::run::ExitWith>().is_some() => {
+            let exit = err
+                .downcast_ref::<cumulusctl::run::ExitWith>()
+                .expect("checked above");
+            if !exit.message.is_empty() {
+                eprintln!("error: {}", exit.message);
+            }
+            ExitCode::from(exit.code)
+        }
         Err(err) => {
             eprintln!("error: {err:#}");
             if let Some(hint) = app::hint(&err) {
