@@ -49,7 +49,8 @@ if ! cargo deny --version 2>/dev/null | grep -qx "cargo-deny $CARGO_DENY_VERSION
 fi
 # The Python package's virtualenv (python/.venv): the package in editable mode with its
 # test tools (pytest, ruff, mypy, httpx; scikit-learn, skops, XGBoost, LightGBM for the
-# framework adapters) and PyTorch (the DDP exact-resume test; ~5 GB,
+# framework adapters; uv, with which the tests' worker agents build jobs' Python
+# environments: their --uv) and PyTorch (the DDP exact-resume test; ~5 GB,
 # ~2.5 min the first time). Reinstalled only when pyproject.toml changed.
 venv=python/.venv
 stamp="$venv/.cumulus-pyproject.sha256"

@@ -200,6 +200,21 @@ impl Pki {
     }
 }
 
+/// `--uv <workspace>/python/.venv/bin/uv` (installed by scripts/setup.sh) when it is there
+/// and `worker_args` give no `--uv` of their own: workers build jobs' Python environments
+/// with it. Without it, workers look for uv on PATH.
+fn venv_uv_flag(worker_args: &[String]) -> Vec<String> {
+    let uv = crate::workspace_root().join("python/.venv/bin/uv");
+    let own = worker_args
+        .iter()
+        .any(|a| a == "--uv" || a.starts_with("--uv="));
+    if uv.exists() && !own {
+        vec!["--uv".into(), uv.display().to_string()]
+    } else {
+        Vec::new()
+    }
+}
+
 /// Writes a token file readable by its owner only (`0600`), as agents whose ranks run
 /// as another user require.
 fn write_secret(path: &Path, content: &str) -> std::io::Result<()> {
@@ -558,6 +573,7 @@ impl Cluster {
             .arg("--listen")
             .arg("127.0.0.1:0")
             .args(&tls)
+            .args(venv_uv_flag(&self.opts.worker_args))
             .args(&self.opts.worker_args)
             .args(self.opts.per_worker_args.get(i).into_iter().flatten())
             .envs(self.opts.s3.iter().flat_map(S3Access::env))

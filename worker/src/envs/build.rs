@@ -18,8 +18,9 @@ use super::{BUILD_PREFIX, EnvError, READY_MARKER};
 
 /// Lines of output kept for the error of a failed build.
 pub const ERROR_TAIL_LINES: usize = 12;
-/// Most bytes of output in the error of a failed build (its end is kept).
-pub const ERROR_TAIL_BYTES: usize = 2_048;
+/// Most bytes of output in the error of a failed build (its end is kept): with what
+/// failed, it fits the 1,024 bytes of a job's failure cause.
+pub const ERROR_TAIL_BYTES: usize = 700;
 /// Largest ready marker read back, in bytes.
 pub const MAX_MARKER_BYTES: u64 = 64 * 1024;
 
