@@ -769,4 +769,3 @@ fn packed_archives_persist_beside_their_destination() {
         "no temp file left"
     );
 }
-
