@@ -294,6 +294,8 @@ impl Template {
             resume_from_job: String::new(),
             resume_from_step: None,
             preemptible: false,
+            workdir: None,
+            environment: None,
         };
         let placeholder = "#".repeat(REQUEST_ID_LEN);
         let request = v1::SubmitJobRequest {
