@@ -11,6 +11,11 @@
 //! connect timeout, so a call's worst case is `max_attempts × attempt_timeout + Σ
 //! backoffs`, and is also cut short by the cancellation token. HTTP/2 keep-alive pings
 //! drop a dead connection within [`KEEP_ALIVE_INTERVAL`] + [`KEEP_ALIVE_TIMEOUT`].
+//!
+//! Blob transfers (a job's workdir, an attempt's artifacts) stream for longer than one
+//! request may take: they go through channels of their own whose request timeout is
+//! [`TRANSFER_REQUEST_TIMEOUT`], each bounded by the caller ([`CoordinatorClient::call_transfer`];
+//! the blob cache sets a deadline from the blob's size, [`crate::blobs`]).
 
 use std::future::Future;
 use std::time::Duration;
@@ -38,6 +43,9 @@ pub const MIN_ATTEMPT_TIMEOUT: Duration = Duration::from_millis(200);
 pub const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(1);
 /// How long a keep-alive ping may go unanswered before the connection is dropped.
 pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Whole-request timeout of the blob transfer channels: above any deadline the blob
+/// cache sets ([`crate::blobs::transfer_deadline`] of the largest blob).
+pub const TRANSFER_REQUEST_TIMEOUT: Duration = Duration::from_secs(4 * 3600);
 
 /// How often a call is tried and how long it waits between tries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,6 +111,8 @@ impl RetryPolicy {
 #[derive(Debug)]
 pub struct CoordinatorClient {
     inner: LeaderClient,
+    /// The same coordinators over channels for blob transfers (a longer request timeout).
+    transfers: LeaderClient,
     cancel: CancellationToken,
 }
 
@@ -133,8 +143,13 @@ impl CoordinatorClient {
             keep_alive: Some((KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)),
             tls,
         };
+        let transfer_settings = ChannelSettings {
+            request_timeout: TRANSFER_REQUEST_TIMEOUT,
+            ..settings.clone()
+        };
         Ok(Self {
             inner: LeaderClient::new(coordinators, token, settings)?,
+            transfers: LeaderClient::new(coordinators, token, transfer_settings)?,
             cancel,
         })
     }
@@ -162,6 +177,42 @@ impl CoordinatorClient {
             .call(
                 call,
                 &policy.leader_policy(),
+                Some(&self.cancel),
+                message,
+                |channel, request| rpc(WorkerServiceClient::new(channel), request),
+            )
+            .await
+    }
+
+    /// Calls one blob transfer RPC (`GetBlob`, `PutBlob`) on the transfer channels with
+    /// leader following: at most `max_attempts` attempts, each bounded by
+    /// `attempt_timeout` (for `GetBlob`, until the stream's first answer; for `PutBlob`,
+    /// the whole upload), backoff 100 ms doubling up to 2 s.
+    pub async fn call_transfer<Req, Resp, F, Fut>(
+        &self,
+        call: &'static str,
+        (max_attempts, attempt_timeout): (u32, Duration),
+        message: &Req,
+        rpc: F,
+    ) -> Result<Resp, ClientError>
+    where
+        Req: Clone,
+        F: Fn(WorkerServiceClient<Channel>, Request<Req>) -> Fut,
+        Fut: Future<Output = Result<Response<Resp>, Status>>,
+    {
+        let policy = leader::RetryPolicy {
+            max_attempts: max_attempts.max(1),
+            max_total: Duration::MAX,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(2),
+            attempt_timeout,
+            retry_server_errors: true,
+            warn_after_attempts: 0,
+        };
+        self.transfers
+            .call(
+                call,
+                &policy,
                 Some(&self.cancel),
                 message,
                 |channel, request| rpc(WorkerServiceClient::new(channel), request),

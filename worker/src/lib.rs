@@ -15,6 +15,8 @@
 //! jobs/<job>/rank-<r>.attempt-<a>.shards       CUMULUS_SHARDS_FILE (removed at exit)
 //! pids/<job>.rank-<r>.attempt-<a>.json         pid records of live attempts
 //! envs/<key>/                                  jobs' Python environments ([`envs`])
+//! blob-cache/<digest>                          jobs' packed workdirs ([`blobs`])
+//! attempts/<job>/rank-<r>.attempt-<a>/         an attempt's work/ and output/ dirs
 //! uv-cache/                                    uv's cache
 //! ```
 
@@ -224,6 +226,20 @@ pub struct Config {
     #[arg(long, env = "CUMULUS_ENV_BUILD_TIMEOUT_MS", default_value_t = envs::DEFAULT_BUILD_TIMEOUT_MS,
           value_parser = clap::value_parser!(u64).range(1_000..=86_400_000))]
     pub env_build_timeout_ms: u64,
+
+    /// Most bytes of blobs (jobs' packed workdirs) kept in `<data-dir>/blob-cache`: past
+    /// it the least recently used blobs no attempt is unpacking are removed.
+    #[arg(long, env = "CUMULUS_BLOB_CACHE_BYTES", default_value_t = blobs::DEFAULT_BLOB_CACHE_BYTES,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub blob_cache_bytes: u64,
+
+    /// Most bytes one rank attempt may leave in CUMULUS_OUTPUT_DIR (its files, and their
+    /// archive) to be uploaded as its artifacts; past it nothing is uploaded and the
+    /// attempt's log says why (at most 2 GiB).
+    #[arg(long, env = "CUMULUS_MAX_ARTIFACT_BYTES",
+          default_value_t = cumulus_api::blobs::DEFAULT_MAX_ARTIFACT_BYTES,
+          value_parser = clap::value_parser!(u64).range(1..=cumulus_api::blobs::MAX_BLOB_BYTES))]
+    pub max_artifact_bytes: u64,
 }
 
 impl std::fmt::Debug for Config {
@@ -250,6 +266,8 @@ impl std::fmt::Debug for Config {
             .field("uv", &self.uv)
             .field("env_cache_bytes", &self.env_cache_bytes)
             .field("env_build_timeout_ms", &self.env_build_timeout_ms)
+            .field("blob_cache_bytes", &self.blob_cache_bytes)
+            .field("max_artifact_bytes", &self.max_artifact_bytes)
             .finish()
     }
 }
@@ -750,6 +768,12 @@ async fn start_supervisor(
     let s3 = cumulus_ckpt::S3Connector::new(config.s3.settings()).context("invalid S3 settings")?;
     let roots = config.roots.load()?;
     let envs = open_environments(config, &wiring.identity, &spawner)?;
+    let blobs = blobs::BlobCache::open(
+        &config.data_dir,
+        config.blob_cache_bytes,
+        Arc::clone(client) as Arc<dyn blobs::BlobTransport>,
+    )
+    .context("cannot open the blob cache")?;
     let supervisor = Supervisor::new(
         SupervisorSettings {
             worker_id: resolved.worker_id.clone(),
@@ -771,6 +795,8 @@ async fn start_supervisor(
             identity: wiring.identity,
             rank_api_watch: wiring.rank_api_watch,
             envs,
+            blobs,
+            max_artifact_bytes: config.max_artifact_bytes,
         },
         spawner,
         client.clone(),

@@ -109,8 +109,9 @@ pub struct ExitRecord {
     /// its rank-local API during the attempt ([`crate::supervisor::RankApiWatch`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_evidence: Option<String>,
-    /// With `spawn_error`: the program cannot be executed ([`is_exec_error`]); no
-    /// restart can fix that.
+    /// No restart can fix this: with `spawn_error`, the program cannot be executed
+    /// ([`is_exec_error`]) or its environment could not be built; with exit code
+    /// [`cumulus_api::rank_env::EXIT_CANNOT_RUN`], the rank found it cannot run here.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exec_failed: bool,
 }
@@ -148,7 +149,9 @@ pub fn is_agent_resource_error(e: &io::Error) -> bool {
 }
 
 impl ExitRecord {
-    /// The record of a process that ran and ended with `status`.
+    /// The record of a process that ran and ended with `status`; an exit with
+    /// [`cumulus_api::rank_env::EXIT_CANNOT_RUN`] is one no restart can fix
+    /// (`exec_failed`: the leader fails the job at once).
     pub fn from_status(status: ExitStatus) -> Self {
         Self {
             exit_code: status.code(),
@@ -156,7 +159,7 @@ impl ExitRecord {
             spawn_error: None,
             agent_fault: false,
             agent_evidence: None,
-            exec_failed: false,
+            exec_failed: status.code() == Some(cumulus_api::rank_env::EXIT_CANNOT_RUN),
         }
     }
 
@@ -738,6 +741,18 @@ mod tests {
             assert!(!ExitRecord::start_failed("x", &e).agent_fault);
         }
         assert!(!is_agent_resource_error(&io::Error::other("no errno")));
+    }
+
+    #[test]
+    fn an_exit_with_code_cannot_run_is_one_no_restart_fixes() {
+        let code = cumulus_api::rank_env::EXIT_CANNOT_RUN;
+        let cannot = ExitRecord::from_status(ExitStatus::from_raw(code << 8));
+        assert_eq!(cannot.exit_code, Some(code));
+        assert!(cannot.exec_failed && cannot.spawn_error.is_none());
+        assert!(cannot.check().is_ok());
+        for other in [ExitStatus::from_raw(1 << 8), ExitStatus::from_raw(9)] {
+            assert!(!ExitRecord::from_status(other).exec_failed);
+        }
     }
 
     fn paths(dir: &Path) -> AttemptPaths {

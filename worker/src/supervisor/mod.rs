@@ -92,6 +92,12 @@ pub struct SupervisorSettings {
     pub rank_api_watch: RankApiWatch,
     /// The jobs' Python environments, built with uv ([`environment`]).
     pub envs: Arc<crate::envs::Environments>,
+    /// The blob cache: jobs' packed workdirs fetched, attempts' artifacts uploaded
+    /// ([`workdir`]).
+    pub blobs: Arc<crate::blobs::BlobCache>,
+    /// Most bytes of one attempt's artifacts (`--max-artifact-bytes`): past it they are
+    /// not uploaded and the attempt's log says why.
+    pub max_artifact_bytes: u64,
 }
 
 /// The latest progress a rank reported (soft state).
@@ -624,14 +630,22 @@ impl Supervisor {
             }
         };
         let _ = tokio::fs::remove_file(shards_file(&self.inner.settings.data_dir, &key)).await;
+        self.remove_attempt_dir(&key).await;
         self.table().finished.insert(key.clone());
         // An attempt lost across an agent restart: its progress was in the old agent's
-        // memory.
-        self.push_exit(&key, &exit, Progress::default());
+        // memory (and its output dir is not trusted: no artifacts).
+        self.push_exit(&key, &exit, Progress::default(), None);
     }
 
-    /// Queues the exit report of `key`, with `last`, the progress it reported last.
-    fn push_exit(&self, key: &AttemptKey, exit: &ExitRecord, last: Progress) {
+    /// Queues the exit report of `key`, with `last`, the progress it reported last, and
+    /// the artifacts it left, uploaded.
+    fn push_exit(
+        &self,
+        key: &AttemptKey,
+        exit: &ExitRecord,
+        last: Progress,
+        artifacts: Option<cumulus_api::BlobRef>,
+    ) {
         self.inner.events.push(RankEvent::Exited(RankExitedRequest {
             step: last.step,
             total_steps: last.total_steps,
@@ -645,7 +659,7 @@ impl Supervisor {
             agent_fault: exit.agent_fault,
             agent_evidence: exit.agent_evidence.clone().unwrap_or_default(),
             exec_failed: exit.exec_failed,
-            artifacts: None,
+            artifacts,
         }));
     }
 
@@ -663,7 +677,12 @@ impl Supervisor {
             Ok(paths) => self.run_process(&key, &desired, &token, &stop, paths).await,
             Err(e) => ExitRecord::spawn_failed(format!("invalid desired rank: {e}")),
         };
+        let mut artifacts = None;
         if let Ok(paths) = &paths {
+            // The process has ended: what it left is uploaded before its exit is
+            // recorded and reported.
+            artifacts = self.collect_artifacts(&key, &paths.log).await;
+            self.remove_attempt_dir(&key).await;
             if let Err(e) = logs::write_exit_record(&paths.exit, &exit).await {
                 tracing::error!(attempt = %key, "cannot write exit record: {e}");
             }
@@ -698,7 +717,7 @@ impl Supervisor {
             spawn_error = exit.spawn_error.as_deref().unwrap_or(""),
             "rank attempt finished"
         );
-        self.push_exit(&key, &exit, last.unwrap_or_default());
+        self.push_exit(&key, &exit, last.unwrap_or_default(), artifacts);
     }
 
     async fn run_process(
@@ -953,6 +972,7 @@ mod prepare;
 pub mod reach;
 #[cfg(test)]
 mod tests;
+mod workdir;
 
 use prepare::*;
 pub use reach::RankApiWatch;

@@ -1,6 +1,7 @@
 //! Everything an attempt needs before its process starts: its shards (S3 ones fetched into
 //! the dataset cache), its checkpoint store and staging directory, the resume step
-//! verified, and the rank contract's environment.
+//! verified, its working and output directories ([`super::workdir`]), and the rank
+//! contract's environment.
 
 use std::ffi::OsString;
 use std::io;
@@ -214,12 +215,17 @@ impl Supervisor {
                 "resume_step is set but the job has no checkpoint target".into(),
             ));
         }
+        // The job's own workdir (unpacked afresh), then the attempt's output dir.
+        let workdir = self.prepare_workdir(key, d, creds.as_ref()).await?;
+        let output = self.prepare_output_dir(key, creds.as_ref()).await?;
+        contract.push((rank_env::OUTPUT_DIR, output.into_os_string()));
         env.extend(contract.into_iter().map(|(k, v)| (OsString::from(k), v)));
         Ok(SpawnRequest {
             program: program.into(),
             args: args.iter().map(OsString::from).collect(),
             env,
-            working_dir: (!d.working_dir.is_empty()).then(|| PathBuf::from(&d.working_dir)),
+            working_dir: workdir
+                .or_else(|| (!d.working_dir.is_empty()).then(|| PathBuf::from(&d.working_dir))),
             creds,
         })
     }

@@ -92,6 +92,13 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
             rank_api_socket: None,
             rank_api_watch: Default::default(),
             envs,
+            blobs: crate::blobs::BlobCache::open(
+                &root.join("data"),
+                crate::blobs::DEFAULT_BLOB_CACHE_BYTES,
+                Arc::clone(&client) as Arc<dyn crate::blobs::BlobTransport>,
+            )
+            .expect("blob cache"),
+            max_artifact_bytes: cumulus_api::blobs::DEFAULT_MAX_ARTIFACT_BYTES,
         },
         spawner,
         client,
