@@ -275,32 +275,60 @@ async fn head_blob(
 
 /// `PUT /v1/blobs/{digest}`: the body is the blob, streamed (its Content-Length is its
 /// size: required, and the bytes must match it and the digest); 201 with the
-/// `PutBlobResponse` once a majority of the voting coordinators hold it.
+/// `PutBlobResponse` once a majority of the voting coordinators hold it. An answer given
+/// before the body was read to its end (a refusal, or a blob already held) closes the
+/// connection (`Connection: close`): the unread rest cannot precede a next request.
 async fn put_blob(
     State(node): State<Arc<Node>>,
     Extension(who): Extension<Principal>,
     Path(digest): Path<String>,
     headers: HeaderMap,
     body: axum::body::Body,
-) -> Result<(StatusCode, Json<v1::PutBlobResponse>), HttpError> {
+) -> Response {
     use futures::StreamExt;
-    let size_bytes = headers
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let Some(size_bytes) = headers
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
-        .ok_or_else(|| {
-            ApiError::InvalidArgument(
-                "PUT /v1/blobs/{digest} needs a Content-Length header: the blob's size in \
-                 bytes (a chunked body is refused)"
-                    .into(),
-            )
-        })?;
-    let chunks = body.into_data_stream().map(|r| {
-        r.map_err(|e| crate::blobs::BlobError::Aborted(format!("the request body broke: {e}")))
-    });
+    else {
+        let refusal = ApiError::InvalidArgument(
+            "PUT /v1/blobs/{digest} needs a Content-Length header: the blob's size in bytes \
+             (a chunked body is refused)"
+                .into(),
+        );
+        return closing(HttpError(refusal).into_response());
+    };
+    let read_to_end = Arc::new(AtomicBool::new(false));
+    let ended = read_to_end.clone();
+    let chunks = body
+        .into_data_stream()
+        .map(|r| {
+            r.map_err(|e| crate::blobs::BlobError::Aborted(format!("the request body broke: {e}")))
+        })
+        .chain(futures::stream::poll_fn(move |_| {
+            ended.store(true, Ordering::Relaxed);
+            std::task::Poll::Ready(None)
+        }));
     let header = crate::blobs::BlobHeader { digest, size_bytes };
-    let answer = api::put_blob(&node, &who, header, Box::pin(chunks)).await?;
-    Ok((StatusCode::CREATED, Json(answer)))
+    let response = match api::put_blob(&node, &who, header, Box::pin(chunks)).await {
+        Ok(answer) => (StatusCode::CREATED, Json(answer)).into_response(),
+        Err(e) => HttpError(e).into_response(),
+    };
+    if read_to_end.load(Ordering::Relaxed) {
+        response
+    } else {
+        closing(response)
+    }
+}
+
+/// `response` with `Connection: close`.
+fn closing(mut response: Response) -> Response {
+    response.headers_mut().insert(
+        axum::http::header::CONNECTION,
+        axum::http::HeaderValue::from_static("close"),
+    );
+    response
 }
 
 /// `GET /v1/blobs/{digest}`: the blob's bytes, streamed with its Content-Length (who may

@@ -304,10 +304,12 @@ impl RaftService for RaftSvc {
         let metrics = self.node.raft.metrics();
         let initial = self.initial_members.clone();
         let (tls, certified) = (self.node.tls, peer_node_id(&req));
+        let blobs = self.node.blobs.clone();
         let requests = futures::stream::unfold(req.into_inner(), move |mut inbound| {
             let served = served_in.clone();
             let metrics = metrics.clone();
             let initial = initial.clone();
+            let blobs = blobs.clone();
             async move {
                 let payload = match inbound.message().await {
                     Ok(Some(p)) => p,
@@ -343,6 +345,9 @@ impl RaftService for RaftSvc {
                             .is_err()
                         {
                             return None;
+                        }
+                        if rpc.vote.leader_id.term >= own_term {
+                            blobs.note_leader_commit(rpc.leader_commit.map(|l| l.index));
                         }
                         let last_index = rpc.entries.last().map(|e| e.log_id.index);
                         served.lock().unwrap_or_else(|p| p.into_inner()).push_back((
@@ -393,6 +398,11 @@ impl RaftService for RaftSvc {
             certified,
             rpc.vote.leader_id.node_id,
         )?;
+        if rpc.vote.leader_id.term >= self.own_term() {
+            self.node
+                .blobs
+                .note_leader_commit(rpc.leader_commit.map(|l| l.index));
+        }
         let last_index = rpc.entries.last().map(|e| e.log_id.index);
         let decoded_ns = stage::now_ns();
         let result = self.node.raft.append_entries(rpc).await;

@@ -3,14 +3,15 @@
 //! and neither stored nor used for `--blob-retention-ms` is removed, and with it its
 //! bytes from its uploader's quota; temp files no write owns are removed once stale.
 //!
-//! A sweep runs once the node has caught up (a leader is known and the state machine
-//! has applied what the cluster committed: a node still replaying its log must not take
+//! A sweep runs once the node has caught up (it has applied what the cluster committed,
+//! as a leader's append told it since it started: a node still catching up must not take
 //! a referenced blob for an orphan), then every [`sweep_interval`].
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use openraft::ServerState;
 use openraft::async_runtime::watch::WatchReceiver;
 use tokio_util::sync::CancellationToken;
 
@@ -39,13 +40,28 @@ pub struct Swept {
     pub temp_files: usize,
 }
 
-/// Whether this node's applied state is current: a leader is known and everything the
-/// cluster committed (as this node knows it) is applied.
+/// Whether this node's applied state is current, from evidence of this process's life
+/// (a restarted node's metrics first show the leader and commit index it had before):
+/// a leader acknowledged by a quorum that has applied what it committed in its own term;
+/// a follower or learner that has applied the commit index a leader's append told it
+/// since it started.
 fn caught_up(blobs: &Blobs) -> bool {
     let m = blobs.raft.metrics();
     let m = m.borrow_watched();
-    let committed = m.cluster_committed.or(m.local_committed).map(|l| l.index);
-    m.current_leader.is_some() && m.last_applied.map(|l| l.index) >= committed
+    let applied = m.last_applied.map(|l| l.index);
+    match m.state {
+        ServerState::Leader => {
+            m.last_quorum_acked.is_some()
+                && m.cluster_committed
+                    .is_some_and(|c| c.leader_id.term == m.current_term)
+                && applied >= m.cluster_committed.map(|l| l.index)
+        }
+        ServerState::Follower | ServerState::Learner => {
+            let seen = blobs.leader_commit_seen();
+            seen > 0 && applied.map_or(0, |a| a.saturating_add(1)) >= seen
+        }
+        ServerState::Candidate | ServerState::Shutdown => false,
+    }
 }
 
 /// Sweeps until `cancel`: once caught up, then every [`sweep_interval`].

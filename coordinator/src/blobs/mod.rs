@@ -180,6 +180,10 @@ pub struct Blobs {
     fetching: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Bytes of uploads in progress per uploader, counted against their quota.
     reserved: Mutex<HashMap<String, u64>>,
+    /// The highest commit index a leader's append told this node since it started, plus
+    /// one (0: none yet): a follower's applied state is current once it reaches it
+    /// (see `gc`).
+    leader_commit_seen: std::sync::atomic::AtomicU64,
 }
 
 impl Blobs {
@@ -209,7 +213,22 @@ impl Blobs {
             outgoing: Arc::new(Semaphore::new(MAX_OUTGOING_REPLICATIONS)),
             fetching: Mutex::default(),
             reserved: Mutex::default(),
+            leader_commit_seen: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Notes the commit index (`None`: nothing committed yet) an append from a leader of
+    /// this node's term (or a later one) carried.
+    pub fn note_leader_commit(&self, index: Option<u64>) {
+        let seen = index.map_or(0, |i| i.saturating_add(1));
+        self.leader_commit_seen
+            .fetch_max(seen.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// [`Blobs::note_leader_commit`]'s highest index plus one; 0 before any append.
+    pub fn leader_commit_seen(&self) -> u64 {
+        self.leader_commit_seen
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

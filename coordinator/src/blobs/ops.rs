@@ -401,11 +401,15 @@ impl Blobs {
         result
     }
 
+    /// Fetches `digest` from the first peer that holds it (voters, then learners).
+    /// "Not held" is the answer once a majority of the voters (this node included) lack
+    /// it: an acknowledged blob is on a majority, which would meet this one.
     async fn fetch_from_peers(&self, digest: &str) -> Result<BlobMeta, BlobError> {
         let _slot = slot(&self.fetches, "fetches from peers").await?;
         let members = self.members();
+        let voter_ids: BTreeSet<NodeId> = members.other_voters.iter().map(|(id, _)| *id).collect();
         let mut why = Vec::new();
-        let mut all_lack = true;
+        let mut lacking = usize::from(members.me_voter);
         let open = Duration::from_millis(REPLICATE_BASE_TIMEOUT_MS);
         for (id, addr) in members.other_voters.iter().chain(&members.learners) {
             match self.peers.fetch((*id, addr), digest, open).await {
@@ -419,18 +423,18 @@ impl Blobs {
                         Ok(Err(e)) => why.push(format!("coordinator {id}: {e}")),
                         Err(_) => why.push(format!("coordinator {id}: the transfer timed out")),
                     }
-                    all_lack = false;
                 }
-                Err(BlobError::NotFound(_)) => why.push(format!("coordinator {id}: not held")),
-                Err(e) => {
-                    all_lack = false;
-                    why.push(e.to_string());
+                Err(BlobError::NotFound(_)) => {
+                    lacking += usize::from(voter_ids.contains(id));
+                    why.push(format!("coordinator {id}: not held"));
                 }
+                Err(e) => why.push(e.to_string()),
             }
         }
-        if all_lack {
+        if lacking > members.voters / 2 {
             Err(BlobError::NotFound(format!(
-                "blob {digest} is not in the blob store (no coordinator holds it)"
+                "blob {digest} is not in the blob store (a majority of the coordinators \
+                 lack it)"
             )))
         } else {
             Err(BlobError::Unavailable(format!(
