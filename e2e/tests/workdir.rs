@@ -5,7 +5,8 @@
 //! listed in `job.artifacts` and `GetBlob` returns archives holding it; the attempts'
 //! directories are gone afterwards. A cached workdir corrupted on a worker is detected
 //! and fetched again, and a rank exiting `EXIT_CANNOT_RUN` (78) fails its job at once,
-//! spending no restart.
+//! spending no restart. With `--run-as` (as root), the ranks' user owns its working and
+//! output directories, and its output still comes back.
 
 use std::path::Path;
 use std::time::Duration;
@@ -188,4 +189,79 @@ async fn an_uploaded_workdir_runs_on_two_workers_and_their_outputs_come_back() {
         || async { std::fs::read(&cached).ok().filter(|b| *b == bytes) },
     )
     .await;
+}
+
+/// With `--run-as`, the working directory and the output directory are the job's
+/// user's: the rank runs in its tree, writes its output, and the agent (root) takes the
+/// output back before it packs and uploads it. Needs root; as another user the test
+/// says so and stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_run_as_the_ranks_own_their_workdir_and_their_output_is_uploaded() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("not root: --run-as needs root; the run-as workdir test is skipped");
+        return;
+    }
+    let cluster = Cluster::start(ClusterOpts {
+        coordinators: 1,
+        workers: 1,
+        worker_args: vec!["--run-as".into(), "62000-62999".into()],
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    let mut client = cluster.leader_client().await.expect("client");
+    let src = tempfile::tempdir().unwrap();
+    project(src.path());
+    // The ranks' user owns its tree and its output dir, and runs as nobody else.
+    std::fs::write(
+        src.path().join("owner.sh"),
+        r#"set -eu
+me=$(id -u)
+[ "$me" -ge 62000 ] || { echo "running as $me"; exit 5; }
+[ "$(stat -c %u .)" = "$me" ] && [ "$(stat -c %u data/input.txt)" = "$me" ] || { echo "the tree is not mine"; exit 6; }
+[ "$(stat -c %u "$CUMULUS_OUTPUT_DIR")" = "$me" ] || { echo "the output dir is not mine"; exit 7; }
+exec sh run.sh
+"#,
+    )
+    .unwrap();
+    let packed =
+        cumulus_bundle::pack(src.path(), &cumulus_bundle::PackOptions::default()).expect("pack");
+    let bytes = std::fs::read(packed.path()).unwrap();
+    put(&mut client, &packed.digest, &bytes).await;
+    let job = cluster
+        .submit(
+            "run-as-1",
+            v1::JobSpec {
+                world_size: 1,
+                command: vec!["sh".into(), "owner.sh".into()],
+                workdir: Some(v1::BlobRef {
+                    digest: packed.digest.clone(),
+                    size_bytes: packed.size_bytes,
+                }),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("submit")
+        .job_id;
+    let done = cluster.wait_finished(&job, LONG).await;
+    if done.job_state() != Ok(JobState::Succeeded) {
+        cluster.dump_logs();
+    }
+    assert_eq!(done.job_state(), Ok(JobState::Succeeded), "{done:?}");
+    assert_eq!(done.artifacts.len(), 1, "{done:?}");
+    let blob = done.artifacts[0].blob.as_ref().expect("a blob");
+    let archive = get(&mut client, &blob.digest).await;
+    let scratch = tempfile::tempdir().unwrap();
+    let path = scratch.path().join("a.tar.gz");
+    std::fs::write(&path, &archive).unwrap();
+    let mut file = Vec::new();
+    cumulus_bundle::extract_file(
+        &path,
+        "ranks/rank-0.txt",
+        &mut file,
+        &cumulus_bundle::UnpackLimits::default(),
+    )
+    .expect("the rank's file");
+    assert_eq!(file, b"the input\nrank 0 of 1\n");
 }
