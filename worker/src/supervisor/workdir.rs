@@ -65,14 +65,16 @@ fn create_attempt_dir(data_dir: &Path, key: &AttemptKey) -> io::Result<PathBuf> 
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
+    // In one call: the job's directory, empty a moment, may be removed by its last
+    // attempt meanwhile ([`Supervisor::remove_attempt_dir`]); once the attempt's
+    // directory is in it, it stays.
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(PASS_THROUGH_MODE)
+        .create(&dir)?;
     let attempts = data_dir.join(ATTEMPTS_DIR);
     let job = attempts.join(&key.job_id);
     for d in [&attempts, &job, &dir] {
-        match fs::DirBuilder::new().mode(PASS_THROUGH_MODE).create(d) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && d != &dir => {}
-            Err(e) => return Err(e),
-        }
         // The umask may have taken the others' search bit.
         fs::set_permissions(d, fs::Permissions::from_mode(PASS_THROUGH_MODE))?;
     }
