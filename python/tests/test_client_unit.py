@@ -2118,6 +2118,10 @@ def test_environment_arguments_are_checked_before_sending(
 def test_run_keeps_its_own_options_apart_from_the_functions(client: Client) -> None:
     with pytest.raises(TypeError, match="needs a function"):
         client.run_async("not callable")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"run\(func=fn\)"):
+        client.run_async()
+    with pytest.raises(TypeError, match="picklable"):
+        client.run_async(func=len, lock=__import__("threading").Lock())
     with pytest.raises(TypeError, match="options may not set 'upload'"):
         client.run_async(len, options={"upload": "."})
     with pytest.raises(TypeError, match="given twice"):

@@ -95,7 +95,10 @@ def write_artifacts(size: int) -> str:
     from cumulus import runtime
 
     out = runtime.get_context().output_dir
-    assert out is not None, "no CUMULUS_OUTPUT_DIR"
+    # No assert statement in a function sent by value: pytest rewrites them into calls
+    # of its own module, which the worker does not have.
+    if out is None:
+        raise RuntimeError("no CUMULUS_OUTPUT_DIR")
     data = os.urandom(size)
     (out / "model").mkdir()
     (out / "model" / "weights.bin").write_bytes(data)
@@ -160,8 +163,8 @@ def test_run_returns_rank_0s_value_and_gathers_every_rank(
     assert info.command == ("python3", _remote.BOOTSTRAP, _remote.GATHER_FLAG)
     # A handle made from the id alone reads the same values (gather from the command).
     assert client.job(both.id).result() == values
-    # The blocking form.
-    assert client.run(where_am_i, "ok")["greeting"] == "ok"
+    # The blocking form, with the product brief's spelling.
+    assert client.run(func=where_am_i, greeting="ok", duration=600)["greeting"] == "ok"
 
 
 def test_an_upload_is_the_ranks_directory_and_is_sent_once(
@@ -231,11 +234,12 @@ def test_a_killed_rank_resumes_exactly(
     assert info.restarts_used == 1 and info.restarts[0].resume_step == 15
     assert "signal 9" in info.restarts[0].cause or "killed" in info.restarts[0].cause
     # list_checkpoints inside the rank saw the job's committed steps (ckpt_keep 3; the
-    # last step may still be committing when the function returns).
     committed = killed["committed"]
-    assert committed == sorted(committed) and 25 <= committed[-1] <= 30, committed
+    # last steps may still be committing when the function returns: the leader
+    # finalizes a step after every part of it is in).
+    assert committed == sorted(committed) and 15 <= committed[-1] <= 30, committed
     assert all(s % 5 == 0 for s in committed) and len(committed) <= 4
-    assert faulty.checkpoints()[0].step == 30
+    assert faulty.checkpoints()[0].step in (25, 30)
 
 
 def test_artifacts_round_trip_for_their_owner_only(
@@ -281,7 +285,7 @@ def test_list_checkpoints_in_a_plain_rank(
                 with runtime.checkpoint(step) as part:
                     (part / "w").write_text(str(step))
         deadline = time.monotonic() + 60
-        while (steps := runtime.list_checkpoints()) != [4, 6]:
+        while not (steps := runtime.list_checkpoints()) or steps[-1] != 6:
             assert time.monotonic() < deadline, steps
             time.sleep(0.05)
         open({str(out)!r}, "w").write(json.dumps(steps))
@@ -294,5 +298,9 @@ def test_list_checkpoints_in_a_plain_rank(
         name="list-checkpoints",
     )
     info = job.wait(timeout_s=JOB_TIMEOUT_S)
-    assert info.succeeded, explain(job, cluster)
-    assert json.loads(out.read_text()) == [4, 6]
+    assert info.succeeded and info.restarts_used == 0, explain(job, cluster)
+    # The leader may commit step 6 without 4 (a newer complete step supersedes an older
+    # pending one), and prunes past ckpt_keep a little later.
+    steps = json.loads(out.read_text())
+    assert steps == sorted(steps) and steps[-1] == 6 and set(steps) <= {2, 4, 6}, steps
+    assert info.committed_step == 6

@@ -648,6 +648,16 @@ def _environment(
     }
 
 
+def _func_keyword(kwargs: dict[str, Any]) -> Any:
+    """The function of ``run(func=fn, ...)`` (the product brief's spelling), taken out of
+    the keywords meant for it.
+
+    :raises TypeError: no function at all."""
+    if "func" not in kwargs:
+        raise TypeError("run() needs a function: run(fn, *args, **kwargs) or run(func=fn)")
+    return kwargs.pop("func")
+
+
 def _logs_params(
     follow: bool, rank: int | None, tail: int | None, cursor: str | None
 ) -> dict[str, str]:
@@ -1091,7 +1101,8 @@ class Client:
 
     def run(
         self,
-        fn: Callable[..., Any] | Sequence[str],
+        fn: Callable[..., Any] | Sequence[str] | None = None,
+        /,
         *args: Any,
         world_size: int = 1,
         gpus_per_rank: int | None = None,
@@ -1111,6 +1122,7 @@ class Client:
         order). :meth:`run_async` then :meth:`Job.result`; see :meth:`run_async` for the
         arguments.
 
+        ``client.run(func=fn, ...)`` is the same as ``client.run(fn, ...)``.
         ``client.run(["python", "train.py"], timeout_s=60, **submit_args)`` (a command,
         not a function) is :meth:`run_command`, as in earlier versions.
 
@@ -1123,6 +1135,8 @@ class Client:
         :raises JobFailed: the job failed otherwise, was cancelled or timed out.
         :raises: as :meth:`run_async`.
         """
+        if fn is None:
+            fn = _func_keyword(kwargs)
         if not callable(fn):
             return self._run_command_form(
                 fn,
@@ -1178,7 +1192,8 @@ class Client:
 
     def run_async(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., Any] | None = None,
+        /,
         *args: Any,
         world_size: int = 1,
         gpus_per_rank: int | None = None,
@@ -1239,6 +1254,8 @@ class Client:
             pickled.
         :raises: as :meth:`submit`.
         """
+        if fn is None:
+            fn = _func_keyword(kwargs)
         if not callable(fn):
             raise TypeError(f"run_async() needs a function, got {fn!r}")
         _check_flag("gather", gather)
