@@ -6,12 +6,15 @@ killed rank resumes exactly, and ``runtime.list_checkpoints`` works inside a ran
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
+import shutil
 import signal
 import sys
 import textwrap
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,10 @@ import pytest
 import cumulus
 from cumulus import _contract, _remote, _transfer, errors
 from localcluster import LocalCluster, explain
+
+#: uv, which the agent builds environments with (python[test] installs it beside this
+#: interpreter).
+UV = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
 
 pytestmark = pytest.mark.cluster
 
@@ -33,10 +40,14 @@ FAST_RESTARTS = {"backoff_initial_ms": 100, "backoff_max_ms": 500}
 
 
 def where_am_i(greeting: str, *, times: int = 1) -> dict[str, Any]:
+    import cloudpickle
+
     from cumulus import runtime
 
     ctx = runtime.get_context()
     return {
+        "cloudpickle": cloudpickle.__file__,
+        "executable": sys.executable,
         "greeting": greeting * times,
         "rank": ctx.rank,
         "world_size": ctx.world_size,
@@ -106,7 +117,52 @@ def write_artifacts(size: int) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def uses_the_demo_package() -> int:
+    import h5demo  # type: ignore[import-not-found]
+
+    return int(h5demo.VALUE) + 1
+
+
 # -- fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """conftest's cluster (one coordinator, one worker), its agent finding uv on its
+    PATH in a directory of its own, so the ranks' python3 is still the machine's."""
+    root = tmp_path_factory.mktemp("cluster")
+    env = {}
+    if UV is not None:
+        tools = root / "tools"
+        tools.mkdir()
+        (tools / "uv").symlink_to(UV)
+        env["PATH"] = f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"
+    with LocalCluster(root / "c", coordinators=1, workers=1, env=env) as c:
+        yield c
+
+
+def demo_wheel(directory: Path) -> Path:
+    """A wheel of a one-module package ``h5demo`` 1.0, made here (no index, no build)."""
+    files = {
+        "h5demo/__init__.py": b"VALUE = 41\n",
+        "h5demo-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: h5demo\nVersion: 1.0\n",
+        "h5demo-1.0.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: cumulus-tests\nRoot-Is-Purelib: true\n"
+            b"Tag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+        record.append(f"{name},sha256={digest.decode()},{len(data)}")
+    record.append("h5demo-1.0.dist-info/RECORD,,")
+    files["h5demo-1.0.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / "h5demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return wheel
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +210,8 @@ def test_run_returns_rank_0s_value_and_gathers_every_rank(
     value = single.result(timeout=JOB_TIMEOUT_S)
     assert value["greeting"] == "hihi" and value["rank"] == 0, explain(single, cluster)
     assert value["job_id"] == single.id and value["python"] == list(sys.version_info[:2])
+    # The copy of cloudpickle the job carries is the one loaded, whatever the worker has.
+    assert f"/{_remote.RUN_DIR}/lib/cloudpickle/" in value["cloudpickle"], value
     # The rank runs in the job's working directory: the call's own files, nothing else.
     assert value["cwd_files"] == [_remote.RUN_DIR]
     values = both.result(timeout=JOB_TIMEOUT_S)
@@ -304,3 +362,21 @@ def test_list_checkpoints_in_a_plain_rank(
     steps = json.loads(out.read_text())
     assert steps == sorted(steps) and steps[-1] == 6 and set(steps) <= {2, 4, 6}, steps
     assert info.committed_step == 6
+
+
+@pytest.mark.skipif(UV is None, reason="uv is not installed (pip install -e './python[test]')")
+def test_a_function_runs_in_an_environment_built_for_it(
+    cluster: LocalCluster, client: cumulus.Client, tmp_path: Path
+) -> None:
+    wheels = demo_wheel(tmp_path / "wheels").parent
+    options = {"find_links": [str(wheels)], "no_index": True}
+    job = client.run_async(uses_the_demo_package, requirements=["h5demo==1.0"], options=options)
+    assert job.result(timeout=JOB_TIMEOUT_S) == 42, explain(job, cluster)
+    env = job.status().spec["environment"]
+    # The environment's Python is the client's major.minor unless asked otherwise.
+    assert env["python"] == _remote.client_python() and env["no_index"] is True
+    # A second function with the same requirements runs in the same (cached) environment.
+    first = client.run(where_am_i, "a", requirements=["h5demo==1.0"], options=options)
+    again = client.run(where_am_i, "b", requirements=["h5demo==1.0"], options=options)
+    assert first["executable"] == again["executable"] != sys.executable
+    assert "/envs/" in first["executable"], first
