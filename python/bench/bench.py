@@ -19,6 +19,11 @@
    of the same state in the same rank. Target <= 1.0. Also reported: the synchronous
    :func:`cumulus.ckpt.save_checkpoint` (committed when it returns) vs the same
    (``ckpt_blocked_sync_ratio``), and the asynchronous call's time until committed.
+5. ``run`` (issue 41, in ``run_bench.py``): ``Client.run(lambda: 1)`` submit -> result
+   p50/p99 with the environment cached (target p50 <= 1 s); the same with a cold small
+   environment beside uv's own time for it (target <= 1.1 x uv + 1 s); a 100 MiB
+   uploaded working directory: first submit -> first step over a plain submit (target
+   <= 3 s), a second submit of it uploads 0 bytes and adds <= 0.2 s.
 
 Prints a table and writes ``DIR/python-bench-<unix time>.json`` (a list of rows: name,
 value, unit, target, met, details, machine). ``--smoke`` shrinks everything (seconds, tiny
@@ -76,6 +81,7 @@ os.environ["CUMULUS_BIN_DIR"] = str(_bin_dir())
 sys.path.insert(0, str(REPO / "python" / "tests"))
 
 import cumulus  # noqa: E402
+import run_bench  # noqa: E402  (beside this file)
 from cumulus import runtime  # noqa: E402
 from cumulus.errors import WaitTimeout  # noqa: E402
 from fake_agent import FakeAgent  # noqa: E402
@@ -99,6 +105,12 @@ class Config:
     #: Item 4: state size (MiB) and repetitions of each way.
     ckpt_mib: int
     ckpt_reps: int
+    #: Item 5: timed Client.run calls (each kind), cold-environment pairs, working
+    #: directory size (MiB) and its alternated pairs.
+    run_calls: int
+    run_cold_pairs: int
+    workdir_mib: int
+    workdir_pairs: int
     #: Deadline of one run (a job or a torchrun), seconds.
     run_timeout_s: float
 
@@ -115,6 +127,10 @@ FULL = Config(
     report_samples=50_000,
     ckpt_mib=1024,
     ckpt_reps=3,
+    run_calls=20,
+    run_cold_pairs=5,
+    workdir_mib=100,
+    workdir_pairs=3,
     run_timeout_s=600,
 )
 SMOKE = Config(
@@ -129,6 +145,10 @@ SMOKE = Config(
     report_samples=5_000,
     ckpt_mib=8,
     ckpt_reps=1,
+    run_calls=2,
+    run_cold_pairs=1,
+    workdir_mib=4,
+    workdir_pairs=1,
     run_timeout_s=120,
 )
 
@@ -740,13 +760,44 @@ def print_table(rows: list[Row], smoke: bool) -> None:
         print("(smoke run: sizes shrunk, targets not judged)")
 
 
+#: uv, which the worker builds jobs' environments with (item 5): the project's
+#: virtualenv's (``scripts/setup.sh`` installs it there).
+UV = str(Path(sys.executable).with_name("uv"))
+#: The local cluster's directory under the temp dir (its processes' logs are there).
+CLUSTER_DIR = "cluster"
+
+
+def bench_run(cfg: Config, client: cumulus.Client, tmp: Path) -> list[Row]:
+    """Item 5 (``run_bench.py``): Client.run latency, cold environments, workdirs; the
+    agent's log (for the phase split) is in the cluster's directory."""
+    rows: list[Row] = []
+    logs = tmp / CLUSTER_DIR
+    parts: list[tuple[str, str, Callable[..., list[dict[str, Any]]], tuple[Any, ...]]] = [
+        ("run_p50_s", "Client.run latency", run_bench.bench_run_latency, (logs,)),
+        ("run_cold_budget", "Client.run, cold environment", run_bench.bench_run_cold, (UV,)),
+        ("workdir_first_added_s", "uploaded workdir", run_bench.bench_workdir, (logs,)),
+    ]
+    for name, what, fn, extra in parts:
+        log(f"  {what}...")
+        try:
+            rows.extend(Row(**r) for r in fn(cfg, client, tmp, *extra))
+        except Exception as e:
+            log(traceback.format_exc())
+            rows.append(Row(name, what, None, "", error=f"{type(e).__name__}: {e}"[:2000]))
+    return rows
+
+
 @contextmanager
 def local_cluster(tmp: Path) -> Iterator[cumulus.Client]:
     reason = binaries_missing()
     if reason:
         raise BenchError(reason)
+    if not os.access(UV, os.X_OK):
+        raise BenchError(f"{UV} is missing: run ./scripts/setup.sh (the venv's test tools)")
     with (
-        LocalCluster(tmp / "cluster", coordinators=1, workers=1, slots=4) as cluster,
+        LocalCluster(
+            tmp / CLUSTER_DIR, coordinators=1, workers=1, slots=4, env={"CUMULUS_UV": UV}
+        ) as cluster,
         cluster.client() as client,
     ):
         yield client
@@ -761,7 +812,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config, 
     p.add_argument(
         "--only",
         action="append",
-        choices=["ddp", "kill", "report", "ckpt"],
+        choices=["ddp", "kill", "report", "ckpt", "run"],
         help="run only these measurements (repeatable)",
     )
     p.add_argument(
@@ -771,13 +822,23 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config, 
         help="alternated (Cumulus, torchrun) pairs of the DDP measurement (default: 3; "
         "more pairs make the median of a noisy 2-core machine settle)",
     )
+    p.add_argument(
+        "--run-calls",
+        type=int,
+        metavar="N",
+        help="timed Client.run calls of the run measurement, each kind (default: 20)",
+    )
     args = p.parse_args(argv)
     cfg = SMOKE if args.smoke else FULL
-    if args.ddp_pairs is not None:
-        if args.ddp_pairs < 1:
-            p.error("--ddp-pairs must be at least 1")
-        cfg = replace(cfg, ddp_pairs=args.ddp_pairs)
-    only = set(args.only or ["ddp", "kill", "report", "ckpt"])
+    for flag, value, attr in (
+        ("--ddp-pairs", args.ddp_pairs, "ddp_pairs"),
+        ("--run-calls", args.run_calls, "run_calls"),
+    ):
+        if value is not None:
+            if value < 1:
+                p.error(f"{flag} must be at least 1")
+            cfg = replace(cfg, **{attr: value})
+    only = set(args.only or ["ddp", "kill", "report", "ckpt", "run"])
     return args, cfg, only
 
 
@@ -804,7 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if "report" in only:
             attempt("report_us_per_call", "report() cost", lambda: bench_report(cfg))
-        if only & {"ddp", "kill", "ckpt"}:
+        if only & {"ddp", "kill", "ckpt", "run"}:
             log(f"[{time.monotonic() - started:6.1f} s] starting a local cluster...")
             try:
                 with local_cluster(tmp) as client:
@@ -826,6 +887,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "checkpoint blocking time",
                             lambda: bench_ckpt(cfg, client, tmp),
                         )
+                    if "run" in only:
+                        log(f"[{time.monotonic() - started:6.1f} s] sending code (issue 41)...")
+                        rows.extend(bench_run(cfg, client, tmp))
             except Exception as e:  # the cluster itself
                 log(traceback.format_exc())
                 rows.append(Row("local_cluster", "local cluster", None, "", error=f"{e}"[:2000]))

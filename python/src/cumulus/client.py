@@ -123,6 +123,15 @@ MAX_PURGE_AGE_MS = 2**53 - 1
 #: Most job summaries one :meth:`Client.summaries` call asks for (the coordinator's
 #: ``MAX_SUMMARIES``).
 MAX_SUMMARIES = _contract.MAX_SUMMARIES
+#: :meth:`Job.wait`'s first pause between two polls, in seconds; each next pause is
+#: :data:`WAIT_POLL_GROWTH` times longer, up to its ``poll_interval_s``. A job that ends
+#: ``t`` seconds into the wait is seen at most about ``(WAIT_POLL_GROWTH - 1) * t`` later
+#: (plus the first pause): ``Client.run`` of a short function ends ~0.3 s after its
+#: submit, and with 0.1 s doubling it was seen up to 0.4 s late (p50 0.37 s, half the
+#: calls of a slower interpreter 0.77 s: docs/benchmarks.md P5).
+WAIT_FIRST_POLL_S = 0.05
+#: Growth of :meth:`Job.wait`'s pause from one poll to the next.
+WAIT_POLL_GROWTH = 1.25
 #: Highest queue priority a job may have (and, negated, the lowest).
 _MAX_PRIORITY = _contract.MAX_PRIORITY
 #: Longest stop grace a job may ask for, in seconds.
@@ -1667,11 +1676,12 @@ class Job:
 
         :param timeout_s: give up after this many seconds (``None``: wait forever).
         :param poll_interval_s: longest time between two polls (the first polls come
-            faster: 0.1 s doubling).
+            faster: :data:`WAIT_FIRST_POLL_S`, growing by :data:`WAIT_POLL_GROWTH` per
+            poll).
         :raises WaitTimeout: ``timeout_s`` passed; the job keeps running.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        interval = min(0.1, poll_interval_s)
+        interval = min(WAIT_FIRST_POLL_S, poll_interval_s)
         while True:
             info = self.status()
             if info.finished:
@@ -1684,7 +1694,7 @@ class Job:
                 )
             sleep = interval if deadline is None else min(interval, deadline - now)
             time.sleep(max(sleep, 0.0))
-            interval = min(interval * 2, poll_interval_s)
+            interval = min(interval * WAIT_POLL_GROWTH, poll_interval_s)
 
     def summary(self) -> JobSummary:
         """The job's progress summary with its history (see :meth:`Client.summary`)."""
