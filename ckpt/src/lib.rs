@@ -69,8 +69,8 @@ pub use local::{Durability, LocalStore, RankAccess};
 #[cfg(feature = "clap")]
 pub use s3::S3Args;
 pub use s3::{
-    DIGEST_METADATA_KEY, LEGACY_SHA256_METADATA_KEY, RemoteKind, S3Connector, S3Location,
-    S3Settings, S3Store, part_file_key,
+    DIGEST_METADATA_KEY, LEGACY_SHA256_METADATA_KEY, ListedObject, ObjectBody, ObjectInfo,
+    RemoteKind, S3Connector, S3Location, S3Settings, S3Store, part_file_key,
 };
 pub use tiered::{CommitTier, TieredStore};
 

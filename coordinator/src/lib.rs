@@ -211,7 +211,8 @@ pub struct Config {
     /// verifies parts, writes manifests and LATEST there.
     #[command(flatten)]
     pub s3: cumulus_ckpt::S3Args,
-    /// The blob store (packed working directories, artifacts) under `<data-dir>/blobs`.
+    /// The blob store (packed working directories, artifacts): under `<data-dir>/blobs`,
+    /// or in the S3 bucket of `--blob-url`.
     #[command(flatten)]
     pub blobs: blobs::BlobArgs,
 }
@@ -276,11 +277,16 @@ pub async fn run(
     }
     let (raft, shared) = start_raft(&config, &peer_token, &tls).await?;
     let cancel = CancellationToken::new();
+    let blob_peers =
+        blobs::peers::BlobPeers::new(AddToken::new(&peer_token)?, network::client_tls(&tls));
     let blobs = Arc::new(blobs::Blobs::load(
         &config.data_dir,
         &config.blobs,
         (config.node_id, raft.clone(), shared.clone()),
-        blobs::peers::BlobPeers::new(AddToken::new(&peer_token)?, network::client_tls(&tls)),
+        (
+            blob_peers,
+            blobs::Backend::open(&config.blobs, &config.s3).await?,
+        ),
     )?);
     let node = new_node(
         &config,

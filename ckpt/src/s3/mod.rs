@@ -32,12 +32,15 @@
 //!
 //! Split along its seams: [`config`] (settings, locations), [`args`] (the binaries' flags,
 //! feature `clap`), [`client`] (connector, error classification), [`store`] (the
-//! protocol), [`upload`] (a part's files: single or multipart, verified).
+//! protocol), [`upload`] (a part's files: single or multipart, verified), [`objects`]
+//! (plain objects for the coordinators' blob store: a verified upload of a file with
+//! user metadata, `HEAD`, a streamed `GET`, a listing with sizes, a delete).
 
 #[cfg(feature = "clap")]
 mod args;
 mod client;
 mod config;
+mod objects;
 mod store;
 #[cfg(test)]
 mod tests;
@@ -47,6 +50,7 @@ mod upload;
 pub use args::*;
 pub use client::*;
 pub use config::*;
+pub use objects::*;
 pub use store::*;
 
 /// User-metadata key holding a part object's digest (`<algorithm>:<hex>`, as in its

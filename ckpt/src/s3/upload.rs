@@ -46,19 +46,33 @@ impl S3Store {
         path: &Path,
         file: &FileEntry,
     ) -> Result<(), CkptError> {
+        self.upload_file_with(key, path, file, &[]).await
+    }
+
+    /// [`S3Store::upload_file`] with more user metadata than the digest.
+    pub(super) async fn upload_file_with(
+        &self,
+        key: &str,
+        path: &Path,
+        file: &FileEntry,
+        metadata: &[(&str, &str)],
+    ) -> Result<(), CkptError> {
         if file.size_bytes > self.settings.multipart_threshold_bytes {
-            self.upload_multipart(key, path, file).await?;
+            self.upload_multipart(key, path, file, metadata).await?;
         } else {
             let bytes = bytes::Bytes::from(read_range(path, 0, file.size_bytes).await?);
             // The SigV4 payload hash (signed, checked by the server) verifies the body.
             self.retry("put", key, || {
-                self.client
+                let mut put = self
+                    .client
                     .put_object()
                     .bucket(&self.location.bucket)
                     .key(key)
-                    .metadata(DIGEST_METADATA_KEY, &file.digest)
-                    .body(ByteStream::from(bytes.clone()))
-                    .send()
+                    .metadata(DIGEST_METADATA_KEY, &file.digest);
+                for (k, v) in metadata {
+                    put = put.metadata(*k, *v);
+                }
+                put.body(ByteStream::from(bytes.clone())).send()
             })
             .await?;
         }
@@ -70,6 +84,7 @@ impl S3Store {
         key: &str,
         path: &Path,
         file: &FileEntry,
+        metadata: &[(&str, &str)],
     ) -> Result<(), CkptError> {
         let part_size = self
             .settings
@@ -77,12 +92,16 @@ impl S3Store {
             .max(file.size_bytes.div_ceil(MAX_UPLOAD_PARTS));
         let created = self
             .retry("create multipart upload", key, || {
-                self.client
+                let mut create = self
+                    .client
                     .create_multipart_upload()
                     .bucket(&self.location.bucket)
                     .key(key)
-                    .metadata(DIGEST_METADATA_KEY, &file.digest)
-                    .send()
+                    .metadata(DIGEST_METADATA_KEY, &file.digest);
+                for (k, v) in metadata {
+                    create = create.metadata(*k, *v);
+                }
+                create.send()
             })
             .await?;
         let upload_id = created

@@ -6,6 +6,11 @@
 //! A sweep runs once the node has caught up (it has applied what the cluster committed,
 //! as a leader's append told it since it started: a node still catching up must not take
 //! a referenced blob for an orphan), then every [`sweep_interval`].
+//!
+//! With `--blob-url` the bucket is swept too, by the leader alone (one sweeper: the
+//! coordinators would otherwise race to list and delete the same objects): an object
+//! written before the retention that no job references and the leader did not use since
+//! is deleted (`super::s3`).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -38,6 +43,10 @@ pub struct Swept {
     pub bytes: u64,
     /// Stale temp files removed.
     pub temp_files: usize,
+    /// Blobs deleted from the bucket of `--blob-url` (the leader's sweep).
+    pub s3_blobs: usize,
+    /// Their bytes.
+    pub s3_bytes: u64,
 }
 
 /// Whether this node's applied state is current, from evidence of this process's life
@@ -75,6 +84,8 @@ pub async fn run(blobs: Arc<Blobs>, cancel: CancellationToken) {
                     blobs = swept.blobs,
                     bytes = swept.bytes,
                     temp_files = swept.temp_files,
+                    s3_blobs = swept.s3_blobs,
+                    s3_bytes = swept.s3_bytes,
                     retention_ms = blobs.retention_ms,
                     "removed unreferenced blobs"
                 );
@@ -115,5 +126,21 @@ pub async fn sweep(blobs: &Arc<Blobs>) -> Swept {
     swept.temp_files = tokio::task::spawn_blocking(move || this.store.sweep_temp())
         .await
         .unwrap_or(0);
+    if let super::Backend::S3(s3) = &blobs.backend
+        && leading(blobs)
+    {
+        let referenced = |c: &mut HashSet<String>| {
+            blobs.shared.read(|d| refs::drop_referenced(&d.state, c));
+        };
+        match s3.sweep(cut, referenced).await {
+            Ok((n, bytes)) => (swept.s3_blobs, swept.s3_bytes) = (n, bytes),
+            Err(e) => tracing::warn!(error = %e, "cannot sweep the blob store's bucket"),
+        }
+    }
     swept
+}
+
+/// Whether this node leads (the one that sweeps the bucket).
+fn leading(blobs: &Blobs) -> bool {
+    blobs.raft.metrics().borrow_watched().state == ServerState::Leader
 }

@@ -1,15 +1,22 @@
 //! The coordinators' blob store: content-addressed blobs (a job's packed working
 //! directory, an attempt's artifacts) kept on the coordinators themselves, each written to
-//! a majority of the voters before an upload is acknowledged. The Raft log holds only
-//! their digests and sizes (`BlobRef`); the bytes never enter it.
+//! a majority of the voters before an upload is acknowledged, or, with `--blob-url`, in
+//! an S3 bucket every coordinator shares ([`Backend`]). The Raft log holds only their
+//! digests and sizes (`BlobRef`); the bytes never enter it.
 //!
 //! - `store`: the local store under `<data-dir>/blobs/` (streamed, hashed, fsynced
 //!   writes; reads verified as they stream; a sidecar per blob with its uploader).
 //! - `peers`: `ReplicateBlob` and `FetchBlob` to and from the other coordinators.
 //! - `ops`: what the services call: stat, put (with the per-user quota and the majority
 //!   rule), read (fetching a missing blob from a peer first), receiving a replica.
+//! - `s3`: the bucket of `--blob-url` (streamed and verified uploads, `HEAD`, reads
+//!   re-hashed as they stream, the uploader in object metadata, the leader's sweep).
 //! - `refs`: which blobs the applied state references (a job's workdir, its artifacts).
 //! - `gc`: the background sweep of unreferenced blobs past `--blob-retention-ms`.
+//!
+//! The services call the same operations whichever the backend; with S3, `ops` hands
+//! stat, put, read and admission to `s3` and the majority rule does not apply (peers'
+//! `ReplicateBlob` and `FetchBlob` still work on the local store).
 //!
 //! Who may call what is checked by the adapters (`crate::api::blobs` for clients,
 //! `worker_service`, `raft_service`); this module trusts its caller.
@@ -18,6 +25,7 @@ pub mod gc;
 pub mod ops;
 pub mod peers;
 pub mod refs;
+pub mod s3;
 pub mod store;
 
 use std::collections::HashMap;
@@ -83,6 +91,14 @@ pub struct BlobArgs {
     /// default). Keep it well above the time between an upload and its submit.
     #[arg(long, default_value_t = DEFAULT_RETENTION_MS)]
     pub blob_retention_ms: u64,
+    /// Keep blobs in this S3 bucket and prefix (`s3://bucket/prefix`: blob D is the
+    /// object `prefix/blobs/D`, reached with the `--s3-*` settings) instead of on the
+    /// coordinators. Give every coordinator of a cluster the same. An upload is verified
+    /// here, then acknowledged once S3 holds it (`replicas` 0); reads are re-hashed as
+    /// they stream; only the leader removes unreferenced blobs. Unset: on the
+    /// coordinators, each upload on a majority of them.
+    #[arg(long, env = "CUMULUS_BLOB_URL")]
+    pub blob_url: Option<String>,
 }
 
 impl BlobArgs {
@@ -96,6 +112,10 @@ impl BlobArgs {
         }
         if self.blob_retention_ms == 0 {
             anyhow::bail!("--blob-retention-ms must be at least 1");
+        }
+        if let Some(url) = &self.blob_url {
+            cumulus_ckpt::S3Location::parse(url)
+                .map_err(|e| anyhow::anyhow!("--blob-url {url:?}: {e}"))?;
         }
         Ok(())
     }
@@ -153,9 +173,34 @@ impl From<BlobError> for tonic::Status {
     }
 }
 
-/// The blob store of one coordinator: its local store, its peers, and the bounds on
-/// concurrent transfers.
+/// Where blobs live.
+pub enum Backend {
+    /// On the coordinators (`<data-dir>/blobs`), each upload on a majority of the voters.
+    Coordinators,
+    /// In the S3 bucket of `--blob-url`, shared by every coordinator.
+    S3(Box<s3::S3Blobs>),
+}
+
+impl Backend {
+    /// The backend `args` name, S3 reached with `s3`'s settings.
+    ///
+    /// # Errors
+    /// A malformed `--blob-url` or invalid S3 settings.
+    pub async fn open(args: &BlobArgs, s3: &cumulus_ckpt::S3Args) -> anyhow::Result<Backend> {
+        Ok(match &args.blob_url {
+            None => Backend::Coordinators,
+            Some(url) => Backend::S3(Box::new(
+                s3::S3Blobs::connect(url, s3, args.max_blob_bytes, args.blob_retention_ms).await?,
+            )),
+        })
+    }
+}
+
+/// The blob store of one coordinator: where blobs live, its local store, its peers, and
+/// the bounds on concurrent transfers.
 pub struct Blobs {
+    /// Where blobs live.
+    pub backend: Backend,
     /// This node's id.
     pub id: NodeId,
     /// The local store.
@@ -188,7 +233,7 @@ pub struct Blobs {
 
 impl Blobs {
     /// Opens the store under `data_dir` (blocking; at start) for node `id` of `raft`,
-    /// reaching peers with `peers`.
+    /// reaching peers with `peers`, blobs kept in `backend`.
     ///
     /// # Errors
     /// The store's directory cannot be created or listed.
@@ -196,9 +241,10 @@ impl Blobs {
         data_dir: &std::path::Path,
         args: &BlobArgs,
         (id, raft, shared): (NodeId, Raft, Arc<SharedState>),
-        peers: peers::BlobPeers,
+        (peers, backend): (peers::BlobPeers, Backend),
     ) -> anyhow::Result<Blobs> {
         Ok(Blobs {
+            backend,
             id,
             store: LocalStore::open(data_dir, args.max_blob_bytes)?,
             peers,

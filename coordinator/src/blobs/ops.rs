@@ -1,6 +1,8 @@
 //! What the services call on the blob store: stat, put (the quota, the local write, the
 //! majority rule), receive a peer's replica, and open a blob for reading (fetching it
-//! from a peer first when this node lacks it).
+//! from a peer first when this node lacks it). With `--blob-url` ([`Backend::S3`]),
+//! stat, put, read and admission go to the bucket instead (`super::s3`): no majority, no
+//! peers.
 //!
 //! An upload is acknowledged once a majority of the voters, this node included when it
 //! votes, hold the blob: it is written here first (verified, fsynced), then streamed from
@@ -25,8 +27,8 @@ use openraft::async_runtime::watch::WatchReceiver;
 use tokio::sync::mpsc;
 
 use super::{
-    BlobError, BlobHeader, BlobMeta, BlobRead, Blobs, REPLICATE_BASE_TIMEOUT_MS, SLOT_WAIT_MS,
-    slot, transfer_deadline,
+    Backend, BlobError, BlobHeader, BlobMeta, BlobRead, Blobs, REPLICATE_BASE_TIMEOUT_MS,
+    SLOT_WAIT_MS, slot, transfer_deadline,
 };
 use crate::soft::now_ms;
 
@@ -52,7 +54,7 @@ impl Uploader {
 }
 
 /// Bytes of an upload in progress, counted against its uploader's quota until dropped.
-struct Reservation<'a> {
+pub(super) struct Reservation<'a> {
     blobs: &'a Blobs,
     who: String,
     bytes: u64,
@@ -115,15 +117,20 @@ impl Blobs {
 
     /// What this node holds of `digest`: the index's record when the file is there with
     /// that size (the bytes are checked when read); a record whose file is gone or of
-    /// another size is dropped (and such a file removed).
+    /// another size is dropped (and such a file removed). With S3: what `HEAD` says of
+    /// the object.
     ///
     /// # Errors
-    /// [`BlobError::Invalid`] for a malformed digest.
+    /// [`BlobError::Invalid`] for a malformed digest; with S3,
+    /// [`BlobError::Unavailable`] when the bucket cannot answer.
     pub async fn stat(&self, digest: &str) -> Result<Option<BlobMeta>, BlobError> {
         self.store.check_header(&BlobHeader {
             digest: digest.to_string(),
             size_bytes: 0,
         })?;
+        if let Backend::S3(s3) = &self.backend {
+            return s3.stat(digest).await;
+        }
         let Some(meta) = self.store.held(digest) else {
             return Ok(None);
         };
@@ -141,14 +148,17 @@ impl Blobs {
     }
 
     /// Counts `bytes` against `uploader`'s quota until the reservation is dropped; an
-    /// administrator and a worker have none.
+    /// administrator and a worker have none. `held` gives the bytes a user's stored blobs
+    /// take (called under the reservations' lock); `place` names where they are stored.
     ///
     /// # Errors
     /// [`BlobError::Exhausted`] with the usage and the quota.
-    fn reserve_quota(
+    pub(super) fn reserve_quota(
         &self,
         uploader: &Uploader,
         bytes: u64,
+        held: impl FnOnce(&str) -> u64,
+        place: &str,
     ) -> Result<Option<Reservation<'_>>, BlobError> {
         let Uploader::User(who) = uploader else {
             return Ok(None);
@@ -157,13 +167,13 @@ impl Blobs {
             return Ok(None);
         }
         let mut reserved = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
-        let held = self.store.usage_of(&who.name);
+        let held = held(&who.name);
         let pending = reserved.get(&who.name).copied().unwrap_or(0);
         let quota = self.quota_bytes_per_user;
         if held.saturating_add(pending).saturating_add(bytes) > quota {
             return Err(BlobError::Exhausted(format!(
-                "user {} holds {held} bytes of blobs on this coordinator ({pending} more being \
-                 uploaded); this blob of {bytes} bytes would pass the quota of {quota} bytes \
+                "user {} holds {held} bytes of blobs {place} ({pending} more being uploaded \
+                 here); this blob of {bytes} bytes would pass the quota of {quota} bytes \
                  (--blob-quota-bytes-per-user). Blobs no job references are removed after \
                  the retention period",
                 who.name
@@ -177,8 +187,9 @@ impl Blobs {
         }))
     }
 
-    /// Stores an upload and answers once a majority of the voters hold it. A blob this
-    /// node already holds is not read again (its bytes were verified when stored).
+    /// Stores an upload and answers once a majority of the voters hold it (with S3: once
+    /// the bucket holds it, `replicas` 0). A blob already held is not read again (its
+    /// bytes were verified when stored).
     ///
     /// # Errors
     /// [`BlobError::Invalid`] for a bad header or bytes that are not the blob;
@@ -202,6 +213,9 @@ impl Blobs {
                 super::MAX_CONCURRENT_UPLOADS
             ))
         })?;
+        if let Backend::S3(s3) = &self.backend {
+            return self.put_s3(s3, header, uploader, chunks).await;
+        }
         let meta = match self.stat(&header.digest).await? {
             Some(m) if m.size_bytes == header.size_bytes => m,
             Some(m) => {
@@ -211,7 +225,12 @@ impl Blobs {
                 )));
             }
             None => {
-                let _reservation = self.reserve_quota(uploader, header.size_bytes)?;
+                let _reservation = self.reserve_quota(
+                    uploader,
+                    header.size_bytes,
+                    |who| self.store.usage_of(who),
+                    "on this coordinator",
+                )?;
                 let meta = BlobMeta {
                     size_bytes: header.size_bytes,
                     uploader: uploader.recorded_name(),
@@ -229,7 +248,8 @@ impl Blobs {
     }
 
     /// Streams the held blob `header` names to every other voter in parallel and returns
-    /// how many voters hold it once they are a majority.
+    /// how many voters hold it once they are a majority (with S3: 0 at once, the bucket
+    /// holds it).
     ///
     /// # Errors
     /// [`BlobError::Unavailable`] naming each coordinator that failed, when no majority
@@ -239,6 +259,9 @@ impl Blobs {
         header: &BlobHeader,
         meta: &BlobMeta,
     ) -> Result<u32, BlobError> {
+        if let Backend::S3(_) = &self.backend {
+            return Ok(0);
+        }
         let members = self.members();
         let needed = u32::try_from(members.voters / 2 + 1).unwrap_or(u32::MAX);
         let mut holders = u32::from(members.me_voter);
@@ -360,11 +383,20 @@ impl Blobs {
         Ok((meta, self.store.read(digest, permit).await?))
     }
 
-    /// Opens a blob for reading, fetching it from a peer first when this node lacks it.
+    /// Opens a blob for reading, fetching it from a peer first when this node lacks it
+    /// (with S3: streamed from the bucket, re-hashed as it goes).
     ///
     /// # Errors
     /// As [`Blobs::ensure_held`] and [`Blobs::open_local`].
     pub async fn open(&self, digest: &str) -> Result<BlobRead, BlobError> {
+        if let Backend::S3(s3) = &self.backend {
+            self.store.check_header(&BlobHeader {
+                digest: digest.to_string(),
+                size_bytes: 0,
+            })?;
+            let permit = slot(&self.reads, "blob reads").await?;
+            return s3.open(digest, permit).await;
+        }
         self.ensure_held(digest).await?;
         Ok(self.open_local(digest).await?.1)
     }
@@ -378,6 +410,12 @@ impl Blobs {
     pub async fn ensure_held(&self, digest: &str) -> Result<BlobMeta, BlobError> {
         if let Some(m) = self.stat(digest).await? {
             return Ok(m);
+        }
+        if let Backend::S3(s3) = &self.backend {
+            return Err(BlobError::NotFound(format!(
+                "blob {digest} is not in the blob store ({})",
+                s3.url()
+            )));
         }
         let lock = self
             .fetching

@@ -245,7 +245,7 @@ impl LocalStore {
         &self,
         header: &BlobHeader,
         meta: BlobMeta,
-        mut chunks: S,
+        chunks: S,
     ) -> Result<BlobMeta, BlobError>
     where
         S: Stream<Item = Result<Bytes, BlobError>> + Unpin + Send,
@@ -261,17 +261,72 @@ impl LocalStore {
             size_bytes: header.size_bytes,
             ..meta
         };
-        let n = self.next_tmp.fetch_add(1, Ordering::Relaxed);
-        let tmp = self
-            .tmp
-            .join(format!("{}.{}.{n}", header.digest, std::process::id()));
+        let tmp = self.temp_path(&header.digest);
         let _writing = WritingGuard::new(&self.writing, tmp.clone());
+        self.stream_to_temp(header, Some(meta.clone()), &tmp, chunks)
+            .await?;
+        lock(&self.index).insert(
+            header.digest.clone(),
+            Entry {
+                meta: meta.clone(),
+                used_at_ms: now_ms(),
+            },
+        );
+        Ok(meta)
+    }
+
+    /// Receives the blob `header` names from `chunks` into a temp file of the store,
+    /// hashed on a blocking thread as it is written, for an upload on its way elsewhere
+    /// (the S3 bucket of `--blob-url`): the blob is not held here, and the file is removed
+    /// when the returned [`TempBlob`] is dropped.
+    ///
+    /// # Errors
+    /// As [`LocalStore::write`] (but for [`MAX_BLOBS`], which does not apply); nothing
+    /// is left on error.
+    pub async fn receive_temp<S>(
+        &self,
+        header: &BlobHeader,
+        chunks: S,
+    ) -> Result<TempBlob<'_>, BlobError>
+    where
+        S: Stream<Item = Result<Bytes, BlobError>> + Unpin + Send,
+    {
+        self.check_header(header)?;
+        let path = self.temp_path(&header.digest);
+        let writing = WritingGuard::new(&self.writing, path.clone());
+        self.stream_to_temp(header, None, &path, chunks).await?;
+        Ok(TempBlob {
+            path,
+            _writing: writing,
+        })
+    }
+
+    /// A fresh temp file name for a write of `digest`.
+    fn temp_path(&self, digest: &str) -> PathBuf {
+        let n = self.next_tmp.fetch_add(1, Ordering::Relaxed);
+        self.tmp
+            .join(format!("{digest}.{}.{n}", std::process::id()))
+    }
+
+    /// Streams `chunks` into `tmp` on a blocking thread that hashes them and checks size
+    /// and digest; with `commit`, the file and its sidecar (`commit`) are then fsynced and
+    /// renamed into place. The temp files are removed on error.
+    async fn stream_to_temp<S>(
+        &self,
+        header: &BlobHeader,
+        commit: Option<BlobMeta>,
+        tmp: &Path,
+        mut chunks: S,
+    ) -> Result<(), BlobError>
+    where
+        S: Stream<Item = Result<Bytes, BlobError>> + Unpin + Send,
+    {
         let (tx, rx) = mpsc::channel(WRITE_QUEUE_CHUNKS);
         let job = WriteJob {
             dir: self.dir.clone(),
-            tmp: tmp.clone(),
+            tmp: tmp.to_path_buf(),
             header: header.clone(),
-            meta: meta.clone(),
+            commit,
         };
         let writer = tokio::task::spawn_blocking(move || job.run(rx));
         let fed = feed(&mut chunks, &tx).await;
@@ -284,15 +339,7 @@ impl LocalStore {
             .map_err(|e| BlobError::Io(format!("the blob writing task failed: {e}")));
         // The stream's own failure explains an aborted write better than the writer.
         fed?;
-        written??;
-        lock(&self.index).insert(
-            header.digest.clone(),
-            Entry {
-                meta: meta.clone(),
-                used_at_ms: now_ms(),
-            },
-        );
-        Ok(meta)
+        written?
     }
 
     /// Opens the held blob `digest` for reading: its bytes stream from a blocking thread
@@ -445,6 +492,49 @@ impl Drop for WritingGuard<'_> {
     }
 }
 
+/// A verified blob in a temp file of the store ([`LocalStore::receive_temp`]), removed
+/// (on a blocking thread) when dropped.
+pub struct TempBlob<'a> {
+    path: PathBuf,
+    _writing: WritingGuard<'a>,
+}
+
+impl TempBlob<'_> {
+    /// The temp file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Removes the temp file now (on a blocking thread), rather than when dropped.
+    pub async fn discard(mut self) {
+        let path = std::mem::take(&mut self.path);
+        let _ = tokio::task::spawn_blocking(move || remove_temp(&path)).await;
+    }
+}
+
+/// Removes a temp file of [`TempBlob`] (one already gone is fine).
+fn remove_temp(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(path = %path.display(), error = %e, "cannot remove a blob temp file");
+    }
+}
+
+impl Drop for TempBlob<'_> {
+    fn drop(&mut self) {
+        let path = std::mem::take(&mut self.path);
+        if path.as_os_str().is_empty() {
+            return;
+        }
+        let remove = move || remove_temp(&path);
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => drop(handle.spawn_blocking(remove)),
+            Err(_) => remove(),
+        }
+    }
+}
+
 /// The first 80 characters of a string a client sent, for a message.
 fn truncated(s: &str) -> String {
     s.chars().take(80).collect()
@@ -480,7 +570,9 @@ struct WriteJob {
     dir: PathBuf,
     tmp: PathBuf,
     header: BlobHeader,
-    meta: BlobMeta,
+    /// The sidecar's record, to commit the blob into place; `None`: leave the verified
+    /// temp file (not fsynced) to the caller.
+    commit: Option<BlobMeta>,
 }
 
 impl WriteJob {
@@ -545,11 +637,14 @@ impl WriteJob {
                  {got} bytes received)"
             )));
         }
+        let Some(meta) = &self.commit else {
+            return Ok(());
+        };
         file.sync_all()
             .map_err(|e| io(&format!("fsync {}", self.tmp.display()), e))?;
         drop(file);
         let sidecar_tmp = self.sidecar_tmp();
-        let json = serde_json::to_vec(&self.meta)
+        let json = serde_json::to_vec(meta)
             .map_err(|e| BlobError::Io(format!("encoding a sidecar: {e}")))?;
         let mut side = std::fs::OpenOptions::new()
             .write(true)
@@ -874,6 +969,38 @@ mod tests {
         assert!(err.to_string().contains("went away"), "{err}");
         assert_eq!(store.count(), 0);
         assert_eq!(tmp_files(&store), 0);
+    }
+
+    #[tokio::test]
+    async fn a_temp_receive_is_verified_not_held_and_removed_when_done() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let store = LocalStore::open(tmp.path(), 1 << 20).expect("open");
+        let data = b"on its way to a bucket".to_vec();
+        let header = BlobHeader {
+            digest: digest_of(&data),
+            size_bytes: data.len() as u64,
+        };
+        let temp = store
+            .receive_temp(&header, chunks(&data))
+            .await
+            .expect("received");
+        assert_eq!(std::fs::read(temp.path()).expect("temp"), data);
+        assert!(store.held(&header.digest).is_none(), "not held here");
+        assert_eq!(store.sweep_temp(), 0, "a live temp file is not swept");
+        temp.discard().await;
+        assert_eq!(tmp_files(&store), 0);
+
+        let wrong = BlobHeader {
+            digest: digest_of(b"other bytes"),
+            size_bytes: data.len() as u64,
+        };
+        let err = store
+            .receive_temp(&wrong, chunks(&data))
+            .await
+            .err()
+            .expect("a wrong digest");
+        assert!(matches!(err, BlobError::Invalid(_)), "{err}");
+        assert_eq!(tmp_files(&store), 0, "nothing left");
     }
 
     #[tokio::test]
