@@ -97,7 +97,16 @@ mod tests {
         for ok in ["", "3.11", "3.9.18", "3.100"] {
             assert!(is_valid_python_version(ok), "{ok}");
         }
-        for bad in ["3", "2.7", "3.", "3.11.", "3.x", "python3.11", "3.11.1.1", "3.1000"] {
+        for bad in [
+            "3",
+            "2.7",
+            "3.",
+            "3.11.",
+            "3.x",
+            "python3.11",
+            "3.11.1.1",
+            "3.1000",
+        ] {
             assert!(!is_valid_python_version(bad), "{bad}");
         }
     }

@@ -376,17 +376,57 @@ fn rank_env_constants() -> Vec<Constant> {
 fn blob_constants() -> Vec<Constant> {
     vec![
         constant!(int, blobs::DIGEST_HEX_LEN as "BLOB_DIGEST_HEX_LEN", "Length of a blob digest (BLAKE3, lowercase hex)."),
-        constant!(int, blobs::DEFAULT_MAX_WORKDIR_BYTES, "Default cap on a packed working directory, in bytes."),
-        constant!(int, blobs::MAX_BLOB_BYTES, "Hard cap on one blob a coordinator accepts, in bytes."),
+        constant!(
+            int,
+            blobs::DEFAULT_MAX_WORKDIR_BYTES,
+            "Default cap on a packed working directory, in bytes."
+        ),
+        constant!(
+            int,
+            blobs::MAX_BLOB_BYTES,
+            "Hard cap on one blob a coordinator accepts, in bytes."
+        ),
         constant!(int, blobs::CHUNK_BYTES as "BLOB_CHUNK_BYTES", "Most bytes of one blob chunk on the wire."),
-        constant!(int, blobs::MAX_UNPACKED_BYTES, "Most bytes an archive may unpack to."),
-        constant!(int, blobs::MAX_EXPANSION_RATIO, "Largest unpacked-to-packed ratio of an archive."),
-        constant!(int, blobs::MAX_ARCHIVE_ENTRIES, "Most entries of one archive."),
-        constant!(int, blobs::MAX_ENTRY_PATH_BYTES, "Longest path of one archive entry, in bytes."),
-        constant!(int, blobs::DEFAULT_MAX_ARTIFACT_BYTES, "Default cap on one attempt's packed artifacts, in bytes."),
-        constant!(int, blobs::DEFAULT_MAX_RESULT_BYTES, "Default cap on a remote function's pickled result, in bytes."),
-        constant!(int, blobs::MAX_REQUIREMENTS_BYTES, "Longest requirements text of an environment, in bytes."),
-        constant!(int, blobs::MAX_FIND_LINKS, "Most find-links entries of an environment."),
+        constant!(
+            int,
+            blobs::MAX_UNPACKED_BYTES,
+            "Most bytes an archive may unpack to."
+        ),
+        constant!(
+            int,
+            blobs::MAX_EXPANSION_RATIO,
+            "Largest unpacked-to-packed ratio of an archive."
+        ),
+        constant!(
+            int,
+            blobs::MAX_ARCHIVE_ENTRIES,
+            "Most entries of one archive."
+        ),
+        constant!(
+            int,
+            blobs::MAX_ENTRY_PATH_BYTES,
+            "Longest path of one archive entry, in bytes."
+        ),
+        constant!(
+            int,
+            blobs::DEFAULT_MAX_ARTIFACT_BYTES,
+            "Default cap on one attempt's packed artifacts, in bytes."
+        ),
+        constant!(
+            int,
+            blobs::DEFAULT_MAX_RESULT_BYTES,
+            "Default cap on a remote function's pickled result, in bytes."
+        ),
+        constant!(
+            int,
+            blobs::MAX_REQUIREMENTS_BYTES,
+            "Longest requirements text of an environment, in bytes."
+        ),
+        constant!(
+            int,
+            blobs::MAX_FIND_LINKS,
+            "Most find-links entries of an environment."
+        ),
         constant!(str, blobs::RESULT_FILE as "REMOTE_RESULT_FILE", "Where a remote function's result is written under the output dir."),
         constant!(str, blobs::ERROR_FILE as "REMOTE_ERROR_FILE", "Where a remote function's exception is written under the output dir."),
     ]
