@@ -4,6 +4,7 @@ stream."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -2086,6 +2087,46 @@ def test_an_upload_is_put_once_then_named_in_the_spec(
         "no_index": False,
     }
     assert "environment" not in json.loads(script.calls[4].content)["spec"]
+
+
+def test_an_unchanged_upload_is_not_packed_again_while_the_cluster_has_it(
+    client: Client, script: Script, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "train.py").write_text("print(1)\n")
+    (root / "fresh.py").write_text("x = 1\n")  # modified "now": checked by its bytes
+    with _bundle.pack_directory(root) as packed:
+        digest, data = packed.digest, packed.read()
+    path = f"/v1/blobs/{digest}"
+    packs: list[int] = []
+    real = _bundle.pack_selection
+
+    def counting(*args: Any, **kwargs: Any) -> _bundle.PackedDir:
+        packs.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_bundle, "pack_selection", counting)
+    put = lambda r: httpx.Response(201, json={"digest": digest, "size_bytes": len(r.read())})  # noqa: E731
+    stored = lambda r: httpx.Response(200, headers={"content-length": str(len(data))})  # noqa: E731
+    gone = lambda r: httpx.Response(404)  # noqa: E731
+    script.on(A, "HEAD", path, gone, stored, gone, gone, stored)
+    script.on(A, "PUT", path, put, put)
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    jobs = [client.submit(["python3", "train.py"], upload=root) for _ in range(2)]
+    assert len(packs) == 1
+    assert [j.upload.sent_bytes if j.upload else -1 for j in jobs] == [len(data), 0]
+    assert jobs[1].upload == dataclasses.replace(jobs[0].upload, sent_bytes=0)  # type: ignore[type-var]
+    # The cluster lost the blob: packed and sent again.
+    client.submit(["python3", "train.py"], upload=root)
+    assert len(packs) == 2
+    assert [c.method for c in script.calls][-4:] == ["HEAD", "HEAD", "PUT", "POST"]
+    client.submit(["python3", "train.py"], upload=root)
+    assert len(packs) == 2 and [c.method for c in script.calls][-2:] == ["HEAD", "POST"]
+    # With the cache turned off, every submit packs.
+    monkeypatch.setenv("CUMULUS_NO_UPLOAD_CACHE", "1")
+    client.submit(["python3", "train.py"], upload=root)
+    assert len(packs) == 3
 
 
 def test_environment_arguments_are_checked_before_sending(

@@ -38,12 +38,16 @@ __all__ = [
     "ALWAYS_EXCLUDED",
     "IGNORE_FILES",
     "LARGEST_NAMED",
+    "PACK_FORMAT_VERSION",
     "ArchiveFile",
     "PackedDir",
+    "Selection",
     "blob_digest",
     "check_entry_path",
     "pack_directory",
+    "pack_selection",
     "read_archive",
+    "select_directory",
 ]
 
 #: Ignore files read in every directory, in precedence order (a later one wins).
@@ -56,6 +60,9 @@ LARGEST_NAMED = 10
 MAX_IGNORE_FILE_BYTES = 1024 * 1024
 #: Packed bytes kept in memory before the archive spills to a temporary file.
 SPOOL_BYTES = 16 * 1024 * 1024
+#: Version of the packing rules (ignores, entry order, tar and gzip headers): a change
+#: that alters the packed bytes of a tree bumps it (client digest caches key on it).
+PACK_FORMAT_VERSION = 1
 #: Read size when hashing and copying files.
 COPY_CHUNK_BYTES = 1024 * 1024
 #: Decompressed bytes :func:`read_archive` always allows, whatever the packed size (a
@@ -94,12 +101,17 @@ def check_entry_path(path: str, what: str) -> str:
 @dataclass(frozen=True)
 class _Entry:
     """One thing to pack: ``rel`` (``/``-separated), its source (``None`` for a
-    directory), size and whether it is executable."""
+    directory), size and whether it is executable; for a file, the source's status as
+    listed (modification time in ns, inode, device, mode: what a digest cache compares)."""
 
     rel: str
     source: Path | None
     size: int = 0
     executable: bool = False
+    mtime_ns: int = 0
+    ino: int = 0
+    dev: int = 0
+    mode: int = 0
 
 
 _Rules = tuple[tuple[str, GitIgnoreSpec], ...]
@@ -232,7 +244,18 @@ def _walk(root: Path, prefix: str, apply_ignores: bool) -> list[_Entry]:
                 stack.append((source, rel, ignores, (*ancestors, key)))
             elif stat.S_ISREG(st.st_mode):
                 executable = bool(st.st_mode & 0o111)
-                entries.append(_Entry(name, source, st.st_size, executable))
+                entries.append(
+                    _Entry(
+                        name,
+                        source,
+                        st.st_size,
+                        executable,
+                        st.st_mtime_ns,
+                        st.st_ino,
+                        st.st_dev,
+                        st.st_mode,
+                    )
+                )
             else:
                 raise BundleError(
                     f"{child.path} is not a regular file or a directory (a socket, FIFO or "
@@ -280,6 +303,9 @@ class PackedDir:
     #: Their total size, in bytes.
     unpacked_bytes: int
     file: IO[bytes] = field(repr=False)
+    #: BLAKE3 of the bytes packed for each file named in ``pack_selection``'s
+    #: ``hash_files`` (archive path -> 64 hex digits).
+    file_hashes: dict[str, str] = field(default_factory=dict, repr=False)
 
     def chunks(self, size: int = _contract.BLOB_CHUNK_BYTES) -> Iterator[bytes]:
         """The packed bytes from the start, in chunks of at most ``size`` bytes."""
@@ -369,6 +395,31 @@ def pack_directory(
         path too long, too many entries), or the files compress so well that a worker
         would refuse the archive as a decompression bomb.
     """
+    return pack_selection(select_directory(root, mounts=mounts), max_bytes=max_bytes)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What :func:`pack_directory` would pack, listed (paths and file status) but not
+    read: :func:`select_directory` makes one, :func:`pack_selection` packs it."""
+
+    entries: tuple[_Entry, ...]
+
+    @property
+    def files(self) -> Iterator[_Entry]:
+        """The regular files, in archive order."""
+        return (e for e in self.entries if e.source is not None)
+
+
+def select_directory(
+    root: str | os.PathLike[str] | None,
+    *,
+    mounts: Mapping[str, str | os.PathLike[str]] | None = None,
+) -> Selection:
+    """Lists what :func:`pack_directory` packs (same rules, same errors for the walk),
+    without reading any file but the ignore files.
+
+    :raises BundleError: as :func:`pack_directory` for the walk."""
     entries: list[_Entry] = []
     if root is not None:
         root_path = Path(root)
@@ -392,13 +443,30 @@ def pack_directory(
             f"{len(entries)} files and directories to pack, at most "
             f"{_contract.MAX_ARCHIVE_ENTRIES}: list what the job does not need in .cumulusignore"
         )
+    return Selection(tuple(entries))
+
+
+def pack_selection(
+    selection: Selection,
+    *,
+    max_bytes: int = _contract.DEFAULT_MAX_WORKDIR_BYTES,
+    hash_files: frozenset[str] = frozenset(),
+) -> PackedDir:
+    """Packs what :func:`select_directory` listed (see :func:`pack_directory`).
+
+    :param hash_files: archive paths of files whose packed bytes are also hashed
+        (:attr:`PackedDir.file_hashes`).
+    :raises WorkdirTooLarge: as :func:`pack_directory`.
+    :raises BundleError: as :func:`pack_directory`, for reading and compressing."""
+    entries = list(selection.entries)
     unpacked = sum(e.size for e in entries)
     limit = min(max_bytes, _contract.MAX_UNPACKED_BYTES)
     if unpacked > limit:
         raise _too_large(f"the directory holds {_human(unpacked)} in files to pack", limit, entries)
     spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115
     try:
-        writer = _write_archive(entries, spool, _contract.MAX_BLOB_BYTES)
+        hashes: dict[str, str] = {}
+        writer = _write_archive(entries, spool, _contract.MAX_BLOB_BYTES, hash_files, hashes)
         size = writer.count
         # What a worker refuses to unpack is refused here, before anything is sent.
         if unpacked > max(MIN_UNPACK_ALLOWANCE_BYTES, _contract.MAX_EXPANSION_RATIO * size):
@@ -413,15 +481,23 @@ def pack_directory(
             file_count=sum(1 for e in entries if e.source is not None),
             unpacked_bytes=unpacked,
             file=spool,
+            file_hashes=hashes,
         )
     except BaseException:
         spool.close()
         raise
 
 
-def _write_archive(entries: list[_Entry], sink: IO[bytes], max_bytes: int) -> _HashingWriter:
+def _write_archive(
+    entries: list[_Entry],
+    sink: IO[bytes],
+    max_bytes: int,
+    hash_files: frozenset[str] = frozenset(),
+    hashes: dict[str, str] | None = None,
+) -> _HashingWriter:
     """Writes ``entries`` as a deterministic tar.gz into ``sink``; returns the writer
-    (packed size and hash).
+    (packed size and hash). The BLAKE3 of each file of ``hash_files`` as packed goes into
+    ``hashes``.
 
     :raises WorkdirTooLarge: past ``max_bytes`` packed bytes (checked after each file).
     :raises BundleError: a file cannot be read, or changed size while packed."""
@@ -437,8 +513,11 @@ def _write_archive(entries: list[_Entry], sink: IO[bytes], max_bytes: int) -> _H
                 tar.addfile(info)
                 continue
             try:
+                hasher = blake3.blake3() if entry.rel in hash_files else None
                 with entry.source.open("rb") as f:
-                    tar.addfile(info, _ExactReader(f, entry.size, entry.source))
+                    tar.addfile(info, _ExactReader(f, entry.size, entry.source, hasher))
+                if hasher is not None and hashes is not None:
+                    hashes[entry.rel] = hasher.hexdigest()
             except OSError as e:
                 raise BundleError(f"cannot read {entry.source}: {e}") from e
             if writer.count > max_bytes:
@@ -452,11 +531,14 @@ class _ExactReader(io.RawIOBase):
     """Reads exactly ``size`` bytes of ``f``: a file that shrank or grew since it was
     listed is refused (its archive entry would be wrong)."""
 
-    def __init__(self, f: IO[bytes], size: int, path: Path) -> None:
+    def __init__(
+        self, f: IO[bytes], size: int, path: Path, hasher: blake3.blake3 | None = None
+    ) -> None:
         super().__init__()
         self.f = f
         self.left = size
         self.path = path
+        self.hasher = hasher
 
     def readable(self) -> bool:
         return True
@@ -467,6 +549,8 @@ class _ExactReader(io.RawIOBase):
         if len(data) < want:
             raise BundleError(f"{self.path} shrank while it was being packed: pack it again")
         self.left -= len(data)
+        if self.hasher is not None:
+            self.hasher.update(data)
         if self.left == 0 and n != 0 and self.f.read(1):
             raise BundleError(f"{self.path} grew while it was being packed: pack it again")
         return data

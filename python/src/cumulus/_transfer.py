@@ -17,7 +17,7 @@ from typing import IO, TYPE_CHECKING
 import blake3
 import httpx
 
-from cumulus import _bundle, _contract
+from cumulus import _bundle, _contract, _upload_cache
 from cumulus.errors import InvalidSpec, NotFound, ProtocolError, Unavailable
 from cumulus.models import ArtifactRef, BlobRef, JobInfo, UploadInfo
 
@@ -107,8 +107,13 @@ def upload_directory(
     """Packs ``upload`` (unless it is packed already) and stores it unless the cluster
     has its digest (then nothing is sent).
 
+    A directory whose tree is unchanged since its last pack (:mod:`cumulus._upload_cache`)
+    is not packed again when the cluster still has that pack's digest.
+
     :raises WorkdirTooLarge: past ``max_bytes`` packed bytes (the largest files named).
     :raises BundleError: the directory cannot be packed."""
+    if not isinstance(upload, _bundle.PackedDir) and _upload_cache.enabled():
+        return _upload_cached(client, upload, max_bytes)
     owned = not isinstance(upload, _bundle.PackedDir)
     packed = (
         upload
@@ -116,21 +121,49 @@ def upload_directory(
         else _bundle.pack_directory(upload, max_bytes=max_bytes)
     )
     try:
-        ref = BlobRef(packed.digest, packed.size_bytes)
-        stored = stat_blob(client, packed.digest)
-        sent = 0
-        if stored != packed.size_bytes:
-            put_blob(client, packed)
-            sent = packed.size_bytes
-        return UploadInfo(
-            blob=ref,
-            sent_bytes=sent,
-            file_count=packed.file_count,
-            unpacked_bytes=packed.unpacked_bytes,
-        )
+        return _send(client, packed)
     finally:
         if owned:
             packed.close()
+
+
+def _send(client: Client, packed: _bundle.PackedDir) -> UploadInfo:
+    """Stores ``packed`` unless the cluster has its digest."""
+    ref = BlobRef(packed.digest, packed.size_bytes)
+    stored = stat_blob(client, packed.digest)
+    sent = 0
+    if stored != packed.size_bytes:
+        put_blob(client, packed)
+        sent = packed.size_bytes
+    return UploadInfo(
+        blob=ref,
+        sent_bytes=sent,
+        file_count=packed.file_count,
+        unpacked_bytes=packed.unpacked_bytes,
+    )
+
+
+def _upload_cached(client: Client, root: str | os.PathLike[str], max_bytes: int) -> UploadInfo:
+    """:func:`upload_directory` of a directory through the digest cache: a trusted entry
+    whose blob the cluster holds sends and packs nothing; otherwise the directory is
+    packed (and the entry refreshed) and sent as without the cache."""
+    limit = min(max_bytes, _contract.MAX_UNPACKED_BYTES)
+    listing = _upload_cache.list_directory(root, limit)
+    hit = _upload_cache.lookup(listing)
+    if hit is not None and stat_blob(client, hit.digest) == hit.size_bytes:
+        return UploadInfo(
+            blob=BlobRef(hit.digest, hit.size_bytes),
+            sent_bytes=0,
+            file_count=hit.file_count,
+            unpacked_bytes=hit.unpacked_bytes,
+        )
+    hash_files = _upload_cache.hash_files_for(listing)
+    with _bundle.pack_selection(
+        listing.selection, max_bytes=max_bytes, hash_files=hash_files or frozenset()
+    ) as packed:
+        if hash_files is not None:
+            _upload_cache.record(listing, packed)
+        return _send(client, packed)
 
 
 def _receive(resp: httpx.Response, ref: BlobRef, sink: IO[bytes]) -> str | None:
