@@ -12,6 +12,8 @@
 //!   entry named.
 //! - [`list`] and [`extract_file`]: the entries of an archive, or one file's bytes, with
 //!   the same checks (`cumulusctl artifacts ls` / `get`).
+//! - [`fingerprint`]: the listing [`pack`] would pack, hashed from `stat` alone (no
+//!   file read), for a client's cache of digests (`cumulusctl --upload`).
 //! - [`digest_file`]: the BLAKE3 digest of a file, streamed.
 //!
 //! Users: `cumulusctl` (upload, artifacts), the worker agent (a job's workdir, a rank's
@@ -24,7 +26,10 @@ mod unpack;
 #[cfg(test)]
 mod tests;
 
-pub use pack::{CUMULUSIGNORE, LARGEST_NAMED, PackError, PackOptions, Packed, human_bytes, pack};
+pub use pack::{
+    CUMULUSIGNORE, Fingerprint, LARGEST_NAMED, PACK_FORMAT_VERSION, PackError, PackOptions, Packed,
+    fingerprint, human_bytes, pack,
+};
 pub use read::{EntryKind, ListedEntry, MAX_PAX_HEADER_BYTES, UnpackError};
 pub use unpack::{UnpackLimits, Unpacked, extract_file, list, unpack};
 

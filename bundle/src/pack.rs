@@ -186,14 +186,42 @@ pub fn human_bytes(n: u64) -> String {
 
 /// One entry to pack.
 #[derive(Debug)]
-struct Item {
+pub(crate) struct Item {
     /// Path in the archive (relative, `/`-separated, no trailing slash).
-    rel: String,
+    pub(crate) rel: String,
     /// Where its bytes are read (for a link inside the tree: its target).
     source: PathBuf,
     /// Directory, or file with its size, device and inode (checked again when opened)
     /// and whether it is executable.
     kind: ItemKind,
+    /// What [`fingerprint`] records of `source`'s metadata.
+    stat: StatKey,
+}
+
+/// The metadata of an entry that [`fingerprint`] hashes: any change to a file's bytes
+/// that a `stat` can see changes one of these.
+#[derive(Debug, Clone, Copy)]
+struct StatKey {
+    mtime_ns: i64,
+    ctime_ns: i64,
+    dev: u64,
+    ino: u64,
+    mode: u32,
+    size: u64,
+}
+
+impl StatKey {
+    fn of(meta: &fs::Metadata) -> Self {
+        let ns = |s: i64, n: i64| s.saturating_mul(1_000_000_000).saturating_add(n);
+        Self {
+            mtime_ns: ns(meta.mtime(), meta.mtime_nsec()),
+            ctime_ns: ns(meta.ctime(), meta.ctime_nsec()),
+            dev: meta.dev(),
+            ino: meta.ino(),
+            mode: meta.mode(),
+            size: meta.len(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -219,12 +247,7 @@ pub fn pack(dir: &Path, options: &PackOptions) -> Result<Packed, PackError> {
         let path = path.display().to_string();
         move |source| PackError::Io { path, source }
     };
-    let meta = fs::metadata(dir).map_err(io_err(dir))?;
-    if !meta.is_dir() {
-        return Err(PackError::NotADirectory(dir.to_path_buf()));
-    }
-    let root = fs::canonicalize(dir).map_err(io_err(dir))?;
-    let mut items = collect(&root, options.respect_ignore_files)?;
+    let items = selected(dir, options)?;
     let files: Vec<(&str, u64)> = items
         .iter()
         .filter_map(|i| match i.kind {
@@ -246,7 +269,6 @@ pub fn pack(dir: &Path, options: &PackOptions) -> Result<Packed, PackError> {
                 .collect(),
         });
     }
-    items.sort_by(|a, b| a.rel.as_bytes().cmp(b.rel.as_bytes()));
     let temp = match &options.temp_dir {
         Some(d) => tempfile::Builder::new()
             .prefix(".cumulus-pack-")
@@ -279,6 +301,103 @@ pub fn pack(dir: &Path, options: &PackOptions) -> Result<Packed, PackError> {
             .count() as u64,
         unpacked_bytes: total,
     })
+}
+
+/// What [`pack`] packs of `dir`, and what [`fingerprint`] lists: the walk of [`collect`]
+/// from the canonical `dir`, sorted by path (bytes). The one place the selection is made.
+pub(crate) fn selected(dir: &Path, options: &PackOptions) -> Result<Vec<Item>, PackError> {
+    let io_err = |source| PackError::Io {
+        path: dir.display().to_string(),
+        source,
+    };
+    let meta = fs::metadata(dir).map_err(io_err)?;
+    if !meta.is_dir() {
+        return Err(PackError::NotADirectory(dir.to_path_buf()));
+    }
+    let root = fs::canonicalize(dir).map_err(io_err)?;
+    let mut items = collect(&root, options.respect_ignore_files)?;
+    items.sort_by(|a, b| a.rel.as_bytes().cmp(b.rel.as_bytes()));
+    Ok(items)
+}
+
+/// Version of the bytes [`pack`] writes for a tree: bump it whenever the same tree would
+/// pack to other bytes (header fields, compression, order), so that digests cached
+/// against a [`fingerprint`] of the old format are not trusted.
+pub const PACK_FORMAT_VERSION: u32 = 1;
+
+/// What [`fingerprint`] found: a name for the listing of a directory as [`pack`] would
+/// select it, and what a caller needs to trust a digest cached against it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fingerprint {
+    /// BLAKE3 (64 lowercase hex digits) of [`PACK_FORMAT_VERSION`], the options that
+    /// change the packed bytes, and for every selected entry its relative path, where its
+    /// bytes are read (a link's target), kind, size, mtime and ctime (ns), inode, device
+    /// and mode.
+    pub digest: String,
+    /// The newest mtime or ctime among the entries (ns since the epoch; 0 when empty): a
+    /// digest recorded less than a file system's time granularity after it may miss a
+    /// change that kept the size and the time (git's "racy" entries).
+    pub newest_change_ns: i64,
+    /// Regular files selected.
+    pub files: u64,
+    /// Directories selected (the root not counted).
+    pub dirs: u64,
+    /// Bytes of the selected files (what [`Packed::unpacked_bytes`] would be).
+    pub unpacked_bytes: u64,
+}
+
+/// Lists `dir` exactly as [`pack`] selects it (the same walk, ignore rules and checks)
+/// without reading any file's bytes, and hashes the listing: the same fingerprint means
+/// no entry was added, removed or changed in a way `stat` can see, so a digest packed
+/// from the same listing still names these bytes (with the racy rule of
+/// [`Fingerprint::newest_change_ns`]). `options.max_bytes` is not checked here.
+///
+/// # Errors
+/// What [`pack`] refuses before reading files: not a directory, a link out of the tree,
+/// a special file, a path that is not UTF-8 or too long, too many entries, or an I/O
+/// error.
+pub fn fingerprint(dir: &Path, options: &PackOptions) -> Result<Fingerprint, PackError> {
+    let items = selected(dir, options)?;
+    let mut h = blake3::Hasher::new();
+    h.update(b"cumulus-bundle fingerprint\0");
+    h.update(&PACK_FORMAT_VERSION.to_le_bytes());
+    h.update(&[u8::from(options.respect_ignore_files)]);
+    h.update(&(items.len() as u64).to_le_bytes());
+    let mut out = Fingerprint {
+        digest: String::new(),
+        newest_change_ns: 0,
+        files: 0,
+        dirs: 0,
+        unpacked_bytes: 0,
+    };
+    for item in &items {
+        let source = item.source.as_os_str().as_encoded_bytes();
+        for bytes in [item.rel.as_bytes(), source] {
+            h.update(&(bytes.len() as u64).to_le_bytes());
+            h.update(bytes);
+        }
+        match item.kind {
+            ItemKind::Dir => {
+                h.update(b"d");
+                out.dirs += 1;
+            }
+            ItemKind::File { size, .. } => {
+                h.update(b"f");
+                out.files += 1;
+                out.unpacked_bytes = out.unpacked_bytes.saturating_add(size);
+            }
+        }
+        let s = item.stat;
+        h.update(&s.size.to_le_bytes());
+        h.update(&s.mtime_ns.to_le_bytes());
+        h.update(&s.ctime_ns.to_le_bytes());
+        h.update(&s.ino.to_le_bytes());
+        h.update(&s.dev.to_le_bytes());
+        h.update(&s.mode.to_le_bytes());
+        out.newest_change_ns = out.newest_change_ns.max(s.mtime_ns).max(s.ctime_ns);
+    }
+    out.digest = h.finalize().to_hex().to_string();
+    Ok(out)
 }
 
 /// Walks `root` (canonical) and checks every entry; unsorted.
@@ -342,7 +461,13 @@ fn collect(root: &Path, respect_ignore_files: bool) -> Result<Vec<Item>, PackErr
             source,
         })?;
         let kind = item_kind(&meta, &rel)?;
-        items.push(Item { rel, source, kind });
+        let stat = StatKey::of(&meta);
+        items.push(Item {
+            rel,
+            source,
+            kind,
+            stat,
+        });
         if items.len() > MAX_ARCHIVE_ENTRIES {
             return Err(PackError::TooManyEntries);
         }

@@ -769,3 +769,125 @@ fn packed_archives_persist_beside_their_destination() {
         "no temp file left"
     );
 }
+
+fn fp(dir: &Path) -> Fingerprint {
+    fingerprint(dir, &PackOptions::default()).expect("fingerprint")
+}
+
+/// Sets the mtime of `rel` to `secs` after the epoch.
+fn set_mtime(root: &Path, rel: &str, secs: u64) {
+    fs::File::options()
+        .write(true)
+        .open(root.join(rel))
+        .expect("open")
+        .set_modified(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
+        .expect("set mtime");
+}
+
+#[test]
+fn the_fingerprint_stays_for_the_same_tree_and_changes_with_size_mtime_and_entries() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path();
+    project(root);
+    write(root, ".gitignore", b"*.log\n");
+    let first = fp(root);
+    assert!(is_valid_digest(&first.digest), "{}", first.digest);
+    assert_eq!(first, fp(root), "the same tree, walked twice");
+    assert!(first.newest_change_ns > 0);
+
+    // An ignored file comes and goes: the selection, and so the fingerprint, stays.
+    write(root, "debug.log", b"noise");
+    assert_eq!(fp(root).digest, first.digest, "an ignored file was listed");
+    fs::remove_file(root.join("debug.log")).expect("rm");
+
+    // The same size, another mtime.
+    let before = fp(root);
+    write(root, "pkg/model.py", b"W = [9, 9, 9]\n");
+    set_mtime(root, "pkg/model.py", 1_000_000);
+    let changed = fp(root);
+    assert_ne!(
+        changed.digest, before.digest,
+        "an mtime change was not seen"
+    );
+    assert_eq!(changed.unpacked_bytes, before.unpacked_bytes);
+
+    // Another size.
+    write(root, "train.py", b"print('hello, world')\n");
+    let grown = fp(root);
+    assert_ne!(grown.digest, changed.digest, "a size change was not seen");
+
+    // An added file, then removed.
+    write(root, "pkg/extra.py", b"");
+    let added = fp(root);
+    assert_ne!(added.digest, grown.digest, "an added file was not seen");
+    assert_eq!(added.files, grown.files + 1);
+    fs::remove_file(root.join("pkg/extra.py")).expect("rm");
+    let removed = fp(root);
+    assert_ne!(removed.digest, added.digest, "a removed file was not seen");
+    assert_eq!(removed.files, grown.files);
+
+    // A rule that now ignores a packed file: the selection changes.
+    write(root, ".cumulusignore", b"data/\n");
+    let ignored = fp(root);
+    assert_ne!(
+        ignored.digest, removed.digest,
+        "a newly ignored file was listed"
+    );
+
+    // The options that change the bytes are part of it.
+    let all = fingerprint(
+        root,
+        &PackOptions {
+            respect_ignore_files: false,
+            ..PackOptions::default()
+        },
+    )
+    .expect("fingerprint");
+    assert_ne!(all.digest, ignored.digest);
+}
+
+#[test]
+fn the_fingerprint_selects_exactly_what_pack_packs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path();
+    project(root);
+    write(root, ".gitignore", b"*.log\n/build/\n");
+    write(root, "x.log", b"log");
+    write(root, "build/out.bin", b"bin");
+    write(root, ".cumulusignore", b"data/\n!keep.log\n");
+    write(root, "keep.log", b"kept");
+    write(root, ".git/HEAD", b"ref: refs/heads/main\n");
+    std::os::unix::fs::symlink("train.py", root.join("alias.py")).expect("symlink");
+    for respect_ignore_files in [true, false] {
+        let options = PackOptions {
+            respect_ignore_files,
+            ..PackOptions::default()
+        };
+        let packed = pack(root, &options).expect("pack");
+        let print = fingerprint(root, &options).expect("fingerprint");
+        assert_eq!(
+            (print.files, print.dirs, print.unpacked_bytes),
+            (packed.files, packed.dirs, packed.unpacked_bytes),
+            "respect_ignore_files {respect_ignore_files}"
+        );
+        let listed: Vec<String> = crate::pack::selected(root, &options)
+            .expect("selected")
+            .into_iter()
+            .map(|i| i.rel)
+            .collect();
+        let names: Vec<String> = list(packed.path(), &UnpackLimits::default())
+            .expect("list")
+            .into_iter()
+            .map(|e| e.path)
+            .collect();
+        assert_eq!(listed, names, "respect_ignore_files {respect_ignore_files}");
+    }
+
+    // What pack refuses before reading, fingerprint refuses too.
+    let outside = tempfile::tempdir().expect("tempdir");
+    std::os::unix::fs::symlink(outside.path(), root.join("out")).expect("symlink");
+    assert!(matches!(
+        fingerprint(root, &PackOptions::default()),
+        Err(PackError::LinkOutside { .. })
+    ));
+}

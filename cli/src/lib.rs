@@ -35,4 +35,5 @@ pub mod output;
 pub mod render;
 pub mod run;
 pub mod upload;
+pub mod upload_cache;
 pub mod watch;
