@@ -659,6 +659,14 @@ impl Cluster {
         &self.token_file
     }
 
+    /// The `XDG_CACHE_HOME` of the clients a test runs (cumulusctl's upload digest
+    /// cache), inside the cluster's temp dir: a test never writes to the user's home.
+    pub fn client_cache_dir(&self) -> PathBuf {
+        self.token_file
+            .parent()
+            .map_or_else(|| PathBuf::from("client-cache"), |d| d.join("client-cache"))
+    }
+
     /// Comma-separated gRPC addresses of every coordinator.
     pub fn grpc_addrs(&self) -> String {
         self.coordinators
@@ -811,6 +819,7 @@ impl Cluster {
             .arg("--token-file")
             .arg(&self.token_file)
             .args(args)
+            .env("XDG_CACHE_HOME", self.client_cache_dir())
             .stdin(Stdio::null())
             .output()?)
     }

@@ -38,6 +38,7 @@ fn cumulusctl(cluster: &Cluster, args: &[&str]) -> tokio::process::Command {
         .arg("--token-file")
         .arg(cluster.token_file())
         .args(args)
+        .env("XDG_CACHE_HOME", cluster.client_cache_dir())
         .stdin(Stdio::null())
         .kill_on_drop(true);
     cmd
