@@ -17,29 +17,36 @@
 * :mod:`cumulus.errors` — every exception.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
+# No `from __future__ import annotations` and no bare `typing` names here: what this
+# module binds is the package's public namespace (`dir(cumulus)`).
+import typing as _typing
 
 from cumulus import errors, runtime
 from cumulus.errors import (
+    AgentError,
     ApiError,
     BundleError,
     CheckpointFailed,
     CheckpointsDisabled,
     ConfigError,
+    Conflict,
     CumulusError,
     Forbidden,
     InvalidMetric,
     InvalidSpec,
+    InvalidState,
+    InvalidStep,
     JobFailed,
     NotACoordinator,
     NotFound,
     NotInCumulusRank,
+    ProtocolError,
     PythonVersionMismatch,
     RankEnvironmentError,
     RemoteError,
+    ResourceExhausted,
     ResultUnavailable,
+    ServerError,
     StaleAttempt,
     Unauthorized,
     Unavailable,
@@ -74,12 +81,13 @@ from cumulus.runtime import (
     time_to_checkpoint,
 )
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from cumulus.client import Client, Job
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgentError",
     "ApiError",
     "ArtifactFile",
     "BundleError",
@@ -89,12 +97,15 @@ __all__ = [
     "Client",
     "ClusterInfo",
     "ConfigError",
+    "Conflict",
     "Context",
     "CumulusError",
     "Forbidden",
     "GpuInfo",
     "InvalidMetric",
     "InvalidSpec",
+    "InvalidState",
+    "InvalidStep",
     "Job",
     "JobFailed",
     "JobInfo",
@@ -104,12 +115,15 @@ __all__ = [
     "NotFound",
     "NotInCumulusRank",
     "ProgressSample",
+    "ProtocolError",
     "PythonVersionMismatch",
     "RankEnvironmentError",
     "RankInfo",
     "RemoteError",
+    "ResourceExhausted",
     "ResultUnavailable",
     "ResumePoint",
+    "ServerError",
     "ShardReader",
     "StaleAttempt",
     "Unauthorized",
@@ -133,7 +147,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     # The SDK needs httpx; a rank that only uses the runtime never imports it.
     if name in ("Client", "Job"):
         from cumulus import client
