@@ -297,7 +297,8 @@ def test_a_killed_rank_resumes_exactly(
     # finalizes a step after every part of it is in).
     assert committed == sorted(committed) and 15 <= committed[-1] <= 30, committed
     assert all(s % 5 == 0 for s in committed) and len(committed) <= 4
-    assert faulty.checkpoints()[0].step in (25, 30)
+    # The job succeeds only once the last step its ranks completed is committed.
+    assert faulty.checkpoints()[0].step == 30
 
 
 def test_artifacts_round_trip_for_their_owner_only(

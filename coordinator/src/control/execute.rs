@@ -96,7 +96,19 @@ pub(super) fn execute(
                 at_ms: now,
             }
         }
-        Action::Succeed { job_id } => {
+        Action::Succeed { job_id, finalize } => {
+            if let Some(step) = finalize
+                && !memory.bad_steps.contains(&(job_id.clone(), step))
+            {
+                // The last checkpoint the ranks took before exiting is committed first
+                // (or found bad); the success follows on a later pass. With the job's
+                // I/O slot taken (that step's finalize already running, a LATEST check),
+                // it is planned again.
+                if !memory.io_busy(&job_id) {
+                    spawn_finalize(node, memory, job_id, step);
+                }
+                return None;
+            }
             info!(job = %job_id, "job succeeded");
             Command::JobSucceeded { job_id, at_ms: now }
         }

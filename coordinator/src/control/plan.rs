@@ -146,10 +146,15 @@ pub enum Action {
         /// Human-readable cause, shown to users.
         cause: String,
     },
-    /// Every rank exited 0.
+    /// Every rank exited 0: commit `finalize` first when its parts are all in (the last
+    /// checkpoint the ranks took before they exited), then the success. A rank's
+    /// checkpoint call returned once its part was recorded, so a job never succeeds
+    /// with a complete step left uncommitted (or not yet found bad).
     Succeed {
         /// The job's id (`job-NNNNNN`).
         job_id: String,
+        /// The newest step whose every part arrived and that is not committed yet.
+        finalize: Option<u64>,
     },
     /// Every rank's part of `step` arrived: verify, write the manifest, commit.
     Finalize {
@@ -651,16 +656,19 @@ fn plan_stopping(job: &Job, obs: &Observations, actions: &mut Vec<Action>) {
     if running {
         return;
     }
-    let finalize = job
-        .pending_parts
+    actions.push(Action::Stopped {
+        job_id: job.id.clone(),
+        finalize: newest_complete_step(job),
+    });
+}
+
+/// The newest pending checkpoint step of `job` whose every rank's part arrived.
+fn newest_complete_step(job: &Job) -> Option<u64> {
+    job.pending_parts
         .iter()
         .rev()
         .find(|(_, parts)| parts.len() == job.spec.world_size as usize)
-        .map(|(step, _)| *step);
-    actions.push(Action::Stopped {
-        job_id: job.id.clone(),
-        finalize,
-    });
+        .map(|(step, _)| *step)
 }
 
 /// A running job with no stop requested and time left: fails the attempts found lost,
@@ -689,16 +697,12 @@ fn plan_running(
     } else if job.all_ranks_succeeded() {
         actions.push(Action::Succeed {
             job_id: job.id.clone(),
+            finalize: newest_complete_step(job),
         });
-    } else if let Some((step, _)) = job
-        .pending_parts
-        .iter()
-        .rev()
-        .find(|(_, parts)| parts.len() == job.spec.world_size as usize)
-    {
+    } else if let Some(step) = newest_complete_step(job) {
         actions.push(Action::Finalize {
             job_id: job.id.clone(),
-            step: *step,
+            step,
         });
     }
 }

@@ -735,3 +735,91 @@ fn a_higher_priority_job_preempts_lower_priority_preemptible_jobs_newest_first_u
     got.sort();
     assert_eq!(got, vec![a, b], "both are needed for 6 slots");
 }
+
+/// A job whose ranks all exited 0 right after recording their parts of a step succeeds
+/// only after that step is committed: the planner names it with the success.
+#[test]
+fn success_waits_for_the_last_complete_step() {
+    let (mut s, job_id) = state_with_running_job(2, RestartScope::Group);
+    std::sync::Arc::make_mut(s.jobs.get_mut(&job_id).expect("job"))
+        .spec
+        .ckpt_dir = "/ckpt".into();
+    let mut d = BTreeSet::new();
+    for step in [25, 30] {
+        for rank in 0..2 {
+            let part = cumulus_raft_store::state::PartInfo {
+                rank,
+                attempt: 0,
+                dir: format!("step-{step:08}/rank-{rank}/attempt-0"),
+                files: vec![],
+                state_json: "{}".into(),
+            };
+            let r = s.apply(
+                &Command::CheckpointPartCommitted {
+                    job_id: job_id.clone(),
+                    step,
+                    part,
+                },
+                &mut d,
+            );
+            assert!(!matches!(r, Response::Rejected { .. }), "{r:?}");
+        }
+    }
+    let r = s.apply(
+        &Command::CheckpointCommitted {
+            job_id: job_id.clone(),
+            step: 25,
+            at_ms: 3,
+        },
+        &mut d,
+    );
+    assert!(!matches!(r, Response::Rejected { .. }), "{r:?}");
+    let mut zero = || 0.0;
+    for rank in 0..2 {
+        let w = s.jobs[&job_id].ranks[rank as usize]
+            .worker_id
+            .clone()
+            .expect("placed");
+        s.apply(
+            &Command::RankExited {
+                step: 30,
+                total_steps: 30,
+                exec_failed: false,
+                artifacts: None,
+                job_id: job_id.clone(),
+                rank,
+                attempt: 0,
+                worker_id: w,
+                exit_code: Some(0),
+                signal: None,
+                spawn_error: String::new(),
+                at_ms: 4,
+                agent_fault: false,
+                agent_evidence: String::new(),
+            },
+            &mut d,
+        );
+    }
+    assert_eq!(
+        plan(&s, &Observations::default(), 5_000, &mut zero),
+        vec![Action::Succeed {
+            job_id: job_id.clone(),
+            finalize: Some(30),
+        }]
+    );
+    s.apply(
+        &Command::CheckpointCommitted {
+            job_id: job_id.clone(),
+            step: 30,
+            at_ms: 5,
+        },
+        &mut d,
+    );
+    assert_eq!(
+        plan(&s, &Observations::default(), 5_000, &mut zero),
+        vec![Action::Succeed {
+            job_id,
+            finalize: None,
+        }]
+    );
+}
