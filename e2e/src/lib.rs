@@ -6,6 +6,7 @@
 //! `cargo build --workspace --bins` before `cargo test` (the README's test command
 //! does).
 
+pub mod blobs;
 mod cluster;
 mod dump;
 pub mod history;

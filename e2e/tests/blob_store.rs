@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use cumulus_api::JobState;
 use cumulus_api::v1;
+use cumulus_e2e::blobs::{get_blob, put_blob};
 use cumulus_e2e::{Client, Cluster, ClusterOpts, TOKEN, wait_for};
 use tonic::Code;
 
@@ -33,47 +34,6 @@ fn blob(seed: u64, len: usize) -> Vec<u8> {
 
 fn digest(data: &[u8]) -> String {
     blake3::hash(data).to_hex().to_string()
-}
-
-/// An upload's chunks: the first names the blob (as `digest`), each carries ≤ 1 MiB.
-fn chunks(digest: &str, data: &[u8]) -> Vec<v1::BlobChunk> {
-    let mut out: Vec<v1::BlobChunk> = data
-        .chunks(cumulus_api::blobs::CHUNK_BYTES)
-        .map(|c| v1::BlobChunk {
-            data: c.to_vec(),
-            ..Default::default()
-        })
-        .collect();
-    if out.is_empty() {
-        out.push(v1::BlobChunk::default());
-    }
-    out[0].digest = digest.to_string();
-    out[0].size_bytes = data.len() as u64;
-    out
-}
-
-async fn put(
-    c: &mut Client,
-    digest: &str,
-    data: &[u8],
-) -> Result<v1::PutBlobResponse, tonic::Status> {
-    c.put_blob(futures::stream::iter(chunks(digest, data)))
-        .await
-        .map(tonic::Response::into_inner)
-}
-
-async fn get(c: &mut Client, digest: &str) -> Result<Vec<u8>, tonic::Status> {
-    let mut stream = c
-        .get_blob(v1::GetBlobRequest {
-            digest: digest.into(),
-        })
-        .await?
-        .into_inner();
-    let mut out = Vec::new();
-    while let Some(chunk) = stream.message().await? {
-        out.extend_from_slice(&chunk.data);
-    }
-    Ok(out)
 }
 
 async fn create_user(admin: &mut Client, name: &str) -> String {
@@ -193,9 +153,9 @@ async fn blobs_survive_a_leader_kill_are_verified_guarded_and_collected() {
     let b0 = blob(0, 100 * 1024);
     let w = blob(1, 3 * MIB + 17);
     let (d0, dw) = (digest(&b0), digest(&w));
-    let r0 = put(&mut as_alice, &d0, &b0).await.expect("put B0");
+    let r0 = put_blob(&mut as_alice, &d0, &b0).await.expect("put B0");
     assert!(r0.replicas >= 2, "{r0:?}");
-    let rw = put(&mut as_alice, &dw, &w).await.expect("put W");
+    let rw = put_blob(&mut as_alice, &dw, &w).await.expect("put W");
     assert_eq!(
         (rw.digest.as_str(), rw.size_bytes),
         (dw.as_str(), w.len() as u64)
@@ -213,7 +173,9 @@ async fn blobs_survive_a_leader_kill_are_verified_guarded_and_collected() {
         .await
         .expect("admin on the new leader");
     assert_eq!(
-        get(&mut admin, &dw).await.expect("the new leader serves W"),
+        get_blob(&mut admin, &dw)
+            .await
+            .expect("the new leader serves W"),
         w
     );
 
@@ -248,20 +210,23 @@ async fn blobs_survive_a_leader_kill_are_verified_guarded_and_collected() {
     );
 
     // Alice reads her job's workdir; Bob may not; neither reads an unreferenced blob.
-    assert_eq!(get(&mut as_alice, &dw).await.expect("alice reads W"), w);
+    assert_eq!(
+        get_blob(&mut as_alice, &dw).await.expect("alice reads W"),
+        w
+    );
     let mut as_bob = cluster.leader_client_as(&bob).await.expect("bob");
-    let err = get(&mut as_bob, &dw)
+    let err = get_blob(&mut as_bob, &dw)
         .await
         .expect_err("bob reads alice's W");
     assert_eq!(err.code(), Code::PermissionDenied, "{err}");
-    let err = get(&mut as_alice, &d0)
+    let err = get_blob(&mut as_alice, &d0)
         .await
         .expect_err("no job references B0");
     assert_eq!(err.code(), Code::PermissionDenied, "{err}");
 
     // A wrong digest is refused, naming the digest expected and the one the bytes have.
     let other = blob(2, 1000);
-    let err = put(&mut as_bob, &missing, &other)
+    let err = put_blob(&mut as_bob, &missing, &other)
         .await
         .expect_err("wrong digest");
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
@@ -271,11 +236,11 @@ async fn blobs_survive_a_leader_kill_are_verified_guarded_and_collected() {
     );
     // The quota (6 MiB here): Bob's 2 MiB fit, 5 MiB more do not.
     let b2 = blob(3, 2 * MIB);
-    put(&mut as_bob, &digest(&b2), &b2)
+    put_blob(&mut as_bob, &digest(&b2), &b2)
         .await
         .expect("bob's 2 MiB");
     let b4 = blob(4, 5 * MIB);
-    let err = put(&mut as_bob, &digest(&b4), &b4)
+    let err = put_blob(&mut as_bob, &digest(&b4), &b4)
         .await
         .expect_err("past the quota");
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
@@ -348,10 +313,15 @@ async fn blobs_survive_a_leader_kill_are_verified_guarded_and_collected() {
     let mut bad = std::fs::read(&stored).expect("the new leader holds W");
     bad[MIB + 5] ^= 0x40;
     std::fs::write(&stored, &bad).expect("corrupt W");
-    let err = get(&mut admin, &dw).await.expect_err("corrupt W");
+    let err = get_blob(&mut admin, &dw).await.expect_err("corrupt W");
     assert_eq!(err.code(), Code::DataLoss, "{err}");
     assert!(!stored.exists(), "the corrupt copy is removed");
-    assert_eq!(get(&mut admin, &dw).await.expect("W again, from a peer"), w);
+    assert_eq!(
+        get_blob(&mut admin, &dw)
+            .await
+            .expect("W again, from a peer"),
+        w
+    );
     assert_eq!(std::fs::read(&stored).expect("fetched back"), w);
 
     // Garbage collection: the old leader restarts with a retention of 1 s; once caught

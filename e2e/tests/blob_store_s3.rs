@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use cumulus_api::JobState;
 use cumulus_api::v1;
+use cumulus_e2e::blobs::{get_blob, put_blob};
 use cumulus_e2e::{Client, Cluster, ClusterOpts, S3Server};
 use tonic::Code;
 
@@ -28,40 +29,7 @@ cp data/input.txt "$CUMULUS_OUTPUT_DIR/seen.txt"
 "#;
 
 async fn put(c: &mut Client, digest: &str, data: &[u8]) -> v1::PutBlobResponse {
-    try_put(c, digest, data).await.expect("put a blob")
-}
-
-async fn try_put(
-    c: &mut Client,
-    digest: &str,
-    data: &[u8],
-) -> Result<v1::PutBlobResponse, tonic::Status> {
-    let mut chunks: Vec<v1::BlobChunk> = data
-        .chunks(cumulus_api::blobs::CHUNK_BYTES)
-        .map(|c| v1::BlobChunk {
-            data: c.to_vec(),
-            ..Default::default()
-        })
-        .collect();
-    chunks[0].digest = digest.to_string();
-    chunks[0].size_bytes = data.len() as u64;
-    c.put_blob(futures::stream::iter(chunks))
-        .await
-        .map(tonic::Response::into_inner)
-}
-
-async fn get(c: &mut Client, digest: &str) -> Result<Vec<u8>, tonic::Status> {
-    let mut stream = c
-        .get_blob(v1::GetBlobRequest {
-            digest: digest.into(),
-        })
-        .await?
-        .into_inner();
-    let mut out = Vec::new();
-    while let Some(chunk) = stream.message().await? {
-        out.extend_from_slice(&chunk.data);
-    }
-    Ok(out)
+    put_blob(c, digest, data).await.expect("put a blob")
 }
 
 /// Where s3s-fs keeps blob `digest`'s object.
@@ -177,7 +145,7 @@ async fn blobs_in_s3_survive_a_leader_kill_run_as_a_workdir_and_are_verified() {
         .leader_client()
         .await
         .expect("admin on the new leader");
-    assert!(get(&mut admin, &packed.digest).await.expect("get") == bytes);
+    assert!(get_blob(&mut admin, &packed.digest).await.expect("get") == bytes);
     let new = cluster.index_of(new_leader).expect("a member");
     let http_addr = cluster.coordinators[new].http.clone();
     let head = cluster
@@ -199,7 +167,7 @@ async fn blobs_in_s3_survive_a_leader_kill_run_as_a_workdir_and_are_verified() {
     let mut bad = bytes.clone();
     bad[bytes.len() / 2] ^= 0x20;
     std::fs::write(&object, &bad).expect("corrupt the object");
-    let err = get(&mut admin, &packed.digest)
+    let err = get_blob(&mut admin, &packed.digest)
         .await
         .expect_err("a corrupt object");
     assert_eq!(err.code(), Code::DataLoss, "{err}");
@@ -230,7 +198,7 @@ async fn blobs_in_s3_survive_a_leader_kill_run_as_a_workdir_and_are_verified() {
     assert_eq!(put(&mut as_bob, &d2, &two).await.replicas, 0);
     let five = vec![8u8; 5 * MIB];
     let d5 = blake3::hash(&five).to_hex().to_string();
-    let err = try_put(&mut as_bob, &d5, &five)
+    let err = put_blob(&mut as_bob, &d5, &five)
         .await
         .expect_err("past the quota");
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");

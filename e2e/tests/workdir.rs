@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use cumulus_api::JobState;
 use cumulus_api::v1;
+use cumulus_e2e::blobs::{get_blob, put_blob};
 use cumulus_e2e::{Client, Cluster, ClusterOpts, wait_for};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -39,34 +40,11 @@ fn project(dir: &Path) {
 }
 
 async fn put(c: &mut Client, digest: &str, data: &[u8]) -> v1::PutBlobResponse {
-    let mut chunks: Vec<v1::BlobChunk> = data
-        .chunks(cumulus_api::blobs::CHUNK_BYTES)
-        .map(|c| v1::BlobChunk {
-            data: c.to_vec(),
-            ..Default::default()
-        })
-        .collect();
-    chunks[0].digest = digest.to_string();
-    chunks[0].size_bytes = data.len() as u64;
-    c.put_blob(futures::stream::iter(chunks))
-        .await
-        .expect("put the workdir")
-        .into_inner()
+    put_blob(c, digest, data).await.expect("put the workdir")
 }
 
 async fn get(c: &mut Client, digest: &str) -> Vec<u8> {
-    let mut stream = c
-        .get_blob(v1::GetBlobRequest {
-            digest: digest.into(),
-        })
-        .await
-        .expect("get an artifact")
-        .into_inner();
-    let mut out = Vec::new();
-    while let Some(chunk) = stream.message().await.expect("a chunk") {
-        out.extend_from_slice(&chunk.data);
-    }
-    out
+    get_blob(c, digest).await.expect("get an artifact")
 }
 
 fn spec(workdir: &v1::BlobRef, args: &[&str]) -> v1::JobSpec {
