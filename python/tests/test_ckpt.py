@@ -222,3 +222,31 @@ def test_rng_state_is_json_and_restores_through_cpu_tensors() -> None:
     runtime.set_rng_state(legacy, g)
     assert torch.equal(torch.rand(3), expected[0])
     assert torch.equal(torch.rand(3, generator=g), expected[1])
+
+
+@pytest.mark.torch
+def test_a_rebound_tensor_collected_before_is_refused_not_saved_stale(tmp_path: Path) -> None:
+    torch = _torch()
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(8, generator=g)
+    order = np.arange(4)
+    objects = {"perm": perm, "order": order}  # collected once...
+    ckpt.save(tmp_path, **objects)
+    perm.copy_(torch.randperm(8, generator=g))  # updated in place: still what it names
+    ckpt.save(tmp_path, **objects)
+    perm = torch.randperm(8, generator=g)  # ...then rebound: the dict holds the old one
+    with pytest.raises(ckpt.StaleObject, match=r"'perm' passed to the checkpoint") as e:
+        ckpt.save(tmp_path / "never", **objects)
+    assert e.value.name == "perm" and "test_ckpt.py:" in str(e.value)
+    assert not (tmp_path / "never").exists()
+    order = order[::-1].copy()
+    with pytest.raises(ckpt.StaleObject, match=r"'order'"):
+        ckpt.save(tmp_path, perm=perm, order=objects["order"])
+    # Passed at the call, or an expression of another shape or dtype, or equal values:
+    # what the variable holds is what is saved.
+    ckpt.save(tmp_path, perm=perm, order=order)
+    ckpt.save(tmp_path, perm=perm[:3], order=order.astype(np.float32))
+    ckpt.save(tmp_path, perm=perm.clone(), order=order.copy())
+    assert torch.equal(ckpt.load(tmp_path, perm=None)["perm"], perm)

@@ -3,9 +3,11 @@
 * :mod:`cumulus.runtime` — what a training script running as a Cumulus rank calls:
   :func:`~cumulus.runtime.get_context`, :func:`~cumulus.runtime.report`,
   :func:`~cumulus.runtime.checkpoint`, :func:`~cumulus.runtime.resume`,
-  :func:`~cumulus.runtime.should_stop`, :func:`~cumulus.runtime.should_pause`,
+  :func:`~cumulus.runtime.should_stop`, :func:`~cumulus.runtime.stop_agreed`,
+  :func:`~cumulus.runtime.should_pause`,
   :func:`~cumulus.runtime.stop_request`, :func:`~cumulus.runtime.time_to_checkpoint`,
-  :func:`~cumulus.runtime.list_checkpoints`, :class:`~cumulus.runtime.ShardReader`.
+  :func:`~cumulus.runtime.list_checkpoints`, :class:`~cumulus.runtime.ShardReader`,
+  :class:`~cumulus.runtime.EpochSampler`.
   Standard library only.
 * :mod:`cumulus.ckpt` — framework checkpoints (PyTorch, NumPy, JSON values, RNG state)
   written into a checkpoint part and restored bit for bit; frameworks imported lazily.
@@ -68,6 +70,7 @@ from cumulus.models import (
 )
 from cumulus.runtime import (
     Context,
+    EpochSampler,
     ResumePoint,
     ShardReader,
     checkpoint,
@@ -77,6 +80,7 @@ from cumulus.runtime import (
     resume,
     should_pause,
     should_stop,
+    stop_agreed,
     stop_request,
     time_to_checkpoint,
 )
@@ -100,6 +104,7 @@ __all__ = [
     "Conflict",
     "Context",
     "CumulusError",
+    "EpochSampler",
     "Forbidden",
     "GpuInfo",
     "InvalidMetric",
@@ -142,6 +147,7 @@ __all__ = [
     "runtime",
     "should_pause",
     "should_stop",
+    "stop_agreed",
     "stop_request",
     "time_to_checkpoint",
 ]

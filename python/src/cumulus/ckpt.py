@@ -65,6 +65,7 @@ only when its framework is already imported (by the caller, who made the object)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import json
 import math
@@ -74,6 +75,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from cumulus import runtime
@@ -84,6 +86,7 @@ __all__ = [
     "INDEX_FILE",
     "RNG",
     "PendingCheckpoint",
+    "StaleObject",
     "Trusted",
     "UntrustedTypes",
     "load",
@@ -153,6 +156,25 @@ class UntrustedTypes(Exception):
             f"{path} holds types that are not trusted, so it was not loaded: "
             f"{', '.join(types)}. If you trust them, pass the object as "
             f"cumulus.ckpt.Trusted(obj, {', '.join(repr(t) for t in types)})"
+        )
+
+
+class StaleObject(ValueError):
+    """A tensor or array passed to a save under a name is not what the calling code's
+    variable of that name holds now: the variable was rebound (``perm =
+    torch.randperm(...)``) after the object was collected, e.g. into a dict of objects
+    made once, so the checkpoint would hold the old value and a resume would silently
+    diverge. Nothing was saved. Pass the objects at each call (``perm=perm``), or update
+    the collected one in place (``perm.copy_(...)``). ``name``: the object's name."""
+
+    def __init__(self, name: str, where: str, saved: str, current: str) -> None:
+        self.name = name
+        super().__init__(
+            f"{name!r} passed to the checkpoint ({saved}) is not what the variable {name!r} "
+            f"holds now at {where} ({current}, other values): it was rebound after the "
+            f"object was collected, and the checkpoint would hold the old one. Pass "
+            f"{name}={name} at each save, or update the collected object in place "
+            f"({name}.copy_(...) / {name}[...] = ...)"
         )
 
 
@@ -512,15 +534,105 @@ def _check_names(objects: Mapping[str, Any]) -> None:
             raise ValueError(f"invalid object name {name!r}: letters, digits, _ . - only")
 
 
+_MISSING = object()
+
+
+def _caller_variables() -> tuple[Mapping[str, Any], str] | None:
+    """The variables of the innermost frame outside this package (the code that called
+    the save), with its ``file:line``; ``None`` when there is none."""
+    frame = sys._getframe(1)
+    try:
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "")
+            if not (module == "cumulus" or module.startswith("cumulus.")):
+                return frame.f_locals, f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            frame = frame.f_back  # type: ignore[assignment]
+        return None
+    finally:
+        del frame
+
+
+def _describe(v: Any) -> str:
+    return f"{type(v).__qualname__} of shape {tuple(v.shape)}, {v.dtype}"
+
+
+def _same_layout_other_values(saved: Any, current: Any) -> bool:
+    """Both are tensors (or both NumPy arrays) of the same shape and dtype whose values
+    differ: ``current`` replaced ``saved``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(saved, torch.Tensor):
+        if not isinstance(current, torch.Tensor):
+            return False
+        if (saved.shape, saved.dtype) != (current.shape, current.dtype):
+            return False
+        with torch.no_grad():
+            other = current.detach().to(saved.device)
+            if saved.is_floating_point() or saved.is_complex():
+                same = torch.allclose(saved.detach(), other, rtol=0, atol=0, equal_nan=True)
+            else:
+                same = torch.equal(saved.detach(), other)
+        return not same
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(saved, np.ndarray):
+        if not isinstance(current, np.ndarray):
+            return False
+        if (saved.shape, saved.dtype) != (current.shape, current.dtype):
+            return False
+        nan = saved.dtype.kind in "fc"
+        return not bool(np.array_equal(saved, current, equal_nan=nan))
+    return False
+
+
+def _is_array(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    return (torch is not None and isinstance(obj, torch.Tensor)) or (
+        np is not None and isinstance(obj, np.ndarray)
+    )
+
+
+def _check_not_stale(objects: Mapping[str, Any]) -> None:
+    """Raises :class:`StaleObject` for a tensor or array passed under a name whose
+    variable in the calling code now holds another one of the same shape and dtype with
+    other values (a rebinding the caller's collected objects missed). An object passed
+    as the variable itself, an expression of another shape or dtype (``perm[:k]``,
+    ``w.half()``), or equal values are fine."""
+    arrays = {name: obj for name, obj in objects.items() if _is_array(obj)}
+    if not arrays:
+        return
+    found = _caller_variables()
+    if found is None:
+        return
+    variables, where = found
+    for name, obj in arrays.items():
+        current = variables.get(name, _MISSING)
+        if current is obj or current is _MISSING:
+            continue
+        if _same_layout_other_values(obj, current):
+            raise StaleObject(name, where, _describe(obj), _describe(current))
+
+
 def save(directory: str | os.PathLike[str], /, **objects: Any) -> Path:
     """Writes ``objects`` (by name) into ``directory`` (created if missing) and its index
     ``cumulus-ckpt.json``; returns the directory. See the module doc for what each type
     becomes. Files are not fsynced here: the worker agent fsyncs a part when it commits.
 
+    Each object is taken as it is at the call. A tensor or array passed under a name is
+    checked against the calling code's variable of that name: when the variable now
+    holds another one of the same shape and dtype with other values (it was rebound
+    after the object was collected, e.g. in a dict of objects made once), the call
+    raises :class:`StaleObject` and writes nothing.
+
     :raises TypeError: an object of a type no adapter handles.
+    :raises StaleObject: an object passed is not what its name's variable holds now.
     :raises ImportError: a framework this needs is not installed (names the extra).
     """
     _check_names(objects)
+    _check_not_stale(objects)
+    return _save(directory, objects)
+
+
+def _save(directory: str | os.PathLike[str], objects: Mapping[str, Any]) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     _write_all(d, {name: _capture(name, obj, None) for name, obj in objects.items()})
@@ -715,14 +827,19 @@ def save_checkpoint(
     is committed; first waits for a commit :func:`save_checkpoint_async` left in flight
     (raising its error if :meth:`PendingCheckpoint.wait` did not).
 
+    Pass the objects at each call: a tensor or array that is no longer what its name's
+    variable holds in the calling code raises :class:`StaleObject` before anything is
+    written (see :func:`save`).
+
     :raises: as :func:`cumulus.runtime.checkpoint` and :func:`save`.
     """
     _check_names(objects)
+    _check_not_stale(objects)
     return runtime.save_checkpoint(step, lambda d: _save_quiet(d, objects), state)
 
 
 def _save_quiet(d: Path, objects: Mapping[str, Any]) -> None:
-    save(d, **objects)
+    _save(d, objects)
 
 
 class _Staging:
@@ -802,6 +919,8 @@ def save_checkpoint_async(
 
     :raises TypeError: an object no adapter handles, or one that cannot be snapshotted
         (names :func:`save_checkpoint`); nothing was started.
+    :raises StaleObject: a tensor or array passed is not what its name's variable holds
+        now (see :func:`save`); nothing was started.
     :raises: the previous asynchronous commit's error (see above); as
         :func:`cumulus.runtime.checkpoint` for what is checked before anything is copied
         (:class:`~cumulus.errors.NotInCumulusRank`,
@@ -811,6 +930,7 @@ def save_checkpoint_async(
     """
     global _buffers
     _check_names(objects)
+    _check_not_stale(objects)
     checkpointer = runtime.get_runtime().checkpointer
     with _async_lock:
         stagings: list[_Staging] = []
@@ -856,10 +976,23 @@ def release_async_buffers() -> None:
 
 def load_checkpoint(**objects: Any) -> ResumePoint | None:
     """When this attempt resumes, restores ``objects`` from this rank's committed part with
-    :func:`load` and returns the resume point (its ``step`` and ``state``); else returns
-    ``None`` and leaves the objects alone."""
+    :func:`load` and returns the resume point: its ``step``, ``state``, and ``objects``,
+    what :func:`load` returned by name (the objects passed, restored in place; for a
+    name passed as ``None``, and for a JSON value, the saved value: a state dict, a
+    tensor on the CPU, a new booster...). Else returns ``None`` and leaves the objects
+    alone.
+
+    ::
+
+        point = ckpt.load_checkpoint(model=model, optimizer=opt, perm=None)
+        if point is not None:
+            perm = point.objects["perm"]          # rebind what the checkpoint held
+        booster = ckpt.load_checkpoint(model=None).objects["model"]   # XGBoost
+
+    :raises: as :func:`cumulus.runtime.resume` and :func:`load`.
+    """
     point = runtime.resume()
     if point is None:
         return None
-    load(point.dir, **objects)
-    return point
+    loaded = load(point.dir, **objects)
+    return dataclasses.replace(point, objects=MappingProxyType(loaded))

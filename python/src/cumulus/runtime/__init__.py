@@ -43,8 +43,12 @@ notice period, SIGKILL after the job's stop grace.
   without a known action, ``None`` when nothing was.
 
 A distributed job should stop every rank at the same step (each rank's part of a step
-is needed for that step to be committed): make the decision collective, e.g. all-reduce
-``should_stop()`` as a flag every step.
+is needed for that step to be committed): :func:`stop_agreed` is :func:`should_stop`
+all-reduced over a ``torch.distributed`` group, the same answer on every rank.
+
+:class:`EpochSampler` hands out indices into in-memory records epoch after epoch, each
+epoch shuffled from its seed; its position is a small JSON value (the checkpoint's
+``state``), so a resumed rank continues at the exact record.
 
 The runtime reaches the worker agent's rank-local API over TCP at ``CUMULUS_AGENT_URL``,
 or, when the agent sets ``CUMULUS_AGENT_SOCKET`` (ranks run as another user than the
@@ -94,6 +98,7 @@ from cumulus.runtime._control import (
     STOP_ACTIONS,
     StopControl,
 )
+from cumulus.runtime._distributed import any_rank
 from cumulus.runtime._env import (
     CONTRACT_VARS,
     Context,
@@ -109,6 +114,7 @@ from cumulus.runtime._progress import (
     validate_report,
 )
 from cumulus.runtime._rng import RNG_STATE_VERSION, rng_state, set_rng_state
+from cumulus.runtime._sampler import EpochSampler
 from cumulus.runtime._schedule import CheckpointSchedule
 from cumulus.runtime._shards import ShardReader, shard_format
 from cumulus.runtime._stop import install_stop_handler, request_stop, stop_signalled
@@ -129,6 +135,7 @@ __all__ = [
     "Checkpointer",
     "CommittedPart",
     "Context",
+    "EpochSampler",
     "PendingCheckpoint",
     "ResumePoint",
     "Runtime",
@@ -155,6 +162,7 @@ __all__ = [
     "shard_format",
     "should_pause",
     "should_stop",
+    "stop_agreed",
     "stop_request",
     "time_to_checkpoint",
 ]
@@ -340,6 +348,22 @@ class Runtime:
         if stop_signalled():
             return True
         return self.control.action() is not None
+
+    def stop_agreed(self, group: Any = None) -> bool:
+        """:meth:`should_stop`, agreed by every rank of a ``torch.distributed`` process
+        group (default: the whole world): true on every rank as soon as any rank was
+        asked to stop, so that all of them checkpoint the same step and exit together (a
+        step is committed only once every rank's part of it is). An all-reduce (MAX) of
+        one int, on the CPU for gloo and on the current CUDA device for NCCL: a
+        collective, so call it on every rank of ``group`` at every step, where
+        :meth:`should_stop` would be. Without an initialized process group it is
+        :meth:`should_stop`. A rank that did not see the request itself reads
+        :meth:`stop_request` ``None``.
+
+        :raises RuntimeError: as :meth:`should_stop`; or ``group`` given without an
+            initialized process group.
+        """
+        return any_rank(self.should_stop(), group)
 
     def should_pause(self) -> bool:
         """True when the job will continue later from the checkpoint committed now: the
@@ -534,6 +558,26 @@ def should_stop() -> bool:
     """
     rt = _current_runtime()
     return rt.should_stop() if rt is not None else stop_signalled()
+
+
+def stop_agreed(group: Any = None) -> bool:
+    """Whether any rank of the ``torch.distributed`` ``group`` (default: the world) was
+    asked to stop, the same answer on every rank: a collective that replaces
+    :func:`should_stop` in a distributed loop (call it on every rank at every step). See
+    :meth:`Runtime.stop_agreed`.
+
+    ::
+
+        for step in range(start + 1, total + 1):
+            train_step()
+            stop = runtime.stop_agreed()          # the same on every rank
+            if stop or step % 100 == 0:
+                ckpt.save_checkpoint(step, model=model, optimizer=opt)
+            if stop:
+                sys.exit(0)
+    """
+    rt = _current_runtime()
+    return any_rank(rt.should_stop() if rt is not None else stop_signalled(), group)
 
 
 def should_pause() -> bool:

@@ -89,6 +89,11 @@ class ResumePoint:
     dir: Path
     #: The ``state`` the part was committed with (``{}`` when none was recorded).
     state: Mapping[str, Any] = field(default_factory=dict)
+    #: What :func:`cumulus.ckpt.load_checkpoint` loaded from the part, by name (read
+    #: only): the objects passed, restored in place, and for a name passed as ``None``
+    #: (or a JSON value) the saved value, to rebind (``perm = point.objects["perm"]``).
+    #: Empty from :func:`cumulus.runtime.resume`, which loads nothing.
+    objects: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 class StagedCheckpoint(os.PathLike[str]):
