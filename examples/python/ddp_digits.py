@@ -6,11 +6,12 @@ A small MLP (64 → hidden → 10, with dropout) trained with SGD + momentum by
 ``DistributedDataParallel`` (gloo on CPU, NCCL when CUDA is present). Deterministic: fixed
 seeds, ``torch.use_deterministic_algorithms(True)``, one thread per rank. Each rank trains
 on its own records — its Cumulus shards (``cumulusctl dataset split``), else every
-``WORLD_SIZE``-th row of ``--data`` — drawing batches from a per-rank shuffle that
-carries over epochs; every ``--ckpt-every`` steps it commits the model, the optimizer,
-the shuffle and every RNG (dropout) through :mod:`cumulus.ckpt`, and a restarted attempt
-resumes from the last committed step, so its final weights equal a fault-free run's bit
-for bit. Those periodic checkpoints are asynchronous
+``WORLD_SIZE``-th row of ``--data`` — in batches from ``runtime.EpochSampler`` (each
+epoch shuffled from a per-rank seed, batches carrying over epochs); every
+``--ckpt-every`` steps it commits the model, the optimizer and every RNG (dropout)
+through :mod:`cumulus.ckpt`, passed at each call, with the sampler's position in the
+JSON state, and a restarted attempt resumes from the last committed step, so its final
+weights equal a fault-free run's bit for bit. Those periodic checkpoints are asynchronous
 (``ckpt.save_checkpoint_async``): training waits only while the state is copied to host
 memory, and goes on while it is written and committed; a checkpoint waits for the
 previous one, and the rank waits for the last one before it exits.
@@ -27,9 +28,9 @@ At the end rank 0 writes ``<out>/model.safetensors`` (the final weights), and ev
 weights and the digest of every record it consumed, in order (the chain
 ``d = sha256(d ‖ "epoch:shard:line\\n")`` from 32 zero bytes).
 
-Stopping: every step each rank checks ``runtime.should_stop()`` (a pause, a time limit,
-a preemption or a cancel, told by the worker agent; or SIGTERM) and the ranks all-reduce
-it, so that all of them stop at the same step: each commits its part of a checkpoint at
+Stopping: every step the ranks call ``runtime.stop_agreed()``: ``should_stop()`` (a
+pause, a time limit, a preemption or a cancel, told by the worker agent; or SIGTERM)
+all-reduced, so that all of them stop at the same step: each commits its part of a checkpoint at
 that step (synchronously: committed before the rank exits) and exits 0. A paused job
 (``cumulusctl pause`` / ``Job.pause()``) thus resumes exactly where it stopped, and its
 final weights are still a fault-free run's. Under plain
@@ -49,6 +50,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,14 +133,6 @@ def committed_step(ctx: runtime.Context) -> int:
     return int(text.removeprefix("step-"))
 
 
-def stop_everywhere(rt: runtime.Runtime, device: torch.device) -> bool:
-    """Whether any rank was asked to stop (``should_stop()``), agreed by all: a
-    collective, so call it on every rank at every step."""
-    flag = torch.tensor([1.0 if rt.should_stop() else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
-
-
 def init_distributed(
     args: argparse.Namespace, ctx: runtime.Context
 ) -> tuple[torch.device, str]:
@@ -172,52 +166,29 @@ def init_distributed(
 
 @dataclass
 class DataPosition:
-    """Where this rank is in its records, carried in every checkpoint: the shuffle of
-    the current epoch, the next index into it, the records consumed and their digest."""
+    """Where this rank is in its records, carried in every checkpoint's JSON state: the
+    sampler's position (epoch, offset; each epoch's order comes from its seed) and the
+    digest of the records consumed."""
 
-    perm: torch.Tensor
-    epoch: int = 0
-    pos: int = 0
-    records: int = 0
+    sampler: runtime.EpochSampler
     digest: bytes = bytes(32)
 
-    def next_batch(
-        self, ids: list[str], order: torch.Generator, size: int
-    ) -> list[int]:
-        """The next ``size`` record indices (a new shuffle from ``order`` at each epoch's
-        end), chained into the digest."""
-        n = len(ids)
-        batch: list[int] = []
-        while len(batch) < size:
-            if self.pos == n:
-                self.epoch, self.pos = self.epoch + 1, 0
-                self.perm = torch.randperm(n, generator=order)
-            take = min(size - len(batch), n - self.pos)
-            batch.extend(self.perm[self.pos : self.pos + take].tolist())
-            self.pos += take
+    def next_batch(self, ids: list[str], size: int) -> list[int]:
+        """The next ``size`` record indices, chained into the digest."""
+        batch = self.sampler.take(size)
         h = hashlib.sha256(self.digest)
         for i in batch:
-            h.update(f"{self.epoch}:{ids[i]}\n".encode())
+            h.update(f"{self.sampler.epoch}:{ids[i]}\n".encode())
         self.digest = hashlib.sha256(h.digest()).digest()
-        self.records += len(batch)
         return batch
 
     def state(self) -> dict[str, Any]:
-        """The checkpoint's JSON state (the shuffle itself is saved as a tensor)."""
-        return {
-            "epoch": self.epoch,
-            "pos": self.pos,
-            "records": self.records,
-            "digest": self.digest.hex(),
-        }
+        """The checkpoint's JSON state."""
+        return {"sampler": self.sampler.state(), "digest": self.digest.hex()}
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: Mapping[str, Any]) -> None:
         """Takes back :meth:`state` of a loaded checkpoint."""
-        self.epoch, self.pos, self.records = (
-            state["epoch"],
-            state["pos"],
-            state["records"],
-        )
+        self.sampler.restore(state["sampler"])
         self.digest = bytes.fromhex(state["digest"])
 
 
@@ -297,7 +268,6 @@ class Training:
     model: nn.Module
     ddp: nn.Module
     opt: torch.optim.Optimizer
-    order: torch.Generator
     data: DataPosition
     ids: list[str]
     x: torch.Tensor
@@ -312,7 +282,7 @@ def train(t: Training, start: int) -> tuple[int, float, bool]:
     saver = Checkpoints(ctx.rank)
     step, value = start, float("nan")
     for step in range(start + 1, args.steps + 1):
-        batch = t.data.next_batch(t.ids, t.order, args.batch_size)
+        batch = t.data.next_batch(t.ids, args.batch_size)
         idx = torch.tensor(batch, device=t.device)
         loss = loss_fn(t.ddp(t.x[idx]), t.y[idx])
         t.opt.zero_grad(set_to_none=True)
@@ -324,12 +294,12 @@ def train(t: Training, start: int) -> tuple[int, float, bool]:
             time.sleep(args.step_sleep_ms / 1000)
         if step % args.log_every == 0 and ctx.rank == 0:
             print(
-                f"step {step}/{args.steps} epoch {t.data.epoch} loss {value:.4f}",
+                f"step {step}/{args.steps} epoch {t.data.sampler.epoch} loss {value:.4f}",
                 flush=True,
             )
         saver.reap()
         # Every rank stops at the same step: the step's checkpoint needs all their parts.
-        stop = stop_everywhere(rt, t.device)
+        stop = rt.stop_agreed()
         if (step % args.ckpt_every == 0 or stop) and rt.checkpoints_enabled:
             saver.save(
                 step,
@@ -337,8 +307,7 @@ def train(t: Training, start: int) -> tuple[int, float, bool]:
                 stop=stop,
                 model=t.model,
                 optimizer=t.opt,
-                perm=t.data.perm,
-                rng=ckpt.RNG(t.order),
+                rng=ckpt.RNG(),
             )
         if (
             ctx.rank == args.kill_rank
@@ -387,15 +356,13 @@ def main() -> int:
     ).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     torch.manual_seed(args.seed * 1000 + 1 + ctx.rank)  # this rank's dropout masks
-    order = torch.Generator().manual_seed(
-        args.seed * 1000 + 500 + ctx.rank
-    )  # data order
-    data = DataPosition(torch.randperm(len(ids), generator=order))
+    # This rank's data order: each epoch shuffled from (seed, epoch).
+    data = DataPosition(
+        runtime.EpochSampler(len(ids), seed=args.seed * 1000 + 500 + ctx.rank)
+    )
 
     start = 0
-    point = ckpt.load_checkpoint(
-        model=model, optimizer=opt, perm=data.perm, rng=ckpt.RNG(order)
-    )
+    point = ckpt.load_checkpoint(model=model, optimizer=opt, rng=ckpt.RNG())
     if point is not None:
         start = point.step
         data.restore(point.state)
@@ -407,7 +374,7 @@ def main() -> int:
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
-    t = Training(args, rt, device, model, ddp, opt, order, data, ids, x, y)
+    t = Training(args, rt, device, model, ddp, opt, data, ids, x, y)
     t0 = time.monotonic()
     step, value, stopped = train(t, start)
     if stopped:
@@ -420,8 +387,8 @@ def main() -> int:
         "attempt": ctx.attempt,
         "resumed_from": start if point is not None else None,
         "steps": step,
-        "epoch": data.epoch,
-        "records": data.records,
+        "epoch": data.sampler.epoch,
+        "records": data.sampler.taken,
         "record_digest": data.digest.hex(),
         "weights_sha256": save_weights(t),
         "final_loss": value if step > start else None,

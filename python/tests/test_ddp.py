@@ -107,7 +107,8 @@ def test_ddp_resumes_bit_identically_after_a_rank_is_killed(
         assert wa[k].dtype == torch.float32
         assert torch.equal(wa[k].view(torch.int32), wb[k].view(torch.int32)), k
 
-    # The checkpoints are framework checkpoints: model, optimizer, shuffle, RNG.
+    # The checkpoints are framework checkpoints: model, optimizer, RNG; the sampler's
+    # position is in the JSON state.
     latest = killed.checkpoints()[0]
     assert latest.step == STEPS and latest.verified
     part = Path(latest.path) / "rank-1" / "attempt-1"
@@ -117,8 +118,9 @@ def test_ddp_resumes_bit_identically_after_a_rank_is_killed(
         "cumulus-state.json",
         "model.safetensors",
         "optimizer.safetensors",
-        "perm.safetensors",
     ], names
+    state = json.loads((part / "cumulus-state.json").read_text())
+    assert state["sampler"]["taken"] == STEPS * 32 and state["sampler"]["format"] == 1
     lines = [(x.rank, x.attempt, x.line) for x in killed.logs(follow=False)]
     assert (0, 0, f"rank=0 killing itself at step {KILL_AT}") in lines
     assert any(r == 1 and a_ == 1 and "start=100" in text for r, a_, text in lines), lines
