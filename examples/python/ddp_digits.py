@@ -3,8 +3,11 @@
 Cumulus.
 
 A small MLP (64 → hidden → 10, with dropout) trained with SGD + momentum by
-``DistributedDataParallel`` (gloo on CPU, NCCL when CUDA is present). Deterministic: fixed
-seeds, ``torch.use_deterministic_algorithms(True)``, one thread per rank. Each rank trains
+``DistributedDataParallel`` (gloo on CPU, NCCL when CUDA is present), made by
+``cumulus.torch.exact_ddp``: DDP with a communication hook that sums the gradients in rank
+order, so a resumed run is exact at any world size (stock DDP's is only up to 2 ranks;
+``--stock-ddp`` runs it). Deterministic: fixed seeds,
+``torch.use_deterministic_algorithms(True)``, one thread per rank. Each rank trains
 on its own records — its Cumulus shards (``cumulusctl dataset split``), else every
 ``WORLD_SIZE``-th row of ``--data`` — in batches from ``runtime.EpochSampler`` (each
 epoch shuffled from a per-rank seed, batches carrying over epochs); every
@@ -58,6 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from cumulus import ckpt, errors, runtime
+from cumulus.torch import exact_ddp
 from safetensors.torch import save as st_save
 from torch import nn
 
@@ -88,6 +92,12 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=0,
         help="sleep this long after each step (paces a demo or a test; changes no result)",
+    )
+    p.add_argument(
+        "--stock-ddp",
+        action="store_true",
+        help="plain DistributedDataParallel, without exact_ddp: with 3 or more ranks a"
+        " resumed run ends with other weights than a fault-free run",
     )
     p.add_argument("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -371,9 +381,8 @@ def main() -> int:
         f"records={len(ids)} start={start}",
         flush=True,
     )
-    ddp = nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None
-    )
+    wrap = nn.parallel.DistributedDataParallel if args.stock_ddp else exact_ddp
+    ddp = wrap(model, device_ids=[device.index] if device.type == "cuda" else None)
     t = Training(args, rt, device, model, ddp, opt, data, ids, x, y)
     t0 = time.monotonic()
     step, value, stopped = train(t, start)
