@@ -57,8 +57,9 @@ def test_restarted_ddp_is_bit_identical_with_exact_ddp_and_not_without(tmp_path:
     # Stock DDP: the restarted run's first step sums in another order; the weights part.
     straight, restarted = r["stock"]
     assert straight != restarted
-    # exact_ddp: the same bits, whichever collectives reduced the buckets.
-    assert r["gather"][0] == r["gather"][1] == r["alltoall"][0] == r["alltoall"][1], r
+    # exact_ddp: the same bits, whichever collectives reduced the buckets, however
+    # large they are.
+    assert len({*r["gather"], *r["alltoall"], *r["buckets"]}) == 1, r
 
 
 def test_importing_it_does_not_import_torch() -> None:

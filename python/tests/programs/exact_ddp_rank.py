@@ -4,7 +4,8 @@ training a small MLP with DDP, twice per mode: straight through ``STEPS`` steps,
 model, a fresh optimizer and a fresh DDP, as a restarted process loads them, so the new
 DDP runs its first iteration with its first-iteration bucket layout). Modes: ``stock``
 (``DistributedDataParallel``), ``gather`` (``exact_ddp``, every bucket all-gathered),
-``alltoall`` (``exact_ddp``, every bucket all-to-all then all-gathered).
+``alltoall`` (``exact_ddp``, every bucket all-to-all then all-gathered), ``buckets``
+(``exact_ddp`` with buckets of 4 kB: several, whose members change at the rebuild).
 
 Prints one JSON line: ``{mode: [SHA-256 of the straight run's weights, of the restarted
 run's]}``, and ``layouts``: the parameters of each bucket, in order, of the first three
@@ -27,7 +28,7 @@ from torch import nn
 
 from cumulus.torch import exact_ddp
 
-MODES = ("stock", "gather", "alltoall")
+MODES = ("stock", "gather", "alltoall", "buckets")
 
 
 def make_model() -> nn.Module:
@@ -38,6 +39,9 @@ def make_model() -> nn.Module:
 def wrap(model: nn.Module, mode: str) -> nn.Module:
     if mode == "stock":
         return nn.parallel.DistributedDataParallel(model)
+    if mode == "buckets":
+        small: nn.Module = exact_ddp(model, bucket_cap_mb=0.004)
+        return small
     ddp: nn.Module = exact_ddp(model, gather_max_bytes=1 << 30 if mode == "gather" else 0)
     return ddp
 
