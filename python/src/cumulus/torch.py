@@ -46,13 +46,27 @@ class _RankOrderState:
 
     def __init__(self, dist: Any, group: Any, gather_max_bytes: int) -> None:
         self.dist = dist
-        self.torch = importlib.import_module("torch")
         self.group = group
         self.world_size: int = dist.get_world_size(group)
         # Gloo has no all_gather_into_tensor before PyTorch 2.2ish: the list form works
         # on every backend and version.
         self.gloo = str(dist.get_backend(group)).lower() == "gloo"
         self.gather_max_bytes = gather_max_bytes
+        # Scratch tensors kept from one iteration to the next (a fresh large tensor costs
+        # page faults every step), by purpose and bucket: about one more copy of the
+        # gradients in all.
+        self.scratch: dict[tuple[str, int], Any] = {}
+
+    def buffer(self, purpose: str, bucket: Any, shape: tuple[int, ...]) -> Any:
+        """A tensor of ``shape`` like the bucket's buffer (dtype, device), kept for the
+        next iteration (whose result DDP has copied out by then)."""
+        like = bucket.buffer()
+        key = (purpose, bucket.index())
+        t = self.scratch.get(key)
+        if t is None or t.shape != shape or t.dtype != like.dtype or t.device != like.device:
+            t = like.new_empty(shape)
+            self.scratch[key] = t
+        return t
 
     def all_gather(self, out: Any, tensor: Any) -> Any:
         """Starts an all-gather of ``tensor`` into the rows of ``out`` (world size by
@@ -79,23 +93,28 @@ def _sum_rows_in_rank_order(rows: Any) -> Any:
 def _reduce_in_rank_order(state: _RankOrderState, bucket: Any) -> Any:
     """The DDP communication hook: the bucket's mean over the ranks, each element summed
     in rank order (see the module's doc)."""
-    torch = state.torch
     buf = bucket.buffer()
     world = state.world_size
     buf.div_(world)
     n = buf.numel()
     if n * world * buf.element_size() <= state.gather_max_bytes:
-        gathered = buf.new_empty((world, n))
+        gathered = state.buffer("gather", bucket, (world, n))
         return state.all_gather(gathered, buf).then(lambda _: _sum_rows_in_rank_order(gathered))
     # Rank r sums slice r of every rank's bucket (the all-to-all hands it those slices),
-    # then every rank gathers all the summed slices.
+    # then every rank gathers all the summed slices: into the bucket itself when it
+    # splits evenly.
     size = -(-n // world)
-    padded = buf if size * world == n else torch.cat([buf, buf.new_zeros(size * world - n)])
-    slices = buf.new_empty((world, size))
+    if size * world == n:
+        padded = out = buf
+    else:
+        padded = out = state.buffer("padded", bucket, (size * world,))
+        padded[:n].copy_(buf)
+        padded[n:].zero_()
+    slices = state.buffer("slices", bucket, (world, size))
     state.dist.all_to_all_single(slices.view(-1), padded, group=state.group)
     mine = _sum_rows_in_rank_order(slices)
-    out = buf.new_empty((world, size))
-    return state.all_gather(out, mine).then(lambda _: out.view(-1)[:n])
+    result = buf if out is buf else out[:n]
+    return state.all_gather(out.view(world, size), mine).then(lambda _: result)
 
 
 def exact_ddp(
