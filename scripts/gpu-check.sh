@@ -116,9 +116,13 @@ json.dump(gpus, open(sys.argv[1], "w"))
 EOF
   export CUMULUS_GPUS=$WORK/gpus.json
 fi
-# Two slots at least: step 3 runs two jobs at once.
+# Two slots at least: step 3 runs two jobs at once. As root, ranks run as root
+# (--allow-root): they run $PY, which other users cannot reach under /root's pyenv, and
+# write into $WORK (0700).
+root_ranks=()
+[ "$(id -u)" = 0 ] && root_ranks=(--allow-root)
 "${CTL[@]}" local up --coordinators 1 --workers 1 --slots $((world < 2 ? 2 : world)) \
-  --bin-dir "$BIN" >/dev/null
+  --bin-dir "$BIN" "${root_ranks[@]}" >/dev/null
 "${CTL[@]}" workers
 "${CTL[@]}" dataset split data/digits/digits.csv.gz --shards $((2 * world)) \
   --out "$WORK/digits" >/dev/null

@@ -102,6 +102,11 @@ pub async fn run(cli: Cli) -> Result<()> {
                 bin_dir: a.bin_dir,
                 ready_timeout: local::READY_TIMEOUT,
                 insecure: g.insecure,
+                ranks: match (a.run_as, a.allow_root) {
+                    (_, true) => local::Ranks::Root,
+                    (Some(value), false) => local::Ranks::RunAs(value),
+                    (None, false) => local::Ranks::Default,
+                },
             };
             let started = local::up(&opts, true).await?;
             match out {

@@ -187,6 +187,15 @@ pub async fn run(opts: &DemoOptions) -> Result<()> {
         "Fresh local cluster: 3 coordinators (Raft), 2 workers × 4 slots",
     );
     prepare_dir(&opts.dir)?;
+    let trainer = local::find_binary(TRAINER_BIN, opts.bin_dir.as_deref())?;
+    let (ranks, why_root) = demo_ranks(
+        &opts
+            .dir
+            .canonicalize()
+            .with_context(|| format!("resolving {}", opts.dir.display()))?,
+        &trainer,
+    )?;
+    let other_users = ranks == local::Ranks::Default && nix::unistd::geteuid().is_root();
     let up = UpOptions {
         dir: opts.dir.clone(),
         coordinators: Some(3),
@@ -195,6 +204,7 @@ pub async fn run(opts: &DemoOptions) -> Result<()> {
         bin_dir: opts.bin_dir.clone(),
         ready_timeout: local::READY_TIMEOUT,
         insecure: false,
+        ranks,
     };
     let started = local::up(&up, false)
         .await
@@ -214,11 +224,18 @@ pub async fn run(opts: &DemoOptions) -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    println!(
+        "    ranks run as: {}",
+        local::ranks_text(&started.rank_flags)
+    );
+    if let Some(why) = why_root {
+        println!("    ({why})");
+    }
     steps.done("cluster ready");
     let conn = started.conn()?;
     let children = started.children;
 
-    let result = run_job(opts, &mut steps, &dir, &conn).await;
+    let result = run_job(opts, &mut steps, &dir, &conn, other_users).await;
     let failed = result.is_err();
 
     steps.begin(
@@ -258,7 +275,48 @@ pub async fn run(opts: &DemoOptions) -> Result<()> {
     result
 }
 
-async fn run_job(opts: &DemoOptions, steps: &mut Steps, dir: &Path, conn: &Conn) -> Result<()> {
+/// Who the demo's ranks run as: as `local up` has it (run by root: other users), unless
+/// run by root where other users cannot reach the demo's directory `dir` or the
+/// `trainer` (a checkout under `/root`): then as root, with the reason to print. The
+/// demo runs only its own trainer, so root ranks expose nothing to foreign code.
+fn demo_ranks(dir: &Path, trainer: &Path) -> Result<(local::Ranks, Option<String>)> {
+    if !nix::unistd::geteuid().is_root() {
+        return Ok((local::Ranks::Default, None));
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let trainer_mode = fs::metadata(trainer)
+        .with_context(|| format!("inspecting {}", trainer.display()))?
+        .permissions()
+        .mode();
+    let blocked = match local::closed_to_others(dir)? {
+        Some(b) => Some(b),
+        None => match trainer.parent().map(local::closed_to_others).transpose()? {
+            Some(Some(b)) => Some(b),
+            _ if trainer_mode & 0o001 == 0 => Some((trainer.to_path_buf(), trainer_mode & 0o7777)),
+            _ => None,
+        },
+    };
+    Ok(match blocked {
+        None => (local::Ranks::Default, None),
+        Some((path, mode)) => (
+            local::Ranks::Root,
+            Some(format!(
+                "other users cannot reach {} (mode {mode:04o}) on the way to the demo's \
+                 directory or its trainer, so its ranks run as root (`local up \
+                 --allow-root`): the demo runs only its own trainer",
+                path.display()
+            )),
+        ),
+    })
+}
+
+async fn run_job(
+    opts: &DemoOptions,
+    steps: &mut Steps,
+    dir: &Path,
+    conn: &Conn,
+    other_users: bool,
+) -> Result<()> {
     steps.begin(2, "Split the digits data set into 8 shards + a 20% holdout");
     let digits = find_digits()?;
     let shards_dir = dir.join("data/shards");
@@ -283,6 +341,13 @@ async fn run_job(opts: &DemoOptions, steps: &mut Steps, dir: &Path, conn: &Conn)
     let trainer = local::find_binary(TRAINER_BIN, opts.bin_dir.as_deref())?;
     let out_dir = dir.join("out");
     let ckpt_dir = dir.join("ckpt");
+    if other_users {
+        // Ranks of another user write their results here: open to them as /tmp is.
+        use std::os::unix::fs::PermissionsExt;
+        fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+        fs::set_permissions(&out_dir, fs::Permissions::from_mode(0o1777))
+            .with_context(|| format!("opening {} to the ranks", out_dir.display()))?;
+    }
     let command: Vec<String> = vec![
         trainer.display().to_string(),
         "train".into(),

@@ -1,8 +1,15 @@
 //! `local up|down|status`: a cluster of background processes on 127.0.0.1 under one
 //! directory (`--local-dir`, default `.cumulus`).
 //!
-//! Layout: `token` (0600), `cluster.json`, `coord-<i>/` + `coord-<i>.log` per
-//! coordinator (node ids 1..=n), `worker-<j>/` + `worker-<j>.log` per worker.
+//! Layout: `token` and `peer-token` (0600), `cluster.json`, `tls/` (0700, keys 0600),
+//! `coord-<i>/` (0700) + `coord-<i>.log` (0600) per coordinator (node ids 1..=n),
+//! `worker-<j>/` (0700, 0711 with `--run-as`) + `worker-<j>.log` (0600) per worker.
+//!
+//! Ranks: run by root, `up` starts its workers with `--run-as` [`DEFAULT_RANK_UIDS`] (a
+//! uid and gid per job), so that a job's code can read none of the above; it first
+//! checks that other users can reach the local dir ([`check_other_user_ranks`]).
+//! `--allow-root` runs them as root ([`Ranks`]). The choice applies to the workers a
+//! call starts: restarting a partly dead cluster leaves its live workers as they are.
 //! Each process runs in its own process group, so a ctrl-c of `cumulusctl` (or its exit)
 //! does not reach it; `local down` stops it by the PID recorded in `cluster.json`, after
 //! checking in `/proc/<pid>/cmdline` that the PID still names our binary and data dir.
@@ -47,6 +54,44 @@ pub const DEFAULT_WORKERS: u32 = 2;
 pub const DEFAULT_SLOTS: u32 = 4;
 /// Bytes of a log shown when a process dies during `up`.
 pub const LOG_TAIL_BYTES: u64 = 4096;
+/// The user ids the ranks of a local cluster run as when `up` runs as root, one per job
+/// (`cumulus-worker --run-as`): uid = gid = 60000 + job number mod 1000.
+pub const DEFAULT_RANK_UIDS: &str = "60000-60999";
+
+/// Who the ranks of the workers `up` starts run as.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Ranks {
+    /// Run by root: as other users, [`DEFAULT_RANK_UIDS`]. Run by another user: as that
+    /// user (an agent can change user only as root).
+    #[default]
+    Default,
+    /// As root: as these users (`cumulus-worker --run-as`: a uid range `FIRST-LAST`, a
+    /// user name, or `UID[:GID]`).
+    RunAs(String),
+    /// As root: as root too (`cumulus-worker --allow-root`): the ranks' code can read the
+    /// cluster's token, the peer token and every key of the local dir.
+    Root,
+}
+
+impl Ranks {
+    /// The worker flags of `self` for an `up` run as root (`root`) or not.
+    ///
+    /// # Errors
+    /// [`LocalError::Other`] for `--run-as` or `--allow-root` without root.
+    pub fn worker_flags(&self, root: bool) -> Result<Vec<String>, LocalError> {
+        match (self, root) {
+            (Ranks::Default, true) => Ok(vec!["--run-as".into(), DEFAULT_RANK_UIDS.into()]),
+            (Ranks::RunAs(value), true) => Ok(vec!["--run-as".into(), value.clone()]),
+            (Ranks::Root, true) => Ok(vec!["--allow-root".into()]),
+            (Ranks::Default, false) => Ok(Vec::new()),
+            (Ranks::RunAs(_) | Ranks::Root, false) => Err(LocalError::Other(format!(
+                "--run-as and --allow-root need `cumulusctl local up` to run as root; run by \
+                 uid {}, its ranks run as that user",
+                nix::unistd::geteuid()
+            ))),
+        }
+    }
+}
 
 /// Errors of the local cluster commands.
 #[derive(Debug, thiserror::Error)]
@@ -119,6 +164,38 @@ pub enum LocalError {
         last: String,
         /// Where the logs are.
         dir: PathBuf,
+    },
+    /// Ranks would run as other users who cannot reach the local dir.
+    #[error(
+        "the ranks of this cluster run as other users (--run-as {run_as}), who cannot reach \
+         {dir}: {blocked} is mode {mode:04o} (no search permission for others). Choose a \
+         --local-dir that other users can reach (o+x on every directory down to it), or \
+         pass --allow-root (ranks then run as root, and their code can read the cluster's \
+         token and keys)"
+    )]
+    Unreachable {
+        /// The local dir.
+        dir: PathBuf,
+        /// The directory on the way that others cannot search.
+        blocked: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+        /// Who the ranks run as.
+        run_as: String,
+    },
+    /// The rank uid range lies outside this user namespace's ids.
+    #[error(
+        "the ranks of this cluster would run as ids {run_as}, which this user namespace \
+         does not map (/proc/self/{map}: {mapped}); pass --run-as with a range inside it, \
+         or --allow-root (ranks then run as root)"
+    )]
+    Unmapped {
+        /// Who the ranks run as.
+        run_as: String,
+        /// `uid_map` or `gid_map`.
+        map: &'static str,
+        /// The map's ranges (inside id, length), one line each joined by `; `.
+        mapped: String,
     },
     /// The cluster's certificates could not be made or used.
     #[error("TLS: {0}")]
@@ -353,8 +430,9 @@ pub fn make_certificates(dir: &Path, file: &ClusterFile) -> Result<(), LocalErro
     Ok(())
 }
 
-/// Arguments of worker `w` (after the binary).
-pub fn worker_args(file: &ClusterFile, w: &WorkerEntry) -> Vec<String> {
+/// Arguments of worker `w` (after the binary), with `ranks`: who its ranks run as
+/// ([`Ranks::worker_flags`]).
+pub fn worker_args(file: &ClusterFile, w: &WorkerEntry, ranks: &[String]) -> Vec<String> {
     let mut a = vec![
         "--worker-id".into(),
         w.worker_id.clone(),
@@ -369,21 +447,91 @@ pub fn worker_args(file: &ClusterFile, w: &WorkerEntry) -> Vec<String> {
         "--listen".into(),
         "127.0.0.1:0".into(),
     ];
-    if nix::unistd::geteuid().is_root() {
-        // A local cluster is one user's development cluster: as root its ranks run as
-        // root too, which the agent refuses without being told (it logs a warning).
-        a.push("--allow-root".into());
-    }
+    a.extend(ranks.iter().cloned());
     a.extend(tls_args(file, &w.worker_id));
     a
 }
 
-/// Starts `bin args…` in its own process group, stdin null, stdout+stderr appended to `log`.
+/// The first directory from `/` down to `dir` (absolute) that other users cannot search
+/// (`o+x`), with its mode: ranks running as other users cannot reach a data dir below it.
+///
+/// # Errors
+/// A directory on the way cannot be inspected.
+pub fn closed_to_others(dir: &Path) -> Result<Option<(PathBuf, u32)>, LocalError> {
+    let mut ways: Vec<&Path> = dir.ancestors().collect();
+    ways.reverse();
+    for d in ways {
+        let mode = fs::metadata(d).map_err(io_err(d))?.permissions().mode() & 0o7777;
+        if mode & 0o001 == 0 {
+            return Ok(Some((d.to_path_buf(), mode)));
+        }
+    }
+    Ok(None)
+}
+
+/// Whether every id of `first..=last` lies inside one range of a user namespace map
+/// (`/proc/self/uid_map` or `gid_map`: lines of "inside outside length").
+pub fn ids_mapped(map: &str, first: u32, last: u32) -> bool {
+    map.lines().any(|line| {
+        let f: Vec<u64> = line
+            .split_whitespace()
+            .filter_map(|n| n.parse().ok())
+            .collect();
+        matches!(f.as_slice(), [inside, _, len] if *inside <= u64::from(first)
+            && u64::from(last) < inside + len)
+    })
+}
+
+/// Checks, before any worker starts, what ranks running as other users (`run_as`, the
+/// value of `--run-as`) need of a local cluster under `dir`: a way into it for others
+/// (their shards files and the rank API's socket lie in the workers' data dirs), and,
+/// for a uid range, ids this user namespace maps.
+///
+/// # Errors
+/// [`LocalError::Unreachable`], [`LocalError::Unmapped`].
+pub fn check_other_user_ranks(dir: &Path, run_as: &str) -> Result<(), LocalError> {
+    if let Some((blocked, mode)) = closed_to_others(dir)? {
+        return Err(LocalError::Unreachable {
+            dir: dir.to_path_buf(),
+            blocked,
+            mode,
+            run_as: run_as.into(),
+        });
+    }
+    let range = run_as
+        .split_once('-')
+        .and_then(|(a, b)| Some((a.trim().parse::<u32>().ok()?, b.trim().parse::<u32>().ok()?)));
+    if let Some((first, last)) = range {
+        for map in ["uid_map", "gid_map"] {
+            let Ok(text) = fs::read_to_string(format!("/proc/self/{map}")) else {
+                continue; // no user namespaces: every id is the host's
+            };
+            if !ids_mapped(&text, first, last) {
+                return Err(LocalError::Unmapped {
+                    run_as: run_as.into(),
+                    map,
+                    mapped: text
+                        .lines()
+                        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Starts `bin args…` in its own process group, stdin null, stdout+stderr appended to `log`
+/// (created `0600`, and made so when it was more open: what a process logs is its user's).
 pub fn spawn_detached(bin: &Path, args: &[String], log: &Path) -> Result<Child, LocalError> {
     let out = OpenOptions::new()
         .create(true)
         .append(true)
+        .mode(0o600)
         .open(log)
+        .map_err(io_err(log))?;
+    out.set_permissions(fs::Permissions::from_mode(0o600))
         .map_err(io_err(log))?;
     let err = out.try_clone().map_err(io_err(log))?;
     Command::new(bin)
@@ -501,6 +649,8 @@ pub struct UpOptions {
     /// A new cluster runs plaintext (`--insecure`) instead of making a CA and
     /// certificates; a recorded cluster keeps what it was made with.
     pub insecure: bool,
+    /// Who the ranks of the workers this call starts run as.
+    pub ranks: Ranks,
 }
 
 /// A started local cluster.
@@ -520,6 +670,9 @@ pub struct Started {
     pub status: ClusterStatusResponse,
     /// Time from start to ready.
     pub elapsed: Duration,
+    /// Who the ranks of the workers started run as: the worker flags
+    /// ([`Ranks::worker_flags`]; empty: as the user running `up`).
+    pub rank_flags: Vec<String>,
 }
 
 impl Started {
@@ -537,10 +690,21 @@ impl Started {
 /// only when `keep_on_failure`; otherwise they are stopped.
 pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, LocalError> {
     let start = Instant::now();
+    let created = !opts.dir.exists();
     fs::create_dir_all(&opts.dir).map_err(io_err(&opts.dir))?;
     let dir = opts.dir.canonicalize().map_err(io_err(&opts.dir))?;
     let coord_bin = find_binary(COORDINATOR_BIN, opts.bin_dir.as_deref())?;
     let worker_bin = find_binary(WORKER_BIN, opts.bin_dir.as_deref())?;
+    let rank_flags = opts.ranks.worker_flags(nix::unistd::geteuid().is_root())?;
+    if let [flag, run_as] = rank_flags.as_slice()
+        && flag == "--run-as"
+        && let Err(e) = check_other_user_ranks(&dir, run_as)
+    {
+        if created {
+            let _ = fs::remove_dir(&dir); // only when still empty
+        }
+        return Err(e);
+    }
 
     let recorded = ClusterFile::load(&dir).map_err(|e| LocalError::Other(e.to_string()))?;
     let (mut file, token, restarted) = match recorded {
@@ -631,7 +795,7 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
                 continue; // alive (a partial restart keeps it)
             }
             create_data_dir(&w.data_dir)?;
-            let child = spawn_detached(&worker_bin, &worker_args(&file, &w), &w.log)?;
+            let child = spawn_detached(&worker_bin, &worker_args(&file, &w, &rank_flags), &w.log)?;
             file.workers[j].pid = Some(child.id());
             children.push((w.worker_id.clone(), w.log.clone(), child));
         }
@@ -682,6 +846,7 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
             token,
             status,
             elapsed: start.elapsed(),
+            rank_flags,
         }),
         Err(e) => Err(fail(e, &file, children)),
     }
@@ -959,6 +1124,23 @@ fn remove_path(p: &Path) -> Result<(), LocalError> {
     r.map_err(io_err(p))
 }
 
+/// Who ranks run as, from the worker flags `up` gave ([`Ranks::worker_flags`]).
+pub fn ranks_text(flags: &[String]) -> String {
+    match flags {
+        [flag, range] if flag == "--run-as" && range.contains('-') => {
+            format!("a user and group of their own per job, ids {range} (--run-as {range})")
+        }
+        [flag, user] if flag == "--run-as" => format!("{user} (--run-as {user})"),
+        [flag] if flag == "--allow-root" => {
+            "root (--allow-root: their code can read the cluster's token and keys)".into()
+        }
+        _ => format!(
+            "uid {}, the user running the cluster",
+            nix::unistd::geteuid()
+        ),
+    }
+}
+
 /// Human summary after `up`.
 pub fn up_summary(s: &Started, local_dir_flag: &str) -> String {
     let mut out = format!(
@@ -994,9 +1176,13 @@ pub fn up_summary(s: &Started, local_dir_flag: &str) -> String {
         ));
     }
     out.push_str(&format!(
-        "  logs: {}/*.log   token: {}\n\n",
+        "  logs: {}/*.log   token: {}\n",
         s.dir.display(),
         s.file.token_file.display()
+    ));
+    out.push_str(&format!(
+        "  ranks run as: {}\n\n",
+        ranks_text(&s.rank_flags)
     ));
     out.push_str("use it:\n");
     out.push_str(&format!("  cumulusctl{local_dir_flag} cluster status\n"));

@@ -245,6 +245,12 @@ fn recorded_pid(local_dir: &Path, kind: &str) -> Option<u64> {
 #[test]
 fn local_up_restarts_the_dead_processes_of_a_partly_dead_cluster_in_place() {
     let dir = tempfile::tempdir().expect("tempdir");
+    // As root, ranks run as other users, who must pass through it to the worker's dir.
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
     let bin_dir = Path::new(env!("CARGO_BIN_EXE_cumulusctl"))
         .parent()
         .expect("bin dir")

@@ -117,10 +117,16 @@ class LocalCluster:
 
     def up(self) -> LocalCluster:
         self.dir.mkdir(parents=True, exist_ok=True)
+        # As root, `local up` runs ranks as other users (uids 60000-60999), who can reach
+        # neither pytest's temp dirs (0700) nor an interpreter under /root: these tests'
+        # ranks run this interpreter, so they ask for root ranks. The isolation itself is
+        # tested in cli/tests/local_isolation.rs.
+        root_ranks = ["--allow-root"] if os.geteuid() == 0 else []
         r = self.cumulusctl(
             *(["--insecure"] if self.insecure else []),
             "local",
             "up",
+            *root_ranks,
             "--coordinators",
             str(self.coordinators),
             "--workers",

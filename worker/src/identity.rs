@@ -431,6 +431,109 @@ pub fn readable_by(meta: &std::fs::Metadata, creds: &RankCreds) -> bool {
     mode & read != 0 && (!meta.is_dir() || mode & search != 0)
 }
 
+/// Whether `creds` may search the directory, or execute the file, described by `meta`,
+/// by its mode bits (owner, then group, then others, as [`readable_by`]).
+fn executable_by(meta: &std::fs::Metadata, creds: &RankCreds) -> bool {
+    let bit = if meta.uid() == creds.uid {
+        0o100
+    } else if meta.gid() == creds.gid || creds.groups.contains(&meta.gid()) {
+        0o010
+    } else {
+        0o001
+    };
+    meta.mode() & bit != 0
+}
+
+/// What keeps `creds` from executing `program` ("cannot search DIR (mode 0700, owner
+/// 0:0) on the way to PROGRAM"), by mode bits: the working directory it
+/// cannot enter, a directory on the way to the program (as written and with links
+/// resolved) it cannot search, the file itself, or, for a script, the same of its `#!`
+/// interpreter. A `program` without `/` is looked up in `path_var` as `execvp` does (the
+/// first file found); a relative one from `working_dir` (else the agent's). `None` when
+/// the mode bits allow it all or nothing is found to blame. For the message of a rank
+/// whose `exec` failed with `EACCES` under `--run-as`.
+pub fn exec_blocker(
+    program: &Path,
+    path_var: Option<&std::ffi::OsStr>,
+    working_dir: Option<&Path>,
+    creds: &RankCreds,
+) -> Option<String> {
+    if let Some(dir) = working_dir
+        && let Some(why) = blocker_on_way(dir, true, creds)
+    {
+        return Some(format!("{why} (the rank's working directory)"));
+    }
+    let base = working_dir
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::current_dir().ok())?;
+    let found = if program.as_os_str().as_bytes().contains(&b'/') {
+        Some(base.join(program))
+    } else {
+        std::env::split_paths(path_var.unwrap_or_default())
+            .map(|dir| base.join(dir).join(program))
+            .find(|p| p.is_file())
+    }?;
+    if let Some(why) = blocker_on_way(&found, false, creds) {
+        return Some(why);
+    }
+    // A script: the kernel also executes its interpreter as the rank's user.
+    let mut head = [0u8; 256];
+    let n = std::fs::File::open(&found)
+        .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
+        .unwrap_or(0);
+    let line = head[..n].strip_prefix(b"#!")?;
+    let line = line.split(|b| *b == b'\n').next().unwrap_or_default();
+    let interpreter = line
+        .split(|b| b.is_ascii_whitespace())
+        .find(|w| !w.is_empty())?;
+    let interpreter = Path::new(std::ffi::OsStr::from_bytes(interpreter));
+    blocker_on_way(interpreter, false, creds)
+        .map(|why| format!("{why} (the interpreter of {})", found.display()))
+}
+
+/// "cannot search DIR (mode, owner) on the way to PATH": the first directory on the way
+/// to `path` that `creds` cannot search (from `/` down, as written, then with links
+/// resolved), or `path` itself when it is a directory (`is_dir`) it cannot search or a
+/// file it cannot execute; `None` when none blocks.
+fn blocker_on_way(path: &Path, is_dir: bool, creds: &RankCreds) -> Option<String> {
+    let describe = |meta: &std::fs::Metadata| {
+        format!(
+            "mode {:04o}, owner {}:{}",
+            meta.mode() & 0o7777,
+            meta.uid(),
+            meta.gid()
+        )
+    };
+    let resolved = std::fs::canonicalize(path).ok();
+    for way in std::iter::once(path).chain(resolved.as_deref()) {
+        let mut ancestors: Vec<&Path> = way.ancestors().skip(1).collect();
+        ancestors.reverse();
+        for dir in ancestors {
+            let Ok(meta) = std::fs::metadata(dir) else {
+                continue;
+            };
+            if !executable_by(&meta, creds) {
+                return Some(format!(
+                    "cannot search {} ({}) on the way to {}",
+                    dir.display(),
+                    describe(&meta),
+                    way.display()
+                ));
+            }
+        }
+    }
+    let meta = std::fs::metadata(path).ok()?;
+    if executable_by(&meta, creds) {
+        return None;
+    }
+    Some(format!(
+        "cannot {} {} ({})",
+        if is_dir { "search" } else { "execute" },
+        path.display(),
+        describe(&meta),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -510,6 +613,98 @@ mod tests {
                 "{bad:?} was accepted"
             );
         }
+    }
+
+    #[test]
+    fn exec_blocker_names_what_the_ranks_user_cannot_reach() {
+        use std::os::unix::fs::PermissionsExt;
+        let chmod = |p: &Path, mode: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).expect("chmod")
+        };
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let root = tmp.path();
+        chmod(root, 0o755);
+        // `closed` is like /root: its owner only. `open` is reachable by everyone.
+        let (closed, open) = (root.join("closed"), root.join("open"));
+        for d in [&closed, &open] {
+            std::fs::create_dir(d).expect("mkdir");
+        }
+        let interp = closed.join("python3");
+        std::fs::write(&interp, "").expect("write");
+        chmod(&interp, 0o755);
+        chmod(&closed, 0o700);
+        std::os::unix::fs::symlink(&interp, open.join("python")).expect("symlink");
+        std::fs::write(
+            open.join("script"),
+            format!("#!{} -u\nprint()\n", open.join("python").display()),
+        )
+        .expect("write");
+        chmod(&open.join("script"), 0o755);
+        std::fs::write(open.join("private"), "").expect("write");
+        chmod(&open.join("private"), 0o700);
+        std::fs::write(open.join("tool"), "").expect("write");
+        chmod(&open.join("tool"), 0o755);
+
+        let other = RankCreds {
+            uid: 4242,
+            gid: 4242,
+            groups: Vec::new(),
+        };
+        let blocked = |program: &str, path: Option<&str>, wd: Option<&Path>| {
+            exec_blocker(
+                Path::new(program),
+                path.map(std::ffi::OsStr::new),
+                wd,
+                &other,
+            )
+        };
+        let search_closed = format!("cannot search {} (mode 0700, owner ", closed.display());
+        // Through a symlink (a venv's python into a pyenv under /root).
+        let why = blocked(&open.join("python").display().to_string(), None, None).expect("blocked");
+        assert!(
+            why.starts_with(&search_closed)
+                && why.ends_with(&format!("on the way to {}", interp.display())),
+            "{why}"
+        );
+        // A script whose interpreter is out of reach, found in PATH.
+        let path = format!("/nonexistent:{}", open.display());
+        let why = blocked("script", Some(&path), None).expect("blocked");
+        assert!(
+            why.starts_with(&search_closed)
+                && why.ends_with(&format!(
+                    "(the interpreter of {})",
+                    open.join("script").display()
+                )),
+            "{why}"
+        );
+        // A file without the execute bit for others.
+        let why = blocked("private", Some(&path), None).expect("blocked");
+        assert!(
+            why.starts_with(&format!(
+                "cannot execute {} (mode 0700",
+                open.join("private").display()
+            )),
+            "{why}"
+        );
+        // A working directory out of reach; a relative program from it.
+        let why = blocked("./tool", None, Some(&closed)).expect("blocked");
+        assert!(
+            why.starts_with(&format!("cannot search {} (mode 0700", closed.display()))
+                && why.ends_with("(the rank's working directory)"),
+            "{why}"
+        );
+        // Nothing to blame: reachable, or not found at all.
+        assert_eq!(blocked("./tool", None, Some(&open)), None);
+        assert_eq!(blocked("tool", Some(&path), None), None);
+        assert_eq!(blocked("no-such-program", Some(&path), None), None);
+        // The owner itself is not blocked.
+        let owner = RankCreds {
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+            groups: Vec::new(),
+        };
+        let program = open.join("python");
+        assert_eq!(exec_blocker(&program, None, None, &owner), None);
     }
 
     #[test]

@@ -70,13 +70,24 @@ pub struct SpawnedChild {
 #[derive(Debug, Error)]
 pub enum SpawnError {
     /// The OS refused to start it (program not found, not executable, bad working dir…).
-    #[error("cannot start {program:?}: {source}")]
+    #[error(
+        "cannot start {program:?}: {source}{}",
+        .blocked.as_ref().map_or(String::new(), |why| format!(
+            "; ranks run as another user (--run-as), who {why}: make it reachable by \
+             that user (o+x on each directory, o+rx on the file), or run ranks as the \
+             agent's own user (cumulus-worker without --run-as; cumulusctl local up \
+             --allow-root)"
+        ))
+    )]
     Io {
         /// The program that was asked for.
         program: String,
         /// The OS error.
         #[source]
         source: io::Error,
+        /// For a rank run as another user whose program could not be executed: what its
+        /// user cannot reach by the mode bits ([`crate::identity::exec_blocker`]).
+        blocked: Option<String>,
     },
     /// The spawner thread is gone (the agent is shutting down).
     #[error("the spawner thread has stopped")]
@@ -145,6 +156,7 @@ fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
     let io_err = |source: io::Error| SpawnError::Io {
         program: request.program.to_string_lossy().into_owned(),
         source,
+        blocked: None,
     };
     let (output, output_writer) = io::pipe().map_err(io_err)?;
     let stderr_writer = output_writer.try_clone().map_err(io_err)?;
@@ -191,13 +203,36 @@ fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
         .spawn()
         .map_err(|source| SpawnError::Io {
             program: request.program.to_string_lossy().into_owned(),
+            blocked: exec_blocker(request, &source),
             source,
         })?;
     let pid = child.id().ok_or_else(|| SpawnError::Io {
         program: request.program.to_string_lossy().into_owned(),
         source: io::Error::other("the child exited before its pid could be read"),
+        blocked: None,
     })?;
     Ok(SpawnedChild { child, pid, output })
+}
+
+/// For a rank of another user whose program the OS refused to execute (`e`, see
+/// [`crate::logs::is_exec_error`]): what that user cannot reach by the mode bits.
+fn exec_blocker(request: &SpawnRequest, e: &io::Error) -> Option<String> {
+    let creds = request.creds.as_ref()?;
+    if !crate::logs::is_exec_error(e) {
+        return None;
+    }
+    let path_var = request
+        .env
+        .iter()
+        .rev()
+        .find(|(name, _)| name == "PATH")
+        .map(|(_, value)| value.as_os_str());
+    crate::identity::exec_blocker(
+        std::path::Path::new(&request.program),
+        path_var,
+        request.working_dir.as_deref(),
+        creds,
+    )
 }
 
 /// Sends `signal` to the process group whose id is `pgid` (a rank's pid). A group that no

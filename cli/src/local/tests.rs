@@ -53,17 +53,16 @@ fn command_lines_follow_the_contract() {
         "--listen",
         "127.0.0.1:0",
     ];
-    if nix::unistd::geteuid().is_root() {
-        want.push("--allow-root");
-    }
-    want.push("--insecure");
-    assert_eq!(worker_args(&f, &f.workers[1]), want);
+    let ranks = Ranks::Default.worker_flags(true).expect("as root");
+    assert_eq!(ranks, ["--run-as", DEFAULT_RANK_UIDS]);
+    want.extend(["--run-as", DEFAULT_RANK_UIDS, "--insecure"]);
+    assert_eq!(worker_args(&f, &f.workers[1], &ranks), want);
     assert_eq!(f.coordinators[2].log, Path::new("/tmp/c/coord-3.log"));
     f.validate().expect("a plan is a valid cluster file");
     // With a TLS dir, each process gets its own certificate and the CA.
     let mut f = f;
     f.tls_dir = Some(dir.join("tls"));
-    let args = worker_args(&f, &f.workers[1]);
+    let args = worker_args(&f, &f.workers[1], &[]);
     assert_eq!(
         &args[args.len() - 6..],
         [
@@ -223,4 +222,75 @@ fn missing_binary_names_where_it_looked() {
     assert!(err.to_string().contains("--bin-dir"), "{err}");
     let err = find_binary("cumulus-does-not-exist", None).expect_err("absent");
     assert!(err.to_string().contains("PATH"), "{err}");
+}
+
+#[test]
+fn ranks_run_as_other_users_by_default_only_as_root() {
+    assert_eq!(
+        Ranks::Default.worker_flags(true).expect("root"),
+        ["--run-as", DEFAULT_RANK_UIDS]
+    );
+    assert_eq!(
+        Ranks::RunAs("nobody".into())
+            .worker_flags(true)
+            .expect("root"),
+        ["--run-as", "nobody"]
+    );
+    assert_eq!(
+        Ranks::Root.worker_flags(true).expect("root"),
+        ["--allow-root"]
+    );
+    assert!(
+        Ranks::Default
+            .worker_flags(false)
+            .expect("not root")
+            .is_empty()
+    );
+    for asked in [Ranks::Root, Ranks::RunAs("60000-60009".into())] {
+        let err = asked.worker_flags(false).expect_err("needs root");
+        assert!(
+            err.to_string()
+                .contains("need `cumulusctl local up` to run as root"),
+            "{err}"
+        );
+    }
+    assert!(ranks_text(&["--run-as".into(), "60000-60999".into()]).contains("ids 60000-60999"));
+    assert!(ranks_text(&["--allow-root".into()]).starts_with("root"));
+}
+
+#[test]
+fn a_local_dir_closed_to_others_is_refused_before_anything_starts() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let closed = tmp.path().join("closed");
+    let dir = closed.join("cluster");
+    fs::create_dir_all(&dir).expect("mkdir");
+    fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).expect("chmod");
+    fs::set_permissions(&closed, fs::Permissions::from_mode(0o700)).expect("chmod");
+    assert_eq!(
+        closed_to_others(&dir).expect("inspect"),
+        Some((closed.clone(), 0o700))
+    );
+    let err = check_other_user_ranks(&dir, DEFAULT_RANK_UIDS).expect_err("closed");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("{} is mode 0700", closed.display()))
+            && text.contains("--local-dir")
+            && text.contains("--allow-root"),
+        "{text}"
+    );
+    fs::set_permissions(&closed, fs::Permissions::from_mode(0o711)).expect("chmod");
+    assert_eq!(closed_to_others(&dir).expect("inspect"), None);
+}
+
+#[test]
+fn uid_ranges_must_lie_inside_the_user_namespace() {
+    let full = "         0          0 4294967295\n";
+    assert!(ids_mapped(full, 60000, 60999));
+    // A rootless container: 65536 ids.
+    let rootless = "0 1000 1\n1 100000 65536\n";
+    assert!(ids_mapped(rootless, 60000, 60999));
+    assert!(!ids_mapped(rootless, 60000, 70000));
+    assert!(!ids_mapped("0 1000 1\n", 60000, 60999));
+    assert!(!ids_mapped("", 1, 1));
 }
