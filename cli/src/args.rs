@@ -759,6 +759,16 @@ pub struct LocalUpArgs {
     /// this executable, else PATH).
     #[arg(long)]
     pub bin_dir: Option<PathBuf>,
+    /// Run as root: who the ranks run as (the workers' `--run-as`): a uid range
+    /// FIRST-LAST (each job a user and group of its own), a user name, or UID[:GID].
+    /// Default as root: 60000-60999; run by another user, ranks run as that user.
+    #[arg(long, value_name = "FIRST-LAST|USER", conflicts_with = "allow_root")]
+    pub run_as: Option<String>,
+    /// Run as root: let the ranks run as root too, so that programs other users cannot
+    /// reach (an interpreter under /root) can run; their code can then read the
+    /// cluster's token, the peer token and every key under the local dir.
+    #[arg(long)]
+    pub allow_root: bool,
 }
 
 /// `local down` options.
