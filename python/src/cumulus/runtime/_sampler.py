@@ -96,8 +96,8 @@ class EpochSampler:
 
     def order(self, epoch: int | None = None) -> list[int]:
         """This rank's indices of ``epoch`` (default: the current one), in the order
-        :meth:`take` hands them out. Shuffling costs about a second per million records
-        (computed once per epoch and kept)."""
+        :meth:`take` hands them out. Shuffling takes about half a second per million
+        records (computed once per epoch, and kept)."""
         epoch = self.epoch if epoch is None else _int("epoch", epoch, 0)
         if epoch == self._order_epoch:
             return self._order
