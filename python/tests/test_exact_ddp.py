@@ -23,6 +23,7 @@ pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.
 
 PROGRAM = Path(__file__).parent / "programs" / "exact_ddp_rank.py"
 WORLD = 4
+SPLIT = 5  # the program's default: 12 steps, restarted after step 5
 TIMEOUT_S = 240
 
 
@@ -54,12 +55,15 @@ def test_restarted_ddp_is_bit_identical_with_exact_ddp_and_not_without(tmp_path:
     first, second, third = r["layouts"]
     assert first == ["0.weight@0", "0.bias@2048", "3.weight@2080", "3.bias@2400"], first
     assert second == third == ["3.bias@0", "3.weight@10", "0.bias@330", "0.weight@362"]
-    # Stock DDP: the restarted run's first step sums in another order; the weights part.
+    # Stock DDP: the restarted run's first step (6) sums in another order; the weights
+    # part there.
     straight, restarted = r["stock"]
     assert straight != restarted
+    assert r["stock_first_differing_step"] == SPLIT + 1, r
     # exact_ddp: the same bits, whichever collectives reduced the buckets, however
     # large they are.
     assert len({*r["gather"], *r["alltoall"], *r["buckets"]}) == 1, r
+    assert r["gather_first_differing_step"] is None
 
 
 def test_importing_it_does_not_import_torch() -> None:

@@ -7,10 +7,11 @@ DDP runs its first iteration with its first-iteration bucket layout). Modes: ``s
 ``alltoall`` (``exact_ddp``, every bucket all-to-all then all-gathered), ``buckets``
 (``exact_ddp`` with buckets of 4 kB: several, whose members change at the rebuild).
 
-Prints one JSON line: ``{mode: [SHA-256 of the straight run's weights, of the restarted
-run's]}``, and ``layouts``: the parameters of each bucket, in order, of the first three
-iterations of a fresh DDP (recorded by a pass-through hook of an extra DDP, world size
-alone; not part of any run above).
+Prints one JSON line: ``{mode: [SHA-256 of the straight run's final weights, of the
+restarted run's]}``, ``{mode}_first_differing_step`` (the first step after which their
+weights differ, or null), and ``layouts``: the parameters of each bucket, in order, of
+the first three iterations of a fresh DDP (recorded by a pass-through hook of an extra
+DDP; not part of any run above).
 
 Usage: ``exact_ddp_rank.py RANK WORLD STORE_FILE [STEPS SPLIT]``.
 """
@@ -46,15 +47,23 @@ def wrap(model: nn.Module, mode: str) -> nn.Module:
     return ddp
 
 
-def train(mode: str, rank: int, steps: int, split: int | None) -> str:
+def digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(mode: str, rank: int, steps: int, split: int | None) -> list[str]:
     """Trains ``steps`` steps (a fresh model, optimizer and DDP after ``split``); the
-    SHA-256 of the final weights."""
+    SHA-256 of the weights after each step."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     torch.manual_seed(1001 + rank)  # this rank's dropout
     data = torch.Generator().manual_seed(500 + rank)
     ddp = wrap(model, mode)
     loss_fn = nn.CrossEntropyLoss()
+    digests = []
     for step in range(1, steps + 1):
         if step - 1 == split:
             state, opt_state = model.state_dict(), opt.state_dict()
@@ -71,10 +80,8 @@ def train(mode: str, rank: int, steps: int, split: int | None) -> str:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
-    return h.hexdigest()
+        digests.append(digest(model))
+    return digests
 
 
 def layouts() -> list[list[str]]:
@@ -107,9 +114,12 @@ def main() -> int:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    result: dict[str, Any] = {
-        mode: [train(mode, rank, steps, None), train(mode, rank, steps, split)] for mode in MODES
-    }
+    result: dict[str, Any] = {}
+    for mode in MODES:
+        straight, restarted = train(mode, rank, steps, None), train(mode, rank, steps, split)
+        result[mode] = [straight[-1], restarted[-1]]
+        differ = [s for s in range(steps) if straight[s] != restarted[s]]
+        result[f"{mode}_first_differing_step"] = differ[0] + 1 if differ else None
     result["layouts"] = layouts()
     print(json.dumps(result), flush=True)
     dist.destroy_process_group()
