@@ -11,6 +11,9 @@
   Standard library only.
 * :mod:`cumulus.ckpt` — framework checkpoints (PyTorch, NumPy, JSON values, RNG state)
   written into a checkpoint part and restored bit for bit; frameworks imported lazily.
+* :mod:`cumulus.torch` — :func:`~cumulus.torch.exact_ddp`: ``DistributedDataParallel``
+  whose resume is bit for bit at any world size (not imported by ``import cumulus``;
+  PyTorch imported when it is called).
 * :class:`cumulus.Client` — submit jobs (a local directory uploaded with them, a Python
   environment built for them), run functions on the cluster (``client.run(fn, ...)``
   returns their value), follow jobs, read their logs, checkpoints and artifacts (needs
