@@ -196,6 +196,16 @@ fn job_spec_limit_constants() -> Vec<Constant> {
             int,
             gpus::WHOLE_GPU_PERMILLE,
             "Thousandths of a GPU in one whole GPU."
+        constant!(
+            int,
+            limits::DEFAULT_STARTUP_TIMEOUT_MS,
+            "Startup timeout of a job with a progress timeout that names none, in milliseconds."
+        ),
+        constant!(
+            int,
+            limits::MAX_STARTUP_TIMEOUT_MS,
+            "Longest startup timeout a job may ask for, in milliseconds."
+        ),
         ),
     ]
 }

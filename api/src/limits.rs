@@ -56,3 +56,10 @@ pub const MAX_TIME_LIMIT_MS: u64 = 365 * 86_400_000;
 pub const MAX_SUMMARIES: usize = 10_000;
 /// Summaries a `ListJobSummaries` without a limit answers.
 pub const DEFAULT_SUMMARIES: usize = 1_000;
+/// An attempt's startup timeout when a job with a progress timeout names none
+/// (`startup_timeout_ms` 0): 10 minutes from the process's start to its first progress
+/// report, in milliseconds (room for imports, data loading and a rendezvous).
+pub const DEFAULT_STARTUP_TIMEOUT_MS: u64 = 600_000;
+/// Longest startup timeout a job may ask for (`startup_timeout_ms`): 7 days, in
+/// milliseconds (as the progress timeout).
+pub const MAX_STARTUP_TIMEOUT_MS: u64 = 7 * 86_400_000;

@@ -182,14 +182,19 @@ pub enum RankPhase {
     Exited,
     /// The attempt failed.
     Failed,
+    /// Its job has ended (cancelled, failed, timed out) while the attempt was not: it is
+    /// stopped with the job (its agent signals what is left of its process) and never
+    /// runs on. Its exit code or signal shows once its agent reports the exit.
+    Stopped,
 }
 
-wire_enum!(RankPhase, "rank phase", "pending, waiting, running, exited, failed", {
+wire_enum!(RankPhase, "rank phase", "pending, waiting, running, exited, failed, stopped", {
     Pending => "pending",
     Waiting => "waiting",
     Running => "running",
     Exited => "exited",
     Failed => "failed",
+    Stopped => "stopped",
 });
 
 /// Whether a failure restarts every rank of the job or only the failed one

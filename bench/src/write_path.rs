@@ -282,6 +282,7 @@ impl Template {
                 backoff_max_ms: Some(30_000),
             }),
             progress_timeout_ms: 60_000,
+            startup_timeout_ms: 0,
             working_dir: path(dir),
             ckpt_url: String::new(),
             ckpt_commit_tier: String::new(),

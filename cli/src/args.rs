@@ -17,6 +17,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 // The contract's bounds as clap's ranges take them (`u64`, or `i64` for smaller types).
 /// Longest `--stop-grace-s`, in seconds.
 const MAX_STOP_GRACE_S: u64 = MAX_STOP_GRACE_MS / 1000;
+/// Bound of `--startup-timeout-s`.
+const MAX_STARTUP_TIMEOUT_S: u64 = cumulus_api::limits::MAX_STARTUP_TIMEOUT_MS / 1000;
 /// Bound of `--priority` (`-PRIORITY_BOUND..=PRIORITY_BOUND`).
 const PRIORITY_BOUND: i64 = MAX_PRIORITY as i64;
 /// Most summaries `summary --limit` asks for.
@@ -404,10 +406,16 @@ pub struct JobOpts {
     /// Upper bound of the restart delay, milliseconds.
     #[arg(long)]
     pub backoff_max_ms: Option<u64>,
-    /// A rank whose reported step does not advance for this many seconds is declared
-    /// hung and restarted (0 or absent: off).
+    /// A rank whose reported step does not advance for this many seconds after its
+    /// first progress report is declared hung and restarted (0 or absent: off). Pick
+    /// a few times the longest gap between two reports (a checkpoint, an evaluation).
     #[arg(long)]
     pub progress_timeout_s: Option<u64>,
+    /// Seconds from a rank's process start to its first progress report (imports, data
+    /// loading, rendezvous) before it is declared hung, 1..=604800 (default with
+    /// --progress-timeout-s: 600; without it, only when given).
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=MAX_STARTUP_TIMEOUT_S))]
+    pub startup_timeout_s: Option<u64>,
     /// Seconds between SIGTERM and SIGKILL when a rank is stopped (cancel, restart),
     /// and between a pause request and SIGTERM: room for a last checkpoint (0..=3600;
     /// default: the agent's --stop-grace-ms, 5 s).

@@ -135,6 +135,7 @@ pub fn build_request(
             backoff_max_ms: args.backoff_max_ms,
         }),
         progress_timeout_ms,
+        startup_timeout_ms: args.startup_timeout_s.map_or(0, |s| s * 1000),
         working_dir: abs_string(&args.workdir, "--workdir")?,
         ckpt_url: args.ckpt_url.clone().unwrap_or_default(),
         ckpt_commit_tier: args
@@ -1062,6 +1063,30 @@ mod tests {
             build_submit(&b).expect("b2").request_id
         );
         let long = "x".repeat(129);
+    #[test]
+    fn startup_timeout_is_sent_in_ms_and_bounded() {
+        let a = submit_args(&["--startup-timeout-s", "90", "--", "true"]);
+        let spec = build_submit(&a).expect("build").spec.expect("spec");
+        assert_eq!(spec.startup_timeout_ms, 90_000);
+        let spec = build_submit(&submit_args(&["--", "true"]))
+            .expect("build")
+            .spec
+            .expect("spec");
+        assert_eq!(spec.startup_timeout_ms, 0, "absent: the cluster's default");
+        for bad in ["0", "604801"] {
+            let argv = [
+                "cumulusctl",
+                "submit",
+                "--startup-timeout-s",
+                bad,
+                "--",
+                "true",
+            ];
+            let err = Cli::try_parse_from(argv).expect_err(bad).to_string();
+            assert!(err.contains("--startup-timeout-s"), "{err}");
+        }
+    }
+
         let c = submit_args(&["--request-id", &long, "--", "true"]);
         assert!(build_submit(&c).is_err());
     }

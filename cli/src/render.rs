@@ -349,6 +349,9 @@ fn schedule_rows(row: &mut dyn FnMut(&str, String), job: &Job, spec: &cumulus_ap
     if spec.stop_grace_ms > 0 {
         row("stop grace", duration_text(spec.stop_grace_ms));
     }
+    if let Some(text) = hang_detection_text(spec) {
+        row("hang detection", text);
+    }
     if spec.priority != 0 || spec.preemptible {
         row("priority", priority_text(spec));
     }
@@ -376,6 +379,36 @@ fn schedule_rows(row: &mut dyn FnMut(&str, String), job: &Job, spec: &cumulus_ap
         }
         row("time limit", limit);
     }
+}
+
+/// The job's hang detection in words: its progress timeout (counted from each
+/// attempt's first report) and its startup timeout (from the process's start to that
+/// report; the cluster's default when the job names none); `None` when both are off.
+fn hang_detection_text(spec: &cumulus_api::JobSpec) -> Option<String> {
+    let startup_ms = if spec.startup_timeout_ms > 0 {
+        spec.startup_timeout_ms
+    } else if spec.progress_timeout_ms > 0 {
+        cumulus_api::limits::DEFAULT_STARTUP_TIMEOUT_MS
+    } else {
+        return None;
+    };
+    let progress = if spec.progress_timeout_ms > 0 {
+        format!(
+            "no progress for {} after the first report",
+            duration_text(spec.progress_timeout_ms)
+        )
+    } else {
+        "no progress timeout".to_string()
+    };
+    let default = if spec.startup_timeout_ms == 0 {
+        ", the default"
+    } else {
+        ""
+    };
+    Some(format!(
+        "{progress}; first report within {} of start (startup timeout{default})",
+        duration_text(startup_ms)
+    ))
 }
 
 /// The rows of `status`'s summary about what the job runs and where its files are,

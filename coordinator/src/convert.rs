@@ -58,6 +58,7 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
             backoff_max_ms: r.backoff_max_ms.unwrap_or(defaults.backoff_max_ms),
         },
         progress_timeout_ms: p.progress_timeout_ms,
+        startup_timeout_ms: p.startup_timeout_ms,
         working_dir: p.working_dir.clone(),
         ckpt_url: p.ckpt_url.clone(),
         ckpt_commit_tier: p.ckpt_commit_tier.to_ascii_lowercase(),
@@ -102,6 +103,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         }),
         progress_timeout_ms: s.progress_timeout_ms,
         working_dir: s.working_dir.clone(),
+        startup_timeout_ms: s.startup_timeout_ms,
         ckpt_url: s.ckpt_url.clone(),
         ckpt_commit_tier: s.ckpt_commit_tier.clone(),
         gpus_per_rank: s.gpus_per_rank,
@@ -161,8 +163,16 @@ fn environment_to_proto(e: &Environment) -> v1::EnvironmentSpec {
 
 fn rank_phase(job: &Job, r: &cumulus_raft_store::state::RankRecord, now_ms: u64) -> RankPhase {
     match r.state {
+/// The phase the APIs show for rank record `r` of `job` at leader time `now_ms`. A
+/// rank of a job that has ended never shows `running` or `pending`: its attempt ended
+/// with the job ([`RankPhase::Stopped`]) until its exit is recorded.
         RankState::Pending if r.not_before_ms > now_ms && job.state == JobState::Running => {
             RankPhase::Waiting
+        RankState::Unplaced | RankState::Pending | RankState::Running
+            if job.state.is_terminal() =>
+        {
+            RankPhase::Stopped
+        }
         }
         RankState::Unplaced | RankState::Pending => RankPhase::Pending,
         RankState::Running => RankPhase::Running,

@@ -34,8 +34,12 @@ pub struct ProgressSoft {
     pub step: u64,
     /// Latest reported total steps.
     pub total_steps: u64,
-    /// When `step` last changed (or the attempt was first observed).
+    /// When `step` last changed, or the attempt made its first report (or was first
+    /// observed).
     pub changed_at: Instant,
+    /// When the leader first saw that the attempt had made a progress report (`None`:
+    /// not yet): its progress timeout counts from there, its startup timeout before.
+    pub first_report_at: Option<Instant>,
     /// When the attempt was last seen in its worker's heartbeat.
     pub seen_at: Instant,
     /// The metrics of its latest report (bounded by the heartbeat's checks).
@@ -49,6 +53,15 @@ pub struct ProgressSoft {
 pub const RATE_SMOOTHING: f64 = 0.3;
 
 impl ProgressSoft {
+    /// Takes the agent's word at `at` that the attempt has made a progress report
+    /// (`reported`): the first time, the progress clock starts (`changed_at`).
+    pub fn mark_reported(&mut self, at: Instant, reported: bool) {
+        if reported && self.first_report_at.is_none() {
+            self.first_report_at = Some(at);
+            self.changed_at = at;
+        }
+    }
+
     /// Takes a report of `step` seen at `at`: updates the rate when the step advanced.
     pub fn advance(&mut self, at: Instant, step: u64) {
         if step > self.step {
@@ -85,6 +98,7 @@ impl ProgressSoft {
             total_steps,
             changed_at: now,
             seen_at: now,
+            first_report_at: None,
             metrics: std::collections::BTreeMap::new(),
             steps_per_s: 0.0,
         }
@@ -100,6 +114,9 @@ pub struct SoftState {
     pub progress: HashMap<AttemptKey, ProgressSoft>,
     /// Term in which this node last started acting as leader (grace is granted then).
     pub leader_term: Option<u64>,
+    /// When this node last started acting as leader: no attempt's startup clock runs
+    /// from before it (a new leader has seen no first report yet).
+    pub leader_since: Option<Instant>,
     /// Progress history per job id (bounded: [`MAX_HISTORY_JOBS`]).
     pub history: HashMap<String, JobHistory>,
 }

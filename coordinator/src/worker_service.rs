@@ -250,6 +250,8 @@ impl WorkerService for WorkerSvc {
                     .entry(key)
                     .or_insert(ProgressSoft::observed_at(at, o.step, o.total_steps));
                 p.advance(at, o.step);
+                // An agent older than `reported` sends a step only once the rank reported.
+                p.mark_reported(at, o.reported || o.step > 0);
                 p.total_steps = o.total_steps;
                 p.seen_at = at;
                 // Finite values under bounded names only (the agent checks them too).

@@ -754,11 +754,12 @@ async fn logs_of_every_attempt_stream_over_sse_and_resume_on_another_coordinator
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hung_rank_is_detected_by_the_progress_timeout() {
+async fn silent_rank_is_detected_by_the_startup_timeout() {
     let cluster = Cluster::start(ClusterOpts::default())
         .await
         .expect("cluster");
-    // Alive but silent: never reports progress, never exits.
+    // Alive but silent: never reports progress, never exits. The progress timeout
+    // counts from a first report, which never comes: the startup timeout finds it.
     let spec = v1::JobSpec {
         world_size: 1,
         command: vec!["sleep".into(), "1000".into()],
@@ -776,7 +777,12 @@ async fn hung_rank_is_detected_by_the_progress_timeout() {
     let pid = running.ranks[0].pid;
     let job = cluster.wait_finished(&job_id, LONG).await;
     assert_eq!(job.state, "failed");
-    assert!(job.failure_cause.contains("hung"), "{}", job.failure_cause);
+    assert!(
+        job.failure_cause
+            .contains("no first report within 3000 ms of start (startup timeout)"),
+        "{}",
+        job.failure_cause
+    );
     // The hung process is stopped by its agent.
     wait_for(
         "the hung process to be killed",
@@ -852,6 +858,7 @@ async fn concurrent_submits_are_each_committed_exactly_once() {
                     allow_pending: false,
                     request_id: request_id.clone(),
                     spec: Some(v1::JobSpec {
+        startup_timeout_ms: 3_000,
                         name: format!("c{i}"),
                         world_size: 2,
                         command: vec!["true".into()],
@@ -1166,3 +1173,4 @@ async fn checkpoint_part_retried_at_a_new_leader_after_its_step_committed_is_ack
     beating.cancel();
     heartbeats.await.expect("heartbeat task");
 }
+        reported: true,

@@ -64,6 +64,7 @@ pub(super) fn observe(node: &Node) -> Observations {
             "acting as leader: every worker gets one heartbeat timeout of grace"
         );
         soft.leader_term = Some(term);
+        soft.leader_since = Some(now);
         for w in &workers {
             soft.workers.insert(
                 w.clone(),
@@ -110,6 +111,9 @@ pub(super) fn observe(node: &Node) -> Observations {
         }
     }
     let lost_after_ms = LOST_AFTER_HEARTBEATS * node.limits.heartbeat_interval_ms;
+    let leader_ms = soft
+        .leader_since
+        .map_or(0, |t| now.duration_since(t).as_millis() as u64);
     for (key, worker, started_at_ms, pending) in running {
         // Only a worker that is heartbeating can tell that it no longer has the attempt.
         let worker_reporting = soft.workers.get(&worker).is_some_and(|w| {
@@ -130,11 +134,23 @@ pub(super) fn observe(node: &Node) -> Observations {
                 .min(now_wall.saturating_sub(not_before_ms))
         } else {
             let progress = soft.progress.get(&key);
-            if let Some(p) = progress {
-                obs.progress_stall_ms.insert(
-                    key.clone(),
-                    now.duration_since(p.changed_at).as_millis() as u64,
-                );
+            match progress {
+                // The progress timeout counts from the attempt's first report...
+                Some(p) if p.first_report_at.is_some() => {
+                    obs.progress_stall_ms.insert(
+                        key.clone(),
+                        now.duration_since(p.changed_at).as_millis() as u64,
+                    );
+                }
+                // ...and the startup timeout from its process's start (the leader's
+                // stamp of it, so a stopped predecessor's grace is not counted), or
+                // from this leader's start when later.
+                _ => {
+                    obs.startup_ms.insert(
+                        key.clone(),
+                        now_wall.saturating_sub(started_at_ms).min(leader_ms),
+                    );
+                }
             }
             match progress {
                 Some(p) => now.duration_since(p.seen_at).as_millis() as u64,

@@ -20,8 +20,13 @@ use super::*;
 pub struct Observations {
     /// Milliseconds since the last heartbeat of each worker the leader tracks.
     pub worker_silence_ms: HashMap<String, u64>,
-    /// Milliseconds since each observed attempt's reported step last changed.
+    /// Milliseconds since each running attempt's reported step last changed, for the
+    /// attempts that have made their first progress report (the clock starts there).
     pub progress_stall_ms: HashMap<AttemptKey, u64>,
+    /// Milliseconds since each running attempt's process started, for the attempts
+    /// that have not made their first progress report yet (the startup timeout's clock;
+    /// a new leader counts from its own start at the latest).
+    pub startup_ms: HashMap<AttemptKey, u64>,
     /// Running attempts their worker stopped reporting (lost by the agent).
     pub lost: HashSet<AttemptKey>,
     /// GPUs (by UUID) whose worker's last heartbeat reported them unhealthy, with why:
@@ -731,7 +736,9 @@ fn fail_unhealthy_attempts(job: &Job, obs: &Observations, actions: &mut Vec<Acti
 
 /// Why the pending or running attempt `r` of `job` has failed, as shown to users:
 /// lost by its worker, placed on a GPU reported unhealthy, or (running only) without
-/// progress for longer than the job's progress timeout; `None` when it has not.
+/// progress for longer than the job's progress timeout since its first report, or
+/// without a first report for longer than its startup timeout since its process
+/// started; `None` when it has not.
 fn failure_cause(job: &Job, r: &RankRecord, obs: &Observations) -> Option<String> {
     let key = AttemptKey::new(job.id.clone(), r.rank, r.attempt);
     if obs.lost.contains(&key) {
@@ -759,7 +766,15 @@ fn failure_cause(job: &Job, r: &RankRecord, obs: &Observations) -> Option<String
             job.spec.progress_timeout_ms
         ))
     } else {
-        None
+        let startup_timeout_ms = job.spec.effective_startup_timeout_ms();
+        (startup_timeout_ms > 0
+            && obs
+                .startup_ms
+                .get(&key)
+                .is_some_and(|s| *s > startup_timeout_ms))
+        .then(|| {
+            format!("no first report within {startup_timeout_ms} ms of start (startup timeout)")
+        })
     }
 }
 

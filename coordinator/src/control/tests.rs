@@ -454,6 +454,62 @@ fn hung_and_lost_ranks_fail_and_rank_scope_restarts_one() {
 fn a_lost_pending_attempt_fails_and_a_stalled_one_is_not_hung() {
     let (mut s, job_id) = state_with_running_job(2, RestartScope::Rank);
     for r in &mut Arc::make_mut(s.jobs.get_mut(&job_id).expect("job")).ranks {
+#[test]
+fn an_attempt_without_a_first_report_is_judged_by_the_startup_timeout_only() {
+    let (mut s, job_id) = state_with_running_job(3, RestartScope::Rank);
+    let mut zero = || 0.0;
+    let key = |r: u32| AttemptKey::new(job_id.clone(), r, 0);
+    let mut obs = Observations::default();
+    // Rank 0 started 5 s ago and has not reported: far past the 1 s progress timeout,
+    // within the default startup timeout (10 minutes).
+    obs.startup_ms.insert(key(0), 5_000);
+    // Rank 1 reported, then nothing for 0.9 s: within its progress timeout.
+    obs.progress_stall_ms.insert(key(1), 900);
+    // Rank 2 has not reported for just over 10 minutes.
+    obs.startup_ms
+        .insert(key(2), cumulus_api::limits::DEFAULT_STARTUP_TIMEOUT_MS + 1);
+    let actions = plan(&s, &obs, 5_000, &mut zero);
+    let [Action::FailRank { rank: 2, cause, .. }] = actions.as_slice() else {
+        panic!("{actions:?}")
+    };
+    assert_eq!(
+        cause,
+        "no first report within 600000 ms of start (startup timeout)"
+    );
+
+    // The job's own startup timeout replaces the default.
+    Arc::make_mut(s.jobs.get_mut(&job_id).expect("job"))
+        .spec
+        .startup_timeout_ms = 4_000;
+    let actions = plan(&s, &obs, 5_000, &mut zero);
+    let ranks: Vec<(u32, &str)> = actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::FailRank { rank, cause, .. } => Some((*rank, cause.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        ranks,
+        vec![
+            (
+                0,
+                "no first report within 4000 ms of start (startup timeout)"
+            ),
+            (
+                2,
+                "no first report within 4000 ms of start (startup timeout)"
+            ),
+        ]
+    );
+
+    // Without a progress timeout or a startup timeout, no attempt is judged at all.
+    let job = Arc::make_mut(s.jobs.get_mut(&job_id).expect("job"));
+    job.spec.startup_timeout_ms = 0;
+    job.spec.progress_timeout_ms = 0;
+    assert!(plan(&s, &obs, 5_000, &mut zero).is_empty());
+}
+
         r.state = RankState::Pending; // placed, not started yet
     }
     let mut zero = || 0.0;

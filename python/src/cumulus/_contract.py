@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MAX_WORKDIR_BYTES",
     "DEFAULT_RESTART_SCOPE",
+    "DEFAULT_STARTUP_TIMEOUT_MS",
     "DEFAULT_SUMMARIES",
     "EXIT_AGENT_UNREACHABLE",
     "EXIT_CANNOT_RUN",
@@ -74,6 +75,7 @@ __all__ = [
     "MAX_SHARDS",
     "MAX_SHARDS_FILE_BYTES",
     "MAX_STATE_JSON_BYTES",
+    "MAX_STARTUP_TIMEOUT_MS",
     "MAX_STOP_GRACE_MS",
     "MAX_SUMMARIES",
     "MAX_TIME_LIMIT_MS",
@@ -211,6 +213,9 @@ EXIT_CANNOT_RUN: Final = 78
 #: Scheme of the identity URI in every certificate the cluster CA issues. Rust:
 #: ``cumulus_tls::IDENTITY_SCHEME``.
 IDENTITY_SCHEME: Final = "cumulus://"
+#: Startup timeout of a job with a progress timeout that names none, in milliseconds. Rust:
+#: ``cumulus_api::limits::DEFAULT_STARTUP_TIMEOUT_MS``.
+DEFAULT_STARTUP_TIMEOUT_MS: Final = 600_000
 #: File name of the pointer to the newest committed step. Rust:
 #: ``cumulus_api::manifest::LATEST_FILE``.
 LATEST_FILE: Final = "LATEST"
@@ -299,6 +304,9 @@ MAX_TIME_LIMIT_MS: Final = 31_536_000_000
 #: Longest bearer token, in bytes. Rust: ``cumulus_api::token::MAX_TOKEN_BYTES``.
 MAX_TOKEN_BYTES: Final = 4096
 #: Most bytes an archive may unpack to. Rust: ``cumulus_api::blobs::MAX_UNPACKED_BYTES``.
+#: Longest startup timeout a job may ask for, in milliseconds. Rust:
+#: ``cumulus_api::limits::MAX_STARTUP_TIMEOUT_MS``.
+MAX_STARTUP_TIMEOUT_MS: Final = 604_800_000
 MAX_UNPACKED_BYTES: Final = 8_589_934_592
 #: Largest world size a job may have. Rust: ``cumulus_api::limits::MAX_WORLD_SIZE``.
 MAX_WORLD_SIZE: Final = 65_536
@@ -564,6 +572,7 @@ ROLES: Final[tuple[str, ...]] = (
 )
 
 
+    STOPPED = "stopped"
 class StopAction(str, enum.Enum):
     """Why the ranks of a running job are asked to stop.
 
@@ -573,6 +582,7 @@ class StopAction(str, enum.Enum):
     STOP = "stop"
     PAUSE = "pause"
     TIME_LIMIT = "time_limit"
+    "stopped",
     PREEMPT = "preempt"
 
 

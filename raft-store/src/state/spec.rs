@@ -89,8 +89,15 @@ pub struct JobSpec {
     pub ckpt_keep: u32,
     /// What a failure restarts, the restart budget and its backoff.
     pub restart: RestartPolicy,
-    /// Hang detection: no progress for this long fails the rank (0 = off), in milliseconds.
+    /// Hang detection: a running attempt whose reported step does not change for this
+    /// long after its first progress report fails (0 = off), in milliseconds.
     pub progress_timeout_ms: u64,
+    /// Longest time from an attempt's process start to its first progress report, in
+    /// milliseconds, at most [`MAX_STARTUP_TIMEOUT_MS`]; past it the attempt is hung. 0:
+    /// [`DEFAULT_STARTUP_TIMEOUT_MS`] when `progress_timeout_ms` is set, else off
+    /// ([`JobSpec::startup_timeout_ms`]).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub startup_timeout_ms: u64,
     /// Working directory of the ranks ("" = the worker's).
     pub working_dir: String,
     /// S3 checkpoint target `s3://bucket/prefix` ("" = none).
@@ -140,6 +147,10 @@ pub struct JobSpec {
     /// (`None`: the worker's own interpreter and packages).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<Environment>,
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
 }
 
 /// A content-addressed blob of the cluster's blob store ([`cumulus_api::blobs`]): only
@@ -215,7 +226,10 @@ const _: () = assert!(shard_planner::WHOLE_GPU_PERMILLE == cumulus_api::gpus::WH
 
 // The stop grace, priority and time limit bounds are the contract's (the CLI and the
 // Python SDK check them too).
-pub use cumulus_api::limits::{MAX_PRIORITY, MAX_STOP_GRACE_MS, MAX_TIME_LIMIT_MS};
+pub use cumulus_api::limits::{
+    DEFAULT_STARTUP_TIMEOUT_MS, MAX_PRIORITY, MAX_STARTUP_TIMEOUT_MS, MAX_STOP_GRACE_MS,
+    MAX_TIME_LIMIT_MS,
+};
 
 impl JobSpec {
     /// The smallest spec: `world_size` ranks running `command`, every other field at the
@@ -233,6 +247,7 @@ impl JobSpec {
             ckpt_keep: DEFAULT_CKPT_KEEP,
             restart: RestartPolicy::default(),
             progress_timeout_ms: 0,
+            startup_timeout_ms: 0,
             working_dir: String::new(),
             ckpt_url: String::new(),
             ckpt_commit_tier: String::new(),
@@ -246,6 +261,20 @@ impl JobSpec {
             preemptible: false,
             workdir: None,
             environment: None,
+        }
+    }
+
+    /// The startup timeout in force, in milliseconds (0: none): the job's own, else
+    /// [`DEFAULT_STARTUP_TIMEOUT_MS`] for a job with hang detection
+    /// (`progress_timeout_ms` > 0). A job that sets neither may never report progress
+    /// and is never judged by it.
+    pub fn effective_startup_timeout_ms(&self) -> u64 {
+        if self.startup_timeout_ms > 0 {
+            self.startup_timeout_ms
+        } else if self.progress_timeout_ms > 0 {
+            DEFAULT_STARTUP_TIMEOUT_MS
+        } else {
+            0
         }
     }
 
@@ -403,6 +432,11 @@ impl JobSpec {
         }
         if self.progress_timeout_ms > MAX_PROGRESS_TIMEOUT_MS {
             return Err(SpecError::ProgressTimeout);
+        }
+        if self.startup_timeout_ms > MAX_STARTUP_TIMEOUT_MS {
+            return Err(SpecError::StartupTimeout {
+                startup_timeout_ms: self.startup_timeout_ms,
+            });
         }
         if self.stop_grace_ms > MAX_STOP_GRACE_MS {
             return Err(SpecError::StopGrace);
@@ -593,6 +627,14 @@ pub enum SpecError {
     /// The progress timeout is above [`MAX_PROGRESS_TIMEOUT_MS`].
     #[error("progress timeout is above 7 days")]
     ProgressTimeout,
+    /// The startup timeout is above [`MAX_STARTUP_TIMEOUT_MS`].
+    #[error(
+        "startup timeout of {startup_timeout_ms} ms is above 7 days ({MAX_STARTUP_TIMEOUT_MS} ms)"
+    )]
+    StartupTimeout {
+        /// The timeout asked for, in milliseconds.
+        startup_timeout_ms: u64,
+    },
     /// A stop grace above [`MAX_STOP_GRACE_MS`].
     #[error("stop grace is above 1 hour")]
     StopGrace,

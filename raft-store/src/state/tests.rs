@@ -1505,6 +1505,39 @@ fn time_limits_are_validated() {
 }
 
 #[test]
+#[test]
+fn startup_timeouts_are_validated_and_default_with_hang_detection() {
+    let timed = |progress_timeout_ms, startup_timeout_ms| JobSpec {
+        progress_timeout_ms,
+        startup_timeout_ms,
+        ..spec(1)
+    };
+    assert_eq!(
+        timed(0, 0).effective_startup_timeout_ms(),
+        0,
+        "no hang detection"
+    );
+    assert_eq!(
+        timed(5_000, 0).effective_startup_timeout_ms(),
+        DEFAULT_STARTUP_TIMEOUT_MS
+    );
+    assert_eq!(timed(5_000, 30_000).effective_startup_timeout_ms(), 30_000);
+    assert_eq!(timed(0, 30_000).effective_startup_timeout_ms(), 30_000);
+    assert!(timed(0, MAX_STARTUP_TIMEOUT_MS).validate(8).is_ok());
+    let err = timed(0, MAX_STARTUP_TIMEOUT_MS + 1)
+        .validate(8)
+        .expect_err("above 7 days");
+    assert!(err.to_string().contains("startup timeout"), "{err}");
+    // A spec stored before the field existed reads back with the default.
+    let mut json = serde_json::to_value(timed(5_000, 0)).expect("json");
+    assert!(json.get("startup_timeout_ms").is_none(), "0 is not written");
+    json.as_object_mut()
+        .expect("object")
+        .remove("startup_timeout_ms");
+    let back: JobSpec = serde_json::from_value(json).expect("old spec");
+    assert_eq!(back.startup_timeout_ms, 0);
+}
+
 fn only_finished_jobs_are_deleted_with_their_request_id() {
     let (mut s, job) = cluster_with_job(1);
     let delete = Command::DeleteJob {

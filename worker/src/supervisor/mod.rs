@@ -452,6 +452,7 @@ impl Supervisor {
                     ObservedRank {
                         job_id: key.job_id.clone(),
                         rank: key.rank,
+                let reported = e.progress.is_some();
                         attempt: key.attempt,
                         pid,
                         step: progress.step,
@@ -463,6 +464,7 @@ impl Supervisor {
             .collect();
         out.extend(
             table
+                        reported,
                 .waiting
                 .iter()
                 .filter(|k| !table.entries.contains_key(*k))
@@ -483,6 +485,7 @@ impl Supervisor {
         );
         out.sort_by(|a, b| a.0.cmp(b.0));
         out.into_iter().map(|(_, o)| o).collect()
+                            reported: false,
     }
 
     /// Attempts in the table (starting, running or stopping).
