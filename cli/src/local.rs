@@ -685,6 +685,23 @@ impl Started {
     }
 }
 
+/// The worker flags of `ranks` for this user ([`Ranks::worker_flags`]), with what ranks
+/// of other users need of `dir` checked ([`check_other_user_ranks`]); on a refusal, `dir`
+/// is removed again when this call `created` it (and it is still empty).
+fn rank_flags_checked(ranks: &Ranks, dir: &Path, created: bool) -> Result<Vec<String>, LocalError> {
+    let flags = ranks.worker_flags(nix::unistd::geteuid().is_root())?;
+    if let [flag, run_as] = flags.as_slice()
+        && flag == "--run-as"
+        && let Err(e) = check_other_user_ranks(dir, run_as)
+    {
+        if created {
+            let _ = fs::remove_dir(dir);
+        }
+        return Err(e);
+    }
+    Ok(flags)
+}
+
 /// Starts the local cluster (or restarts the recorded one) and waits until it is ready.
 /// On a startup failure the processes already started are left running for inspection
 /// only when `keep_on_failure`; otherwise they are stopped.
@@ -695,16 +712,7 @@ pub async fn up(opts: &UpOptions, keep_on_failure: bool) -> Result<Started, Loca
     let dir = opts.dir.canonicalize().map_err(io_err(&opts.dir))?;
     let coord_bin = find_binary(COORDINATOR_BIN, opts.bin_dir.as_deref())?;
     let worker_bin = find_binary(WORKER_BIN, opts.bin_dir.as_deref())?;
-    let rank_flags = opts.ranks.worker_flags(nix::unistd::geteuid().is_root())?;
-    if let [flag, run_as] = rank_flags.as_slice()
-        && flag == "--run-as"
-        && let Err(e) = check_other_user_ranks(&dir, run_as)
-    {
-        if created {
-            let _ = fs::remove_dir(&dir); // only when still empty
-        }
-        return Err(e);
-    }
+    let rank_flags = rank_flags_checked(&opts.ranks, &dir, created)?;
 
     let recorded = ClusterFile::load(&dir).map_err(|e| LocalError::Other(e.to_string()))?;
     let (mut file, token, restarted) = match recorded {

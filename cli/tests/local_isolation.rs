@@ -1,8 +1,9 @@
 //! `cumulusctl local up` run as root keeps a job's code from the cluster's credentials
 //! (issue 39 item 7): its ranks run as a uid of the default range, never root, and cannot
 //! read the token, the peer token, any TLS key, a coordinator's data dir or the logs,
-//! nor write into another job's checkpoint directory. Real processes: `local up`, two
-//! jobs whose ranks are shell scripts probing those paths. Needs root (skipped
+//! nor write into another job's checkpoint directory; a job whose program its user
+//! cannot reach fails at once, naming the directory in the way. Real processes: `local
+//! up`, jobs whose ranks are shell scripts probing those paths. Needs root (skipped
 //! otherwise, saying why) and the workspace's binaries (`cargo build --workspace --bins`).
 
 use std::path::{Path, PathBuf};
@@ -165,6 +166,42 @@ fn ranks_of_a_root_local_cluster_run_as_other_users_and_cannot_read_its_secrets(
         );
     }
     assert!(!intruder.exists(), "the second job wrote into the first's");
+
+    // A program its user cannot reach (as a Python under /root): the job fails at once,
+    // no restart spent, and the message names the directory in the way and the fix.
+    let closed = tmp.path().join("closed");
+    std::fs::create_dir(&closed).expect("mkdir");
+    let tool = closed.join("tool");
+    std::fs::write(&tool, "#!/bin/sh\necho never runs\n").expect("write");
+    std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let out = ctl(
+        &local,
+        &[
+            "submit",
+            "--world-size",
+            "1",
+            "--max-restarts",
+            "3",
+            "--wait",
+            "--wait-timeout-s",
+            "120",
+            "--",
+            tool.to_str().expect("utf-8"),
+        ],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    let named = format!("cannot search {} (mode 0700, owner 0:0)", closed.display());
+    assert!(
+        stderr.contains(&named) && stderr.contains("--allow-root"),
+        "the failure does not name {} and the fix:\n{stderr}",
+        closed.display()
+    );
+    assert!(
+        stdout.contains("0 used of 3"),
+        "a restart was spent:\n{stdout}"
+    );
     // What was denied exists and is not empty (the test would pass on a missing file).
     for f in &secrets {
         assert!(
