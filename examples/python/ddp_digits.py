@@ -213,8 +213,13 @@ class Checkpoints:
 
     def _committed(self, p: ckpt.PendingCheckpoint) -> None:
         """Waits for ``p``; raises its error (StaleAttempt: this attempt was replaced)."""
-        part = p.wait()
-        print(f"rank={self.rank} checkpoint {p.step} committed: {part.dir}", flush=True)
+        self._say(p.step, p.wait())
+
+    def _say(self, step: int, part: runtime.CommittedPart | None) -> None:
+        if part is None:  # refused: this rank is being stopped (cancelled, replaced)
+            print(f"rank={self.rank} checkpoint {step} not committed: stopping", flush=True)
+        else:
+            print(f"rank={self.rank} checkpoint {step} committed: {part.dir}", flush=True)
 
     def reap(self) -> None:
         """Takes the background checkpoint's result once it is done."""
@@ -239,16 +244,10 @@ class Checkpoints:
             # Blocks while the state is copied; written and committed meanwhile.
             self.pending = ckpt.save_checkpoint_async(step, state, **objects)
             return
-        try:
-            self.drain()
-            part = ckpt.save_checkpoint(step, state, **objects)
-        except errors.StaleAttempt as e:
-            # Cancelled, or replaced by a restart: nothing to keep.
-            print(f"rank={self.rank} stop checkpoint refused: {e}", flush=True)
-        else:
-            print(
-                f"rank={self.rank} checkpoint {step} committed: {part.dir}", flush=True
-            )
+        self.drain()
+        # Refused (None) when the job was cancelled or this attempt replaced: nothing to
+        # keep, and not an error.
+        self._say(step, ckpt.save_checkpoint(step, state, **objects))
 
 
 def kill_self(

@@ -184,6 +184,13 @@ class Custom:
         self.state = dict(s)
 
 
+def committed(part: CommittedPart | None) -> CommittedPart:
+    """The part a commit returned, committed: ``None`` (refused because the rank was
+    asked to stop) is never expected here."""
+    assert part is not None, "the part was not committed"
+    return part
+
+
 def files_of(part: CommittedPart) -> dict[str, bytes]:
     assert part.path is not None
     return {p.name: p.read_bytes() for p in sorted(part.path.iterdir())}
@@ -253,8 +260,8 @@ def test_the_files_are_byte_identical_to_save_checkpoint(rt: Runtime) -> None:
     net.step()
     net.step()  # the optimizer and the scheduler have state
     state = {"epoch": 3, "seen": [1, 2.5, "x"]}
-    sync = ckpt.save_checkpoint(1, state, **net.objects())
-    part = ckpt.save_checkpoint_async(2, state, **net.objects()).wait(10)
+    sync = committed(ckpt.save_checkpoint(1, state, **net.objects()))
+    part = committed(ckpt.save_checkpoint_async(2, state, **net.objects()).wait(10))
     expected, got = files_of(sync), files_of(part)
     assert (
         sorted(got)
@@ -284,8 +291,8 @@ def test_the_files_are_byte_identical_to_save_checkpoint(rt: Runtime) -> None:
     assert ckpt._buffers is not None
     buffers = {k: b.data_ptr() for k, (b, _) in ckpt._buffers[1].items()}
     net.step()
-    sync = ckpt.save_checkpoint(3, state, **net.objects())
-    part = ckpt.save_checkpoint_async(4, state, **net.objects()).wait(10)
+    sync = committed(ckpt.save_checkpoint(3, state, **net.objects()))
+    part = committed(ckpt.save_checkpoint_async(4, state, **net.objects()).wait(10))
     assert files_of(part) == files_of(sync)
     assert ckpt._buffers is not None
     assert {k: b.data_ptr() for k, (b, _) in ckpt._buffers[1].items()} == buffers
@@ -296,8 +303,8 @@ def test_the_host_buffers_can_be_released(rt: Runtime) -> None:
     first = ckpt.save_checkpoint_async(1, model=net.model)
     ckpt.release_async_buffers()  # while the commit is in flight: it keeps its own
     assert ckpt._buffers is None
-    assert first.wait(10).step == 1
-    assert ckpt.save_checkpoint_async(2, model=net.model).wait(10).step == 2
+    assert committed(first.wait(10)).step == 1
+    assert committed(ckpt.save_checkpoint_async(2, model=net.model).wait(10)).step == 2
     assert ckpt._buffers is not None
     ckpt.release_async_buffers()
     assert ckpt._buffers is None
@@ -326,7 +333,7 @@ def test_training_after_the_call_does_not_change_the_checkpoint(
     state["epoch"] = 2
     state["names"].append("b")
     may_write.set()
-    part = pending.wait(10)
+    part = committed(pending.wait(10))
 
     assert part.path is not None
     for p in sorted(expected_dir.iterdir()):
@@ -366,7 +373,7 @@ def test_a_second_call_waits_for_the_first(
     g.open()
     t.join(10)
     assert second and first.done()
-    assert first.wait().step == 10 and second[0].wait(10).step == 20
+    assert committed(first.wait()).step == 10 and committed(second[0].wait(10)).step == 20
     assert [r.body["step"] for r in agent.of("/v1/checkpoint")] == [10, 20]
 
 
@@ -378,7 +385,7 @@ def test_save_checkpoint_waits_for_the_pending_commit(
     pending = ckpt.save_checkpoint_async(10, model=net.model)
     assert g.entered.wait(10)
     threading.Timer(0.2, g.open).start()
-    part = ckpt.save_checkpoint(20, model=net.model)
+    part = committed(ckpt.save_checkpoint(20, model=net.model))
     assert pending.done() and part.step == 20
     assert [r.body["step"] for r in agent.of("/v1/checkpoint")] == [10, 20]
 
@@ -395,7 +402,7 @@ def test_a_stale_verdict_is_raised_by_wait(rt: Runtime, agent: FakeAgent, status
     with pytest.raises(errors.StaleAttempt):
         ckpt.wait_pending()
     # Raised already: the next checkpoint goes ahead.
-    assert ckpt.save_checkpoint_async(11, model=net.model).wait(10).step == 11
+    assert committed(ckpt.save_checkpoint_async(11, model=net.model).wait(10)).step == 11
 
 
 def test_an_error_never_waited_for_is_raised_by_the_next_call(
@@ -410,7 +417,7 @@ def test_an_error_never_waited_for_is_raised_by_the_next_call(
     assert len(agent.of("/v1/checkpoint")) == 1  # the second was not started
     assert list(staging.iterdir()) == []
     # Once raised, it is not raised again.
-    assert ckpt.save_checkpoint_async(20, model=net.model).wait(10).step == 20
+    assert committed(ckpt.save_checkpoint_async(20, model=net.model).wait(10)).step == 20
 
     # save_checkpoint raises it too.
     agent.queue("/v1/checkpoint", (409, {"error": "stale again"}))
@@ -418,7 +425,7 @@ def test_an_error_never_waited_for_is_raised_by_the_next_call(
     wait_for(pending.done, 10, "the commit to end")
     with pytest.raises(errors.StaleAttempt, match="stale again"):
         ckpt.save_checkpoint(40, model=net.model)
-    assert ckpt.save_checkpoint(40, model=net.model).step == 40
+    assert committed(ckpt.save_checkpoint(40, model=net.model)).step == 40
 
 
 def test_commit_failures_are_retried_as_save_checkpoint_does(
@@ -431,7 +438,7 @@ def test_commit_failures_are_retried_as_save_checkpoint_does(
 
     agent.queue("/v1/checkpoint", storage_failure, (503, {"error": "leader unreachable"}))
     net = Net()
-    part = ckpt.save_checkpoint_async(10, model=net.model).wait(10)
+    part = committed(ckpt.save_checkpoint_async(10, model=net.model).wait(10))
     assert [r.body["step"] for r in agent.of("/v1/checkpoint")] == [10, 10, 10]
     assert part.path is not None
     assert sorted(p.name for p in part.path.iterdir()) == [
@@ -455,7 +462,7 @@ def test_what_is_checked_before_the_copy_is_raised_by_the_call(
     with pytest.raises(TypeError, match=r"cannot checkpoint a builtins\.object"):
         ckpt.save_checkpoint_async(11, thing=object())
     assert len(agent.of("/v1/checkpoint")) == 1
-    assert ckpt.save_checkpoint_async(11, model=net.model).wait(10).step == 11
+    assert committed(ckpt.save_checkpoint_async(11, model=net.model).wait(10)).step == 11
 
 
 def test_objects_that_cannot_be_copied_name_save_checkpoint(rt: Runtime, agent: FakeAgent) -> None:
@@ -464,7 +471,7 @@ def test_objects_that_cannot_be_copied_name_save_checkpoint(rt: Runtime, agent: 
     with pytest.raises(TypeError, match=r"'est'.*cumulus\.ckpt\.save_checkpoint"):
         ckpt.save_checkpoint_async(10, model=Net().model, est=est)
     assert agent.of("/v1/checkpoint") == []
-    assert ckpt.save_checkpoint(10, est=est).step == 10
+    assert committed(ckpt.save_checkpoint(10, est=est)).step == 10
 
 
 def test_standalone_it_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -484,7 +491,7 @@ def test_close_waits_for_the_pending_commit(
     start = time.monotonic()
     rt.close(1)
     assert pending.done() and time.monotonic() - start >= 0.2
-    assert pending.wait().step == 10
+    assert committed(pending.wait()).step == 10
 
 
 # -- at exit -----------------------------------------------------------------------------

@@ -830,6 +830,7 @@ def test_submit_builds_the_spec(
         restart_scope="rank",
         backoff_initial_ms=100,
         progress_timeout_s=1.5,
+        startup_timeout_s=90,
         ckpt_keep=2,
         request_id="rid-1",
     )
@@ -842,11 +843,15 @@ def test_submit_builds_the_spec(
     assert spec["ckpt_dir"] == "s3://not-a-dir"
     assert spec["restart"] == {"scope": "rank", "max_restarts": 5, "backoff_initial_ms": 100}
     assert spec["progress_timeout_ms"] == 1500
+    assert spec["startup_timeout_ms"] == 90_000
 
 
 def test_submit_checks_its_arguments(client: Client) -> None:
     with pytest.raises(TypeError, match="shlex"):
         client.submit("python t.py")  # a str is a Sequence[str]: refused at run time
+    for bad in (0, -1, 0.0001, 7 * 86_400 + 1, True, "60"):
+        with pytest.raises(errors.InvalidSpec, match="startup_timeout_s"):
+            client.submit(["true"], startup_timeout_s=bad)  # type: ignore[arg-type]
     with pytest.raises(errors.InvalidSpec, match="world_size"):
         client.submit(["x"], world_size=0)
     with pytest.raises(errors.InvalidSpec, match="env"):

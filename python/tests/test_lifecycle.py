@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -302,3 +303,104 @@ def test_purge_deletes_old_jobs_of_one_finished_state_only(
     with pytest.raises(errors.InvalidSpec, match="older_than_s"):
         client.purge(older_than_s=0)
     assert succeeded.status().succeeded
+
+
+#: A rank that starts slowly (``sys.argv[1]`` seconds before its first report: the
+#: interpreter, imports, a rendezvous), then reports 30 steps of 50 ms. Rank 0 ignores
+#: SIGTERM, so a stop of it lasts the job's whole stop grace; rank 1's first attempt
+#: kills itself at step 10. With ``sys.argv[1] == "never"`` it never reports at all.
+SLOW_START = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from cumulus import runtime
+    ctx = runtime.get_context()
+    if sys.argv[1] == "never":
+        time.sleep(600)
+    if ctx.rank == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(float(sys.argv[1]))
+    for step in range(1, 31):
+        runtime.report(step, 30)
+        if ctx.rank == 1 and ctx.attempt == 0 and step == 10:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.05)
+    runtime.flush()
+    """
+)
+
+
+def test_a_slow_start_is_not_a_hang_and_no_first_report_is_a_startup_timeout(
+    cluster: LocalCluster, client: cumulus.Client
+) -> None:
+    # A start (4 s) twice the progress timeout (2 s), and a restart whose rank 0 takes
+    # the whole stop grace (3 s) to go: neither counts against the progress timeout,
+    # which starts at each attempt's first report. The default startup timeout (10
+    # minutes) bounds the time to it.
+    slow = client.submit(
+        [sys.executable, "-c", SLOW_START, "4"],
+        world_size=2,
+        progress_timeout_s=2,
+        stop_grace_s=3,
+        max_restarts=1,
+        backoff_initial_ms=100,
+        name="python-slow-start",
+    )
+    # A rank that never reports fails by its startup timeout, which says so.
+    silent = client.submit(
+        [sys.executable, "-c", SLOW_START, "never"],
+        progress_timeout_s=2,
+        startup_timeout_s=3,
+        max_restarts=0,
+        name="python-never-reports",
+    )
+    described = cluster.cumulusctl("describe", silent.id)
+    assert described.returncode == 0, described.stderr
+    assert "first report within 3s of start (startup timeout)" in described.stdout, described.stdout
+
+    failed = silent.wait(timeout_s=JOB_TIMEOUT_S)
+    assert failed.state == "failed", explain(silent, cluster)
+    assert (
+        "rank 0 attempt 0: no first report within 3000 ms of start (startup timeout)"
+        in failed.failure_cause
+    ), explain(silent, cluster)
+
+    done = slow.wait(timeout_s=JOB_TIMEOUT_S)
+    assert done.succeeded, explain(slow, cluster)
+    assert done.restarts_used == 1, explain(slow, cluster)
+    (restart,) = done.restarts
+    assert restart.cause.startswith("rank 1 attempt 0 was killed by signal 9"), restart
+    assert [r.attempt for r in done.ranks] == [1, 1], done
+
+
+def test_a_cancel_stops_the_readme_loop_cleanly(
+    cluster: LocalCluster, client: cumulus.Client, tmp_path: Path
+) -> None:
+    # python/README.md's loop checkpoints when should_stop(): on a cancel that
+    # checkpoint is refused, which the runtime takes as the stop it is (no StaleAttempt):
+    # every rank exits 0, and the cancelled job shows no rank running.
+    job = client.submit(
+        [sys.executable, str(PROGRAMS / "readme_loop.py")],
+        world_size=2,
+        ckpt_dir=tmp_path / "ckpt",
+        name="python-readme-cancel",
+    )
+    wait_for(
+        lambda: all(r.step >= 5 for r in job.status().ranks),
+        STEP_TIMEOUT_S,
+        f"{job.id} to report a few steps on every rank",
+    )
+    job.cancel()
+    info = job.wait(timeout_s=JOB_TIMEOUT_S)
+    assert info.state == "cancelled", explain(job, cluster)
+    assert not [r for r in info.ranks if r.state in ("running", "pending")], info.ranks
+    ended: cumulus.JobInfo = wait_for(
+        status_when(job, lambda i: all(r.exit_code is not None for r in i.ranks)),
+        STEP_TIMEOUT_S,
+        f"the exits of {job.id}'s ranks to be recorded",
+    )
+    assert [(r.exit_code, r.signal, r.state) for r in ended.ranks] == [
+        (0, None, "exited"),
+        (0, None, "exited"),
+    ], explain(job, cluster)
+    lines = [x.line for x in job.logs(follow=False)]
+    assert not [line for line in lines if "Traceback" in line or "StaleAttempt" in line], lines

@@ -293,6 +293,36 @@ def test_leader_failures_are_retried(rt: Runtime, agent: FakeAgent) -> None:
     assert [r.body["step"] for r in agent.of("/v1/checkpoint")] == [10, 10, 10]
 
 
+@pytest.mark.parametrize("asked", ["action", "sigterm", "unknown until refused"])
+def test_a_part_refused_after_a_stop_request_is_a_clean_stop(
+    rt: Runtime, agent: FakeAgent, staging: Path, asked: str
+) -> None:
+    # A cancelled (or replaced) attempt's stop checkpoint: the agent refuses it (409);
+    # the rank was asked to stop, so that is the stop itself, not an error.
+    agent.action = "stop"
+    if asked == "action":
+        assert rt.should_stop()
+    elif asked == "sigterm":
+        _stop.request_stop()
+    # "unknown until refused": the runtime asks the agent once the part is refused.
+    refusal = (409, {"error": "attempt job-000001/0/0 is no longer desired on this worker"})
+    agent.queue("/v1/checkpoint", refusal, refusal)
+    with rt.checkpoint(10, state={"k": 1}) as part:
+        (part / "model.bin").write_bytes(b"w")
+    assert part.committed is None
+    assert list(staging.iterdir()) == [], "nothing is left staged"
+    assert rt.save_checkpoint(11, lambda d: (d / "m").write_bytes(b"w")) is None
+    assert rt.checkpointer.last_committed_step is None
+    assert len(agent.of("/v1/checkpoint")) == 2
+
+
+def test_a_part_refused_without_a_stop_request_still_raises(rt: Runtime, agent: FakeAgent) -> None:
+    agent.queue("/v1/checkpoint", (409, {"error": "attempt 0 of rank 0 is stale"}))
+    with pytest.raises(errors.StaleAttempt, match="is stale"), rt.checkpoint(10):
+        pass
+    assert rt.stop_request() is None
+
+
 def test_a_refused_commit_is_not_retried(rt: Runtime, agent: FakeAgent, staging: Path) -> None:
     agent.queue("/v1/checkpoint", (400, {"error": "job has no checkpoint dir"}))
     with pytest.raises(errors.CheckpointFailed, match="not retryable") as e, rt.checkpoint(10):
@@ -349,6 +379,7 @@ def test_steps_must_increase(rt: Runtime, agent: FakeAgent) -> None:
         with pytest.raises(errors.InvalidStep, match="not after step 10"), rt.checkpoint(step):
             pass
     with pytest.raises(errors.InvalidStep), rt.checkpoint(-1):
+    assert part is not None
         pass
     assert len(agent.of("/v1/checkpoint")) == 1
 

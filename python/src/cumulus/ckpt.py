@@ -819,13 +819,15 @@ def load(directory: str | os.PathLike[str], /, **objects: Any) -> dict[str, Any]
 
 def save_checkpoint(
     step: int, /, state: Mapping[str, Any] | None = None, **objects: Any
-) -> CommittedPart:
+) -> CommittedPart | None:
     """Writes ``objects`` with :func:`save` into this rank's staging dir and commits it as
     checkpoint ``step`` with the JSON ``state`` (see
     :func:`cumulus.runtime.save_checkpoint`: written again before every retry). The name
-    ``state`` is taken by the JSON state; name objects otherwise. Returns once the part
-    is committed; first waits for a commit :func:`save_checkpoint_async` left in flight
-    (raising its error if :meth:`PendingCheckpoint.wait` did not).
+    ``state`` is taken by the JSON state; name objects otherwise. Returns the part once
+    it is committed (``None`` when it was refused because this rank was asked to stop,
+    e.g. its job was cancelled: just exit 0); first waits for a commit
+    :func:`save_checkpoint_async` left in flight (raising its error if
+    :meth:`PendingCheckpoint.wait` did not).
 
     Pass the objects at each call: a tensor or array that is no longer what its name's
     variable holds in the calling code raises :class:`StaleObject` before anything is

@@ -136,6 +136,11 @@ WAIT_POLL_GROWTH = 1.25
 _MAX_PRIORITY = _contract.MAX_PRIORITY
 #: Longest stop grace a job may ask for, in seconds.
 _MAX_STOP_GRACE_S = _contract.MAX_STOP_GRACE_MS // 1000
+#: Longest startup timeout a job may ask for, in seconds (7 days).
+MAX_STARTUP_TIMEOUT_S = _contract.MAX_STARTUP_TIMEOUT_MS // 1000
+#: Startup timeout of a job with a progress timeout that names none, in seconds (the
+#: coordinator's ``DEFAULT_STARTUP_TIMEOUT_MS``).
+DEFAULT_STARTUP_TIMEOUT_S = _contract.DEFAULT_STARTUP_TIMEOUT_MS / 1000
 
 
 def new_request_id() -> str:
@@ -452,6 +457,27 @@ def _stop_grace_ms(stop_grace_s: float | None) -> int | None:
             status=None,
         )
     return round(stop_grace_s * 1000)
+
+
+def _startup_timeout_ms(startup_timeout_s: float | None) -> int:
+    """``startup_timeout_s`` in milliseconds (0, the cluster's default, when not given).
+
+    :raises InvalidSpec: not a number of seconds with ``0 < s <=``
+        :data:`MAX_STARTUP_TIMEOUT_S` (``bool`` refused)."""
+    if startup_timeout_s is None:
+        return 0
+    if (
+        isinstance(startup_timeout_s, bool)
+        or not isinstance(startup_timeout_s, (int, float))
+        or not 0 < startup_timeout_s <= MAX_STARTUP_TIMEOUT_S
+        or round(startup_timeout_s * 1000) == 0
+    ):
+        raise InvalidSpec(
+            f"startup_timeout_s must be a number of seconds with 0 < s <= "
+            f"{MAX_STARTUP_TIMEOUT_S} (7 days), got {startup_timeout_s!r}",
+            status=None,
+        )
+    return round(startup_timeout_s * 1000)
 
 
 def _check_priority(priority: int | None) -> None:
@@ -914,6 +940,7 @@ class Client:
         backoff_initial_ms: int | None = None,
         backoff_max_ms: int | None = None,
         progress_timeout_s: float | None = None,
+        startup_timeout_s: float | None = None,
         ckpt_url: str | None = None,
         ckpt_commit_tier: str | None = None,
         gpus_per_rank: int | None = None,
@@ -948,7 +975,13 @@ class Client:
         :param backoff_initial_ms: delay before the first restart, milliseconds.
         :param backoff_max_ms: upper bound of the restart delay, milliseconds.
         :param progress_timeout_s: a rank whose reported step does not advance for this
-            many seconds is declared hung and restarted (``None``/0: off).
+            many seconds after its first progress report is declared hung and restarted
+            (``None``/0: off). Choose a few times the longest gap between two reports.
+        :param startup_timeout_s: the longest time from a rank's process start to its
+            first progress report (interpreter, imports, data loading, rendezvous) before
+            it is declared hung, ``0 < s <= 7 days``. ``None``: the cluster's default
+            (:data:`DEFAULT_STARTUP_TIMEOUT_S`, 10 minutes) when ``progress_timeout_s``
+            is set, no bound otherwise.
         :param ckpt_url: S3 checkpoint target ``s3://bucket/prefix``.
         :param ckpt_commit_tier: with ``ckpt_url``: ``"l2"`` (default) or ``"l1"``.
         :param gpus_per_rank: whole GPUs each rank gets (0..=64; ``None``/0: none), distinct
@@ -1047,6 +1080,7 @@ class Client:
             "ckpt_dir": _absolute(ckpt_dir),
             "restart": restart,
             "progress_timeout_ms": round((progress_timeout_s or 0) * 1000),
+            "startup_timeout_ms": _startup_timeout_ms(startup_timeout_s),
             "working_dir": _absolute(working_dir),
             "ckpt_url": ckpt_url or "",
             "ckpt_commit_tier": ckpt_commit_tier or "",

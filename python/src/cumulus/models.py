@@ -200,7 +200,8 @@ class RankInfo:
     attempt: int
     #: Worker the current attempt is placed on (``""`` when unplaced).
     worker_id: str
-    #: ``pending`` | ``waiting`` (restart backoff) | ``running`` | ``exited`` | ``failed``.
+    #: ``pending`` | ``waiting`` (restart backoff) | ``running`` | ``exited`` | ``failed``
+    #: | ``stopped`` (the job ended first; never ``running`` in a job that has ended).
     state: str
     exit_code: int | None
     signal: int | None

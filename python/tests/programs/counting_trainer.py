@@ -11,8 +11,9 @@ At the end each rank writes ``<out>/rank-<R>.json``. Fault injection:
 * ``--kill-rank R --kill-at-step S``: rank R's first attempt SIGKILLs itself at step S,
   once the job's newest checkpoint is committed (``LATEST`` written by the leader).
 * ``--stale-probe``: a first attempt of another rank, once asked to stop (SIGTERM),
-  tries one more checkpoint commit and records what it raised in
-  ``<out>/probe-rank-<R>.attempt-<A>.json`` (the agent must refuse it: stale).
+  tries one more checkpoint commit and records its outcome in
+  ``<out>/probe-rank-<R>.attempt-<A>.json`` (the agent must refuse it, and the runtime
+  return it uncommitted: ``"refused"``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def probe_and_exit(rt: runtime.Runtime, out: Path, step: int) -> int:
     try:
         with rt.checkpoint(step + 1000, state={"probe": True}) as part:
             (part / "probe.txt").write_text("stale")
-        record["error"] = "committed"
+        record["error"] = "committed" if part.committed is not None else "refused"
     except errors.StaleAttempt as e:
         record["error"], record["status"] = "StaleAttempt", e.status
     except errors.CumulusError as e:
@@ -125,7 +126,9 @@ def main() -> int:
                     raise
                 # Replaced while committing: the probe's outcome already.
                 return probe_and_exit(rt, args.out, step)
-            assert part.committed is not None
+            if part.committed is None:  # refused: this attempt is being stopped
+                print(f"rank={ctx.rank} checkpoint {step} not committed: stopping", flush=True)
+                return 0
             print(f"rank={ctx.rank} checkpoint {step} committed: {part.committed.dir}", flush=True)
         if (
             ctx.rank == args.kill_rank

@@ -36,7 +36,9 @@ notice period, SIGKILL after the job's stop grace.
   checkpoint at the current step and exit 0. For a pause or a preemption the job resumes
   from that checkpoint later (:func:`resume`); at a time limit it ends ``timed_out`` with
   it. For ``"stop"`` (cancelled, or replaced by a group restart) the checkpoint is not
-  needed and may be refused (:class:`~cumulus.errors.StaleAttempt`): just exit.
+  needed and is refused: the call returns without committing
+  (:meth:`Runtime.save_checkpoint` returns ``None``, the ``checkpoint()`` block's
+  ``committed`` stays ``None``), never raising for it: just exit 0.
 * :func:`should_pause` is true when the job will continue later (``"pause"`` or
   ``"preempt"``).
 * :func:`stop_request` names what was asked: the action, ``"signal"`` for a SIGTERM
@@ -117,7 +119,12 @@ from cumulus.runtime._rng import RNG_STATE_VERSION, rng_state, set_rng_state
 from cumulus.runtime._sampler import EpochSampler
 from cumulus.runtime._schedule import CheckpointSchedule
 from cumulus.runtime._shards import ShardReader, shard_format
-from cumulus.runtime._stop import install_stop_handler, request_stop, stop_signalled
+from cumulus.runtime._stop import (
+    install_stop_handler,
+    request_stop,
+    stop_handler_installed,
+    stop_signalled,
+)
 
 __all__ = [
     "COMMIT_DEADLINE_S",
@@ -196,7 +203,9 @@ class Runtime:
         #: The agent client, ``None`` standalone.
         self.agent = agent
         #: Commits and resumes this rank's checkpoint parts.
-        self.checkpointer = Checkpointer(context, agent, commit_deadline_s=commit_deadline_s)
+        self.checkpointer = Checkpointer(
+            context, agent, commit_deadline_s=commit_deadline_s, stop_asked=self._asked_to_stop
+        )
         #: What the agent asked of this rank (see :meth:`stop_request`).
         self.control = StopControl(agent, poll_interval_s=control_poll_interval_s)
         self._reporter = (
@@ -247,11 +256,15 @@ class Runtime:
                 torch.save(model.state_dict(), part / "model.pt")
             print(part.committed.dir)   # step-00000100/rank-0/attempt-1
 
+        A part refused because this rank was asked to stop (cancelled, replaced) is not
+        an error: ``part.committed`` stays ``None``; exit 0.
+
         :raises NotInCumulusRank: standalone run.
         :raises CheckpointsDisabled: the job has no checkpoint dir.
         :raises InvalidStep: ``step`` is not after the last committed or resumed step.
         :raises InvalidState: ``state`` is not a JSON object of at most 64 KiB.
-        :raises StaleAttempt: this attempt was replaced (HTTP 409/401): exit now.
+        :raises StaleAttempt: this attempt was replaced (HTTP 409/401) before it was
+            asked to stop: exit now.
         :raises CheckpointFailed: the commit failed until the commit deadline.
         """
         return self.checkpointer.checkpoint(step, state)
@@ -261,10 +274,11 @@ class Runtime:
         step: int,
         write: Callable[[Path], None],
         state: Mapping[str, Any] | None = None,
-    ) -> CommittedPart:
+    ) -> CommittedPart | None:
         """Commits checkpoint ``step`` whose files ``write(staging_dir)`` writes, calling
-        it again before every retry (see :meth:`Checkpointer.save`). Raises as
-        :meth:`checkpoint`."""
+        it again before every retry (see :meth:`Checkpointer.save`), and returns the
+        committed part; ``None`` when it was refused because this rank was asked to stop
+        (see :meth:`checkpoint`). Raises as :meth:`checkpoint`."""
         return self.checkpointer.save(step, write, state)
 
     def resume(self) -> ResumePoint | None:
@@ -364,6 +378,15 @@ class Runtime:
             initialized process group.
         """
         return any_rank(self.should_stop(), group)
+
+    def _asked_to_stop(self) -> bool:
+        """Whether this rank was asked to stop (SIGTERM, or an action of the agent, which
+        is asked at once when none is known): a checkpoint refused then is refused
+        because the attempt is ending, and is not an error (see :class:`Checkpointer`).
+        Safe from any thread."""
+        if stop_handler_installed() and stop_signalled():
+            return True
+        return self.control.poll_now() is not None
 
     def should_pause(self) -> bool:
         """True when the job will continue later from the checkpoint committed now: the
@@ -505,7 +528,7 @@ def checkpoint(
 
 def save_checkpoint(
     step: int, write: Callable[[Path], None], state: Mapping[str, Any] | None = None
-) -> CommittedPart:
+) -> CommittedPart | None:
     """Writes (again on retry) and commits checkpoint ``step``; see
     :meth:`Runtime.save_checkpoint`."""
     return get_runtime().save_checkpoint(step, write, state)

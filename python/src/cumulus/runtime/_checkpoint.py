@@ -9,6 +9,13 @@ can be resumed from) once every rank's part of it is.
 
 :meth:`Checkpointer.save_async` does the writing and the commit on a background thread
 (one commit in flight at a time); :class:`PendingCheckpoint` is its handle.
+
+A commit refused (HTTP 409/401) after this rank was asked to stop (a cancel, a group
+restart replacing it, SIGTERM) is a clean stop, not an error: the attempt is ending, the
+part is not committed, and the call returns ``None`` (``StagedCheckpoint.committed``
+stays ``None``) instead of raising :class:`~cumulus.errors.StaleAttempt`, so the usual
+loop (checkpoint when ``should_stop()``, then exit 0) exits 0. Without a stop request a
+refusal still raises.
 """
 
 from __future__ import annotations
@@ -127,7 +134,8 @@ class PendingCheckpoint:
     :meth:`Checkpointer.save_async` (and :func:`cumulus.ckpt.save_checkpoint_async`).
 
     Its outcome is the one the synchronous call would have had: :meth:`wait` returns the
-    :class:`CommittedPart` or raises the error (:class:`~cumulus.errors.StaleAttempt`,
+    :class:`CommittedPart` (``None``: refused because this rank is being stopped) or
+    raises the error (:class:`~cumulus.errors.StaleAttempt`,
     :class:`~cumulus.errors.CheckpointFailed`, an ``OSError`` of the first write...). An
     error nobody asked for with :meth:`wait` is raised by the rank's next checkpoint
     instead, or, failing that, logged on stderr at exit.
@@ -155,10 +163,11 @@ class PendingCheckpoint:
         """Whether the commit has ended (committed, or failed); never blocks."""
         return self._done.is_set()
 
-    def wait(self, timeout_s: float | None = None) -> CommittedPart:
+    def wait(self, timeout_s: float | None = None) -> CommittedPart | None:
         """Waits until the part is committed (at most ``timeout_s`` seconds; ``None``: as
-        long as the commit takes, which its retry deadline bounds) and returns it. May be
-        called again: it returns the same part, or raises the same error.
+        long as the commit takes, which its retry deadline bounds) and returns it, or
+        ``None`` when it was refused because this rank is being stopped (see the module
+        doc). May be called again: it returns the same part, or raises the same error.
 
         :raises TimeoutError: still in flight after ``timeout_s`` seconds (it goes on).
         :raises StaleAttempt: this attempt was replaced (HTTP 409/401): exit now.
@@ -171,12 +180,11 @@ class PendingCheckpoint:
             )
         return self._outcome()
 
-    def _outcome(self) -> CommittedPart:
+    def _outcome(self) -> CommittedPart | None:
         if self._error is not None:
             self._raised = True
             _untrack(self)
             raise self._error
-        assert self._part is not None
         return self._part
 
     def _finish(self, part: CommittedPart | None, error: BaseException | None) -> None:
@@ -314,7 +322,8 @@ class Checkpointer:
     after the first try when the agent could not be reached or answered 502/503 (the
     leader failed or was unreachable: the agent keeps the part and re-reports it). A
     409/401 raises :class:`~cumulus.errors.StaleAttempt` at once: another attempt replaced
-    this one, and the rank must exit.
+    this one, and the rank must exit; when ``stop_asked()`` says this rank was already
+    asked to stop, the refusal is the stop's own and the commit returns ``None`` instead.
 
     One checkpoint at a time: :meth:`save_async` commits on a background thread, and every
     checkpoint (:meth:`checkpoint`, :meth:`save`, :meth:`save_async`) first waits for the
@@ -327,10 +336,14 @@ class Checkpointer:
         agent: AgentClient | None,
         *,
         commit_deadline_s: float = COMMIT_DEADLINE_S,
+        stop_asked: Callable[[], bool] | None = None,
     ) -> None:
         self.context = context
         self._agent = agent
         self.commit_deadline_s = commit_deadline_s
+        #: Whether this rank was asked to stop (an agent action or SIGTERM), checked when
+        #: a commit is refused; ``None``: never (every refusal raises).
+        self.stop_asked = stop_asked
         self._lock = threading.Lock()
         #: The last step this process committed (``None`` before the first).
         self.last_committed_step: int | None = None
@@ -412,7 +425,7 @@ class Checkpointer:
         step: int,
         state: Mapping[str, Any],
         rewrite: Callable[[], None] | None,
-    ) -> CommittedPart:
+    ) -> CommittedPart | None:
         start = time.monotonic()
         backoff = _BACKOFF_INITIAL_S
         tries = 0
@@ -422,7 +435,15 @@ class Checkpointer:
                 if rewrite is not None and tries > 1:
                     rewrite()
                 rel = agent.commit_checkpoint(step, state)
-            except StaleAttempt:
+            except StaleAttempt as e:
+                if self.stop_asked is not None and self.stop_asked():
+                    print(
+                        f"cumulus: checkpoint step {step} was not committed: this rank is "
+                        f"being stopped and the agent refused the part ({e})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return None
                 raise
             except OSError as e:  # rewriting the staging dir failed
                 last: Exception = e
@@ -464,8 +485,9 @@ class Checkpointer:
     ) -> Iterator[StagedCheckpoint]:
         """Yields the (emptied) staging dir for checkpoint ``step``; when the block ends
         without an exception, commits it with ``state`` and sets the yielded object's
-        ``committed``. An exception in the block commits nothing, empties the staging dir
-        and propagates.
+        ``committed`` (left ``None`` when the part was refused because this rank is being
+        stopped: just exit). An exception in the block commits nothing, empties the
+        staging dir and propagates.
 
         The block runs once: a commit that fails in a way that needs the files written
         again (a storage error on the worker) raises :class:`CheckpointFailed`; use
@@ -475,7 +497,7 @@ class Checkpointer:
         :raises CheckpointsDisabled: the job has no checkpoint dir.
         :raises InvalidStep: ``step`` is not after the last committed or resumed step.
         :raises InvalidState: ``state`` is not a JSON object of at most 64 KiB.
-        :raises StaleAttempt: this attempt was replaced: exit.
+        :raises StaleAttempt: this attempt was replaced before it was asked to stop: exit.
         :raises CheckpointFailed: the commit failed after every retry.
         """
         agent, staging = self._require()
@@ -504,16 +526,20 @@ class Checkpointer:
                 # The next checkpoint starts from an empty staging dir either way.
                 _empty_dir(staging)
                 raise
+            if stage.committed is None:  # refused: the files stay nowhere
+                _empty_dir(staging)
 
     def save(
         self,
         step: int,
         write: Callable[[Path], None],
         state: Mapping[str, Any] | None = None,
-    ) -> CommittedPart:
+    ) -> CommittedPart | None:
         """Commits checkpoint ``step``: ``write(staging_dir)`` writes the part's files;
         it is called again before every retry (from an emptied staging dir), as the Rust
-        example trainer does, so storage failures on the worker are retried too.
+        example trainer does, so storage failures on the worker are retried too. Returns
+        the committed part, or ``None`` when it was refused because this rank is being
+        stopped (see the module doc): just exit.
 
         :raises: as :meth:`checkpoint`, plus whatever ``write`` raises on the first try.
         """
@@ -531,7 +557,7 @@ class Checkpointer:
         step: int,
         write: Callable[[Path], None],
         state: dict[str, Any],
-    ) -> CommittedPart:
+    ) -> CommittedPart | None:
         state_bytes = _encode_state(state)
 
         def fill() -> None:
@@ -541,10 +567,13 @@ class Checkpointer:
 
         try:
             fill()
-            return self._commit(agent, staging, step, state, rewrite=fill)
+            part = self._commit(agent, staging, step, state, rewrite=fill)
         except BaseException:
             _empty_dir(staging)
             raise
+        if part is None:  # refused: the files stay nowhere
+            _empty_dir(staging)
+        return part
 
     def save_async(
         self,

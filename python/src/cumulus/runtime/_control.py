@@ -154,6 +154,18 @@ class StopControl:
                 self._polling = False
         return self.known
 
+    def poll_now(self) -> str | None:
+        """The action asked of this rank, asking the agent at once (whatever the poll
+        interval) when none is known yet: for a decision that cannot wait, such as
+        whether a refused checkpoint was refused because the attempt is being stopped.
+        Never raises for I/O; waits at most ``poll_timeout_s``."""
+        with self._lock:
+            if self._agent is None or self._action is not None or self.stale:
+                return self._action
+            self._next_poll_at = self._clock() + self._poll_interval_s
+        self._poll(self._agent)
+        return self.known
+
     def _poll(self, agent: AgentClient) -> None:
         self.polls += 1
         try:
