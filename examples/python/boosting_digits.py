@@ -171,7 +171,9 @@ def main() -> int:
                 rnd, {"data_digest": data_digest}, model=booster
             )
             # None: refused because this rank is being stopped (a cancel): not an error.
-            print(f"checkpoint {rnd}: {part.dir if part else 'not committed'}", flush=True)
+            print(
+                f"checkpoint {rnd}: {part.dir if part else 'not committed'}", flush=True
+            )
 
         if rnd == args.kill_at_round and ctx.attempt == 0:
             kill_self(ctx, rnd, args.ckpt_every)

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from cumulus import ckpt, errors, runtime
+from cumulus import ckpt, runtime
 from cumulus.torch import exact_ddp
 from safetensors.torch import save as st_save
 from torch import nn
@@ -217,9 +217,14 @@ class Checkpoints:
 
     def _say(self, step: int, part: runtime.CommittedPart | None) -> None:
         if part is None:  # refused: this rank is being stopped (cancelled, replaced)
-            print(f"rank={self.rank} checkpoint {step} not committed: stopping", flush=True)
+            print(
+                f"rank={self.rank} checkpoint {step} not committed: stopping",
+                flush=True,
+            )
         else:
-            print(f"rank={self.rank} checkpoint {step} committed: {part.dir}", flush=True)
+            print(
+                f"rank={self.rank} checkpoint {step} committed: {part.dir}", flush=True
+            )
 
     def reap(self) -> None:
         """Takes the background checkpoint's result once it is done."""
