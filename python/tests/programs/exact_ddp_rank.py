@@ -4,14 +4,16 @@ training a small MLP with DDP, twice per mode: straight through ``STEPS`` steps,
 model, a fresh optimizer and a fresh DDP, as a restarted process loads them, so the new
 DDP runs its first iteration with its first-iteration bucket layout). Modes: ``stock``
 (``DistributedDataParallel``), ``gather`` (``exact_ddp``, every bucket all-gathered),
-``alltoall`` (``exact_ddp``, every bucket all-to-all then all-gathered), ``buckets``
-(``exact_ddp`` with buckets of 4 kB: several, whose members change at the rebuild).
+``alltoall`` (``exact_ddp`` on a DDP made first, every bucket all-to-all then
+all-gathered), ``buckets`` (``exact_ddp`` with buckets of 4 kB: several, whose members
+change at the rebuild).
 
 Prints one JSON line: ``{mode: [SHA-256 of the straight run's final weights, of the
 restarted run's]}``, ``{mode}_first_differing_step`` (the first step after which their
 weights differ, or null), and ``layouts``: the parameters of each bucket, in order, of
 the first three iterations of a fresh DDP (recorded by a pass-through hook of an extra
-DDP; not part of any run above).
+DDP; not part of any run above), and ``refused``: the error of ``exact_ddp`` given a DDP
+and DDP arguments.
 
 Usage: ``exact_ddp_rank.py RANK WORLD STORE_FILE [STEPS SPLIT]``.
 """
@@ -40,10 +42,13 @@ def make_model() -> nn.Module:
 def wrap(model: nn.Module, mode: str) -> nn.Module:
     if mode == "stock":
         return nn.parallel.DistributedDataParallel(model)
+    ddp: nn.Module
     if mode == "buckets":
-        small: nn.Module = exact_ddp(model, bucket_cap_mb=0.004)
-        return small
-    ddp: nn.Module = exact_ddp(model, gather_max_bytes=1 << 30 if mode == "gather" else 0)
+        ddp = exact_ddp(model, bucket_cap_mb=0.004)
+    elif mode == "gather":
+        ddp = exact_ddp(model, gather_max_bytes=1 << 30)
+    else:  # a DDP made by the caller gets the hook
+        ddp = exact_ddp(nn.parallel.DistributedDataParallel(model), gather_max_bytes=0)
     return ddp
 
 
@@ -121,6 +126,10 @@ def main() -> int:
         differ = [s for s in range(steps) if straight[s] != restarted[s]]
         result[f"{mode}_first_differing_step"] = differ[0] + 1 if differ else None
     result["layouts"] = layouts()
+    try:
+        exact_ddp(nn.parallel.DistributedDataParallel(make_model()), bucket_cap_mb=1)
+    except ValueError as e:
+        result["refused"] = str(e)
     print(json.dumps(result), flush=True)
     dist.destroy_process_group()
     return 0
