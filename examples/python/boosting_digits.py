@@ -134,10 +134,9 @@ def main() -> int:
 
     booster: xgb.Booster | None = None
     start = 0
-    loaded = xgb.Booster()
-    point = ckpt.load_checkpoint(model=loaded)
+    point = ckpt.load_checkpoint(model=None)  # None: the saved booster comes back
     if point is not None:
-        booster, start = loaded, point.step
+        booster, start = point.objects["model"], point.step
         if point.state.get("data_digest") != data_digest:
             sys.exit("the data set changed since the checkpoint was committed")
     print(
