@@ -136,8 +136,8 @@ def exact_ddp(
     Raises ``ValueError`` for a bad argument, and whatever DDP raises: e.g. a
     ``RuntimeError`` when the DDP already has a communication hook (DDP allows one).
     Dense gradients only: sparse ones are untested. The large-bucket path needs
-    ``all_to_all_single`` (NCCL; Gloo on CPU tensors). Checked with ``static_graph``,
-    ``gradient_as_bucket_view`` and ``find_unused_parameters`` at 3 ranks.
+    ``all_to_all_single`` (NCCL; Gloo on CPU tensors). Tested with ``static_graph``,
+    ``gradient_as_bucket_view`` and ``find_unused_parameters`` too.
     """
     if isinstance(gather_max_bytes, bool) or not isinstance(gather_max_bytes, int):
         raise ValueError(f"gather_max_bytes must be an int, not {gather_max_bytes!r}")

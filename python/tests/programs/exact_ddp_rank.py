@@ -3,10 +3,11 @@ training a small MLP with DDP, twice per mode: straight through ``STEPS`` steps,
 "restarted" after ``SPLIT`` steps (the model and optimizer state copied into a fresh
 model, a fresh optimizer and a fresh DDP, as a restarted process loads them, so the new
 DDP runs its first iteration with its first-iteration bucket layout). Modes: ``stock``
-(``DistributedDataParallel``), ``gather`` (``exact_ddp``, every bucket all-gathered),
-``alltoall`` (``exact_ddp`` on a DDP made first, every bucket all-to-all then
-all-gathered), ``buckets`` (``exact_ddp`` with buckets of 4 kB: several, whose members
-change at the rebuild).
+(``DistributedDataParallel``), ``gather`` (``exact_ddp``, every bucket all-gathered;
+``static_graph``), ``alltoall`` (``exact_ddp`` on a DDP made first, every bucket
+all-to-all then all-gathered), ``buckets`` (``exact_ddp`` with buckets of 4 kB: several,
+whose members change at the rebuild; ``find_unused_parameters``,
+``gradient_as_bucket_view``).
 
 Prints one JSON line: ``{mode: [SHA-256 of the straight run's final weights, of the
 restarted run's]}``, ``{mode}_first_differing_step`` (the first step after which their
@@ -44,9 +45,11 @@ def wrap(model: nn.Module, mode: str) -> nn.Module:
         return nn.parallel.DistributedDataParallel(model)
     ddp: nn.Module
     if mode == "buckets":
-        ddp = exact_ddp(model, bucket_cap_mb=0.004)
+        ddp = exact_ddp(
+            model, bucket_cap_mb=0.004, find_unused_parameters=True, gradient_as_bucket_view=True
+        )
     elif mode == "gather":
-        ddp = exact_ddp(model, gather_max_bytes=1 << 30)
+        ddp = exact_ddp(model, gather_max_bytes=1 << 30, static_graph=True)
     else:  # a DDP made by the caller gets the hook
         ddp = exact_ddp(nn.parallel.DistributedDataParallel(model), gather_max_bytes=0)
     return ddp
