@@ -16,6 +16,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Messages double as the JSON bodies of the REST mirror.
         .type_attribute(".", "#[derive(serde::Serialize, serde::Deserialize)]")
         .type_attribute(".", "#[serde(default)]")
+        // JSON has no NaN or infinities; metrics carry them as strings (`metric_json`).
+        .field_attribute(
+            ".cumulus.v1.RankStatus.metrics",
+            "#[serde(with = \"crate::metric_json\")]",
+        )
+        .field_attribute(
+            ".cumulus.v1.JobSummary.metrics",
+            "#[serde(with = \"crate::metric_json\")]",
+        )
+        .field_attribute(
+            ".cumulus.v1.ProgressSample.metrics",
+            "#[serde(with = \"crate::metric_json\")]",
+        )
+        .field_attribute(
+            ".cumulus.v1.ObservedRank.metrics",
+            "#[serde(with = \"crate::metric_json\")]",
+        )
         .compile_protos(&["proto/cumulus.proto"], &["proto"])?;
     Ok(())
 }

@@ -11,10 +11,13 @@ use std::fmt::Write as _;
 
 use crate::shape::{FieldType, Shape};
 use crate::states::{
-    CheckpointTier, CommitTier, JobState, RankPhase, RankState, RestartScope, Role, StopAction,
-    WorkerPhase,
+    CheckpointTier, CommitTier, JobState, MemberRole, RankPhase, RankState, RestartScope, Role,
+    StopAction, WorkerPhase,
 };
-use crate::{blobs, client_config, gpus, leader, limits, manifest, rank_env, rank_local, token};
+use crate::{
+    blobs, client_config, gpus, leader, limits, manifest, metric_json, rank_env, rank_local,
+    states, token,
+};
 
 /// The one command that rewrites both generated files.
 pub const REGENERATE: &str = "cargo run -p cumulus-api --bin cumulus-contract";
@@ -117,6 +120,7 @@ fn constants() -> Vec<Constant> {
     all.extend(rank_env_constants());
     all.extend(client_config_constants());
     all.extend(blob_constants());
+    all.extend(metric_constants());
     all.sort_by(|a, b| a.name.cmp(b.name));
     all
 }
@@ -194,10 +198,6 @@ fn job_spec_limit_constants() -> Vec<Constant> {
         ),
         constant!(
             int,
-            gpus::WHOLE_GPU_PERMILLE,
-            "Thousandths of a GPU in one whole GPU."
-        constant!(
-            int,
             limits::DEFAULT_STARTUP_TIMEOUT_MS,
             "Startup timeout of a job with a progress timeout that names none, in milliseconds."
         ),
@@ -206,6 +206,10 @@ fn job_spec_limit_constants() -> Vec<Constant> {
             limits::MAX_STARTUP_TIMEOUT_MS,
             "Longest startup timeout a job may ask for, in milliseconds."
         ),
+        constant!(
+            int,
+            gpus::WHOLE_GPU_PERMILLE,
+            "Thousandths of a GPU in one whole GPU."
         ),
     ]
 }
@@ -442,6 +446,20 @@ fn blob_constants() -> Vec<Constant> {
     ]
 }
 
+/// The JSON spellings of non-finite metric values ([`metric_json`]).
+fn metric_constants() -> Vec<Constant> {
+    vec![
+        constant!(str, metric_json::NAN as "METRIC_JSON_NAN", "JSON spelling of a NaN metric value (a finite one is a number)."),
+        constant!(str, metric_json::INFINITY as "METRIC_JSON_INFINITY", "JSON spelling of a metric value of +infinity."),
+        constant!(str, metric_json::NEG_INFINITY as "METRIC_JSON_NEG_INFINITY", "JSON spelling of a metric value of -infinity."),
+        constant!(
+            int,
+            states::MemberRole::UNREACHABLE_AFTER_HEARTBEATS as "MEMBER_UNREACHABLE_AFTER_HEARTBEATS",
+            "Raft heartbeat intervals without an acknowledgement after which the leader shows a coordinator as ``unreachable``."
+        ),
+    ]
+}
+
 /// How a client finds and reaches a cluster ([`client_config`]): its environment
 /// variables, the local cluster's directory and file, and the retry and timeout bounds.
 fn client_config_constants() -> Vec<Constant> {
@@ -596,6 +614,15 @@ fn enums() -> Vec<WireEnum> {
             doc: "A worker agent as the leader shows it (``WorkerInfo.state``).",
             all_name: "WORKER_STATES",
             members: members(WorkerPhase::ALL, WorkerPhase::as_str),
+            default: None,
+            subset: None,
+        },
+        WireEnum {
+            name: "MemberRole",
+            rust: "cumulus_api::states::MemberRole",
+            doc: "A coordinator as the answering coordinator shows it (``MemberInfo.role``).",
+            all_name: "MEMBER_ROLES",
+            members: members(MemberRole::ALL, MemberRole::as_str),
             default: None,
             subset: None,
         },
@@ -844,8 +871,23 @@ from typing import Final, TypedDict
     out.push_str("\n# --- States ");
     out.push_str(&"-".repeat(100 - "# --- States ".len()));
     out.push('\n');
+    out.push_str(
+        r#"
+
+class _Spelling(str, enum.Enum):
+    """Base of the state enums: a member is its wire spelling, a ``str`` that compares,
+    hashes, prints and formats as that spelling (``JobState.RUNNING == "running"``,
+    ``f"{JobState.RUNNING}" == "running"``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+"#,
+    );
     for e in &c.enums {
-        let _ = writeln!(out, "\n\nclass {}(str, enum.Enum):", e.name);
+        let _ = writeln!(out, "\n\nclass {}(_Spelling):", e.name);
         docstring(&mut out, e.doc, Some(e.rust));
         out.push('\n');
         for (variant, spelling) in &e.members {

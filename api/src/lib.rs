@@ -49,6 +49,7 @@ pub mod ids;
 pub mod leader;
 pub mod limits;
 pub mod manifest;
+pub mod metric_json;
 pub mod paths;
 pub mod rank_env;
 pub mod rank_local;
@@ -57,12 +58,13 @@ pub mod states;
 pub mod text;
 pub mod token;
 pub mod users;
+pub mod warnings;
 
 pub use attempt::{AttemptKey, is_job_id};
 pub use files::FileEntry;
 pub use states::{
-    CommitTier, JobState, RankPhase, RankState, RestartScope, Role, StopAction, UnknownName,
-    WorkerPhase,
+    CommitTier, JobState, MemberRole, RankPhase, RankState, RestartScope, Role, StopAction,
+    UnknownName, WorkerPhase,
 };
 
 /// Generated code for `cumulus.v1`.

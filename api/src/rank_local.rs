@@ -17,7 +17,8 @@ use crate::StopAction;
 
 /// Body of `POST /v1/progress`. `total_steps` and `metrics` may be left out (0 and none);
 /// at most [`crate::limits::MAX_METRICS`] metrics, names 1..=
-/// [`crate::limits::MAX_METRIC_NAME_BYTES`] bytes, finite values.
+/// [`crate::limits::MAX_METRIC_NAME_BYTES`] bytes; values are numbers, or NaN and the
+/// infinities spelled as [`crate::metric_json`] says.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ProgressReport {
     /// Steps completed.
@@ -25,8 +26,8 @@ pub struct ProgressReport {
     /// Steps of the whole run (0: unknown).
     #[serde(default)]
     pub total_steps: u64,
-    /// Named metrics, e.g. `loss`.
-    #[serde(default)]
+    /// Named metrics, e.g. `loss` (NaN and infinities included).
+    #[serde(default, with = "crate::metric_json")]
     pub metrics: BTreeMap<String, f64>,
 }
 

@@ -304,6 +304,42 @@ wire_enum!(CheckpointTier, "checkpoint tier", "L1, L2", {
     L2 => "L2",
 });
 
+/// A coordinator of the cluster as the answering coordinator sees it
+/// (`ClusterStatusResponse.members[].role`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemberRole {
+    /// The Raft leader.
+    Leader,
+    /// A voter following the leader.
+    Follower,
+    /// A voter asking for votes (the answering node itself only).
+    Candidate,
+    /// A non-voting member that receives the log.
+    Learner,
+    /// The leader has had no acknowledgement from it for more than
+    /// [`MemberRole::UNREACHABLE_AFTER_HEARTBEATS`] heartbeat intervals (a dead or cut-off
+    /// coordinator); `Member.last_role` says what it was.
+    Unreachable,
+    /// The answering node itself, shutting down.
+    Shutdown,
+}
+
+wire_enum!(MemberRole, "member role", "leader, follower, candidate, learner, unreachable, shutdown", {
+    Leader => "leader",
+    Follower => "follower",
+    Candidate => "candidate",
+    Learner => "learner",
+    Unreachable => "unreachable",
+    Shutdown => "shutdown",
+});
+
+impl MemberRole {
+    /// Raft heartbeat intervals without an acknowledgement after which the leader shows
+    /// a member as [`MemberRole::Unreachable`] (1 s at the default 50 ms heartbeat).
+    pub const UNREACHABLE_AFTER_HEARTBEATS: u64 = 20;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -333,6 +369,7 @@ mod tests {
         round_trips(CommitTier::ALL);
         round_trips(Role::ALL);
         round_trips(StopAction::ALL);
+        round_trips(MemberRole::ALL);
         round_trips(WorkerPhase::ALL);
         round_trips(CheckpointTier::ALL);
     }

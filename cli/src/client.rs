@@ -761,6 +761,7 @@ mod tests {
                     return Ok(Response::new(SubmitJobResponse {
                         job_id: id.clone(),
                         created: false,
+                        warnings: Vec::new(),
                     }));
                 }
                 let id = format!("job-{:06}", jobs.len() + 1);
@@ -768,6 +769,7 @@ mod tests {
                 Ok(Response::new(SubmitJobResponse {
                     job_id: id,
                     created: true,
+                    warnings: Vec::new(),
                 }))
             }
             async fn get_job(
@@ -1014,7 +1016,8 @@ mod tests {
                 first,
                 SubmitJobResponse {
                     job_id: "job-000001".into(),
-                    created: true
+                    created: true,
+                    warnings: Vec::new(),
                 }
             );
             // A retry of the same intent (same request id) finds the same job.
@@ -1023,7 +1026,8 @@ mod tests {
                 again,
                 SubmitJobResponse {
                     job_id: "job-000001".into(),
-                    created: false
+                    created: false,
+                    warnings: Vec::new(),
                 }
             );
             assert_eq!(

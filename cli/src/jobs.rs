@@ -276,6 +276,14 @@ fn index_option(flag: &str, value: &str) -> Result<String> {
     Ok(value.to_string())
 }
 
+/// The coordinator's warnings about an accepted submit, one `warning: ...` line each on
+/// stderr (control characters escaped: the text comes from the server).
+pub fn print_warnings(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("warning: {}", cumulus_api::text::escape_control(w));
+    }
+}
+
 /// `submit`.
 pub async fn submit(conn: &Conn, args: &SubmitArgs, output: OutputFormat) -> Result<()> {
     let mut req = build_submit(args)?;
@@ -290,6 +298,7 @@ pub async fn submit(conn: &Conn, args: &SubmitArgs, output: OutputFormat) -> Res
     }
     let client = Client::new(conn)?;
     let resp = client.submit_job(req.clone()).await?;
+    print_warnings(&resp.warnings);
     match output {
         OutputFormat::Json | OutputFormat::Yaml if !args.wait => print_data(output, &resp)?,
         OutputFormat::Json | OutputFormat::Yaml => {}
@@ -1054,16 +1063,6 @@ mod tests {
     }
 
     #[test]
-    fn request_id_is_kept_or_generated_once_per_build() {
-        let a = submit_args(&["--request-id", "my-key", "--", "true"]);
-        assert_eq!(build_submit(&a).expect("build").request_id, "my-key");
-        let b = submit_args(&["--", "true"]);
-        assert_ne!(
-            build_submit(&b).expect("b1").request_id,
-            build_submit(&b).expect("b2").request_id
-        );
-        let long = "x".repeat(129);
-    #[test]
     fn startup_timeout_is_sent_in_ms_and_bounded() {
         let a = submit_args(&["--startup-timeout-s", "90", "--", "true"]);
         let spec = build_submit(&a).expect("build").spec.expect("spec");
@@ -1087,6 +1086,16 @@ mod tests {
         }
     }
 
+    #[test]
+    fn request_id_is_kept_or_generated_once_per_build() {
+        let a = submit_args(&["--request-id", "my-key", "--", "true"]);
+        assert_eq!(build_submit(&a).expect("build").request_id, "my-key");
+        let b = submit_args(&["--", "true"]);
+        assert_ne!(
+            build_submit(&b).expect("b1").request_id,
+            build_submit(&b).expect("b2").request_id
+        );
+        let long = "x".repeat(129);
         let c = submit_args(&["--request-id", &long, "--", "true"]);
         assert!(build_submit(&c).is_err());
     }

@@ -596,14 +596,15 @@ pub fn progress_summary(job: &Job) -> Option<String> {
     Some(text)
 }
 
-/// Metrics as `name=value` pairs sorted by name, four decimals (`loss=0.2314`); names
-/// and values come from ranks: control characters are escaped.
+/// Metrics as `name=value` pairs sorted by name, four decimals (`loss=0.2314`; NaN and
+/// the infinities as `nan`, `inf`, `-inf`); names and values come from ranks: control
+/// characters are escaped.
 pub fn metrics_text<'a>(metrics: impl IntoIterator<Item = (&'a String, &'a f64)>) -> String {
     let mut named: Vec<(&String, &f64)> = metrics.into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(b.0));
     let text = named
         .iter()
-        .map(|(k, v)| format!("{k}={v:.4}"))
+        .map(|(k, v)| format!("{k}={}", cumulus_api::metric_json::display(**v, 4)))
         .collect::<Vec<_>>()
         .join(" ");
     cumulus_api::text::escape_control(&text).into_owned()
@@ -816,6 +817,26 @@ pub fn checkpoints_table(resp: &ListCheckpointsResponse) -> String {
     table_text(&t)
 }
 
+/// A member's role as `cluster status` shows it: an unreachable one with the role it had
+/// and how long the leader has not heard from it (`unreachable (was follower, 12.4 s)`).
+fn member_role_text(mem: &cumulus_api::v1::Member) -> String {
+    if mem.role != cumulus_api::MemberRole::Unreachable.as_str() {
+        return mem.role.clone();
+    }
+    let mut detail = Vec::new();
+    if !mem.last_role.is_empty() {
+        detail.push(format!("was {}", mem.last_role));
+    }
+    if let Some(ms) = mem.last_ack_age_ms {
+        detail.push(format!("no answer for {:.1} s", ms as f64 / 1000.0));
+    }
+    if detail.is_empty() {
+        mem.role.clone()
+    } else {
+        format!("{} ({})", mem.role, detail.join(", "))
+    }
+}
+
 /// `cluster status`: Raft view, members, workers.
 pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
     let mut out = String::new();
@@ -846,7 +867,7 @@ pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
                 mem.node_id.to_string(),
                 mem.grpc_addr.clone(),
                 mem.http_addr.clone(),
-                mem.role.clone(),
+                member_role_text(mem),
                 if mem.voter { "yes".into() } else { "no".into() },
             ],
         );

@@ -61,7 +61,9 @@ pub async fn run(conn: &Conn, args: &RunArgs, output: OutputFormat) -> Result<()
             .workdir = Some(blob);
     }
     let client = Client::new(conn)?;
-    let job_id = client.submit_job(req).await?.job_id;
+    let resp = client.submit_job(req).await?;
+    crate::jobs::print_warnings(&resp.warnings);
+    let job_id = resp.job_id;
     eprintln!("{job_id} submitted; its output follows (Ctrl-C to cancel it or leave it running)");
     let followed = {
         let follow = stream_logs(conn, &job_id, args.world_size > 1, output);

@@ -201,6 +201,7 @@ fn tables() {
                 http_addr: "10.0.0.1:8000".into(),
                 role: "leader".into(),
                 voter: true,
+                ..Default::default()
             }],
             workers: vec![worker.clone()],
             ..Default::default()

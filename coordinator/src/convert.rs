@@ -102,8 +102,8 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             backoff_max_ms: Some(s.restart.backoff_max_ms),
         }),
         progress_timeout_ms: s.progress_timeout_ms,
-        working_dir: s.working_dir.clone(),
         startup_timeout_ms: s.startup_timeout_ms,
+        working_dir: s.working_dir.clone(),
         ckpt_url: s.ckpt_url.clone(),
         ckpt_commit_tier: s.ckpt_commit_tier.clone(),
         gpus_per_rank: s.gpus_per_rank,
@@ -161,18 +161,18 @@ fn environment_to_proto(e: &Environment) -> v1::EnvironmentSpec {
     }
 }
 
-fn rank_phase(job: &Job, r: &cumulus_raft_store::state::RankRecord, now_ms: u64) -> RankPhase {
-    match r.state {
 /// The phase the APIs show for rank record `r` of `job` at leader time `now_ms`. A
 /// rank of a job that has ended never shows `running` or `pending`: its attempt ended
 /// with the job ([`RankPhase::Stopped`]) until its exit is recorded.
-        RankState::Pending if r.not_before_ms > now_ms && job.state == JobState::Running => {
-            RankPhase::Waiting
+fn rank_phase(job: &Job, r: &cumulus_raft_store::state::RankRecord, now_ms: u64) -> RankPhase {
+    match r.state {
         RankState::Unplaced | RankState::Pending | RankState::Running
             if job.state.is_terminal() =>
         {
             RankPhase::Stopped
         }
+        RankState::Pending if r.not_before_ms > now_ms && job.state == JobState::Running => {
+            RankPhase::Waiting
         }
         RankState::Unplaced | RankState::Pending => RankPhase::Pending,
         RankState::Running => RankPhase::Running,
@@ -336,8 +336,7 @@ pub fn job_summary(
                     .metric_names
                     .iter()
                     .zip(&x.metrics)
-                    .filter(|(_, v)| v.is_finite())
-                    .map(|(k, v)| (k.clone(), *v))
+                    .filter_map(|(k, v)| v.map(|v| (k.clone(), v)))
                     .collect(),
             })
             .collect(),

@@ -194,8 +194,9 @@ pub struct HistorySample {
     pub total_steps: u64,
     /// Steps per second (0: unknown).
     pub steps_per_s: f64,
-    /// Values of [`JobHistory::metric_names`] (NaN: not reported then).
-    pub metrics: Vec<f64>,
+    /// Values of [`JobHistory::metric_names`] (`None`: not reported then; a reported
+    /// NaN or infinity is kept).
+    pub metrics: Vec<Option<f64>>,
 }
 
 /// What the leader saw of a job's progress while it ran (soft state: lost on a leader
@@ -237,7 +238,7 @@ impl JobHistory {
             let metrics = self
                 .metric_names
                 .iter()
-                .map(|n| progress.metrics.get(n).copied().unwrap_or(f64::NAN))
+                .map(|n| progress.metrics.get(n).copied())
                 .collect();
             if self.samples.len() >= MAX_HISTORY_SAMPLES {
                 // Keep every other sample, the oldest first: half as many, twice as far

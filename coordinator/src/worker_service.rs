@@ -254,14 +254,13 @@ impl WorkerService for WorkerSvc {
                 p.mark_reported(at, o.reported || o.step > 0);
                 p.total_steps = o.total_steps;
                 p.seen_at = at;
-                // Finite values under bounded names only (the agent checks them too).
+                // Bounded names only (the agent checks them too); NaN and infinities
+                // are kept: a diverging run shows them.
                 p.metrics = o
                     .metrics
                     .iter()
-                    .filter(|(k, v)| {
-                        v.is_finite()
-                            && !k.is_empty()
-                            && k.len() <= cumulus_api::limits::MAX_METRIC_NAME_BYTES
+                    .filter(|(k, _)| {
+                        !k.is_empty() && k.len() <= cumulus_api::limits::MAX_METRIC_NAME_BYTES
                     })
                     .take(cumulus_api::limits::MAX_METRICS)
                     .map(|(k, v)| (k.clone(), *v))

@@ -76,7 +76,22 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
         ])
         .expect("cumulusctl submit --allow-pending");
     assert!(out.status.success(), "{}", stderr(&out));
+    // Restarts (3 by default) but no checkpoint directory: accepted, and said at submit,
+    // on stderr and in the reply (issue 42 item 6).
+    let warned = stderr(&out);
+    assert!(
+        warned
+            .contains("warning: the job may restart up to 3 times but has no checkpoint directory")
+            && warned.contains("step 0"),
+        "{warned}"
+    );
     let big: serde_json::Value = serde_json::from_str(&stdout(&out)).expect("json");
+    assert!(
+        big["warnings"][0]
+            .as_str()
+            .is_some_and(|w| w.contains("no checkpoint directory")),
+        "{big}"
+    );
     let big = big["job_id"].as_str().expect("job id").to_string();
     let pending = cluster
         .wait_job(&big, "a pending reason", LONG, |j| {
@@ -226,7 +241,13 @@ async fn submit_time_errors_fast_failure_and_truthful_status() {
         &["--epochs", "100000"],
     );
     spec.name = "live".into();
-    let live = cluster.submit("live", spec).await.expect("submit").job_id;
+    let submitted = cluster.submit("live", spec).await.expect("submit");
+    assert!(
+        submitted.warnings.is_empty(),
+        "a job with a checkpoint dir: {:?}",
+        submitted.warnings
+    );
+    let live = submitted.job_id;
     let seen = cluster
         .wait_job(&live, "metrics, a rate and a time left", LONG, |j| {
             j.ranks.iter().all(|r| {

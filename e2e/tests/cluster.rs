@@ -764,6 +764,7 @@ async fn silent_rank_is_detected_by_the_startup_timeout() {
         world_size: 1,
         command: vec!["sleep".into(), "1000".into()],
         progress_timeout_ms: 2_000,
+        startup_timeout_ms: 3_000,
         restart: Some(v1::RestartPolicy {
             max_restarts: Some(0),
             ..Default::default()
@@ -813,9 +814,43 @@ async fn restarted_coordinator_rejoins_with_its_state() {
         .job_id;
     let done = cluster.wait_finished(&job_id, LONG).await;
     assert_eq!(done.state, "succeeded");
+    // The leader shows the dead follower as unreachable, with the role it had, in
+    // `cumulusctl cluster status` (issue 42 item 7)...
+    let dead = cluster.coordinators[i].id;
+    let line_of = |text: &str, id: u64| {
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(id.to_string().as_str()))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let shown = wait_for("the dead follower shown unreachable", LONG, || async {
+        let out = cluster.cumulusctl(&["cluster", "status"]).ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        line_of(&text, dead)
+            .contains("unreachable (was follower, no answer for")
+            .then_some(text)
+    })
+    .await;
+    assert!(line_of(&shown, leader).contains("leader"), "{shown}");
     cluster
         .spawn_coordinator(i)
         .expect("restart on the same data dir");
+    // ...and as a follower again once it answers.
+    let li = cluster.index_of(leader).expect("leader index");
+    wait_for("the restarted follower shown reachable", LONG, || async {
+        let mut c = cluster.client_of(li).await.ok()?;
+        let s = c
+            .cluster_status(v1::ClusterStatusRequest {})
+            .await
+            .ok()?
+            .into_inner();
+        let m = s.members.iter().find(|m| m.node_id == dead)?;
+        (m.role == cumulus_api::MemberRole::Follower.as_str()
+            && m.last_role.is_empty()
+            && m.last_ack_age_ms.is_some())
+        .then_some(())
+    })
+    .await;
     // Its own (local, non-linearizable) view catches up with the committed state.
     wait_for("the restarted coordinator to catch up", LONG, || async {
         let mut c = cluster.client_of(i).await.ok()?;
@@ -858,7 +893,6 @@ async fn concurrent_submits_are_each_committed_exactly_once() {
                     allow_pending: false,
                     request_id: request_id.clone(),
                     spec: Some(v1::JobSpec {
-        startup_timeout_ms: 3_000,
                         name: format!("c{i}"),
                         world_size: 2,
                         command: vec!["true".into()],
@@ -1053,6 +1087,7 @@ async fn checkpoint_part_retried_at_a_new_leader_after_its_step_committed_is_ack
         step: 10,
         total_steps: 100,
         metrics: Default::default(),
+        reported: true,
     }];
     agent
         .call(|mut c| {
@@ -1173,4 +1208,3 @@ async fn checkpoint_part_retried_at_a_new_leader_after_its_step_committed_is_ack
     beating.cancel();
     heartbeats.await.expect("heartbeat task");
 }
-        reported: true,

@@ -54,7 +54,9 @@ def parse_args() -> argparse.Namespace:
         "--data",
         type=Path,
         default=BUNDLED,
-        help="CSV (.gz) read when the job has no shards: 64 features, then the label",
+        help="CSV (.gz), or a dataset split folder (its dot-files such as"
+        " .feature-stats.json are not shards), read when the job has no shards:"
+        " 64 features, then the label",
     )
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--max-depth", type=int, default=4)

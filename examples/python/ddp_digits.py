@@ -75,7 +75,9 @@ def parse_args() -> argparse.Namespace:
         "--data",
         type=Path,
         default=BUNDLED,
-        help="CSV (.gz) read when the job has no shards: rank R takes rows R, R+W, ...",
+        help="CSV (.gz), or a dataset split folder (its dot-files such as"
+        " .feature-stats.json are not shards), read when the job has no shards:"
+        " rank R takes rows R, R+W, ...",
     )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)

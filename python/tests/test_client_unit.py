@@ -1266,14 +1266,17 @@ def test_answers_without_gpu_fields_have_the_defaults() -> None:
     assert all(r.gpus == () for r in info.ranks)
     # A null optional double (serde's None) is absent too; a whole number is a float.
     spec: dict[str, Any] = {"gpu_memory_fraction": None}
-    assert cumulus.JobInfo.from_json({"id": "j", "spec": spec}).gpu_memory_fraction is None
+    job: dict[str, Any] = {"id": "j", "state": "running"}
+    assert cumulus.JobInfo.from_json({**job, "spec": spec}).gpu_memory_fraction is None
     spec = {"gpu_memory_fraction": 1}
-    fraction = cumulus.JobInfo.from_json({"id": "j", "spec": spec}).gpu_memory_fraction
+    fraction = cumulus.JobInfo.from_json({**job, "spec": spec}).gpu_memory_fraction
     assert fraction == 1.0 and isinstance(fraction, float)
     # The models are still built without the new fields.
-    worker = WorkerInfo("w", "h", "a", 4, 0, "alive", 0, 0.0, 0, 0)
+    worker = WorkerInfo("w", "h", "a", 4, 0, cumulus.WorkerState.ALIVE, 0, 0.0, 0, 0)
     assert worker.gpus == ()
-    rank = cumulus.RankInfo(0, 0, "w", "running", None, None, 0, 0, 0, 0, 0, 0, 0, 0)
+    rank = cumulus.RankInfo(
+        0, 0, "w", cumulus.RankPhase.RUNNING, None, None, 0, 0, 0, 0, 0, 0, 0, 0
+    )
     assert rank.gpus == ()
 
 
@@ -1340,7 +1343,7 @@ def test_the_gpus_of_a_worker_are_typed(client: Client, script: Script) -> None:
 )
 def test_malformed_rank_gpus_are_protocol_errors(rank: dict[str, Any], match: str) -> None:
     with pytest.raises(errors.ProtocolError, match=match):
-        cumulus.RankInfo.from_json(rank)
+        cumulus.RankInfo.from_json({"state": "running", **rank})
 
 
 @pytest.mark.parametrize(
@@ -1355,7 +1358,7 @@ def test_malformed_rank_gpus_are_protocol_errors(rank: dict[str, Any], match: st
 )
 def test_malformed_job_gpu_fields_are_protocol_errors(job: dict[str, Any], match: str) -> None:
     with pytest.raises(errors.ProtocolError, match=match):
-        cumulus.JobInfo.from_json({"id": "job-1", **job})
+        cumulus.JobInfo.from_json({"id": "job-1", "state": "running", **job})
 
 
 @pytest.mark.parametrize(
@@ -1376,11 +1379,12 @@ def test_malformed_job_gpu_fields_are_protocol_errors(job: dict[str, Any], match
     ],
 )
 def test_malformed_gpus_are_protocol_errors(gpu: Any, match: str) -> None:
-    cluster = {"node_id": 1, "workers": [{"worker_id": "w", "gpus": [gpu]}]}
+    worker = {"worker_id": "w", "state": "alive"}
+    cluster = {"node_id": 1, "workers": [{**worker, "gpus": [gpu]}]}
     with pytest.raises(errors.ProtocolError, match=match):
         cumulus.ClusterInfo.from_json(cluster)
     with pytest.raises(errors.ProtocolError, match="'gpus'"):
-        cumulus.ClusterInfo.from_json({"workers": [{"worker_id": "w", "gpus": gpu_json()}]})
+        cumulus.ClusterInfo.from_json({"workers": [{**worker, "gpus": gpu_json()}]})
 
 
 # -- logs ------------------------------------------------------------------------------
@@ -1870,10 +1874,12 @@ def test_summary_follows_the_leader(client: Client, script: Script) -> None:
 
 
 def test_a_summary_without_its_defaults_has_them() -> None:
-    s = cumulus.JobSummary.from_json({"job_id": "job-000001", "committed_step": None})
+    s = cumulus.JobSummary.from_json(
+        {"job_id": "job-000001", "state": "pending", "committed_step": None}
+    )
     assert (s.name, s.state, s.step, s.total_steps, s.steps_per_s, s.eta_ms) == (
         "",
-        "",
+        cumulus.JobState.PENDING,
         0,
         0,
         0.0,
@@ -2029,8 +2035,8 @@ def test_a_job_shows_its_state_changes_and_where_each_rank_resumed_from() -> Non
         job_json(
             state_changes=4,
             ranks=[
-                {"rank": 0, "resume_step": 40, "resume_job_id": "job-000003"},
-                {"rank": 1},
+                {"rank": 0, "state": "running", "resume_step": 40, "resume_job_id": "job-000003"},
+                {"rank": 1, "state": "running"},
             ],
         )
     )
@@ -2038,7 +2044,9 @@ def test_a_job_shows_its_state_changes_and_where_each_rank_resumed_from() -> Non
     assert (job.ranks[0].resume_step, job.ranks[0].resume_job_id) == (40, "job-000003")
     assert (job.ranks[1].resume_step, job.ranks[1].resume_job_id) == (None, "")
     with pytest.raises(errors.ProtocolError, match="resume_step"):
-        cumulus.JobInfo.from_json(job_json(ranks=[{"rank": 0, "resume_step": "40"}]))
+        cumulus.JobInfo.from_json(
+            job_json(ranks=[{"rank": 0, "state": "running", "resume_step": "40"}])
+        )
 
 
 # -- uploads, environments, remote functions (issue 41) --------------------------------

@@ -4,8 +4,10 @@ using ``cumulus.runtime`` under a real worker agent, driven through the SDK."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import httpx
@@ -333,6 +335,22 @@ def test_submit_across_a_leader_kill_creates_exactly_one_job(
     new_leader = ha_client.cluster().leader
     assert new_leader is not None and new_leader.node_id != leader.node_id
 
+    # The new leader shows the killed one as unreachable, with the role it had in its
+    # view (issue 42 item 7): never heard from since the election, for over 20 heartbeats.
+    def killed_shown() -> cumulus.MemberInfo | None:
+        info = ha_client.cluster()
+        if info.leader_id != info.node_id:
+            ha_client.jobs(linearizable=True)  # prefer the leader: only it knows
+            return None
+        m = next(m for m in info.members if m.node_id == leader.node_id)
+        return m if m.role is cumulus.MemberRole.UNREACHABLE else None
+
+    killed = wait_for(killed_shown, 60, "the killed leader shown unreachable")
+    assert killed.role == "unreachable" and killed.last_role == "follower", killed
+    assert killed.last_ack_age_ms is not None and killed.last_ack_age_ms > 0, killed
+    others = [m for m in ha_client.cluster().members if m.node_id != leader.node_id]
+    assert {m.role for m in others} == {"leader", "follower"}, others
+
 
 def test_logs_follow_across_a_coordinator_kill_yield_every_line_once(
     ha_cluster: LocalCluster, ha_client: cumulus.Client
@@ -356,3 +374,65 @@ def test_logs_follow_across_a_coordinator_kill_yield_every_line_once(
             ha_cluster.kill_coordinator(serving)
     assert got == [f"line {i}" for i in range(n)], explain(job, ha_cluster)
     assert job.wait(timeout_s=JOB_TIMEOUT_S).succeeded
+
+
+def test_non_finite_metrics_are_reported_and_shown_as_such(
+    cluster: LocalCluster, client: cumulus.Client, tmp_path: Path
+) -> None:
+    # Issue 42 item 6: a diverging run's report(loss=nan) is a metric like any other,
+    # never an exception in its telemetry call; every reader shows it.
+    done = tmp_path / "done"
+    script = textwrap.dedent(
+        f"""
+        import math, pathlib, time
+        from cumulus import runtime
+
+        runtime.report(1, 2, loss=math.nan, grad=math.inf, low=-math.inf, lr=0.5)
+        assert runtime.flush(30)
+        deadline = time.monotonic() + 120
+        while not pathlib.Path({str(done)!r}).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        """
+    )
+    job = client.submit([sys.executable, "-c", script], max_restarts=0, name="non-finite-metrics")
+    try:
+        metrics = wait_for(lambda: job.status().ranks[0].metrics or None, 60, "the rank's metrics")
+        assert math.isnan(metrics["loss"]), metrics
+        assert metrics["grad"] == math.inf and metrics["low"] == -math.inf, metrics
+        assert metrics["lr"] == 0.5, metrics
+        summary = job.summary()
+        assert math.isnan(summary.metrics["loss"]) and summary.metrics["grad"] == math.inf
+        # The JSON on the wire spells them as the contract says.
+        raw = job.status().raw["ranks"][0]["metrics"]
+        assert raw["loss"] == "NaN" and raw["grad"] == "Infinity", raw
+        assert raw["low"] == "-Infinity" and raw["lr"] == 0.5, raw
+        shown = cluster.cumulusctl("status", job.id)
+        assert shown.returncode == 0, shown.stderr
+        assert "grad=inf" in shown.stdout and "loss=nan" in shown.stdout, shown.stdout
+        assert "low=-inf" in shown.stdout, shown.stdout
+    finally:
+        done.touch()
+    assert job.wait(timeout_s=JOB_TIMEOUT_S).succeeded, explain(job, cluster)
+
+
+def test_restarts_without_a_checkpoint_dir_warn_at_submit(
+    client: cumulus.Client, tmp_path: Path
+) -> None:
+    # Issue 42 item 6: every restart of such a job starts over from step 0: say it.
+    with pytest.warns(cumulus.SubmitWarning, match="no checkpoint directory") as said:
+        job = client.submit(["true"], max_restarts=2, name="warned")
+    (w,) = said
+    assert job.id in str(w.message) and "up to 2 times" in str(w.message)
+    assert "step 0" in str(w.message)
+    assert w.filename == __file__, w.filename  # points at the caller's submit
+    assert len(job.warnings) == 1 and "no checkpoint directory" in job.warnings[0]
+    # No word when restarts resume from a checkpoint, or there are no restarts.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cumulus.SubmitWarning)
+        quiet = [
+            client.submit(["true"], max_restarts=2, ckpt_dir=tmp_path / "ckpt"),
+            client.submit(["true"], max_restarts=0),
+        ]
+    assert all(not j.warnings for j in quiet)
+    for j in (job, *quiet):
+        assert j.wait(timeout_s=JOB_TIMEOUT_S).succeeded

@@ -104,12 +104,23 @@ def test_total_steps_is_left_out_when_unknown(rt: Runtime, agent: FakeAgent) -> 
     assert agent.of("/v1/progress")[0].body == {"step": 1, "metrics": {}}
 
 
+def test_non_finite_metrics_are_sent_in_the_contracts_json_spelling(
+    rt: Runtime, agent: FakeAgent
+) -> None:
+    rt.report(3, loss=math.nan, up=math.inf, down=-math.inf, lr=0.5)
+    assert rt.flush(5)
+    (sent,) = agent.of("/v1/progress")
+    assert sent.body == {
+        "step": 3,
+        "metrics": {"loss": "NaN", "up": "Infinity", "down": "-Infinity", "lr": 0.5},
+    }
+
+
 @pytest.mark.parametrize(
     ("metrics", "match"),
     [
-        ({"loss": math.nan}, "finite"),
-        ({"loss": math.inf}, "finite"),
         ({"loss": "0.1"}, "real number"),
+        ({"loss": None}, "real number"),
         ({"ok": True}, "real number"),
         ({"x" * 129: 1.0}, "names"),
         ({f"m{i}": 1.0 for i in range(65)}, "at most 64"),
@@ -228,8 +239,9 @@ def test_a_stale_attempt_stops_reporting(rt: Runtime, agent: FakeAgent) -> None:
 def test_standalone_reports_are_validated_and_dropped() -> None:
     r = Runtime(runtime.context_from_env({}, standalone=True))
     r.report(1, loss=0.5)
+    r.report(1, loss=math.nan)  # a diverging run: reported as such, never raised
     with pytest.raises(errors.InvalidMetric):
-        r.report(1, loss=math.nan)
+        r.report(1, loss="nan")  # type: ignore[arg-type]
     assert r.flush(0) and r.agent is None
 
 
@@ -281,18 +293,6 @@ def test_a_stale_verdict_raises_stale_attempt_at_once(
     assert len(agent.of("/v1/checkpoint")) == 1
 
 
-def test_leader_failures_are_retried(rt: Runtime, agent: FakeAgent) -> None:
-    agent.queue(
-        "/v1/checkpoint",
-        (503, {"error": "the leader could not be reached"}),
-        (502, {"error": "the leader failed"}),
-    )
-    with rt.checkpoint(10) as part:
-        (part / "a").write_text("a")
-    assert part.committed is not None
-    assert [r.body["step"] for r in agent.of("/v1/checkpoint")] == [10, 10, 10]
-
-
 @pytest.mark.parametrize("asked", ["action", "sigterm", "unknown until refused"])
 def test_a_part_refused_after_a_stop_request_is_a_clean_stop(
     rt: Runtime, agent: FakeAgent, staging: Path, asked: str
@@ -321,6 +321,18 @@ def test_a_part_refused_without_a_stop_request_still_raises(rt: Runtime, agent: 
     with pytest.raises(errors.StaleAttempt, match="is stale"), rt.checkpoint(10):
         pass
     assert rt.stop_request() is None
+
+
+def test_leader_failures_are_retried(rt: Runtime, agent: FakeAgent) -> None:
+    agent.queue(
+        "/v1/checkpoint",
+        (503, {"error": "the leader could not be reached"}),
+        (502, {"error": "the leader failed"}),
+    )
+    with rt.checkpoint(10) as part:
+        (part / "a").write_text("a")
+    assert part.committed is not None
+    assert [r.body["step"] for r in agent.of("/v1/checkpoint")] == [10, 10, 10]
 
 
 def test_a_refused_commit_is_not_retried(rt: Runtime, agent: FakeAgent, staging: Path) -> None:
@@ -367,6 +379,7 @@ def test_save_rewrites_the_part_on_every_try(rt: Runtime, agent: FakeAgent, stag
         (d / "model.bin").write_bytes(b"w")
 
     part = rt.save_checkpoint(10, write, state={"k": 1})
+    assert part is not None
     assert calls == [staging, staging]
     assert part.path is not None
     assert sorted(p.name for p in part.path.iterdir()) == ["cumulus-state.json", "model.bin"]
@@ -379,7 +392,6 @@ def test_steps_must_increase(rt: Runtime, agent: FakeAgent) -> None:
         with pytest.raises(errors.InvalidStep, match="not after step 10"), rt.checkpoint(step):
             pass
     with pytest.raises(errors.InvalidStep), rt.checkpoint(-1):
-    assert part is not None
         pass
     assert len(agent.of("/v1/checkpoint")) == 1
 

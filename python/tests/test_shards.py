@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from cumulus.runtime import ShardReader, shard_format
+from cumulus.runtime import ShardReader, list_shards, shard_format
+from localcluster import DIGITS, bin_dir
 
 
 @pytest.fixture
@@ -73,3 +76,39 @@ def test_no_shards_no_records() -> None:
     r = ShardReader([])
     assert list(r) == []
     r.restore(r.state())
+
+
+def test_dot_files_are_not_shards_and_a_directory_is_its_shards(
+    shards: list[Path], tmp_path: Path
+) -> None:
+    stats = tmp_path / ".feature-stats.json"
+    stats.write_text('{"format": "cumulus-feature-stats/1"}')
+    (tmp_path / "sub").mkdir()  # not a regular file: not a shard
+    # What a plain os.listdir of the folder gives: the dot-file among the shards.
+    listed = [tmp_path / n for n in sorted(os.listdir(tmp_path))]
+    assert stats in listed
+    assert list_shards(tmp_path) == shards
+    for paths in (listed, [tmp_path], [str(tmp_path)]):
+        with ShardReader(paths) as r:
+            assert r.paths == tuple(shards)
+            assert list(r) == EXPECTED
+    with pytest.raises(NotADirectoryError):
+        list_shards(shards[0])
+
+
+def test_a_dataset_split_folder_reads_as_exactly_its_rows(tmp_path: Path) -> None:
+    ctl = bin_dir() / "cumulusctl"
+    if not os.access(ctl, os.X_OK):
+        pytest.skip(f"{ctl} not built")
+    out = tmp_path / "digits"
+    r = subprocess.run(
+        [str(ctl), "dataset", "split", str(DIGITS), "--shards", "3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert ".feature-stats.json" in os.listdir(out)
+    rows = sorted(map(tuple, ShardReader([DIGITS])))
+    for paths in ([out / n for n in os.listdir(out)], [out], list_shards(out)):
+        assert sorted(map(tuple, ShardReader(paths))) == rows

@@ -11,7 +11,8 @@
 //! does every token over TCP, which cannot say who calls.
 //! - `POST /v1/progress` `{"step": u64, "total_steps": u64, "metrics": {"name": f64}}` →
 //!   204 while the rank may go on, 200 `{"action": A}` once it has been asked to stop
-//!   (`total_steps` and `metrics` may be left out; ≤ 64 metrics, names ≤ 128 bytes).
+//!   (`total_steps` and `metrics` may be left out; ≤ 64 metrics, names ≤ 128 bytes; NaN
+//!   and the infinities as `"NaN"`, `"Infinity"`, `"-Infinity"`: `cumulus_api::metric_json`).
 //! - `GET /v1/control` → 200 `{"action": A}`: `none` (go on), `stop` (no longer wanted:
 //!   exit), `pause` or `preempt` (commit a checkpoint at this step and exit 0; the job
 //!   resumes from it), `time_limit` (commit a checkpoint and exit 0; the job ends). SIGTERM

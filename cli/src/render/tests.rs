@@ -192,13 +192,25 @@ fn checkpoints_and_cluster_tables() {
         snapshot_index: Some(10),
         purged_index: None,
         insecure: false,
-        members: vec![Member {
-            node_id: 1,
-            grpc_addr: "127.0.0.1:1".into(),
-            http_addr: "127.0.0.1:2".into(),
-            role: "leader".into(),
-            voter: true,
-        }],
+        members: vec![
+            Member {
+                node_id: 1,
+                grpc_addr: "127.0.0.1:1".into(),
+                http_addr: "127.0.0.1:2".into(),
+                role: "leader".into(),
+                voter: true,
+                ..Default::default()
+            },
+            Member {
+                node_id: 2,
+                grpc_addr: "127.0.0.1:3".into(),
+                http_addr: "127.0.0.1:4".into(),
+                role: "unreachable".into(),
+                voter: true,
+                last_role: "follower".into(),
+                last_ack_age_ms: Some(12_400),
+            },
+        ],
         workers: vec![WorkerInfo {
             worker_id: "worker-1".into(),
             host: "127.0.0.1".into(),
@@ -223,9 +235,22 @@ fn checkpoints_and_cluster_tables() {
         "420 ms ago",
         "13%",
         "3.0 GiB / 8.0 GiB",
+        "unreachable (was follower, no answer for 12.4 s)",
     ] {
         assert!(text.contains(needle), "missing {needle:?} in\n{text}");
     }
+}
+
+#[test]
+fn non_finite_metrics_show_as_nan_inf_and_minus_inf() {
+    let metrics: std::collections::BTreeMap<String, f64> = [
+        ("a".to_string(), f64::NAN),
+        ("b".to_string(), f64::INFINITY),
+        ("c".to_string(), f64::NEG_INFINITY),
+        ("d".to_string(), 0.25),
+    ]
+    .into();
+    assert_eq!(metrics_text(&metrics), "a=nan b=inf c=-inf d=0.2500");
 }
 
 #[test]

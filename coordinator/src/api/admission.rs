@@ -349,6 +349,10 @@ async fn submit_checked(
     } else {
         None
     };
+    let warnings = cumulus_api::warnings::submit_warnings(
+        spec.restart.max_restarts,
+        !spec.ckpt_dir.is_empty() || !spec.ckpt_url.is_empty(),
+    );
     let cmd = Command::SubmitJob {
         request_id: req.request_id.clone(),
         spec,
@@ -358,7 +362,11 @@ async fn submit_checked(
     };
     *proposed_ns = Some(stage::now_ns());
     match node.propose(cmd).await? {
-        Response::JobSubmitted { job_id, created } => Ok(v1::SubmitJobResponse { job_id, created }),
+        Response::JobSubmitted { job_id, created } => Ok(v1::SubmitJobResponse {
+            job_id,
+            created,
+            warnings,
+        }),
         Response::Rejected { reason } => Err(ApiError::InvalidArgument(reason)),
         Response::Ok | Response::Batch { .. } => {
             Err(ApiError::Internal("submit produced no job".into()))

@@ -4,9 +4,9 @@
 use openraft::async_runtime::watch::WatchReceiver;
 use std::collections::BTreeSet;
 
-use cumulus_api::Role;
 use cumulus_api::users::Principal;
 use cumulus_api::v1;
+use cumulus_api::{MemberRole, Role};
 use cumulus_raft_store::CumulusNode;
 use cumulus_raft_store::TypeConfig;
 use openraft::error::{ClientWriteError, RaftError};
@@ -17,35 +17,82 @@ use crate::convert::workers_to_proto;
 use crate::error::ApiError;
 use crate::node::Node;
 
-/// The cluster as this node sees it.
+/// How long ago each other member last acknowledged this leader (a heartbeat or an
+/// append), in milliseconds; a member never heard from since the election counts from
+/// when this node started acting as leader. Empty on a follower, and while this leader's
+/// control loop has not yet started its term (nothing is known to be late then).
+fn ack_ages_ms(
+    node: &Node,
+    m: &openraft::RaftMetrics<TypeConfig>,
+) -> std::collections::BTreeMap<u64, u64> {
+    let Some(heartbeat) = m.heartbeat.as_ref() else {
+        return Default::default();
+    };
+    let since_election_ms = {
+        let soft = node.soft();
+        match (soft.leader_term, soft.leader_since) {
+            (Some(term), Some(at)) if term == m.current_term => {
+                Some(at.elapsed().as_millis() as u64)
+            }
+            _ => None,
+        }
+    };
+    heartbeat
+        .iter()
+        .filter(|(id, _)| **id != node.id)
+        .filter_map(|(id, acked)| {
+            let age = match acked {
+                Some(at) => Some(openraft::Instant::elapsed(&**at).as_millis() as u64),
+                None => since_election_ms,
+            };
+            age.map(|a| (*id, a))
+        })
+        .collect()
+}
+
+/// The cluster as this node sees it. On the leader, a member that has acknowledged
+/// nothing for [`MemberRole::UNREACHABLE_AFTER_HEARTBEATS`] heartbeat intervals is shown
+/// `unreachable`, with the role it had (`last_role`).
 pub fn cluster_status(node: &Node) -> v1::ClusterStatusResponse {
     let m = node.raft.metrics().borrow_watched().clone();
     let membership = m.membership_config.membership();
     let voters: Vec<u64> = membership.voter_ids().collect();
+    let ack_ages = ack_ages_ms(node, &m);
+    let unreachable_after_ms =
+        MemberRole::UNREACHABLE_AFTER_HEARTBEATS * node.raft.config().heartbeat_interval;
     let members = membership
         .nodes()
         .map(|(id, n)| {
             let role = if m.current_leader == Some(*id) {
-                "leader"
+                MemberRole::Leader
             } else if *id == node.id {
                 match m.state {
-                    ServerState::Candidate => "candidate",
-                    ServerState::Learner => "learner",
-                    ServerState::Follower => "follower",
-                    ServerState::Leader => "leader",
-                    ServerState::Shutdown => "shutdown",
+                    ServerState::Candidate => MemberRole::Candidate,
+                    ServerState::Learner => MemberRole::Learner,
+                    ServerState::Follower => MemberRole::Follower,
+                    ServerState::Leader => MemberRole::Leader,
+                    ServerState::Shutdown => MemberRole::Shutdown,
                 }
             } else if voters.contains(id) {
-                "follower"
+                MemberRole::Follower
             } else {
-                "learner"
+                MemberRole::Learner
+            };
+            let last_ack_age_ms = ack_ages.get(id).copied();
+            let (role, last_role) = match last_ack_age_ms {
+                Some(age) if age > unreachable_after_ms && role != MemberRole::Leader => {
+                    (MemberRole::Unreachable, role.as_str().to_string())
+                }
+                _ => (role, String::new()),
             };
             v1::Member {
                 node_id: *id,
                 grpc_addr: n.grpc_addr.clone(),
                 http_addr: n.http_addr.clone(),
-                role: role.to_string(),
+                role: role.as_str().to_string(),
                 voter: voters.contains(id),
+                last_role,
+                last_ack_age_ms,
             }
         })
         .collect();

@@ -19,7 +19,11 @@
   returns their value), follow jobs, read their logs, checkpoints and artifacts (needs
   ``httpx``, ``cloudpickle``, ``pathspec``, ``blake3``; imported only when first used, so
   ranks never load them).
-* :mod:`cumulus.errors` — every exception.
+* :mod:`cumulus.errors` — every exception, and :class:`~cumulus.SubmitWarning`.
+* States as string enums from the generated contract: :class:`~cumulus.JobState`
+  (``JobInfo.state``), :class:`~cumulus.RankPhase` (a rank's state, ``RankInfo.state``),
+  :class:`~cumulus.WorkerState`, :class:`~cumulus.MemberRole`; each member equals its
+  wire spelling (``info.state == "running"``).
 """
 
 # No `from __future__ import annotations` and no bare `typing` names here: what this
@@ -53,6 +57,7 @@ from cumulus.errors import (
     ResultUnavailable,
     ServerError,
     StaleAttempt,
+    SubmitWarning,
     Unauthorized,
     Unavailable,
     Unsupported,
@@ -65,11 +70,17 @@ from cumulus.models import (
     ClusterInfo,
     GpuInfo,
     JobInfo,
+    JobState,
     JobSummary,
     LogLine,
+    MemberInfo,
+    MemberRole,
     ProgressSample,
     RankInfo,
+    RankPhase,
     UploadInfo,
+    WorkerInfo,
+    WorkerState,
 )
 from cumulus.runtime import (
     Context,
@@ -117,8 +128,11 @@ __all__ = [
     "Job",
     "JobFailed",
     "JobInfo",
+    "JobState",
     "JobSummary",
     "LogLine",
+    "MemberInfo",
+    "MemberRole",
     "NotACoordinator",
     "NotFound",
     "NotInCumulusRank",
@@ -127,6 +141,7 @@ __all__ = [
     "PythonVersionMismatch",
     "RankEnvironmentError",
     "RankInfo",
+    "RankPhase",
     "RemoteError",
     "ResourceExhausted",
     "ResultUnavailable",
@@ -134,12 +149,15 @@ __all__ = [
     "ServerError",
     "ShardReader",
     "StaleAttempt",
+    "SubmitWarning",
     "Unauthorized",
     "Unavailable",
     "Unsupported",
     "UploadInfo",
     "WaitTimeout",
     "WorkdirTooLarge",
+    "WorkerInfo",
+    "WorkerState",
     "__version__",
     "checkpoint",
     "errors",

@@ -56,6 +56,7 @@ __all__ = [
     "MAX_COMMAND_ARGS",
     "MAX_ENTRY_PATH_BYTES",
     "MAX_ENV_ENTRIES",
+    "MAX_EXIT_CAUSE_BYTES",
     "MAX_EXPANSION_RATIO",
     "MAX_FIND_LINKS",
     "MAX_GPUS_PER_WORKER",
@@ -74,14 +75,19 @@ __all__ = [
     "MAX_RESTART_BUDGET",
     "MAX_SHARDS",
     "MAX_SHARDS_FILE_BYTES",
-    "MAX_STATE_JSON_BYTES",
     "MAX_STARTUP_TIMEOUT_MS",
+    "MAX_STATE_JSON_BYTES",
     "MAX_STOP_GRACE_MS",
     "MAX_SUMMARIES",
     "MAX_TIME_LIMIT_MS",
     "MAX_TOKEN_BYTES",
     "MAX_UNPACKED_BYTES",
     "MAX_WORLD_SIZE",
+    "MEMBER_ROLES",
+    "MEMBER_UNREACHABLE_AFTER_HEARTBEATS",
+    "METRIC_JSON_INFINITY",
+    "METRIC_JSON_NAN",
+    "METRIC_JSON_NEG_INFINITY",
     "MIN_MANIFEST_FORMAT_VERSION",
     "MIN_TOKEN_BYTES",
     "RANK_ACTION_NONE",
@@ -105,6 +111,10 @@ __all__ = [
     "RANK_ENV_SHARDS_FILE",
     "RANK_ENV_WORLD_SIZE",
     "RANK_GPU_VARS",
+    "RANK_MAX_EXCEPTION_FRAMES",
+    "RANK_MAX_EXCEPTION_FRAME_BYTES",
+    "RANK_MAX_EXCEPTION_MESSAGE_BYTES",
+    "RANK_MAX_EXCEPTION_TYPE_BYTES",
     "RANK_MAX_LISTED_STEPS",
     "RANK_MAX_REPLY_BYTES",
     "RANK_PHASES",
@@ -131,6 +141,7 @@ __all__ = [
     "Manifest",
     "ManifestFileEntry",
     "ManifestPart",
+    "MemberRole",
     "RankPhase",
     "RankState",
     "RestartScope",
@@ -202,6 +213,9 @@ DEFAULT_MAX_RESULT_BYTES: Final = 67_108_864
 #: Default cap on a packed working directory, in bytes. Rust:
 #: ``cumulus_api::blobs::DEFAULT_MAX_WORKDIR_BYTES``.
 DEFAULT_MAX_WORKDIR_BYTES: Final = 536_870_912
+#: Startup timeout of a job with a progress timeout that names none, in milliseconds. Rust:
+#: ``cumulus_api::limits::DEFAULT_STARTUP_TIMEOUT_MS``.
+DEFAULT_STARTUP_TIMEOUT_MS: Final = 600_000
 #: Job summaries a list without a limit answers. Rust: ``cumulus_api::limits::DEFAULT_SUMMARIES``.
 DEFAULT_SUMMARIES: Final = 1000
 #: Exit code of a rank that could not reach its agent's rank-local API after its retries. Rust:
@@ -213,9 +227,6 @@ EXIT_CANNOT_RUN: Final = 78
 #: Scheme of the identity URI in every certificate the cluster CA issues. Rust:
 #: ``cumulus_tls::IDENTITY_SCHEME``.
 IDENTITY_SCHEME: Final = "cumulus://"
-#: Startup timeout of a job with a progress timeout that names none, in milliseconds. Rust:
-#: ``cumulus_api::limits::DEFAULT_STARTUP_TIMEOUT_MS``.
-DEFAULT_STARTUP_TIMEOUT_MS: Final = 600_000
 #: File name of the pointer to the newest committed step. Rust:
 #: ``cumulus_api::manifest::LATEST_FILE``.
 LATEST_FILE: Final = "LATEST"
@@ -248,6 +259,9 @@ MAX_COMMAND_ARGS: Final = 256
 MAX_ENTRY_PATH_BYTES: Final = 4096
 #: Most ``env`` entries of a job. Rust: ``cumulus_api::limits::MAX_ENV_ENTRIES``.
 MAX_ENV_ENTRIES: Final = 256
+#: Longest cause of a rank's exit (one line), in bytes. Rust:
+#: ``cumulus_api::limits::MAX_EXIT_CAUSE_BYTES``.
+MAX_EXIT_CAUSE_BYTES: Final = 512
 #: Largest unpacked-to-packed ratio of an archive. Rust:
 #: ``cumulus_api::blobs::MAX_EXPANSION_RATIO``.
 MAX_EXPANSION_RATIO: Final = 200
@@ -290,6 +304,9 @@ MAX_RESTART_BUDGET: Final = 1000
 MAX_SHARDS: Final = 100_000
 #: Largest shards file a rank reads, in bytes. Rust: ``cumulus_api::limits::MAX_SHARDS_FILE_BYTES``.
 MAX_SHARDS_FILE_BYTES: Final = 67_108_864
+#: Longest startup timeout a job may ask for, in milliseconds. Rust:
+#: ``cumulus_api::limits::MAX_STARTUP_TIMEOUT_MS``.
+MAX_STARTUP_TIMEOUT_MS: Final = 604_800_000
 #: Largest per-rank resume state, compact JSON, in bytes. Rust:
 #: ``cumulus_api::limits::MAX_STATE_JSON_BYTES``.
 MAX_STATE_JSON_BYTES: Final = 65_536
@@ -304,12 +321,19 @@ MAX_TIME_LIMIT_MS: Final = 31_536_000_000
 #: Longest bearer token, in bytes. Rust: ``cumulus_api::token::MAX_TOKEN_BYTES``.
 MAX_TOKEN_BYTES: Final = 4096
 #: Most bytes an archive may unpack to. Rust: ``cumulus_api::blobs::MAX_UNPACKED_BYTES``.
-#: Longest startup timeout a job may ask for, in milliseconds. Rust:
-#: ``cumulus_api::limits::MAX_STARTUP_TIMEOUT_MS``.
-MAX_STARTUP_TIMEOUT_MS: Final = 604_800_000
 MAX_UNPACKED_BYTES: Final = 8_589_934_592
 #: Largest world size a job may have. Rust: ``cumulus_api::limits::MAX_WORLD_SIZE``.
 MAX_WORLD_SIZE: Final = 65_536
+#: Raft heartbeat intervals without an acknowledgement after which the leader shows a coordinator as
+#: ``unreachable``. Rust: ``cumulus_api::states::MemberRole::UNREACHABLE_AFTER_HEARTBEATS``.
+MEMBER_UNREACHABLE_AFTER_HEARTBEATS: Final = 20
+#: JSON spelling of a metric value of +infinity. Rust: ``cumulus_api::metric_json::INFINITY``.
+METRIC_JSON_INFINITY: Final = "Infinity"
+#: JSON spelling of a NaN metric value (a finite one is a number). Rust:
+#: ``cumulus_api::metric_json::NAN``.
+METRIC_JSON_NAN: Final = "NaN"
+#: JSON spelling of a metric value of -infinity. Rust: ``cumulus_api::metric_json::NEG_INFINITY``.
+METRIC_JSON_NEG_INFINITY: Final = "-Infinity"
 #: The oldest manifest format still read. Rust:
 #: ``cumulus_api::manifest::MIN_MANIFEST_FORMAT_VERSION``.
 MIN_MANIFEST_FORMAT_VERSION: Final = 1
@@ -383,6 +407,18 @@ RANK_ENV_SHARDS_FILE: Final = "CUMULUS_SHARDS_FILE"
 RANK_ENV_WORLD_SIZE: Final = "WORLD_SIZE"
 #: Variables an agent with GPUs sets for every rank. Rust: ``cumulus_api::rank_env::GPU_VARS``.
 RANK_GPU_VARS: Final[tuple[str, ...]] = ("CUDA_VISIBLE_DEVICES",)
+#: Most frames of a rank-local POST /v1/exception (the innermost). Rust:
+#: ``cumulus_api::rank_local::MAX_EXCEPTION_FRAMES``.
+RANK_MAX_EXCEPTION_FRAMES: Final = 16
+#: Longest frame (and origin) of a rank-local POST /v1/exception, in bytes. Rust:
+#: ``cumulus_api::rank_local::MAX_EXCEPTION_FRAME_BYTES``.
+RANK_MAX_EXCEPTION_FRAME_BYTES: Final = 512
+#: Longest exception message of a rank-local POST /v1/exception, in bytes. Rust:
+#: ``cumulus_api::rank_local::MAX_EXCEPTION_MESSAGE_BYTES``.
+RANK_MAX_EXCEPTION_MESSAGE_BYTES: Final = 2048
+#: Longest exception type of a rank-local POST /v1/exception, in bytes. Rust:
+#: ``cumulus_api::rank_local::MAX_EXCEPTION_TYPE_BYTES``.
+RANK_MAX_EXCEPTION_TYPE_BYTES: Final = 256
 #: Most committed steps one rank-local GET /v1/checkpoints reply lists (the newest). Rust:
 #: ``cumulus_api::rank_local::MAX_LISTED_STEPS``.
 RANK_MAX_LISTED_STEPS: Final = 1024
@@ -416,7 +452,19 @@ WHOLE_GPU_PERMILLE: Final = 1000
 # --- States ---------------------------------------------------------------------------------------
 
 
-class CheckpointTier(str, enum.Enum):
+class _Spelling(str, enum.Enum):
+    """Base of the state enums: a member is its wire spelling, a ``str`` that compares,
+    hashes, prints and formats as that spelling (``JobState.RUNNING == "running"``,
+    ``f"{JobState.RUNNING}" == "running"``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class CheckpointTier(_Spelling):
     """A tier that holds a verified copy of a checkpoint step (``CheckpointInfo.tiers``).
 
     Rust: ``cumulus_api::states::CheckpointTier``.
@@ -433,7 +481,7 @@ CHECKPOINT_TIERS: Final[tuple[str, ...]] = (
 )
 
 
-class CommitTier(str, enum.Enum):
+class CommitTier(_Spelling):
     """Where a checkpoint step with an S3 target counts as committed.
 
     Rust: ``cumulus_api::states::CommitTier``.
@@ -452,7 +500,7 @@ COMMIT_TIERS: Final[tuple[str, ...]] = (
 DEFAULT_COMMIT_TIER: Final = "l2"
 
 
-class JobState(str, enum.Enum):
+class JobState(_Spelling):
     """Lifecycle of a job (``Job.state``).
 
     Rust: ``cumulus_api::states::JobState``.
@@ -488,7 +536,32 @@ TERMINAL_JOB_STATES: Final[frozenset[str]] = frozenset(
 )
 
 
-class RankPhase(str, enum.Enum):
+class MemberRole(_Spelling):
+    """A coordinator as the answering coordinator shows it (``MemberInfo.role``).
+
+    Rust: ``cumulus_api::states::MemberRole``.
+    """
+
+    LEADER = "leader"
+    FOLLOWER = "follower"
+    CANDIDATE = "candidate"
+    LEARNER = "learner"
+    UNREACHABLE = "unreachable"
+    SHUTDOWN = "shutdown"
+
+
+#: Every spelling of :class:`MemberRole`, in order.
+MEMBER_ROLES: Final[tuple[str, ...]] = (
+    "leader",
+    "follower",
+    "candidate",
+    "learner",
+    "unreachable",
+    "shutdown",
+)
+
+
+class RankPhase(_Spelling):
     """A rank's state as the APIs show it (``RankStatus.state``).
 
     Rust: ``cumulus_api::states::RankPhase``.
@@ -499,6 +572,7 @@ class RankPhase(str, enum.Enum):
     RUNNING = "running"
     EXITED = "exited"
     FAILED = "failed"
+    STOPPED = "stopped"
 
 
 #: Every spelling of :class:`RankPhase`, in order.
@@ -508,10 +582,11 @@ RANK_PHASES: Final[tuple[str, ...]] = (
     "running",
     "exited",
     "failed",
+    "stopped",
 )
 
 
-class RankState(str, enum.Enum):
+class RankState(_Spelling):
     """State of a rank's attempt as the Raft log stores it (the APIs show a ``RankPhase``).
 
     Rust: ``cumulus_api::states::RankState``.
@@ -534,7 +609,7 @@ RANK_STATES: Final[tuple[str, ...]] = (
 )
 
 
-class RestartScope(str, enum.Enum):
+class RestartScope(_Spelling):
     """Whether a failure restarts every rank of the job or only the failed one.
 
     Rust: ``cumulus_api::states::RestartScope``.
@@ -553,7 +628,7 @@ RESTART_SCOPES: Final[tuple[str, ...]] = (
 DEFAULT_RESTART_SCOPE: Final = "group"
 
 
-class Role(str, enum.Enum):
+class Role(_Spelling):
     """What a user may do, from least to most.
 
     Rust: ``cumulus_api::states::Role``.
@@ -572,8 +647,7 @@ ROLES: Final[tuple[str, ...]] = (
 )
 
 
-    STOPPED = "stopped"
-class StopAction(str, enum.Enum):
+class StopAction(_Spelling):
     """Why the ranks of a running job are asked to stop.
 
     Rust: ``cumulus_api::states::StopAction``.
@@ -582,7 +656,6 @@ class StopAction(str, enum.Enum):
     STOP = "stop"
     PAUSE = "pause"
     TIME_LIMIT = "time_limit"
-    "stopped",
     PREEMPT = "preempt"
 
 
@@ -595,7 +668,7 @@ STOP_ACTIONS: Final[tuple[str, ...]] = (
 )
 
 
-class WorkerState(str, enum.Enum):
+class WorkerState(_Spelling):
     """A worker agent as the leader shows it (``WorkerInfo.state``).
 
     Rust: ``cumulus_api::states::WorkerPhase``.

@@ -55,7 +55,9 @@ import pathlib
 import re
 import secrets
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import httpx
@@ -66,6 +68,7 @@ from cumulus._bundle import PackedDir
 from cumulus._config import Connection, normalize_address, resolve
 from cumulus.errors import (
     ApiError,
+    ConfigError,
     Conflict,
     Forbidden,
     InvalidSpec,
@@ -75,6 +78,7 @@ from cumulus.errors import (
     ResourceExhausted,
     ResultUnavailable,
     ServerError,
+    SubmitWarning,
     Unauthorized,
     Unavailable,
     WaitTimeout,
@@ -141,6 +145,12 @@ MAX_STARTUP_TIMEOUT_S = _contract.MAX_STARTUP_TIMEOUT_MS // 1000
 #: Startup timeout of a job with a progress timeout that names none, in seconds (the
 #: coordinator's ``DEFAULT_STARTUP_TIMEOUT_MS``).
 DEFAULT_STARTUP_TIMEOUT_S = _contract.DEFAULT_STARTUP_TIMEOUT_MS / 1000
+
+
+#: Time limit of :meth:`Client.cluster`'s one try at the named leader, in seconds.
+_LEADER_TRY_TIMEOUT_S = 2.0
+#: Set while :meth:`Client.run_async` submits: its submit issues no SubmitWarning.
+_QUIET_SUBMIT: ContextVar[bool] = ContextVar("cumulus_quiet_submit", default=False)
 
 
 def new_request_id() -> str:
@@ -1110,13 +1120,21 @@ class Client:
         body = self._request("POST", "/v1/jobs", body=request)
         if not isinstance(body, dict) or not isinstance(body.get("job_id"), str):
             raise ProtocolError(f"submit: malformed answer {body!r}")
-        return Job(
+        said = body.get("warnings") or []
+        if not isinstance(said, list) or not all(isinstance(w, str) for w in said):
+            raise ProtocolError(f"submit: malformed warnings {said!r}")
+        job = Job(
             self,
             body["job_id"],
             created=bool(body.get("created", True)),
             request_id=rid,
             upload=uploaded,
+            warnings=tuple(said),
         )
+        if not _QUIET_SUBMIT.get():
+            for text in job.warnings:
+                warnings.warn(f"{job.id}: {text}", SubmitWarning, stacklevel=2)
+        return job
 
     def run_command(
         self,
@@ -1328,14 +1346,20 @@ class Client:
             packed = _bundle.pack_directory(
                 upload, mounts={_remote.RUN_DIR: d}, max_bytes=upload_max
             )
-        with packed:
-            job = self.submit(
-                _remote.run_command(gather),
-                world_size=world_size,
-                upload=packed,
-                requirements=requirements,
-                **opts,
-            )
+        # A function is run again whole on a restart: no warning that restarts without
+        # checkpoints start over (they are in Job.warnings all the same).
+        quiet = _QUIET_SUBMIT.set(True)
+        try:
+            with packed:
+                job = self.submit(
+                    _remote.run_command(gather),
+                    world_size=world_size,
+                    upload=packed,
+                    requirements=requirements,
+                    **opts,
+                )
+        finally:
+            _QUIET_SUBMIT.reset(quiet)
         job.gather = gather
         return job
 
@@ -1548,9 +1572,26 @@ class Client:
         return [CheckpointInfo.from_json(c) for c in items or []]
 
     def cluster(self) -> ClusterInfo:
-        """Members, leader, Raft indexes and workers, as the answering coordinator sees
-        them."""
-        return ClusterInfo.from_json(self._request("GET", "/v1/cluster"))
+        """Members, leader, Raft indexes and workers, from the leader when the first
+        answer names one that answers at once (as ``cumulusctl cluster status``): only
+        the leader knows the workers' heartbeats and which coordinators stopped answering
+        (:attr:`MemberInfo.role <cumulus.models.MemberInfo.role>` ``unreachable``).
+        Otherwise as the answering coordinator sees them (:attr:`ClusterInfo.node_id`)."""
+        first = ClusterInfo.from_json(self._request("GET", "/v1/cluster"))
+        leader = first.leader
+        if leader is None or first.leader_id == first.node_id or not leader.http_addr:
+            return first
+        # One quick try: the named leader may be the one that just died.
+        try:
+            base = normalize_address(leader.http_addr, "leader", scheme=self.connection.scheme)
+            resp = self._http.get(base + "/v1/cluster", timeout=_LEADER_TRY_TIMEOUT_S)
+            if resp.is_success:
+                answer = ClusterInfo.from_json(resp.json())
+                if answer.leader_id == answer.node_id:
+                    return answer
+        except (httpx.HTTPError, ValueError, ProtocolError, ConfigError):
+            pass
+        return first
 
     def health(self, address: str) -> Mapping[str, Any]:
         """``GET /health`` of one coordinator (``host:port``; no token needed, no retry),
@@ -1678,12 +1719,17 @@ class Job:
         request_id: str | None = None,
         upload: UploadInfo | None = None,
         gather: bool | None = None,
+        warnings: tuple[str, ...] = (),
     ) -> None:
         self.client = client
         #: e.g. ``job-000001``.
         self.id = job_id
         self.created = created
         self.request_id = request_id
+        #: What the coordinator said about the submitted job, one sentence each (each
+        #: also issued as a :class:`~cumulus.errors.SubmitWarning` by
+        #: :meth:`Client.submit`); empty for a handle made otherwise.
+        self.warnings = warnings
         #: The working directory this submit sent (``submit(upload=...)``), else ``None``.
         self.upload = upload
         #: Whether :meth:`result` returns every rank's value (``Client.run(gather=...)``);

@@ -14,6 +14,9 @@ Two families share the base class :class:`CumulusError`:
   (:meth:`cumulus.Client.run`) and uploads: :class:`RemoteError`,
   :class:`PythonVersionMismatch`, :class:`ResultUnavailable`, :class:`BundleError`,
   :class:`WorkdirTooLarge`.
+
+And one warning (Python ``warnings``, not an exception): :class:`SubmitWarning`, what the
+coordinator says about a job it accepted (e.g. restarts without a checkpoint directory).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ __all__ = [
     "ResultUnavailable",
     "ServerError",
     "StaleAttempt",
+    "SubmitWarning",
     "Unauthorized",
     "Unavailable",
     "Unsupported",
@@ -101,8 +105,8 @@ class InvalidStep(CumulusError, ValueError):
 
 
 class InvalidMetric(CumulusError, ValueError):
-    """A progress metric is not a finite real number, or its name is empty or too long,
-    or there are too many metrics."""
+    """A progress metric is not a real number (NaN and infinities are valid ones), or its
+    name is empty or too long, or there are too many metrics."""
 
 
 class InvalidState(CumulusError, ValueError):
@@ -321,3 +325,12 @@ class ResultUnavailable(CumulusError):
     def __init__(self, message: str, job: JobInfo) -> None:
         super().__init__(message)
         self.job = job
+
+
+class SubmitWarning(UserWarning):
+    """What the coordinator said about a job it accepted, issued with
+    :func:`warnings.warn` by :meth:`Client.submit <cumulus.Client.submit>` (the same
+    sentences ``cumulusctl submit`` prints on stderr, also in :attr:`Job.warnings
+    <cumulus.Job.warnings>`): e.g. a job that may restart but has no checkpoint directory,
+    whose every restart starts over from step 0. Silence one kind with
+    ``warnings.filterwarnings("ignore", category=cumulus.SubmitWarning)``."""

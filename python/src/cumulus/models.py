@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from cumulus import _contract
+from cumulus import _contract, _metrics
+from cumulus._contract import JobState, MemberRole, RankPhase, WorkerState
 from cumulus.errors import ProtocolError
 
 __all__ = [
@@ -26,14 +27,18 @@ __all__ = [
     "ClusterInfo",
     "GpuInfo",
     "JobInfo",
+    "JobState",
     "JobSummary",
     "LogLine",
     "MemberInfo",
+    "MemberRole",
     "ProgressSample",
     "RankInfo",
+    "RankPhase",
     "RestartInfo",
     "UploadInfo",
     "WorkerInfo",
+    "WorkerState",
 ]
 
 #: Every job state, in the order of the Rust ``JobState``.
@@ -45,6 +50,7 @@ FINISHED_STATES = _contract.TERMINAL_JOB_STATES
 STOP_ACTIONS = frozenset(_contract.STOP_ACTIONS) - {_contract.StopAction.STOP.value}
 
 T = TypeVar("T")
+E = TypeVar("E", JobState, RankPhase, MemberRole, WorkerState)
 
 
 def _get(d: Mapping[str, Any], key: str, kind: type[T], default: T) -> T:
@@ -59,6 +65,22 @@ def _get(d: Mapping[str, Any], key: str, kind: type[T], default: T) -> T:
             f"field {key!r} of the coordinator's answer is {value!r}, expected {kind.__name__}"
         )
     return value
+
+
+def _enum(d: Mapping[str, Any], key: str, kind: type[E]) -> E:
+    """The member of the ``str`` enum ``kind`` spelled by field ``key``.
+
+    :raises ProtocolError: the field is missing or not one of ``kind``'s spellings (a
+        server newer than this SDK: upgrade the ``cumulus`` package)."""
+    value = d.get(key)
+    try:
+        return kind(value)
+    except ValueError:
+        expected = ", ".join(m.value for m in kind)
+        raise ProtocolError(
+            f"field {key!r} of the coordinator's answer is {value!r}, not one of {expected}"
+            " (is the coordinator newer than this SDK?)"
+        ) from None
 
 
 def _opt_int(d: Mapping[str, Any], key: str) -> int | None:
@@ -101,16 +123,25 @@ def _str_tuple(d: Mapping[str, Any], key: str) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _float_map(d: Mapping[str, Any], key: str) -> dict[str, float]:
+def _metric_map(d: Mapping[str, Any], key: str) -> dict[str, float]:
+    """A map of metrics: numbers, NaN and the infinities as their JSON strings
+    (:mod:`cumulus._metrics`)."""
     value = d.get(key)
     if value is None:
         return {}
     m = _obj(value, f"field {key!r}")
     out: dict[str, float] = {}
-    for name in m:
+    for name, raw in m.items():
         if not isinstance(name, str):
             raise ProtocolError(f"field {key!r} of the coordinator's answer has a non-str key")
-        out[name] = _get(m, name, float, 0.0)
+        decoded = _metrics.decode(raw)
+        if decoded is None:
+            raise ProtocolError(
+                f"metric {name!r} in the coordinator's answer is {raw!r}, not a number"
+                f" or one of {_contract.METRIC_JSON_NAN!r}, {_contract.METRIC_JSON_INFINITY!r},"
+                f" {_contract.METRIC_JSON_NEG_INFINITY!r}"
+            )
+        out[name] = decoded
     return out
 
 
@@ -201,8 +232,9 @@ class RankInfo:
     #: Worker the current attempt is placed on (``""`` when unplaced).
     worker_id: str
     #: ``pending`` | ``waiting`` (restart backoff) | ``running`` | ``exited`` | ``failed``
-    #: | ``stopped`` (the job ended first; never ``running`` in a job that has ended).
-    state: str
+    #: | ``stopped`` (the job ended first; never running in a job that has ended):
+    #: a :class:`RankPhase`, a string enum (``rank.state == "running"`` holds).
+    state: RankPhase
     exit_code: int | None
     signal: int | None
     started_at_ms: int
@@ -220,7 +252,8 @@ class RankInfo:
     #: (empty for a job without GPUs, or before the attempt is placed).
     gpus: tuple[str, ...] = ()
     #: The metrics of the attempt's latest progress report (``runtime.report(step,
-    #: loss=...)``), as the leader last saw them; empty when unknown.
+    #: loss=...)``), as the leader last saw them (NaN and infinities included: a
+    #: diverging run); empty when unknown.
     metrics: Mapping[str, float] = field(default_factory=dict)
     #: Steps per second of the running attempt, smoothed over its recent reports (0.0:
     #: not known yet).
@@ -243,7 +276,7 @@ class RankInfo:
             rank=_get(d, "rank", int, 0),
             attempt=_get(d, "attempt", int, 0),
             worker_id=_get(d, "worker_id", str, ""),
-            state=_get(d, "state", str, ""),
+            state=_enum(d, "state", RankPhase),
             exit_code=_opt_int(d, "exit_code"),
             signal=_opt_int(d, "signal"),
             started_at_ms=_get(d, "started_at_ms", int, 0),
@@ -255,7 +288,7 @@ class RankInfo:
             not_before_ms=_get(d, "not_before_ms", int, 0),
             pid=_get(d, "pid", int, 0),
             gpus=_str_tuple(d, "gpus"),
-            metrics=_float_map(d, "metrics"),
+            metrics=_metric_map(d, "metrics"),
             steps_per_s=_get(d, "steps_per_s", float, 0.0),
             eta_ms=_get(d, "eta_ms", int, 0),
             resume_step=_opt_int(d, "resume_step"),
@@ -303,9 +336,10 @@ class JobInfo:
     id: str
     name: str
     #: ``pending`` | ``running`` | ``succeeded`` | ``failed`` | ``cancelled`` | ``paused``
-    #: | ``timed_out``. A paused job is not finished: :meth:`Job.resume
-    #: <cumulus.Job.resume>` queues it again (it resumes from its committed step).
-    state: str
+    #: | ``timed_out``: a :class:`JobState`, a string enum (``info.state == "running"``
+    #: holds). A paused job is not finished: :meth:`Job.resume <cumulus.Job.resume>`
+    #: queues it again (it resumes from its committed step).
+    state: JobState
     world_size: int
     command: tuple[str, ...]
     submitted_at_ms: int
@@ -404,7 +438,7 @@ class JobInfo:
         return cls(
             id=job_id,
             name=_get(spec, "name", str, ""),
-            state=_get(d, "state", str, ""),
+            state=_enum(d, "state", JobState),
             world_size=_get(spec, "world_size", int, 0),
             command=tuple(str(a) for a in _list(spec, "command")),
             submitted_at_ms=_get(d, "submitted_at_ms", int, 0),
@@ -462,7 +496,7 @@ class ProgressSample:
             step=_get(d, "step", int, 0),
             total_steps=_get(d, "total_steps", int, 0),
             steps_per_s=_get(d, "steps_per_s", float, 0.0),
-            metrics=_float_map(d, "metrics"),
+            metrics=_metric_map(d, "metrics"),
         )
 
 
@@ -475,8 +509,8 @@ class JobSummary:
     job_id: str
     name: str
     #: ``pending`` | ``running`` | ``succeeded`` | ``failed`` | ``cancelled`` | ``paused``
-    #: | ``timed_out``.
-    state: str
+    #: | ``timed_out``: a :class:`JobState`.
+    state: JobState
     #: The job's step: its slowest rank's latest reported step (for a finished job, the
     #: step its ranks reported when they exited).
     step: int
@@ -540,12 +574,12 @@ class JobSummary:
         return cls(
             job_id=job_id,
             name=_get(d, "name", str, ""),
-            state=_get(d, "state", str, ""),
+            state=_enum(d, "state", JobState),
             step=_get(d, "step", int, 0),
             total_steps=_get(d, "total_steps", int, 0),
             steps_per_s=_get(d, "steps_per_s", float, 0.0),
             eta_ms=_get(d, "eta_ms", int, 0),
-            metrics=_float_map(d, "metrics"),
+            metrics=_metric_map(d, "metrics"),
             restarts_used=_get(d, "restarts_used", int, 0),
             running_ms=_get(d, "running_ms", int, 0),
             paused_ms=_get(d, "paused_ms", int, 0),
@@ -595,9 +629,17 @@ class MemberInfo:
     node_id: int
     grpc_addr: str
     http_addr: str
-    #: ``leader`` | ``follower`` | ``candidate`` | ``learner`` | ``unknown``.
-    role: str
+    #: ``leader`` | ``follower`` | ``candidate`` | ``learner`` | ``unreachable`` |
+    #: ``shutdown``: a :class:`MemberRole`. The leader shows a coordinator that has not
+    #: answered its heartbeats for a while (about a second) as ``unreachable``.
+    role: MemberRole
     voter: bool
+    #: With :attr:`role` ``unreachable``: the role it had (``follower`` or ``learner``);
+    #: ``None`` otherwise.
+    last_role: MemberRole | None = None
+    #: On the leader's answer: milliseconds since the coordinator last acknowledged the
+    #: leader (``None`` for the leader itself, and in a follower's answer).
+    last_ack_age_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -658,8 +700,8 @@ class WorkerInfo:
     http_addr: str
     slots: int
     slots_used: int
-    #: ``alive`` | ``expired``.
-    state: str
+    #: ``alive`` | ``expired``: a :class:`WorkerState`.
+    state: WorkerState
     last_heartbeat_age_ms: int
     cpu_percent: float
     memory_used_bytes: int
@@ -696,8 +738,10 @@ class ClusterInfo:
                 node_id=_get(m, "node_id", int, 0),
                 grpc_addr=_get(m, "grpc_addr", str, ""),
                 http_addr=_get(m, "http_addr", str, ""),
-                role=_get(m, "role", str, ""),
+                role=_enum(m, "role", MemberRole),
                 voter=_get(m, "voter", bool, False),
+                last_role=_enum(m, "last_role", MemberRole) if m.get("last_role") else None,
+                last_ack_age_ms=_opt_int(m, "last_ack_age_ms"),
             )
             for m in (_obj(x, "a member") for x in _list(d, "members"))
         )
@@ -708,7 +752,7 @@ class ClusterInfo:
                 http_addr=_get(w, "http_addr", str, ""),
                 slots=_get(w, "slots", int, 0),
                 slots_used=_get(w, "slots_used", int, 0),
-                state=_get(w, "state", str, ""),
+                state=_enum(w, "state", WorkerState),
                 last_heartbeat_age_ms=_get(w, "last_heartbeat_age_ms", int, 0),
                 cpu_percent=_get(w, "cpu_percent", float, 0.0),
                 memory_used_bytes=_get(w, "memory_used_bytes", int, 0),

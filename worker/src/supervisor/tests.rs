@@ -746,6 +746,22 @@ async fn rank_api_progress_and_auth() {
     let p = api.h.sup.progress(&key).expect("progress");
     assert_eq!((p.step, p.total_steps), (42, 100));
     assert_eq!(p.metrics.get("loss"), Some(&0.5));
+    // A diverging run's NaN and infinities, in the contract's JSON spelling, are kept.
+    let r = api
+        .http
+        .post(&progress)
+        .bearer_auth(&token)
+        .json(&serde_json::json!({"step": 42, "total_steps": 100,
+            "metrics": {"loss": "NaN", "up": "Infinity", "down": "-Infinity", "lr": 0.5}}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 204);
+    let p = api.h.sup.progress(&key).expect("progress");
+    assert!(p.metrics["loss"].is_nan(), "{:?}", p.metrics);
+    assert_eq!(p.metrics["up"], f64::INFINITY);
+    assert_eq!(p.metrics["down"], f64::NEG_INFINITY);
+    assert_eq!(p.metrics["lr"], 0.5);
     poll_until("pid", || !api.h.sup.observed().is_empty()).await;
     let observed = api.h.sup.observed();
     assert_eq!((observed[0].step, observed[0].total_steps), (42, 100));
@@ -759,6 +775,11 @@ async fn rank_api_progress_and_auth() {
             400,
         ),
         (Some(token.as_str()), serde_json::json!({"step": -1}), 400),
+        (
+            Some(token.as_str()),
+            serde_json::json!({"step": 1, "metrics": {"loss": "nan"}}),
+            400,
+        ),
     ] {
         let mut req = api.http.post(&progress).json(&body);
         if let Some(t) = auth {

@@ -118,7 +118,7 @@ from cumulus.runtime._progress import (
 from cumulus.runtime._rng import RNG_STATE_VERSION, rng_state, set_rng_state
 from cumulus.runtime._sampler import EpochSampler
 from cumulus.runtime._schedule import CheckpointSchedule
-from cumulus.runtime._shards import ShardReader, shard_format
+from cumulus.runtime._shards import ShardReader, list_shards, shard_format
 from cumulus.runtime._stop import (
     install_stop_handler,
     request_stop,
@@ -159,6 +159,7 @@ __all__ = [
     "init",
     "install_stop_handler",
     "list_checkpoints",
+    "list_shards",
     "read_shards_file",
     "report",
     "request_stop",
@@ -234,8 +235,11 @@ class Runtime:
         never raised. Standalone, the report is validated and dropped.
 
         :raises InvalidStep: ``step``/``total_steps`` is not an int in ``0..2**64``.
-        :raises InvalidMetric: a metric is not a finite real number (NaN, inf, a tensor, a
-            str...), or a name is empty or too long, or there are more than 64 metrics.
+        NaN and infinities are valid values (a diverging run reports them): they are
+        shown as ``nan``, ``inf`` and ``-inf``.
+
+        :raises InvalidMetric: a metric is not a real number (a tensor, a str, a bool...),
+            or a name is empty or too long, or there are more than 64 metrics.
         """
         checked = validate_report(step, total_steps, metrics)
         if self._reporter is not None:

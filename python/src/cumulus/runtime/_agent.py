@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
+from cumulus import _metrics
 from cumulus._contract import (
     EXIT_AGENT_UNREACHABLE,
     RANK_ACTION_NONE,
@@ -225,7 +226,11 @@ class AgentClient:
         :raises StaleAttempt: 401/409.
         :raises AgentError: any other failure.
         """
-        body: dict[str, Any] = {"step": step, "metrics": dict(metrics)}
+        # NaN and the infinities travel as strings (cumulus_api::metric_json).
+        body: dict[str, Any] = {
+            "step": step,
+            "metrics": {name: _metrics.encode(value) for name, value in metrics.items()},
+        }
         if total_steps is not None:
             body["total_steps"] = total_steps
         status, data = self._post("/v1/progress", body, timeout_s)

@@ -55,7 +55,8 @@ _MAX_U64 = 2**64 - 1
 
 @dataclass(frozen=True)
 class ProgressReport:
-    """One validated report: ``step`` of ``total_steps`` with named finite metrics."""
+    """One validated report: ``step`` of ``total_steps`` with named metrics (NaN and
+    infinities included)."""
 
     step: int
     total_steps: int | None
@@ -77,7 +78,10 @@ def validate_report(
     """Checks a report as the agent would, so that a bad one fails at the call.
 
     :raises InvalidStep: ``step`` or ``total_steps`` is not an int in ``0..2**64``.
-    :raises InvalidMetric: a metric is not a finite real number (``bool`` and tensors are
+    A non-finite value (NaN, an infinity: a diverging run) is a valid metric, reported
+    and shown as such (``nan``, ``inf``, ``-inf``).
+
+    :raises InvalidMetric: a metric is not a real number (``bool`` and tensors are
         refused: pass ``loss.item()``), a name is empty or longer than
         :data:`MAX_METRIC_NAME_BYTES` bytes, or there are more than :data:`MAX_METRICS`.
     """
@@ -96,10 +100,10 @@ def validate_report(
                 f"metric {name!r} must be a real number, got {type(value).__name__}"
                 " (convert tensors with .item())"
             )
-        as_float = float(value)
-        if not math.isfinite(as_float):
-            raise InvalidMetric(f"metric {name!r} is {as_float}: only finite values are reported")
-        out[name] = as_float
+        try:
+            out[name] = float(value)
+        except (OverflowError, ValueError) as e:  # e.g. a Fraction too large for a float
+            raise InvalidMetric(f"metric {name!r} is not representable as a float: {e}") from e
     return ProgressReport(checked_step, checked_total, out)
 
 

@@ -10,6 +10,11 @@ A shard's format follows its name (after an optional ``.gz``, which is decompres
 ``state()`` is a small JSON object naming the next record (shard index, record index in
 that shard); commit it with a checkpoint and ``restore()`` it on resume, and every
 record is consumed exactly once over the life of the job.
+
+A file whose name starts with a dot is not a shard, as when the coordinator lists a data
+set: ``cumulusctl dataset split`` writes its feature statistics, ``.feature-stats.json``,
+beside the shards. :func:`list_shards` lists a directory that way, and a directory or a
+dot-file among a :class:`ShardReader`'s paths is expanded or skipped the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
 
-__all__ = ["ShardFormat", "ShardReader", "shard_format"]
+__all__ = ["ShardFormat", "ShardReader", "list_shards", "shard_format"]
 
 ShardFormat = Literal["csv", "tsv", "jsonl", "file"]
 
@@ -41,6 +46,38 @@ def shard_format(path: Path) -> ShardFormat:
     if name.endswith((".jsonl", ".ndjson")):
         return "jsonl"
     return "file"
+
+
+def is_hidden(path: Path) -> bool:
+    """Whether ``path`` names a dot-file (never a shard)."""
+    return path.name.startswith(".")
+
+
+def list_shards(directory: str | os.PathLike[str]) -> list[Path]:
+    """The shards of a data set directory as the coordinator lists them: its regular
+    files (symbolic links to them included), sorted by name, without those whose name
+    starts with a dot (``.feature-stats.json`` of ``cumulusctl dataset split``).
+
+    :raises NotADirectoryError: ``directory`` is not a directory.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise NotADirectoryError(f"{root} is not a directory")
+    return sorted(
+        (p for p in root.iterdir() if not is_hidden(p) and p.is_file()), key=lambda p: p.name
+    )
+
+
+def _expand(paths: Sequence[str | os.PathLike[str]]) -> tuple[Path, ...]:
+    """``paths`` with each directory replaced by :func:`list_shards` of it and dot-files
+    left out."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out.extend(list_shards(p))
+        elif not is_hidden(p):
+            out.append(p)
+    return tuple(out)
 
 
 def _open_binary(path: Path) -> IO[bytes]:
@@ -60,7 +97,10 @@ def _fingerprint(paths: Sequence[Path]) -> str:
 class ShardReader(Iterator[Any]):
     """Iterates the records of ``paths`` in order (see the module doc for formats).
 
-    :param paths: the shard files (default: ``get_context(standalone=True).shard_paths``).
+    :param paths: the shard files (default: ``get_context(standalone=True).shard_paths``);
+        a directory stands for its shards (:func:`list_shards`), and a dot-file is not
+        a shard: skipped (``.feature-stats.json`` from ``os.listdir`` of a
+        ``dataset split`` output).
     :param format: force one format for every shard instead of choosing by name.
     :param csv_header: skip the first row of every CSV/TSV shard.
     """
@@ -76,7 +116,8 @@ class ShardReader(Iterator[Any]):
             from cumulus.runtime._env import get_context
 
             paths = get_context(standalone=True).shard_paths
-        self.paths: tuple[Path, ...] = tuple(Path(p) for p in paths)
+        #: The shards read, in order (directories expanded, dot-files left out).
+        self.paths: tuple[Path, ...] = _expand(paths)
         self._format = format
         self._csv_header = csv_header
         self._shard = 0
