@@ -858,6 +858,43 @@ mod tests {
     use super::*;
 
     #[test]
+    fn as_root_the_demo_runs_ranks_as_root_only_when_others_cannot_reach_its_files() {
+        use std::os::unix::fs::PermissionsExt;
+        let chmod = |p: &Path, mode: u32| {
+            fs::set_permissions(p, fs::Permissions::from_mode(mode)).expect("chmod")
+        };
+        let tmp = tempfile::tempdir().expect("tempdir");
+        chmod(tmp.path(), 0o755);
+        let (open, closed) = (tmp.path().join("open"), tmp.path().join("closed"));
+        for d in [&open, &closed] {
+            fs::create_dir(d).expect("mkdir");
+        }
+        let trainer = open.join(TRAINER_BIN);
+        fs::write(&trainer, "").expect("write");
+        chmod(&trainer, 0o755);
+        chmod(&closed, 0o700);
+        let (ranks, why) = demo_ranks(&open, &trainer).expect("inspect");
+        assert_eq!((ranks, why), (local::Ranks::Default, None));
+        let (ranks, why) = demo_ranks(&closed, &trainer).expect("inspect");
+        if !nix::unistd::geteuid().is_root() {
+            // Run by another user, ranks run as that user whatever the modes.
+            assert_eq!((ranks, why), (local::Ranks::Default, None));
+            return;
+        }
+        assert_eq!(ranks, local::Ranks::Root);
+        let why = why.expect("a reason");
+        assert!(
+            why.contains(&format!("{} (mode 0700)", closed.display())),
+            "{why}"
+        );
+        // A trainer others may not execute.
+        chmod(&trainer, 0o700);
+        let (ranks, why) = demo_ranks(&open, &trainer).expect("inspect");
+        assert_eq!(ranks, local::Ranks::Root);
+        assert!(why.is_some_and(|w| w.contains(&trainer.display().to_string())));
+    }
+
+    #[test]
     fn filter_shows_first_every_tenth_and_interesting_lines() {
         let mut f = LogFilter::default();
         let line = |attempt: u32, s: &str| LogLine {
