@@ -260,6 +260,11 @@ fn report_limit_constants() -> Vec<Constant> {
         ),
         constant!(
             int,
+            limits::MAX_EXIT_CAUSE_BYTES,
+            "Longest cause of a rank's exit (one line), in bytes."
+        ),
+        constant!(
+            int,
             limits::MAX_SUMMARIES,
             "Most job summaries one list answers."
         ),
@@ -382,6 +387,10 @@ fn rank_env_constants() -> Vec<Constant> {
         constant!(str, rank_local::ACTION_NONE as "RANK_ACTION_NONE", "The rank-local control action that asks nothing (go on)."),
         constant!(int, rank_local::MAX_REPLY_BYTES as "RANK_MAX_REPLY_BYTES", "Most bytes of a rank-local reply body a rank reads."),
         constant!(int, rank_local::MAX_LISTED_STEPS as "RANK_MAX_LISTED_STEPS", "Most committed steps one rank-local GET /v1/checkpoints reply lists (the newest)."),
+        constant!(int, rank_local::MAX_EXCEPTION_TYPE_BYTES as "RANK_MAX_EXCEPTION_TYPE_BYTES", "Longest exception type of a rank-local POST /v1/exception, in bytes."),
+        constant!(int, rank_local::MAX_EXCEPTION_MESSAGE_BYTES as "RANK_MAX_EXCEPTION_MESSAGE_BYTES", "Longest exception message of a rank-local POST /v1/exception, in bytes."),
+        constant!(int, rank_local::MAX_EXCEPTION_FRAMES as "RANK_MAX_EXCEPTION_FRAMES", "Most frames of a rank-local POST /v1/exception (the innermost)."),
+        constant!(int, rank_local::MAX_EXCEPTION_FRAME_BYTES as "RANK_MAX_EXCEPTION_FRAME_BYTES", "Longest frame (and origin) of a rank-local POST /v1/exception, in bytes."),
     ]
 }
 

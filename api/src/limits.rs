@@ -35,6 +35,10 @@ pub const MAX_STATE_JSON_BYTES: usize = 64 * 1024;
 pub const MAX_METRICS: usize = 64;
 /// Longest metric name in a progress report, in bytes.
 pub const MAX_METRIC_NAME_BYTES: usize = 128;
+/// Longest cause of a rank's exit (`RankExitedRequest.cause`): one line, control
+/// characters escaped, in bytes. The agent cuts what it sends to it, the coordinator's
+/// API and `apply` cut again.
+pub const MAX_EXIT_CAUSE_BYTES: usize = 512;
 /// Most GPUs one worker may register, and most GPUs one rank may ask for.
 pub const MAX_GPUS_PER_WORKER: usize = 64;
 /// Longest GPU UUID, in bytes (NVML's are 40: `GPU-` and a hyphenated UUID).
@@ -52,10 +56,6 @@ pub const MAX_PRIORITY: i32 = 1_000;
 pub const MAX_STOP_GRACE_MS: u64 = 3_600_000;
 /// Longest time limit a job may ask for (`time_limit_ms`): 365 days, in milliseconds.
 pub const MAX_TIME_LIMIT_MS: u64 = 365 * 86_400_000;
-/// Most job summaries one `ListJobSummaries` answers (`limit` is `1..=MAX_SUMMARIES`).
-pub const MAX_SUMMARIES: usize = 10_000;
-/// Summaries a `ListJobSummaries` without a limit answers.
-pub const DEFAULT_SUMMARIES: usize = 1_000;
 /// An attempt's startup timeout when a job with a progress timeout names none
 /// (`startup_timeout_ms` 0): 10 minutes from the process's start to its first progress
 /// report, in milliseconds (room for imports, data loading and a rendezvous).
@@ -63,3 +63,7 @@ pub const DEFAULT_STARTUP_TIMEOUT_MS: u64 = 600_000;
 /// Longest startup timeout a job may ask for (`startup_timeout_ms`): 7 days, in
 /// milliseconds (as the progress timeout).
 pub const MAX_STARTUP_TIMEOUT_MS: u64 = 7 * 86_400_000;
+/// Most job summaries one `ListJobSummaries` answers (`limit` is `1..=MAX_SUMMARIES`).
+pub const MAX_SUMMARIES: usize = 10_000;
+/// Summaries a `ListJobSummaries` without a limit answers.
+pub const DEFAULT_SUMMARIES: usize = 1_000;

@@ -6,7 +6,8 @@
 //! Every body is JSON. Paths: `POST /v1/progress` ([`ProgressReport`] → 204, or 200
 //! [`ControlReply`] once the rank is asked to stop), `GET /v1/control` (200
 //! [`ControlReply`]), `POST /v1/checkpoint` ([`CheckpointRequest`] → 200
-//! [`CommitReply`]), `GET /v1/checkpoints` (200 [`CheckpointsReply`]). Errors are
+//! [`CommitReply`]), `GET /v1/checkpoints` (200 [`CheckpointsReply`]), `POST
+//! /v1/exception` ([`ExceptionReport`] → 204: what the process is dying of). Errors are
 //! [`ErrorReply`].
 
 use std::collections::BTreeMap;
@@ -62,6 +63,118 @@ pub struct CheckpointsReply {
 /// Most steps one [`CheckpointsReply`] lists (the newest ones): its JSON stays under
 /// [`MAX_REPLY_BYTES`] (each step is at most 21 bytes with its comma).
 pub const MAX_LISTED_STEPS: usize = 1024;
+
+/// Body of `POST /v1/exception`: the uncaught exception the rank's process is about to
+/// die of, sent once by its runtime's exception hook (the Python runtime's
+/// `sys.excepthook`). The agent keeps the last one of the attempt and, when the process
+/// then exits non-zero, reports [`ExceptionReport::summary`] as the cause of the exit.
+/// Bounds ([`ExceptionReport::validate`]): the type 1..=[`MAX_EXCEPTION_TYPE_BYTES`]
+/// bytes, the message at most [`MAX_EXCEPTION_MESSAGE_BYTES`], at most
+/// [`MAX_EXCEPTION_FRAMES`] frames of at most [`MAX_EXCEPTION_FRAME_BYTES`] each, the
+/// origin at most [`MAX_EXCEPTION_FRAME_BYTES`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExceptionReport {
+    /// The exception's type, e.g. `ValueError` or `torch.OutOfMemoryError`.
+    #[serde(rename = "type")]
+    pub type_name: String,
+    /// Its message (`str(exc)`), possibly empty or several lines.
+    #[serde(default)]
+    pub message: String,
+    /// The last frames of its traceback, innermost last, each `file:line in function`.
+    #[serde(default)]
+    pub frames: Vec<String>,
+    /// Where it was raised in the job's own code, `file:line` with the file's base name
+    /// (`train.py:42`): the innermost frame outside the Python installation, else the
+    /// innermost one; `""` when unknown.
+    #[serde(default)]
+    pub origin: String,
+}
+
+/// Longest exception type of an [`ExceptionReport`], in bytes.
+pub const MAX_EXCEPTION_TYPE_BYTES: usize = 256;
+/// Longest exception message of an [`ExceptionReport`], in bytes (a rank's runtime cuts
+/// a longer one).
+pub const MAX_EXCEPTION_MESSAGE_BYTES: usize = 2048;
+/// Most frames of an [`ExceptionReport`] (the innermost ones).
+pub const MAX_EXCEPTION_FRAMES: usize = 16;
+/// Longest frame (and origin) of an [`ExceptionReport`], in bytes.
+pub const MAX_EXCEPTION_FRAME_BYTES: usize = 512;
+
+impl ExceptionReport {
+    /// Checks the bounds of every field (see [`ExceptionReport`]); the error says which
+    /// one failed.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.type_name.trim().is_empty() || self.type_name.len() > MAX_EXCEPTION_TYPE_BYTES {
+            return Err(format!(
+                "type must be 1..={MAX_EXCEPTION_TYPE_BYTES} bytes, got {}",
+                self.type_name.len()
+            ));
+        }
+        if self.message.len() > MAX_EXCEPTION_MESSAGE_BYTES {
+            return Err(format!(
+                "message must be at most {MAX_EXCEPTION_MESSAGE_BYTES} bytes, got {}",
+                self.message.len()
+            ));
+        }
+        if self.frames.len() > MAX_EXCEPTION_FRAMES {
+            return Err(format!(
+                "at most {MAX_EXCEPTION_FRAMES} frames, got {}",
+                self.frames.len()
+            ));
+        }
+        if let Some(f) = self
+            .frames
+            .iter()
+            .chain(std::iter::once(&self.origin))
+            .find(|f| f.len() > MAX_EXCEPTION_FRAME_BYTES)
+        {
+            return Err(format!(
+                "frames and origin must be at most {MAX_EXCEPTION_FRAME_BYTES} bytes, got {}",
+                f.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The exception in one printable line of at most
+    /// [`crate::limits::MAX_EXIT_CAUSE_BYTES`]: `ValueError: bad lr (train.py:42)` (the
+    /// message's first line, then the origin, else the base name and line of the
+    /// innermost frame),
+    /// control characters escaped. The origin is kept when the message must be cut.
+    pub fn summary(&self) -> String {
+        let max = crate::limits::MAX_EXIT_CAUSE_BYTES;
+        let origin = if self.origin.trim().is_empty() {
+            self.frames
+                .last()
+                .map(|f| {
+                    let at = f.split(" in ").next().unwrap_or(f).trim();
+                    at.rsplit('/').next().unwrap_or(at).to_string()
+                })
+                .unwrap_or_default()
+        } else {
+            self.origin.trim().to_string()
+        };
+        let origin = crate::text::bounded_line(&origin, max / 4);
+        let suffix = if origin.is_empty() {
+            String::new()
+        } else {
+            format!(" ({origin})")
+        };
+        let first_line = self.message.trim().lines().next().unwrap_or("").trim();
+        let more = if self.message.trim().lines().nth(1).is_some() {
+            " …"
+        } else {
+            ""
+        };
+        let head = if first_line.is_empty() {
+            self.type_name.trim().to_string()
+        } else {
+            format!("{}: {first_line}{more}", self.type_name.trim())
+        };
+        let head = crate::text::bounded_line(&head, max.saturating_sub(suffix.len()));
+        format!("{head}{suffix}")
+    }
+}
 
 /// What the agent asks of the rank: the 200 reply of `GET /v1/control` and of a progress
 /// report once the rank has been asked to stop.
@@ -125,6 +238,65 @@ mod tests {
             action: "drain_somehow".into(),
         };
         assert_eq!(newer.stop_action(), Some(StopAction::Stop));
+    }
+
+    #[test]
+    fn exception_reports_validate_and_summarize_in_one_bounded_line() {
+        let report: ExceptionReport = serde_json::from_str(
+            r#"{"type": "ValueError", "message": "bad lr\nsee docs",
+                "frames": ["/w/train.py:42 in main"], "origin": ""}"#,
+        )
+        .expect("parses");
+        assert_eq!(report.validate(), Ok(()));
+        assert_eq!(report.summary(), "ValueError: bad lr … (train.py:42)");
+        let with_origin = ExceptionReport {
+            origin: "train.py:42".into(),
+            message: "x\u{1b}[2J".into(),
+            ..report.clone()
+        };
+        assert_eq!(
+            with_origin.summary(),
+            "ValueError: x\\u{1b}[2J (train.py:42)"
+        );
+        let bare = ExceptionReport {
+            type_name: "KeyboardInterrupt".into(),
+            message: String::new(),
+            frames: vec![],
+            origin: String::new(),
+        };
+        assert_eq!(bare.summary(), "KeyboardInterrupt");
+        let long = ExceptionReport {
+            message: "m".repeat(MAX_EXCEPTION_MESSAGE_BYTES),
+            origin: "train.py:7".into(),
+            ..report.clone()
+        };
+        let line = long.summary();
+        assert!(
+            line.len() <= crate::limits::MAX_EXIT_CAUSE_BYTES,
+            "{}",
+            line.len()
+        );
+        assert!(line.ends_with("(train.py:7)"), "{line}");
+        for bad in [
+            ExceptionReport {
+                type_name: " ".into(),
+                ..report.clone()
+            },
+            ExceptionReport {
+                message: "m".repeat(MAX_EXCEPTION_MESSAGE_BYTES + 1),
+                ..report.clone()
+            },
+            ExceptionReport {
+                frames: vec!["f".into(); MAX_EXCEPTION_FRAMES + 1],
+                ..report.clone()
+            },
+            ExceptionReport {
+                origin: "o".repeat(MAX_EXCEPTION_FRAME_BYTES + 1),
+                ..report.clone()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -46,6 +46,27 @@ pub fn escape_control(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// `s` as one printable line of at most `max_bytes` bytes: control characters and
+/// reordering marks escaped ([`escape_control`], so a newline becomes `\n`), surrounding
+/// whitespace trimmed, and anything past the bound cut at a character boundary and
+/// marked with `…` (which counts against the bound).
+pub fn bounded_line(s: &str, max_bytes: usize) -> String {
+    let escaped = escape_control(s.trim());
+    if escaped.len() <= max_bytes {
+        return escaped.into_owned();
+    }
+    let ellipsis = '…';
+    let mut cut = max_bytes.saturating_sub(ellipsis.len_utf8());
+    while !escaped.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut out = escaped[..cut].to_string();
+    if max_bytes >= ellipsis.len_utf8() {
+        out.push(ellipsis);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,5 +94,17 @@ mod tests {
             "x\\u{1b}]0;pwned\\u{7}"
         );
         assert_eq!(escape_control("row\nfake"), "row\\nfake");
+    }
+
+    #[test]
+    fn bounded_lines_are_printable_and_within_their_bound() {
+        assert_eq!(bounded_line("  ValueError: x\n", 64), "ValueError: x");
+        assert_eq!(bounded_line("a\nb", 64), "a\\nb");
+        for max in [0, 1, 3, 4, 5, 10] {
+            let line = bounded_line("ééééééééé\u{1b}[2J", max);
+            assert!(line.len() <= max, "{max}: {line:?}");
+            assert!(is_printable(&line), "{line:?}");
+        }
+        assert_eq!(bounded_line("abcdefgh", 7), "abcd…");
     }
 }

@@ -406,6 +406,13 @@ pub struct JobOpts {
     /// Upper bound of the restart delay, milliseconds.
     #[arg(long)]
     pub backoff_max_ms: Option<u64>,
+    /// Restart a first attempt that fails at once like any failure. Without it, when every
+    /// rank exits non-zero within 10 s of its start, before any progress report, with the
+    /// same exit code and error (a mistyped script path), the job fails at once with that
+    /// error and spends no restart budget. For programs whose first start may fail by
+    /// chance.
+    #[arg(long)]
+    pub no_fail_fast: bool,
     /// A rank whose reported step does not advance for this many seconds after its
     /// first progress report is declared hung and restarted (0 or absent: off). Pick
     /// a few times the longest gap between two reports (a checkpoint, an evaluation).

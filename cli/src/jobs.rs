@@ -157,6 +157,7 @@ pub fn build_request(
         preemptible: args.preemptible,
         workdir: None,
         environment: build_environment(args)?,
+        fail_fast: args.no_fail_fast.then_some(false),
     };
     Ok(SubmitJobRequest {
         allow_pending: args.allow_pending,

@@ -530,13 +530,18 @@ pub fn events_table(job: &Job) -> String {
             events.push((
                 r.exited_at_ms,
                 format!(
-                    "rank {} attempt {} {}",
+                    "rank {} attempt {} {}{}",
                     r.rank,
                     r.attempt,
                     match (r.exit_code, r.signal) {
                         (Some(c), _) => format!("exited with code {c}"),
                         (None, Some(s)) => format!("was killed by signal {s}"),
                         (None, None) => "could not start".into(),
+                    },
+                    if r.exit_cause.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", r.exit_cause)
                     }
                 ),
             ));

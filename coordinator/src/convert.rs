@@ -75,6 +75,7 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
         preemptible: p.preemptible,
         workdir: p.workdir.as_ref().map(blob_from_proto),
         environment: p.environment.as_ref().map(environment_from_proto),
+        no_fail_fast: p.fail_fast == Some(false),
     };
     spec.validate(max_world_size)
         .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
@@ -122,6 +123,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         preemptible: s.preemptible,
         workdir: s.workdir.as_ref().map(blob_to_proto),
         environment: s.environment.as_ref().map(environment_to_proto),
+        fail_fast: Some(!s.no_fail_fast),
     }
 }
 
@@ -232,6 +234,7 @@ pub fn job_to_proto(
                     eta_ms: p.map_or(0, ProgressSoft::eta_ms),
                     resume_step: r.resume_step,
                     resume_job_id: r.resume_job_id.clone(),
+                    exit_cause: r.exit_cause.clone().unwrap_or_default(),
                 }
             })
             .collect(),

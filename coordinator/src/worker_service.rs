@@ -415,6 +415,10 @@ impl WorkerService for WorkerSvc {
                 step: r.step,
                 total_steps: r.total_steps,
                 artifacts,
+                cause: cumulus_api::text::bounded_line(
+                    &r.cause,
+                    cumulus_api::limits::MAX_EXIT_CAUSE_BYTES,
+                ),
             })
             .await
             .map_err(to_status)?;

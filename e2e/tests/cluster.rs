@@ -326,27 +326,108 @@ async fn killed_worker_expires_and_its_ranks_move() {
     check_results(&cluster, &w, &root.join("out-wk"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn always_failing_rank_exhausts_exactly_the_restart_budget() {
-    let cluster = Cluster::start(ClusterOpts::default())
-        .await
-        .expect("cluster");
-    let spec = v1::JobSpec {
-        world_size: 2,
-        command: vec!["sh".into(), "-c".into(), "echo failing; exit 1".into()],
+/// A job of `world_size` ranks running `sh -c script`, with a budget of 3 restarts
+/// (300 ms backoff, at most 1 s) and `fail_fast` as given.
+fn failing_spec(world_size: u32, command: &[&str], fail_fast: Option<bool>) -> v1::JobSpec {
+    v1::JobSpec {
+        world_size,
+        command: command.iter().map(|a| a.to_string()).collect(),
         restart: Some(v1::RestartPolicy {
             max_restarts: Some(3),
             backoff_initial_ms: Some(300),
             backoff_max_ms: Some(1_000),
             ..Default::default()
         }),
+        fail_fast,
         ..Default::default()
-    };
+    }
+}
+
+/// Failures that name their cause, and fail fast (issue 42, items 4 and 5): with the
+/// opt-out, a rank that always fails at once spends exactly its budget, each failure
+/// naming the last line its program wrote to stderr; without it, a first attempt whose
+/// ranks all exit the same way at once (a script path that does not exist, a program's
+/// own error) fails the job within seconds with that error and no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn always_failing_rank_exhausts_exactly_the_restart_budget() {
+    let cluster = Cluster::start(ClusterOpts::default())
+        .await
+        .expect("cluster");
+    let opted_out = failing_spec(
+        2,
+        &[
+            "sh",
+            "-c",
+            "echo starting; echo 'error: disk full' >&2; exit 1",
+        ],
+        Some(false),
+    );
     let job_id = cluster
-        .submit("always-fails", spec)
+        .submit("always-fails", opted_out)
         .await
         .expect("submit")
         .job_id;
+    let missing = cluster.dir.path().join("trian.py");
+    let missing = missing.to_str().expect("utf-8 path");
+    let typo_id = cluster
+        .submit("typo", failing_spec(2, &["python3", missing], None))
+        .await
+        .expect("submit")
+        .job_id;
+    let stderr_id = cluster
+        .submit(
+            "own-error",
+            failing_spec(
+                1,
+                &["sh", "-c", "echo 'fatal: no GPU found' >&2; exit 3"],
+                None,
+            ),
+        )
+        .await
+        .expect("submit")
+        .job_id;
+
+    // Fail fast: no restart, the error itself, within seconds of the start.
+    let typo = cluster.wait_finished(&typo_id, LONG).await;
+    assert_eq!(typo.state, "failed", "{typo:?}");
+    assert_eq!(
+        (typo.restarts_used, typo.restarts.len()),
+        (0, 0),
+        "{typo:?}"
+    );
+    let cause = &typo.failure_cause;
+    assert!(
+        cause.contains("exited with code 2: ")
+            && cause.contains("can't open file")
+            && cause.contains("trian.py")
+            && cause.contains("all 2 ranks"),
+        "{cause}"
+    );
+    let took_ms = typo.finished_at_ms.saturating_sub(typo.submitted_at_ms);
+    assert!(took_ms < 10_000, "failed {took_ms} ms after its submit");
+    let own = cluster.wait_finished(&stderr_id, LONG).await;
+    assert_eq!(
+        (own.state.as_str(), own.restarts_used),
+        ("failed", 0),
+        "{own:?}"
+    );
+    assert!(
+        own.failure_cause
+            .starts_with("rank 0 attempt 0 exited with code 3: fatal: no GPU found; its only rank"),
+        "{}",
+        own.failure_cause
+    );
+    assert_eq!(own.ranks[0].exit_cause, "fatal: no GPU found");
+    let out = cluster
+        .cumulusctl(&["describe", &stderr_id])
+        .expect("cumulusctl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("rank 0 attempt 0 exited with code 3: fatal: no GPU found"),
+        "describe must name the cause:\n{text}"
+    );
+
+    // With the opt-out, the budget is spent as before.
     let job = cluster.wait_finished(&job_id, LONG).await;
     assert_eq!(job.state, "failed", "{job:?}");
     assert_eq!(job.restarts_used, 3);
@@ -357,9 +438,17 @@ async fn always_failing_rank_exhausts_exactly_the_restart_budget() {
         job.failure_cause
     );
     assert!(
-        job.failure_cause.contains("exited with code 1"),
+        job.failure_cause
+            .contains("exited with code 1: error: disk full"),
         "{}",
         job.failure_cause
+    );
+    assert!(
+        job.restarts
+            .iter()
+            .all(|r| r.cause.contains("exited with code 1: error: disk full")),
+        "{:?}",
+        job.restarts
     );
     let mut previous_not_before = 0;
     for (n, r) in job.restarts.iter().enumerate() {

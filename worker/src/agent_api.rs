@@ -255,6 +255,7 @@ mod tests {
             &paths.exit,
             &ExitRecord {
                 exec_failed: false,
+                cause: None,
                 exit_code: Some(1),
                 signal: None,
                 spawn_error: None,

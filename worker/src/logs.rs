@@ -114,6 +114,12 @@ pub struct ExitRecord {
     /// [`cumulus_api::rank_env::EXIT_CANNOT_RUN`], the rank found it cannot run here.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exec_failed: bool,
+    /// What the process died of, in one line of at most
+    /// [`cumulus_api::limits::MAX_EXIT_CAUSE_BYTES`] (see
+    /// [`crate::supervisor::Supervisor::record_exception`] and [`OutputTail::cause`]);
+    /// `None` for a clean exit, a stop the agent asked for, or no line to tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<String>,
 }
 
 /// Whether `e`, from starting a rank's program, says the program cannot be executed at
@@ -160,6 +166,7 @@ impl ExitRecord {
             agent_fault: false,
             agent_evidence: None,
             exec_failed: status.code() == Some(cumulus_api::rank_env::EXIT_CANNOT_RUN),
+            cause: None,
         }
     }
 
@@ -172,6 +179,7 @@ impl ExitRecord {
             agent_fault: false,
             agent_evidence: None,
             exec_failed: false,
+            cause: None,
         }
     }
 
@@ -203,6 +211,87 @@ impl ExitRecord {
             _ => Err("spawn_error is set together with an exit status"),
         }
     }
+}
+
+/// Lines of a rank's output an [`OutputTail`] keeps.
+pub const TAIL_MAX_LINES: usize = 20;
+/// Bytes of a rank's output an [`OutputTail`] keeps (its lines, each cut to this).
+pub const TAIL_MAX_BYTES: usize = 4 * 1024;
+
+/// The last lines of a rank's output (stdout and stderr share its pipe), at most
+/// [`TAIL_MAX_LINES`] lines and [`TAIL_MAX_BYTES`] bytes: what a program that prints
+/// its error and exits (a Python error before the runtime loads, `python trian.py`'s
+/// "can't open file", any other program's message) died of ([`OutputTail::cause`]).
+#[derive(Debug, Default, Clone)]
+pub struct OutputTail {
+    lines: std::collections::VecDeque<String>,
+    bytes: usize,
+}
+
+impl OutputTail {
+    /// Takes in one chunk of output (whole lines, or a piece of a long line), keeping
+    /// only the newest lines within the bounds; invalid UTF-8 is replaced.
+    pub fn push(&mut self, chunk: &[u8]) {
+        for raw in chunk.split(|&b| b == b'\n') {
+            let piece = &raw[..raw.len().min(TAIL_MAX_BYTES)];
+            let line = String::from_utf8_lossy(piece).trim_end().to_string();
+            if line.trim().is_empty() {
+                continue;
+            }
+            self.bytes += line.len();
+            self.lines.push_back(line);
+            while self.lines.len() > TAIL_MAX_LINES || self.bytes > TAIL_MAX_BYTES {
+                match self.lines.pop_front() {
+                    Some(old) => self.bytes -= old.len(),
+                    None => break,
+                }
+            }
+        }
+    }
+
+    /// The kept lines, oldest first.
+    pub fn lines(&self) -> impl Iterator<Item = &str> {
+        self.lines.iter().map(String::as_str)
+    }
+
+    /// The output's last non-blank line as the cause of an exit, in one printable line
+    /// of at most [`cumulus_api::limits::MAX_EXIT_CAUSE_BYTES`]; after a Python
+    /// traceback, with the innermost frame's file base name and line (`ValueError: bad
+    /// lr (train.py:42)`). `None` when the process printed nothing.
+    pub fn cause(&self) -> Option<String> {
+        let last = self.lines.back()?;
+        let max = cumulus_api::limits::MAX_EXIT_CAUSE_BYTES;
+        let location = if last.starts_with(' ') {
+            None
+        } else {
+            self.lines
+                .iter()
+                .rev()
+                .skip(1)
+                .find_map(|l| python_frame(l))
+        };
+        Some(match location {
+            Some(at) => {
+                let suffix = format!(" ({})", cumulus_api::text::bounded_line(&at, max / 4));
+                let head = cumulus_api::text::bounded_line(last, max - suffix.len());
+                format!("{head}{suffix}")
+            }
+            None => cumulus_api::text::bounded_line(last, max),
+        })
+    }
+}
+
+/// `train.py:42` from a Python traceback's frame line `  File "/w/train.py", line 42,
+/// in main`; `None` for any other line.
+fn python_frame(line: &str) -> Option<String> {
+    let rest = line.strip_prefix("  File \"")?;
+    let (path, rest) = rest.split_once("\", line ")?;
+    let number: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    if number.is_empty() {
+        return None;
+    }
+    let file = path.rsplit('/').next().unwrap_or(path);
+    Some(format!("{file}:{number}"))
 }
 
 /// Writes `record` to `path` atomically: temp file, fsync, rename, fsync of the directory.
@@ -720,6 +809,44 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_output_tail_keeps_the_last_lines_and_names_the_cause() {
+        let mut tail = OutputTail::default();
+        assert_eq!(tail.cause(), None);
+        tail.push(b"step 1\n\n");
+        tail.push(b"error: disk \x1b[31mfull\n");
+        assert_eq!(tail.cause().as_deref(), Some("error: disk \\u{1b}[31mfull"));
+        for i in 0..100 {
+            tail.push(format!("line {i}\n").as_bytes());
+        }
+        assert_eq!(tail.lines().count(), TAIL_MAX_LINES);
+        assert_eq!(tail.lines().next(), Some("line 80"));
+        tail.push(&vec![b'x'; 3 * TAIL_MAX_BYTES]);
+        assert!(tail.lines().map(str::len).sum::<usize>() <= TAIL_MAX_BYTES);
+        let cause = tail.cause().expect("a cause");
+        assert!(
+            cause.len() <= cumulus_api::limits::MAX_EXIT_CAUSE_BYTES,
+            "{}",
+            cause.len()
+        );
+
+        let mut python = OutputTail::default();
+        python.push(
+            b"Traceback (most recent call last):\n  File \"/w/work/train.py\", line 42, in <module>\n    main()\n  File \"/w/work/lib.py\", line 7, in main\n    raise ValueError(\"bad lr\")\nValueError: bad lr\n",
+        );
+        assert_eq!(
+            python.cause().as_deref(),
+            Some("ValueError: bad lr (lib.py:7)")
+        );
+        let mut missing = OutputTail::default();
+        missing
+            .push(b"python3: can't open file '/w/trian.py': [Errno 2] No such file or directory\n");
+        assert_eq!(
+            missing.cause().as_deref(),
+            Some("python3: can't open file '/w/trian.py': [Errno 2] No such file or directory")
+        );
+    }
+
+    #[test]
     fn only_the_agents_own_lack_of_a_resource_is_an_agent_fault() {
         let os = io::Error::from_raw_os_error;
         for errno in [
@@ -931,6 +1058,7 @@ mod tests {
             spawn_error: None,
             agent_fault: false,
             agent_evidence: None,
+            cause: None,
         };
         write_exit_record(&path, &rec).await.expect("write");
         assert_eq!(read_exit_record(&path).await.expect("read"), Some(rec));

@@ -27,6 +27,11 @@
 //! - `GET /v1/checkpoints` → 200 `{"steps": [u64]}`: the committed steps of the rank's job,
 //!   ascending (at most the newest 1,024; empty without checkpoints); 503 while the
 //!   attempt's checkpoint target is being prepared, 500 when the store cannot be read.
+//! - `POST /v1/exception` `{"type": str, "message": str, "frames": [str], "origin": str}`
+//!   → 204: the uncaught exception the rank's process is about to die of (sent by its
+//!   runtime's exception hook); a non-zero exit of the attempt then reports it as its
+//!   cause (`ValueError: bad lr (train.py:42)`). 400 past the bounds of
+//!   [`cumulus_api::rank_local::ExceptionReport`].
 //!
 //! Errors are `{"error": ..}`.
 
@@ -43,7 +48,7 @@ use crate::http::{json_error, limit_concurrency, request_permits, request_token}
 use crate::supervisor::{CommitError, Progress, Supervisor};
 use cumulus_api::limits::{MAX_METRIC_NAME_BYTES, MAX_METRICS, MAX_STATE_JSON_BYTES};
 use cumulus_api::rank_local::{
-    CheckpointRequest, CheckpointsReply, CommitReply, ControlReply, ProgressReport,
+    CheckpointRequest, CheckpointsReply, CommitReply, ControlReply, ExceptionReport, ProgressReport,
 };
 
 /// Largest request body, in bytes (the state plus room for the envelope).
@@ -57,7 +62,8 @@ pub fn router(supervisor: Supervisor, check_caller: bool) -> Router {
         .route("/v1/progress", post(progress))
         .route("/v1/checkpoint", post(checkpoint))
         .route("/v1/control", get(control))
-        .route("/v1/checkpoints", get(checkpoints));
+        .route("/v1/checkpoints", get(checkpoints))
+        .route("/v1/exception", post(exception));
     let router = if check_caller {
         router.layer(axum::middleware::from_fn_with_state(
             supervisor.clone(),
@@ -196,6 +202,34 @@ async fn progress(State(sup): State<Supervisor>, headers: HeaderMap, body: Bytes
     match sup.record_progress(token, progress) {
         Some(None) => StatusCode::NO_CONTENT.into_response(),
         Some(Some(action)) => action_response(Some(action)),
+        None => unknown_token(),
+    }
+}
+
+async fn exception(State(sup): State<Supervisor>, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(token) = request_token(&headers) else {
+        return missing_token();
+    };
+    if sup.attempt_for_token(token).is_none() {
+        return unknown_token();
+    }
+    let report: ExceptionReport = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid exception body: {e}"),
+            );
+        }
+    };
+    if let Err(why) = report.validate() {
+        return json_error(
+            StatusCode::BAD_REQUEST,
+            format!("invalid exception body: {why}"),
+        );
+    }
+    match sup.record_exception(token, &report) {
+        Some(()) => StatusCode::NO_CONTENT.into_response(),
         None => unknown_token(),
     }
 }

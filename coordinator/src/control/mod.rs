@@ -42,6 +42,11 @@ pub const MIN_PASS_INTERVAL: Duration = Duration::from_millis(20);
 pub const LOST_AFTER_HEARTBEATS: u64 = 5;
 /// Longest failure cause recorded, in bytes.
 pub const MAX_CAUSE_BYTES: usize = 1_024;
+/// Fail fast ([`plan`]'s `fail_fast_verdict`): a job whose first attempt's ranks all exit
+/// non-zero within this long of their start, before any progress report, with the same
+/// exit code and cause, fails at once without a restart; and the planner waits at most
+/// this long after the first such exit for the other ranks to end the same way.
+pub const FAIL_FAST_WINDOW_MS: u64 = 10_000;
 
 /// The leader's memory between ticks (rebuilt on every election; dropping it aborts the
 /// I/O tasks of the previous term).

@@ -818,6 +818,17 @@ fn plan_restart(
         });
         return;
     }
+    match fail_fast_verdict(job, obs, failed) {
+        FailFast::No => {}
+        FailFast::Wait => return, // the other ranks may still fail the same way
+        FailFast::Fail(cause) => {
+            actions.push(Action::FailJob {
+                job_id: job.id.clone(),
+                cause: truncate(cause),
+            });
+            return;
+        }
+    }
     let policy = &job.spec.restart;
     // Attempts the agent could not start for its own lack of a resource are not the
     // ranks' failures: their restart spends no budget (a bounded number of them).
@@ -852,6 +863,84 @@ fn plan_restart(
         cause: causes,
         agent_fault,
     });
+}
+
+/// What [`fail_fast_verdict`] decides for a job with failed ranks.
+#[derive(Debug, PartialEq)]
+enum FailFast {
+    /// Restart (or fail for the budget) as usual.
+    No,
+    /// Plan nothing yet: the failed ranks fail fast so far, and a rank still live may
+    /// end the same way within [`FAIL_FAST_WINDOW_MS`].
+    Wait,
+    /// Fail the job now, for this cause: no restart would end differently.
+    Fail(String),
+}
+
+/// Whether `job`'s `failed` ranks (not empty) are a start no restart can fix: the job
+/// did not opt out (`fail_fast: false`), it never restarted, and every rank of its
+/// first attempt exited non-zero (no signal, no agent fault) within
+/// [`FAIL_FAST_WINDOW_MS`] of its start, before any progress report, with the same
+/// exit code and the same cause its agent reported (e.g. Python's "can't open file").
+/// While the failed ranks qualify and another rank is still live and has not reported,
+/// waits, at most [`FAIL_FAST_WINDOW_MS`] after the first of these exits.
+fn fail_fast_verdict(job: &Job, obs: &Observations, failed: &[&RankRecord]) -> FailFast {
+    if job.spec.no_fail_fast
+        || job.restarts_used > 0
+        || job.agent_fault_restarts > 0
+        || job.ranks.iter().any(|r| r.attempt > 0)
+    {
+        return FailFast::No;
+    }
+    let quick = |r: &RankRecord| {
+        r.signal.is_none()
+            && !r.agent_fault
+            && r.exit_code.is_some_and(|c| c != 0)
+            && r.exit_cause.as_deref().is_some_and(|c| !c.is_empty())
+            && r.last_progress == (0, 0)
+            // A start not recorded yet means the process ended right after it.
+            && (r.started_at_ms == 0
+                || r.exited_at_ms.saturating_sub(r.started_at_ms) <= FAIL_FAST_WINDOW_MS)
+    };
+    let first = failed[0];
+    let same = |r: &RankRecord| r.exit_code == first.exit_code && r.exit_cause == first.exit_cause;
+    if !failed.iter().all(|r| quick(r) && same(r)) {
+        return FailFast::No;
+    }
+    let live: Vec<&RankRecord> = job
+        .ranks
+        .iter()
+        .filter(|r| r.state != RankState::Failed)
+        .collect();
+    if !live.is_empty() {
+        let first_exit_ms = failed.iter().map(|r| r.exited_at_ms).min().unwrap_or(0);
+        let waiting = live.iter().all(|r| {
+            matches!(r.state, RankState::Pending | RankState::Running)
+                && !obs.progress_stall_ms.contains_key(&AttemptKey::new(
+                    job.id.clone(),
+                    r.rank,
+                    r.attempt,
+                ))
+        }) && obs.now_ms < first_exit_ms.saturating_add(FAIL_FAST_WINDOW_MS);
+        return if waiting {
+            FailFast::Wait
+        } else {
+            FailFast::No
+        };
+    }
+    let world = job.spec.world_size;
+    let ranks = if world == 1 {
+        "its only rank".to_string()
+    } else {
+        format!("all {world} ranks")
+    };
+    FailFast::Fail(format!(
+        "{}; {ranks} of its first attempt exited this way within {} s of their start, \
+         before any progress report, so a restart would fail the same way: the job failed \
+         without one (submit with --no-fail-fast to restart such failures under the budget)",
+        first.failure.clone().unwrap_or_default(),
+        FAIL_FAST_WINDOW_MS / 1000
+    ))
 }
 
 /// Where the ranks a restart of `job` covers (every rank for a group restart, the

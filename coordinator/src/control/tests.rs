@@ -168,6 +168,7 @@ fn group_restart_then_budget_exhaustion() {
     let w = s.jobs[&job_id].ranks[2].worker_id.clone().expect("placed");
     s.apply(
         &Command::RankExited {
+            cause: String::new(),
             step: 0,
             total_steps: 0,
             exec_failed: false,
@@ -228,6 +229,7 @@ fn group_restart_then_budget_exhaustion() {
     );
     s.apply(
         &Command::RankExited {
+            cause: String::new(),
             step: 0,
             total_steps: 0,
             exec_failed: false,
@@ -269,6 +271,7 @@ fn agent_resource_errors_restart_elsewhere_without_spending_budget() {
     let mut agent_fails = |s: &mut ClusterState, attempt: u32, worker: &str| {
         s.apply(
             &Command::RankExited {
+                cause: String::new(),
                 step: 0,
                 total_steps: 0,
                 exec_failed: false,
@@ -365,6 +368,7 @@ fn an_unreachable_agent_is_its_fault_only_with_its_evidence() {
         let (mut s, job_id) = state_with_running_job(1, RestartScope::Group);
         let w = s.jobs[&job_id].ranks[0].worker_id.clone().expect("placed");
         let exited = Command::RankExited {
+            cause: String::new(),
             step: 0,
             total_steps: 0,
             exec_failed: false,
@@ -451,10 +455,6 @@ fn hung_and_lost_ranks_fail_and_rank_scope_restarts_one() {
 }
 
 #[test]
-fn a_lost_pending_attempt_fails_and_a_stalled_one_is_not_hung() {
-    let (mut s, job_id) = state_with_running_job(2, RestartScope::Rank);
-    for r in &mut Arc::make_mut(s.jobs.get_mut(&job_id).expect("job")).ranks {
-#[test]
 fn an_attempt_without_a_first_report_is_judged_by_the_startup_timeout_only() {
     let (mut s, job_id) = state_with_running_job(3, RestartScope::Rank);
     let mut zero = || 0.0;
@@ -510,6 +510,10 @@ fn an_attempt_without_a_first_report_is_judged_by_the_startup_timeout_only() {
     assert!(plan(&s, &obs, 5_000, &mut zero).is_empty());
 }
 
+#[test]
+fn a_lost_pending_attempt_fails_and_a_stalled_one_is_not_hung() {
+    let (mut s, job_id) = state_with_running_job(2, RestartScope::Rank);
+    for r in &mut Arc::make_mut(s.jobs.get_mut(&job_id).expect("job")).ranks {
         r.state = RankState::Pending; // placed, not started yet
     }
     let mut zero = || 0.0;
@@ -838,6 +842,7 @@ fn success_waits_for_the_last_complete_step() {
             .expect("placed");
         s.apply(
             &Command::RankExited {
+                cause: String::new(),
                 step: 30,
                 total_steps: 30,
                 exec_failed: false,
@@ -877,5 +882,135 @@ fn success_waits_for_the_last_complete_step() {
             job_id,
             finalize: None,
         }]
+    );
+}
+
+/// The exit of `rank`'s first attempt with `code` at `at_ms`, its agent naming `cause`.
+fn exit_with_cause(
+    s: &mut ClusterState,
+    job_id: &str,
+    rank: u32,
+    code: i32,
+    cause: &str,
+    at_ms: u64,
+) {
+    let w = s.jobs[job_id].ranks[rank as usize]
+        .worker_id
+        .clone()
+        .expect("placed");
+    let r = s.apply(
+        &Command::RankExited {
+            cause: cause.into(),
+            step: 0,
+            total_steps: 0,
+            exec_failed: false,
+            artifacts: None,
+            job_id: job_id.into(),
+            rank,
+            attempt: 0,
+            worker_id: w,
+            exit_code: Some(code),
+            signal: None,
+            spawn_error: String::new(),
+            at_ms,
+            agent_fault: false,
+            agent_evidence: String::new(),
+        },
+        &mut BTreeSet::new(),
+    );
+    assert_eq!(r, Response::Ok);
+}
+
+#[test]
+fn a_first_attempt_whose_ranks_all_fail_alike_at_once_fails_the_job_without_a_restart() {
+    let missing = "python3: can't open file '/w/trian.py': [Errno 2] No such file or directory";
+    let (mut s, job_id) = state_with_running_job(2, RestartScope::Group);
+    let mut zero = || 0.0;
+    let at = |now_ms| Observations {
+        now_ms,
+        ..Observations::default()
+    };
+    // Rank 0 failed at once: rank 1 may end the same way, so the planner waits ...
+    exit_with_cause(&mut s, &job_id, 0, 2, missing, 50);
+    assert_eq!(plan(&s, &at(60), 5_000, &mut zero), vec![]);
+    // ... but not past the window (rank 1 still running: an ordinary failure).
+    let late = plan(&s, &at(50 + FAIL_FAST_WINDOW_MS), 5_000, &mut zero);
+    assert!(
+        matches!(late.as_slice(), [Action::Restart { .. }]),
+        "{late:?}"
+    );
+    // A rank that already reported progress ends the wait too.
+    let mut reported = at(60);
+    reported
+        .progress_stall_ms
+        .insert(AttemptKey::new(job_id.clone(), 1, 0), 0);
+    let early = plan(&s, &reported, 5_000, &mut zero);
+    assert!(
+        matches!(early.as_slice(), [Action::Restart { .. }]),
+        "{early:?}"
+    );
+
+    // Every rank the same way: the job fails at once, no restart spent.
+    let mut alike = s.clone();
+    exit_with_cause(&mut alike, &job_id, 1, 2, missing, 70);
+    let actions = plan(&alike, &at(80), 5_000, &mut zero);
+    let [Action::FailJob { cause, .. }] = actions.as_slice() else {
+        panic!("{actions:?}")
+    };
+    assert!(
+        cause.starts_with(&format!("rank 0 attempt 0 exited with code 2: {missing}")),
+        "{cause}"
+    );
+    assert!(
+        cause.contains("all 2 ranks") && cause.contains("--no-fail-fast"),
+        "{cause}"
+    );
+
+    // Another cause, another exit code, or the job's opt-out: restarted as before.
+    let mut other_cause = s.clone();
+    exit_with_cause(
+        &mut other_cause,
+        &job_id,
+        1,
+        2,
+        "RuntimeError: rendezvous failed",
+        70,
+    );
+    let mut other_code = s.clone();
+    exit_with_cause(&mut other_code, &job_id, 1, 1, missing, 70);
+    let mut opted_out = alike.clone();
+    Arc::make_mut(opted_out.jobs.get_mut(&job_id).expect("job"))
+        .spec
+        .no_fail_fast = true;
+    for state in [&other_cause, &other_code, &opted_out] {
+        let actions = plan(state, &at(80), 5_000, &mut zero);
+        assert!(
+            matches!(actions.as_slice(), [Action::Restart { .. }]),
+            "{actions:?}"
+        );
+    }
+
+    // A slow failure (past the window from its start) is not a start failure.
+    let (mut slow, slow_id) = state_with_running_job(1, RestartScope::Group);
+    exit_with_cause(
+        &mut slow,
+        &slow_id,
+        0,
+        2,
+        missing,
+        2 + FAIL_FAST_WINDOW_MS + 1,
+    );
+    let actions = plan(&slow, &at(20_000), 5_000, &mut zero);
+    assert!(
+        matches!(actions.as_slice(), [Action::Restart { .. }]),
+        "{actions:?}"
+    );
+    // Nor is an exit without a cause its agent could tell.
+    let (mut silent, silent_id) = state_with_running_job(1, RestartScope::Group);
+    exit_with_cause(&mut silent, &silent_id, 0, 2, "", 50);
+    let actions = plan(&silent, &at(60), 5_000, &mut zero);
+    assert!(
+        matches!(actions.as_slice(), [Action::Restart { .. }]),
+        "{actions:?}"
     );
 }

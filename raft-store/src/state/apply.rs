@@ -128,6 +128,7 @@ impl ClusterState {
                 step,
                 total_steps,
                 artifacts,
+                cause,
                 at_ms,
             } => {
                 let exit = RankExit {
@@ -139,6 +140,7 @@ impl ClusterState {
                     exec_failed: *exec_failed,
                     progress: (*step, *total_steps),
                     artifacts: artifacts.as_ref(),
+                    cause,
                 };
                 self.rank_exited(job_id, (*rank, *attempt), worker_id, &exit, *at_ms, dirty)
             }

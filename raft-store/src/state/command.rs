@@ -190,6 +190,11 @@ pub enum Command {
         /// [`Job::artifacts`] only when the exit is accepted.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         artifacts: Option<BlobRef>,
+        /// What the attempt died of, as its agent tells (the exception its runtime
+        /// reported, else the last line of its output); `apply` keeps it as one printable
+        /// line of at most [`cumulus_api::limits::MAX_EXIT_CAUSE_BYTES`]. Empty: none.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        cause: String,
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },

@@ -61,6 +61,11 @@ pub struct RankRecord {
     /// fails the job instead of restarting it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exec_failed: bool,
+    /// What the current attempt died of, as its agent reported it (one printable line of
+    /// at most [`cumulus_api::limits::MAX_EXIT_CAUSE_BYTES`]: the exception its runtime
+    /// reported, else the last line of its output); `None` for none or a clean exit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_cause: Option<String>,
     /// UUIDs of the GPUs of the current attempt (empty for a job without GPUs).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus: Vec<String>,
@@ -77,6 +82,7 @@ impl RankRecord {
         self.failure = None;
         self.agent_fault = false;
         self.exec_failed = false;
+        self.exit_cause = None;
         self.last_progress = (0, 0);
         self.started_at_ms = 0;
         self.exited_at_ms = 0;
@@ -405,6 +411,7 @@ impl Job {
                 RANK_BYTES
                     + r.worker_id.as_ref().map_or(0, String::len)
                     + r.failure.as_ref().map_or(0, String::len)
+                    + r.exit_cause.as_ref().map_or(0, String::len)
                     + r.resume_dir.len()
                     + r.resume_job_id.len()
                     + r.gpus

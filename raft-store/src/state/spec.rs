@@ -147,6 +147,11 @@ pub struct JobSpec {
     /// (`None`: the worker's own interpreter and packages).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<Environment>,
+    /// The job opted out of failing fast (`fail_fast: false`): a first attempt whose
+    /// ranks all exit the same way right after their start is restarted under the
+    /// budget like any failure, instead of failing the job at once.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_fail_fast: bool,
 }
 
 fn is_zero_u64(v: &u64) -> bool {
@@ -261,6 +266,7 @@ impl JobSpec {
             preemptible: false,
             workdir: None,
             environment: None,
+            no_fail_fast: false,
         }
     }
 

@@ -71,6 +71,7 @@ pub(super) fn cluster_with_job(world_size: u32) -> (ClusterState, String) {
 
 pub(super) fn exit(job_id: &str, rank: u32, attempt: u32, worker: &str, code: i32) -> Command {
     Command::RankExited {
+        cause: String::new(),
         step: 0,
         total_steps: 0,
         exec_failed: false,
@@ -1505,7 +1506,6 @@ fn time_limits_are_validated() {
 }
 
 #[test]
-#[test]
 fn startup_timeouts_are_validated_and_default_with_hang_detection() {
     let timed = |progress_timeout_ms, startup_timeout_ms| JobSpec {
         progress_timeout_ms,
@@ -1538,6 +1538,7 @@ fn startup_timeouts_are_validated_and_default_with_hang_detection() {
     assert_eq!(back.startup_timeout_ms, 0);
 }
 
+#[test]
 fn only_finished_jobs_are_deleted_with_their_request_id() {
     let (mut s, job) = cluster_with_job(1);
     let delete = Command::DeleteJob {

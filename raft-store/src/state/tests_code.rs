@@ -320,3 +320,49 @@ fn exit_code_cannot_run_with_the_agents_flag_means_no_restart_can_help() {
     );
     assert!(!ranks[1].exec_failed && !ranks[2].exec_failed);
 }
+
+#[test]
+fn an_exit_keeps_its_cause_in_one_bounded_line_in_the_failure_and_only_for_that_attempt() {
+    let (mut s, job_id) = cluster_with_job(3);
+    let with_cause = |rank: u32, code: i32, cause: String| {
+        let mut cmd = exit(
+            &job_id,
+            rank,
+            0,
+            if rank.is_multiple_of(2) { "w1" } else { "w2" },
+            code,
+        );
+        if let Command::RankExited { cause: c, .. } = &mut cmd {
+            *c = cause;
+        }
+        cmd
+    };
+    let told = "ValueError: bad lr (train.py:42)";
+    assert_eq!(apply(&mut s, with_cause(0, 1, told.into())), Response::Ok);
+    // A hostile agent's cause: several lines, escapes, far too long.
+    let hostile = format!("a\nb\u{1b}[2J{}", "x".repeat(10_000));
+    assert_eq!(apply(&mut s, with_cause(1, 3, hostile)), Response::Ok);
+    // A clean exit keeps none.
+    assert_eq!(
+        apply(&mut s, with_cause(2, 0, "noise".into())),
+        Response::Ok
+    );
+    let ranks = &s.jobs[&job_id].ranks;
+    assert_eq!(ranks[0].exit_cause.as_deref(), Some(told));
+    assert_eq!(
+        ranks[0].failure.as_deref(),
+        Some("rank 0 attempt 0 exited with code 1: ValueError: bad lr (train.py:42)")
+    );
+    let bounded = ranks[1].exit_cause.as_deref().expect("a cause");
+    assert!(
+        bounded.len() <= cumulus_api::limits::MAX_EXIT_CAUSE_BYTES,
+        "{}",
+        bounded.len()
+    );
+    assert!(bounded.starts_with("a\\nb\\u{1b}[2J") && cumulus_api::text::is_printable(bounded));
+    assert_eq!(ranks[2].exit_cause, None);
+    // The next attempt starts without the previous one's cause.
+    let mut rank = ranks[0].clone();
+    rank.new_attempt(ResumePoint::default());
+    assert_eq!((rank.exit_cause, rank.failure), (None, None));
+}

@@ -166,6 +166,10 @@ struct Entry {
     commit_lock: Arc<tokio::sync::Mutex<Option<UnackedPart>>>,
     /// Dataset-cache pins of this attempt's S3 shards: none is evicted while it runs.
     shard_pins: Vec<cumulus_ckpt::ShardPin>,
+    /// The uncaught exception the rank reported last (`POST /v1/exception`), in one line
+    /// ([`cumulus_api::rank_local::ExceptionReport::summary`]): the cause of a non-zero
+    /// exit that follows.
+    exception: Option<String>,
 }
 
 #[derive(Default)]
@@ -399,6 +403,7 @@ impl Supervisor {
                 agent_fault: true,
                 agent_evidence: String::new(),
                 exec_failed: false,
+                cause: String::new(),
                 step: 0,
                 total_steps: 0,
                 artifacts: None,
@@ -420,6 +425,7 @@ impl Supervisor {
                 ckpt: None,
                 commit_lock: Arc::new(tokio::sync::Mutex::new(None)),
                 shard_pins: Vec::new(),
+                exception: None,
             },
         );
         tracing::info!(attempt = %key, "starting rank attempt");
@@ -446,25 +452,25 @@ impl Supervisor {
                     None if !e.stopping => 0,
                     None => return None,
                 };
+                let reported = e.progress.is_some();
                 let progress = e.progress.clone().unwrap_or_default();
                 Some((
                     key,
                     ObservedRank {
                         job_id: key.job_id.clone(),
                         rank: key.rank,
-                let reported = e.progress.is_some();
                         attempt: key.attempt,
                         pid,
                         step: progress.step,
                         total_steps: progress.total_steps,
                         metrics: progress.metrics.into_iter().collect(),
+                        reported,
                     },
                 ))
             })
             .collect();
         out.extend(
             table
-                        reported,
                 .waiting
                 .iter()
                 .filter(|k| !table.entries.contains_key(*k))
@@ -479,13 +485,13 @@ impl Supervisor {
                             step: 0,
                             total_steps: 0,
                             metrics: Default::default(),
+                            reported: false,
                         },
                     )
                 }),
         );
         out.sort_by(|a, b| a.0.cmp(b.0));
         out.into_iter().map(|(_, o)| o).collect()
-                            reported: false,
     }
 
     /// Attempts in the table (starting, running or stopping).
@@ -540,6 +546,24 @@ impl Supervisor {
         let entry = table.entries.get_mut(&key)?;
         entry.progress = Some(progress);
         Some(entry.control)
+    }
+
+    /// Keeps the uncaught exception the rank holding `token` reported (its runtime's
+    /// exception hook, just before the process dies), replacing any earlier one: a
+    /// non-zero exit of the attempt then reports it as its cause. `None` when the token
+    /// is unknown.
+    pub fn record_exception(
+        &self,
+        token: &str,
+        report: &cumulus_api::rank_local::ExceptionReport,
+    ) -> Option<()> {
+        let mut table = self.table();
+        let key = table.tokens.get(token)?.clone();
+        let entry = table.entries.get_mut(&key)?;
+        let summary = report.summary();
+        tracing::info!(attempt = %key, exception = %summary, "the rank reported an uncaught exception");
+        entry.exception = Some(summary);
+        Some(())
     }
 
     /// The latest progress of a live attempt.
@@ -618,6 +642,7 @@ impl Supervisor {
                         agent_fault: false,
                         agent_evidence: None,
                         exec_failed: false,
+                        cause: None,
                     }
                 } else {
                     ExitRecord::spawn_failed("the agent stopped before the process started")
@@ -662,6 +687,7 @@ impl Supervisor {
             agent_fault: exit.agent_fault,
             agent_evidence: exit.agent_evidence.clone().unwrap_or_default(),
             exec_failed: exit.exec_failed,
+            cause: exit.cause.clone().unwrap_or_default(),
             artifacts,
         }));
     }
@@ -721,6 +747,33 @@ impl Supervisor {
             "rank attempt finished"
         );
         self.push_exit(&key, &exit, last.unwrap_or_default(), artifacts);
+    }
+
+    /// The cause of an attempt's exit: for a non-zero exit code, or a signal the agent
+    /// did not send (`stop` not cancelled), the exception the rank reported, else the
+    /// last line of its output ([`logs::OutputTail::cause`]); `None` for a clean exit, a
+    /// stop the agent asked for, or nothing to tell.
+    fn exit_cause(
+        &self,
+        key: &AttemptKey,
+        exit: &ExitRecord,
+        stop: &CancellationToken,
+        tail: &logs::OutputTail,
+    ) -> Option<String> {
+        let failed = match (exit.exit_code, exit.signal) {
+            (Some(code), _) => code != 0,
+            (None, Some(_)) => !stop.is_cancelled(),
+            (None, None) => false,
+        };
+        if !failed {
+            return None;
+        }
+        let reported = self
+            .table()
+            .entries
+            .get(key)
+            .and_then(|e| e.exception.clone());
+        reported.or_else(|| tail.cause())
     }
 
     async fn run_process(
@@ -823,14 +876,16 @@ impl Supervisor {
                 pid,
             }));
         let grace = self.stop_grace(desired);
-        let status = supervise(key, spawned, stop, grace, &mut log).await;
+        let mut tail = logs::OutputTail::default();
+        let status = supervise(key, spawned, stop, grace, &mut log, &mut tail).await;
         if let Err(e) = log.finish().await {
             tracing::warn!(attempt = %key, "cannot finish log: {e}");
         }
         match status {
             Ok(status) => {
                 let seen = settings.rank_api_watch.since(&rank_api_before);
-                let exit = reach::judge(ExitRecord::from_status(status), &seen);
+                let mut exit = reach::judge(ExitRecord::from_status(status), &seen);
+                exit.cause = self.exit_cause(key, &exit, stop, &tail);
                 if exit.exit_code == Some(cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE) {
                     match &exit.agent_evidence {
                         Some(why) => tracing::warn!(
@@ -851,15 +906,17 @@ impl Supervisor {
     }
 }
 
-/// Waits for the process while copying its output to the log and applying a stop request
-/// (SIGTERM to the group, SIGKILL after `grace`). After the process exited, whatever is
-/// left of its group is killed and the output pipe is drained for at most [`DRAIN_TIMEOUT`].
+/// Waits for the process while copying its output to the log (its last lines to `tail`)
+/// and applying a stop request (SIGTERM to the group, SIGKILL after `grace`). After the
+/// process exited, whatever is left of its group is killed and the output pipe is
+/// drained for at most [`DRAIN_TIMEOUT`].
 async fn supervise(
     key: &AttemptKey,
     spawned: SpawnedChild,
     stop: &CancellationToken,
     grace: Duration,
     log: &mut LogWriter,
+    tail: &mut logs::OutputTail,
 ) -> io::Result<ExitStatus> {
     let SpawnedChild {
         mut child,
@@ -912,6 +969,9 @@ async fn supervise(
                             Ok(c) => batch.push(c),
                             Err(_) => break,
                         }
+                    }
+                    for c in &batch {
+                        tail.push(c);
                     }
                     if log_ok {
                         let mut result = Ok(());

@@ -143,6 +143,7 @@ mod tests {
             agent_fault: false,
             agent_evidence: None,
             exec_failed: false,
+            cause: None,
         }
     }
 

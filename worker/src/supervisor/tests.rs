@@ -200,6 +200,7 @@ async fn spawns_with_the_full_env_contract() {
         exit,
         ExitRecord {
             exec_failed: false,
+            cause: None,
             exit_code: Some(0),
             signal: None,
             spawn_error: None,
@@ -826,6 +827,79 @@ async fn rank_api_progress_and_auth() {
         .await
         .expect("send");
     assert_eq!(r.status(), 401);
+}
+
+/// Issue 42 item 4: an exit names its cause, the exception the rank reported on
+/// `POST /v1/exception`, else the last line of its output; a clean exit names none.
+#[tokio::test]
+async fn an_exit_carries_the_reported_exception_else_the_last_line_of_output() {
+    let api = rank_api(Options::default()).await;
+    let go = api.h.root.join("go");
+    let d = desired(
+        "job-000012",
+        0,
+        0,
+        &format!(
+            "env > {e}.tmp; mv {e}.tmp {e}; while [ ! -e {g} ]; do sleep 0.02; done; \
+             echo 'ValueError: bad lr' >&2; exit 1",
+            e = api.h.root.join("env-12.txt").display(),
+            g = go.display()
+        ),
+    );
+    api.h.sup.apply_desired(std::slice::from_ref(&d));
+    let env_file = api.h.root.join("env-12.txt");
+    poll_until("env dump", || env_file.exists()).await;
+    let env = parse_env(&std::fs::read_to_string(&env_file).expect("env"));
+    let token = env.get("CUMULUS_AGENT_TOKEN").expect("token").clone();
+    let exception = format!("{}/v1/exception", api.url);
+    for (body, status) in [
+        (serde_json::json!({"type": "", "message": "x"}), 400),
+        (
+            serde_json::json!({"type": "E", "frames": vec!["f"; 17]}),
+            400,
+        ),
+        (serde_json::json!({"message": "no type"}), 400),
+        (
+            serde_json::json!({"type": "ValueError", "message": "bad lr",
+                "frames": ["/w/train.py:42 in main"], "origin": "train.py:42"}),
+            204,
+        ),
+    ] {
+        let r = api
+            .http
+            .post(&exception)
+            .bearer_auth(&token)
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status(), status, "{body}");
+    }
+    std::fs::write(&go, b"").expect("go");
+    let key = AttemptKey::of(&d);
+    let exit = wait_finished(&api.h.sup, &key).await;
+    let told = "ValueError: bad lr (train.py:42)";
+    assert_eq!(
+        (exit.exit_code, exit.cause.as_deref()),
+        (Some(1), Some(told))
+    );
+    let events = exited_events(&api.h.sup);
+    assert!(events.iter().any(|e| e.cause == told), "{events:?}");
+
+    // No report: the last line the program wrote (stdout and stderr share the pipe).
+    for (job, script, cause) in [
+        (
+            "job-000013",
+            "echo starting; echo 'fatal: no GPU found' >&2; exit 3",
+            Some("fatal: no GPU found"),
+        ),
+        ("job-000014", "echo 'all good'; exit 0", None),
+    ] {
+        let d = desired(job, 0, 0, script);
+        api.h.sup.apply_desired(std::slice::from_ref(&d));
+        let exit = wait_finished(&api.h.sup, &AttemptKey::of(&d)).await;
+        assert_eq!(exit.cause.as_deref(), cause, "{script}");
+    }
 }
 
 #[tokio::test]

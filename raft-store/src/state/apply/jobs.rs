@@ -85,6 +85,7 @@ impl ClusterState {
                 attempt_workers: Vec::new(),
                 agent_fault: false,
                 exec_failed: false,
+                exit_cause: None,
                 last_progress: (0, 0),
                 gpus: Vec::new(),
             })

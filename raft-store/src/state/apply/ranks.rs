@@ -24,6 +24,8 @@ pub(super) struct RankExit<'a> {
     pub(super) progress: (u64, u64),
     /// What the attempt left in its output directory, stored in the blob store.
     pub(super) artifacts: Option<&'a BlobRef>,
+    /// What the attempt died of, as its agent tells ("" for nothing).
+    pub(super) cause: &'a str,
 }
 
 impl RankExit<'_> {
@@ -161,6 +163,7 @@ impl ClusterState {
             if exit.exit_code == Some(0) && exit.spawn_error.is_empty() {
                 r.state = RankState::Exited;
                 r.failure = None;
+                r.exit_cause = None;
             } else {
                 r.state = RankState::Failed;
                 // A rank that could not reach its agent is the agent's fault only
@@ -171,6 +174,11 @@ impl ClusterState {
                     && !exit.agent_evidence.is_empty();
                 r.agent_fault = exit.agent_fault && (!exit.spawn_error.is_empty() || unreachable);
                 r.exec_failed = exit.cannot_run();
+                let cause = cumulus_api::text::bounded_line(
+                    exit.cause,
+                    cumulus_api::limits::MAX_EXIT_CAUSE_BYTES,
+                );
+                r.exit_cause = (!cause.is_empty()).then_some(cause);
                 r.failure = Some(exit_failure(r, worker_id, exit, unreachable));
             }
             Response::Ok
@@ -389,8 +397,18 @@ impl ClusterState {
 }
 
 /// The failure of a rank attempt that did not exit cleanly, in words: an unreachable
-/// agent, a resource error of the agent, a spawn error, a signal or an exit code.
+/// agent, a resource error of the agent, a spawn error, a signal or an exit code; the
+/// last three followed by what it died of (`r.exit_cause`) when its agent could tell.
 fn exit_failure(r: &RankRecord, worker_id: &str, exit: &RankExit<'_>, unreachable: bool) -> String {
+    let how = exit_how(r, worker_id, exit, unreachable);
+    match &r.exit_cause {
+        Some(cause) if !r.agent_fault && exit.spawn_error.is_empty() => format!("{how}: {cause}"),
+        _ => how,
+    }
+}
+
+/// [`exit_failure`] without the cause.
+fn exit_how(r: &RankRecord, worker_id: &str, exit: &RankExit<'_>, unreachable: bool) -> String {
     let spawn_error = exit.spawn_error;
     let agent_evidence = exit.agent_evidence;
     let (exit_code, signal) = (exit.exit_code, exit.signal);
