@@ -1865,6 +1865,35 @@ def test_summary_gets_the_job_summary_with_its_history(client: Client, script: S
     assert "history" not in repr(s) and "raw" not in repr(s)
 
 
+def cluster_json(node_id: int, leader_id: int, **roles: str) -> dict[str, Any]:
+    """A ``ClusterStatusResponse``: members 1..3 at A, B, C with ``roles`` (``n1="leader"``)."""
+    addrs = {1: A, 2: B, 3: C}
+    members = [
+        {"node_id": n, "http_addr": addrs[n], "role": roles.get(f"n{n}", "follower"), "voter": True}
+        for n in (1, 2, 3)
+    ]
+    return {"node_id": node_id, "leader_id": leader_id, "members": members, "workers": []}
+
+
+def test_cluster_asks_the_leader_and_reads_unreachable_members(
+    client: Client, script: Script
+) -> None:
+    # A follower answers first; the leader it names knows who stopped answering.
+    script.on(A, "GET", "/v1/cluster", ok(cluster_json(1, 2, n2="leader")))
+    leader_view = cluster_json(2, 2, n2="leader", n3="unreachable")
+    leader_view["members"][2] |= {"last_role": "follower", "last_ack_age_ms": 4200}
+    script.on(B, "GET", "/v1/cluster", ok(leader_view))
+    info = client.cluster()
+    assert info.node_id == 2 and script.where()[-1] == f"{B} GET /v1/cluster"
+    dead = info.members[2]
+    assert dead.role == "unreachable" and dead.role is cumulus.MemberRole.UNREACHABLE
+    assert (dead.last_role, dead.last_ack_age_ms) == (cumulus.MemberRole.FOLLOWER, 4200)
+    assert info.members[0].last_role is None and info.members[0].last_ack_age_ms is None
+    # A named leader that does not answer: the first answer stands.
+    script.routes.pop((B, "GET", "/v1/cluster"))
+    assert client.cluster().node_id == 1
+
+
 def test_summary_follows_the_leader(client: Client, script: Script) -> None:
     path = "/v1/jobs/job-000001/summary"
     script.on(A, "GET", path, status(503, "not the leader", {"x-cumulus-leader-http": B}))
