@@ -283,6 +283,7 @@ impl Template {
             }),
             progress_timeout_ms: 60_000,
             startup_timeout_ms: 0,
+            fail_fast: None,
             working_dir: path(dir),
             ckpt_url: String::new(),
             ckpt_commit_tier: String::new(),
