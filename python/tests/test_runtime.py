@@ -236,6 +236,19 @@ def test_a_stale_attempt_stops_reporting(rt: Runtime, agent: FakeAgent) -> None:
     assert rt.control.known == "stop"
 
 
+def test_a_restart_without_checkpoints_says_it_starts_over(
+    agent: FakeAgent, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 42 item 6: the rank's log says it too, not only the submit.
+    first = make_context(agent.url, None)
+    Runtime(first).close(1)
+    assert "starts over" not in capsys.readouterr().err
+    Runtime(dataclasses.replace(first, attempt=2)).close(1)
+    err = capsys.readouterr().err
+    assert "attempt 2 of job-000001 starts over from step 0" in err, err
+    assert "no checkpoint directory" in err, err
+
+
 def test_standalone_reports_are_validated_and_dropped() -> None:
     r = Runtime(runtime.context_from_env({}, standalone=True))
     r.report(1, loss=0.5)

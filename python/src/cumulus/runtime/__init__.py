@@ -75,6 +75,7 @@ validated and dropped, :func:`resume` returns ``None``, and :func:`checkpoint` r
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -215,6 +216,15 @@ class Runtime:
             else None
         )
         self._schedule = CheckpointSchedule()
+        if not context.standalone and context.attempt > 0 and context.staging_dir is None:
+            # A restart of a job without a checkpoint dir: say it in the rank's log too.
+            print(
+                f"cumulus: attempt {context.attempt} of {context.job_id} starts over from step 0:"
+                " the job has no checkpoint directory to resume from (submit it with"
+                " --ckpt-dir / ckpt_dir)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __repr__(self) -> str:
         return f"Runtime({self.context!r})"
