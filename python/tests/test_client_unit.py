@@ -2211,3 +2211,14 @@ def test_run_keeps_its_own_options_apart_from_the_functions(client: Client) -> N
         client.run_async(len, ckpt_dir="/c", options={"ckpt_dir": "/d"})
     with pytest.raises(TypeError, match="picklable"):
         client.run_async(len, __import__("threading").Lock())
+
+
+def test_fail_fast_is_sent_only_when_turned_off(client: Client, script: Script) -> None:
+    for n in range(2):
+        script.on(A, "POST", "/v1/jobs", ok({"job_id": f"job-00000{n}", "created": True}))
+    client.submit(["true"])
+    client.submit(["true"], fail_fast=False)
+    specs = [json.loads(c.content)["spec"] for c in script.calls]
+    assert "fail_fast" not in specs[0] and specs[1]["fail_fast"] is False
+    with pytest.raises(errors.InvalidSpec, match="fail_fast"):
+        client.submit(["true"], fail_fast="no")  # type: ignore[arg-type]

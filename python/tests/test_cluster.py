@@ -377,6 +377,43 @@ def test_logs_follow_across_a_coordinator_kill_yield_every_line_once(
     assert job.wait(timeout_s=JOB_TIMEOUT_S).succeeded
 
 
+def test_a_failure_names_the_exception_the_rank_died_of(
+    client: cumulus.Client, tmp_path: Path
+) -> None:
+    # Issue 42 item 4: the runtime reports the uncaught exception to its agent, so the
+    # job's failure (and JobFailed) says what raised and where.
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            from cumulus import runtime
+
+
+            def configure(lr: float) -> None:
+                if lr > 1:
+                    raise ValueError(f"bad lr {lr}")
+
+
+            runtime.get_context()
+            configure(5.0)
+            """
+        )
+    )
+    line = script.read_text().splitlines().index('        raise ValueError(f"bad lr {lr}")') + 1
+    with pytest.raises(errors.JobFailed) as failed:
+        client.run_command(
+            [sys.executable, str(script)],
+            max_restarts=0,
+            timeout_s=JOB_TIMEOUT_S,
+            name="raises",
+        )
+    info = failed.value.job
+    assert info.state == "failed"
+    for text in (str(failed.value), info.failure_cause):
+        assert "ValueError: bad lr 5.0" in text and f"train.py:{line}" in text, text
+    assert info.ranks[0].exit_cause == f"ValueError: bad lr 5.0 (train.py:{line})"
+
+
 def test_non_finite_metrics_are_reported_and_shown_as_such(
     cluster: LocalCluster, client: cumulus.Client, tmp_path: Path
 ) -> None:

@@ -963,6 +963,7 @@ class Client:
         priority: int | None = None,
         resume_from: str | tuple[str, int] | None = None,
         preemptible: bool = False,
+        fail_fast: bool = True,
         upload: str | os.PathLike[str] | PackedDir | None = None,
         upload_max_bytes: int = _contract.DEFAULT_MAX_WORKDIR_BYTES,
         requirements: Sequence[str] | str | os.PathLike[str] | None = None,
@@ -1033,6 +1034,12 @@ class Client:
             :func:`cumulus.runtime.stop_request` ``== "preempt"``) and it is queued
             again, resuming from that step; no restart budget is spent. ``False``
             (default): never preempted.
+        :param fail_fast: ``True`` (default): a first attempt whose ranks all exit
+            non-zero within 10 s of their start, before any progress report, with the
+            same exit code and error (a mistyped script path: "can't open file") fails
+            the job at once with that error, spending no restart. ``False``: such a
+            failure is restarted under the budget like any other, for programs whose
+            first start may fail by chance.
         :param upload: a local directory sent as the ranks' working directory: packed
             (``.git`` left out, ``.gitignore`` and ``.cumulusignore`` honoured) and
             stored in the cluster's blob store unless it has the same digest already
@@ -1080,6 +1087,7 @@ class Client:
         time_limit_ms, signal_before_ms = _time_limit_ms(time_limit_s, signal_before_s)
         resume = _resume_from(resume_from)
         _check_flag("preemptible", preemptible)
+        _check_flag("fail_fast", fail_fast)
         restart = _restart_policy(restart_scope, max_restarts, backoff_initial_ms, backoff_max_ms)
         spec: dict[str, Any] = {
             "name": name or "",
@@ -1108,6 +1116,8 @@ class Client:
             resume=resume,
             preemptible=preemptible,
         )
+        if not fail_fast:
+            spec["fail_fast"] = False
         if environment is not None:
             spec["environment"] = environment
         uploaded = None

@@ -265,6 +265,10 @@ class RankInfo:
     #: The job that committed :attr:`resume_step` when it is another one (a job started
     #: with ``resume_from`` that has committed no step of its own yet); ``""``: this job.
     resume_job_id: str = ""
+    #: What the current attempt died of when it exited non-zero, as its agent could tell
+    #: (``""`` otherwise): the uncaught exception the runtime reported, e.g. ``ValueError:
+    #: bad lr (train.py:42)``, else the last line the program wrote.
+    exit_cause: str = ""
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankInfo:
@@ -293,6 +297,7 @@ class RankInfo:
             eta_ms=_get(d, "eta_ms", int, 0),
             resume_step=_opt_int(d, "resume_step"),
             resume_job_id=_get(d, "resume_job_id", str, ""),
+            exit_cause=_get(d, "exit_cause", str, ""),
         )
 
 

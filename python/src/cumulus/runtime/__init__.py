@@ -109,6 +109,7 @@ from cumulus.runtime._env import (
     get_context,
     read_shards_file,
 )
+from cumulus.runtime._failure import install_from_env as _install_exception_report
 from cumulus.runtime._progress import (
     MAX_METRIC_NAME_BYTES,
     MAX_METRICS,
@@ -662,3 +663,8 @@ def apply_gpu_memory_fraction(device: Any = None) -> float | None:
     :raises ImportError: the fraction is set but PyTorch is not installed.
     """
     return get_runtime().apply_gpu_memory_fraction(device)
+
+
+# In a Cumulus rank, an uncaught exception is reported to the agent before the process
+# dies: the job's failure then names it (``cumulus.runtime._failure``).
+_install_exception_report()

@@ -1,6 +1,6 @@
 """Client of the worker agent's rank-local HTTP API (docs/architecture.md, "Rank-local HTTP
 API"), standard library only: ``POST /v1/progress``, ``POST /v1/checkpoint``, ``GET
-/v1/control`` and ``GET /v1/checkpoints``, all with ``Authorization: Bearer
+/v1/control``, ``GET /v1/checkpoints`` and ``POST /v1/exception``, all with ``Authorization: Bearer
 $CUMULUS_AGENT_TOKEN``, over TCP to ``CUMULUS_AGENT_URL`` or, when the agent sets
 ``CUMULUS_AGENT_SOCKET`` (ranks run as another user than the agent), over that Unix
 domain socket.
@@ -263,6 +263,18 @@ class AgentClient:
                 f"the agent's reply to GET /v1/control is malformed ({e}): {data[:200]!r}",
                 status=status,
             ) from e
+
+    def report_exception(self, report: Mapping[str, Any], *, timeout_s: float = 2.0) -> None:
+        """``POST /v1/exception``: the uncaught exception this rank is about to die of
+        (``{"type", "message", "frames", "origin"}``, see
+        :func:`cumulus.runtime._failure.describe_exception`); the agent reports it as the
+        cause of the attempt's exit.
+
+        :raises StaleAttempt: 401/409: the attempt has ended.
+        :raises AgentError: any other failure (400: a field past its bound).
+        """
+        status, data = self._post("/v1/exception", report, timeout_s)
+        self._check("/v1/exception", status, data)
 
     def checkpoints(self, *, timeout_s: float = LIST_TIMEOUT_S) -> list[int]:
         """``GET /v1/checkpoints``: the committed steps of this rank's job, ascending (the
