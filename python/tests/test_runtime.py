@@ -324,7 +324,11 @@ def test_a_part_refused_after_a_stop_request_is_a_clean_stop(
         (part / "model.bin").write_bytes(b"w")
     assert part.committed is None
     assert list(staging.iterdir()) == [], "nothing is left staged"
-    assert rt.save_checkpoint(11, lambda d: (d / "m").write_bytes(b"w")) is None
+
+    def write(d: Path) -> None:
+        (d / "m").write_bytes(b"w")
+
+    assert rt.save_checkpoint(11, write) is None
     assert rt.checkpointer.last_committed_step is None
     assert len(agent.of("/v1/checkpoint")) == 2
 
