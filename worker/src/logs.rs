@@ -254,30 +254,43 @@ impl OutputTail {
         self.lines.iter().map(String::as_str)
     }
 
-    /// The output's last non-blank line as the cause of an exit, in one printable line
-    /// of at most [`cumulus_api::limits::MAX_EXIT_CAUSE_BYTES`]; after a Python
-    /// traceback, with the innermost frame's file base name and line (`ValueError: bad
-    /// lr (train.py:42)`). `None` when the process printed nothing.
+    /// The cause of an exit, in one printable line of at most
+    /// [`cumulus_api::limits::MAX_EXIT_CAUSE_BYTES`]: when the kept lines hold a Python
+    /// traceback, the exception line that ends the last one, with its innermost frame's
+    /// file base name and line (`ValueError: bad lr (train.py:42)`), even when output
+    /// follows it (Python flushes a block-buffered stdout after printing the traceback
+    /// on stderr, and both share the rank's pipe); otherwise the output's last non-blank
+    /// line. `None` when the process printed nothing.
     pub fn cause(&self) -> Option<String> {
-        let last = self.lines.back()?;
         let max = cumulus_api::limits::MAX_EXIT_CAUSE_BYTES;
-        let location = if last.starts_with(' ') {
-            None
-        } else {
-            self.lines
-                .iter()
-                .rev()
-                .skip(1)
-                .find_map(|l| python_frame(l))
-        };
-        Some(match location {
-            Some(at) => {
-                let suffix = format!(" ({})", cumulus_api::text::bounded_line(&at, max / 4));
-                let head = cumulus_api::text::bounded_line(last, max - suffix.len());
-                format!("{head}{suffix}")
+        if let Some((exception, at)) = self.python_exception() {
+            let suffix = format!(" ({})", cumulus_api::text::bounded_line(&at, max / 4));
+            let head = cumulus_api::text::bounded_line(exception, max - suffix.len());
+            return Some(format!("{head}{suffix}"));
+        }
+        let last = self.lines.back()?;
+        Some(cumulus_api::text::bounded_line(last, max))
+    }
+
+    /// The exception line of the last Python traceback kept (the first unindented line
+    /// after its `Traceback (most recent call last):` header and frames) and its
+    /// innermost frame as `file:line`; `None` without a complete traceback.
+    fn python_exception(&self) -> Option<(&str, String)> {
+        let header = self
+            .lines
+            .iter()
+            .rposition(|l| l == "Traceback (most recent call last):")?;
+        let mut location = None;
+        for line in self.lines.iter().skip(header + 1) {
+            if line.starts_with(' ') {
+                if let Some(at) = python_frame(line) {
+                    location = Some(at);
+                }
+            } else {
+                return location.map(|at| (line.as_str(), at));
             }
-            None => cumulus_api::text::bounded_line(last, max),
-        })
+        }
+        None
     }
 }
 
@@ -837,6 +850,18 @@ mod tests {
             python.cause().as_deref(),
             Some("ValueError: bad lr (lib.py:7)")
         );
+        // Python's block-buffered stdout reaches the pipe after the traceback.
+        let mut buffered = OutputTail::default();
+        buffered.push(b"Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\nValueError: bad lr\nuid 60002\nstep 3\n");
+        assert_eq!(
+            buffered.cause().as_deref(),
+            Some("ValueError: bad lr (<string>:1)")
+        );
+        // A traceback cut off at the front of the tail, or without its exception line,
+        // is not one: the last line stands.
+        let mut partial = OutputTail::default();
+        partial.push(b"  File \"/w/a.py\", line 3, in f\nfatal: out of memory\n");
+        assert_eq!(partial.cause().as_deref(), Some("fatal: out of memory"));
         let mut missing = OutputTail::default();
         missing
             .push(b"python3: can't open file '/w/trian.py': [Errno 2] No such file or directory\n");
