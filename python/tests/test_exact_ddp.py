@@ -7,8 +7,6 @@ a rank killed) is in ``test_ddp.py``."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import cumulus.torch
+from gloo_ranks import gloo_ranks, gloo_results
 
 pytestmark = [pytest.mark.torch]
 
@@ -28,26 +27,8 @@ TIMEOUT_S = 240
 
 
 def test_restarted_ddp_is_bit_identical_with_exact_ddp_and_not_without(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUMULUS_")}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(PROGRAM), str(r), str(WORLD), str(tmp_path / "store")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(WORLD)
-    ]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in ranks]
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in ranks] == [0] * WORLD, outs
-    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    with gloo_ranks(PROGRAM, WORLD, tmp_path / "store") as ranks:
+        results = gloo_results(ranks, TIMEOUT_S)
     assert all(r == results[0] for r in results), results  # DDP: every rank the same
     r = results[0]
     # The cause: a fresh DDP's first iteration lays its bucket out in parameter order,

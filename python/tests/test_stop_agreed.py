@@ -3,17 +3,14 @@ sent SIGTERM, both stop at the same step."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import IO
 
 import pytest
 
 from cumulus import runtime
+from gloo_ranks import gloo_ranks, gloo_results
 
 pytestmark = [pytest.mark.torch]
 
@@ -30,29 +27,11 @@ def read_line(stream: IO[str], what: str) -> str:
 
 
 def test_one_signalled_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUMULUS_")}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(PROGRAM), str(r), "2", str(tmp_path / "store")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    try:
+    with gloo_ranks(PROGRAM, 2, tmp_path / "store") as ranks:
         assert ranks[1].stdout is not None
         assert read_line(ranks[1].stdout, "ready") == "ready"
         ranks[1].send_signal(signal.SIGTERM)  # rank 1 alone is asked to stop
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in ranks]
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in ranks] == [0, 0], outs
-    lines = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+        lines = gloo_results(ranks, TIMEOUT_S)
     assert lines[0]["step"] == lines[1]["step"] >= 20, lines
     assert lines[1]["request"] == "signal"
     assert lines[0]["request"] is None  # rank 0 was not asked; it stopped by agreement
