@@ -232,7 +232,14 @@ impl OutputTail {
     /// Takes in one chunk of output (whole lines, or a piece of a long line), keeping
     /// only the newest lines within the bounds; invalid UTF-8 is replaced.
     pub fn push(&mut self, chunk: &[u8]) {
-        for raw in chunk.split(|&b| b == b'\n') {
+        // This runs on every chunk a rank prints: only the chunk's newest lines can be
+        // kept, so the older ones are skipped without a copy.
+        let newest: Vec<&[u8]> = chunk
+            .rsplit(|&b| b == b'\n')
+            .filter(|raw| !raw.trim_ascii().is_empty())
+            .take(TAIL_MAX_LINES)
+            .collect();
+        for raw in newest.into_iter().rev() {
             let piece = &raw[..raw.len().min(TAIL_MAX_BYTES)];
             let line = String::from_utf8_lossy(piece).trim_end().to_string();
             if line.trim().is_empty() {
