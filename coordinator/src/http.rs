@@ -1,8 +1,9 @@
-//! The coordinator's HTTP API (axum): `/health`, the JSON mirror of the client API
-//! under `/v1/jobs…` and `/v1/users…`, the blob store under `/v1/blobs/{digest}`
-//! (`HEAD`, streamed `PUT` and `GET`), and the SSE log stream (see [`crate::logs`]).
-//! Everything but `/health` requires a bearer token: the cluster token or a user's
-//! (`crate::auth::authenticate`); what each role may do is checked in `crate::api`.
+//! The coordinator's HTTP API (axum): `/health`, `/ready` ([`crate::ready`]), the JSON
+//! mirror of the client API under `/v1/jobs…` and `/v1/users…`, the blob store under
+//! `/v1/blobs/{digest}` (`HEAD`, streamed `PUT` and `GET`), and the SSE log stream (see
+//! [`crate::logs`]). Everything but `/health` and `/ready` requires a bearer token: the
+//! cluster token or a user's (`crate::auth::authenticate`); what each role may do is
+//! checked in `crate::api`.
 
 use openraft::async_runtime::watch::WatchReceiver;
 use std::sync::Arc;
@@ -59,6 +60,7 @@ pub fn router(node: Arc<Node>) -> Router {
         ));
     Router::new()
         .route("/health", get(health))
+        .route("/ready", get(ready))
         .merge(protected)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(node)
@@ -96,6 +98,32 @@ async fn health(State(node): State<Arc<Node>>) -> Response {
     }
     Json(json!({ "node_id": node.id, "leader_id": m.current_leader, "term": m.current_term }))
         .into_response()
+}
+
+/// `200` `{"node_id", "ready": true, "leader_id", "term"}` while this node's applied
+/// state is current, else `503` `{"node_id", "ready": false, "reason"}`
+/// ([`crate::ready`]): the readiness probe, no token needed.
+async fn ready(State(node): State<Arc<Node>>) -> Response {
+    let m = node.raft.metrics().borrow_watched().clone();
+    let max_age = crate::ready::max_leader_ack_age(node.raft.config().election_timeout_max);
+    let contact = crate::ready::LeaderContact {
+        commit_seen: node.blobs.leader_commit_seen(),
+        age: node.blobs.leader_contact_age(),
+    };
+    match crate::ready::readiness(&m, contact, max_age) {
+        Ok(()) => Json(json!({
+            "node_id": node.id,
+            "ready": true,
+            "leader_id": m.current_leader,
+            "term": m.current_term,
+        }))
+        .into_response(),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "node_id": node.id, "ready": false, "reason": reason })),
+        )
+            .into_response(),
+    }
 }
 
 /// `?linearizable=true|false` on reads.

@@ -19,6 +19,7 @@ pub mod network;
 pub mod node;
 pub mod proposer;
 pub mod raft_service;
+pub mod ready;
 pub mod rejoin;
 pub mod shares;
 pub mod snapshots;

@@ -63,6 +63,24 @@ async fn assert_submits_exactly_once(cluster: &Cluster, acked: &[(String, String
     }
 }
 
+/// `GET /ready` of coordinator `i` once its HTTP server answers: the status code and the
+/// JSON body.
+async fn ready(cluster: &Cluster, i: usize, want: u16) -> serde_json::Value {
+    let http = cluster.http_client();
+    let url = cluster.url(&cluster.coordinators[i].http, "/ready");
+    let what = format!("/ready of node {} to answer {want}", cluster.coordinators[i].id);
+    wait_for(&what, LONG, || {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let r = http.get(&url).send().await.ok()?;
+            let code = r.status().as_u16();
+            let body: serde_json::Value = r.json().await.ok()?;
+            (code == want).then_some(body)
+        }
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grow_3_to_5_to_3_while_a_job_runs() {
     let mut cluster = Cluster::start(ClusterOpts::default())
@@ -101,16 +119,28 @@ async fn grow_3_to_5_to_3_while_a_job_runs() {
         acked.push((rid, r.job_id));
     };
 
+    // Every member serves current state: ready (the readiness probe of Kubernetes).
+    for i in 0..3 {
+        let body = ready(&cluster, i, 200).await;
+        assert_eq!(body["ready"], true, "{body}");
+    }
+
     // Grow: two new coordinators join as learners, then become voters.
     for _ in 0..2 {
         let i = cluster
             .add_coordinator()
             .expect("start a joining coordinator");
         let id = cluster.coordinators[i].id;
+        // Not added yet: it has no leader and no state, so it is not ready.
+        let body = ready(&cluster, i, 503).await;
+        assert_eq!(body["ready"], false, "{body}");
+        assert!(body["reason"].as_str().is_some_and(|r| !r.is_empty()), "{body}");
         let addr = cluster.member_addr(i);
         let s = ctl_cluster(&cluster, &["add-learner", &id.to_string(), &addr]);
         assert!(members(&s).contains(&id), "{s:?}");
         assert!(!voters(&s).contains(&id), "a learner does not vote: {s:?}");
+        // Caught up (add-learner returns once it is): ready.
+        ready(&cluster, i, 200).await;
         submit(&cluster, &mut acked).await;
         let s = ctl_cluster(&cluster, &["promote", &id.to_string()]);
         assert!(voters(&s).contains(&id), "{s:?}");

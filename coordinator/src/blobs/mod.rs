@@ -229,6 +229,9 @@ pub struct Blobs {
     /// one (0: none yet): a follower's applied state is current once it reaches it
     /// (see `gc`).
     leader_commit_seen: std::sync::atomic::AtomicU64,
+    /// When the last of those appends arrived (`None`: none since this process started);
+    /// `/ready` reads its age (`crate::ready`).
+    leader_contact_at: Mutex<Option<std::time::Instant>>,
 }
 
 impl Blobs {
@@ -260,6 +263,7 @@ impl Blobs {
             fetching: Mutex::default(),
             reserved: Mutex::default(),
             leader_commit_seen: std::sync::atomic::AtomicU64::new(0),
+            leader_contact_at: Mutex::default(),
         })
     }
 
@@ -269,6 +273,18 @@ impl Blobs {
         let seen = index.map_or(0, |i| i.saturating_add(1));
         self.leader_commit_seen
             .fetch_max(seen.max(1), std::sync::atomic::Ordering::Relaxed);
+        *self
+            .leader_contact_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
+    }
+
+    /// How long ago the last append from a leader arrived; `None` before the first.
+    pub fn leader_contact_age(&self) -> Option<std::time::Duration> {
+        self.leader_contact_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map(|at| at.elapsed())
     }
 
     /// [`Blobs::note_leader_commit`]'s highest index plus one; 0 before any append.
