@@ -194,6 +194,31 @@ enrolled="$(dc logs --no-color worker | grep -c 'enrolled: certificate signed by
 [ "$enrolled" -ge 2 ] || fail "$enrolled workers enrolled, want 2: $(dc logs --no-color worker | grep -i enrol | tail -n 5)"
 say "TLS on every connection: plain HTTP refused, $enrolled workers enrolled for certificates"
 
+# The workers were installed by scripts/install-worker.sh: the image's entry point runs it
+# without systemd, in the foreground. Run again beside the running agent with the same
+# settings it changes nothing and says so; given another cluster's CA it refuses, and
+# changes nothing either. (The agent runs with the Kubernetes DaemonSet's capabilities
+# only: cap_drop/cap_add in docker-compose.yml.)
+wcid="$(dc ps -q worker | head -n1)"
+installed() {
+  docker exec "$wcid" sh -c 'cd / && cat etc/cumulus-worker/agent.pid &&
+    ls -l --time-style=+%s.%N etc/cumulus-worker etc/systemd/system/cumulus-worker.service \
+      usr/local/bin/cumulus-worker var/lib/cumulus-worker/agent.json &&
+    sha256sum etc/cumulus-worker/* etc/systemd/system/cumulus-worker.service && id cumulus'
+}
+before="$(installed)" || fail "the worker container holds no install-worker.sh install: $before"
+again="$(docker exec -e CUMULUS_INSTALL_FOREGROUND=0 "$wcid" cumulus-worker-entrypoint 2>&1)" ||
+  fail "install-worker.sh run again failed: $again"
+[[ "$again" == *"nothing changed"* ]] || fail "install-worker.sh run again did not say 'nothing changed': $again"
+[ "$(installed)" = "$before" ] || fail "install-worker.sh run again changed files: $(diff <(echo "$before") <(installed))"
+if other="$(docker exec -e CUMULUS_INSTALL_FOREGROUND=0 -e CUMULUS_TLS_CA=/etc/ssl/certs/ca-certificates.crt \
+  "$wcid" cumulus-worker-entrypoint 2>&1)"; then
+  fail "install-worker.sh accepted another cluster's CA: $other"
+fi
+[[ "$other" == *"worker of another cluster"* ]] || fail "install-worker.sh with another CA: $other"
+[ "$(installed)" = "$before" ] || fail "install-worker.sh with another CA changed files"
+say "install-worker.sh: a second run changed nothing, another cluster's CA was refused"
+
 ctl dataset split /usr/share/cumulus/digits/digits.csv.gz --shards 8 \
   --out /shared/data/shards --holdout-out /shared/data/holdout.csv >/dev/null
 # The ranks run as their jobs' own users (CUMULUS_RUN_AS): they write results here.
