@@ -3,7 +3,8 @@
 # checks in about a second and installs nothing):
 #   - Debian packages: a C compiler, protoc and the protobuf includes (the benchmark's etcd
 #     client; our own crates use a vendored protoc), etcd (the benchmark's write-path
-#     comparison), debootstrap and binutils (the docker-compose test's offline base image);
+#     comparison), debootstrap and binutils (the docker-compose test's offline base image),
+#     chromium and chromium-driver (the dashboard's browser tests, over WebDriver);
 #   - s3s-fs, a real S3-compatible server (the S3 checkpoint tests start it on loopback),
 #     with `cargo install` (~3 min on 2 cores, once);
 #   - cargo-deny, the dependency policy check of deny.toml (`cargo install`, ~3.5 min once);
@@ -24,6 +25,8 @@ command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || need+=(etcd-server)
 command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
 command -v objcopy >/dev/null 2>&1 || need+=(binutils)
+[ -x /usr/bin/chromium ] || need+=(chromium)
+[ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
 
 have_s3s=1
 command -v s3s-fs >/dev/null 2>&1 || [ -x "$HOME/.cargo/bin/s3s-fs" ] || have_s3s=0

@@ -783,6 +783,9 @@ pub struct AgentHttp {
     tls: Option<Arc<Credentials>>,
     plain: reqwest::Client,
     per_worker: Mutex<HashMap<String, reqwest::Client>>,
+    /// The clients of the other coordinators' HTTP APIs (the dashboard's requests a
+    /// follower forwards to the leader), per node id.
+    per_coordinator: Mutex<HashMap<u64, reqwest::Client>>,
 }
 
 impl AgentHttp {
@@ -798,7 +801,38 @@ impl AgentHttp {
             tls,
             plain,
             per_worker: Mutex::default(),
+            per_coordinator: Mutex::default(),
         })
+    }
+
+    /// The client for coordinator `id`'s HTTP API: with TLS it presents this
+    /// coordinator's certificate and accepts only one naming `cumulus://coordinator/ID`.
+    ///
+    /// # Errors
+    /// Its TLS configuration cannot be made.
+    pub fn coordinator(&self, id: u64) -> Result<reqwest::Client, String> {
+        let Some(creds) = &self.tls else {
+            return Ok(self.plain.clone());
+        };
+        let mut clients = self
+            .per_coordinator
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = clients.get(&id) {
+            return Ok(c.clone());
+        }
+        let config = creds
+            .client_config(ExpectedServer::Coordinator(id))
+            .map_err(|e| format!("TLS for coordinator {id}: {e}"))?;
+        let client = agent_client_builder()
+            .tls_backend_preconfigured((*config).clone())
+            .build()
+            .map_err(|e| format!("the HTTP client of coordinator {id}: {e}"))?;
+        if clients.len() >= MAX_AGENT_CLIENTS {
+            clients.clear();
+        }
+        clients.insert(id, client.clone());
+        Ok(client)
     }
 
     /// The client for worker `worker`'s agent.

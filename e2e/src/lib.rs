@@ -7,6 +7,7 @@
 //! does).
 
 pub mod blobs;
+pub mod browser;
 mod cluster;
 mod dump;
 pub mod history;
