@@ -12,7 +12,9 @@ is started: the install script's run against a real cluster is in compose/test.s
 
 from __future__ import annotations
 
+import base64
 import copy
+import http.server
 import json
 import os
 import re
@@ -20,6 +22,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -692,3 +695,148 @@ def test_the_statefulset_starts_a_coordinator_that_becomes_ready(tmp_path: Path)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=30)
+
+
+# ---- the certs Job's script, against a stand-in for the Kubernetes API -------------
+
+
+class _Objects(http.server.ThreadingHTTPServer):
+    """The part of the Kubernetes API ``certs.sh`` uses (GET an object by name, POST one;
+    409 when it exists), storing objects in memory. No API server runs here: this
+    stand-in lets the script's requests and objects be checked for real."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__(("127.0.0.1", 0), _ObjectsHandler)
+        self.token = token
+        self.objects: dict[tuple[str, str], Doc] = {}
+        self.posts = 0
+
+
+class _ObjectsHandler(http.server.BaseHTTPRequestHandler):
+    server: _Objects
+
+    def _answer(self, code: int, body: Doc) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _path(self) -> list[str] | None:
+        if self.headers.get("Authorization") != f"Bearer {self.server.token}":
+            self._answer(401, {"kind": "Status", "code": 401})
+            return None
+        parts = self.path.strip("/").split("/")
+        assert parts[:3] == ["api", "v1", "namespaces"], self.path
+        return parts[4:]
+
+    def do_GET(self) -> None:
+        parts = self._path()
+        if parts is None:
+            return
+        kind, name = parts
+        found = self.server.objects.get((kind, name))
+        self._answer(200, found) if found else self._answer(404, {"kind": "Status"})
+
+    def do_POST(self) -> None:
+        parts = self._path()
+        if parts is None:
+            return
+        (kind,) = parts
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.posts += 1
+        key = (kind, body["metadata"]["name"])
+        if key in self.server.objects:
+            self._answer(409, {"kind": "Status", "code": 409})
+        else:
+            self.server.objects[key] = body
+            self._answer(201, body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _check_certs_job_objects(made: dict[tuple[str, str], Doc], names: set[str]) -> None:
+    """The certificates serve every coordinator's names (pod, namespace, client Service),
+    the ConfigMap holds the CA certificate alone, the tokens are distinct."""
+    pki = {
+        k: base64.b64decode(v)
+        for k, v in made["secrets", "cumulus-coordinator-pki"]["data"].items()
+    }
+    ids = range(1, 8)
+    want = {"ca.pem", "ca-key.pem"} | {f"coordinator-{i}{s}.pem" for i in ids for s in ("", "-key")}
+    assert set(pki) == want
+    for i in ids:
+        der = base64.b64decode(b"".join(pki[f"coordinator-{i}.pem"].strip().splitlines()[1:-1]))
+        for host in (f"cumulus-coordinator-{i}.cumulus-raft", "cumulus-coordinator"):
+            assert host.encode() in der, f"coordinator {i}'s certificate lacks {host}"
+        assert f"cumulus-coordinator-{i}.cumulus-raft.cumulus-dev.svc".encode() in der
+    ca = made["configmaps", "cumulus-ca"]
+    assert set(ca) - {"apiVersion", "kind", "metadata"} == {"binaryData"}
+    assert base64.b64decode(ca["binaryData"]["ca.pem"]) == pki["ca.pem"]
+    assert b"PRIVATE KEY" not in base64.b64decode(ca["binaryData"]["ca.pem"])
+    tokens = [
+        base64.b64decode(made["secrets", n]["data"]["token"]).decode()
+        for n in sorted(names - {"cumulus-coordinator-pki"})
+    ]
+    assert all(re.fullmatch(r"[0-9a-f]{64}", t) for t in tokens) and len(set(tokens)) == 3
+
+
+def test_the_certs_job_makes_the_secrets_once(tmp_path: Path) -> None:
+    """certs.sh, run with the Job's environment: the Secrets and the CA ConfigMap it makes
+    are valid objects, the certificates serve every coordinator's names, no key leaves
+    the Secret; a second run changes nothing; a missing ConfigMap is made again from the
+    Secret's CA certificate."""
+    help_of("cumulus-coordinator")  # skips without the binaries
+    docs = rendered("dev")
+    job = one(docs, "Job", "cumulus-certs")["spec"]["template"]["spec"]
+    (container,) = job["containers"]
+    script = tmp_path / "certs.sh"
+    script.write_text(one(docs, "ConfigMap", "cumulus-certs-script")["data"]["certs.sh"])
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    (sa / "namespace").write_text("cumulus-dev")
+    (sa / "token").write_text("sa-token")
+    (sa / "ca.crt").write_text("")
+    api = _Objects("sa-token")
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    env = {e["name"]: e["value"] for e in container["env"]}
+    env |= {
+        "TMPDIR": str(tmp_path),
+        "HOME": str(tmp_path),
+        "PATH": f"{bin_dir()}:{os.environ['PATH']}",
+        "CUMULUS_K8S_API": f"http://127.0.0.1:{api.server_address[1]}",
+        "CUMULUS_K8S_SA_DIR": str(sa),
+    }
+
+    def run() -> str:
+        done = subprocess.run(
+            ["sh", str(script)], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    try:
+        first = run()
+        made = dict(api.objects)
+        names = {"cumulus-coordinator-pki", "cumulus-cluster-token", "cumulus-peer-token"}
+        names.add("cumulus-metrics-token")
+        assert set(made) == {("secrets", n) for n in names} | {("configmaps", "cumulus-ca")}
+        assert first.count("created ") == 5, first
+        for obj in made.values():
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        _check_certs_job_objects(made, names)
+
+        # Again: everything is kept, nothing is sent.
+        posts = api.posts
+        again = run()
+        assert api.posts == posts and again.count("kept ") == 5, again
+        assert api.objects == made
+        # The ConfigMap alone lost: made again from the Secret's CA certificate.
+        del api.objects["configmaps", "cumulus-ca"]
+        run()
+        assert api.objects == made
+    finally:
+        api.shutdown()
+        api.server_close()
