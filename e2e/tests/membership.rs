@@ -68,7 +68,10 @@ async fn assert_submits_exactly_once(cluster: &Cluster, acked: &[(String, String
 async fn ready(cluster: &Cluster, i: usize, want: u16) -> serde_json::Value {
     let http = cluster.http_client();
     let url = cluster.url(&cluster.coordinators[i].http, "/ready");
-    let what = format!("/ready of node {} to answer {want}", cluster.coordinators[i].id);
+    let what = format!(
+        "/ready of node {} to answer {want}",
+        cluster.coordinators[i].id
+    );
     wait_for(&what, LONG, || {
         let (http, url) = (http.clone(), url.clone());
         async move {
@@ -134,7 +137,10 @@ async fn grow_3_to_5_to_3_while_a_job_runs() {
         // Not added yet: it has no leader and no state, so it is not ready.
         let body = ready(&cluster, i, 503).await;
         assert_eq!(body["ready"], false, "{body}");
-        assert!(body["reason"].as_str().is_some_and(|r| !r.is_empty()), "{body}");
+        assert!(
+            body["reason"].as_str().is_some_and(|r| !r.is_empty()),
+            "{body}"
+        );
         let addr = cluster.member_addr(i);
         let s = ctl_cluster(&cluster, &["add-learner", &id.to_string(), &addr]);
         assert!(members(&s).contains(&id), "{s:?}");
