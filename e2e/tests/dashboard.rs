@@ -175,6 +175,22 @@ async fn the_dashboard_shows_a_running_job_and_acts_within_the_users_role() {
         .await;
     browser.screenshot("jobs").await.expect("screenshot");
 
+    // The cluster: three coordinators, the leader named, the worker's slots in use.
+    browser
+        .goto(&page(&cluster, f, "/ui/#/cluster"))
+        .await
+        .expect("cluster page");
+    browser
+        .wait_js(
+            "the members, the leader and the worker",
+            LONG,
+            "return document.querySelectorAll('#members tbody tr').length === 3 && \
+             /^node \\d+$/.test(document.getElementById('leader')?.textContent) && \
+             document.querySelector('#workers tbody tr td.num')?.textContent === '2 / 4';",
+        )
+        .await;
+    browser.screenshot("cluster").await.expect("screenshot");
+
     // The job page: a line printed now is on the page within 2 s.
     browser
         .goto(&page(&cluster, f, &format!("/ui/#/job/{job}")))
@@ -356,7 +372,9 @@ async fn the_dashboard_shows_a_running_job_and_acts_within_the_users_role() {
         .screenshot("job-after-leader-kill")
         .await
         .expect("screenshot");
-    println!("dashboard: {before} points before the leader kill, {kept} kept on the open page");
+    println!(
+        "dashboard: {before} points on the first job page; {kept} on the page open across the leader kill"
+    );
 
     // Cancel, from a follower's page: confirm, and the job is cancelled.
     browser
