@@ -502,6 +502,10 @@ pub struct SharedState {
     pub data: RwLock<SmData>,
     /// Bumped after each applied batch or installed snapshot.
     pub changes: watch::Sender<u64>,
+    /// Bytes of the newest snapshot (its encoded state when built or installed, its
+    /// stored record when found at open; 0: none): what `/metrics` reports, without
+    /// reading the snapshot back.
+    pub snapshot_bytes: std::sync::atomic::AtomicU64,
 }
 
 impl SharedState {
@@ -679,6 +683,9 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
         .await
         .map_err(|e| write_err(std::io::Error::other(e)))?
         .map_err(write_err)?;
+        self.shared
+            .snapshot_bytes
+            .store(bytes.len() as u64, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(
             last_log_index = meta.last_log_id.map(|l| l.index),
             bytes = bytes.len(),
@@ -803,6 +810,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             *guard = data;
         }
         self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
+        self.shared
+            .snapshot_bytes
+            .store(len_bytes as u64, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(
             last_log_index = meta.last_log_id.map(|l| l.index),
             bytes = len_bytes,

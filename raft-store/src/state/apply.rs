@@ -184,6 +184,7 @@ impl ClusterState {
                 at_ms: _,
             } => self.checkpoint_committed(job_id, *step, dirty),
             Command::JobSucceeded { job_id, at_ms } => self.job_succeeded(job_id, *at_ms, dirty),
+            Command::RecordProgress { samples } => self.record_progress(samples, dirty),
             Command::Batch { commands } => self.batch(commands, dirty),
         }
     }

@@ -267,6 +267,13 @@ pub enum Command {
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
+    /// The leader's downsampled samples of running jobs' progress, kept in each job's
+    /// [`ProgressHistory`] (bounds: the `history` module; at most one such command per
+    /// [`HISTORY_INTERVAL_MS`] from a leader).
+    RecordProgress {
+        /// At most [`MAX_HISTORY_JOBS`] samples, one per job.
+        samples: Vec<ProgressSampleIn>,
+    },
     /// Several commands proposed together by the leader's proposal batcher (group
     /// commit: one Raft entry, one log flush, for many client writes). Applied in order,
     /// each exactly as if it were an entry of its own; the response is
@@ -304,6 +311,7 @@ impl std::fmt::Display for Command {
             Command::CheckpointPartCommitted { .. } => "CheckpointPartCommitted",
             Command::CheckpointCommitted { .. } => "CheckpointCommitted",
             Command::JobSucceeded { .. } => "JobSucceeded",
+            Command::RecordProgress { .. } => "RecordProgress",
             Command::Batch { commands } => return write!(f, "Batch({})", commands.len()),
         };
         f.write_str(name)
@@ -363,6 +371,19 @@ impl Command {
                         .files
                         .iter()
                         .map(|f| f.path.len() + f.digest.len() + 4 * PER_STRING)
+                        .sum::<usize>()
+            }
+            Command::RecordProgress { samples } => {
+                COMMAND_OVERHEAD_BYTES
+                    + samples
+                        .iter()
+                        .map(|s| {
+                            // Field names and five numbers of up to 20 digits; a
+                            // metric's name and bits with their punctuation.
+                            s.job_id.len()
+                                + 160
+                                + s.metrics.iter().map(|(n, _)| n.len() + 32).sum::<usize>()
+                        })
                         .sum::<usize>()
             }
             Command::Batch { commands } => {

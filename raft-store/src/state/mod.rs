@@ -15,6 +15,7 @@
 mod apply;
 mod capacity;
 mod command;
+mod history;
 mod index;
 mod model;
 mod spec;
@@ -33,6 +34,7 @@ pub use cumulus_api::{CommitTier, FileEntry, JobState, RankState, RestartScope, 
 pub use apply::*;
 pub use capacity::*;
 pub use command::*;
+pub use history::*;
 pub use index::*;
 pub use model::*;
 pub use spec::*;

@@ -571,6 +571,10 @@ pub struct ClusterState {
     /// Users by name (at most [`cumulus_api::users::MAX_USERS`]).
     #[serde(default)]
     pub users: BTreeMap<String, UserRecord>,
+    /// Progress histories of jobs by id ([`Command::RecordProgress`]; bounded as its
+    /// module `history` says). Shared like `jobs`: a snapshot copies pointers.
+    #[serde(default)]
+    pub histories: BTreeMap<String, Arc<ProgressHistory>>,
     /// Job ids by lifecycle class (derived from `jobs`).
     #[serde(skip)]
     pub(super) index: JobIndex,
@@ -586,6 +590,8 @@ struct ClusterStateData {
     workers: BTreeMap<String, WorkerRecord>,
     #[serde(default)]
     users: BTreeMap<String, UserRecord>,
+    #[serde(default)]
+    histories: BTreeMap<String, Arc<ProgressHistory>>,
 }
 
 impl From<ClusterStateData> for ClusterState {
@@ -596,6 +602,7 @@ impl From<ClusterStateData> for ClusterState {
             request_ids: d.request_ids,
             workers: d.workers,
             users: d.users,
+            histories: d.histories,
             index: JobIndex::default(),
         };
         state.rebuild_index();

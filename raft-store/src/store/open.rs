@@ -55,9 +55,15 @@ pub fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError> {
     )?;
 
     let (changes, _) = watch::channel(0);
+    let snapshot_bytes = snap_tree
+        .get(KEY_SNAPSHOT)
+        .ok()
+        .flatten()
+        .map_or(0, |v| v.len() as u64);
     let shared = Arc::new(SharedState {
         data: RwLock::new(data),
         changes,
+        snapshot_bytes: snapshot_bytes.into(),
     });
     let flusher = Flusher::start().map_err(OpenError::Flusher)?;
     flusher.set_durable_end(

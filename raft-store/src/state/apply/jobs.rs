@@ -235,6 +235,7 @@ impl ClusterState {
         }
         for (job_id, request_id) in victims {
             self.jobs.remove(&job_id);
+            self.histories.remove(&job_id);
             self.request_ids.remove(&request_id);
             dirty.insert(DirtyKey::Job(job_id));
             dirty.insert(DirtyKey::RequestId(request_id));
@@ -458,6 +459,7 @@ impl ClusterState {
         }
         let request_id = job.request_id.clone();
         self.jobs.remove(job_id);
+        self.histories.remove(job_id);
         if self.request_ids.get(&request_id).map(String::as_str) == Some(job_id) {
             self.request_ids.remove(&request_id);
             dirty.insert(DirtyKey::RequestId(request_id));
