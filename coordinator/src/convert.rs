@@ -277,12 +277,16 @@ pub fn job_to_proto(
 }
 
 /// A job's summary at leader time `now_ms`: the record's facts, with the live progress
-/// of its current attempts (`progress`) while it runs, and else the latest the leader's
-/// `history` saw; the samples of that history when `with_history`.
+/// of its current attempts (`progress`) while it runs, and else the latest this leader
+/// saw (`latest`), else the newest sample of the replicated `history`; that history's
+/// samples when `with_history`.
 pub fn job_summary(
     job: &Job,
     progress: &HashMap<AttemptKey, ProgressSoft>,
-    history: Option<&crate::soft::JobHistory>,
+    (latest, history): (
+        Option<&crate::soft::JobHistory>,
+        Option<&cumulus_raft_store::state::ProgressHistory>,
+    ),
     now_ms: u64,
     with_history: bool,
 ) -> v1::JobSummary {
@@ -308,7 +312,20 @@ pub fn job_summary(
             .max()
             .unwrap_or(0),
     );
-    let seen = live.clone().or_else(|| history.map(|h| h.latest.clone()));
+    let sampled = || {
+        let h = history?;
+        let p = h.points.last()?;
+        Some(crate::soft::JobProgress {
+            step: p.step,
+            total_steps: p.total_steps,
+            steps_per_s: p.steps_per_s(),
+            metrics: h.metrics_of(p).map(|(k, v)| (k.to_string(), v)).collect(),
+        })
+    };
+    let seen = live
+        .clone()
+        .or_else(|| latest.map(|h| h.latest.clone()))
+        .or_else(sampled);
     let (step, total_steps) = match (&live, &seen) {
         (Some(p), _) => (p.step.max(recorded.0), p.total_steps.max(recorded.1)),
         // After the run, the exits' reports are the newest facts.
@@ -328,19 +345,14 @@ pub fn job_summary(
     });
     let history_samples = match (with_history, history) {
         (true, Some(h)) => h
-            .samples
+            .points
             .iter()
             .map(|x| v1::ProgressSample {
                 at_ms: x.at_ms,
                 step: x.step,
                 total_steps: x.total_steps,
-                steps_per_s: x.steps_per_s,
-                metrics: h
-                    .metric_names
-                    .iter()
-                    .zip(&x.metrics)
-                    .filter_map(|(k, v)| v.map(|v| (k.clone(), v)))
-                    .collect(),
+                steps_per_s: x.steps_per_s(),
+                metrics: h.metrics_of(x).map(|(k, v)| (k.to_string(), v)).collect(),
             })
             .collect(),
         _ => Vec::new(),
@@ -363,7 +375,7 @@ pub fn job_summary(
         submitted_at_ms: job.submitted_at_ms,
         finished_at_ms: job.finished_at_ms,
         history: history_samples,
-        live: live.is_some() || (!running && history.is_some()),
+        live: live.is_some() || (!running && latest.is_some()),
     }
 }
 

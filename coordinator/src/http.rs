@@ -61,7 +61,11 @@ pub fn router(node: Arc<Node>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/ready", get(ready))
+        // Its own check: the scrape token or any user (`crate::metrics`).
+        .route("/metrics", get(crate::metrics::scrape))
+        .route("/metrics/targets", get(crate::metrics::targets))
         .merge(protected)
+        .route_layer(axum::middleware::from_fn(crate::metrics::track_http))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(node)
 }

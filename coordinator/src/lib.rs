@@ -15,6 +15,7 @@ pub mod error;
 pub mod http;
 pub mod localfs;
 pub mod logs;
+pub mod metrics;
 pub mod network;
 pub mod node;
 pub mod proposer;
@@ -216,6 +217,11 @@ pub struct Config {
     /// or in the S3 bucket of `--blob-url`.
     #[command(flatten)]
     pub blobs: blobs::BlobArgs,
+    /// File holding the scrape token: it reads `GET /metrics` and nothing else (give it
+    /// to Prometheus instead of a user's token). Without it, `/metrics` takes a user's
+    /// token of any role, or the cluster token.
+    #[arg(long, env = "CUMULUS_METRICS_TOKEN_FILE")]
+    pub metrics_token_file: Option<PathBuf>,
 }
 
 impl Config {
@@ -273,6 +279,11 @@ pub async fn run(
         token,
         peer_token,
     } = load_credentials(&config)?;
+    metrics::init(
+        &config.data_dir,
+        config.metrics_token_file.as_deref(),
+        &[&*token, &*peer_token],
+    )?;
     if config.rejoin_empty {
         rejoin_empty(&config, &token, &tls).await?;
     }
@@ -324,6 +335,7 @@ pub async fn run(
         cancel.clone(),
     ));
     let control_task = tokio::spawn(control::run(node.clone(), cancel.clone()));
+    tokio::spawn(metrics::watch_leader(node.clone(), cancel.clone()));
     let blob_gc_task = tokio::spawn(blobs::gc::run(blobs, cancel.clone()));
     let snapshot_task = tokio::spawn(snapshots::run(
         raft.clone(),
@@ -648,6 +660,7 @@ fn spawn_grpc(
         .http2_keepalive_interval(Some(Duration::from_millis(network::KEEPALIVE_INTERVAL_MS)))
         .http2_keepalive_timeout(Some(Duration::from_millis(network::KEEPALIVE_TIMEOUT_MS)))
         .layer(cumulus_listen::TrackLayer)
+        .layer(metrics::GrpcTimingLayer)
         .add_service(tonic::service::interceptor::InterceptedService::new(
             RaftServiceServer::new(raft_service::RaftSvc::new(node.clone(), initial_members))
                 .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)

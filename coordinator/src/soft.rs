@@ -1,6 +1,7 @@
 //! The leader's soft state: what it learns from heartbeats and progress reports, kept in
 //! memory only and rebuilt after an election (docs/architecture.md, "The replicated
-//! state": not in the Raft log), and the leader's clock that stamps commands.
+//! state": not in the Raft log), and the leader's clock that stamps commands. Only the
+//! jobs' downsampled progress histories leave it, through `Command::RecordProgress`.
 
 use std::collections::HashMap;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -117,19 +118,12 @@ pub struct SoftState {
     /// When this node last started acting as leader: no attempt's startup clock runs
     /// from before it (a new leader has seen no first report yet).
     pub leader_since: Option<Instant>,
-    /// Progress history per job id (bounded: [`MAX_HISTORY_JOBS`]).
+    /// The newest progress per job id (bounded: [`MAX_HISTORY_JOBS`]).
     pub history: HashMap<String, JobHistory>,
 }
 
-/// Most samples one job's history holds: when full, every other sample is dropped and
-/// the job's interval doubles, so any run length fits.
-pub const MAX_HISTORY_SAMPLES: usize = 240;
-/// Interval between a job's first samples.
-pub const HISTORY_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
-/// Most metrics one sample keeps (the first by name).
-pub const MAX_SAMPLE_METRICS: usize = 16;
-/// Most jobs with a history (beyond it, those not running that were sampled longest
-/// ago are dropped first). With the limits above, at most ~32 MB of samples.
+/// Most jobs whose latest progress the leader keeps after they stop running (beyond
+/// it, those not running that were seen longest ago are dropped first).
 pub const MAX_HISTORY_JOBS: usize = 1_024;
 
 /// The job's progress at one moment: its slowest rank's step, total and rate, and the
@@ -183,82 +177,15 @@ pub fn job_progress<'a>(
     out
 }
 
-/// One sample of [`JobHistory`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct HistorySample {
-    /// Leader time, in ms since the Unix epoch.
-    pub at_ms: u64,
-    /// Step of the slowest rank.
-    pub step: u64,
-    /// Total steps (0: unknown).
-    pub total_steps: u64,
-    /// Steps per second (0: unknown).
-    pub steps_per_s: f64,
-    /// Values of [`JobHistory::metric_names`] (`None`: not reported then; a reported
-    /// NaN or infinity is kept).
-    pub metrics: Vec<Option<f64>>,
-}
-
-/// What the leader saw of a job's progress while it ran (soft state: lost on a leader
-/// change, never in Raft).
-#[derive(Clone, Debug, Default)]
+/// The newest progress the leader saw of a job while it ran (soft state: lost on a
+/// leader change). The samples over time are replicated: the state's
+/// `ProgressHistory`, fed by `Command::RecordProgress` (`control::observe`).
+#[derive(Clone, Debug)]
 pub struct JobHistory {
-    /// Samples, oldest first (at most [`MAX_HISTORY_SAMPLES`]).
-    pub samples: std::collections::VecDeque<HistorySample>,
-    /// Names of the sampled metrics (at most [`MAX_SAMPLE_METRICS`]), fixed by the
-    /// first sample that had metrics.
-    pub metric_names: Vec<String>,
     /// The newest progress seen (kept after the job stops running).
     pub latest: JobProgress,
-    /// When the last sample was taken.
-    pub sampled_at: Option<Instant>,
-    /// Current interval between samples (doubles when the samples fill).
-    pub interval: std::time::Duration,
-}
-
-impl JobHistory {
-    /// Records `progress` seen at `now` (leader time `at_ms`): always as the latest,
-    /// and as a sample when the interval has passed since the last one.
-    pub fn record(&mut self, now: Instant, at_ms: u64, progress: JobProgress) {
-        if self.interval.is_zero() {
-            self.interval = HISTORY_INTERVAL;
-        }
-        let due = self
-            .sampled_at
-            .is_none_or(|t| now.duration_since(t) >= self.interval);
-        if due {
-            if self.metric_names.is_empty() {
-                self.metric_names = progress
-                    .metrics
-                    .keys()
-                    .take(MAX_SAMPLE_METRICS)
-                    .cloned()
-                    .collect();
-            }
-            let metrics = self
-                .metric_names
-                .iter()
-                .map(|n| progress.metrics.get(n).copied())
-                .collect();
-            if self.samples.len() >= MAX_HISTORY_SAMPLES {
-                // Keep every other sample, the oldest first: half as many, twice as far
-                // apart (the sample added now is one new interval after the last kept).
-                let kept: std::collections::VecDeque<HistorySample> =
-                    self.samples.iter().step_by(2).cloned().collect();
-                self.samples = kept;
-                self.interval *= 2;
-            }
-            self.samples.push_back(HistorySample {
-                at_ms,
-                step: progress.step,
-                total_steps: progress.total_steps,
-                steps_per_s: progress.steps_per_s,
-                metrics,
-            });
-            self.sampled_at = Some(now);
-        }
-        self.latest = progress;
-    }
+    /// When it was seen.
+    pub seen_at: Instant,
 }
 
 /// Upper bound on soft progress entries (stale ones are pruned by the control loop).
@@ -267,44 +194,6 @@ pub const MAX_PROGRESS_ENTRIES: usize = 1_000_000;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
-
-    fn progress(step: u64) -> JobProgress {
-        JobProgress {
-            step,
-            total_steps: 1_000_000,
-            steps_per_s: 2.0,
-            metrics: [("loss".to_string(), 1.0 / (step + 1) as f64)].into(),
-        }
-    }
-
-    #[test]
-    fn a_history_stays_bounded_and_thins_out_evenly_over_any_run_length() {
-        let mut h = JobHistory::default();
-        let start = Instant::now();
-        // 10,000 records one second apart: 2.8 hours.
-        for i in 0..10_000u64 {
-            h.record(start + Duration::from_secs(i), i * 1000, progress(i));
-            assert!(h.samples.len() <= MAX_HISTORY_SAMPLES);
-        }
-        assert_eq!(h.latest.step, 9_999);
-        let first = h.samples.front().expect("samples");
-        let last = h.samples.back().expect("samples");
-        assert_eq!(first.step, 0, "the first sample is kept");
-        assert!(last.step >= 9_999 - h.interval.as_secs(), "{}", last.step);
-        assert!(h.samples.len() >= MAX_HISTORY_SAMPLES / 2);
-        // Evenly spaced: every gap is the same, but for the newest ones.
-        let gaps: Vec<u64> = h
-            .samples
-            .iter()
-            .zip(h.samples.iter().skip(1))
-            .map(|(a, b)| b.at_ms - a.at_ms)
-            .collect();
-        let widest = *gaps.iter().max().expect("gaps");
-        assert!(widest <= h.interval.as_millis() as u64, "{gaps:?}");
-        assert_eq!(h.metric_names, vec!["loss".to_string()]);
-        assert!(h.samples.iter().all(|s| s.metrics.len() == 1));
-    }
 
     #[test]
     fn eta_is_the_steps_left_at_the_rate() {

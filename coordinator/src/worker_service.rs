@@ -240,6 +240,7 @@ impl WorkerService for WorkerSvc {
         if !registered {
             return Ok(Response::new(desired_reply(&self.node, &r.worker_id).0));
         }
+        crate::metrics::metrics().heartbeats.inc();
         {
             let at = Instant::now();
             let mut soft = self.node.soft();
@@ -429,11 +430,13 @@ impl WorkerService for WorkerSvc {
         &self,
         req: Request<v1::CommitCheckpointPartRequest>,
     ) -> Result<Response<v1::Ack>, Status> {
+        let started = Instant::now();
         let certified = certified_worker(&req);
         let r = req.into_inner();
         check_worker(self.node.tls, certified, &r.worker_id)?;
         check_job_id(&r.job_id)?;
         let files: Vec<FileEntry> = r.files.into_iter().map(FileEntry::from).collect();
+        let part_bytes: u64 = files.iter().map(|f| f.size_bytes).sum();
         // The part's paths, digests, directory and state are checked here, before a byte
         // of it reaches the log; `apply` checks its step and attempt against the job.
         let record = cumulus_ckpt::PartRecord::from_reported(
@@ -473,6 +476,10 @@ impl WorkerService for WorkerSvc {
             })
             .await
             .map_err(to_status)?;
+        let m = crate::metrics::metrics();
+        m.part_commit_seconds
+            .observe(started.elapsed().as_secs_f64());
+        m.part_bytes.inc_by(part_bytes);
         Ok(Response::new(v1::Ack {}))
     }
 

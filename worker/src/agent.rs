@@ -205,6 +205,7 @@ impl ControlLoop {
                     ..resources.sample()
                 }),
             };
+            crate::metrics::metrics().record_heartbeat(&request);
             let call = self
                 .client
                 .call("Heartbeat", policy, &request, |mut c, r| async move {
@@ -214,6 +215,7 @@ impl ControlLoop {
                 r = call => r,
                 _ = cancel.cancelled() => return false,
             };
+            crate::metrics::metrics().heartbeat_result(result.is_ok());
             match result {
                 Ok(reply) if !reply.registered => {
                     tracing::warn!(

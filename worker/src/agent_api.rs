@@ -2,6 +2,8 @@
 //! API").
 //!
 //! - `GET /health` → 200 `{"status":"ok","worker_id":..}` (no token needed).
+//! - `GET /metrics` (the scrape token of `--metrics-token-file`, or the cluster token)
+//!   → the agent's metrics in the Prometheus text format ([`crate::metrics`]).
 //! - `GET /v1/logs/{job_id}/{rank}/{attempt}?offset=N&max_bytes=M` (cluster token) → 200
 //!   with bytes `[N, N+k)` of the attempt's log (see [`crate::logs::read_log`]) and the
 //!   headers `x-cumulus-log-size`, `x-cumulus-log-offset` and `x-cumulus-log-complete`.
@@ -46,12 +48,15 @@ pub struct AgentApiState {
     pub token: Arc<str>,
     /// This agent's worker id (shown by `/health`).
     pub worker_id: Arc<str>,
+    /// The scrape token (`--metrics-token-file`): `/metrics` only.
+    pub metrics_token: Option<Arc<str>>,
 }
 
 /// The router of the agent API, with its concurrency limit.
 pub fn router(state: AgentApiState) -> Router {
     Router::new()
         .route("/health", get(health))
+        .route("/metrics", get(crate::metrics::scrape))
         .route("/v1/logs/{job_id}/{rank}/{attempt}", get(read_log))
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(
@@ -159,6 +164,7 @@ mod tests {
             data_dir: Arc::new(data.clone()),
             token: Arc::from("cluster-secret"),
             worker_id: Arc::from("w-1"),
+            metrics_token: Some(Arc::from("scrape-secret")),
         });
         tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
         Server {
@@ -199,6 +205,32 @@ mod tests {
         assert_eq!(r.status(), 200);
         let body: serde_json::Value = r.json().await.expect("json");
         assert_eq!(body["worker_id"], "w-1");
+    }
+
+    #[tokio::test]
+    async fn metrics_take_the_scrape_or_the_cluster_token_and_nothing_else() {
+        let s = server().await;
+        let url = format!("{}/metrics", s.base);
+        for token in [None, Some("wrong"), Some("cu.someone.secret")] {
+            let mut req = s.http.get(&url);
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            assert_eq!(req.send().await.expect("send").status(), 401, "{token:?}");
+        }
+        crate::metrics::metrics().dataset_fetch(false, 7);
+        for token in ["scrape-secret", "cluster-secret"] {
+            let r = s.http.get(&url).bearer_auth(token).send().await.expect("send");
+            assert_eq!(r.status(), 200);
+            let kind = header(&r, "content-type").to_string();
+            assert!(kind.starts_with("text/plain; version=0.0.4"), "{kind}");
+            let text = r.text().await.expect("body");
+            assert!(text.contains("# TYPE cumulus_agent_live_ranks gauge"), "{text}");
+            assert!(
+                text.contains("cumulus_agent_dataset_cache_requests_total{result=\"miss\"}"),
+                "{text}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -32,6 +32,7 @@ pub mod gpus;
 pub mod http;
 pub mod identity;
 pub mod logs;
+pub mod metrics;
 pub mod orphans;
 pub mod rank_api;
 pub mod reconcile;
@@ -240,6 +241,11 @@ pub struct Config {
           default_value_t = cumulus_api::blobs::DEFAULT_MAX_ARTIFACT_BYTES,
           value_parser = clap::value_parser!(u64).range(1..=cumulus_api::blobs::MAX_BLOB_BYTES))]
     pub max_artifact_bytes: u64,
+    /// File holding the scrape token: it reads the agent API's `GET /metrics` and
+    /// nothing else (give it to Prometheus rather than the cluster token, which
+    /// `/metrics` also takes). Different from the cluster token.
+    #[arg(long, env = "CUMULUS_METRICS_TOKEN_FILE")]
+    pub metrics_token_file: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Config {
@@ -318,6 +324,9 @@ fn rank_identity(config: &Config) -> anyhow::Result<identity::RankIdentity> {
     if let Some(path) = &config.tls.tls_key {
         secrets.push(("TLS key", path));
     }
+    if let Some(path) = &config.metrics_token_file {
+        secrets.push(("metrics token file", path));
+    }
     identity.check_files(&config.data_dir, &secrets)?;
     match &identity.run_as {
         identity::RunAs::Agent => {
@@ -350,6 +359,8 @@ fn rank_identity(config: &Config) -> anyhow::Result<identity::RankIdentity> {
 struct Resolved {
     worker_id: String,
     token: String,
+    /// The scrape token of `--metrics-token-file`.
+    metrics_token: Option<String>,
 }
 
 impl Config {
@@ -371,6 +382,21 @@ impl Config {
             (None, None) => bail!("no cluster token: give --token-file or set CUMULUS_TOKEN"),
         };
         cumulus_api::token::check(&token).context("the cluster token")?;
+        let metrics_token = match &self.metrics_token_file {
+            Some(path) => {
+                let t = read_token_file(path)?;
+                cumulus_api::token::check(&t).context("the metrics token")?;
+                if t == token {
+                    bail!(
+                        "the metrics token ({}) must differ from the cluster token: a \
+                         scraper should hold nothing else",
+                        path.display()
+                    );
+                }
+                Some(t)
+            }
+            None => None,
+        };
         if !self.rank_api_listen.ip().is_loopback() {
             bail!(
                 "--rank-api-listen {} is not a loopback address: the rank-local API must \
@@ -385,7 +411,11 @@ impl Config {
         if self.coordinators.iter().all(|c| c.trim().is_empty()) {
             bail!("--coordinators is empty");
         }
-        Ok(Resolved { worker_id, token })
+        Ok(Resolved {
+            worker_id,
+            token,
+            metrics_token,
+        })
     }
 }
 
@@ -856,6 +886,7 @@ fn start_servers(
         data_dir: Arc::new(config.data_dir.clone()),
         token: Arc::from(resolved.token.as_str()),
         worker_id: Arc::from(resolved.worker_id.as_str()),
+        metrics_token: resolved.metrics_token.as_deref().map(Arc::from),
     });
     let stop = servers_cancel.clone();
     servers.spawn(async move {

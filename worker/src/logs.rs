@@ -468,6 +468,9 @@ impl LogWriter {
         if !self.pending.is_empty() {
             self.mark_time().await;
             self.file.write_all(&self.pending).await?;
+            crate::metrics::metrics()
+                .log_bytes
+                .inc_by(self.pending.len() as u64);
             self.pending.clear();
         }
         self.file.flush().await

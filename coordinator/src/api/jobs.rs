@@ -40,14 +40,19 @@ pub async fn get_job(
 
 pub use cumulus_api::limits::{DEFAULT_SUMMARIES, MAX_SUMMARIES};
 
-/// One job's summary with its progress history (the leader's soft state: ask the
-/// leader for live figures).
+/// One job's summary with its progress history (replicated: any coordinator serves the
+/// samples; the live figures come from the leader's soft state, so ask the leader for
+/// those).
 ///
 /// # Errors
 /// `NotFound` for an unknown id.
 pub fn job_summary(node: &Node, job_id: &str) -> Result<v1::JobSummary, ApiError> {
-    let job = node
-        .read_state(|s| s.jobs.get(job_id).cloned())
+    let (job, history) = node
+        .read_state(|s| {
+            s.jobs
+                .get(job_id)
+                .map(|j| (j.clone(), s.histories.get(job_id).cloned()))
+        })
         .ok_or_else(|| {
             ApiError::NotFound(format!(
                 "no job {job_id:?} (list jobs with `cumulusctl list`)"
@@ -57,7 +62,7 @@ pub fn job_summary(node: &Node, job_id: &str) -> Result<v1::JobSummary, ApiError
     Ok(crate::convert::job_summary(
         &job,
         &soft.progress,
-        soft.history.get(job_id),
+        (soft.history.get(job_id), history.as_deref()),
         now_ms(),
         true,
     ))
@@ -95,15 +100,21 @@ pub fn job_summaries(
             .rev()
             .filter(|j| state.is_none_or(|st| j.state == st))
             .take(limit)
-            .cloned()
+            .map(|j| (j.clone(), s.histories.get(&j.id).cloned()))
             .collect()
     });
     let soft = node.soft();
     let now = now_ms();
     let summaries = jobs
         .iter()
-        .map(|j| {
-            crate::convert::job_summary(j, &soft.progress, soft.history.get(&j.id), now, false)
+        .map(|(j, h)| {
+            crate::convert::job_summary(
+                j,
+                &soft.progress,
+                (soft.history.get(&j.id), h.as_deref()),
+                now,
+                false,
+            )
         })
         .collect();
     Ok(v1::ListJobSummariesResponse { summaries })

@@ -129,6 +129,7 @@ impl FinalizeError {
 /// Verifies every part of `step`, writes its manifest, commits the step in Raft, then
 /// writes LATEST and prunes to the kept steps.
 pub(super) async fn finalize(node: &Node, job_id: &str, step: u64) -> Result<(), FinalizeError> {
+    let started = std::time::Instant::now();
     let Some((spec, world_size, parts)) = node.read_state(|s| {
         s.jobs.get(job_id).and_then(|j| {
             j.pending_parts.get(&step).map(|p| {
@@ -185,6 +186,17 @@ pub(super) async fn finalize(node: &Node, job_id: &str, step: u64) -> Result<(),
     {
         return Err(FinalizeError::Rejected(reason));
     }
+    let m = crate::metrics::metrics();
+    m.step_commit_seconds
+        .observe(started.elapsed().as_secs_f64());
+    m.step_bytes.inc_by(
+        manifest
+            .parts
+            .iter()
+            .flat_map(|p| &p.files)
+            .map(|f| f.size_bytes)
+            .sum(),
+    );
     store.write_latest(job_id, step).await?;
     let keep: Vec<u64> = node.read_state(|s| {
         s.jobs

@@ -73,6 +73,7 @@ pub(super) fn execute(
                 let node = task_node;
                 let resume_step = choose_resume_step(&node, &task_job).await;
                 info!(job = %task_job, delay_ms, ?resume_step, %cause, "scheduling restart");
+                let label = crate::metrics::restart_cause(&cause, agent_fault);
                 let cmd = Command::ScheduleRestart {
                     job_id: task_job,
                     placements,
@@ -83,7 +84,10 @@ pub(super) fn execute(
                     resume_step,
                     agent_fault,
                 };
-                commit_planned(&node, cmd, &describe).await;
+                if commit_planned(&node, cmd, &describe).await {
+                    let cause = crate::metrics::CauseLabel { cause: label };
+                    crate::metrics::metrics().restarts.get_or_create(&cause).inc();
+                }
                 IoOutcome::Done
             });
             return None;
@@ -223,13 +227,17 @@ fn spawn_finalize(node: &Arc<Node>, memory: &mut LoopMemory, job_id: String, ste
 }
 
 /// Commits the command of a planned action; a rejection (the state moved on) or a lost
-/// leadership is logged, and the next pass plans again.
-pub(super) async fn commit_planned(node: &Node, cmd: Command, describe: &str) {
+/// leadership is logged, and the next pass plans again. True when it was applied.
+pub(super) async fn commit_planned(node: &Node, cmd: Command, describe: &str) -> bool {
     match node.propose(cmd).await {
         Ok(cumulus_raft_store::Response::Rejected { reason }) => {
-            tracing::debug!(action = %describe, %reason, "planned action rejected (state moved on)")
+            tracing::debug!(action = %describe, %reason, "planned action rejected (state moved on)");
+            false
         }
-        Ok(_) => {}
-        Err(e) => warn!(action = %describe, error = %e, "could not commit planned action"),
+        Ok(_) => true,
+        Err(e) => {
+            warn!(action = %describe, error = %e, "could not commit planned action");
+            false
+        }
     }
 }

@@ -64,6 +64,8 @@ struct LoopMemory {
     last_progress_prune: Option<Instant>,
     /// Last pass of [`record_history`].
     last_history: Option<Instant>,
+    /// Last pass of [`record_history`] that sampled the running jobs.
+    last_history_sample: Option<Instant>,
     /// Checkpoint I/O runs in these tasks, off the loop, so that a slow disk or an S3
     /// outage (retried up to the store's retry deadline) never delays failure detection,
     /// placement or the other jobs. Each yields its job and what to remember.
@@ -177,7 +179,12 @@ pub async fn run(node: Arc<Node>, cancel: CancellationToken) {
         }
         ensure_latest(&node, &mut memory);
         mirror_to_l2(&node, &mut memory);
-        record_history(&node, &mut memory);
+        if let Some(cmd) = record_history(&node, &mut memory)
+            && !cancel.is_cancelled()
+            && node.is_leader()
+        {
+            commit_planned(&node, cmd, "RecordProgress").await;
+        }
         prune_progress(&node, &mut memory);
     }
 }

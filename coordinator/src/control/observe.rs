@@ -195,21 +195,40 @@ pub(super) fn prune_progress(node: &Node, memory: &mut LoopMemory) {
 
 /// Least time between two passes of [`record_history`].
 const HISTORY_PASS_INTERVAL: Duration = Duration::from_secs(1);
+/// Least time between two samplings of the running jobs: at most one `RecordProgress`
+/// entry per interval reaches the Raft log.
+const SAMPLE_PASS_INTERVAL: Duration =
+    Duration::from_millis(cumulus_raft_store::state::HISTORY_INTERVAL_MS);
 
-/// Records the progress of every running job in its soft history (at most once a
-/// second), and drops the histories beyond [`crate::soft::MAX_HISTORY_JOBS`]: those of
-/// jobs no longer known first, then of jobs not running, least recently sampled first.
-pub(super) fn record_history(node: &Node, memory: &mut LoopMemory) {
+/// Records the progress of every running job as its latest (soft; at most once per
+/// [`HISTORY_PASS_INTERVAL`]), and returns the [`Command::RecordProgress`] with a sample
+/// of each running job whose replicated history is due one (`None`: nothing to commit):
+/// a job's first sample on the first pass that sees its progress, the others on a
+/// sampling pass (at most one per [`SAMPLE_PASS_INTERVAL`]). Drops the soft latest progress
+/// beyond [`crate::soft::MAX_HISTORY_JOBS`]: of jobs not running, least recently seen
+/// first.
+pub(super) fn record_history(
+    node: &Node,
+    memory: &mut LoopMemory,
+) -> Option<cumulus_raft_store::Command> {
+    use cumulus_raft_store::state::{MAX_HISTORY_JOBS, MAX_HISTORY_METRICS, ProgressSampleIn};
     if memory
         .last_history
         .is_some_and(|t| t.elapsed() < HISTORY_PASS_INTERVAL)
     {
-        return;
+        return None;
     }
     let now = Instant::now();
     memory.last_history = Some(now);
+    let sampling = memory
+        .last_history_sample
+        .is_none_or(|t| now.duration_since(t) >= SAMPLE_PASS_INTERVAL);
+    if sampling {
+        memory.last_history_sample = Some(now);
+    }
     let at_ms = crate::soft::now_ms();
-    let running: Vec<(String, Vec<AttemptKey>)> = node.read_state(|s| {
+    // Running jobs, with whether their replicated history is due a sample.
+    let running: Vec<(String, Vec<AttemptKey>, bool)> = node.read_state(|s| {
         s.job_index()
             .running
             .iter()
@@ -221,18 +240,45 @@ pub(super) fn record_history(node: &Node, memory: &mut LoopMemory) {
                         .iter()
                         .map(|r| AttemptKey::new(j.id.clone(), r.rank, r.attempt))
                         .collect(),
+                    // A job's first sample at once (a chart is never empty for
+                    // long); the others on the sampling passes, when due.
+                    s.histories.get(&j.id).is_none_or(|h| {
+                        h.points.is_empty() || (sampling && h.due(at_ms))
+                    }),
                 )
             })
             .collect()
     });
+    let mut samples = Vec::new();
     let mut soft = node.soft();
     let soft = &mut *soft;
-    for (job_id, attempts) in &running {
+    for (job_id, attempts, due) in &running {
         if let Some(p) = crate::soft::job_progress(attempts, &soft.progress) {
-            soft.history
-                .entry(job_id.clone())
-                .or_default()
-                .record(now, at_ms, p);
+            // An attempt is in the soft state once its worker reports it running; a
+            // sample waits for its first report (a step or a metric).
+            let reported = p.step > 0 || !p.metrics.is_empty();
+            if *due && reported && samples.len() < MAX_HISTORY_JOBS {
+                samples.push(ProgressSampleIn {
+                    job_id: job_id.clone(),
+                    at_ms,
+                    step: p.step,
+                    total_steps: p.total_steps,
+                    steps_per_s_bits: p.steps_per_s.to_bits(),
+                    metrics: p
+                        .metrics
+                        .iter()
+                        .take(MAX_HISTORY_METRICS)
+                        .map(|(k, v)| (k.clone(), v.to_bits()))
+                        .collect(),
+                });
+            }
+            soft.history.insert(
+                job_id.clone(),
+                crate::soft::JobHistory {
+                    latest: p,
+                    seen_at: now,
+                },
+            );
         }
     }
     let excess = soft
@@ -240,16 +286,17 @@ pub(super) fn record_history(node: &Node, memory: &mut LoopMemory) {
         .len()
         .saturating_sub(crate::soft::MAX_HISTORY_JOBS);
     if excess > 0 {
-        let running: HashSet<&String> = running.iter().map(|(id, _)| id).collect();
-        let mut idle: Vec<(Option<Instant>, String)> = soft
+        let running: HashSet<&String> = running.iter().map(|(id, _, _)| id).collect();
+        let mut idle: Vec<(Instant, String)> = soft
             .history
             .iter()
             .filter(|(id, _)| !running.contains(id))
-            .map(|(id, h)| (h.sampled_at, id.clone()))
+            .map(|(id, h)| (h.seen_at, id.clone()))
             .collect();
         idle.sort();
         for (_, id) in idle.into_iter().take(excess) {
             soft.history.remove(&id);
         }
     }
+    (!samples.is_empty()).then_some(cumulus_raft_store::Command::RecordProgress { samples })
 }

@@ -19,6 +19,7 @@ impl Supervisor {
         step: u64,
         state: serde_json::Value,
     ) -> Result<String, CommitError> {
+        let started = std::time::Instant::now();
         let (key, lock) = self.commit_target(token)?;
         let mut unacked = lock.lock().await;
         // Re-check after waiting: the attempt may have been stopped meanwhile.
@@ -71,6 +72,11 @@ impl Supervisor {
         match result {
             Ok(_) => {
                 tracing::info!(attempt = %key, step, dir = %part.dir, "checkpoint part acknowledged");
+                let m = crate::metrics::metrics();
+                m.checkpoint_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                m.checkpoint_bytes
+                    .inc_by(part.files.iter().map(|f| f.size_bytes).sum());
                 Ok(part.dir)
             }
             Err(e) if e.is_stale() => Err(CommitError::Stale(e.to_string())),

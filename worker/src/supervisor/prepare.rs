@@ -313,6 +313,7 @@ impl Supervisor {
             Some(entry) => entry.shard_pins.push(pin),
             None => return Err(PrepareError::Ended(key.clone())),
         }
+        crate::metrics::metrics().dataset_fetch(fetched.hit, fetched.size_bytes);
         if fetched.hit {
             tracing::info!(attempt = %key, shard = url, "dataset cache hit");
         } else {
