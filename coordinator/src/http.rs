@@ -1,8 +1,9 @@
-//! The coordinator's HTTP API (axum): `/health`, `/ready` ([`crate::ready`]), the JSON
-//! mirror of the client API under `/v1/jobs…` and `/v1/users…`, the blob store under
+//! The coordinator's HTTP API (axum): `/health`, `/ready` ([`crate::ready`]), `/metrics`
+//! ([`crate::metrics`]), the dashboard under `/ui` ([`crate::ui`]), the JSON mirror of the
+//! client API under `/v1/jobs…` and `/v1/users…`, the blob store under
 //! `/v1/blobs/{digest}` (`HEAD`, streamed `PUT` and `GET`), and the SSE log stream (see
-//! [`crate::logs`]). Everything but `/health` and `/ready` requires a bearer token: the
-//! cluster token or a user's (`crate::auth::authenticate`); what each role may do is
+//! [`crate::logs`]). Everything but `/health`, `/ready` and `/ui` requires a bearer token:
+//! the cluster token or a user's (`crate::auth::authenticate`); what each role may do is
 //! checked in `crate::api`.
 
 use openraft::async_runtime::watch::WatchReceiver;
@@ -54,6 +55,11 @@ pub fn router(node: Arc<Node>) -> Router {
                     usize::try_from(node.blobs.store.max_blob_bytes()).unwrap_or(usize::MAX),
                 )),
         )
+        // Inner to the token check: only an authenticated request is forwarded.
+        .layer(axum::middleware::from_fn_with_state(
+            node.clone(),
+            crate::ui::forward_to_leader,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             node.clone(),
             require_token,
@@ -64,6 +70,7 @@ pub fn router(node: Arc<Node>) -> Router {
         // Its own check: the scrape token or any user (`crate::metrics`).
         .route("/metrics", get(crate::metrics::scrape))
         .route("/metrics/targets", get(crate::metrics::targets))
+        .merge(crate::ui::routes())
         .merge(protected)
         .route_layer(axum::middleware::from_fn(crate::metrics::track_http))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -26,6 +26,7 @@ pub mod shares;
 pub mod snapshots;
 pub mod soft;
 pub mod terms;
+pub mod ui;
 pub mod worker_service;
 
 use std::collections::BTreeMap;
