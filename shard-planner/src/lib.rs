@@ -14,9 +14,14 @@
 //!   (ranks on one machine talk over NVLink), consecutive ranks together.
 //! - [`local_ranks`]: for a placement, each rank's `LOCAL_RANK` and `LOCAL_WORLD_SIZE` (the
 //!   torchrun contract).
+//! - [`repartition`] ([`elastic`]): when an elastic job changes its world size, the records
+//!   its ranks had not consumed at the committed step, dealt over the new ranks exactly once.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+
+pub mod elastic;
+pub use elastic::{DataPlan, DataPosition, Segment, repartition};
 
 /// Error for invalid planning input. Callers branch on the variant; the payload names the
 /// offending value.
@@ -46,6 +51,20 @@ pub enum PlanError {
     /// The same GPU UUID appears twice among the workers' GPUs.
     #[error("duplicate GPU {0:?}")]
     DuplicateGpu(String),
+    /// [`repartition`] got a number of positions other than the old plan's world size.
+    #[error("{found} data positions for a plan of {expected} ranks")]
+    PositionCount {
+        /// The old plan's world size.
+        expected: u32,
+        /// Positions given.
+        found: usize,
+    },
+    /// A rank's data position lies past the segments of its epoch.
+    #[error("the data position of rank {rank} lies past its segments")]
+    PositionOutOfRange {
+        /// The rank.
+        rank: u32,
+    },
     /// The ranks given to [`place_ranks`] were not strictly ascending.
     #[error("ranks must be strictly ascending, but {next} follows {previous}")]
     RanksNotAscending {
