@@ -208,6 +208,21 @@ fn job_spec_limit_constants() -> Vec<Constant> {
         ),
         constant!(
             int,
+            limits::MAX_WARM_SPARES,
+            "Most warm spares a job may ask each of its workers to keep."
+        ),
+        constant!(
+            int,
+            limits::MAX_WARM_IMPORTS,
+            "Most modules a job's warm spares may import before an assignment."
+        ),
+        constant!(
+            int,
+            limits::MAX_WARM_IMPORT_BYTES,
+            "Longest module name in warm_imports, in bytes."
+        ),
+        constant!(
+            int,
             gpus::WHOLE_GPU_PERMILLE,
             "Thousandths of a GPU in one whole GPU."
         ),

@@ -30,6 +30,7 @@
 //! - [`token`]: what a bearer token must look like.
 //! - [`users`]: users' tokens (`cu.<name>.<secret>`), their names and stored hashes.
 //! - [`text`]: user-supplied text on a terminal (printable names, escaped output).
+//! - [`warm`]: what a job may ask of warm spares (`warm_spares`, `warm_imports`).
 //! - [`leader`]: how a follower names the leader to a client (the metadata and header);
 //!   the client that follows it is the `cumulus-client` crate.
 //!
@@ -58,6 +59,7 @@ pub mod states;
 pub mod text;
 pub mod token;
 pub mod users;
+pub mod warm;
 pub mod warnings;
 
 pub use attempt::{AttemptKey, is_job_id};

@@ -67,3 +67,12 @@ pub const MAX_STARTUP_TIMEOUT_MS: u64 = 7 * 86_400_000;
 pub const MAX_SUMMARIES: usize = 10_000;
 /// Summaries a `ListJobSummaries` without a limit answers.
 pub const DEFAULT_SUMMARIES: usize = 1_000;
+/// Most warm spares a job may ask each of its workers to keep (`warm_spares`): idle
+/// interpreters with the job's environment and imports, each taking a replacement rank's
+/// place instead of a fresh process ([`crate::warm`]).
+pub const MAX_WARM_SPARES: u32 = 8;
+/// Most modules a job may name for its warm spares to import before an assignment
+/// (`warm_imports`).
+pub const MAX_WARM_IMPORTS: usize = 32;
+/// Longest module name in `warm_imports`, in bytes.
+pub const MAX_WARM_IMPORT_BYTES: usize = 128;

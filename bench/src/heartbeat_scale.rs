@@ -334,6 +334,7 @@ async fn simulated_worker(
         memory_used_bytes: 1 << 30,
         memory_total_bytes: 8 << 30,
         gpus: Vec::new(),
+        warm_spares: Vec::new(),
     };
     while stop.load(Ordering::Relaxed) == 0 {
         tick.tick().await;

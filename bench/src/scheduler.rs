@@ -303,6 +303,7 @@ async fn simulated_agent(
         memory_used_bytes: 1 << 30,
         memory_total_bytes: 8 << 30,
         gpus: Vec::new(),
+        warm_spares: Vec::new(),
     };
     while !counters.stop.load(Ordering::Relaxed) {
         let desired = if last_heartbeat.elapsed() >= Duration::from_secs(1) {

@@ -298,6 +298,8 @@ impl Template {
             preemptible: false,
             workdir: None,
             environment: None,
+            warm_spares: 0,
+            warm_imports: Vec::new(),
         };
         let placeholder = "#".repeat(REQUEST_ID_LEN);
         let request = v1::SubmitJobRequest {

@@ -416,6 +416,17 @@ pub struct JobOpts {
     /// A rank whose reported step does not advance for this many seconds after its
     /// first progress report is declared hung and restarted (0 or absent: off). Pick
     /// a few times the longest gap between two reports (a checkpoint, an evaluation).
+    /// Idle interpreters each worker keeps for this job (0..=8, default 0: none), started
+    /// in the job's environment with --warm-imports done, holding no slot and no GPU: a
+    /// replacement rank takes one instead of starting Python and importing again. Needs a
+    /// command `python SCRIPT ...` or `python -m MODULE ...`.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=cumulus_api::limits::MAX_WARM_SPARES as i64))]
+    pub warm_spares: Option<u32>,
+    /// Modules the warm spares import before they get a rank, comma-separated (e.g.
+    /// torch,numpy). None may touch a GPU on import (a spare whose imports initialize
+    /// CUDA exits unused).
+    #[arg(long, value_name = "MODULES", value_delimiter = ',')]
+    pub warm_imports: Vec<String>,
     #[arg(long)]
     pub progress_timeout_s: Option<u64>,
     /// Seconds from a rank's process start to its first progress report (imports, data

@@ -162,6 +162,8 @@ pub fn build_request(
     Ok(SubmitJobRequest {
         allow_pending: args.allow_pending,
         request_id,
+        warm_spares: args.warm_spares.unwrap_or(0),
+        warm_imports: args.warm_imports.clone(),
         spec: Some(spec),
     })
 }
@@ -170,6 +172,8 @@ pub fn build_request(
 /// (`None` when none is given), checked against the contract's limits
 /// ([`cumulus_api::blobs`]) before anything is sent.
 ///
+    cumulus_api::warm::check(spec.warm_spares, &spec.warm_imports, &spec.command)
+        .map_err(|why| anyhow::anyhow!("{why} (--warm-spares, --warm-imports)"))?;
 /// # Errors
 /// Index options without packages, an unreadable or oversized requirements file, a
 /// package that is not one requirement, too many or malformed index options.

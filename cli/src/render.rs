@@ -1027,3 +1027,32 @@ pub fn users_table(resp: &cumulus_api::ListUsersResponse, now_ms: u64) -> String
 
 #[cfg(test)]
 mod tests;
+    let spares = spares_table(resp);
+    if !spares.is_empty() {
+        out.push('\n');
+        out.push_str(&spares);
+    }
+/// The warm spares the workers keep, one row each ("" when none): the job it waits
+/// for, its pid (which a rank attempt that takes it keeps) and its age, from the
+/// workers' last heartbeats (known on the leader).
+pub fn spares_table(resp: &ClusterStatusResponse) -> String {
+    if resp.workers.iter().all(|w| w.warm_spares.is_empty()) {
+        return String::new();
+    }
+    let mut t = table(&["WORKER", "WARM SPARE PID", "JOB", "AGE"]);
+    for wk in &resp.workers {
+        for s in &wk.warm_spares {
+            add_row(
+                &mut t,
+                vec![
+                    wk.worker_id.clone(),
+                    s.pid.to_string(),
+                    s.job_id.clone(),
+                    format!("{:.1} s", s.age_ms as f64 / 1000.0),
+                ],
+            );
+        }
+    }
+    table_text(&t)
+}
+

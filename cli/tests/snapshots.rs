@@ -9,7 +9,7 @@ use std::process::Command;
 
 use cumulus_api::{
     ClusterStatusResponse, GpuDevice, GpuInfo, GpuStatus, Job, JobResponse, JobSpec,
-    ListJobsResponse, Member, RankStatus, RestartPolicy, RestartRecord, WorkerInfo,
+    ListJobsResponse, Member, RankStatus, RestartPolicy, RestartRecord, WarmSpare, WorkerInfo,
 };
 use cumulusctl::render;
 
@@ -191,6 +191,11 @@ fn tables() {
         "cluster-status",
         &render::cluster_status(&ClusterStatusResponse {
             node_id: 1,
+        warm_spares: vec![WarmSpare {
+            job_id: "job-000007".into(),
+            pid: 4242,
+            age_ms: 12_300,
+        }],
             leader_id: Some(1),
             term: 4,
             commit_index: Some(1234),

@@ -80,6 +80,8 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
     spec.validate(max_world_size)
         .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
     Ok(spec)
+        warm_spares: p.warm_spares,
+        warm_imports: p.warm_imports.clone(),
 }
 
 /// The request form of a stored spec (used in job views).
@@ -159,6 +161,8 @@ fn environment_to_proto(e: &Environment) -> v1::EnvironmentSpec {
         python: e.python.clone(),
         index_url: e.index_url.clone(),
         find_links: e.find_links.clone(),
+        warm_spares: s.warm_spares,
+        warm_imports: s.warm_imports.clone(),
         no_index: e.no_index,
     }
 }
@@ -573,3 +577,6 @@ pub fn next_backoff_end_ms(state: &ClusterState, worker_id: &str, now_ms: u64) -
         })
         .min()
 }
+        warm_spares: job.spec.warm_spares,
+        warm_imports: job.spec.warm_imports.clone(),
+                warm_spares: res.warm_spares,

@@ -9,7 +9,7 @@ use cumulus_api::v1;
 use cumulus_api::v1::worker_service_server::WorkerService;
 use cumulus_api::{AttemptKey, FileEntry};
 use cumulus_raft_store::Command;
-use cumulus_raft_store::state::{PartInfo, WorkerState};
+use cumulus_raft_store::state::{JobState, PartInfo, WorkerState};
 use tonic::{Request, Response, Status};
 
 use crate::blobs;
@@ -20,6 +20,10 @@ use crate::soft::{ProgressSoft, WorkerSoft, now_ms};
 
 /// Most observed ranks accepted in one heartbeat.
 pub const MAX_OBSERVED_PER_HEARTBEAT: usize = 4_096;
+/// Most warm spares one heartbeat may list (an agent keeps at most
+/// `cumulus_api::limits::MAX_WARM_SPARES` per job; the list is soft state, shown in the
+/// cluster status).
+pub const MAX_WARM_SPARES_PER_HEARTBEAT: usize = 1_024;
 /// Longest `WatchDesired` long poll, in milliseconds.
 pub const MAX_WATCH_MS: u64 = 30_000;
 
@@ -45,9 +49,26 @@ fn desired_reply(node: &Node, worker_id: &str) -> (v1::HeartbeatResponse, Option
         } else {
             None
         };
+        let mut spare_jobs: Vec<String> = if registered {
+            d.state
+                .job_index()
+                .placed_on(worker_id)
+                .filter(|(job_id, _)| {
+                    d.state.jobs.get(job_id).is_some_and(|j| {
+                        j.state == JobState::Running && j.spec.warm_spares > 0
+                    })
+                })
+                .map(|(job_id, _)| job_id.clone())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        spare_jobs.sort_unstable();
+        spare_jobs.dedup();
         let reply = v1::HeartbeatResponse {
             registered,
             desired_digest: desired_digest(&desired),
+            spare_jobs,
             desired,
             term,
             desired_index: d.last_applied.map_or(0, |l| l.index),
@@ -229,6 +250,15 @@ impl WorkerService for WorkerSvc {
                 cumulus_api::limits::MAX_GPUS_PER_WORKER,
                 cumulus_api::limits::MAX_GPU_UUID_BYTES,
                 cumulus_api::limits::MAX_GPU_ERROR_BYTES
+            )));
+        }
+        if let Some(res) = &r.resources
+            && (res.warm_spares.len() > MAX_WARM_SPARES_PER_HEARTBEAT
+                || res.warm_spares.iter().any(|w| !cumulus_api::is_job_id(&w.job_id)))
+        {
+            return Err(Status::invalid_argument(format!(
+                "a heartbeat carries at most {MAX_WARM_SPARES_PER_HEARTBEAT} warm spares, \
+                 each of a job id"
             )));
         }
         self.node.require_leader().map_err(to_status)?;

@@ -421,3 +421,136 @@ async fn trainer_commits_and_resumes_as_its_jobs_user() {
     assert!(job.restarts_used >= 1, "{job:?}");
     assert_trainer_results(&cluster, &w, &out, 2, epochs, None);
 }
+
+/// A rank with a warm spare: it reports progress over the agent's Unix socket, then
+/// waits for the test; its next attempt after it exits 3.
+const SPARE_RANK: &str = r#"
+import http.client, json, os, socket, sys, time
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path):
+        super().__init__("localhost", timeout=60)
+        self.path_ = path
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(self.path_)
+def progress(step):
+    conn = UnixConnection(os.environ["CUMULUS_AGENT_SOCKET"])
+    conn.request("POST", "/v1/progress", body=json.dumps({"step": step}).encode(), headers={
+        "Authorization": "Bearer " + os.environ["CUMULUS_AGENT_TOKEN"],
+        "Content-Type": "application/json"})
+    status = conn.getresponse().status
+    conn.close()
+    return status
+a = os.environ["CUMULUS_ATTEMPT"]
+print(f"attempt {a} uid={os.getuid()} gid={os.getgid()} sid={os.getsid(0)} pid={os.getpid()} "
+      f"progress={progress(1)}", flush=True)
+if a == "0":
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
+    sys.exit(3)
+"#;
+
+/// A warm spare under `--run-as`: it runs as its job's user in a session of its own
+/// before it has a rank, and the attempt that takes it (its pid the spare's) reaches the
+/// rank-local API through the Unix socket as any rank of that job; the spare is gone
+/// once the job ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_spare_runs_as_its_jobs_user() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("rank isolation needs root (the agent changes the ranks' user)");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let cluster = Cluster::start(run_as_cluster_opts())
+        .await
+        .expect("cluster");
+    // The script and the go file where the job's user reaches them.
+    let open_dir = tempfile::Builder::new()
+        .prefix("cumulus-spare-")
+        .tempdir()
+        .expect("tempdir");
+    std::fs::set_permissions(open_dir.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("chmod");
+    let script = open_dir.path().join("rank.py");
+    std::fs::write(&script, SPARE_RANK).expect("script");
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let go = open_dir.path().join("go");
+    let spec = v1::JobSpec {
+        world_size: 1,
+        command: vec![
+            "python3".into(),
+            script.display().to_string(),
+            go.display().to_string(),
+        ],
+        working_dir: "/".into(),
+        restart: Some(v1::RestartPolicy {
+            max_restarts: Some(1),
+            backoff_initial_ms: Some(10),
+            backoff_max_ms: Some(10),
+            ..Default::default()
+        }),
+        warm_spares: 1,
+        warm_imports: vec!["json".into()],
+        ..Default::default()
+    };
+    let job_id = cluster
+        .submit("warm-spare", spec)
+        .await
+        .expect("submit")
+        .job_id;
+    let uid = job_uid(&job_id);
+    let spare_of = |s: &v1::ClusterStatusResponse| {
+        s.workers
+            .iter()
+            .flat_map(|w| &w.warm_spares)
+            .find(|x| x.job_id == job_id)
+            .map(|x| x.pid)
+    };
+    let status = cluster
+        .wait_status("a warm spare listed", LONG, |s| spare_of(s).is_some())
+        .await;
+    let pid = spare_of(&status).expect("spare");
+    let proc_status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("spare alive");
+    let uids = value_after(&proc_status, "Uid:\t");
+    assert!(
+        uids.split_whitespace().all(|u| u == uid.to_string()),
+        "the spare runs as {uids}, not {uid}"
+    );
+    assert_eq!(
+        nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid as i32))).expect("sid"),
+        nix::unistd::Pid::from_raw(pid as i32),
+        "a session of its own"
+    );
+    std::fs::write(&go, b"").expect("go");
+    let job = cluster.wait_finished(&job_id, LONG).await;
+    assert_eq!(job.state, "succeeded", "{job:?}");
+    assert_eq!(job.restarts_used, 1, "{job:?}");
+    let log = |attempt: u32| {
+        let path = cluster
+            .dir
+            .path()
+            .join("worker-1/logs")
+            .join(&job_id)
+            .join(format!("rank-0/attempt-{attempt}.log"));
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    };
+    let (first, second) = (log(0), log(1));
+    assert!(
+        first.contains(&format!("attempt 0 uid={uid} gid={uid} ")) && first.contains("progress=204"),
+        "{first}"
+    );
+    assert!(
+        second.starts_with(&format!("[setup] warm spare pid {pid} ")),
+        "{second}"
+    );
+    assert!(
+        second.contains(&format!(
+            "attempt 1 uid={uid} gid={uid} sid={pid} pid={pid} progress=204"
+        )),
+        "{second}"
+    );
+    cluster
+        .wait_status("the job's spares gone", LONG, |s| spare_of(s).is_none())
+        .await;
+}

@@ -860,6 +860,34 @@ def test_submit_checks_its_arguments(client: Client) -> None:
         client.submit(["x"], request_id="r" * 129)
 
 
+
+
+def test_submit_sends_warm_spares_and_refuses_bad_ones(client: Client, script: Script) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    client.submit(["python3", "t.py"])
+    client.submit(["python3", "t.py"], warm_spares=2, warm_imports=["torch", "numpy.linalg"])
+    client.submit(["/v/bin/python", "-m", "pkg.train"], warm_spares=1)
+    specs = [json.loads(r.content)["spec"] for r in script.calls]
+    warm = [{k: v for k, v in s.items() if k.startswith("warm")} for s in specs]
+    assert warm == [
+        {},
+        {"warm_spares": 2, "warm_imports": ["torch", "numpy.linalg"]},
+        {"warm_spares": 1},
+    ]
+    for kwargs, field in [
+        ({"warm_spares": 9}, "warm_spares"),
+        ({"warm_spares": -1}, "warm_spares"),
+        ({"warm_spares": True}, "warm_spares"),
+        ({"warm_spares": 1, "warm_imports": ["os; rm"]}, "warm_imports"),
+        ({"warm_spares": 1, "warm_imports": "torch"}, "warm_imports"),
+        ({"warm_imports": ["torch"]}, "warm_spares of at least 1"),
+    ]:
+        with pytest.raises(errors.InvalidSpec, match=field):
+            client.submit(["python3", "t.py"], **kwargs)  # type: ignore[arg-type]
+    for argv in (["bash", "run.sh"], ["python3", "-u", "t.py"], ["python3"]):
+        with pytest.raises(errors.InvalidSpec, match="warm_spares needs"):
+            client.submit(argv, warm_spares=1)
+    assert len(script.calls) == 3  # nothing refused was sent
 def test_submit_sends_the_gpu_arguments_only_when_given(client: Client, script: Script) -> None:
     script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
     client.submit(["x"])

@@ -70,6 +70,7 @@ impl ControlLoop {
             }
             *applied = version;
         }
+        self.supervisor.keep_spares_of(&reply.spare_jobs);
         let actions = self.supervisor.apply_desired(&reply.desired);
         if !actions.is_empty() {
             tracing::debug!(term = reply.term, ?actions, "reconciled");
@@ -202,6 +203,7 @@ impl ControlLoop {
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
                         .sample(),
+                    warm_spares: self.supervisor.warm_spares(),
                     ..resources.sample()
                 }),
             };

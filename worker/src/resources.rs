@@ -56,6 +56,7 @@ impl ResourceSampler {
             memory_used_bytes: system.used_memory(),
             memory_total_bytes: system.total_memory(),
             gpus: Vec::new(),
+            warm_spares: Vec::new(),
         }
     }
 }

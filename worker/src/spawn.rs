@@ -51,6 +51,12 @@ pub struct SpawnRequest {
     pub working_dir: Option<PathBuf>,
     /// The user and groups to run as; `None` = the agent's.
     pub creds: Option<RankCreds>,
+    /// Stdin is a pipe whose write end comes back in [`SpawnedChild::input`] (a warm
+    /// spare reads its assignment there); `false` = `/dev/null`.
+    pub stdin_pipe: bool,
+    /// Runs under `SCHED_IDLE` (a warm spare importing: it takes only CPU nobody else
+    /// wants, until the agent sets it back with [`schedule_normally`]).
+    pub idle_priority: bool,
 }
 
 /// A process the spawner started.
@@ -64,6 +70,8 @@ pub struct SpawnedChild {
     pub output: io::PipeReader,
     /// Its pid, which is also its process group id.
     pub pid: u32,
+    /// Write end of its stdin pipe, with [`SpawnRequest::stdin_pipe`] (close-on-exec).
+    pub input: Option<io::PipeWriter>,
 }
 
 /// Why a process could not be started.
@@ -160,8 +168,15 @@ fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
     };
     let (output, output_writer) = io::pipe().map_err(io_err)?;
     let stderr_writer = output_writer.try_clone().map_err(io_err)?;
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::from(output_writer))
+    let mut input = None;
+    if request.stdin_pipe {
+        let (reader, writer) = io::pipe().map_err(io_err)?;
+        cmd.stdin(Stdio::from(reader));
+        input = Some(writer);
+    } else {
+        cmd.stdin(Stdio::null());
+    }
+    cmd.stdout(Stdio::from(output_writer))
         .stderr(Stdio::from(stderr_writer));
     let agent_pid = nix::unistd::getpid();
     // Built before the fork: the child must not allocate.
@@ -176,8 +191,10 @@ fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
         )
     });
     let errno = |e: nix::Error| io::Error::from_raw_os_error(e as i32);
+    let idle = request.idle_priority;
     // SAFETY: the closure runs in the forked child before exec and only calls
-    // async-signal-safe functions (setsid, setgroups, setgid, setuid, prctl, getppid)
+    // async-signal-safe functions (setsid, setgroups, setgid, setuid, prctl, getppid,
+    // sched_setscheduler)
     // without allocating: the io::Error values are built from raw OS error numbers and
     // the id lists were built before the fork.
     #[allow(unsafe_code)]
@@ -195,6 +212,12 @@ fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
                 // The agent died between fork and prctl: its death signal is lost.
                 return Err(io::Error::from_raw_os_error(nix::libc::ESRCH));
             }
+            if idle {
+                let param = nix::libc::sched_param { sched_priority: 0 };
+                if nix::libc::sched_setscheduler(0, nix::libc::SCHED_IDLE, &param) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
             Ok(())
         });
     }
@@ -211,7 +234,14 @@ fn spawn_here(request: &SpawnRequest) -> Result<SpawnedChild, SpawnError> {
         source: io::Error::other("the child exited before its pid could be read"),
         blocked: None,
     })?;
-    Ok(SpawnedChild { child, pid, output })
+    // The child's end of its stdin pipe was closed here with the temporary command (the
+    // child holds its own copy), so the child reads EOF once `input` is dropped.
+    Ok(SpawnedChild {
+        child,
+        pid,
+        output,
+        input,
+    })
 }
 
 /// For a rank of another user whose program the OS refused to execute (`e`, see
@@ -233,6 +263,64 @@ fn exec_blocker(request: &SpawnRequest, e: &io::Error) -> Option<String> {
         request.working_dir.as_deref(),
         creds,
     )
+}
+
+/// Sets every thread of every process in the process group `pgid` (a spare and what it
+/// started, e.g. a `pyenv` shim's helpers) back to the normal policy (`SCHED_OTHER`, nice
+/// values unchanged) after [`SpawnRequest::idle_priority`]: needs `CAP_SYS_NICE` (the
+/// agent as root) for processes of another user, or ones whose `RLIMIT_NICE` forbids it.
+/// Two passes over `/proc` (a thread or process started during the first is set in the
+/// second); one that ended meanwhile is skipped.
+///
+/// # Errors
+/// The first thread the OS refused to change, or `/proc` unreadable.
+pub fn schedule_normally(pgid: u32) -> io::Result<()> {
+    let param = nix::libc::sched_param { sched_priority: 0 };
+    for _ in 0..2 {
+        for process in std::fs::read_dir("/proc")? {
+            let name = process?.file_name();
+            let Some(pid) = name
+                .to_str()
+                .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // Fields after the command's closing parenthesis: state, ppid, pgrp, ...
+            let pgrp = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.split_whitespace().nth(2))
+                .and_then(|g| g.parse::<u32>().ok());
+            if pgrp != Some(pgid) {
+                continue;
+            }
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+                continue;
+            };
+            for task in tasks {
+                let Some(tid) = task?
+                    .file_name()
+                    .to_str()
+                    .and_then(|s| s.parse::<nix::libc::pid_t>().ok())
+                else {
+                    continue;
+                };
+                // SAFETY: a plain system call on a thread id with a valid parameter struct.
+                #[allow(unsafe_code)]
+                let rc =
+                    unsafe { nix::libc::sched_setscheduler(tid, nix::libc::SCHED_OTHER, &param) };
+                if rc != 0 {
+                    let e = io::Error::last_os_error();
+                    if e.raw_os_error() != Some(nix::libc::ESRCH) {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Sends `signal` to the process group whose id is `pgid` (a rank's pid). A group that no

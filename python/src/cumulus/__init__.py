@@ -81,6 +81,7 @@ from cumulus.models import (
     UploadInfo,
     WorkerInfo,
     WorkerState,
+    WarmSpareInfo,
 )
 from cumulus.runtime import (
     Context,
@@ -161,6 +162,7 @@ __all__ = [
     "__version__",
     "checkpoint",
     "errors",
+    "WarmSpareInfo",
     "get_context",
     "list_checkpoints",
     "report",

@@ -530,6 +530,66 @@ def _optional_spec_fields(
     if priority is not None:
         fields["priority"] = priority
     if time_limit_ms is not None:
+_WARM_PYTHON = re.compile(r"python(3(\.[0-9]+)?)?")
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _warm_spares(
+    warm_spares: int | None, warm_imports: Sequence[str] | None, argv: Sequence[str]
+) -> dict[str, Any]:
+    """The spec fields of ``warm_spares`` and ``warm_imports`` (the rule of
+    ``cumulus_api::warm::check``).
+
+    :raises InvalidSpec: out of bounds, not module names, imports without spares, or a
+        command a spare cannot run (``python SCRIPT ...`` or ``python -m MODULE ...``)."""
+    n = 0 if warm_spares is None else warm_spares
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _contract.MAX_WARM_SPARES:
+        raise InvalidSpec(
+            f"warm_spares must be an integer in 0..={_contract.MAX_WARM_SPARES}, got "
+            f"{warm_spares!r}",
+            status=None,
+        )
+    if isinstance(warm_imports, str):
+        raise InvalidSpec(
+            "warm_imports must be a list of module names, not one string", status=None
+        )
+    imports = list(warm_imports or ())
+    if len(imports) > _contract.MAX_WARM_IMPORTS:
+        raise InvalidSpec(
+            f"warm_imports names {len(imports)} modules, above the limit of "
+            f"{_contract.MAX_WARM_IMPORTS}",
+            status=None,
+        )
+    for m in imports:
+        if (
+            not isinstance(m, str)
+            or len(m.encode()) > _contract.MAX_WARM_IMPORT_BYTES
+            or not _MODULE_NAME.fullmatch(m)
+        ):
+            raise InvalidSpec(f"warm_imports: {m!r} is not a module name", status=None)
+    if n == 0 and imports:
+        raise InvalidSpec("warm_imports needs warm_spares of at least 1", status=None)
+    if n > 0:
+        program = argv[0].rsplit("/", 1)[-1]
+        rest = list(argv[1:])
+        python = bool(_WARM_PYTHON.fullmatch(program))
+        module = len(rest) >= 2 and rest[0] == "-m" and bool(_MODULE_NAME.fullmatch(rest[1]))
+        script = bool(rest) and rest[0] != "" and not rest[0].startswith("-")
+        if not (python and (module or script)):
+            raise InvalidSpec(
+                "warm_spares needs a command that starts a Python interpreter on a script or "
+                "a module (python SCRIPT ... or python -m MODULE ...; argv[0] named python, "
+                f"python3 or python3.N, no options before the script), got {list(argv)[:3]!r}",
+                status=None,
+            )
+    out: dict[str, Any] = {}
+    if n:
+        out["warm_spares"] = n
+    if imports:
+        out["warm_imports"] = imports
+    return out
+
+
         fields["time_limit_ms"] = time_limit_ms
     if signal_before_ms is not None:
         fields["signal_before_ms"] = signal_before_ms
@@ -1045,6 +1105,8 @@ class Client:
             stored in the cluster's blob store unless it has the same digest already
             (an unchanged directory sends nothing; :attr:`Job.upload` says what was
             sent). Each rank attempt runs in a fresh unpacked copy of it. Not with
+        warm_spares: int | None = None,
+        warm_imports: Sequence[str] | None = None,
             ``working_dir``.
         :param upload_max_bytes: largest packed ``upload`` accepted, in bytes (default
             512 MiB); past it :class:`~cumulus.errors.WorkdirTooLarge` names the largest
@@ -1142,6 +1204,13 @@ class Client:
             warnings=tuple(said),
         )
         if not _QUIET_SUBMIT.get():
+        :param warm_spares: idle interpreters each worker keeps for the job (0..=8;
+            ``None``/0: none), started in its environment with ``warm_imports`` done and
+            holding no slot and no GPU: a replacement rank on that worker takes one
+            instead of starting Python and importing again (its pid is the spare's).
+            Needs a command ``python SCRIPT ...`` or ``python -m MODULE ...``.
+        :param warm_imports: modules the spares import before they get a rank (e.g.
+            ``["torch", "numpy"]``); none may touch a GPU on import.
             for text in job.warnings:
                 warnings.warn(f"{job.id}: {text}", SubmitWarning, stacklevel=2)
         return job
@@ -1182,6 +1251,7 @@ class Client:
         requirements: Sequence[str] | str | os.PathLike[str] | None = None,
         upload: str | os.PathLike[str] | None = None,
         gather: bool = False,
+        warm = _warm_spares(warm_spares, warm_imports, argv)
         timeout: float | None = None,
         ckpt_dir: str | os.PathLike[str] | None = None,
         max_restarts: int | None = None,
@@ -1214,6 +1284,7 @@ class Client:
                 args,
                 {
                     "world_size": world_size,
+        spec |= warm
                     "gpus_per_rank": gpus_per_rank,
                     "gpu_memory_fraction": gpu_memory,
                     "time_limit_s": duration,

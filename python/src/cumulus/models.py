@@ -38,6 +38,7 @@ __all__ = [
     "RestartInfo",
     "UploadInfo",
     "WorkerInfo",
+    "WarmSpareInfo",
     "WorkerState",
 ]
 
@@ -798,3 +799,25 @@ class LogLine:
         if not isinstance(d.get("line"), str):
             raise ProtocolError(f"log event without a 'line' string: {dict(d)!r}")
         return cls(rank=d["rank"], attempt=d["attempt"], offset=d["offset"], line=d["line"])
+    #: The warm spares its agent keeps (from its last heartbeat; empty on a follower).
+    warm_spares: tuple[WarmSpareInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class WarmSpareInfo:
+    """An idle interpreter a worker keeps for a job (``Client.submit(warm_spares=...)``),
+    waiting to become one of its ranks."""
+
+    job_id: str
+    #: Its process id: a rank attempt that takes it keeps this pid.
+    pid: int
+    #: Milliseconds since it was started.
+    age_ms: int
+                warm_spares=tuple(
+                    WarmSpareInfo(
+                        job_id=_get(x, "job_id", str, ""),
+                        pid=_get(x, "pid", int, 0),
+                        age_ms=_get(x, "age_ms", int, 0),
+                    )
+                    for x in (_obj(y, "a warm spare") for y in _list(w, "warm_spares"))
+                ),

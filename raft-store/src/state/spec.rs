@@ -152,6 +152,17 @@ pub struct JobSpec {
     /// budget like any failure, instead of failing the job at once.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_fail_fast: bool,
+    /// Warm spares each worker running ranks of the job keeps, at most
+    /// [`cumulus_api::limits::MAX_WARM_SPARES`] (0: none; [`cumulus_api::warm`]).
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub warm_spares: u32,
+    /// Modules a warm spare imports before it is assigned a rank.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warm_imports: Vec<String>,
+}
+
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
 }
 
 fn is_zero_u64(v: &u64) -> bool {
@@ -277,6 +288,8 @@ impl JobSpec {
     pub fn effective_startup_timeout_ms(&self) -> u64 {
         if self.startup_timeout_ms > 0 {
             self.startup_timeout_ms
+            warm_spares: 0,
+            warm_imports: Vec::new(),
         } else if self.progress_timeout_ms > 0 {
             DEFAULT_STARTUP_TIMEOUT_MS
         } else {
@@ -357,6 +370,11 @@ impl JobSpec {
         }
         if self.command.len() > MAX_COMMAND_ARGS {
             return Err(SpecError::TooManyArgs {
+            + self
+                .warm_imports
+                .iter()
+                .map(|m| m.len() + PER_STRING_BYTES)
+                .sum::<usize>()
                 count: self.command.len(),
             });
         }
@@ -508,6 +526,8 @@ impl JobSpec {
         };
         if env.requirements.len() > MAX_REQUIREMENTS_BYTES || env.requirements.contains('\0') {
             return Err(SpecError::Requirements {
+        cumulus_api::warm::check(self.warm_spares, &self.warm_imports, &self.command)
+            .map_err(|why| SpecError::WarmSpares { why })?;
                 bytes: env.requirements.len(),
             });
         }
@@ -590,6 +610,13 @@ pub enum SpecError {
     /// also be `s3://`), is too long or holds NUL.
     #[error("{field} {path:?} must be an absolute path")]
     NotAbsolute {
+    /// `warm_spares` or `warm_imports` is out of bounds or does not fit the command
+    /// ([`cumulus_api::warm::check`]).
+    #[error("{why}")]
+    WarmSpares {
+        /// What is wrong, naming the field.
+        why: String,
+    },
         /// The spec field: `dataset`, `ckpt_dir` or `working_dir`.
         field: &'static str,
         /// The path as given.

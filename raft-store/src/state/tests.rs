@@ -1554,6 +1554,28 @@ fn only_finished_jobs_are_deleted_with_their_request_id() {
         at_ms: 9,
     };
     assert_eq!(apply(&mut s, cancel), Response::Ok);
+#[test]
+fn warm_spares_are_validated_and_absent_from_old_specs() {
+    let warm = |warm_spares, imports: &[&str], command: &[&str]| JobSpec {
+        warm_spares,
+        warm_imports: imports.iter().map(|m| m.to_string()).collect(),
+        ..JobSpec::new(2, command.iter().map(|a| a.to_string()).collect())
+    };
+    assert!(warm(2, &["torch", "numpy"], &["python3", "train.py"]).validate(8).is_ok());
+    for (bad, field) in [
+        (warm(9, &[], &["python3", "train.py"]), "warm_spares"),
+        (warm(1, &["not a module"], &["python3", "train.py"]), "warm_imports"),
+        (warm(1, &[], &["bash", "run.sh"]), "warm_spares needs"),
+    ] {
+        let err = bad.validate(8).expect_err("refused");
+        assert!(err.to_string().contains(field), "{err}");
+    }
+    let json = serde_json::to_value(JobSpec::new(1, vec!["x".into()])).expect("json");
+    assert!(json.get("warm_spares").is_none() && json.get("warm_imports").is_none());
+    let back: JobSpec = serde_json::from_value(json).expect("old spec");
+    assert_eq!((back.warm_spares, back.warm_imports.len()), (0, 0));
+}
+
     assert_eq!(apply(&mut s, delete.clone()), Response::Ok);
     assert!(!s.jobs.contains_key(&job));
     assert!(s.request_ids.is_empty(), "the request id goes with it");

@@ -177,12 +177,15 @@ pub async fn stream(
         env: ctx.env(),
         working_dir: cwd,
         creds: None,
+        stdin_pipe: false,
+        idle_priority: false,
     };
     let shown = Path::new(program).display().to_string();
     let SpawnedChild {
         mut child,
         pid,
         output,
+        ..
     } = ctx.spawner.spawn(request).await.map_err(|e| match e {
         SpawnError::Io { source, .. } if crate::logs::is_agent_resource_error(&source) => {
             EnvError::Agent(format!("cannot start {shown}: {source}"))

@@ -223,6 +223,8 @@ impl std::fmt::Debug for Supervisor {
         f.debug_struct("Supervisor")
             .field("settings", &self.inner.settings)
             .finish_non_exhaustive()
+    /// Warm spares by job ([`spares`]); its lock and `table`'s are never held together.
+    spares: Mutex<spares::Pool>,
     }
 }
 
@@ -278,6 +280,7 @@ impl Supervisor {
         let observed: Vec<ObservedAttempt> = table
             .entries
             .iter()
+                spares: Mutex::new(spares::Pool::default()),
             .map(|(key, e)| ObservedAttempt {
                 key: key.clone(),
                 stopping: e.stopping,
@@ -347,6 +350,14 @@ impl Supervisor {
         if entry.control.is_some() || entry.stopping {
             return;
         }
+        let reported: HashSet<String> = table
+            .entries
+            .iter()
+            .filter(|(_, e)| e.progress.is_some() && !e.stopping)
+            .map(|(k, _)| k.job_id.clone())
+            .collect();
+        drop(table);
+        self.maintain_spares(desired, &reported);
         let action = desired
             .stop_action
             .parse::<StopAction>()
@@ -553,6 +564,7 @@ impl Supervisor {
     /// non-zero exit of the attempt then reports it as its cause. `None` when the token
     /// is unknown.
     pub fn record_exception(
+        self.stop_spares();
         &self,
         token: &str,
         report: &cumulus_api::rank_local::ExceptionReport,
@@ -843,7 +855,38 @@ impl Supervisor {
         }
         // What the rank API turned away before this attempt is not its evidence.
         let rank_api_before = settings.rank_api_watch.reading();
-        let spawned = match self.inner.spawner.spawn(request).await {
+        let template = spares::Template::of(&request, desired);
+        let warm = match &template {
+            Some(t) => self.take_spare(&key.job_id, t, &request).await,
+            None => None,
+        };
+        let started = match warm {
+            Some((spawned, age)) => {
+                tracing::info!(attempt = %key, pid = spawned.pid, age_ms = age.as_millis() as u64, "a warm spare takes the attempt");
+                let line = format!(
+                    "{}warm spare pid {} (started {:.1} s before, imports done: {}) runs this attempt\n",
+                    crate::envs::SETUP_PREFIX,
+                    spawned.pid,
+                    age.as_secs_f64(),
+                    if desired.warm_imports.is_empty() {
+                        "none".to_string()
+                    } else {
+                        desired.warm_imports.join(",")
+                    }
+                );
+                if let Err(e) = log.append(line.as_bytes()).await.and(log.flush().await) {
+                    tracing::warn!(attempt = %key, "cannot write to log: {e}");
+                }
+                Ok(spawned)
+            }
+            None => self.inner.spawner.spawn(request).await,
+        };
+        if let Some(template) = template
+            && started.is_ok()
+        {
+            self.want_spares(desired, template);
+        }
+        let spawned = match started {
             Ok(s) => s,
             Err(e) => {
                 let exit = match &e {
@@ -1039,3 +1082,4 @@ mod workdir;
 
 use prepare::*;
 pub use reach::RankApiWatch;
+pub mod spares;

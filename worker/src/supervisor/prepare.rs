@@ -251,6 +251,7 @@ impl Supervisor {
         let mut shard_dirs = std::collections::BTreeSet::new();
         for s in d.shards.iter().filter(|s| !s.starts_with("s3://")) {
             check_job_path(PathKind::Dataset, s)?;
+            ..SpawnRequest::default()
             roots.dataset.check_lexical(s)?;
             if let Some(dir) = std::path::Path::new(s).parent().and_then(|p| p.to_str()) {
                 shard_dirs.insert(dir.to_owned());

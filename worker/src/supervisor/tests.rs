@@ -1057,3 +1057,90 @@ async fn ranks_run_in_their_environment_and_a_failed_install_cannot_run() {
         .expect("exit report");
     assert!(report.exec_failed && report.spawn_error.contains("doesnotexist"));
 }
+
+/// A job with a warm spare: once its rank has reported progress, the next reconciliation
+/// starts a spare (the job's interpreter, imports done); the rank's next attempt runs in
+/// it (the spare's pid, the attempt's arguments, environment and working directory, its
+/// output in the attempt's log); with the job gone from the desired set, its spares are
+/// stopped.
+#[tokio::test]
+async fn a_new_attempt_runs_in_a_warm_spare_which_ends_with_the_job() {
+    let h = harness(Options::default());
+    let script = h.root.join("rank.py");
+    std::fs::write(
+        &script,
+        "import os, sys, time\n\
+         print('attempt', os.environ['CUMULUS_ATTEMPT'], 'pid', os.getpid(), 'sid',\n\
+               os.getsid(0), 'argv', sys.argv[1:], 'cwd', os.getcwd(), 'name', __name__,\n\
+               'json' in sys.modules, flush=True)\n\
+         while os.environ['CUMULUS_ATTEMPT'] == '0':\n\
+         \x20   time.sleep(0.02)\n",
+    )
+    .expect("script");
+    let first = DesiredRank {
+        job_id: "job-000031".into(),
+        world_size: 1,
+        local_world_size: 1,
+        command: vec![
+            "python3".into(),
+            script.display().to_string(),
+            "an arg".into(),
+        ],
+        working_dir: h.root.display().to_string(),
+        warm_spares: 1,
+        warm_imports: vec!["json".into()],
+        ..Default::default()
+    };
+    let second = DesiredRank {
+        attempt: 1,
+        ..first.clone()
+    };
+    let (k0, k1) = (AttemptKey::of(&first), AttemptKey::of(&second));
+    h.sup.apply_desired(std::slice::from_ref(&first));
+    poll_until("attempt 0 running", || {
+        log_text(&h.sup, &k0).contains("attempt 0 pid")
+    })
+    .await;
+    assert!(h.sup.warm_spares().is_empty(), "no spare before a report");
+    let token = {
+        let table = h.sup.table();
+        let (token, _) = table.tokens.iter().find(|(_, k)| **k == k0).expect("token");
+        token.clone()
+    };
+    h.sup.record_progress(&token, Progress::default());
+    h.sup.apply_desired(std::slice::from_ref(&first));
+    poll_until("a spare", || h.sup.warm_spares().len() == 1).await;
+    let spare = h.sup.warm_spares()[0].clone();
+    assert_eq!(spare.job_id, "job-000031");
+
+    h.sup.apply_desired(std::slice::from_ref(&second));
+    poll_until("attempt 0 gone", || h.sup.is_finished(&k0)).await;
+    h.sup.apply_desired(std::slice::from_ref(&second));
+    let exit = wait_finished(&h.sup, &k1).await;
+    assert_eq!(exit.exit_code, Some(0), "{}", log_text(&h.sup, &k1));
+    let fresh = log_text(&h.sup, &k0);
+    let warm = log_text(&h.sup, &k1);
+    let pid = spare.pid;
+    assert!(
+        warm.starts_with(&format!("[setup] warm spare pid {pid} ")),
+        "{warm}"
+    );
+    let cwd = std::fs::canonicalize(&h.root).expect("canonical root");
+    let view = |attempt: u32, pid: u32| {
+        format!(
+            "attempt {attempt} pid {pid} sid {pid} argv ['an arg'] cwd {} name __main__",
+            cwd.display()
+        )
+    };
+    assert!(warm.contains(&format!("{} True", view(1, pid))), "{warm}");
+    let fresh_pid: u32 = fresh
+        .split_whitespace()
+        .nth(3)
+        .and_then(|p| p.parse().ok())
+        .expect("attempt 0's pid");
+    assert_ne!(fresh_pid, pid);
+    assert!(fresh.contains(&view(0, fresh_pid)), "{fresh}");
+
+    h.sup.apply_desired(&[]);
+    assert!(h.sup.warm_spares().is_empty());
+}
