@@ -6,11 +6,15 @@
    size 2, CPU) under a local Cumulus cluster vs under ``torchrun --standalone``, in
    alternated runs; checkpoints off in both (the script only checkpoints under Cumulus).
    Target >= 0.99.
-2. ``kill_to_first_step_ratio``: rank 0 SIGKILLs itself mid-run; the time from that
-   SIGKILL to the first training step logged by the restarted rank 0, under Cumulus (group
-   restart, backoff set low, resume from the committed checkpoint) vs under
-   ``torchrun --max-restarts 3`` (which restarts the script; without a Cumulus
-   checkpoint it starts again from step 0). Target <= 1.0.
+2. ``kill_to_every_rank_step_*`` (P3): the harness SIGKILLs rank 0 of one long run, 12
+   times; the time from each SIGKILL to the first training step of EVERY rank after the
+   recovery (the last rank's first progress report from the resumed position), p50 and
+   p99, with the phases the leader, the agent and the runtime timestamp, under Cumulus
+   (backoff set low, ``--warm-spares 1 --warm-imports torch``, resume from the committed
+   checkpoint) and under ``torchrun --max-restarts`` (which restarts the script; without a
+   Cumulus checkpoint it starts again from step 0). Targets: Cumulus p50 <= 1.0 s and
+   <= 0.3 x torchrun's. ``spares_steady_ratio``: DDP steps/s with a warm spare over
+   without (target >= 0.99).
 3. ``report_us_per_call``: :func:`cumulus.runtime.Runtime.report` on the caller's thread,
    against a fake agent. Target < 20 us.
 4. ``ckpt_blocked_ratio``: time the training loop is blocked by a 1 GiB PyTorch
@@ -94,11 +98,10 @@ class Config:
     #: Item 1: alternated (Cumulus, torchrun) pairs, steps per run.
     ddp_pairs: int
     ddp_steps: int
-    #: Item 2: alternated pairs; steps, checkpoint cadence and kill step of each run.
-    kill_pairs: int
-    kill_steps: int
+    #: Item 2: kills (each launcher), checkpoint cadence, warm spares per worker.
+    kills: int
     kill_ckpt_every: int
-    kill_at: int
+    kill_spares: int
     #: Item 3: report() calls timed in one loop, and calls timed one by one.
     report_calls: int
     report_samples: int
@@ -119,10 +122,9 @@ FULL = Config(
     smoke=False,
     ddp_pairs=3,
     ddp_steps=4000,
-    kill_pairs=3,
-    kill_steps=400,
+    kills=12,
     kill_ckpt_every=50,
-    kill_at=260,
+    kill_spares=1,
     report_calls=200_000,
     report_samples=50_000,
     ckpt_mib=1024,
@@ -137,10 +139,9 @@ SMOKE = Config(
     smoke=True,
     ddp_pairs=1,
     ddp_steps=40,
-    kill_pairs=1,
-    kill_steps=30,
+    kills=1,
     kill_ckpt_every=10,
-    kill_at=15,
+    kill_spares=1,
     report_calls=20_000,
     report_samples=5_000,
     ckpt_mib=8,
@@ -385,152 +386,469 @@ def bench_ddp(cfg: Config, client: cumulus.Client, tmp: Path) -> list[Row]:
     ]
 
 
-# -- 2. kill -9 -> first step after the restart ----------------------------------------------
+# -- 2. kill -9 -> first step on every rank after the recovery ------------------------------
 
-STEP_LINE = re.compile(r"^step (\d+)/")
+REPORT_LINE = re.compile(r"^report step (\d+)$")
 START_LINE = re.compile(r"start=(\d+)")
+STAMP_FILE = re.compile(r"^rank-(\d+)\.attempt-(\d+)\.pid-(\d+)\.log$")
+#: A survivor's runtime line when an in-process restart reaches it, and the one with its
+#: own phases (``cumulus.runtime.run``).
+RESTART_REACHED = re.compile(r"cumulus: in-process restart: this process is now attempt")
+RESTART_PHASES = re.compile(
+    r"cumulus: in-process restart to attempt \d+: left the step in ([0-9.]+) ms, process "
+    r"group torn down in ([0-9.]+) ms, re-entering the training function ([0-9.]+) ms"
+)
 
 
-def stamped_lines(stamps: Path, rank: int, attempt: int) -> list[tuple[float, str]]:
-    lines: list[tuple[float, str]] = []
-    for path in sorted(stamps.glob(f"rank-{rank}.attempt-{attempt}.pid-*.log")):
-        for raw in path.read_text(errors="replace").splitlines():
-            t, _, line = raw.partition(" ")
-            lines.append((float(t), line))
-    lines.sort(key=lambda x: x[0])
-    return lines
+class Stamps:
+    """Reads the stamped output of every rank (``stamped.py``) as it grows: per rank, the
+    steps each process reported and its other lines, with their wall-clock times."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self._offsets: dict[Path, int] = {}
+        #: rank -> [(time, step)] and rank -> [(time, line)], in time order per process.
+        self.reports: dict[int, list[tuple[float, int]]] = {}
+        self.lines: dict[int, list[tuple[float, str]]] = {}
+        #: (rank, attempt) -> pids that wrote as it.
+        self.pids: dict[tuple[int, int], set[int]] = {}
+
+    def read(self) -> Stamps:
+        for path in sorted(self.dir.glob("rank-*.log")):
+            m = STAMP_FILE.match(path.name)
+            if not m:
+                continue
+            rank, attempt, pid = (int(g) for g in m.groups())
+            self.pids.setdefault((rank, attempt), set()).add(pid)
+            with path.open("rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+            complete = data.rfind(b"\n") + 1
+            self._offsets[path] = self._offsets.get(path, 0) + complete
+            for raw in data[:complete].decode(errors="replace").splitlines():
+                t, _, line = raw.partition(" ")
+                try:
+                    when = float(t)
+                except ValueError:
+                    continue
+                r = REPORT_LINE.match(line)
+                if r:
+                    self.reports.setdefault(rank, []).append((when, int(r.group(1))))
+                else:
+                    self.lines.setdefault(rank, []).append((when, line))
+        return self
+
+    def last_step(self, rank: int) -> int:
+        got = self.reports.get(rank)
+        return max(got, key=lambda x: x[0])[1] if got else -1
+
+    def mark(self) -> dict[int, tuple[int, int]]:
+        """Where each rank's reports and lines end now: later searches start there."""
+        ranks = set(self.reports) | set(self.lines)
+        return {r: (len(self.reports.get(r, [])), len(self.lines.get(r, []))) for r in ranks}
+
+    def first_resumed_step(
+        self, rank: int, after: float, resume: int, mark: dict[int, tuple[int, int]]
+    ) -> tuple[float, int] | None:
+        """The first step ``rank`` reported after ``after`` from a resumed position: step
+        ``resume + 1`` or below (the steps a survivor finishes right after the kill, past
+        the resume point, do not count)."""
+        new = self.reports.get(rank, [])[mark.get(rank, (0, 0))[0] :]
+        got = [(t, n) for t, n in new if t > after and n <= resume + 1]
+        return min(got) if got else None
+
+    def first_line(
+        self, rank: int, after: float, pattern: re.Pattern[str], mark: dict[int, tuple[int, int]]
+    ) -> tuple[float, str] | None:
+        new = self.lines.get(rank, [])[mark.get(rank, (0, 0))[1] :]
+        got = [(t, x) for t, x in new if t > after and pattern.search(x)]
+        return min(got) if got else None
+
+    def lines_since(self, rank: int, mark: dict[int, tuple[int, int]]) -> list[tuple[float, str]]:
+        return self.lines.get(rank, [])[mark.get(rank, (0, 0))[1] :]
+
+    def recovered(
+        self, world: int, t_kill: float, mark: dict[int, tuple[int, int]]
+    ) -> tuple[int, list[tuple[float, int]]] | None:
+        """Once every rank has stepped again after the kill at ``t_kill``: the resume
+        step (from the replacement rank 0's ``start=`` line) and each rank's first step
+        from it; ``None`` before."""
+        self.read()
+        start = self.first_line(0, t_kill, START_LINE, mark)
+        if start is None:
+            return None
+        m = START_LINE.search(start[1])
+        assert m is not None
+        resume = int(m.group(1))
+        firsts = [self.first_resumed_step(r, t_kill, resume, mark) for r in range(world)]
+        if not all(firsts):
+            return None
+        return resume, [f for f in firsts if f is not None]
+
+    def newest_pid(self, rank: int) -> int:
+        """The pid of ``rank``'s newest attempt (torchrun's workers)."""
+        attempt = max(a for r, a in self.pids if r == rank)
+        return max(self.pids[(rank, attempt)])
 
 
-def kill_to_first_step(stamps: Path) -> dict[str, Any]:
-    """From rank 0's stamped output: when attempt 0 SIGKILLed itself, and when a later
-    attempt logged its first training step (which attempt, which step, where it started).
-    A restarted attempt that fails before its first step (it happens to torchrun's) does
-    not count: the clock runs until a step is done."""
-    killed = [t for t, line in stamped_lines(stamps, 0, 0) if "killing itself" in line]
-    if not killed:
-        raise BenchError(f"rank 0 attempt 0 never killed itself (stamps in {stamps})")
-    for attempt in range(1, 10):
-        after = stamped_lines(stamps, 0, attempt)
-        starts = [(t, int(m.group(1))) for t, line in after if (m := START_LINE.search(line))]
-        for t, line in after:
-            m = STEP_LINE.match(line)
-            if m:
-                return {
-                    "seconds": t - killed[0],
-                    "first_step": int(m.group(1)),
-                    "resumed_from": starts[0][1] if starts else None,
-                    # kill -> the script's "start=" line (after imports, process group,
-                    # data and checkpoint load): the rest is DDP setup and the step itself.
-                    "to_start_line_s": starts[0][0] - killed[0] if starts else None,
-                    "attempt": attempt,
+def kill_script(out: Path, steps: int, ckpt_every: int) -> list[str]:
+    """The DDP example under ``stamped.py``, long enough for every kill; nothing logged
+    but the reports, the start lines and what the runtime says."""
+    return [str(STAMPED), *ddp_command(out, steps=steps, ckpt_every=ckpt_every, log_every=1 << 40)]
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of ``values``."""
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q * len(v) + 0.5) - 1))]
+
+
+def import_time_s() -> float:
+    """Seconds a fresh interpreter takes to import torch here (what a warm spare saves,
+    and how long a new spare needs before it is ready)."""
+    t = time.monotonic()
+    subprocess.run([PYTHON, "-c", "import torch"], check=True, env=child_env())
+    return time.monotonic() - t
+
+
+KILL_WORLD = 2
+#: Steps of a kill run: more than any run makes (it is cancelled after its kills).
+KILL_STEPS = 1 << 30
+
+
+def wait_every_rank_past(stamps: Stamps, step: int, deadline_s: float) -> None:
+    wait_until(
+        lambda: all(stamps.read().last_step(r) >= step for r in range(KILL_WORLD)),
+        deadline_s,
+        f"every rank past step {step}",
+    )
+
+
+def spares_ready(client: cumulus.Client, job_id: str, ready_s: float) -> int:
+    """Spares of ``job_id`` the workers list that are older than ``ready_s``."""
+    return sum(
+        1
+        for w in client.cluster().workers
+        for x in w.warm_spares
+        if x.job_id == job_id and x.age_ms >= ready_s * 1000
+    )
+
+
+def kill_phases(
+    s: Stamps, t_kill: float, mark: dict[int, tuple[int, int]], firsts: list[tuple[float, int]]
+) -> dict[str, float]:
+    """Milliseconds from the kill to each rank's ``start=`` line (its process group made
+    and its checkpoint loaded) and to its first step."""
+    out: dict[str, float] = {}
+    for r in range(KILL_WORLD):
+        start = s.first_line(r, t_kill, START_LINE, mark)
+        if start:
+            out[f"rank {r} start line (group made, checkpoint loaded)"] = (start[0] - t_kill) * 1000
+    for r, (t, _) in enumerate(firsts):
+        out[f"rank {r} first step"] = (t - t_kill) * 1000
+    return out
+
+
+def kill_cumulus(
+    cfg: Config, client: cumulus.Client, tmp: Path, ready_s: float
+) -> list[dict[str, Any]]:
+    """``cfg.kills`` kills of rank 0 of one Cumulus job (see :func:`bench_kill`)."""
+    stamps = tmp / "kill-cumulus.stamps"
+    stamps.mkdir()
+    job = client.submit(
+        [PYTHON, *kill_script(tmp / "kill-cumulus", KILL_STEPS, cfg.kill_ckpt_every)],
+        world_size=KILL_WORLD,
+        ckpt_dir=tmp / "kill-cumulus.ckpt",
+        env={
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "CUMULUS_BENCH_STAMPS": str(stamps),
+        },
+        max_restarts=cfg.kills + 5,
+        restart_scope="group",
+        backoff_initial_ms=RESTART_BACKOFF_MS,
+        backoff_max_ms=RESTART_BACKOFF_MS,
+        warm_spares=cfg.kill_spares,
+        warm_imports=["torch"],
+        name="bench-kill",
+    )
+    runs: list[dict[str, Any]] = []
+    try:
+        s = Stamps(stamps)
+        resume = 0
+        for k in range(1, cfg.kills + 1):
+            wait_every_rank_past(s, resume + cfg.kill_ckpt_every + 10, cfg.run_timeout_s)
+            if cfg.kill_spares:
+                wait_until(
+                    lambda: spares_ready(client, job.id, ready_s) >= cfg.kill_spares,
+                    cfg.run_timeout_s,
+                    "the warm spares ready",
+                )
+            rank0 = next(r for r in job.status().ranks if r.rank == 0)
+            mark = s.read().mark()
+            t_kill = time.time()
+            os.kill(rank0.pid, signal.SIGKILL)
+            # Only the stamp files are read until every rank steps again (no load on the
+            # cluster while it recovers).
+            resume, firsts = wait_until(
+                lambda t_kill=t_kill, mark=mark: s.recovered(KILL_WORLD, t_kill, mark),
+                cfg.run_timeout_s,
+                f"every rank's first step after kill {k}",
+            )
+            # The first restart the leader recorded after the kill (a failed recovery
+            # adds more).
+            restart = wait_until(
+                lambda kill_ms=t_kill * 1000: next(
+                    (r for r in job.status().restarts if r.failed_at_ms >= kill_ms), None
+                ),
+                cfg.run_timeout_s,
+                f"the restart after kill {k}",
+            )
+            after = job.status()
+            raw = next(
+                (x for x in after.raw.get("restarts", []) if x.get("number") == restart.number),
+                {},
+            )
+            runtime_ms: dict[str, float] = {}
+            for r in range(KILL_WORLD):
+                reached = s.first_line(r, t_kill, RESTART_REACHED, mark)
+                if reached:
+                    runtime_ms[f"rank {r} restart reached it"] = (reached[0] - t_kill) * 1000
+                for _, line in s.lines_since(r, mark):
+                    m = RESTART_PHASES.search(line)
+                    if m:
+                        left, torn, reentered = (float(g) for g in m.groups())
+                        runtime_ms[f"rank {r} left the step (after it was reached)"] = left
+                        runtime_ms[f"rank {r} process group torn down"] = torn
+                        runtime_ms[f"rank {r} re-entered the function (after reached)"] = reentered
+            kill_ms = t_kill * 1000
+            started = {r.rank: r.started_at_ms for r in after.ranks}
+            run = {
+                "seconds": max(t for t, _ in firsts) - t_kill,
+                "resume_step": resume,
+                "restart_resume_step": restart.resume_step,
+                "first_steps": [n for _, n in firsts],
+                "phases_ms": {
+                    "detect (exit committed)": restart.failed_at_ms - kill_ms,
+                    "decide (restart scheduled)": (
+                        restart.not_before_ms - restart.delay_ms - kill_ms
+                    ),
+                    "restart not before": restart.not_before_ms - kill_ms,
+                    "rank 0 new attempt started": started[0] - kill_ms,
+                    **kill_phases(s, t_kill, mark, firsts),
+                    **runtime_ms,
+                },
+                "path": raw.get("path", ""),
+                "path_reason": raw.get("path_reason", ""),
+                "pids_after": {str(r.rank): r.pid for r in after.ranks},
+                "killed_pid": rank0.pid,
+            }
+            runs.append(run)
+            log(
+                f"  cumulus kill {k}: every rank stepping again after {run['seconds']:.2f} s "
+                f"(from step {resume}, path {run['path'] or 'full'})"
+            )
+    finally:
+        with suppress(cumulus.CumulusError):
+            job.cancel()
+    return runs
+
+
+def kill_torchrun(cfg: Config, tmp: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """``cfg.kills`` kills of rank 0's worker in one ``torchrun --max-restarts`` run; the
+    runs measured, and why it stopped early (``None`` when it did not)."""
+    stamps = tmp / "kill-torchrun.stamps"
+    stamps.mkdir()
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(KILL_WORLD)]
+    cmd += ["--max-restarts", str(3 * cfg.kills)]
+    cmd += kill_script(tmp / "kill-torchrun", KILL_STEPS, cfg.kill_ckpt_every)
+    runs: list[dict[str, Any]] = []
+    with (tmp / "kill-torchrun.log").open("wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env(CUMULUS_BENCH_STAMPS=str(stamps)),
+            cwd=REPO,
+            start_new_session=True,
+        )
+        try:
+            s = Stamps(stamps)
+            for k in range(1, cfg.kills + 1):
+                wait_every_rank_past(s, cfg.kill_ckpt_every + 10, cfg.run_timeout_s)
+                if proc.poll() is not None:
+                    raise BenchError(f"torchrun exited with {proc.returncode}")
+                pid = s.read().newest_pid(0)
+                mark = s.mark()
+                t_kill = time.time()
+                os.kill(pid, signal.SIGKILL)
+                _, firsts = wait_until(
+                    lambda t_kill=t_kill, mark=mark: s.recovered(KILL_WORLD, t_kill, mark),
+                    cfg.run_timeout_s,
+                    f"every torchrun rank's first step after kill {k}",
+                )
+                run = {
+                    "seconds": max(t for t, _ in firsts) - t_kill,
+                    "resume_step": 0,
+                    "phases_ms": kill_phases(s, t_kill, mark, firsts),
                 }
-    raise BenchError(f"no restarted rank 0 logged a training step (stamps in {stamps})")
+                runs.append(run)
+                log(f"  torchrun kill {k}: every rank stepping again after {run['seconds']:.2f} s")
+        except BenchError as e:
+            why = f"{e}\n{tail(tmp / 'kill-torchrun.log')}"[-2000:]
+            log(f"  torchrun: {why}")
+            return runs, why
+        finally:
+            kill_group(proc)
+    return runs, None
 
 
 def bench_kill(cfg: Config, client: cumulus.Client, tmp: Path) -> list[Row]:
-    runs: dict[str, list[dict[str, Any]]] = {"cumulus": [], "torchrun": []}
-    kill = ["--kill-rank", "0", "--kill-at-step", str(cfg.kill_at)]
-
-    def script(out: Path) -> list[str]:
-        cmd = ddp_command(out, steps=cfg.kill_steps, ckpt_every=cfg.kill_ckpt_every, log_every=1)
-        return [str(STAMPED), *cmd, *kill]
-
-    def under_cumulus(i: int) -> dict[str, Any]:
-        stamps = tmp / f"kill-cumulus-{i}.stamps"
-        stamps.mkdir()
-        info = run_job(
-            client,
-            [PYTHON, *script(tmp / f"kill-cumulus-{i}")],
-            timeout_s=cfg.run_timeout_s,
-            world_size=2,
-            ckpt_dir=tmp / f"kill-cumulus-{i}.ckpt",
-            env={
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-                "CUMULUS_BENCH_STAMPS": str(stamps),
-            },
-            max_restarts=3,
-            restart_scope="group",
-            backoff_initial_ms=RESTART_BACKOFF_MS,
-            backoff_max_ms=RESTART_BACKOFF_MS,
-            name=f"bench-kill-{i}",
-        )
-        r = kill_to_first_step(stamps)
-        r["restarts_used"] = info.restarts_used
-        r["restart_delay_ms"] = [x.delay_ms for x in info.restarts]
-        r["resume_step"] = [x.resume_step for x in info.restarts]
-        return r
-
-    torchrun_failures: list[str] = []
-
-    def under_torchrun(i: int) -> dict[str, Any]:
-        # torchrun sometimes fails every restart (gloo "connectFullMesh ... Connection
-        # refused" on a loaded machine); such a run is recorded and the run repeated.
-        for k in range(3):
-            stamps = tmp / f"kill-torchrun-{i}.{k}.stamps"
-            stamps.mkdir()
-            cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "3"]
-            cmd += script(tmp / f"kill-torchrun-{i}.{k}")
-            try:
-                run_group(
-                    cmd,
-                    timeout_s=cfg.run_timeout_s,
-                    log=tmp / f"kill-torchrun-{i}.{k}.log",
-                    env=child_env(CUMULUS_BENCH_STAMPS=str(stamps)),
-                )
-            except BenchError as e:
-                torchrun_failures.append(str(e)[-600:])
-                log(f"  kill pair {i}: torchrun run failed, repeating it:\n{str(e)[-600:]}")
-                continue
-            return kill_to_first_step(stamps)
-        raise BenchError(f"torchrun failed 3 runs in a row: {torchrun_failures[-1]}")
-
-    for i in range(cfg.kill_pairs):
-        order = ("cumulus", "torchrun") if i % 2 == 0 else ("torchrun", "cumulus")
-        for who in order:
-            r = under_cumulus(i) if who == "cumulus" else under_torchrun(i)
-            runs[who].append(r)
-            log(
-                f"  kill pair {i}: {who} {r['seconds']:.2f} s to step {r['first_step']} "
-                f"(attempt {r['attempt']}, resumed from {r['resumed_from']})"
+    """P3: ``kill -9`` of rank 0 -> the first training step of EVERY rank after the
+    recovery, ``cfg.kills`` kills in one long run per launcher (the next kill once every
+    rank has gone 60 steps past the resume point and, under Cumulus, the replacement
+    spare has had time to import torch), with the phases the leader, the agent and the
+    runtime timestamp."""
+    ready_s = 1.5 * import_time_s() + 1.0
+    log(f"  import torch: a new spare is ready after ~{ready_s:.1f} s")
+    results = {"cumulus": kill_cumulus(cfg, client, tmp, ready_s)}
+    results["torchrun"], torchrun_error = kill_torchrun(cfg, tmp)
+    c = [r["seconds"] for r in results["cumulus"]]
+    t = [r["seconds"] for r in results["torchrun"]]
+    phases: dict[str, dict[str, float]] = {}
+    for who, runs in results.items():
+        keys = sorted({key for r in runs for key in r["phases_ms"]})
+        phases[who] = {
+            key: round(
+                statistics.median(r["phases_ms"][key] for r in runs if key in r["phases_ms"]), 1
             )
-
-    c = statistics.median(r["seconds"] for r in runs["cumulus"])
-    t = statistics.median(r["seconds"] for r in runs["torchrun"])
-    c_from = sorted({r["resumed_from"] for r in runs["cumulus"]})
-    t_from = sorted({r["resumed_from"] for r in runs["torchrun"]})
+            for key in keys
+        }
     details = {
-        "runs": runs,
-        "pairs": cfg.kill_pairs,
-        "steps": cfg.kill_steps,
+        "kills": cfg.kills,
+        "world_size": KILL_WORLD,
         "ckpt_every": cfg.kill_ckpt_every,
-        "killed_at_step": cfg.kill_at,
+        "warm_spares": cfg.kill_spares,
+        "spare_ready_after_s": round(ready_s, 2),
+        "median_phases_ms": phases,
+        "runs": results,
+        "torchrun_error": torchrun_error,
+        "measured": (
+            "SIGKILL of rank 0 (the harness's clock) -> the last of the ranks' first "
+            "progress reports from the resumed position (step resume+1), every rank "
+            "stamped by stamped.py on one clock"
+        ),
         "cumulus": (
-            f"group restart, backoff {RESTART_BACKOFF_MS} ms; resumes exactly from the "
-            f"committed checkpoint (step {c_from})"
+            f"restart backoff {RESTART_BACKOFF_MS} ms, --warm-spares {cfg.kill_spares} "
+            "--warm-imports torch; resumes exactly from the committed step"
         ),
         "torchrun": (
-            "--max-restarts 3, default --monitor-interval; restarts the script, which has "
-            f"no Cumulus checkpoint to resume from: starts again at step {t_from} "
-            f"({cfg.kill_at} steps of work lost)"
-        ),
-        "torchrun_failed_runs": torchrun_failures,
-        "measured": (
-            "SIGKILL (stamped by the dying rank) -> first step line of a restarted rank 0; "
-            "a restarted attempt that fails before its first step counts in the time"
+            f"--max-restarts {3 * cfg.kills}, default --monitor-interval; restarts the "
+            "script, which has no Cumulus checkpoint: starts again at step 0"
         ),
     }
-    return [
-        Row("kill_to_first_step_cumulus_s", "kill -9 -> first step, Cumulus", c, "s"),
-        Row("kill_to_first_step_torchrun_s", "kill -9 -> first step, torchrun", t, "s"),
+    no_torchrun = torchrun_error if not t else None
+    rows = [
         Row(
-            "kill_to_first_step_ratio",
-            "kill -9 -> first step, Cumulus / torchrun",
-            c / t,
-            "x",
+            "kill_to_every_rank_step_cumulus_p50_s",
+            "kill -9 -> first step on every rank, Cumulus p50",
+            statistics.median(c) if c else None,
+            "s",
             target="<= 1.0",
             details=details,
         ),
+        Row(
+            "kill_to_every_rank_step_cumulus_p99_s",
+            "kill -9 -> first step on every rank, Cumulus p99",
+            pct(c, 0.99) if c else None,
+            "s",
+        ),
+        Row(
+            "kill_to_every_rank_step_torchrun_p50_s",
+            "kill -9 -> first step on every rank, torchrun p50",
+            statistics.median(t) if t else None,
+            "s",
+            error=no_torchrun,
+        ),
+        Row(
+            "kill_to_every_rank_step_torchrun_p99_s",
+            "kill -9 -> first step on every rank, torchrun p99",
+            pct(t, 0.99) if t else None,
+            "s",
+            error=no_torchrun,
+        ),
+    ]
+    if c and t:
+        rows.append(
+            Row(
+                "kill_to_every_rank_step_ratio",
+                "kill -9 -> first step on every rank, Cumulus / torchrun (p50)",
+                statistics.median(c) / statistics.median(t),
+                "x",
+                target="<= 0.3",
+                details=details,
+            )
+        )
+    return rows
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Polls ``predicate`` every 20 ms until it returns a true value (returned)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def bench_spares_steady(cfg: Config, client: cumulus.Client, tmp: Path) -> list[Row]:
+    """DDP steps/s of the example with ``--warm-spares 1 --warm-imports torch`` over the
+    same without spares (alternated runs, medians): the spare starts (and imports torch)
+    once a rank has reported, and then waits without using the CPU."""
+    off = 1 << 62
+    runs: dict[str, list[float]] = {"spares": [], "none": []}
+
+    def one(i: int, spares: int) -> float:
+        out = tmp / f"steady-{spares}-{i}"
+        run_job(
+            client,
+            [PYTHON, *ddp_command(out, steps=cfg.ddp_steps, ckpt_every=off, log_every=off)],
+            timeout_s=cfg.run_timeout_s,
+            poll_interval_s=2.0,
+            world_size=2,
+            env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+            max_restarts=0,
+            name=f"bench-steady-{spares}-{i}",
+            **({"warm_spares": spares, "warm_imports": ["torch"]} if spares else {}),
+        )
+        return statistics.fmean(r["steps_per_s"] for r in rank_results(out))
+
+    for i in range(cfg.ddp_pairs):
+        order = (1, 0) if i % 2 == 0 else (0, 1)
+        for n in order:
+            v = one(i, n)
+            runs["spares" if n else "none"].append(v)
+            log(f"  steady pair {i}: {'1 spare' if n else 'no spare'} {v:.1f} steps/s")
+    on, none = statistics.median(runs["spares"]), statistics.median(runs["none"])
+    details = {
+        "runs_steps_per_s": runs,
+        "pairs": cfg.ddp_pairs,
+        "steps_per_run": cfg.ddp_steps,
+        "statistic": "median of runs; a run's value is the mean of its ranks' steps/s",
+    }
+    return [
+        Row(
+            "spares_steady_ratio",
+            "DDP steps/s with a warm spare / without",
+            on / none,
+            "x",
+            target=">= 0.99",
+            details=details,
+        )
     ]
 
 
@@ -812,7 +1130,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config, 
     p.add_argument(
         "--only",
         action="append",
-        choices=["ddp", "kill", "report", "ckpt", "run"],
+        choices=["ddp", "kill", "spares", "report", "ckpt", "run"],
         help="run only these measurements (repeatable)",
     )
     p.add_argument(
@@ -821,6 +1139,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config, 
         metavar="N",
         help="alternated (Cumulus, torchrun) pairs of the DDP measurement (default: 3; "
         "more pairs make the median of a noisy 2-core machine settle)",
+    )
+    p.add_argument(
+        "--kills",
+        type=int,
+        metavar="N",
+        help="kills of the kill -> first step measurement, each launcher (default: 12)",
     )
     p.add_argument(
         "--run-calls",
@@ -833,12 +1157,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config, 
     for flag, value, attr in (
         ("--ddp-pairs", args.ddp_pairs, "ddp_pairs"),
         ("--run-calls", args.run_calls, "run_calls"),
+        ("--kills", args.kills, "kills"),
     ):
         if value is not None:
             if value < 1:
                 p.error(f"{flag} must be at least 1")
             cfg = replace(cfg, **{attr: value})
-    only = set(args.only or ["ddp", "kill", "report", "ckpt", "run"])
+    only = set(args.only or ["ddp", "kill", "spares", "report", "ckpt", "run"])
     return args, cfg, only
 
 
@@ -865,28 +1190,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if "report" in only:
             attempt("report_us_per_call", "report() cost", lambda: bench_report(cfg))
-        if only & {"ddp", "kill", "ckpt", "run"}:
+        if only & {"ddp", "kill", "spares", "ckpt", "run"}:
             log(f"[{time.monotonic() - started:6.1f} s] starting a local cluster...")
             try:
                 with local_cluster(tmp) as client:
-                    if "ddp" in only:
-                        attempt(
-                            "ddp_steps_per_s_ratio",
-                            "DDP steps/s",
-                            lambda: bench_ddp(cfg, client, tmp),
-                        )
-                    if "kill" in only:
-                        attempt(
-                            "kill_to_first_step_ratio",
-                            "kill -9 -> first step",
-                            lambda: bench_kill(cfg, client, tmp),
-                        )
-                    if "ckpt" in only:
-                        attempt(
-                            "ckpt_blocked_ratio",
-                            "checkpoint blocking time",
-                            lambda: bench_ckpt(cfg, client, tmp),
-                        )
+                    for key, name, what, fn in (
+                        ("ddp", "ddp_steps_per_s_ratio", "DDP steps/s", bench_ddp),
+                        (
+                            "kill",
+                            "kill_to_every_rank_step_cumulus_p50_s",
+                            "kill -9 -> first step on every rank",
+                            bench_kill,
+                        ),
+                        (
+                            "spares",
+                            "spares_steady_ratio",
+                            "steady DDP steps/s with a warm spare",
+                            bench_spares_steady,
+                        ),
+                        ("ckpt", "ckpt_blocked_ratio", "checkpoint blocking time", bench_ckpt),
+                    ):
+                        if key in only:
+                            attempt(name, what, lambda fn=fn: fn(cfg, client, tmp))
                     if "run" in only:
                         log(f"[{time.monotonic() - started:6.1f} s] sending code (issue 41)...")
                         rows.extend(bench_run(cfg, client, tmp))

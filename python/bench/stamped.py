@@ -1,7 +1,10 @@
 """Runs a Python script (``stamped.py SCRIPT ARGS...``) with every line it prints on stdout
-also written, with the wall-clock time it was printed at, to
+and stderr also written, with the wall-clock time it was printed at, to
 ``$CUMULUS_BENCH_STAMPS/rank-<RANK>.attempt-<A>.pid-<PID>.log`` (one ``<unix time> <line>``
-per line, flushed per line, so a line printed just before a SIGKILL is kept).
+per line, flushed per line, so a line printed just before a SIGKILL is kept), and every
+``cumulus.runtime`` progress report (``Runtime.report(step, ...)``, which the script makes
+after each training step, on every rank, under Cumulus and torchrun alike) as a line
+``report step <N>``.
 
 The attempt is ``CUMULUS_ATTEMPT`` under Cumulus and ``TORCHELASTIC_RESTART_COUNT`` under
 torchrun. The benchmark uses it to time "rank killed" → "first step after the restart"
@@ -42,6 +45,19 @@ class _Stamped:
         return getattr(self._inner, name)
 
 
+def _stamp_reports(fd: int) -> None:
+    """Stamps every ``Runtime.report`` call (the step it reports) into ``fd``."""
+    from cumulus.runtime import Runtime
+
+    report = Runtime.report
+
+    def stamped(self: Runtime, step: int, *args: object, **kwargs: object) -> None:
+        os.write(fd, f"{time.time():.6f} report step {step}\n".encode())
+        report(self, step, *args, **kwargs)  # type: ignore[arg-type]
+
+    Runtime.report = stamped  # type: ignore[method-assign]
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: stamped.py SCRIPT [ARGS...]")
@@ -54,6 +70,8 @@ def main() -> None:
         path = os.path.join(out, f"rank-{rank}.attempt-{attempt}.pid-{os.getpid()}.log")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         sys.stdout = _Stamped(sys.stdout, fd)
+        sys.stderr = _Stamped(sys.stderr, fd)
+        _stamp_reports(fd)
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     runpy.run_path(script, run_name="__main__")
