@@ -88,6 +88,8 @@ async fn summary(cluster: &Cluster, i: usize, job: &str) -> Option<v1::JobSummar
     r.json().await.ok()
 }
 
+// One scenario read in order on one cluster (its start is most of the test's time).
+#[allow(clippy::too_many_lines)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_move_with_the_cluster_and_the_progress_history_survives_a_leader_kill() {
     let secrets = tempfile::tempdir().expect("tempdir");
