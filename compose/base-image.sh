@@ -2,7 +2,7 @@
 # Builds a local base image for the Cumulus images without pulling anything: a minimal
 # Debian bookworm root filesystem made by debootstrap from Debian's package mirror, with
 # the runtime packages the images need (python3 for `python train.py` jobs, tini, curl,
-# CA certificates), then `docker import`ed.
+# CA certificates, prometheus for the `prometheus` service), then `docker import`ed.
 #
 # usage: compose/base-image.sh [IMAGE]      (default IMAGE: cumulus-base:bookworm)
 #
@@ -10,19 +10,21 @@
 #   CUMULUS_DEBIAN_MIRROR   mirror URL (default: the first one in /etc/apt/sources*)
 #   CUMULUS_COMPOSE_CACHE   where the root filesystem tarball is cached
 #                           (default: compose/.cache); delete it to rebuild
-# Does nothing when IMAGE already exists. Needs root (debootstrap) and debootstrap.
+# Does nothing when IMAGE already exists with this package list (its label
+# cumulus.packages). Needs root (debootstrap) and debootstrap.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 image="${1:-cumulus-base:bookworm}"
 cache="${CUMULUS_COMPOSE_CACHE:-$here/.cache}"
-packages="python3,python-is-python3,tini,curl,ca-certificates"
+packages="python3,python-is-python3,tini,curl,ca-certificates,prometheus"
 
-if docker image inspect "$image" >/dev/null 2>&1; then
+# An image (or a cached root filesystem) made with another package list is made again.
+if [ "$(docker image inspect -f '{{index .Config.Labels "cumulus.packages"}}' "$image" 2>/dev/null)" = "$packages" ]; then
   echo "base image $image exists"
   exit 0
 fi
 
-tarball="$cache/rootfs-bookworm.tar"
+tarball="$cache/rootfs-bookworm-$(printf '%s' "$packages" | cksum | cut -d' ' -f1).tar"
 if [ ! -s "$tarball" ]; then
   command -v debootstrap >/dev/null || {
     echo "debootstrap is missing: apt-get install debootstrap" >&2
@@ -52,5 +54,6 @@ if [ ! -s "$tarball" ]; then
   mv "$tarball.tmp" "$tarball"
 fi
 docker import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-  --change 'CMD ["/bin/bash"]' "$tarball" "$image" >/dev/null
+  --change 'CMD ["/bin/bash"]' --change "LABEL cumulus.packages=$packages" \
+  "$tarball" "$image" >/dev/null
 echo "base image $image imported from $tarball"

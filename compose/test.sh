@@ -11,6 +11,8 @@
 #      still succeeds, resumed from committed steps, LATEST names a verified step;
 #   3. `down` + `up` with the same volumes: jobs and checkpoints come back;
 #   4. `down -v` leaves no container, network or volume of the project behind.
+# Along test 1, Prometheus (the `prometheus` service) scrapes every coordinator and
+# worker, and its query of the jobs by state sees the job that succeeded.
 #
 # Run by scripts/test.sh. With no reachable Docker engine it prints that it was SKIPPED
 # and why, and exits 0; anything else missing (debootstrap, s3s-fs, binaries) fails it.
@@ -70,9 +72,12 @@ export CUMULUS_BASE_IMAGE="cumulus-base:bookworm" CUMULUS_BUILDER_IMAGE="cumulus
 export CUMULUS_PREBUILT_DIR="compose/.bin" CUMULUS_S3S_FS_BIN=".s3s/s3s-fs"
 export CUMULUS_WORKER_SLOTS=4
 export CUMULUS_PEER_TOKEN_SECRET_FILE="$work/peer-token"
+export CUMULUS_METRICS_TOKEN_SECRET_FILE="$work/metrics-token"
+export CUMULUS_PROMETHEUS_PORT="$(free_port)"
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$CUMULUS_TOKEN_SECRET_FILE"
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$CUMULUS_PEER_TOKEN_SECRET_FILE"
-chmod 0644 "$CUMULUS_TOKEN_SECRET_FILE" "$CUMULUS_PEER_TOKEN_SECRET_FILE"
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$CUMULUS_METRICS_TOKEN_SECRET_FILE"
+chmod 0644 "$CUMULUS_TOKEN_SECRET_FILE" "$CUMULUS_PEER_TOKEN_SECRET_FILE" "$CUMULUS_METRICS_TOKEN_SECRET_FILE"
 dc() { "${DC[@]}" -p "$project" -f docker-compose.yml -f docker-compose.s3s.yml "$@"; }
 
 ctlbox=""
@@ -98,7 +103,7 @@ cleanup() {
   else
     [ -n "$ctlbox" ] && docker rm -f -v "$ctlbox" >/dev/null 2>&1
     dc down -v --remove-orphans >/dev/null 2>&1 || true
-    for i in cumulus-coordinator cumulus-worker cumulusctl cumulus-s3s-fs; do
+    for i in cumulus-coordinator cumulus-worker cumulusctl cumulus-s3s-fs cumulus-prometheus; do
       docker rmi "$i:$CUMULUS_TAG" >/dev/null 2>&1 || true
     done
     docker image prune -f --filter label=cumulus.stage=build >/dev/null 2>&1 || true
@@ -312,6 +317,24 @@ wait_job_done "$job1" 300
 say "test 1: $job1 succeeded in $(($(date +%s) - t0))s"
 check_results plain
 check_latest "$job1"
+
+# Prometheus (asked from inside its container) scrapes the 3 coordinators and 2 workers
+# it discovered through /metrics/targets, with the scrape token, and sees the job.
+prom() { docker exec "$(dc ps -q prometheus)" curl -fsS "http://127.0.0.1:9090/api/v1/$1"; }
+prom_targets_up() {
+  prom targets | python3 -c '
+import json, sys
+t = json.load(sys.stdin)["data"]["activeTargets"]
+up = lambda role: sum(1 for x in t if x["labels"].get("cumulus_role") == role and x["health"] == "up")
+sys.exit(0 if up("coordinator") >= 3 and up("worker") >= 2 else 1)'
+}
+wait_until "Prometheus scraping 3 coordinators and 2 workers" 120 prom_targets_up
+prom_sees_job() {
+  prom 'query?query=max(cumulus_jobs%7Bstate%3D%22succeeded%22%7D)' |
+    python3 -c 'import json,sys; r=json.load(sys.stdin)["data"]["result"]; sys.exit(0 if r and float(r[0]["value"][1]) >= 1 else 1)'
+}
+wait_until "Prometheus to see the succeeded job" 60 prom_sees_job
+say "test 1: Prometheus scrapes 3 coordinators and 2 workers; cumulus_jobs{state=\"succeeded\"} >= 1"
 
 # ---- 2. faults during a run -------------------------------------------------------------
 container_of() { dc ps -q "$1"; }

@@ -14,6 +14,7 @@ mod ckpt_s3;
 mod cluster_ops;
 mod heartbeat_scale;
 mod memory;
+mod metrics_scrape;
 mod procstat;
 mod python;
 mod report;
@@ -81,6 +82,7 @@ pub const SCENARIOS: &[&str] = &[
     "rank_restart_run_as",
     "worker_expiry",
     "heartbeat_scale",
+    "metrics_scrape",
     "scheduler",
     "pause",
     "ckpt_commit",
@@ -100,6 +102,7 @@ async fn run_one(name: &str, ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         "rank_restart_run_as" => cluster_ops::rank_restart_run_as(ctx).await,
         "worker_expiry" => cluster_ops::worker_expiry(ctx).await,
         "heartbeat_scale" => heartbeat_scale::run(ctx).await,
+        "metrics_scrape" => metrics_scrape::run(ctx).await,
         "scheduler" => scheduler::run(ctx).await,
         "pause" => cluster_ops::pause(ctx).await,
         "ckpt_commit" => ckpt_commit::run(ctx).await,
