@@ -57,6 +57,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -549,6 +550,12 @@ def kill_phases(
     return out
 
 
+def first_restart_after(job: cumulus.Job, kill_ms: float) -> cumulus.RestartInfo | None:
+    """The first restart the leader recorded after ``kill_ms`` (a failed recovery adds
+    more)."""
+    return next((r for r in job.status().restarts if r.failed_at_ms >= kill_ms), None)
+
+
 def kill_cumulus(
     cfg: Config, client: cumulus.Client, tmp: Path, ready_s: float
 ) -> list[dict[str, Any]]:
@@ -591,21 +598,19 @@ def kill_cumulus(
             # Only the stamp files are read until every rank steps again (no load on the
             # cluster while it recovers).
             resume, firsts = wait_until(
-                lambda t_kill=t_kill, mark=mark: s.recovered(KILL_WORLD, t_kill, mark),
+                partial(s.recovered, KILL_WORLD, t_kill, mark),
                 cfg.run_timeout_s,
                 f"every rank's first step after kill {k}",
             )
             # The first restart the leader recorded after the kill (a failed recovery
             # adds more).
             restart = wait_until(
-                lambda kill_ms=t_kill * 1000: next(
-                    (r for r in job.status().restarts if r.failed_at_ms >= kill_ms), None
-                ),
+                partial(first_restart_after, job, t_kill * 1000),
                 cfg.run_timeout_s,
                 f"the restart after kill {k}",
             )
             after = job.status()
-            raw = next(
+            raw: dict[str, Any] = next(
                 (x for x in after.raw.get("restarts", []) if x.get("number") == restart.number),
                 {},
             )
@@ -684,7 +689,7 @@ def kill_torchrun(cfg: Config, tmp: Path) -> tuple[list[dict[str, Any]], str | N
                 t_kill = time.time()
                 os.kill(pid, signal.SIGKILL)
                 _, firsts = wait_until(
-                    lambda t_kill=t_kill, mark=mark: s.recovered(KILL_WORLD, t_kill, mark),
+                    partial(s.recovered, KILL_WORLD, t_kill, mark),
                     cfg.run_timeout_s,
                     f"every torchrun rank's first step after kill {k}",
                 )
@@ -1211,7 +1216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         ("ckpt", "ckpt_blocked_ratio", "checkpoint blocking time", bench_ckpt),
                     ):
                         if key in only:
-                            attempt(name, what, lambda fn=fn: fn(cfg, client, tmp))
+                            attempt(name, what, partial(fn, cfg, client, tmp))
                     if "run" in only:
                         log(f"[{time.monotonic() - started:6.1f} s] sending code (issue 41)...")
                         rows.extend(bench_run(cfg, client, tmp))

@@ -17,6 +17,8 @@ from cumulus import runtime
 def main() -> None:
     out = Path(sys.argv[1])
     attempt = int(os.environ["CUMULUS_ATTEMPT"])
+    umask = os.umask(0o077)
+    os.umask(umask)
     view = {
         "argv": sys.argv,
         "name": __name__,
@@ -31,12 +33,11 @@ def main() -> None:
         "uid": os.getuid(),
         "gid": os.getgid(),
         "groups": sorted(os.getgroups()),
-        "umask": os.umask(0o077),
+        "umask": umask,
         "stdin": os.readlink("/proc/self/fd/0"),
         "executable": sys.executable,
         "main_is_this": sys.modules["__main__"].__dict__.get("main") is main,
     }
-    os.umask(view["umask"])
     (out / f"attempt-{attempt}.json").write_text(json.dumps(view))
     print(f"stdout of attempt {attempt}", flush=True)
     print(f"stderr of attempt {attempt}", file=sys.stderr, flush=True)
