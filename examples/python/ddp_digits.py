@@ -23,8 +23,12 @@ Runs unchanged::
 
     torchrun --nproc-per-node 2 examples/python/ddp_digits.py --out /tmp/ddp
     cumulusctl dataset split data/digits/digits.csv.gz --shards 4 --out /tmp/digits
-    cumulusctl submit --world-size 2 --dataset /tmp/digits --ckpt-dir /tmp/ckpt -- \\
+    cumulusctl submit --world-size 2 --dataset /tmp/digits --ckpt-dir /tmp/ckpt \\
+        --warm-spares 1 --warm-imports torch -- \\
         python examples/python/ddp_digits.py --out /tmp/ddp
+
+(``--warm-spares 1 --warm-imports torch``: each worker keeps an interpreter with PyTorch
+imported, which a restarted rank takes instead of starting again.)
 
 At the end rank 0 writes ``<out>/model.safetensors`` (the final weights), and every rank
 ``<out>/rank-<R>.json``: its steps, attempt, resume step, the SHA-256 of its final
