@@ -11,8 +11,8 @@ use std::fmt::Write as _;
 
 use crate::shape::{FieldType, Shape};
 use crate::states::{
-    CheckpointTier, CommitTier, JobState, MemberRole, RankPhase, RankState, RestartScope, Role,
-    StopAction, WorkerPhase,
+    CheckpointTier, CommitTier, JobState, MemberRole, RankPhase, RankState, RestartPath,
+    RestartScope, Role, StopAction, StragglerAction, WorkerPhase,
 };
 use crate::{
     blobs, client_config, gpus, leader, limits, manifest, metric_json, rank_env, rank_local,
@@ -208,6 +208,36 @@ fn job_spec_limit_constants() -> Vec<Constant> {
         ),
         constant!(
             int,
+            limits::DEFAULT_STRAGGLER_FRACTION_PERMILLE,
+            "Default straggler fraction of a job, in thousandths of the median rate of its other ranks."
+        ),
+        constant!(
+            int,
+            limits::MIN_STRAGGLER_FRACTION_PERMILLE,
+            "Smallest straggler fraction a job may ask for, in thousandths."
+        ),
+        constant!(
+            int,
+            limits::MAX_STRAGGLER_FRACTION_PERMILLE,
+            "Largest straggler fraction a job may ask for, in thousandths."
+        ),
+        constant!(
+            int,
+            limits::DEFAULT_STRAGGLER_WINDOW_MS,
+            "Default straggler window of a job, in milliseconds."
+        ),
+        constant!(
+            int,
+            limits::MIN_STRAGGLER_WINDOW_MS,
+            "Shortest straggler window a job may ask for, in milliseconds."
+        ),
+        constant!(
+            int,
+            limits::MAX_STRAGGLER_WINDOW_MS,
+            "Longest straggler window a job may ask for, in milliseconds."
+        ),
+        constant!(
+            int,
             limits::MAX_WARM_SPARES,
             "Most warm spares a job may ask each of its workers to keep."
         ),
@@ -394,6 +424,9 @@ fn rank_env_constants() -> Vec<Constant> {
             "Exit code of a rank that could not reach its agent's rank-local API after its retries."
         ),
         constant!(str, rank_env::OUTPUT_DIR as "RANK_ENV_OUTPUT_DIR", "Directory whose contents are uploaded as the attempt's artifacts when it ends."),
+        constant!(str, rank_env::DATA_PLAN as "RANK_ENV_DATA_PLAN", "An elastic job's data plan for the rank (JSON file)."),
+        constant!(str, rank_env::DATA_STATE_KEY as "RANK_DATA_STATE_KEY", "Key of the data position in an elastic job's checkpoint state."),
+        constant!(int, rank_env::MAX_DATA_CARRY_BYTES as "RANK_MAX_DATA_CARRY_BYTES", "Largest carry of a data position, compact JSON, in bytes."),
         constant!(
             int,
             rank_env::EXIT_CANNOT_RUN,
@@ -406,6 +439,8 @@ fn rank_env_constants() -> Vec<Constant> {
         constant!(int, rank_local::MAX_EXCEPTION_MESSAGE_BYTES as "RANK_MAX_EXCEPTION_MESSAGE_BYTES", "Longest exception message of a rank-local POST /v1/exception, in bytes."),
         constant!(int, rank_local::MAX_EXCEPTION_FRAMES as "RANK_MAX_EXCEPTION_FRAMES", "Most frames of a rank-local POST /v1/exception (the innermost)."),
         constant!(int, rank_local::MAX_EXCEPTION_FRAME_BYTES as "RANK_MAX_EXCEPTION_FRAME_BYTES", "Longest frame (and origin) of a rank-local POST /v1/exception, in bytes."),
+        constant!(int, rank_local::MAX_RESTART_POLL_MS as "RANK_MAX_RESTART_POLL_MS", "Longest wait of one rank-local GET /v1/restart long poll, in milliseconds."),
+        constant!(int, rank_local::RESTART_ACK_TIMEOUT_MS as "RANK_RESTART_ACK_TIMEOUT_MS", "How long an in-process restart waits for the rank's POST /v1/restart before it falls back to a full restart, in milliseconds."),
     ]
 }
 
@@ -606,6 +641,15 @@ fn enums() -> Vec<WireEnum> {
             subset: None,
         },
         WireEnum {
+            name: "RestartPath",
+            rust: "cumulus_api::states::RestartPath",
+            doc: "How a restart was carried out: new processes, or survivors kept in-process.",
+            all_name: "RESTART_PATHS",
+            members: members(RestartPath::ALL, RestartPath::as_str),
+            default: Some(("DEFAULT_RESTART_PATH", RestartPath::default().as_str())),
+            subset: None,
+        },
+        WireEnum {
             name: "CommitTier",
             rust: "cumulus_api::states::CommitTier",
             doc: "Where a checkpoint step with an S3 target counts as committed.",
@@ -621,6 +665,15 @@ fn enums() -> Vec<WireEnum> {
             all_name: "STOP_ACTIONS",
             members: members(StopAction::ALL, StopAction::as_str),
             default: None,
+            subset: None,
+        },
+        WireEnum {
+            name: "StragglerAction",
+            rust: "cumulus_api::states::StragglerAction",
+            doc: "What the leader does about a rank that runs slower than its job's others.",
+            all_name: "STRAGGLER_ACTIONS",
+            members: members(StragglerAction::ALL, StragglerAction::as_str),
+            default: Some(("DEFAULT_STRAGGLER_ACTION", StragglerAction::default().as_str())),
             subset: None,
         },
         WireEnum {

@@ -55,6 +55,55 @@ pub const GPU_MEMORY_FRACTION: &str = "CUMULUS_GPU_MEMORY_FRACTION";
 /// it fails), and listed as the job's artifacts (`cumulusctl artifacts`).
 pub const OUTPUT_DIR: &str = "CUMULUS_OUTPUT_DIR";
 
+/// An elastic job's data plan for this rank: a JSON file ([`RankDataPlan`]), set for
+/// every attempt of a job submitted with a world size `MIN:MAX`. It tells the rank the
+/// world size it runs at, the one before the latest resize, and the segments of its
+/// records for the epochs that differ from its shards file.
+pub const DATA_PLAN: &str = "CUMULUS_DATA_PLAN";
+
+/// Key of the object a rank of an elastic job puts in its checkpoint's resume state (the
+/// JSON `state` of `POST /v1/checkpoint`) to tell the leader its data position:
+/// `{"epoch", "segment", "record"}` (0-based: in that epoch, the segments before
+/// `segment` and `record` records of segment `segment` are consumed) and an optional
+/// `carry` (any JSON of at most [`MAX_DATA_CARRY_BYTES`], e.g. a running digest of the
+/// records consumed) handed to the rank that takes its records over after a resize.
+pub const DATA_STATE_KEY: &str = "cumulus_data";
+/// Largest `carry` of a data position ([`DATA_STATE_KEY`]), compact JSON, in bytes; a
+/// larger one is handed on as `null`.
+pub const MAX_DATA_CARRY_BYTES: usize = 1024;
+
+/// The records of one shard from `first_record` (0-based, counting records) to its end.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DataSegment {
+    /// The shard's path.
+    pub shard: String,
+    /// Records of the shard before this one are not part of the segment.
+    pub first_record: u64,
+}
+
+/// The content of [`DATA_PLAN`]: what an elastic job's rank reads, epoch by epoch.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RankDataPlan {
+    /// Ranks the job runs with now (as `WORLD_SIZE`).
+    pub world_size: u32,
+    /// Ranks before the latest resize (equal to `world_size` when there was none).
+    pub previous_world_size: u32,
+    /// The committed step the current ranks started from (`None`: the job's start). An
+    /// attempt resuming from exactly this step starts the plan: at `start_epoch`,
+    /// segment 0, record 0, with `carry`; one resuming from a later step continues from
+    /// its own checkpoint's position.
+    pub from_step: Option<u64>,
+    /// The epoch the plan's ranks start in.
+    pub start_epoch: u32,
+    /// This rank's segments for the epochs listed; every other epoch is its shards file
+    /// (`CUMULUS_SHARDS_FILE`), each shard whole.
+    pub epochs: std::collections::BTreeMap<u32, Vec<DataSegment>>,
+    /// The `carry` values of the old ranks whose records this rank took over (old rank
+    /// `j` goes to new rank `j mod world_size`), for the attempt that starts the plan.
+    #[serde(default)]
+    pub carry: Vec<serde_json::Value>,
+}
+
 /// Every variable of the rank contract. A job's own `env` entry with one of these names is
 /// dropped by the agent (even when it does not set that variable for this attempt), so a
 /// job cannot fake, say, a resume; tests remove them all to run hermetically.
@@ -76,6 +125,7 @@ pub const CONTRACT_VARS: &[&str] = &[
     RESUME_STEP,
     GPU_MEMORY_FRACTION,
     OUTPUT_DIR,
+    DATA_PLAN,
 ];
 
 /// Variables an agent with GPUs sets for every rank; a job's own `env` entry with one of

@@ -12,6 +12,7 @@
 mod ckpt_commit;
 mod ckpt_s3;
 mod cluster_ops;
+mod elastic;
 mod heartbeat_scale;
 mod memory;
 mod metrics_scrape;
@@ -42,8 +43,9 @@ struct Args {
     #[arg(long)]
     smoke: bool,
     /// Comma-separated scenarios to run (default: all): write_path, write_stages, failover,
-    /// follower_catchup, rank_restart, rank_restart_run_as, worker_expiry, heartbeat_scale,
-    /// scheduler, pause, ckpt_commit, ckpt_s3, training, memory, python.
+    /// follower_catchup, rank_restart, rank_restart_run_as, worker_expiry, elastic_shrink,
+    /// heartbeat_scale, metrics_scrape, scheduler, pause, ckpt_commit, ckpt_s3, training,
+    /// memory, python.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Directory for the JSON results (created).
@@ -81,6 +83,7 @@ pub const SCENARIOS: &[&str] = &[
     "rank_restart",
     "rank_restart_run_as",
     "worker_expiry",
+    "elastic_shrink",
     "heartbeat_scale",
     "metrics_scrape",
     "scheduler",
@@ -101,6 +104,7 @@ async fn run_one(name: &str, ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         "rank_restart" => cluster_ops::rank_restart(ctx).await,
         "rank_restart_run_as" => cluster_ops::rank_restart_run_as(ctx).await,
         "worker_expiry" => cluster_ops::worker_expiry(ctx).await,
+        "elastic_shrink" => elastic::shrink(ctx).await,
         "heartbeat_scale" => heartbeat_scale::run(ctx).await,
         "metrics_scrape" => metrics_scrape::run(ctx).await,
         "scheduler" => scheduler::run(ctx).await,

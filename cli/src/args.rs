@@ -320,9 +320,12 @@ pub struct PurgeArgs {
 #[derive(Debug, Args)]
 pub struct SubmitArgs {
     /// Number of ranks (processes) of the job: at least 1, at most the cluster's maximum
-    /// (its coordinators' `--max-world-size`, 1024 by default).
-    #[arg(long, value_parser = parse_world_size)]
-    pub world_size: u32,
+    /// (its coordinators' `--max-world-size`, 1024 by default). `MIN:MAX` makes it
+    /// elastic: it starts with as many ranks as fit (at least MIN), continues with fewer
+    /// when a lost worker's ranks have no room, and grows back at a checkpoint boundary;
+    /// the records not consumed are dealt over the new ranks exactly once.
+    #[arg(long, value_parser = parse_elastic_world_size, value_name = "N|MIN:MAX")]
+    pub world_size: WorldSize,
     /// What the job runs with: data, checkpoints, restarts, resources, code, environment.
     #[command(flatten)]
     pub job: JobOpts,
@@ -413,9 +416,6 @@ pub struct JobOpts {
     /// chance.
     #[arg(long)]
     pub no_fail_fast: bool,
-    /// A rank whose reported step does not advance for this many seconds after its
-    /// first progress report is declared hung and restarted (0 or absent: off). Pick
-    /// a few times the longest gap between two reports (a checkpoint, an evaluation).
     /// Idle interpreters each worker keeps for this job (0..=8, default 0: none), started
     /// in the job's environment with --warm-imports done, holding no slot and no GPU: a
     /// replacement rank takes one instead of starting Python and importing again. Needs a
@@ -427,6 +427,9 @@ pub struct JobOpts {
     /// CUDA exits unused).
     #[arg(long, value_name = "MODULES", value_delimiter = ',')]
     pub warm_imports: Vec<String>,
+    /// A rank whose reported step does not advance for this many seconds after its
+    /// first progress report is declared hung and restarted (0 or absent: off). Pick
+    /// a few times the longest gap between two reports (a checkpoint, an evaluation).
     #[arg(long)]
     pub progress_timeout_s: Option<u64>,
     /// Seconds from a rank's process start to its first progress report (imports, data
@@ -477,6 +480,21 @@ pub struct JobOpts {
     /// Python runtime passes it to PyTorch; nothing enforces it).
     #[arg(long, value_parser = parse_gpu_fraction)]
     pub gpu_memory_fraction: Option<f64>,
+    /// What to do about a straggler, a rank whose steps/s (from its progress reports)
+    /// stays below --straggler-fraction of the median of the job's other ranks for
+    /// --straggler-window-s: `warn` (default: an event in `describe`, a mark in the ranks
+    /// table), `restart` (restart it, on another worker when one has room; spends restart
+    /// budget), `exclude` (keep it running, avoid its worker in this job's later
+    /// placements), `off`.
+    #[arg(long, value_enum, value_name = "ACTION")]
+    pub straggler_action: Option<cumulus_api::StragglerAction>,
+    /// Share of the other ranks' median steps/s below which a rank counts as slow,
+    /// 0.1..=0.95 (default 0.7).
+    #[arg(long, value_name = "F", value_parser = parse_straggler_fraction)]
+    pub straggler_fraction: Option<f64>,
+    /// Seconds a rank must stay slow to be flagged a straggler, 2..=86400 (default 60).
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(2..=86_400))]
+    pub straggler_window_s: Option<u64>,
     /// Extra environment variable for every rank, `KEY=VALUE` (repeatable).
     #[arg(long = "env", value_name = "KEY=VALUE")]
     pub env: Vec<String>,
@@ -819,6 +837,30 @@ pub struct DemoArgs {
     pub bin_dir: Option<PathBuf>,
 }
 
+/// `submit --world-size`: a fixed number of ranks, or an elastic range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorldSize {
+    /// The fewest ranks of an elastic job (`MIN`); 0 for a fixed world.
+    pub min: u32,
+    /// The number of ranks, or the most of an elastic job (`MAX`).
+    pub max: u32,
+}
+
+/// Parses `submit --world-size`: `N` ([`parse_world_size`]) or `MIN:MAX` with
+/// `1 <= MIN <= MAX`.
+fn parse_elastic_world_size(text: &str) -> Result<WorldSize, String> {
+    let Some((min, max)) = text.split_once(':') else {
+        return parse_world_size(text).map(|max| WorldSize { min: 0, max });
+    };
+    let (min, max) = (parse_world_size(min)?, parse_world_size(max)?);
+    if min > max {
+        return Err(format!(
+            "{text:?}: an elastic world size MIN:MAX needs MIN <= MAX"
+        ));
+    }
+    Ok(WorldSize { min, max })
+}
+
 /// Parses `--world-size`: a whole number of ranks, at least 1 (the cluster checks its
 /// own maximum).
 fn parse_world_size(text: &str) -> Result<u32, String> {
@@ -828,6 +870,25 @@ fn parse_world_size(text: &str) -> Result<u32, String> {
         Err(_) => Err(format!(
             "{text:?} is not a number of ranks (1 or more, up to the cluster's --max-world-size)"
         )),
+    }
+}
+
+/// Parses `--straggler-fraction`: a number within the contract's bounds
+/// (`MIN_STRAGGLER_FRACTION_PERMILLE..=MAX_STRAGGLER_FRACTION_PERMILLE` thousandths).
+fn parse_straggler_fraction(text: &str) -> Result<f64, String> {
+    use cumulus_api::limits::{MAX_STRAGGLER_FRACTION_PERMILLE, MIN_STRAGGLER_FRACTION_PERMILLE};
+    let value: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number"))?;
+    let (lo, hi) = (
+        f64::from(MIN_STRAGGLER_FRACTION_PERMILLE) / 1000.0,
+        f64::from(MAX_STRAGGLER_FRACTION_PERMILLE) / 1000.0,
+    );
+    if value.is_finite() && (lo..=hi).contains(&value) {
+        Ok(value)
+    } else {
+        Err(format!("{text:?} is not between {lo} and {hi}"))
     }
 }
 
@@ -881,7 +942,7 @@ mod tests {
         let Command::Submit(s) = cli.command else {
             panic!("not submit")
         };
-        assert_eq!(s.world_size, 4);
+        assert_eq!(s.world_size, WorldSize { min: 0, max: 4 });
         assert_eq!(s.job.env, vec!["A=1", "B=x=y"]);
         assert_eq!(s.job.restart_scope, Some(RestartScope::Rank));
         assert_eq!(s.command, vec!["python", "train.py", "--lr", "0.1"]);
@@ -894,6 +955,23 @@ mod tests {
             panic!("not submit")
         };
         assert_eq!(s.command, vec!["python", "-u", "x.py"]);
+    }
+
+    #[test]
+    fn submit_takes_an_elastic_world_size() {
+        let submit = |w: &str| match parse(&["submit", "--world-size", w, "--", "true"]) {
+            Ok(Cli {
+                command: Command::Submit(s),
+                ..
+            }) => Ok(s.world_size),
+            Ok(_) => panic!("not a submit"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(submit("2:4"), Ok(WorldSize { min: 2, max: 4 }));
+        assert_eq!(submit("3:3"), Ok(WorldSize { min: 3, max: 3 }));
+        assert!(submit("4:2").unwrap_err().contains("MIN <= MAX"));
+        assert!(submit("0:2").is_err());
+        assert!(submit("2:").is_err());
     }
 
     #[test]

@@ -75,7 +75,11 @@ fn abs_string(p: &Option<std::path::PathBuf>, flag: &str) -> Result<String> {
 /// generated once; the environment read and checked). `--upload` is not packed here:
 /// [`submit`] sets `spec.workdir` once the directory is stored.
 pub fn build_submit(args: &SubmitArgs) -> Result<SubmitJobRequest> {
-    build_request(args.world_size, &args.job, args.command.clone())
+    let mut req = build_request(args.world_size.max, &args.job, args.command.clone())?;
+    if let Some(spec) = &mut req.spec {
+        spec.min_world_size = args.world_size.min;
+    }
+    Ok(req)
 }
 
 /// Builds the request of a job of `world_size` ranks running `command` with `args`
@@ -158,12 +162,21 @@ pub fn build_request(
         workdir: None,
         environment: build_environment(args)?,
         fail_fast: args.no_fail_fast.then_some(false),
+        warm_spares: args.warm_spares.unwrap_or(0),
+        warm_imports: args.warm_imports.clone(),
+        straggler_action: args
+            .straggler_action
+            .map(|a| a.as_str().to_string())
+            .unwrap_or_default(),
+        straggler_fraction: args.straggler_fraction,
+        straggler_window_ms: args.straggler_window_s.map_or(0, |s| s * 1000),
+        min_world_size: 0,
     };
+    cumulus_api::warm::check(spec.warm_spares, &spec.warm_imports, &spec.command)
+        .map_err(|why| anyhow::anyhow!("{why} (--warm-spares, --warm-imports)"))?;
     Ok(SubmitJobRequest {
         allow_pending: args.allow_pending,
         request_id,
-        warm_spares: args.warm_spares.unwrap_or(0),
-        warm_imports: args.warm_imports.clone(),
         spec: Some(spec),
     })
 }
@@ -172,8 +185,6 @@ pub fn build_request(
 /// (`None` when none is given), checked against the contract's limits
 /// ([`cumulus_api::blobs`]) before anything is sent.
 ///
-    cumulus_api::warm::check(spec.warm_spares, &spec.warm_imports, &spec.command)
-        .map_err(|why| anyhow::anyhow!("{why} (--warm-spares, --warm-imports)"))?;
 /// # Errors
 /// Index options without packages, an unreadable or oversized requirements file, a
 /// package that is not one requirement, too many or malformed index options.

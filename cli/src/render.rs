@@ -159,6 +159,15 @@ fn jobs_table_with(resp: &ListJobsResponse, now_ms: u64, wide: bool) -> String {
     if wide {
         header.extend(["PRIORITY", "PROGRESS", "STEPS/S", "RAN", "WORKERS"]);
     }
+    // Ranks flagged as stragglers (current attempts), when any job has one.
+    let stragglers = wide
+        && resp
+            .jobs
+            .iter()
+            .any(|j| j.ranks.iter().any(|r| r.straggler));
+    if stragglers {
+        header.push("STRAGGLERS");
+    }
     header.push("COMMAND");
     let mut t = table(&header);
     for j in &resp.jobs {
@@ -208,6 +217,15 @@ fn jobs_table_with(resp: &ListJobsResponse, now_ms: u64, wide: bool) -> String {
                 },
                 or_dash(&workers.join(",")),
             ]);
+        }
+        if stragglers {
+            let flagged: Vec<String> = j
+                .ranks
+                .iter()
+                .filter(|r| r.straggler)
+                .map(|r| r.rank.to_string())
+                .collect();
+            cells.push(or_dash(&flagged.join(",")));
         }
         cells.push(cmd);
         add_row(&mut t, cells);
@@ -301,7 +319,18 @@ fn state_rows(row: &mut dyn FnMut(&str, String), job: &Job, spec: &cumulus_api::
     }
     row(
         "world size",
-        format!("{} ({} shards)", spec.world_size, job.shard_count),
+        if spec.min_world_size > 0 && spec.min_world_size < spec.world_size {
+            format!(
+                "{} now, elastic {}:{} ({} shards, {} resizes)",
+                job.world_size_now,
+                spec.min_world_size,
+                spec.world_size,
+                job.shard_count,
+                job.resizes.len()
+            )
+        } else {
+            format!("{} ({} shards)", spec.world_size, job.shard_count)
+        },
     );
     if spec.gpus_per_rank > 0 {
         row(
@@ -355,6 +384,12 @@ fn schedule_rows(row: &mut dyn FnMut(&str, String), job: &Job, spec: &cumulus_ap
     if spec.priority != 0 || spec.preemptible {
         row("priority", priority_text(spec));
     }
+    if let Some(text) = straggler_text(spec) {
+        row("stragglers", text);
+    }
+    if !job.avoided_workers.is_empty() {
+        row("avoided workers", job.avoided_workers.join(","));
+    }
     if !spec.resume_from_job.is_empty() {
         row(
             "resumed from",
@@ -379,6 +414,39 @@ fn schedule_rows(row: &mut dyn FnMut(&str, String), job: &Job, spec: &cumulus_ap
         }
         row("time limit", limit);
     }
+}
+
+/// The job's straggler rule in words, when it is not the default (warn below 0.7 of the
+/// other ranks' median steps/s for 60 s): `restart below 0.5 of the others' median
+/// steps/s for 30 s`, or `off`.
+fn straggler_text(spec: &cumulus_api::JobSpec) -> Option<String> {
+    use cumulus_api::limits::{DEFAULT_STRAGGLER_FRACTION_PERMILLE, DEFAULT_STRAGGLER_WINDOW_MS};
+    let action = if spec.straggler_action.is_empty() {
+        "warn"
+    } else {
+        spec.straggler_action.as_str()
+    };
+    let fraction = spec
+        .straggler_fraction
+        .unwrap_or(f64::from(DEFAULT_STRAGGLER_FRACTION_PERMILLE) / 1000.0);
+    let window_ms = if spec.straggler_window_ms == 0 {
+        DEFAULT_STRAGGLER_WINDOW_MS
+    } else {
+        spec.straggler_window_ms
+    };
+    let default = action == "warn"
+        && (fraction * 1000.0).round() as u32 == DEFAULT_STRAGGLER_FRACTION_PERMILLE
+        && window_ms == DEFAULT_STRAGGLER_WINDOW_MS;
+    if default {
+        return None;
+    }
+    if action == "off" {
+        return Some("off".into());
+    }
+    Some(format!(
+        "{action} below {fraction} of the other ranks' median steps/s for {}",
+        duration_text(window_ms)
+    ))
 }
 
 /// The job's hang detection in words: its progress timeout (counted from each
@@ -452,9 +520,13 @@ fn inputs_rows(row: &mut dyn FnMut(&str, String), spec: &cumulus_api::JobSpec) {
 fn ranks_table(job: &Job, spec: &cumulus_api::JobSpec) -> String {
     let gpus = spec.gpus_per_rank > 0;
     let metrics = job.ranks.iter().any(|r| !r.metrics.is_empty());
+    let stragglers = job.ranks.iter().any(|r| r.straggler);
     let mut header = vec!["RANK", "ATTEMPT", "WORKER", "STATE", "PID", "EXIT", "STEP"];
     if gpus {
         header.push("GPUS");
+    }
+    if stragglers {
+        header.push("STRAGGLER");
     }
     if metrics {
         header.push("METRICS");
@@ -476,6 +548,13 @@ fn ranks_table(job: &Job, spec: &cumulus_api::JobSpec) -> String {
         ];
         if gpus {
             cells.push(or_dash(&r.gpus.join(",")));
+        }
+        if stragglers {
+            cells.push(if r.straggler {
+                "yes".into()
+            } else {
+                "-".into()
+            });
         }
         if metrics {
             cells.push(or_dash(&metrics_text(&r.metrics)));
@@ -512,7 +591,32 @@ pub fn events_table(job: &Job) -> String {
                 r.delay_ms,
                 r.resume_step.map_or(", from scratch".into(), |s| format!(
                     ", resuming from step {s}"
-                ))
+                )) + &if r.in_process_ranks.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        ", in-process (ranks {} keep their processes)",
+                        r.in_process_ranks
+                            .iter()
+                            .map(u32::to_string)
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    )
+                }
+            ),
+        ));
+    }
+    for r in &job.resizes {
+        events.push((
+            r.at_ms,
+            format!(
+                "resized from {} to {} ranks{}: {}",
+                r.from_world_size,
+                r.to_world_size,
+                r.resume_step.map_or(", from scratch".into(), |s| format!(
+                    ", resuming from step {s}"
+                )),
+                r.cause
             ),
         ));
     }
@@ -546,6 +650,25 @@ pub fn events_table(job: &Job) -> String {
                 ),
             ));
         }
+    }
+    for f in &job.stragglers {
+        events.push((
+            f.at_ms,
+            format!(
+                "rank {} attempt {} flagged a straggler on {}: {:.2} steps/s against the \
+                 other ranks' median {:.2} ({})",
+                f.rank,
+                f.attempt,
+                f.worker_id,
+                f.steps_per_s,
+                f.median_steps_per_s,
+                match f.action.as_str() {
+                    "restart" => "restarted, its worker avoided",
+                    "exclude" => "its worker avoided from the job's next placement",
+                    _ => "warned",
+                }
+            ),
+        ));
     }
     if job.finished_at_ms > 0 {
         let cause = if job.failure_cause.is_empty() {
@@ -770,9 +893,17 @@ pub fn duration_text(ms: u64) -> String {
     }
 }
 
-/// The restart records of a job.
+/// The restart records of a job, then, for each restart whose leader said why it took
+/// its path, a line `#N PATH: why`.
 pub fn restarts_table(restarts: &[RestartRecord]) -> String {
-    let mut t = table(&["RESTART", "CAUSE", "RANKS", "DELAY MS", "RESUME STEP"]);
+    let mut t = table(&[
+        "RESTART",
+        "CAUSE",
+        "RANKS",
+        "DELAY MS",
+        "RESUME STEP",
+        "PATH",
+    ]);
     for r in restarts {
         add_row(
             &mut t,
@@ -786,10 +917,26 @@ pub fn restarts_table(restarts: &[RestartRecord]) -> String {
                     .join(","),
                 r.delay_ms.to_string(),
                 r.resume_step.map_or("scratch".into(), |s| s.to_string()),
+                restart_path(r).to_string(),
             ],
         );
     }
-    table_text(&t)
+    let mut out = table_text(&t);
+    for r in restarts.iter().filter(|r| !r.path_reason.is_empty()) {
+        out.push_str(&format!(
+            "#{} {}: {}\n",
+            r.number,
+            restart_path(r),
+            r.path_reason
+        ));
+    }
+    out
+}
+
+/// How a restart was carried out: `in_process` or `full` (also for a record without a
+/// path, from a leader that predates in-process restarts).
+fn restart_path(r: &RestartRecord) -> &str {
+    if r.path.is_empty() { "full" } else { &r.path }
 }
 
 /// `ckpt ls`.
@@ -945,7 +1092,36 @@ pub fn workers_text(resp: &ClusterStatusResponse) -> String {
         out.push('\n');
         out.push_str(&gpus);
     }
+    let spares = spares_table(resp);
+    if !spares.is_empty() {
+        out.push('\n');
+        out.push_str(&spares);
+    }
     out
+}
+
+/// The warm spares the workers keep, one row each ("" when none): the job it waits
+/// for, its pid (which a rank attempt that takes it keeps) and its age, from the
+/// workers' last heartbeats (known on the leader).
+pub fn spares_table(resp: &ClusterStatusResponse) -> String {
+    if resp.workers.iter().all(|w| w.warm_spares.is_empty()) {
+        return String::new();
+    }
+    let mut t = table(&["WORKER", "WARM SPARE PID", "JOB", "AGE"]);
+    for wk in &resp.workers {
+        for s in &wk.warm_spares {
+            add_row(
+                &mut t,
+                vec![
+                    wk.worker_id.clone(),
+                    s.pid.to_string(),
+                    s.job_id.clone(),
+                    format!("{:.1} s", s.age_ms as f64 / 1000.0),
+                ],
+            );
+        }
+    }
+    table_text(&t)
 }
 
 /// The workers' GPUs, one row each ("" when no worker has one): what was registered,
@@ -1027,32 +1203,3 @@ pub fn users_table(resp: &cumulus_api::ListUsersResponse, now_ms: u64) -> String
 
 #[cfg(test)]
 mod tests;
-    let spares = spares_table(resp);
-    if !spares.is_empty() {
-        out.push('\n');
-        out.push_str(&spares);
-    }
-/// The warm spares the workers keep, one row each ("" when none): the job it waits
-/// for, its pid (which a rank attempt that takes it keeps) and its age, from the
-/// workers' last heartbeats (known on the leader).
-pub fn spares_table(resp: &ClusterStatusResponse) -> String {
-    if resp.workers.iter().all(|w| w.warm_spares.is_empty()) {
-        return String::new();
-    }
-    let mut t = table(&["WORKER", "WARM SPARE PID", "JOB", "AGE"]);
-    for wk in &resp.workers {
-        for s in &wk.warm_spares {
-            add_row(
-                &mut t,
-                vec![
-                    wk.worker_id.clone(),
-                    s.pid.to_string(),
-                    s.job_id.clone(),
-                    format!("{:.1} s", s.age_ms as f64 / 1000.0),
-                ],
-            );
-        }
-    }
-    table_text(&t)
-}
-

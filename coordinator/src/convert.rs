@@ -8,6 +8,10 @@ use cumulus_raft_store::state::{
     BlobRef, ClusterState, Environment, Job, JobSpec, JobState, RankState, RestartPolicy,
     RestartScope, ResumeFrom, StopAction,
 };
+use cumulus_raft_store::state::{
+    DEFAULT_STRAGGLER_FRACTION_PERMILLE, DEFAULT_STRAGGLER_WINDOW_MS, StragglerAction,
+    StragglerPolicy,
+};
 
 use crate::error::ApiError;
 use crate::soft::ProgressSoft;
@@ -76,12 +80,43 @@ pub fn spec_from_proto(p: &v1::JobSpec, max_world_size: u32) -> Result<JobSpec, 
         workdir: p.workdir.as_ref().map(blob_from_proto),
         environment: p.environment.as_ref().map(environment_from_proto),
         no_fail_fast: p.fail_fast == Some(false),
+        straggler: straggler_from_proto(p)?,
+        warm_spares: p.warm_spares,
+        warm_imports: p.warm_imports.clone(),
+        min_world_size: p.min_world_size,
     };
     spec.validate(max_world_size)
         .map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
     Ok(spec)
-        warm_spares: p.warm_spares,
-        warm_imports: p.warm_imports.clone(),
+}
+
+/// A request's straggler settings with the defaults filled in: `""` is `warn`, an absent
+/// fraction 0.7 (rounded to thousandths), a window of 0 is 60 s.
+///
+/// # Errors
+/// `InvalidArgument` naming the field: an unknown action, a fraction that is not a
+/// finite number; the bounds are [`StragglerPolicy::validate`]'s, checked with the spec.
+fn straggler_from_proto(p: &v1::JobSpec) -> Result<StragglerPolicy, ApiError> {
+    let action = StragglerAction::from_spec(&p.straggler_action)
+        .map_err(|e| ApiError::InvalidArgument(format!("straggler_action: {e}")))?;
+    let fraction_permille = match p.straggler_fraction {
+        None => DEFAULT_STRAGGLER_FRACTION_PERMILLE,
+        Some(f) if f.is_finite() && (0.0..=1.0).contains(&f) => (f * 1000.0).round() as u32,
+        Some(f) => {
+            return Err(ApiError::InvalidArgument(format!(
+                "straggler_fraction {f} must be a number between 0.1 and 0.95"
+            )));
+        }
+    };
+    Ok(StragglerPolicy {
+        action,
+        fraction_permille,
+        window_ms: if p.straggler_window_ms == 0 {
+            DEFAULT_STRAGGLER_WINDOW_MS
+        } else {
+            p.straggler_window_ms
+        },
+    })
 }
 
 /// The request form of a stored spec (used in job views).
@@ -126,6 +161,12 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         workdir: s.workdir.as_ref().map(blob_to_proto),
         environment: s.environment.as_ref().map(environment_to_proto),
         fail_fast: Some(!s.no_fail_fast),
+        straggler_action: s.straggler.action.as_str().to_string(),
+        straggler_fraction: Some(f64::from(s.straggler.fraction_permille) / 1000.0),
+        straggler_window_ms: s.straggler.window_ms,
+        warm_spares: s.warm_spares,
+        warm_imports: s.warm_imports.clone(),
+        min_world_size: s.min_world_size,
     }
 }
 
@@ -161,8 +202,6 @@ fn environment_to_proto(e: &Environment) -> v1::EnvironmentSpec {
         python: e.python.clone(),
         index_url: e.index_url.clone(),
         find_links: e.find_links.clone(),
-        warm_spares: s.warm_spares,
-        warm_imports: s.warm_imports.clone(),
         no_index: e.no_index,
     }
 }
@@ -239,6 +278,8 @@ pub fn job_to_proto(
                     resume_step: r.resume_step,
                     resume_job_id: r.resume_job_id.clone(),
                     exit_cause: r.exit_cause.clone().unwrap_or_default(),
+                    straggler: job.is_straggler(r.rank),
+                    in_process: p.is_some_and(|p| p.in_process),
                 }
             })
             .collect(),
@@ -254,6 +295,9 @@ pub fn job_to_proto(
                 cause: x.cause.clone(),
                 ranks: x.ranks.clone(),
                 resume_step: x.resume_step,
+                path: x.path.as_str().to_string(),
+                path_reason: x.path_reason.clone(),
+                in_process_ranks: x.in_process_ranks.clone(),
             })
             .collect(),
         request_id: job.request_id.clone(),
@@ -275,6 +319,32 @@ pub fn job_to_proto(
                 rank: a.rank,
                 attempt: a.attempt,
                 blob: Some(blob_to_proto(&a.blob)),
+            })
+            .collect(),
+        stragglers: job
+            .stragglers
+            .iter()
+            .map(|f| v1::StragglerFlag {
+                rank: f.rank,
+                attempt: f.attempt,
+                worker_id: f.worker_id.clone(),
+                steps_per_s: f.millisteps_per_s as f64 / 1000.0,
+                median_steps_per_s: f.median_millisteps_per_s as f64 / 1000.0,
+                action: f.action.as_str().to_string(),
+                at_ms: f.at_ms,
+            })
+            .collect(),
+        avoided_workers: job.avoided_workers.clone(),
+        world_size_now: job.world_size(),
+        resizes: job
+            .resizes
+            .iter()
+            .map(|r| v1::ResizeEvent {
+                at_ms: r.at_ms,
+                from_world_size: r.from,
+                to_world_size: r.to,
+                resume_step: r.resume_step,
+                cause: r.cause.clone(),
             })
             .collect(),
     }
@@ -364,6 +434,7 @@ pub fn job_summary(
     v1::JobSummary {
         job_id: job.id.clone(),
         name: job.spec.name.clone(),
+        owner: job.owner.clone(),
         state: job.state.as_str().to_string(),
         step,
         total_steps,
@@ -385,7 +456,11 @@ pub fn job_summary(
 
 /// The rank attempts the leader wants running on `worker_id` at `now_ms`, as `(job,
 /// rank)`, in job and rank order: every placed rank of a running job whose current
-/// attempt is running, or pending and past its backoff while the job is not stopping.
+/// attempt is running, or pending and past its backoff while the job is not stopping
+/// (an attempt that continues its predecessor's process in-process is wanted during its
+/// backoff too: the live rank leaves its step at once, and re-enters training once the
+/// backoff is over, `DesiredRank.hold_ms`), or failed by the leader (hung) while its
+/// process has not exited: it is stopped, or kept in-process, when its restart comes.
 /// O(the worker's ranks): the index keeps placements by worker.
 pub fn wanted_on<'a>(
     state: &'a ClusterState,
@@ -403,7 +478,19 @@ pub fn wanted_on<'a>(
             }
             let wanted = match r.state {
                 RankState::Running => true,
-                RankState::Pending => job.stop.is_none() && r.not_before_ms <= now_ms,
+                RankState::Pending => {
+                    job.stop.is_none() && (r.not_before_ms <= now_ms || r.in_process)
+                }
+                // Failed by the leader as hung (`RankFailed`'s cause) with its process still
+                // there: kept until the restart replaces it, which may keep the process
+                // (in-process). Never a lost attempt: its agent no longer has it.
+                RankState::Failed => {
+                    job.stop.is_none()
+                        && r.started_at_ms > 0
+                        && r.exit_code.is_none()
+                        && r.signal.is_none()
+                        && r.failure.as_deref().is_some_and(|f| f.contains(": hung: "))
+                }
                 _ => false,
             };
             wanted.then_some((&**job, r))
@@ -438,7 +525,12 @@ pub fn desired_for_worker(
                 .and_then(|w| state.workers.get(w))
                 .map(|w| w.host.clone())
                 .unwrap_or_default();
-            desired_rank(job, r, master_addr)
+            let mut d = desired_rank(job, r, master_addr);
+            if r.in_process && r.state == RankState::Pending {
+                d.in_process = true;
+                d.hold_ms = r.not_before_ms.saturating_sub(now_ms);
+            }
+            d
         })
         .collect()
 }
@@ -453,7 +545,7 @@ fn desired_rank(
         job_id: job.id.clone(),
         rank: r.rank,
         attempt: r.attempt,
-        world_size: job.spec.world_size,
+        world_size: job.world_size(),
         local_rank: r.local_rank,
         local_world_size: r.local_world_size,
         master_addr,
@@ -491,7 +583,66 @@ fn desired_rank(
         },
         workdir: job.spec.workdir.as_ref().map(blob_to_proto),
         environment: job.spec.environment.as_ref().map(environment_to_proto),
+        warm_spares: job.spec.warm_spares,
+        warm_imports: job.spec.warm_imports.clone(),
+        in_process: false,
+        hold_ms: 0,
+        resume_rank: resume_rank(job, r),
+        data_plan_json: data_plan_json(job, r.rank),
     }
+}
+
+/// The rank whose part of its resume step `r` resumes from, when not its own (an
+/// elastic job resized: rank `r mod` the step's world size, `Job::resume_point`).
+fn resume_rank(job: &Job, r: &cumulus_raft_store::state::RankRecord) -> Option<u32> {
+    let step = r.resume_step?;
+    if !r.resume_job_id.is_empty() {
+        return None;
+    }
+    let parts = job.committed.get(&step)?;
+    let from = r.rank as usize % parts.len().max(1);
+    (from != r.rank as usize).then_some(from as u32)
+}
+
+/// An elastic job's data plan for `rank` as the rank reads it
+/// ([`cumulus_api::rank_env::RankDataPlan`], JSON); "" for a job without one.
+fn data_plan_json(job: &Job, rank: u32) -> String {
+    use cumulus_api::rank_env::{DataSegment, RankDataPlan};
+    let Some(record) = job.data_plan() else {
+        return String::new();
+    };
+    let previous_world_size = job.resizes.last().map_or(job.world_size(), |r| r.from);
+    let plan = RankDataPlan {
+        world_size: job.world_size(),
+        previous_world_size,
+        from_step: record.from_step,
+        start_epoch: record.start_epoch,
+        epochs: record
+            .plan
+            .for_rank(rank)
+            .into_iter()
+            .map(|(epoch, segments)| {
+                let segments = segments
+                    .into_iter()
+                    .map(|s| DataSegment {
+                        shard: s.shard,
+                        first_record: s.first_record,
+                    })
+                    .collect();
+                (epoch, segments)
+            })
+            .collect(),
+        carry: record
+            .carry
+            .get(rank as usize)
+            .map(|c| {
+                c.iter()
+                    .map(|v| serde_json::from_str(v).unwrap_or(serde_json::Value::Null))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    };
+    serde_json::to_string(&plan).unwrap_or_default()
 }
 
 /// The API view of the workers, with the leader's soft heartbeat ages when known.
@@ -533,6 +684,7 @@ pub fn workers_to_proto(
                 memory_used_bytes: res.memory_used_bytes,
                 memory_total_bytes: res.memory_total_bytes,
                 gpus,
+                warm_spares: res.warm_spares,
             }
         })
         .collect()
@@ -577,6 +729,3 @@ pub fn next_backoff_end_ms(state: &ClusterState, worker_id: &str, now_ms: u64) -
         })
         .min()
 }
-        warm_spares: job.spec.warm_spares,
-        warm_imports: job.spec.warm_imports.clone(),
-                warm_spares: res.warm_spares,

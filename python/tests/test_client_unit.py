@@ -860,6 +860,18 @@ def test_submit_checks_its_arguments(client: Client) -> None:
         client.submit(["x"], request_id="r" * 129)
 
 
+def test_submit_sends_an_elastic_world_size_and_refuses_a_bad_one(
+    client: Client, script: Script
+) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
+    client.submit(["x"], world_size=(2, 4))
+    client.submit(["x"], world_size=3)
+    specs = [json.loads(r.content)["spec"] for r in script.calls]
+    assert (specs[0]["world_size"], specs[0]["min_world_size"]) == (4, 2)
+    assert specs[1]["world_size"] == 3 and "min_world_size" not in specs[1]
+    for bad in ((4, 2), (0, 2), (1, 2, 3), (1.5, 2), (True, 2)):
+        with pytest.raises(errors.InvalidSpec, match="world_size"):
+            client.submit(["x"], world_size=bad)  # type: ignore[arg-type]
 
 
 def test_submit_sends_warm_spares_and_refuses_bad_ones(client: Client, script: Script) -> None:
@@ -888,6 +900,8 @@ def test_submit_sends_warm_spares_and_refuses_bad_ones(client: Client, script: S
         with pytest.raises(errors.InvalidSpec, match="warm_spares needs"):
             client.submit(argv, warm_spares=1)
     assert len(script.calls) == 3  # nothing refused was sent
+
+
 def test_submit_sends_the_gpu_arguments_only_when_given(client: Client, script: Script) -> None:
     script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000001", "created": True}))
     client.submit(["x"])
@@ -2250,3 +2264,74 @@ def test_fail_fast_is_sent_only_when_turned_off(client: Client, script: Script) 
     assert "fail_fast" not in specs[0] and specs[1]["fail_fast"] is False
     with pytest.raises(errors.InvalidSpec, match="fail_fast"):
         client.submit(["true"], fail_fast="no")  # type: ignore[arg-type]
+
+
+def test_submit_sends_the_straggler_rule_only_when_given_and_checks_it(
+    client: Client, script: Script
+) -> None:
+    script.on(A, "POST", "/v1/jobs", ok({"job_id": "job-000003", "created": True}))
+    client.submit(["x"])
+    client.submit(["x"], straggler_action="restart", straggler_fraction=0.5, straggler_window_s=2.5)
+    client.submit(["x"], straggler_action="off")
+    specs = [json.loads(r.content)["spec"] for r in script.calls]
+    fields = [{k: v for k, v in s.items() if k.startswith("straggler")} for s in specs]
+    assert fields == [
+        {},
+        {"straggler_action": "restart", "straggler_fraction": 0.5, "straggler_window_ms": 2500},
+        {"straggler_action": "off"},
+    ]
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"straggler_action": "kill"}, "straggler_action must be one of warn, restart"),
+        ({"straggler_fraction": 0.99}, "straggler_fraction must be a number"),
+        ({"straggler_fraction": True}, "straggler_fraction must be a number"),
+        ({"straggler_window_s": 1}, "straggler_window_s must be a number of seconds"),
+        ({"straggler_window_s": 86_401}, "straggler_window_s must be a number of seconds"),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(errors.InvalidSpec, match=match):
+            client.submit(["x"], **kwargs)
+    assert len(script.calls) == 3, "nothing sent for a refused rule"
+
+
+def test_job_info_shows_stragglers_and_the_rule() -> None:
+    # An older coordinator's answer: the defaults, no flags.
+    old = cumulus.JobInfo.from_json(job_json())
+    assert (old.straggler_action, old.straggler_fraction, old.straggler_window_ms) == (
+        "warn",
+        0.7,
+        60_000,
+    )
+    assert old.stragglers == () and old.avoided_workers == ()
+    assert not any(r.straggler for r in old.ranks)
+    job = job_json()
+    job["spec"] = {
+        **job["spec"],
+        "straggler_action": "exclude",
+        "straggler_fraction": 0.5,
+        "straggler_window_ms": 30_000,
+    }
+    job["ranks"][1]["straggler"] = True
+    job["stragglers"] = [
+        {
+            "rank": 1,
+            "attempt": 1,
+            "worker_id": "w",
+            "steps_per_s": 3,
+            "median_steps_per_s": 10.5,
+            "action": "exclude",
+            "at_ms": 12,
+        }
+    ]
+    job["avoided_workers"] = ["w"]
+    info = cumulus.JobInfo.from_json(job)
+    assert (info.straggler_action, info.straggler_fraction, info.straggler_window_ms) == (
+        "exclude",
+        0.5,
+        30_000,
+    )
+    assert info.ranks[1].straggler and not info.ranks[0].straggler
+    assert info.stragglers == (cumulus.StragglerFlag(1, 1, "w", 3.0, 10.5, "exclude", 12),)
+    assert info.avoided_workers == ("w",)
+    job["stragglers"] = [{"rank": "1"}]
+    with pytest.raises(errors.ProtocolError, match="rank"):
+        cumulus.JobInfo.from_json(job)

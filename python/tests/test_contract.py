@@ -253,7 +253,8 @@ def test_python_required_vars_are_what_the_agent_always_sets() -> None:
     # The agent (worker/src/supervisor.rs) sets every contract variable for every rank
     # except these: CKPT_STAGING only for a job with a checkpoint target, RESUME_* only for
     # a resuming attempt, GPU_MEMORY_FRACTION only for a job with a GPU memory fraction,
-    # AGENT_SOCKET only on an agent whose ranks run as another user (--run-as).
+    # AGENT_SOCKET only on an agent whose ranks run as another user (--run-as), DATA_PLAN
+    # only for an elastic job (a world size MIN:MAX).
     # OUTPUT_DIR is set for every rank, but the runtime does not require it: only a
     # remote function's result needs it (cumulus._run_rank), and without it that says so.
     # JOB_ID is always set; the runtime checks it on its own, first (without it the
@@ -265,6 +266,7 @@ def test_python_required_vars_are_what_the_agent_always_sets() -> None:
         _contract.RANK_ENV_GPU_MEMORY_FRACTION,
         _contract.RANK_ENV_AGENT_SOCKET,
         _contract.RANK_ENV_OUTPUT_DIR,
+        _contract.RANK_ENV_DATA_PLAN,
     }
     expected = tuple(
         v

@@ -135,7 +135,7 @@ pub(super) async fn finalize(node: &Node, job_id: &str, step: u64) -> Result<(),
             j.pending_parts.get(&step).map(|p| {
                 (
                     j.spec.clone(),
-                    j.spec.world_size,
+                    j.world_size(),
                     p.values().cloned().collect::<Vec<_>>(),
                 )
             })

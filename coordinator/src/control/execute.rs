@@ -65,6 +65,8 @@ pub(super) fn execute(
             delay_ms,
             cause,
             agent_fault,
+            in_process,
+            path_reason,
         } => {
             // Choosing the resume step reads (and verifies) checkpoints: off the loop.
             let task_node = node.clone();
@@ -83,6 +85,8 @@ pub(super) fn execute(
                     cause,
                     resume_step,
                     agent_fault,
+                    in_process,
+                    path_reason,
                 };
                 if commit_planned(&node, cmd, &describe).await {
                     let cause = crate::metrics::CauseLabel { cause: label };
@@ -90,6 +94,15 @@ pub(super) fn execute(
                 }
                 IoOutcome::Done
             });
+            return None;
+        }
+        Action::Resize {
+            job_id,
+            placements,
+            gpus,
+            cause,
+        } => {
+            spawn_resize(node, memory, job_id, placements, gpus, cause, describe);
             return None;
         }
         Action::FailJob { job_id, cause } => {
@@ -115,6 +128,20 @@ pub(super) fn execute(
             }
             info!(job = %job_id, "job succeeded");
             Command::JobSucceeded { job_id, at_ms: now }
+        }
+        Action::FlagStraggler { job_id, mut flag } => {
+            warn!(
+                job = %job_id,
+                rank = flag.rank,
+                attempt = flag.attempt,
+                worker = %flag.worker_id,
+                millisteps_per_s = flag.millisteps_per_s,
+                median_millisteps_per_s = flag.median_millisteps_per_s,
+                action = %flag.action,
+                "straggler"
+            );
+            flag.at_ms = now;
+            Command::FlagStraggler { job_id, flag }
         }
         Action::RequestStop { job_id, action } => {
             info!(job = %job_id, %action, "asking the job's ranks to checkpoint and stop");
@@ -147,6 +174,36 @@ pub(super) fn execute(
         }
     };
     Some((cmd, describe))
+}
+
+/// Commits an elastic job's resize ([`Action::Resize`]) in an I/O task: as for a
+/// restart, the resume step is read (and verified) off the loop first.
+fn spawn_resize(
+    node: &Arc<Node>,
+    memory: &mut LoopMemory,
+    job_id: String,
+    placements: Vec<(u32, String)>,
+    gpus: Vec<(u32, Vec<String>)>,
+    cause: String,
+    describe: String,
+) {
+    let task_node = node.clone();
+    let task_job = job_id.clone();
+    memory.spawn_io(&job_id, async move {
+        let node = task_node;
+        let resume_step = choose_resume_step(&node, &task_job).await;
+        info!(job = %task_job, ranks = placements.len(), ?resume_step, %cause, "resizing job");
+        let cmd = Command::ResizeJob {
+            job_id: task_job,
+            placements,
+            gpus,
+            resume_step,
+            cause,
+            at_ms: now_ms(),
+        };
+        commit_planned(&node, cmd, &describe).await;
+        IoOutcome::Done
+    });
 }
 
 /// Most estimated bytes of the commands one planned batch carries (a small part of a

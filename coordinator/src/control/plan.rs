@@ -8,11 +8,14 @@ use cumulus_raft_store::state::{
     ClusterState, Job, JobState, MAX_AGENT_FAULT_RESTARTS, RankRecord, RankState, RestartScope,
     StopAction, WorkerState,
 };
+use cumulus_raft_store::state::{StragglerAction, StragglerFlag};
 use shard_planner::{GpuFree, WorkerGpus, WorkerSlots};
 
 use cumulus_api::AttemptKey;
 
 use super::*;
+
+mod elastic;
 
 /// What the leader observed outside the replicated state (soft state), in the units
 /// the planner needs.
@@ -34,6 +37,12 @@ pub struct Observations {
     pub unhealthy_gpus: HashMap<String, String>,
     /// The leader's clock, in ms since the Unix epoch (time limits are measured with it).
     pub now_ms: u64,
+    /// Live attempts whose rank listens for in-process restarts (`cumulus.runtime.run`,
+    /// from their worker's last heartbeat).
+    pub in_process: HashSet<AttemptKey>,
+    /// Running attempts found to be stragglers ([`straggler`]: below their job's
+    /// fraction of the other ranks' median steps/s for its window).
+    pub stragglers: HashMap<AttemptKey, straggler::Verdict>,
 }
 
 /// Slots and GPU shares taken so far, as the planner places ranks in one pass.
@@ -143,6 +152,22 @@ pub enum Action {
         cause: String,
         /// Every failed rank failed for an agent resource error: no budget is spent.
         agent_fault: bool,
+        /// Ranks that keep their processes (an in-process restart; empty: a full one).
+        in_process: Vec<u32>,
+        /// Why that path ([`restart_path`]).
+        path_reason: String,
+    },
+    /// Change a running elastic job's number of ranks to `placements.len()`, every rank
+    /// restarted from the newest committed step that verifies ([`elastic`]).
+    Resize {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// `(rank, worker)` for every rank `0..new world size`.
+        placements: Vec<(u32, String)>,
+        /// `(rank, GPU UUIDs)` for every rank of a job with GPUs (empty otherwise).
+        gpus: Vec<(u32, Vec<String>)>,
+        /// Why, in words (the resize event's cause).
+        cause: String,
     },
     /// Fail the job (budget exhausted).
     FailJob {
@@ -160,6 +185,14 @@ pub enum Action {
         job_id: String,
         /// The newest step whose every part arrived and that is not committed yet.
         finalize: Option<u64>,
+    },
+    /// Flag a running attempt a straggler ([`StragglerFlag`], its `at_ms` the planner's
+    /// `now_ms`; the executor stamps its own time).
+    FlagStraggler {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// The flag: rank, attempt, worker, rates and the job's action.
+        flag: StragglerFlag,
     },
     /// Every rank's part of `step` arrived: verify, write the manifest, commit.
     Finalize {
@@ -255,7 +288,7 @@ pub fn plan(
         }
     }
     if free_upper_bound == 0 {
-        plan_queue_without_room(state, &used, &alive, &mut actions);
+        plan_queue_without_room(state, obs, &used, &alive, &mut actions);
     } else {
         plan_queue(state, obs, &mut used, &alive, &mut actions);
     }
@@ -315,6 +348,7 @@ fn free_workers(
 /// all; otherwise the queue is not walked.
 fn plan_queue_without_room(
     state: &ClusterState,
+    obs: &Observations,
     used: &Used,
     alive: &dyn Fn(&str) -> bool,
     actions: &mut Vec<Action>,
@@ -337,7 +371,7 @@ fn plan_queue_without_room(
         .filter_map(|(_, id)| state.jobs.get(id))
         .find(|j| j.state == JobState::Pending && !totals.never_fits(&j.spec))
     {
-        plan_preemption(state, first, used, alive, actions);
+        plan_preemption(state, obs, first, used, alive, actions);
     }
 }
 
@@ -383,7 +417,7 @@ fn plan_queue(
         let Some(uses_extra) = backfill_fit(head.as_ref(), job) else {
             continue;
         };
-        let planned = if free_upper_bound < u64::from(job.spec.world_size) {
+        let planned = if free_upper_bound < u64::from(job.spec.min_ranks()) {
             None
         } else {
             place_job(state, obs, job, &free, used, alive)
@@ -413,7 +447,7 @@ fn plan_queue(
         }
     }
     if let Some(first) = head_job {
-        plan_preemption(state, first, used, alive, actions);
+        plan_preemption(state, obs, first, used, alive, actions);
     }
 }
 
@@ -451,6 +485,36 @@ fn place_job(
     used: &Used,
     alive: &dyn Fn(&str) -> bool,
 ) -> Option<Placed> {
+    if job.spec.is_elastic() {
+        // As many ranks as fit, from the most down to the fewest.
+        return elastic::largest_fit(state, obs, &job.spec, free, used, alive, u32::MAX);
+    }
+    // The workers the job avoids (its stragglers'), as long as the others have room.
+    if !job.avoided_workers.is_empty() {
+        let avoided = |w: &str| job.avoided_workers.iter().any(|a| a == w);
+        let elsewhere: Vec<WorkerSlots> = free
+            .iter()
+            .filter(|w| !avoided(&w.worker_id))
+            .cloned()
+            .collect();
+        let alive_elsewhere = |w: &str| alive(w) && !avoided(w);
+        if let Some(placed) = gang_place(state, obs, job, &elsewhere, used, &alive_elsewhere) {
+            return Some(placed);
+        }
+    }
+    gang_place(state, obs, job, free, used, alive)
+}
+
+/// [`place_job`] for a job of a fixed world size on the workers `free` (and, with GPUs,
+/// the `alive` workers' free GPUs given `used`).
+fn gang_place(
+    state: &ClusterState,
+    obs: &Observations,
+    job: &Job,
+    free: &[WorkerSlots],
+    used: &Used,
+    alive: &dyn Fn(&str) -> bool,
+) -> Option<Placed> {
     let ranks: Vec<u32> = (0..job.spec.world_size).collect();
     match job.spec.gpu_demand() {
         None => shard_planner::place_ranks(&ranks, free)
@@ -478,21 +542,24 @@ fn take_slots(free: &mut Vec<WorkerSlots>, placements: &[(u32, String)]) {
 }
 
 /// Preemption for `head`, the queue's first job, which does not fit now: when running
-/// jobs submitted `--preemptible` with a lower priority hold enough slots for it, the
-/// fewest of them are asked to checkpoint and stop (lowest priority first, the newest
-/// first within one priority, as Slurm's `PreemptType=preempt/qos` picks), and they are
-/// queued again when they have stopped ([`StopAction::Preempt`]; no restart budget is
-/// spent). Nothing is preempted while stops already in flight would free enough, nor
-/// when preempting every candidate would still not make room. Jobs with GPUs are not
-/// preempted for, nor preempted (slots only).
+/// jobs submitted `--preemptible` with a lower priority hold enough for it, the fewest
+/// of them are asked to checkpoint and stop (lowest priority first, the newest first
+/// within one priority, as Slurm's `PreemptType=preempt/qos` picks), and they are queued
+/// again when they have stopped ([`StopAction::Preempt`]; no restart budget is spent).
+/// Nothing is preempted while stops already in flight would free enough, nor when
+/// preempting every candidate would still not make room. A job without GPUs counts
+/// slots; a job with GPUs is tried against the GPU planner with the candidates' slots
+/// and GPU shares (fractional ones included) given back ([`plan_gpu_preemption`]).
 fn plan_preemption(
     state: &ClusterState,
+    obs: &Observations,
     head: &Job,
     used: &Used,
     alive: &dyn Fn(&str) -> bool,
     actions: &mut Vec<Action>,
 ) {
-    if head.spec.gpu_demand().is_some() {
+    if let Some(demand) = head.spec.gpu_demand() {
+        plan_gpu_preemption(state, obs, head, demand, used, alive, actions);
         return;
     }
     let need = u64::from(head.spec.world_size);
@@ -508,11 +575,7 @@ fn plan_preemption(
     {
         if j.stop.is_some() {
             freeing += held(j);
-        } else if j.spec.preemptible
-            && j.spec.priority < head.spec.priority
-            && j.spec.gpu_demand().is_none()
-            && !j.all_ranks_succeeded()
-        {
+        } else if may_preempt(head, j) {
             candidates.push((j.spec.priority, std::cmp::Reverse(j.id.as_str()), held(j)));
         }
     }
@@ -538,6 +601,138 @@ fn plan_preemption(
     for id in victims {
         actions.push(Action::RequestStop {
             job_id: id.to_string(),
+            action: StopAction::Preempt,
+        });
+    }
+}
+
+/// Whether the running job `j` may be preempted for `head`: submitted `--preemptible`,
+/// of a lower priority, no stop in flight, and not done.
+fn may_preempt(head: &Job, j: &Job) -> bool {
+    j.stop.is_none()
+        && j.spec.preemptible
+        && j.spec.priority < head.spec.priority
+        && !j.all_ranks_succeeded()
+}
+
+/// `used` less what `jobs` hold: the slots of their pending and running ranks on alive
+/// workers, and their share of each of those ranks' GPUs.
+fn used_less(used: &Used, jobs: &[&Job], alive: &dyn Fn(&str) -> bool) -> Used {
+    let mut out = used.clone();
+    for j in jobs {
+        let share = j.spec.gpu_share_permille();
+        for r in j
+            .ranks
+            .iter()
+            .filter(|r| matches!(r.state, RankState::Pending | RankState::Running))
+        {
+            let Some(w) = r.worker_id.as_deref().filter(|w| alive(w)) else {
+                continue;
+            };
+            if let Some(n) = out.slots.get_mut(w) {
+                *n = n.saturating_sub(1);
+            }
+            for g in &r.gpus {
+                if let Some(n) = out.gpus.get_mut(g) {
+                    *n = n.saturating_sub(share);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// [`plan_preemption`] for a `head` that needs GPUs (`demand`): whether it fits is the
+/// GPU planner's answer on the alive workers' healthy GPUs, given `used` less what the
+/// jobs stopping already and the chosen victims hold. Candidates are taken in
+/// preemption order until it fits, then each one the others make unnecessary is dropped
+/// again (the first taken first), so the fewest jobs stop. Candidates holding nothing on
+/// a worker with GPUs are skipped: stopping them frees nothing the head can use.
+fn plan_gpu_preemption(
+    state: &ClusterState,
+    obs: &Observations,
+    head: &Job,
+    demand: shard_planner::GpuDemand,
+    used: &Used,
+    alive: &dyn Fn(&str) -> bool,
+    actions: &mut Vec<Action>,
+) {
+    let ranks: Vec<u32> = (0..head.spec.world_size).collect();
+    let fits = |freed: &[&Job]| {
+        let capacity = gpu_capacity(state, obs, alive, &used_less(used, freed, alive));
+        matches!(
+            shard_planner::place_gpu_ranks(&ranks, &capacity, demand),
+            Ok(Some(_))
+        )
+    };
+    let gpu_worker = |w: &str| state.workers.get(w).is_some_and(|w| !w.gpus.is_empty());
+    let running: Vec<&Job> = state
+        .job_index()
+        .running
+        .iter()
+        .filter_map(|id| state.jobs.get(id))
+        .map(|j| &**j)
+        .collect();
+    let stopping: Vec<&Job> = running
+        .iter()
+        .copied()
+        .filter(|j| j.stop.is_some())
+        .collect();
+    if fits(&stopping) {
+        return; // the stops in flight make room (or something else holds the head back)
+    }
+    let mut candidates: Vec<&Job> = running
+        .iter()
+        .copied()
+        .filter(|j| may_preempt(head, j))
+        .filter(|j| {
+            j.ranks.iter().any(|r| {
+                matches!(r.state, RankState::Pending | RankState::Running)
+                    && r.worker_id
+                        .as_deref()
+                        .is_some_and(|w| alive(w) && gpu_worker(w))
+            })
+        })
+        .collect();
+    candidates.sort_by(|a, b| {
+        (a.spec.priority, std::cmp::Reverse(&a.id))
+            .cmp(&(b.spec.priority, std::cmp::Reverse(&b.id)))
+    });
+    let mut victims: Vec<&Job> = Vec::new();
+    let mut enough = false;
+    for c in candidates {
+        victims.push(c);
+        let freed: Vec<&Job> = stopping.iter().chain(&victims).copied().collect();
+        if fits(&freed) {
+            enough = true;
+            break;
+        }
+    }
+    if !enough {
+        return;
+    }
+    let mut i = 0;
+    while i < victims.len() {
+        let others: Vec<&Job> = stopping
+            .iter()
+            .copied()
+            .chain(
+                victims
+                    .iter()
+                    .enumerate()
+                    .filter(|(k, _)| *k != i)
+                    .map(|(_, j)| *j),
+            )
+            .collect();
+        if fits(&others) {
+            victims.remove(i);
+        } else {
+            i += 1;
+        }
+    }
+    for j in victims {
+        actions.push(Action::RequestStop {
+            job_id: j.id.clone(),
             action: StopAction::Preempt,
         });
     }
@@ -672,7 +867,7 @@ fn newest_complete_step(job: &Job) -> Option<u64> {
     job.pending_parts
         .iter()
         .rev()
-        .find(|(_, parts)| parts.len() == job.spec.world_size as usize)
+        .find(|(_, parts)| parts.len() == job.world_size() as usize)
         .map(|(step, _)| *step)
 }
 
@@ -692,6 +887,9 @@ fn plan_running(
     if fail_unhealthy_attempts(job, obs, actions) {
         return; // re-plan once the failures are committed
     }
+    if flag_stragglers(job, obs, actions) {
+        return; // a straggler's attempt fails: re-plan once that is committed
+    }
     let failed: Vec<&RankRecord> = job
         .ranks
         .iter()
@@ -709,7 +907,47 @@ fn plan_running(
             job_id: job.id.clone(),
             step,
         });
+    } else {
+        elastic::plan_grow(state, job, obs, used, alive, actions);
     }
+}
+
+/// Pushes an [`Action::FlagStraggler`] for each running attempt of `job` found to be a
+/// straggler and not flagged yet (with the job's action, never `off`); returns whether
+/// one of them fails its attempt ([`StragglerAction::Restart`]).
+fn flag_stragglers(job: &Job, obs: &Observations, actions: &mut Vec<Action>) -> bool {
+    let action = job.spec.straggler.action;
+    if obs.stragglers.is_empty() || action == StragglerAction::Off {
+        return false;
+    }
+    let mut failing = false;
+    for r in job
+        .ranks
+        .iter()
+        .filter(|r| r.state == RankState::Running && !job.is_straggler(r.rank))
+    {
+        let (Some(worker_id), Some(v)) = (
+            &r.worker_id,
+            obs.stragglers
+                .get(&AttemptKey::new(job.id.clone(), r.rank, r.attempt)),
+        ) else {
+            continue;
+        };
+        failing |= action == StragglerAction::Restart;
+        actions.push(Action::FlagStraggler {
+            job_id: job.id.clone(),
+            flag: StragglerFlag {
+                rank: r.rank,
+                attempt: r.attempt,
+                worker_id: worker_id.clone(),
+                millisteps_per_s: v.millisteps_per_s,
+                median_millisteps_per_s: v.median_millisteps_per_s,
+                action,
+                at_ms: obs.now_ms,
+            },
+        });
+    }
+    failing
 }
 
 /// Failure detection on a running job's pending and running attempts: pushes an
@@ -829,6 +1067,12 @@ fn plan_restart(
             return;
         }
     }
+    // An elastic job whose failed ranks have no room continues with fewer ranks
+    // (no budget spent; it waits when even its minimum does not fit).
+    if job.spec.is_elastic() && restart_placements(state, job, obs, failed, used, alive).is_none() {
+        elastic::plan_shrink(state, job, obs, &causes, used, alive, actions);
+        return;
+    }
     let policy = &job.spec.restart;
     // Attempts the agent could not start for its own lack of a resource are not the
     // ranks' failures: their restart spends no budget (a bounded number of them).
@@ -854,6 +1098,7 @@ fn plan_restart(
         job.restarts_used + 1
     };
     let failed_at_ms = failed.iter().map(|r| r.exited_at_ms).max().unwrap_or(0);
+    let (in_process, path_reason) = restart_path(job, obs, &placements);
     actions.push(Action::Restart {
         job_id: job.id.clone(),
         placements,
@@ -862,7 +1107,97 @@ fn plan_restart(
         delay_ms: policy.jittered_delay_ms(number, jitter()),
         cause: causes,
         agent_fault,
+        in_process,
+        path_reason,
     });
+}
+
+/// The path of a restart of `job` whose ranks go to `placements`: which ranks keep their
+/// processes (an in-process restart: they re-enter their training function with the new
+/// attempt) and why, or none (a full restart) and why not.
+///
+/// A group restart keeps every rank that is running in `cumulus.runtime.run` (it listens
+/// for restarts: [`Observations::in_process`]), has reported progress in its current
+/// attempt (so it has recovered from any earlier restart) and stays on its worker, plus
+/// a failed rank the leader failed as hung while its process still listens. Any
+/// other live rank rules it out: one that does not listen, or one still starting or
+/// recovering (a failure during an in-process recovery falls back to a full restart).
+/// A rank that exited gets a new process either way.
+pub(super) fn restart_path(
+    job: &Job,
+    obs: &Observations,
+    placements: &[(u32, String)],
+) -> (Vec<u32>, String) {
+    let full = |why: String| (Vec::new(), why);
+    if job.spec.restart.scope != RestartScope::Group {
+        return full("the job restarts only its failed ranks (restart scope rank)".into());
+    }
+    let placed: HashMap<u32, &str> = placements.iter().map(|(r, w)| (*r, w.as_str())).collect();
+    let mut keep = Vec::new();
+    let mut fresh = Vec::new();
+    for r in &job.ranks {
+        let key = AttemptKey::new(job.id.clone(), r.rank, r.attempt);
+        let listening = obs.in_process.contains(&key);
+        let stays = r.worker_id.is_some() && placed.get(&r.rank).copied() == r.worker_id.as_deref();
+        match r.state {
+            RankState::Running => {
+                if !obs.progress_stall_ms.contains_key(&key) {
+                    return full(format!(
+                        "rank {} attempt {} had not reported progress yet (still starting or \
+                         recovering from the previous restart)",
+                        r.rank, r.attempt
+                    ));
+                }
+                if !listening {
+                    return full(format!(
+                        "rank {} attempt {} does not run in cumulus.runtime.run",
+                        r.rank, r.attempt
+                    ));
+                }
+                if !stays {
+                    return full(format!("rank {} moves to another worker", r.rank));
+                }
+                keep.push(r.rank);
+            }
+            RankState::Failed => {
+                // Failed by the leader as hung, its process still there and listening.
+                let hung = r.exit_code.is_none()
+                    && r.signal.is_none()
+                    && r.started_at_ms > 0
+                    && r.failure.as_deref().is_some_and(|f| f.contains(": hung: "));
+                if hung && listening && stays {
+                    keep.push(r.rank);
+                } else {
+                    fresh.push(r.rank);
+                }
+            }
+            RankState::Exited => {
+                return full(format!(
+                    "rank {} attempt {} has exited: no live process to keep",
+                    r.rank, r.attempt
+                ));
+            }
+            _ => {
+                return full(format!(
+                    "rank {} attempt {} had not started yet (still starting or recovering \
+                     from the previous restart)",
+                    r.rank, r.attempt
+                ));
+            }
+        }
+    }
+    if keep.is_empty() {
+        return full("no rank has a live process to keep".into());
+    }
+    let why = if fresh.is_empty() {
+        format!("ranks {keep:?} keep their processes (cumulus.runtime.run)")
+    } else {
+        format!(
+            "ranks {keep:?} keep their processes (cumulus.runtime.run); ranks {fresh:?} get new \
+             ones"
+        )
+    };
+    (keep, truncate(why))
 }
 
 /// What [`fail_fast_verdict`] decides for a job with failed ranks.
@@ -928,7 +1263,7 @@ fn fail_fast_verdict(job: &Job, obs: &Observations, failed: &[&RankRecord]) -> F
             FailFast::No
         };
     }
-    let world = job.spec.world_size;
+    let world = job.world_size();
     let ranks = if world == 1 {
         "its only rank".to_string()
     } else {
@@ -959,10 +1294,13 @@ fn restart_placements(
         RestartScope::Group => job.ranks.iter().map(|r| r.rank).collect(),
         RestartScope::Rank => failed.iter().map(|r| r.rank).collect(),
     };
+    // Workers to move away from when others have room: those that could not start the
+    // failed ranks, and those the job avoids (its stragglers').
     let faulty: BTreeSet<&str> = failed
         .iter()
         .filter(|r| r.agent_fault)
         .filter_map(|r| r.worker_id.as_deref())
+        .chain(job.avoided_workers.iter().map(String::as_str))
         .collect();
     let demand = job.spec.gpu_demand();
     let share = job.spec.gpu_share_permille();

@@ -36,8 +36,12 @@ __all__ = [
     "DEFAULT_MAX_ARTIFACT_BYTES",
     "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MAX_WORKDIR_BYTES",
+    "DEFAULT_RESTART_PATH",
     "DEFAULT_RESTART_SCOPE",
     "DEFAULT_STARTUP_TIMEOUT_MS",
+    "DEFAULT_STRAGGLER_ACTION",
+    "DEFAULT_STRAGGLER_FRACTION_PERMILLE",
+    "DEFAULT_STRAGGLER_WINDOW_MS",
     "DEFAULT_SUMMARIES",
     "EXIT_AGENT_UNREACHABLE",
     "EXIT_CANNOT_RUN",
@@ -78,10 +82,15 @@ __all__ = [
     "MAX_STARTUP_TIMEOUT_MS",
     "MAX_STATE_JSON_BYTES",
     "MAX_STOP_GRACE_MS",
+    "MAX_STRAGGLER_FRACTION_PERMILLE",
+    "MAX_STRAGGLER_WINDOW_MS",
     "MAX_SUMMARIES",
     "MAX_TIME_LIMIT_MS",
     "MAX_TOKEN_BYTES",
     "MAX_UNPACKED_BYTES",
+    "MAX_WARM_IMPORTS",
+    "MAX_WARM_IMPORT_BYTES",
+    "MAX_WARM_SPARES",
     "MAX_WORLD_SIZE",
     "MEMBER_ROLES",
     "MEMBER_UNREACHABLE_AFTER_HEARTBEATS",
@@ -89,15 +98,19 @@ __all__ = [
     "METRIC_JSON_NAN",
     "METRIC_JSON_NEG_INFINITY",
     "MIN_MANIFEST_FORMAT_VERSION",
+    "MIN_STRAGGLER_FRACTION_PERMILLE",
+    "MIN_STRAGGLER_WINDOW_MS",
     "MIN_TOKEN_BYTES",
     "RANK_ACTION_NONE",
     "RANK_CONTRACT_VARS",
+    "RANK_DATA_STATE_KEY",
     "RANK_ENV_AGENT_SOCKET",
     "RANK_ENV_AGENT_TOKEN",
     "RANK_ENV_AGENT_URL",
     "RANK_ENV_ATTEMPT",
     "RANK_ENV_CKPT_STAGING",
     "RANK_ENV_CUDA_VISIBLE_DEVICES",
+    "RANK_ENV_DATA_PLAN",
     "RANK_ENV_GPU_MEMORY_FRACTION",
     "RANK_ENV_JOB_ID",
     "RANK_ENV_LOCAL_RANK",
@@ -111,17 +124,21 @@ __all__ = [
     "RANK_ENV_SHARDS_FILE",
     "RANK_ENV_WORLD_SIZE",
     "RANK_GPU_VARS",
+    "RANK_MAX_DATA_CARRY_BYTES",
     "RANK_MAX_EXCEPTION_FRAMES",
     "RANK_MAX_EXCEPTION_FRAME_BYTES",
     "RANK_MAX_EXCEPTION_MESSAGE_BYTES",
     "RANK_MAX_EXCEPTION_TYPE_BYTES",
     "RANK_MAX_LISTED_STEPS",
     "RANK_MAX_REPLY_BYTES",
+    "RANK_MAX_RESTART_POLL_MS",
     "RANK_PHASES",
+    "RANK_RESTART_ACK_TIMEOUT_MS",
     "RANK_STATES",
     "REMOTE_ERROR_FILE",
     "REMOTE_RESULT_FILE",
     "REQUEST_TIMEOUT_MS",
+    "RESTART_PATHS",
     "RESTART_SCOPES",
     "RETRY_BACKOFF_INITIAL_MS",
     "RETRY_BACKOFF_MAX_MS",
@@ -129,6 +146,7 @@ __all__ = [
     "RETRY_TOTAL_MS",
     "ROLES",
     "STOP_ACTIONS",
+    "STRAGGLER_ACTIONS",
     "TERMINAL_JOB_STATES",
     "WHOLE_GPU_PERMILLE",
     "WORKER_STATES",
@@ -144,9 +162,11 @@ __all__ = [
     "MemberRole",
     "RankPhase",
     "RankState",
+    "RestartPath",
     "RestartScope",
     "Role",
     "StopAction",
+    "StragglerAction",
     "WorkerState",
 ]
 
@@ -216,6 +236,12 @@ DEFAULT_MAX_WORKDIR_BYTES: Final = 536_870_912
 #: Startup timeout of a job with a progress timeout that names none, in milliseconds. Rust:
 #: ``cumulus_api::limits::DEFAULT_STARTUP_TIMEOUT_MS``.
 DEFAULT_STARTUP_TIMEOUT_MS: Final = 600_000
+#: Default straggler fraction of a job, in thousandths of the median rate of its other ranks. Rust:
+#: ``cumulus_api::limits::DEFAULT_STRAGGLER_FRACTION_PERMILLE``.
+DEFAULT_STRAGGLER_FRACTION_PERMILLE: Final = 700
+#: Default straggler window of a job, in milliseconds. Rust:
+#: ``cumulus_api::limits::DEFAULT_STRAGGLER_WINDOW_MS``.
+DEFAULT_STRAGGLER_WINDOW_MS: Final = 60_000
 #: Job summaries a list without a limit answers. Rust: ``cumulus_api::limits::DEFAULT_SUMMARIES``.
 DEFAULT_SUMMARIES: Final = 1000
 #: Exit code of a rank that could not reach its agent's rank-local API after its retries. Rust:
@@ -313,6 +339,12 @@ MAX_STATE_JSON_BYTES: Final = 65_536
 #: Longest stop grace a job may ask for, in milliseconds. Rust:
 #: ``cumulus_api::limits::MAX_STOP_GRACE_MS``.
 MAX_STOP_GRACE_MS: Final = 3_600_000
+#: Largest straggler fraction a job may ask for, in thousandths. Rust:
+#: ``cumulus_api::limits::MAX_STRAGGLER_FRACTION_PERMILLE``.
+MAX_STRAGGLER_FRACTION_PERMILLE: Final = 950
+#: Longest straggler window a job may ask for, in milliseconds. Rust:
+#: ``cumulus_api::limits::MAX_STRAGGLER_WINDOW_MS``.
+MAX_STRAGGLER_WINDOW_MS: Final = 86_400_000
 #: Most job summaries one list answers. Rust: ``cumulus_api::limits::MAX_SUMMARIES``.
 MAX_SUMMARIES: Final = 10_000
 #: Longest time limit a job may ask for, in milliseconds. Rust:
@@ -322,6 +354,15 @@ MAX_TIME_LIMIT_MS: Final = 31_536_000_000
 MAX_TOKEN_BYTES: Final = 4096
 #: Most bytes an archive may unpack to. Rust: ``cumulus_api::blobs::MAX_UNPACKED_BYTES``.
 MAX_UNPACKED_BYTES: Final = 8_589_934_592
+#: Most modules a job's warm spares may import before an assignment. Rust:
+#: ``cumulus_api::limits::MAX_WARM_IMPORTS``.
+MAX_WARM_IMPORTS: Final = 32
+#: Longest module name in warm_imports, in bytes. Rust:
+#: ``cumulus_api::limits::MAX_WARM_IMPORT_BYTES``.
+MAX_WARM_IMPORT_BYTES: Final = 128
+#: Most warm spares a job may ask each of its workers to keep. Rust:
+#: ``cumulus_api::limits::MAX_WARM_SPARES``.
+MAX_WARM_SPARES: Final = 8
 #: Largest world size a job may have. Rust: ``cumulus_api::limits::MAX_WORLD_SIZE``.
 MAX_WORLD_SIZE: Final = 65_536
 #: Raft heartbeat intervals without an acknowledgement after which the leader shows a coordinator as
@@ -337,6 +378,12 @@ METRIC_JSON_NEG_INFINITY: Final = "-Infinity"
 #: The oldest manifest format still read. Rust:
 #: ``cumulus_api::manifest::MIN_MANIFEST_FORMAT_VERSION``.
 MIN_MANIFEST_FORMAT_VERSION: Final = 1
+#: Smallest straggler fraction a job may ask for, in thousandths. Rust:
+#: ``cumulus_api::limits::MIN_STRAGGLER_FRACTION_PERMILLE``.
+MIN_STRAGGLER_FRACTION_PERMILLE: Final = 100
+#: Shortest straggler window a job may ask for, in milliseconds. Rust:
+#: ``cumulus_api::limits::MIN_STRAGGLER_WINDOW_MS``.
+MIN_STRAGGLER_WINDOW_MS: Final = 2000
 #: Shortest bearer token, in bytes. Rust: ``cumulus_api::token::MIN_TOKEN_BYTES``.
 MIN_TOKEN_BYTES: Final = 16
 #: The rank-local control action that asks nothing (go on). Rust:
@@ -361,7 +408,11 @@ RANK_CONTRACT_VARS: Final[tuple[str, ...]] = (
     "CUMULUS_RESUME_STEP",
     "CUMULUS_GPU_MEMORY_FRACTION",
     "CUMULUS_OUTPUT_DIR",
+    "CUMULUS_DATA_PLAN",
 )
+#: Key of the data position in an elastic job's checkpoint state. Rust:
+#: ``cumulus_api::rank_env::DATA_STATE_KEY``.
+RANK_DATA_STATE_KEY: Final = "cumulus_data"
 #: Unix socket of the rank-local API (ranks run as another user). Rust:
 #: ``cumulus_api::rank_env::AGENT_SOCKET``.
 RANK_ENV_AGENT_SOCKET: Final = "CUMULUS_AGENT_SOCKET"
@@ -378,6 +429,8 @@ RANK_ENV_CKPT_STAGING: Final = "CUMULUS_CKPT_STAGING"
 #: The GPUs a rank may use, by UUID, comma-separated. Rust:
 #: ``cumulus_api::rank_env::CUDA_VISIBLE_DEVICES``.
 RANK_ENV_CUDA_VISIBLE_DEVICES: Final = "CUDA_VISIBLE_DEVICES"
+#: An elastic job's data plan for the rank (JSON file). Rust: ``cumulus_api::rank_env::DATA_PLAN``.
+RANK_ENV_DATA_PLAN: Final = "CUMULUS_DATA_PLAN"
 #: The rank's share of its GPU's memory, ``0 < f <= 1``. Rust:
 #: ``cumulus_api::rank_env::GPU_MEMORY_FRACTION``.
 RANK_ENV_GPU_MEMORY_FRACTION: Final = "CUMULUS_GPU_MEMORY_FRACTION"
@@ -407,6 +460,9 @@ RANK_ENV_SHARDS_FILE: Final = "CUMULUS_SHARDS_FILE"
 RANK_ENV_WORLD_SIZE: Final = "WORLD_SIZE"
 #: Variables an agent with GPUs sets for every rank. Rust: ``cumulus_api::rank_env::GPU_VARS``.
 RANK_GPU_VARS: Final[tuple[str, ...]] = ("CUDA_VISIBLE_DEVICES",)
+#: Largest carry of a data position, compact JSON, in bytes. Rust:
+#: ``cumulus_api::rank_env::MAX_DATA_CARRY_BYTES``.
+RANK_MAX_DATA_CARRY_BYTES: Final = 1024
 #: Most frames of a rank-local POST /v1/exception (the innermost). Rust:
 #: ``cumulus_api::rank_local::MAX_EXCEPTION_FRAMES``.
 RANK_MAX_EXCEPTION_FRAMES: Final = 16
@@ -425,6 +481,12 @@ RANK_MAX_LISTED_STEPS: Final = 1024
 #: Most bytes of a rank-local reply body a rank reads. Rust:
 #: ``cumulus_api::rank_local::MAX_REPLY_BYTES``.
 RANK_MAX_REPLY_BYTES: Final = 65_536
+#: Longest wait of one rank-local GET /v1/restart long poll, in milliseconds. Rust:
+#: ``cumulus_api::rank_local::MAX_RESTART_POLL_MS``.
+RANK_MAX_RESTART_POLL_MS: Final = 30_000
+#: How long an in-process restart waits for the rank's POST /v1/restart before it falls back to a
+#: full restart, in milliseconds. Rust: ``cumulus_api::rank_local::RESTART_ACK_TIMEOUT_MS``.
+RANK_RESTART_ACK_TIMEOUT_MS: Final = 10_000
 #: Where a remote function's exception is written under the output dir. Rust:
 #: ``cumulus_api::blobs::ERROR_FILE``.
 REMOTE_ERROR_FILE: Final = "_cumulus/error.json"
@@ -609,6 +671,25 @@ RANK_STATES: Final[tuple[str, ...]] = (
 )
 
 
+class RestartPath(_Spelling):
+    """How a restart was carried out: new processes, or survivors kept in-process.
+
+    Rust: ``cumulus_api::states::RestartPath``.
+    """
+
+    FULL = "full"
+    IN_PROCESS = "in_process"
+
+
+#: Every spelling of :class:`RestartPath`, in order.
+RESTART_PATHS: Final[tuple[str, ...]] = (
+    "full",
+    "in_process",
+)
+#: The default :class:`RestartPath`.
+DEFAULT_RESTART_PATH: Final = "full"
+
+
 class RestartScope(_Spelling):
     """Whether a failure restarts every rank of the job or only the failed one.
 
@@ -666,6 +747,29 @@ STOP_ACTIONS: Final[tuple[str, ...]] = (
     "time_limit",
     "preempt",
 )
+
+
+class StragglerAction(_Spelling):
+    """What the leader does about a rank that runs slower than its job's others.
+
+    Rust: ``cumulus_api::states::StragglerAction``.
+    """
+
+    WARN = "warn"
+    RESTART = "restart"
+    EXCLUDE = "exclude"
+    OFF = "off"
+
+
+#: Every spelling of :class:`StragglerAction`, in order.
+STRAGGLER_ACTIONS: Final[tuple[str, ...]] = (
+    "warn",
+    "restart",
+    "exclude",
+    "off",
+)
+#: The default :class:`StragglerAction`.
+DEFAULT_STRAGGLER_ACTION: Final = "warn"
 
 
 class WorkerState(_Spelling):

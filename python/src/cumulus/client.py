@@ -382,6 +382,32 @@ def _check_world_size(world_size: object) -> None:
         raise InvalidSpec(f"world_size must be an int >= 1, got {world_size!r}", status=None)
 
 
+def _elastic_world_size(world_size: object) -> tuple[int, int]:
+    """``(min_world_size, world_size)`` of ``submit(world_size=...)``: an int is a fixed
+    world (min 0), a pair ``(MIN, MAX)`` an elastic one with ``1 <= MIN <= MAX``.
+
+    :raises InvalidSpec: anything else.
+    """
+    if isinstance(world_size, tuple):
+        if len(world_size) != 2:
+            raise InvalidSpec(
+                f"world_size must be an int or a pair (MIN, MAX), got {world_size!r}",
+                status=None,
+            )
+        low, high = world_size
+        _check_world_size(low)
+        _check_world_size(high)
+        assert isinstance(low, int) and isinstance(high, int)
+        if low > high:
+            raise InvalidSpec(
+                f"world_size (MIN, MAX) needs MIN <= MAX, got {world_size!r}", status=None
+            )
+        return low, high
+    _check_world_size(world_size)
+    assert isinstance(world_size, int)
+    return 0, world_size
+
+
 def _request_id(request_id: str | None) -> str:
     """``request_id``, or a new random one for ``None``.
 
@@ -504,32 +530,6 @@ def _check_priority(priority: int | None) -> None:
         )
 
 
-def _optional_spec_fields(
-    *,
-    ckpt_keep: int | None,
-    gpus_per_rank: int | None,
-    gpu_memory_fraction: float | None,
-    stop_grace_ms: int | None,
-    priority: int | None,
-    time_limit_ms: int | None,
-    signal_before_ms: int | None,
-    resume: tuple[str, int | None] | None,
-    preemptible: bool,
-) -> dict[str, Any]:
-    """The spec fields a job leaves out unless it sets them (the coordinator's defaults
-    apply), from already checked values."""
-    fields: dict[str, Any] = {}
-    if ckpt_keep is not None:
-        fields["ckpt_keep"] = ckpt_keep
-    if gpus_per_rank is not None:
-        fields["gpus_per_rank"] = gpus_per_rank
-    if gpu_memory_fraction is not None:
-        fields["gpu_memory_fraction"] = float(gpu_memory_fraction)
-    if stop_grace_ms is not None:
-        fields["stop_grace_ms"] = stop_grace_ms
-    if priority is not None:
-        fields["priority"] = priority
-    if time_limit_ms is not None:
 _WARM_PYTHON = re.compile(r"python(3(\.[0-9]+)?)?")
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
@@ -590,6 +590,80 @@ def _warm_spares(
     return out
 
 
+def _straggler_fields(
+    action: str | None, fraction: float | None, window_s: float | None
+) -> dict[str, Any]:
+    """The spec fields of ``straggler_action``, ``straggler_fraction`` and
+    ``straggler_window_s`` (only those given; the coordinator fills the defaults).
+
+    :raises InvalidSpec: an action that is not one of
+        :data:`cumulus._contract.STRAGGLER_ACTIONS`, a fraction or window out of the
+        contract's bounds (``bool`` refused)."""
+    out: dict[str, Any] = {}
+    if action is not None:
+        if action not in _contract.STRAGGLER_ACTIONS:
+            raise InvalidSpec(
+                f"straggler_action must be one of {', '.join(_contract.STRAGGLER_ACTIONS)}, "
+                f"got {action!r}",
+                status=None,
+            )
+        out["straggler_action"] = action
+    if fraction is not None:
+        lo = _contract.MIN_STRAGGLER_FRACTION_PERMILLE / 1000
+        hi = _contract.MAX_STRAGGLER_FRACTION_PERMILLE / 1000
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not lo <= fraction <= hi
+        ):
+            raise InvalidSpec(
+                f"straggler_fraction must be a number with {lo} <= f <= {hi}, got {fraction!r}",
+                status=None,
+            )
+        out["straggler_fraction"] = float(fraction)
+    if window_s is not None:
+        lo_s = _contract.MIN_STRAGGLER_WINDOW_MS / 1000
+        hi_s = _contract.MAX_STRAGGLER_WINDOW_MS / 1000
+        if (
+            isinstance(window_s, bool)
+            or not isinstance(window_s, (int, float))
+            or not lo_s <= window_s <= hi_s
+        ):
+            raise InvalidSpec(
+                f"straggler_window_s must be a number of seconds with {lo_s:g} <= s <= "
+                f"{hi_s:g}, got {window_s!r}",
+                status=None,
+            )
+        out["straggler_window_ms"] = round(window_s * 1000)
+    return out
+
+
+def _optional_spec_fields(
+    *,
+    ckpt_keep: int | None,
+    gpus_per_rank: int | None,
+    gpu_memory_fraction: float | None,
+    stop_grace_ms: int | None,
+    priority: int | None,
+    time_limit_ms: int | None,
+    signal_before_ms: int | None,
+    resume: tuple[str, int | None] | None,
+    preemptible: bool,
+) -> dict[str, Any]:
+    """The spec fields a job leaves out unless it sets them (the coordinator's defaults
+    apply), from already checked values."""
+    fields: dict[str, Any] = {}
+    if ckpt_keep is not None:
+        fields["ckpt_keep"] = ckpt_keep
+    if gpus_per_rank is not None:
+        fields["gpus_per_rank"] = gpus_per_rank
+    if gpu_memory_fraction is not None:
+        fields["gpu_memory_fraction"] = float(gpu_memory_fraction)
+    if stop_grace_ms is not None:
+        fields["stop_grace_ms"] = stop_grace_ms
+    if priority is not None:
+        fields["priority"] = priority
+    if time_limit_ms is not None:
         fields["time_limit_ms"] = time_limit_ms
     if signal_before_ms is not None:
         fields["signal_before_ms"] = signal_before_ms
@@ -998,7 +1072,7 @@ class Client:
         self,
         command: Sequence[str],
         *,
-        world_size: int = 1,
+        world_size: int | tuple[int, int] = 1,
         dataset: str | os.PathLike[str] | None = None,
         ckpt_dir: str | os.PathLike[str] | None = None,
         ckpt_keep: int | None = None,
@@ -1031,11 +1105,21 @@ class Client:
         index_url: str | None = None,
         find_links: Sequence[str | os.PathLike[str]] | None = None,
         no_index: bool = False,
+        warm_spares: int | None = None,
+        warm_imports: Sequence[str] | None = None,
+        straggler_action: str | None = None,
+        straggler_fraction: float | None = None,
+        straggler_window_s: float | None = None,
     ) -> Job:
         """Submits a job: ``command`` (argv; ``argv[0]`` is looked up in the worker's
         ``PATH``) run by ``world_size`` ranks. Relative paths are made absolute here, as
         ``cumulusctl submit`` does (the workers resolve them elsewhere).
 
+        :param world_size: the number of ranks, or ``(MIN, MAX)`` for an elastic job: it
+            starts with as many ranks as fit (at least MIN), continues with fewer when a
+            lost worker's ranks have no room, and grows back at a checkpoint boundary;
+            the records not consumed are dealt over the new ranks exactly once
+            (:class:`cumulus.runtime.ElasticData`).
         :param dataset: directory whose regular files (sorted) are the shards, or an
             ``s3://`` prefix.
         :param ckpt_dir: checkpoint root; checkpoints are disabled without it.
@@ -1105,8 +1189,6 @@ class Client:
             stored in the cluster's blob store unless it has the same digest already
             (an unchanged directory sends nothing; :attr:`Job.upload` says what was
             sent). Each rank attempt runs in a fresh unpacked copy of it. Not with
-        warm_spares: int | None = None,
-        warm_imports: Sequence[str] | None = None,
             ``working_dir``.
         :param upload_max_bytes: largest packed ``upload`` accepted, in bytes (default
             512 MiB); past it :class:`~cumulus.errors.WorkdirTooLarge` names the largest
@@ -1122,6 +1204,24 @@ class Client:
         :param find_links: directories (on the workers) or URLs with packages (uv's
             ``--find-links``), at most 16.
         :param no_index: use ``find_links`` only (uv's ``--no-index``).
+        :param warm_spares: idle interpreters each worker keeps for the job (0..=8;
+            ``None``/0: none), started in its environment with ``warm_imports`` done and
+            holding no slot and no GPU: a replacement rank on that worker takes one
+            instead of starting Python and importing again (its pid is the spare's).
+            Needs a command ``python SCRIPT ...`` or ``python -m MODULE ...``.
+        :param warm_imports: modules the spares import before they get a rank (e.g.
+            ``["torch", "numpy"]``); none may touch a GPU on import.
+        :param straggler_action: what the leader does about a straggler, a rank whose
+            steps/s (from its progress reports) stays below ``straggler_fraction`` of the
+            median of the job's other ranks for ``straggler_window_s``: ``"warn"``
+            (``None``: the default; an event, :attr:`RankInfo.straggler`,
+            :attr:`JobInfo.stragglers`), ``"restart"`` (its attempt restarts under the
+            restart policy, spending budget, on another worker when one has room),
+            ``"exclude"`` (it runs on; its worker is avoided in the job's later
+            placements) or ``"off"``.
+        :param straggler_fraction: ``0.1 <= f <= 0.95`` (``None``: 0.7).
+        :param straggler_window_s: seconds a rank must stay below to be flagged, ``2 <=
+            s <= 86400`` (``None``: 60).
         :param allow_pending: accept a job larger than the alive workers offer in all
             (slots, GPUs); it stays pending until workers join. Without it the
             coordinator refuses such a job (:class:`InvalidSpec`).
@@ -1142,7 +1242,7 @@ class Client:
                 "directory",
                 status=None,
             )
-        _check_world_size(world_size)
+        min_world_size, world_size = _elastic_world_size(world_size)
         rid = _request_id(request_id)
         env_map = _env_map(env)
         _check_gpus(gpus_per_rank, gpu_memory_fraction)
@@ -1151,6 +1251,8 @@ class Client:
         _check_flag("preemptible", preemptible)
         _check_flag("fail_fast", fail_fast)
         restart = _restart_policy(restart_scope, max_restarts, backoff_initial_ms, backoff_max_ms)
+        warm = _warm_spares(warm_spares, warm_imports, argv)
+        stragglers = _straggler_fields(straggler_action, straggler_fraction, straggler_window_s)
         spec: dict[str, Any] = {
             "name": name or "",
             "world_size": world_size,
@@ -1165,6 +1267,8 @@ class Client:
             "ckpt_url": ckpt_url or "",
             "ckpt_commit_tier": ckpt_commit_tier or "",
         }
+        if min_world_size:
+            spec["min_world_size"] = min_world_size
         stop_grace_ms = _stop_grace_ms(stop_grace_s)
         _check_priority(priority)
         spec |= _optional_spec_fields(
@@ -1180,6 +1284,8 @@ class Client:
         )
         if not fail_fast:
             spec["fail_fast"] = False
+        spec |= warm
+        spec |= stragglers
         if environment is not None:
             spec["environment"] = environment
         uploaded = None
@@ -1204,13 +1310,6 @@ class Client:
             warnings=tuple(said),
         )
         if not _QUIET_SUBMIT.get():
-        :param warm_spares: idle interpreters each worker keeps for the job (0..=8;
-            ``None``/0: none), started in its environment with ``warm_imports`` done and
-            holding no slot and no GPU: a replacement rank on that worker takes one
-            instead of starting Python and importing again (its pid is the spare's).
-            Needs a command ``python SCRIPT ...`` or ``python -m MODULE ...``.
-        :param warm_imports: modules the spares import before they get a rank (e.g.
-            ``["torch", "numpy"]``); none may touch a GPU on import.
             for text in job.warnings:
                 warnings.warn(f"{job.id}: {text}", SubmitWarning, stacklevel=2)
         return job
@@ -1251,7 +1350,6 @@ class Client:
         requirements: Sequence[str] | str | os.PathLike[str] | None = None,
         upload: str | os.PathLike[str] | None = None,
         gather: bool = False,
-        warm = _warm_spares(warm_spares, warm_imports, argv)
         timeout: float | None = None,
         ckpt_dir: str | os.PathLike[str] | None = None,
         max_restarts: int | None = None,
@@ -1284,7 +1382,6 @@ class Client:
                 args,
                 {
                     "world_size": world_size,
-        spec |= warm
                     "gpus_per_rank": gpus_per_rank,
                     "gpu_memory_fraction": gpu_memory,
                     "time_limit_s": duration,

@@ -35,10 +35,11 @@ __all__ = [
     "ProgressSample",
     "RankInfo",
     "RankPhase",
+    "ResizeEvent",
     "RestartInfo",
     "UploadInfo",
-    "WorkerInfo",
     "WarmSpareInfo",
+    "WorkerInfo",
     "WorkerState",
 ]
 
@@ -270,6 +271,12 @@ class RankInfo:
     #: (``""`` otherwise): the uncaught exception the runtime reported, e.g. ``ValueError:
     #: bad lr (train.py:42)``, else the last line the program wrote.
     exit_cause: str = ""
+    #: The leader flagged the current attempt a straggler (its steps/s stayed below the
+    #: job's ``straggler_fraction`` of the other ranks' median for its window).
+    straggler: bool = False
+    #: The running attempt listens for in-process restarts (``cumulus.runtime.run``), as
+    #: its worker last reported: a group restart may keep its process.
+    in_process: bool = False
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankInfo:
@@ -299,6 +306,69 @@ class RankInfo:
             resume_step=_opt_int(d, "resume_step"),
             resume_job_id=_get(d, "resume_job_id", str, ""),
             exit_cause=_get(d, "exit_cause", str, ""),
+            straggler=_get(d, "straggler", bool, False),
+            in_process=_get(d, "in_process", bool, False),
+        )
+
+
+@dataclass(frozen=True)
+class ResizeEvent:
+    """One change of an elastic job's world size."""
+
+    #: Leader time, in ms since the Unix epoch.
+    at_ms: int
+    from_world_size: int
+    to_world_size: int
+    #: The committed step the new ranks resumed from (``None``: from scratch).
+    resume_step: int | None
+    #: Why: a lost worker with no room for its ranks, capacity back at a checkpoint
+    #: boundary, the first placement with the ranks that fit.
+    cause: str
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ResizeEvent:
+        """Builds it from a ``ResizeEvent`` JSON object."""
+        d = _obj(d, "a resize event")
+        return cls(
+            at_ms=_get(d, "at_ms", int, 0),
+            from_world_size=_get(d, "from_world_size", int, 0),
+            to_world_size=_get(d, "to_world_size", int, 0),
+            resume_step=_opt_int(d, "resume_step"),
+            cause=_get(d, "cause", str, ""),
+        )
+
+
+@dataclass(frozen=True)
+class StragglerFlag:
+    """A rank attempt the leader flagged as a straggler: its steps/s stayed below the
+    job's ``straggler_fraction`` of the median of the other ranks for the job's
+    ``straggler_window_ms``."""
+
+    rank: int
+    attempt: int
+    #: The worker it ran on.
+    worker_id: str
+    #: Its steps/s, and the median of the other ranks', when it was flagged.
+    steps_per_s: float
+    median_steps_per_s: float
+    #: What was done: ``"warn"``, ``"restart"`` or ``"exclude"`` (a
+    #: :data:`cumulus._contract.STRAGGLER_ACTIONS` spelling).
+    action: str
+    #: Leader time of the flag, in ms since the Unix epoch.
+    at_ms: int
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> StragglerFlag:
+        """Builds it from a ``StragglerFlag`` JSON object."""
+        d = _obj(d, "a straggler flag")
+        return cls(
+            rank=_get(d, "rank", int, 0),
+            attempt=_get(d, "attempt", int, 0),
+            worker_id=_get(d, "worker_id", str, ""),
+            steps_per_s=_get(d, "steps_per_s", float, 0.0),
+            median_steps_per_s=_get(d, "median_steps_per_s", float, 0.0),
+            action=_get(d, "action", str, ""),
+            at_ms=_get(d, "at_ms", int, 0),
         )
 
 
@@ -318,6 +388,14 @@ class RestartInfo:
     ranks: tuple[int, ...]
     #: Checkpoint step the restarted ranks resume from (``None``: from scratch).
     resume_step: int | None
+    #: How it was carried out: ``"in_process"`` (the ranks in :attr:`in_process_ranks`
+    #: kept their processes and re-entered ``cumulus.runtime.run``'s function) or
+    #: ``"full"`` (every restarted rank got a new process); see ``RESTART_PATHS``.
+    path: str = "full"
+    #: Why the leader chose that path.
+    path_reason: str = ""
+    #: Ranks whose new attempt continued in the previous attempt's process.
+    in_process_ranks: tuple[int, ...] = ()
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RestartInfo:
@@ -331,6 +409,9 @@ class RestartInfo:
             cause=_get(d, "cause", str, ""),
             ranks=tuple(int(r) for r in _list(d, "ranks")),
             resume_step=_opt_int(d, "resume_step"),
+            path=_get(d, "path", str, "") or "full",
+            path_reason=_get(d, "path_reason", str, ""),
+            in_process_ranks=tuple(int(r) for r in _list(d, "in_process_ranks")),
         )
 
 
@@ -408,6 +489,25 @@ class JobInfo:
     artifacts: tuple[ArtifactRef, ...] = ()
     #: The packed working directory sent with the job (``None``: none).
     workdir: BlobRef | None = None
+    #: What the leader does about a straggler: ``"warn"``, ``"restart"``, ``"exclude"``
+    #: or ``"off"``.
+    straggler_action: str = _contract.DEFAULT_STRAGGLER_ACTION
+    #: A rank is slow below this share of the other ranks' median steps/s.
+    straggler_fraction: float = _contract.DEFAULT_STRAGGLER_FRACTION_PERMILLE / 1000
+    #: How long a rank must stay slow to be flagged, in milliseconds.
+    straggler_window_ms: int = _contract.DEFAULT_STRAGGLER_WINDOW_MS
+    #: Rank attempts flagged as stragglers, oldest first (at most 64 kept).
+    stragglers: tuple[StragglerFlag, ...] = ()
+    #: Workers the job's later placements avoid while others have room (its stragglers'
+    #: under ``straggler_action`` ``"restart"`` or ``"exclude"``).
+    avoided_workers: tuple[str, ...] = ()
+    #: An elastic job's fewest ranks (``0``: a fixed world of :attr:`world_size`, which
+    #: is then the most).
+    min_world_size: int = 0
+    #: The ranks the job runs with now (:attr:`world_size` unless it is elastic).
+    world_size_now: int = 0
+    #: Every change of an elastic job's world size, oldest first (at most 64 kept).
+    resizes: tuple[ResizeEvent, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -474,6 +574,21 @@ class JobInfo:
             state_changes=_get(d, "state_changes", int, 0),
             artifacts=tuple(ArtifactRef.from_json(a) for a in _list(d, "artifacts")),
             workdir=BlobRef.from_json(spec["workdir"]) if spec.get("workdir") else None,
+            straggler_action=_get(spec, "straggler_action", str, "")
+            or _contract.DEFAULT_STRAGGLER_ACTION,
+            straggler_fraction=_get(
+                spec,
+                "straggler_fraction",
+                float,
+                _contract.DEFAULT_STRAGGLER_FRACTION_PERMILLE / 1000,
+            ),
+            straggler_window_ms=_get(spec, "straggler_window_ms", int, 0)
+            or _contract.DEFAULT_STRAGGLER_WINDOW_MS,
+            stragglers=tuple(StragglerFlag.from_json(f) for f in _list(d, "stragglers")),
+            avoided_workers=_str_tuple(d, "avoided_workers"),
+            min_world_size=_get(spec, "min_world_size", int, 0),
+            world_size_now=_get(d, "world_size_now", int, 0),
+            resizes=tuple(ResizeEvent.from_json(r) for r in _list(d, "resizes")),
         )
 
 
@@ -714,6 +829,20 @@ class WorkerInfo:
     memory_total_bytes: int
     #: The worker's GPUs, in index order.
     gpus: tuple[GpuInfo, ...] = ()
+    #: The warm spares its agent keeps (from its last heartbeat; empty on a follower).
+    warm_spares: tuple[WarmSpareInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class WarmSpareInfo:
+    """An idle interpreter a worker keeps for a job (``Client.submit(warm_spares=...)``),
+    waiting to become one of its ranks."""
+
+    job_id: str
+    #: Its process id: a rank attempt that takes it keeps this pid.
+    pid: int
+    #: Milliseconds since it was started.
+    age_ms: int
 
 
 @dataclass(frozen=True)
@@ -764,6 +893,14 @@ class ClusterInfo:
                 memory_used_bytes=_get(w, "memory_used_bytes", int, 0),
                 memory_total_bytes=_get(w, "memory_total_bytes", int, 0),
                 gpus=tuple(GpuInfo.from_json(g) for g in _list(w, "gpus")),
+                warm_spares=tuple(
+                    WarmSpareInfo(
+                        job_id=_get(x, "job_id", str, ""),
+                        pid=_get(x, "pid", int, 0),
+                        age_ms=_get(x, "age_ms", int, 0),
+                    )
+                    for x in (_obj(y, "a warm spare") for y in _list(w, "warm_spares"))
+                ),
             )
             for w in (_obj(x, "a worker") for x in _list(d, "workers"))
         )
@@ -799,25 +936,3 @@ class LogLine:
         if not isinstance(d.get("line"), str):
             raise ProtocolError(f"log event without a 'line' string: {dict(d)!r}")
         return cls(rank=d["rank"], attempt=d["attempt"], offset=d["offset"], line=d["line"])
-    #: The warm spares its agent keeps (from its last heartbeat; empty on a follower).
-    warm_spares: tuple[WarmSpareInfo, ...] = ()
-
-
-@dataclass(frozen=True)
-class WarmSpareInfo:
-    """An idle interpreter a worker keeps for a job (``Client.submit(warm_spares=...)``),
-    waiting to become one of its ranks."""
-
-    job_id: str
-    #: Its process id: a rank attempt that takes it keeps this pid.
-    pid: int
-    #: Milliseconds since it was started.
-    age_ms: int
-                warm_spares=tuple(
-                    WarmSpareInfo(
-                        job_id=_get(x, "job_id", str, ""),
-                        pid=_get(x, "pid", int, 0),
-                        age_ms=_get(x, "age_ms", int, 0),
-                    )
-                    for x in (_obj(y, "a warm spare") for y in _list(w, "warm_spares"))
-                ),

@@ -16,7 +16,8 @@ use super::*;
 
 mod checkpoints;
 mod jobs;
-mod ranks;
+pub(super) mod ranks;
+mod stragglers;
 mod users;
 mod workers;
 
@@ -160,6 +161,8 @@ impl ClusterState {
                 cause,
                 resume_step,
                 agent_fault,
+                in_process,
+                path_reason,
             } => self.schedule_restart(
                 job_id,
                 (placements, gpus),
@@ -168,6 +171,22 @@ impl ClusterState {
                 cause,
                 *resume_step,
                 *agent_fault,
+                (in_process, path_reason),
+                dirty,
+            ),
+            Command::ResizeJob {
+                job_id,
+                placements,
+                gpus,
+                resume_step,
+                cause,
+                at_ms,
+            } => self.resize_job(
+                job_id,
+                (placements, gpus),
+                *resume_step,
+                cause,
+                *at_ms,
                 dirty,
             ),
             Command::FailJob {
@@ -184,6 +203,7 @@ impl ClusterState {
                 at_ms: _,
             } => self.checkpoint_committed(job_id, *step, dirty),
             Command::JobSucceeded { job_id, at_ms } => self.job_succeeded(job_id, *at_ms, dirty),
+            Command::FlagStraggler { job_id, flag } => self.flag_straggler(job_id, flag, dirty),
             Command::RecordProgress { samples } => self.record_progress(samples, dirty),
             Command::Batch { commands } => self.batch(commands, dirty),
         }

@@ -97,7 +97,8 @@ impl ClusterState {
     /// or never (more than they offer in all), with the reason in words. GPU health is
     /// soft state the replicated state does not hold: every GPU counts here.
     pub fn capacity_outlook(&self, spec: &JobSpec) -> Outlook {
-        let world = spec.world_size;
+        // An elastic job starts with as few as its minimum.
+        let world = spec.min_ranks();
         let Some(demand) = spec.gpu_demand() else {
             let capacity = self.gpu_capacity(false);
             let total = self.alive_slots();
@@ -367,7 +368,7 @@ impl AliveTotals {
         if spec.gpu_demand().is_some() {
             !gpu_job_fits(spec, &self.gpus_all_free)
         } else {
-            self.slots < u64::from(spec.world_size)
+            self.slots < u64::from(spec.min_ranks())
         }
     }
 }
@@ -378,7 +379,7 @@ fn gpu_job_fits(spec: &JobSpec, capacity: &[shard_planner::WorkerGpus]) -> bool 
     let Some(demand) = spec.gpu_demand() else {
         return true;
     };
-    let ranks: Vec<u32> = (0..spec.world_size).collect();
+    let ranks: Vec<u32> = (0..spec.min_ranks()).collect();
     matches!(
         shard_planner::place_gpu_ranks(&ranks, capacity, demand),
         Ok(Some(_))

@@ -232,6 +232,32 @@ pub enum Command {
         /// budget (one of [`MAX_AGENT_FAULT_RESTARTS`] instead).
         #[serde(default)]
         agent_fault: bool,
+        /// Ranks whose new attempt continues in the previous attempt's process (an
+        /// in-process restart; empty: a full one). Each stays on its worker.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        in_process: Vec<u32>,
+        /// Why the leader chose that path, shown to users.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        path_reason: String,
+    },
+    /// An elastic job changes its number of ranks to `placements.len()` (every rank a
+    /// new attempt, placed as given), resuming from `resume_step`, its unconsumed
+    /// records dealt over the new ranks ([`Job::resize`]). Spends no restart budget.
+    ResizeJob {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// `(rank, worker_id)` for every rank `0..new world size`.
+        placements: Vec<(u32, String)>,
+        /// `(rank, GPU UUIDs)` for every rank of a job with GPUs (empty otherwise).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gpus: Vec<RankGpus>,
+        /// Step to resume from (the newest committed step that verified; `None`: from
+        /// scratch).
+        resume_step: Option<u64>,
+        /// Why, shown to users as the resize event's cause.
+        cause: String,
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
+        at_ms: u64,
     },
     /// Fail a job for good.
     FailJob {
@@ -266,6 +292,15 @@ pub enum Command {
         job_id: String,
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
+    },
+    /// The leader found a running rank attempt slower than the job's other ranks for
+    /// the job's straggler window: recorded in [`Job::stragglers`]; the job's
+    /// [`StragglerAction`] may fail the attempt and avoid its worker.
+    FlagStraggler {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// The flag (rank, attempt, worker, rates, action, leader time).
+        flag: StragglerFlag,
     },
     /// The leader's downsampled samples of running jobs' progress, kept in each job's
     /// [`ProgressHistory`] (bounds: the `history` module; at most one such command per
@@ -307,10 +342,12 @@ impl std::fmt::Display for Command {
             Command::RankExited { .. } => "RankExited",
             Command::RankFailed { .. } => "RankFailed",
             Command::ScheduleRestart { .. } => "ScheduleRestart",
+            Command::ResizeJob { .. } => "ResizeJob",
             Command::FailJob { .. } => "FailJob",
             Command::CheckpointPartCommitted { .. } => "CheckpointPartCommitted",
             Command::CheckpointCommitted { .. } => "CheckpointCommitted",
             Command::JobSucceeded { .. } => "JobSucceeded",
+            Command::FlagStraggler { .. } => "FlagStraggler",
             Command::RecordProgress { .. } => "RecordProgress",
             Command::Batch { commands } => return write!(f, "Batch({})", commands.len()),
         };
@@ -350,6 +387,9 @@ impl Command {
                 placements, gpus, ..
             }
             | Command::ScheduleRestart {
+                placements, gpus, ..
+            }
+            | Command::ResizeJob {
                 placements, gpus, ..
             } => {
                 COMMAND_OVERHEAD_BYTES

@@ -15,29 +15,39 @@
 mod apply;
 mod capacity;
 mod command;
+mod elastic;
 mod history;
 mod index;
 mod model;
 mod spec;
+mod straggler;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_code;
+#[cfg(test)]
+mod tests_elastic;
+#[cfg(test)]
+mod tests_inprocess;
 
 pub use cumulus_api::limits::{
     MAX_ARG_BYTES, MAX_BACKOFF_MS, MAX_CKPT_KEEP, MAX_COMMAND_ARGS, MAX_ENV_ENTRIES,
     MAX_GPU_NAME_BYTES, MAX_GPU_UUID_BYTES, MAX_GPUS_PER_WORKER, MAX_JOB_NAME_BYTES,
     MAX_REQUEST_ID_BYTES, MAX_RESTART_BUDGET, MAX_SHARDS, MAX_WORLD_SIZE,
 };
-pub use cumulus_api::{CommitTier, FileEntry, JobState, RankState, RestartScope, StopAction};
+pub use cumulus_api::{
+    CommitTier, FileEntry, JobState, RankState, RestartPath, RestartScope, StopAction,
+};
 
 pub use apply::*;
 pub use capacity::*;
 pub use command::*;
+pub use elastic::*;
 pub use history::*;
 pub use index::*;
 pub use model::*;
 pub use spec::*;
+pub use straggler::*;
 
 /// Upper bound on jobs kept in the state; the oldest finished jobs are dropped first.
 pub const MAX_JOBS_RETAINED: usize = 10_000;

@@ -69,6 +69,10 @@ pub struct RankRecord {
     /// UUIDs of the GPUs of the current attempt (empty for a job without GPUs).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus: Vec<String>,
+    /// The current attempt continues the previous attempt's process (an in-process
+    /// restart): its agent hands the live process the new attempt instead of starting one.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_process: bool,
 }
 
 impl RankRecord {
@@ -83,6 +87,7 @@ impl RankRecord {
         self.agent_fault = false;
         self.exec_failed = false;
         self.exit_cause = None;
+        self.in_process = false;
         self.last_progress = (0, 0);
         self.started_at_ms = 0;
         self.exited_at_ms = 0;
@@ -143,6 +148,20 @@ pub struct RestartRecord {
     /// spent none of the job's restart budget (`number` is the budget's count then).
     #[serde(default)]
     pub agent_fault: bool,
+    /// How it was carried out: [`RestartPath::InProcess`] when `in_process_ranks` kept
+    /// their processes, else [`RestartPath::Full`].
+    #[serde(default, skip_serializing_if = "is_full")]
+    pub path: RestartPath,
+    /// Why that path, in words (what made an in-process restart possible or ruled it out).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub path_reason: String,
+    /// Ranks whose new attempt continues in the previous attempt's process.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub in_process_ranks: Vec<u32>,
+}
+
+fn is_full(path: &RestartPath) -> bool {
+    *path == RestartPath::Full
 }
 
 /// A checkpoint part accepted from a rank attempt.
@@ -233,11 +252,40 @@ pub struct Job {
     /// paused, resumed and preempted.
     #[serde(default)]
     pub state_changes: u64,
+    /// Rank attempts the leader flagged as stragglers, oldest first (at most
+    /// [`MAX_STRAGGLER_FLAGS`]; [`Command::FlagStraggler`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stragglers: Vec<StragglerFlag>,
+    /// Workers the job's later placements avoid when others have room: its stragglers'
+    /// workers under [`StragglerAction::Restart`] and [`StragglerAction::Exclude`],
+    /// oldest first (at most [`MAX_AVOIDED_WORKERS`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub avoided_workers: Vec<String>,
     /// What the ranks' attempts left in `CUMULUS_OUTPUT_DIR`: for each rank, the newest
     /// attempt that left any, in rank order (at most one per rank, so at most the world
     /// size). Recorded from an accepted [`Command::RankExited`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub artifacts: Vec<Artifact>,
+    /// Elastic jobs: every change of the world size, oldest first (at most
+    /// [`MAX_RESIZES_KEPT`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resizes: Vec<ResizeRecord>,
+    /// Elastic jobs: the data plans of the kept committed steps and of the current ranks,
+    /// oldest first ([`Job::data_plan_at`]); empty until the first resize (the standard
+    /// plan).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub data_plans: Vec<DataPlanRecord>,
+    /// Elastic jobs: resizes so far (a new MASTER_PORT each).
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub resize_count: u32,
+    /// Elastic jobs: the highest attempt number any rank had at the latest resize, so a
+    /// rank added again never reuses an attempt number (and its directories).
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub attempt_floor: u32,
+}
+
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
 }
 
 /// What one rank attempt left in its `CUMULUS_OUTPUT_DIR`, packed and stored in the
@@ -280,10 +328,12 @@ impl Job {
         match (step, &self.fork) {
             (Some(step), _) => ResumePoint {
                 step: Some(step),
+                // After a resize, rank `r` resumes from the part of rank `r mod` the
+                // step's world size (`Job::resize`).
                 dir: self
                     .committed
                     .get(&step)
-                    .and_then(|parts| parts.get(rank as usize))
+                    .and_then(|parts| parts.get(rank as usize % parts.len().max(1)))
                     .map(|p| p.dir.clone())
                     .unwrap_or_default(),
                 job_id: String::new(),
@@ -427,7 +477,12 @@ impl Job {
         let restarts: usize = self
             .restarts
             .iter()
-            .map(|r| RESTART_BYTES + r.cause.len() + 11 * r.ranks.len())
+            .map(|r| {
+                RESTART_BYTES
+                    + r.cause.len()
+                    + r.path_reason.len()
+                    + 11 * (r.ranks.len() + r.in_process_ranks.len())
+            })
             .sum();
         let parts: usize = self
             .pending_parts
@@ -457,11 +512,23 @@ impl Job {
             .iter()
             .map(|a| ARTIFACT_BYTES + a.blob.digest.len())
             .sum();
+        let elastic: usize = self
+            .data_plans
+            .iter()
+            .map(DataPlanRecord::approx_bytes)
+            .sum::<usize>()
+            + self
+                .resizes
+                .iter()
+                .map(|r| RESTART_BYTES + r.cause.len())
+                .sum::<usize>();
         (ranks
             + restarts
             + parts
             + fork
             + artifacts
+            + elastic
+            + self.approx_straggler_bytes()
             + self.failure_cause.as_ref().map_or(0, String::len)) as u64
     }
 }

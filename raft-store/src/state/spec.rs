@@ -152,6 +152,10 @@ pub struct JobSpec {
     /// budget like any failure, instead of failing the job at once.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_fail_fast: bool,
+    /// How the job's stragglers are found and what is done about them (default: warn
+    /// at 0.7 of the median for 60 s).
+    #[serde(default, skip_serializing_if = "StragglerPolicy::is_default")]
+    pub straggler: StragglerPolicy,
     /// Warm spares each worker running ranks of the job keeps, at most
     /// [`cumulus_api::limits::MAX_WARM_SPARES`] (0: none; [`cumulus_api::warm`]).
     #[serde(default, skip_serializing_if = "is_zero_u32")]
@@ -159,6 +163,12 @@ pub struct JobSpec {
     /// Modules a warm spare imports before it is assigned a rank.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warm_imports: Vec<String>,
+    /// Elastic world size: the fewest ranks the job may run with, `1..=world_size`
+    /// (`world_size` is then the most); 0 = a fixed world of `world_size` ranks. An
+    /// elastic job starts with as many ranks as fit, shrinks when a lost rank has no
+    /// room, and grows at a checkpoint boundary ([`Job::world_size`]).
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub min_world_size: u32,
 }
 
 fn is_zero_u32(v: &u32) -> bool {
@@ -278,6 +288,26 @@ impl JobSpec {
             workdir: None,
             environment: None,
             no_fail_fast: false,
+            straggler: StragglerPolicy::default(),
+            warm_spares: 0,
+            warm_imports: Vec::new(),
+            min_world_size: 0,
+        }
+    }
+
+    /// Whether the job's world size may change while it runs (`min_world_size` below
+    /// `world_size`).
+    pub fn is_elastic(&self) -> bool {
+        self.min_world_size > 0 && self.min_world_size < self.world_size
+    }
+
+    /// The fewest ranks the job runs with: `min_world_size`, or `world_size` for a
+    /// fixed world.
+    pub fn min_ranks(&self) -> u32 {
+        if self.is_elastic() {
+            self.min_world_size
+        } else {
+            self.world_size
         }
     }
 
@@ -288,8 +318,6 @@ impl JobSpec {
     pub fn effective_startup_timeout_ms(&self) -> u64 {
         if self.startup_timeout_ms > 0 {
             self.startup_timeout_ms
-            warm_spares: 0,
-            warm_imports: Vec::new(),
         } else if self.progress_timeout_ms > 0 {
             DEFAULT_STARTUP_TIMEOUT_MS
         } else {
@@ -342,6 +370,11 @@ impl JobSpec {
                 .environment
                 .as_ref()
                 .map_or(0, Environment::approx_string_bytes)
+            + self
+                .warm_imports
+                .iter()
+                .map(|m| m.len() + PER_STRING_BYTES)
+                .sum::<usize>()
     }
 
     /// True when the job checkpoints (a local root, an S3 target, or both).
@@ -355,13 +388,7 @@ impl JobSpec {
     /// # Errors
     /// The first invalid field, as a [`SpecError`] (its text is what a user sees).
     pub fn validate(&self, max_world_size: u32) -> Result<(), SpecError> {
-        let max_world_size = max_world_size.min(MAX_WORLD_SIZE);
-        if self.world_size == 0 || self.world_size > max_world_size {
-            return Err(SpecError::WorldSize {
-                world_size: self.world_size,
-                max: max_world_size,
-            });
-        }
+        self.validate_world_size(max_world_size)?;
         if self.name.len() > MAX_JOB_NAME_BYTES {
             return Err(SpecError::NameTooLong);
         }
@@ -370,11 +397,6 @@ impl JobSpec {
         }
         if self.command.len() > MAX_COMMAND_ARGS {
             return Err(SpecError::TooManyArgs {
-            + self
-                .warm_imports
-                .iter()
-                .map(|m| m.len() + PER_STRING_BYTES)
-                .sum::<usize>()
                 count: self.command.len(),
             });
         }
@@ -504,7 +526,34 @@ impl JobSpec {
         {
             return Err(SpecError::GpuShare);
         }
+        self.straggler
+            .validate()
+            .map_err(|why| SpecError::Straggler { why })?;
+        cumulus_api::warm::check(self.warm_spares, &self.warm_imports, &self.command)
+            .map_err(|why| SpecError::WarmSpares { why })?;
         self.validate_code()
+    }
+
+    /// Checks the world size: `1..=max_world_size` (at most [`MAX_WORLD_SIZE`]) ranks, or
+    /// an elastic range `min_world_size..=world_size`, which a fork cannot have.
+    fn validate_world_size(&self, max_world_size: u32) -> Result<(), SpecError> {
+        let max_world_size = max_world_size.min(MAX_WORLD_SIZE);
+        if self.world_size == 0 || self.world_size > max_world_size {
+            return Err(SpecError::WorldSize {
+                world_size: self.world_size,
+                max: max_world_size,
+            });
+        }
+        if self.min_world_size > self.world_size {
+            return Err(SpecError::MinWorldSize {
+                min_world_size: self.min_world_size,
+                world_size: self.world_size,
+            });
+        }
+        if self.is_elastic() && self.resume_from.is_some() {
+            return Err(SpecError::ElasticFork);
+        }
+        Ok(())
     }
 
     /// Checks what the job brings with it: its packed working directory and its
@@ -526,8 +575,6 @@ impl JobSpec {
         };
         if env.requirements.len() > MAX_REQUIREMENTS_BYTES || env.requirements.contains('\0') {
             return Err(SpecError::Requirements {
-        cumulus_api::warm::check(self.warm_spares, &self.warm_imports, &self.command)
-            .map_err(|why| SpecError::WarmSpares { why })?;
                 bytes: env.requirements.len(),
             });
         }
@@ -563,6 +610,31 @@ pub const MAX_PROGRESS_TIMEOUT_MS: u64 = 7 * 24 * 3_600_000;
 /// command with it (a replica never applies an invalid spec, whichever leader sent it).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SpecError {
+    /// `warm_spares` or `warm_imports` is out of bounds or does not fit the command
+    /// ([`cumulus_api::warm::check`]).
+    #[error("{why}")]
+    WarmSpares {
+        /// What is wrong, naming the field.
+        why: String,
+    },
+    /// `min_world_size` is above `world_size` (the most ranks).
+    #[error(
+        "min_world_size {min_world_size} is above world_size {world_size}: an elastic \
+         world size MIN:MAX needs 1 <= MIN <= MAX"
+    )]
+    MinWorldSize {
+        /// The fewest ranks asked for.
+        min_world_size: u32,
+        /// The most ranks.
+        world_size: u32,
+    },
+    /// An elastic job named `resume_from`: a fork keeps the world size of the job it
+    /// starts from.
+    #[error(
+        "min_world_size: an elastic job cannot start from another job's step \
+         (resume_from keeps that job's world size)"
+    )]
+    ElasticFork,
     /// `world_size` is 0 or above the cluster's limit `max`.
     #[error("world size {world_size} is out of range: it must be between 1 and {max}")]
     WorldSize {
@@ -610,13 +682,6 @@ pub enum SpecError {
     /// also be `s3://`), is too long or holds NUL.
     #[error("{field} {path:?} must be an absolute path")]
     NotAbsolute {
-    /// `warm_spares` or `warm_imports` is out of bounds or does not fit the command
-    /// ([`cumulus_api::warm::check`]).
-    #[error("{why}")]
-    WarmSpares {
-        /// What is wrong, naming the field.
-        why: String,
-    },
         /// The spec field: `dataset`, `ckpt_dir` or `working_dir`.
         field: &'static str,
         /// The path as given.
@@ -707,6 +772,12 @@ pub enum SpecError {
         "a GPU memory fraction below 1 applies to one GPU per rank (gpus_per_rank 1), in thousandths 1..=999"
     )]
     GpuShare,
+    /// The straggler fraction or window is out of bounds ([`StragglerPolicy::validate`]).
+    #[error("{why}")]
+    Straggler {
+        /// What is wrong, naming the field.
+        why: String,
+    },
     /// A workdir reference whose digest is not 64 lowercase hex digits, or whose size is
     /// 0 or above [`MAX_BLOB_BYTES`].
     #[error(

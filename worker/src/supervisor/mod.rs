@@ -170,6 +170,16 @@ struct Entry {
     /// ([`cumulus_api::rank_local::ExceptionReport::summary`]): the cause of a non-zero
     /// exit that follows.
     exception: Option<String>,
+    /// The attempt whose process this is: the key itself, unless an in-process restart
+    /// handed the process this newer attempt ([`inprocess`]).
+    origin: AttemptKey,
+    /// This attempt's rank-local token.
+    token: String,
+    /// In-process restarts: whether the rank listens, the offer made to it.
+    restart: inprocess::RestartState,
+    /// Hands the process's output loop the log of a newer attempt (an in-process
+    /// restart); set once the process runs.
+    log_switch: Option<mpsc::Sender<inprocess::LogSwitch>>,
 }
 
 #[derive(Default)]
@@ -201,6 +211,9 @@ struct Table {
     waiting: HashSet<AttemptKey>,
     /// Set by [`Supervisor::shutdown`]: nothing new starts.
     closed: bool,
+    /// Tokens retired by in-process restarts → the attempt their process runs now
+    /// (honoured by `GET /v1/restart` only; dropped with the process's entry).
+    retired: HashMap<String, AttemptKey>,
 }
 
 struct Inner {
@@ -210,6 +223,10 @@ struct Inner {
     client: Arc<CoordinatorClient>,
     events: EventReporter,
     tracker: TaskTracker,
+    /// Warm spares by job ([`spares`]); its lock and `table`'s are never held together.
+    spares: Mutex<spares::Pool>,
+    /// Woken whenever an in-process restart's offer is made or fails.
+    restart_notify: tokio::sync::Notify,
 }
 
 /// Runs the rank attempts of this agent. Cheap to clone.
@@ -223,8 +240,6 @@ impl std::fmt::Debug for Supervisor {
         f.debug_struct("Supervisor")
             .field("settings", &self.inner.settings)
             .finish_non_exhaustive()
-    /// Warm spares by job ([`spares`]); its lock and `table`'s are never held together.
-    spares: Mutex<spares::Pool>,
     }
 }
 
@@ -238,6 +253,15 @@ pub fn shards_file(data_dir: &Path, key: &AttemptKey) -> PathBuf {
         .join("jobs")
         .join(&key.job_id)
         .join(format!("rank-{}.attempt-{}.shards", key.rank, key.attempt))
+}
+
+/// Where an attempt's data plan (an elastic job's, `CUMULUS_DATA_PLAN`) is written:
+/// beside its shards file.
+pub fn data_plan_file(data_dir: &Path, key: &AttemptKey) -> PathBuf {
+    data_dir.join("jobs").join(&key.job_id).join(format!(
+        "rank-{}.attempt-{}.plan.json",
+        key.rank, key.attempt
+    ))
 }
 
 impl Supervisor {
@@ -256,6 +280,8 @@ impl Supervisor {
                 client,
                 events,
                 tracker: TaskTracker::new(),
+                spares: Mutex::new(spares::Pool::default()),
+                restart_notify: tokio::sync::Notify::new(),
             }),
         }
     }
@@ -277,10 +303,10 @@ impl Supervisor {
         if table.closed {
             return Vec::new();
         }
+        self.adopt_in_process_locked(&mut table, desired);
         let observed: Vec<ObservedAttempt> = table
             .entries
             .iter()
-                spares: Mutex::new(spares::Pool::default()),
             .map(|(key, e)| ObservedAttempt {
                 key: key.clone(),
                 stopping: e.stopping,
@@ -324,6 +350,14 @@ impl Supervisor {
         for d in desired.iter().filter(|d| !d.stop_action.is_empty()) {
             self.ask_to_stop_locked(&mut table, d);
         }
+        let reported: HashSet<String> = table
+            .entries
+            .iter()
+            .filter(|(_, e)| e.progress.is_some() && !e.stopping)
+            .map(|(k, _)| k.job_id.clone())
+            .collect();
+        drop(table);
+        self.maintain_spares(desired, &reported);
         actions
     }
 
@@ -350,14 +384,6 @@ impl Supervisor {
         if entry.control.is_some() || entry.stopping {
             return;
         }
-        let reported: HashSet<String> = table
-            .entries
-            .iter()
-            .filter(|(_, e)| e.progress.is_some() && !e.stopping)
-            .map(|(k, _)| k.job_id.clone())
-            .collect();
-        drop(table);
-        self.maintain_spares(desired, &reported);
         let action = desired
             .stop_action
             .parse::<StopAction>()
@@ -390,6 +416,20 @@ impl Supervisor {
         let table = self.table();
         let key = table.tokens.get(token)?;
         Some(table.entries.get(key)?.control)
+    }
+
+    /// The attempt the process started for `origin` runs now: `origin` itself unless an
+    /// in-process restart handed it a newer one ([`inprocess`]).
+    fn current_key(&self, origin: &AttemptKey) -> AttemptKey {
+        let table = self.table();
+        if table.entries.contains_key(origin) {
+            return origin.clone();
+        }
+        table
+            .entries
+            .iter()
+            .find(|(_, e)| &e.origin == origin)
+            .map_or_else(|| origin.clone(), |(k, _)| k.clone())
     }
 
     fn exit_recorded(&self, key: &AttemptKey) -> bool {
@@ -437,6 +477,10 @@ impl Supervisor {
                 commit_lock: Arc::new(tokio::sync::Mutex::new(None)),
                 shard_pins: Vec::new(),
                 exception: None,
+                origin: key.clone(),
+                token: token.clone(),
+                restart: inprocess::RestartState::default(),
+                log_switch: None,
             },
         );
         tracing::info!(attempt = %key, "starting rank attempt");
@@ -476,6 +520,7 @@ impl Supervisor {
                         total_steps: progress.total_steps,
                         metrics: progress.metrics.into_iter().collect(),
                         reported,
+                        in_process: e.restart.listening,
                     },
                 ))
             })
@@ -497,6 +542,7 @@ impl Supervisor {
                             total_steps: 0,
                             metrics: Default::default(),
                             reported: false,
+                            in_process: false,
                         },
                     )
                 }),
@@ -518,6 +564,7 @@ impl Supervisor {
 
     /// Stops every live attempt (SIGTERM to its group, SIGKILL after the grace time).
     pub fn stop_all(&self) {
+        self.stop_spares();
         let mut table = self.table();
         for (key, entry) in table.entries.iter_mut() {
             if !entry.stopping {
@@ -564,7 +611,6 @@ impl Supervisor {
     /// non-zero exit of the attempt then reports it as its cause. `None` when the token
     /// is unknown.
     pub fn record_exception(
-        self.stop_spares();
         &self,
         token: &str,
         report: &cumulus_api::rank_local::ExceptionReport,
@@ -670,6 +716,7 @@ impl Supervisor {
             }
         };
         let _ = tokio::fs::remove_file(shards_file(&self.inner.settings.data_dir, &key)).await;
+        let _ = tokio::fs::remove_file(data_plan_file(&self.inner.settings.data_dir, &key)).await;
         self.remove_attempt_dir(&key).await;
         self.table().finished.insert(key.clone());
         // An attempt lost across an agent restart: its progress was in the old agent's
@@ -718,27 +765,43 @@ impl Supervisor {
             Ok(paths) => self.run_process(&key, &desired, &token, &stop, paths).await,
             Err(e) => ExitRecord::spawn_failed(format!("invalid desired rank: {e}")),
         };
+        // `origin` is the attempt the process was started for (its directories, shards
+        // file); `key` the one it runs now (an in-process restart may have handed it a
+        // newer one): the exit is that attempt's.
+        let origin = key;
+        let key = self.current_key(&origin);
         let mut artifacts = None;
         if let Ok(paths) = &paths {
+            let current = AttemptPaths::new(&data_dir, &key).unwrap_or_else(|_| paths.clone());
             // The process has ended: what it left is uploaded before its exit is
             // recorded and reported.
-            artifacts = self.collect_artifacts(&key, &paths.log).await;
-            self.remove_attempt_dir(&key).await;
-            if let Err(e) = logs::write_exit_record(&paths.exit, &exit).await {
+            artifacts = self.collect_artifacts(&origin, &current.log).await;
+            self.remove_attempt_dir(&origin).await;
+            if let Err(e) = logs::write_exit_record(&current.exit, &exit).await {
                 tracing::error!(attempt = %key, "cannot write exit record: {e}");
             }
-            if let Err(e) = orphans::remove(&data_dir, &key).await {
-                tracing::warn!(attempt = %key, "cannot remove pid record: {e}");
+            for k in [&origin, &key] {
+                if let Err(e) = orphans::remove(&data_dir, k).await {
+                    tracing::warn!(attempt = %k, "cannot remove pid record: {e}");
+                }
             }
-            let _ = tokio::fs::remove_file(shards_file(&data_dir, &key)).await;
+            let _ = tokio::fs::remove_file(shards_file(&data_dir, &origin)).await;
+            let _ = tokio::fs::remove_file(data_plan_file(&data_dir, &origin)).await;
         }
         let (ckpt, last) = {
             let mut table = self.table();
             let entry = table.entries.remove(&key);
             table.tokens.remove(&token);
+            if let Some(e) = &entry {
+                table.tokens.remove(&e.token);
+                for t in &e.restart.retired_tokens {
+                    table.retired.remove(t);
+                }
+            }
             table.finished.insert(key.clone());
             entry.map_or((None, None), |e| (e.ckpt, e.progress))
         };
+        self.inner.restart_notify.notify_waiters();
         // The attempt never runs again: whatever it left uncommitted in staging is garbage.
         if let Some(ckpt) = ckpt {
             match tokio::fs::remove_dir_all(&ckpt.staging).await {
@@ -900,8 +963,10 @@ impl Supervisor {
             }
         };
         let pid = spawned.pid;
+        let (log_switch, mut log_switches) = mpsc::channel::<inprocess::LogSwitch>(1);
         if let Some(entry) = self.table().entries.get_mut(key) {
             entry.pid = Some(pid);
+            entry.log_switch = Some(log_switch);
         }
         pid_record.pid = Some(pid);
         pid_record.start_ticks = orphans::process_start_ticks(pid);
@@ -920,28 +985,25 @@ impl Supervisor {
             }));
         let grace = self.stop_grace(desired);
         let mut tail = logs::OutputTail::default();
-        let status = supervise(key, spawned, stop, grace, &mut log, &mut tail).await;
+        let status = supervise(
+            key,
+            spawned,
+            stop,
+            grace,
+            (&mut log, &mut log_switches),
+            &mut tail,
+        )
+        .await;
         if let Err(e) = log.finish().await {
             tracing::warn!(attempt = %key, "cannot finish log: {e}");
         }
+        let current = self.current_key(key);
         match status {
             Ok(status) => {
                 let seen = settings.rank_api_watch.since(&rank_api_before);
                 let mut exit = reach::judge(ExitRecord::from_status(status), &seen);
-                exit.cause = self.exit_cause(key, &exit, stop, &tail);
-                if exit.exit_code == Some(cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE) {
-                    match &exit.agent_evidence {
-                        Some(why) => tracing::warn!(
-                            attempt = %key,
-                            "the rank could not reach this agent, the agent's fault: {why}"
-                        ),
-                        None => tracing::info!(
-                            attempt = %key,
-                            "the rank says it could not reach this agent, but the rank API \
-                             turned nothing away during the attempt: the rank's own failure"
-                        ),
-                    }
-                }
+                exit.cause = self.exit_cause(&current, &exit, stop, &tail);
+                log_unreachable(key, &exit);
                 exit
             }
             Err(e) => ExitRecord::spawn_failed(format!("cannot wait for process {pid}: {e}")),
@@ -949,22 +1011,44 @@ impl Supervisor {
     }
 }
 
+/// Logs whose fault an exit with [`cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE`] is:
+/// the agent's, with its evidence, or the rank's own; nothing for any other exit.
+fn log_unreachable(key: &AttemptKey, exit: &ExitRecord) {
+    if exit.exit_code != Some(cumulus_api::rank_env::EXIT_AGENT_UNREACHABLE) {
+        return;
+    }
+    match &exit.agent_evidence {
+        Some(why) => tracing::warn!(
+            attempt = %key,
+            "the rank could not reach this agent, the agent's fault: {why}"
+        ),
+        None => tracing::info!(
+            attempt = %key,
+            "the rank says it could not reach this agent, but the rank API turned nothing \
+             away during the attempt: the rank's own failure"
+        ),
+    }
+}
+
 /// Waits for the process while copying its output to the log (its last lines to `tail`)
-/// and applying a stop request (SIGTERM to the group, SIGKILL after `grace`). After the
-/// process exited, whatever is left of its group is killed and the output pipe is
-/// drained for at most [`DRAIN_TIMEOUT`].
+/// and applying a stop request (SIGTERM to the group, SIGKILL after `grace`). A log
+/// coming through `switches` (an in-process restart) replaces `log` from then on: the
+/// old one gets the switch's marker line and is finished before the switch is
+/// acknowledged. After the process exited, whatever is left of its group is killed and
+/// the output pipe is drained for at most [`DRAIN_TIMEOUT`].
 async fn supervise(
     key: &AttemptKey,
     spawned: SpawnedChild,
     stop: &CancellationToken,
     grace: Duration,
-    log: &mut LogWriter,
+    (log, switches): (&mut LogWriter, &mut mpsc::Receiver<inprocess::LogSwitch>),
     tail: &mut logs::OutputTail,
 ) -> io::Result<ExitStatus> {
     let SpawnedChild {
         mut child,
         pid,
         output,
+        ..
     } = spawned;
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(LOG_CHANNEL_CAPACITY);
     // The pump stops when `stop_pump` is dropped: on the drain timeout, or when this
@@ -1032,6 +1116,17 @@ async fn supervise(
                 }
                 None => pipes_open = false,
             },
+            Some((new_log, marker, done)) = switches.recv() => {
+                let mut old = std::mem::replace(log, new_log);
+                if log_ok {
+                    let _ = old.append(marker.as_bytes()).await;
+                }
+                if let Err(e) = old.finish().await {
+                    tracing::warn!(attempt = %key, "cannot finish log: {e}");
+                }
+                log_ok = true;
+                let _ = done.send(());
+            }
             s = child.wait(), if status.is_none() => {
                 status = Some(s);
                 // Helpers the rank left in its group end with it. (The group id stays
@@ -1074,12 +1169,16 @@ async fn supervise(
 
 mod commit;
 mod environment;
+mod inprocess;
+#[cfg(test)]
+mod inprocess_tests;
 mod prepare;
 pub mod reach;
+pub mod spares;
 #[cfg(test)]
 mod tests;
 mod workdir;
 
+pub use inprocess::{RestartAck, RestartPoll};
 use prepare::*;
 pub use reach::RankApiWatch;
-pub mod spares;

@@ -143,6 +143,25 @@ impl Supervisor {
                 })?;
         }
 
+        let plan_path =
+            (!d.data_plan_json.is_empty()).then(|| data_plan_file(&settings.data_dir, key));
+        if let Some(path) = &plan_path {
+            write_file_atomic(path, d.data_plan_json.as_bytes())
+                .await
+                .map_err(|source| PrepareError::Write {
+                    path: path.clone(),
+                    source,
+                })?;
+            if let Some(creds) = &creds {
+                give_shards_file(path, creds)
+                    .await
+                    .map_err(|source| PrepareError::Write {
+                        path: path.clone(),
+                        source,
+                    })?;
+            }
+        }
+
         let master_addr = if d.master_addr.is_empty() {
             settings.advertise_host.as_str()
         } else {
@@ -166,6 +185,9 @@ impl Supervisor {
         ];
         if let Some(socket) = &settings.rank_api_socket {
             contract.push((rank_env::AGENT_SOCKET, socket.clone().into_os_string()));
+        }
+        if let Some(path) = plan_path {
+            contract.push((rank_env::DATA_PLAN, path.into_os_string()));
         }
         if d.gpus.iter().any(|g| !cumulus_api::gpus::is_valid_uuid(g)) {
             return Err(PrepareError::Invalid("a GPU UUID is invalid".into()));
@@ -203,7 +225,9 @@ impl Supervisor {
                 } else {
                     d.resume_job_id.as_str()
                 };
-                let dir = verify_resume(&*store, from_job, key.rank, step, &d.resume_dir).await?;
+                // After an elastic resize a rank may resume from another rank's part.
+                let part_rank = d.resume_rank.unwrap_or(key.rank);
+                let dir = verify_resume(&*store, from_job, part_rank, step, &d.resume_dir).await?;
                 contract.push((rank_env::RESUME_STEP, step.to_string().into()));
                 contract.push((rank_env::RESUME_DIR, dir.into_os_string()));
             }
@@ -227,6 +251,7 @@ impl Supervisor {
             working_dir: workdir
                 .or_else(|| (!d.working_dir.is_empty()).then(|| PathBuf::from(&d.working_dir))),
             creds,
+            ..SpawnRequest::default()
         })
     }
 }
@@ -251,7 +276,6 @@ impl Supervisor {
         let mut shard_dirs = std::collections::BTreeSet::new();
         for s in d.shards.iter().filter(|s| !s.starts_with("s3://")) {
             check_job_path(PathKind::Dataset, s)?;
-            ..SpawnRequest::default()
             roots.dataset.check_lexical(s)?;
             if let Some(dir) = std::path::Path::new(s).parent().and_then(|p| p.to_str()) {
                 shard_dirs.insert(dir.to_owned());

@@ -62,6 +62,22 @@ agent, ``cumulus-worker --run-as``), through that Unix domain socket
 ``torch.cuda.set_per_process_memory_fraction``; call it once CUDA's device is chosen (it
 does nothing, and imports nothing, for a job without a fraction).
 
+In-process restarts: :func:`run` runs a training function and, when a peer rank fails,
+re-enters it in the same process at the job's last committed step instead of letting
+the agent replace the process (the interpreter, its imports and a CUDA context are
+kept)::
+
+    def train() -> None:
+        dist.init_process_group("gloo")          # MASTER_PORT is new at each restart
+        point = ckpt.load_checkpoint(model=model, optimizer=opt, rng=ckpt.RNG())
+        ...                                      # the usual loop, report() every step
+        dist.destroy_process_group()
+
+    runtime.run(train)
+
+Only scripts that call it opt in; the others keep today's restarts (a new process per
+rank). See :func:`run`.
+
 :func:`rng_state` / :func:`set_rng_state` capture and restore every random number
 generator (Python, NumPy, torch CPU and CUDA, and generators passed in) as plain JSON;
 :mod:`cumulus.ckpt` saves them with the model.
@@ -84,6 +100,7 @@ from typing import Any
 
 from cumulus._contract import RANK_ENV_CUDA_VISIBLE_DEVICES, RANK_ENV_GPU_MEMORY_FRACTION
 from cumulus.errors import CumulusError, RankEnvironmentError
+from cumulus.runtime import _inprocess
 from cumulus.runtime._agent import AgentClient, install_unreachable_exit
 from cumulus.runtime._checkpoint import (
     COMMIT_DEADLINE_S,
@@ -102,6 +119,7 @@ from cumulus.runtime._control import (
     StopControl,
 )
 from cumulus.runtime._distributed import any_rank
+from cumulus.runtime._elastic import DATA_STATE_KEY, DataPlan, ElasticData, data_plan
 from cumulus.runtime._env import (
     CONTRACT_VARS,
     Context,
@@ -110,6 +128,7 @@ from cumulus.runtime._env import (
     read_shards_file,
 )
 from cumulus.runtime._failure import install_from_env as _install_exception_report
+from cumulus.runtime._inprocess import RestartOffer, RestartRequested
 from cumulus.runtime._progress import (
     MAX_METRIC_NAME_BYTES,
     MAX_METRICS,
@@ -132,6 +151,7 @@ __all__ = [
     "COMMIT_DEADLINE_S",
     "CONTRACT_VARS",
     "CONTROL_POLL_INTERVAL_S",
+    "DATA_STATE_KEY",
     "MAX_METRICS",
     "MAX_METRIC_NAME_BYTES",
     "MAX_STATE_BYTES",
@@ -144,8 +164,12 @@ __all__ = [
     "Checkpointer",
     "CommittedPart",
     "Context",
+    "DataPlan",
+    "ElasticData",
     "EpochSampler",
     "PendingCheckpoint",
+    "RestartOffer",
+    "RestartRequested",
     "ResumePoint",
     "Runtime",
     "ShardReader",
@@ -155,6 +179,7 @@ __all__ = [
     "checkpoint",
     "checkpoints_enabled",
     "context_from_env",
+    "data_plan",
     "flush",
     "get_context",
     "get_runtime",
@@ -167,6 +192,7 @@ __all__ = [
     "request_stop",
     "resume",
     "rng_state",
+    "run",
     "save_checkpoint",
     "set_rng_state",
     "shard_format",
@@ -252,6 +278,7 @@ class Runtime:
         :raises InvalidMetric: a metric is not a real number (a tensor, a str, a bool...),
             or a name is empty or too long, or there are more than 64 metrics.
         """
+        _inprocess.check()
         checked = validate_report(step, total_steps, metrics)
         if self._reporter is not None:
             self._reporter.submit(checked)
@@ -282,6 +309,7 @@ class Runtime:
             asked to stop: exit now.
         :raises CheckpointFailed: the commit failed until the commit deadline.
         """
+        _inprocess.check()
         return self.checkpointer.checkpoint(step, state)
 
     def save_checkpoint(
@@ -294,6 +322,7 @@ class Runtime:
         it again before every retry (see :meth:`Checkpointer.save`), and returns the
         committed part; ``None`` when it was refused because this rank was asked to stop
         (see :meth:`checkpoint`). Raises as :meth:`checkpoint`."""
+        _inprocess.check()
         return self.checkpointer.save(step, write, state)
 
     def resume(self) -> ResumePoint | None:
@@ -374,6 +403,7 @@ class Runtime:
         :raises RuntimeError: the first stop check is made from a thread other than the
             main thread.
         """
+        _inprocess.check()
         if stop_signalled():
             return True
         return self.control.action() is not None
@@ -449,6 +479,14 @@ class Runtime:
         torch.cuda.set_per_process_memory_fraction(fraction, device)
         return fraction
 
+    def _abandon(self) -> None:
+        """Drops this runtime for an in-process restart: its background checkpoint (of
+        an attempt that can no longer commit) is not waited for, and its progress sender
+        stops without sending."""
+        self.checkpointer.abandon_pending()
+        if self._reporter is not None:
+            self._reporter.close(0.0)
+
     def close(self, timeout_s: float = 2.0) -> None:
         """Waits for a checkpoint being committed in the background
         (:meth:`Checkpointer.save_async`, :func:`cumulus.ckpt.save_checkpoint_async`),
@@ -522,6 +560,51 @@ def get_runtime() -> Runtime:
             if _default.agent is not None:
                 install_unreachable_exit()
         return _default
+
+
+def _replace_runtime(old: Runtime) -> Runtime:
+    """Makes the process-wide runtime again from the environment (an in-process restart
+    set the new attempt's variables), with ``old``'s settings."""
+    global _default
+    with _default_lock:
+        _default = Runtime(
+            get_context(standalone=False), commit_deadline_s=old.checkpointer.commit_deadline_s
+        )
+        return _default
+
+
+def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Runs the training function ``fn(*args, **kwargs)`` and returns its result, with
+    in-process restarts: when a peer rank fails and the leader restarts the job's ranks,
+    this process keeps running and calls ``fn`` again as the rank's new attempt, instead
+    of being replaced by a new process.
+
+    ``fn`` must be written as a whole attempt: it forms its ``torch.distributed`` process
+    group (``MASTER_ADDR``/``MASTER_PORT`` from the environment, a new port at each
+    restart), restores the resume step (:func:`cumulus.ckpt.load_checkpoint` or
+    :func:`resume`), trains while calling :func:`report` every step, and returns. On each
+    call the runtime (:func:`get_runtime`, :func:`get_context`, the module functions)
+    describes the current attempt. Do not call :func:`init` inside it.
+
+    When the agent hands this process a new attempt, the current call is abandoned: the
+    next :func:`report`, stop check or checkpoint raises :class:`RestartRequested` (a
+    ``BaseException``), a collective blocked on the lost peer fails (gloo: when the peer's
+    connection closes or the group's timeout passes; NCCL: its communicators are
+    aborted), and a function that does neither for 2 s gets :class:`RestartRequested`
+    raised asynchronously. The runtime then tears the process group down (bounded: a
+    process whose teardown hangs exits, and the job restarts in full), drops the
+    abandoned attempt's background checkpoint (it can no longer commit), sets the new
+    attempt's environment, waits out the rest of the restart's backoff and calls ``fn``
+    again. An exception of ``fn`` that looks like a lost peer (a failed collective) waits
+    up to 60 s for that restart; any other exception propagates as it would without
+    ``run``.
+
+    Standalone (not a Cumulus rank), it just calls ``fn``. Only scripts that call it opt
+    in; the others are restarted as new processes.
+
+    :raises RuntimeError: ``run`` is already running in this process.
+    """
+    return _inprocess.run(fn, *args, **kwargs)
 
 
 def report(step: int, total_steps: int | None = None, **metrics: float) -> None:
@@ -614,6 +697,7 @@ def stop_agreed(group: Any = None) -> bool:
             if stop:
                 sys.exit(0)
     """
+    _inprocess.check()
     rt = _current_runtime()
     return any_rank(rt.should_stop() if rt is not None else stop_signalled(), group)
 

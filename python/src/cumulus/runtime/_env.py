@@ -18,6 +18,7 @@ from cumulus._contract import (
     RANK_ENV_AGENT_URL,
     RANK_ENV_ATTEMPT,
     RANK_ENV_CKPT_STAGING,
+    RANK_ENV_DATA_PLAN,
     RANK_ENV_GPU_MEMORY_FRACTION,
     RANK_ENV_JOB_ID,
     RANK_ENV_LOCAL_RANK,
@@ -152,6 +153,9 @@ class Context:
     #: fails): ``cumulusctl artifacts``, :meth:`cumulus.Job.artifacts`. ``None`` when
     #: not set (an agent older than artifacts; standalone unless set by hand).
     output_dir: Path | None = None
+    #: ``CUMULUS_DATA_PLAN``: an elastic job's data plan for this rank (a JSON file,
+    #: :func:`cumulus.runtime.data_plan`); ``None`` for a job with a fixed world size.
+    data_plan_path: Path | None = None
 
     @property
     def is_resuming(self) -> bool:
@@ -428,7 +432,13 @@ def context_from_env(env: Mapping[str, str], *, standalone: bool = False) -> Con
         gpu_memory_fraction=gpu_memory_fraction,
         agent_socket=agent_socket,
         output_dir=_output_dir(env),
+        data_plan_path=_data_plan_path(env),
     )
+
+
+def _data_plan_path(env: Mapping[str, str]) -> Path | None:
+    raw = _get(env, RANK_ENV_DATA_PLAN)
+    return Path(raw) if raw is not None else None
 
 
 def _output_dir(env: Mapping[str, str]) -> Path | None:

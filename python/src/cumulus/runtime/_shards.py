@@ -86,6 +86,9 @@ def _open_binary(path: Path) -> IO[bytes]:
     return open(path, "rb")
 
 
+_END = object()
+
+
 def _fingerprint(paths: Sequence[Path]) -> str:
     h = hashlib.sha256()
     for p in paths:
@@ -103,6 +106,9 @@ class ShardReader(Iterator[Any]):
         ``dataset split`` output).
     :param format: force one format for every shard instead of choosing by name.
     :param csv_header: skip the first row of every CSV/TSV shard.
+    :param first_records: with ``paths`` naming files only, records of each shard that are
+        not part of it (an elastic job's segments, :class:`ElasticData`): shard ``i`` is
+        read from record ``first_records[i]`` on, and :meth:`state` counts from there.
     """
 
     def __init__(
@@ -111,6 +117,7 @@ class ShardReader(Iterator[Any]):
         *,
         format: ShardFormat | None = None,
         csv_header: bool = False,
+        first_records: Sequence[int] | None = None,
     ) -> None:
         if paths is None:
             from cumulus.runtime._env import get_context
@@ -118,6 +125,15 @@ class ShardReader(Iterator[Any]):
             paths = get_context(standalone=True).shard_paths
         #: The shards read, in order (directories expanded, dot-files left out).
         self.paths: tuple[Path, ...] = _expand(paths)
+        if first_records is not None and (
+            len(first_records) != len(self.paths)
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in first_records)
+        ):
+            raise ValueError(
+                f"first_records must hold one int >= 0 per shard ({len(self.paths)} shards), "
+                f"got {list(first_records)!r}"
+            )
+        self._skip: tuple[int, ...] = tuple(first_records or (0,) * len(self.paths))
         self._format = format
         self._csv_header = csv_header
         self._shard = 0
@@ -230,4 +246,7 @@ class ShardReader(Iterator[Any]):
             if self._csv_header:
                 next(rows, None)
             self._records = (row for row in rows if row and any(f.strip() for f in row))
+        for _ in range(self._skip[self._shard]):
+            if next(self._records, _END) is _END:
+                break
         return self._records

@@ -76,11 +76,11 @@ impl ClusterState {
             let Some(parts) = job.pending_parts.get(&step) else {
                 return reject(format!("no parts of step {step} are pending"));
             };
-            if parts.len() != job.spec.world_size as usize {
+            if parts.len() != job.world_size() as usize {
                 return reject(format!(
                     "step {step} has {} of {} parts",
                     parts.len(),
-                    job.spec.world_size
+                    job.world_size()
                 ));
             }
             let parts: Vec<PartInfo> = parts.values().cloned().collect();

@@ -88,6 +88,7 @@ impl ClusterState {
                 exit_cause: None,
                 last_progress: (0, 0),
                 gpus: Vec::new(),
+                in_process: false,
             })
             .collect();
         let job = Job {
@@ -117,7 +118,13 @@ impl ClusterState {
             paused_ms: 0,
             paused_at_ms: 0,
             state_changes: 0,
+            stragglers: Vec::new(),
+            avoided_workers: Vec::new(),
             artifacts: Vec::new(),
+            resizes: Vec::new(),
+            data_plans: Vec::new(),
+            resize_count: 0,
+            attempt_floor: 0,
         };
         // Indexed now (its fixed size computed once, kept by the index), so that the
         // eviction below counts it.

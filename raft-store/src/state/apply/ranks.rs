@@ -61,7 +61,10 @@ impl ClusterState {
                 job.state.as_str()
             ));
         }
-        let all: BTreeSet<u32> = (0..job.spec.world_size).collect();
+        if job.spec.is_elastic() && placements.len() != job.ranks.len() {
+            return self.place_elastic(job_id, (placements, gpus), at_ms, dirty);
+        }
+        let all: BTreeSet<u32> = (0..job.world_size()).collect();
         if let Err(e) = self.check_placements(job_id, &all, placements, gpus) {
             return reject(e.to_string());
         }
@@ -259,6 +262,8 @@ impl ClusterState {
     /// for agent faults needs every failed rank to be the agent's fault and stays within
     /// [`MAX_AGENT_FAULT_RESTARTS`]. Newer committed steps than the resume step and the
     /// replaced attempts' pending parts are forgotten; a group restart gets a new port.
+    /// The `in_process` ranks (a group restart only) keep their processes
+    /// ([`check_in_process`]): the restart's path is then [`RestartPath::InProcess`].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn schedule_restart(
         &mut self,
@@ -269,6 +274,7 @@ impl ClusterState {
         cause: &str,
         resume_step: Option<u64>,
         agent_fault: bool,
+        (in_process, path_reason): (&[u32], &str),
         dirty: &mut BTreeSet<DirtyKey>,
     ) -> Response {
         let Some(job) = self.jobs.get(job_id) else {
@@ -322,7 +328,7 @@ impl ClusterState {
         }
         let ranks: BTreeSet<u32> = placements.iter().map(|(r, _)| *r).collect();
         let required: BTreeSet<u32> = match policy.scope {
-            RestartScope::Group => (0..job.spec.world_size).collect(),
+            RestartScope::Group => (0..job.world_size()).collect(),
             RestartScope::Rank => job
                 .ranks
                 .iter()
@@ -344,6 +350,10 @@ impl ClusterState {
         if let Err(e) = self.check_placements(job_id, &ranks, placements, gpus) {
             return reject(e.to_string());
         }
+        if let Err(e) = check_in_process(job, policy.scope, placements, in_process) {
+            return reject(e);
+        }
+        let in_process: BTreeSet<u32> = in_process.iter().copied().collect();
         let job = Arc::make_mut(self.jobs.get_mut(job_id).expect("checked above"));
         job.restarts_used = number;
         if agent_fault {
@@ -376,6 +386,16 @@ impl ClusterState {
             ranks: ranks.iter().copied().collect(),
             resume_step,
             agent_fault,
+            path: if in_process.is_empty() {
+                RestartPath::Full
+            } else {
+                RestartPath::InProcess
+            },
+            path_reason: cumulus_api::text::bounded_line(
+                path_reason,
+                cumulus_api::limits::MAX_EXIT_CAUSE_BYTES,
+            ),
+            in_process_ranks: in_process.iter().copied().collect(),
         });
         if policy.scope == RestartScope::Group {
             // A new port per restart of either kind (the sum only grows).
@@ -389,11 +409,58 @@ impl ClusterState {
             let r = &mut job.ranks[i];
             r.new_attempt(resume);
             r.not_before_ms = not_before_ms;
+            r.in_process = in_process.contains(&r.rank);
         }
         assign_placements(job, placements, gpus, not_before_ms);
         dirty.insert(DirtyKey::Job(job_id.to_string()));
         Response::Ok
     }
+}
+
+/// Checks the ranks an in-process restart keeps in their processes: only a group
+/// restart keeps any, and each one is a rank it restarts, placed again on its current
+/// worker, whose current attempt is running, or was failed by the leader (hung) without
+/// an exit of its process.
+fn check_in_process(
+    job: &Job,
+    scope: RestartScope,
+    placements: &[(u32, String)],
+    in_process: &[u32],
+) -> Result<(), String> {
+    if in_process.is_empty() {
+        return Ok(());
+    }
+    if scope != RestartScope::Group {
+        return Err("only a group restart keeps ranks in their processes".into());
+    }
+    let placed: BTreeMap<u32, &str> = placements.iter().map(|(r, w)| (*r, w.as_str())).collect();
+    let mut seen = BTreeSet::new();
+    for &rank in in_process {
+        if !seen.insert(rank) {
+            return Err(format!("rank {rank} is named twice as kept in its process"));
+        }
+        let Some(r) = job.ranks.get(rank as usize) else {
+            return Err(format!("job {} has no rank {rank}", job.id));
+        };
+        if r.worker_id.as_deref().is_none() || placed.get(&rank).copied() != r.worker_id.as_deref()
+        {
+            return Err(format!(
+                "rank {rank} is kept in its process but not placed again on its worker"
+            ));
+        }
+        let alive = match r.state {
+            RankState::Running => true,
+            RankState::Failed => r.exit_code.is_none() && r.signal.is_none() && r.started_at_ms > 0,
+            _ => false,
+        };
+        if !alive {
+            return Err(format!(
+                "rank {rank} attempt {} has no live process to keep",
+                r.attempt
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The failure of a rank attempt that did not exit cleanly, in words: an unreachable
@@ -456,7 +523,7 @@ fn exit_how(r: &RankRecord, worker_id: &str, exit: &RankExit<'_>, unreachable: b
 
 /// Places the given ranks (a fresh attempt, state Pending) and recomputes local ranks
 /// of the whole job.
-fn assign_placements(
+pub(in crate::state) fn assign_placements(
     job: &mut Job,
     placements: &[(u32, String)],
     gpus: &[RankGpus],
