@@ -18,14 +18,33 @@ use super::{
 use crate::failpoints::{self, AtomicWritePoints, failpoint};
 use crate::{
     CkptError, FileEntry, LATEST_FILE, MANIFEST_FILE, MAX_MANIFEST_BYTES, MAX_PART_DEPTH,
-    MAX_PART_FILES, Manifest, PartRecord, WRITE_ALGORITHM, digest::hash_reader, part_dir_rel,
-    staging_dir_rel, step_dir_name, validate_rel_path, validate_state,
+    MAX_PART_FILES, Manifest, PartRecord, WRITE_ALGORITHM,
+    digest::{hash_file_blake3_parallel, hash_reader},
+    part_dir_rel, staging_dir_rel, step_dir_name, validate_rel_path, validate_state,
 };
 
 /// Files at least this large are fsynced on a second thread while this one hashes them
 /// (the fsync waits on the disk, the hash on the CPU); smaller ones in sequence, where a
 /// thread would cost more than it saves.
 const OVERLAP_FSYNC_MIN_BYTES: u64 = 4 << 20;
+
+/// Most threads one large file is hashed with ([`hash_large`]).
+const MAX_HASH_THREADS: usize = 4;
+
+/// Size and digest ([`WRITE_ALGORITHM`]) of a large staged file of `len` bytes: BLAKE3
+/// on as many threads as the machine has cores (at most [`MAX_HASH_THREADS`]), cut
+/// along its tree ([`hash_file_blake3_parallel`]), so that the hash no longer outlasts
+/// the `fsync` beside it on a fast disk; the same digest as one thread's.
+fn hash_large(file: &fs::File, len: u64, path: &Path) -> Result<(u64, String), CkptError> {
+    if WRITE_ALGORITHM != crate::DigestAlgorithm::Blake3 {
+        return hash_reader(&mut &*file, path, WRITE_ALGORITHM);
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .min(MAX_HASH_THREADS);
+    let digest = hash_file_blake3_parallel(file, len, path, threads)?;
+    Ok((len, digest))
+}
 
 /// Size and digest ([`WRITE_ALGORITHM`]) of a staged file, and the file fsynced: the two overlap for large
 /// files. The bytes hashed are the bytes made durable: the staging directory belongs to
@@ -48,7 +67,7 @@ fn hash_and_fsync(
     } else {
         std::thread::scope(|scope| {
             let syncer = scope.spawn(|| file.sync_all());
-            let hashed = hash_reader(&mut &*file, path, WRITE_ALGORITHM);
+            let hashed = hash_large(file, len, path);
             let synced = syncer
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
