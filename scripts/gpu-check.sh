@@ -14,6 +14,13 @@
 #      second run restarted once, resumed from the checkpoint and ended with weights
 #      byte-identical to the first (SHA-256 of every rank's final weights, and rank 0's
 #      model.safetensors);
+#   2b. a warm (in-process) restart: the same script with rank 0 hanging after a committed
+#      checkpoint (no progress; the job's progress timeout fails it); the restart keeps
+#      its process (`cumulus.runtime.run`: NCCL communicators aborted, the step
+#      interrupted, the process group destroyed and formed again at a new port, the
+#      committed step restored, the CUDA context kept) and checks that the restart's path
+#      is in_process and that the weights are the fault-free run's (world size 1 on one
+#      GPU exercises abort, restore and re-init);
 #   3. runs two world-size-1 jobs with `--gpu-memory-fraction 0.5` side by side and checks
 #      that both ran at the same time on the same GPU and succeeded;
 #   4. measures steps/s of the same script under Cumulus (checkpoints off) and under
@@ -196,6 +203,37 @@ if [ "$ok" = 1 ]; then
 else
   echo "EXACT RESUME: FAILED" >&2
 fi
+
+# -- 1b. warm restart: a hung rank kept in its process -----------------------------------
+# Rank 0 hangs after step $kill_at (its last checkpoint committed); with a 10 s progress
+# timeout the leader fails it, and the group restart keeps every rank's process
+# (in-process: NCCL abort, teardown, new rendezvous, restore). Written without a GPU
+# machine at hand: a failure here is reported, and the exactness check above stands.
+echo "== warm restart: rank 0 hangs at step $kill_at, restarted in its process"
+submit warm --ckpt-dir "$WORK/ckpt-warm" --progress-timeout-s 10 -- --steps "$steps" \
+  --ckpt-every "$ckpt_every" --hang-rank 0 --hang-at-step "$kill_at"
+"${CTL[@]}" -o json status "$(job_of warm)" >"$WORK/warm.json"
+"$PY" - "$WORK/warm.json" "$WORK/out-clean" "$WORK/out-warm" "$world" "$resume_step" <<'EOF' \
+  || { echo "WARM RESTART: FAILED" >&2; ok=0; }
+import json, sys
+job = json.load(open(sys.argv[1]))["job"]
+clean, warm, world, resume = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+restarts = job.get("restarts", [])
+for r in restarts:
+    print(f'restart #{r["number"]}: {r.get("path", "full")} ({r.get("path_reason", "")}), '
+          f'resumed from {r.get("resume_step")}')
+assert job["state"] == "succeeded", job.get("failure_cause")
+assert len(restarts) == 1 and restarts[0].get("path") == "in_process", "not one in-process restart"
+assert int(restarts[0].get("resume_step", -1)) == resume, "not resumed from the committed step"
+for rank in range(world):
+    a = json.load(open(f"{clean}/rank-{rank}.json"))
+    b = json.load(open(f"{warm}/rank-{rank}.json"))
+    assert b["attempt"] == 1 and b["resumed_from"] == resume, b
+    assert a["weights_sha256"] == b["weights_sha256"], f"rank {rank}: weights differ"
+    assert a["record_digest"] == b["record_digest"], f"rank {rank}: record digests differ"
+print("WARM RESTART: OK (in-process, weights identical)")
+EOF
+"${CTL[@]}" logs "$(job_of warm)" 2>/dev/null | grep -E "in-process restart|hanging|pid=" | head -10 || true
 
 # -- 2b. two jobs of half a GPU side by side --------------------------------------------------
 if [ "$gpu_path" = 1 ]; then

@@ -673,7 +673,10 @@ fn enums() -> Vec<WireEnum> {
             doc: "What the leader does about a rank that runs slower than its job's others.",
             all_name: "STRAGGLER_ACTIONS",
             members: members(StragglerAction::ALL, StragglerAction::as_str),
-            default: Some(("DEFAULT_STRAGGLER_ACTION", StragglerAction::default().as_str())),
+            default: Some((
+                "DEFAULT_STRAGGLER_ACTION",
+                StragglerAction::default().as_str(),
+            )),
             subset: None,
         },
         WireEnum {

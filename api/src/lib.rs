@@ -65,8 +65,8 @@ pub mod warnings;
 pub use attempt::{AttemptKey, is_job_id};
 pub use files::FileEntry;
 pub use states::{
-    CommitTier, JobState, MemberRole, RankPhase, RankState, RestartScope, Role, StopAction,
-    UnknownName, WorkerPhase,
+    CommitTier, JobState, MemberRole, RankPhase, RankState, RestartPath, RestartScope, Role,
+    StopAction, StragglerAction, UnknownName, WorkerPhase,
 };
 
 /// Generated code for `cumulus.v1`.

@@ -76,3 +76,20 @@ pub const MAX_WARM_SPARES: u32 = 8;
 pub const MAX_WARM_IMPORTS: usize = 32;
 /// Longest module name in `warm_imports`, in bytes.
 pub const MAX_WARM_IMPORT_BYTES: usize = 128;
+/// A straggler is a rank whose steps/s stays below this share of the median of its job's
+/// other ranks for the job's straggler window, in thousandths (0.7), unless the job names
+/// its own `straggler_fraction`.
+pub const DEFAULT_STRAGGLER_FRACTION_PERMILLE: u32 = 700;
+/// Smallest `straggler_fraction` a job may ask for, in thousandths (0.1).
+pub const MIN_STRAGGLER_FRACTION_PERMILLE: u32 = 100;
+/// Largest `straggler_fraction` a job may ask for, in thousandths (0.95): nearer 1, noise
+/// alone would flag ranks.
+pub const MAX_STRAGGLER_FRACTION_PERMILLE: u32 = 950;
+/// How long a rank must stay below the straggler fraction to be flagged, unless the job
+/// names its own `straggler_window_ms`: 60 s, in milliseconds.
+pub const DEFAULT_STRAGGLER_WINDOW_MS: u64 = 60_000;
+/// Shortest `straggler_window_ms` a job may ask for: 2 s, in milliseconds (progress
+/// reaches the leader with heartbeats, one a second by default).
+pub const MIN_STRAGGLER_WINDOW_MS: u64 = 2_000;
+/// Longest `straggler_window_ms` a job may ask for: 1 day, in milliseconds.
+pub const MAX_STRAGGLER_WINDOW_MS: u64 = 86_400_000;

@@ -60,6 +60,40 @@ pub struct CheckpointsReply {
     pub steps: Vec<u64>,
 }
 
+/// The 200 reply of `GET /v1/restart` (a long poll, at most [`MAX_RESTART_POLL_MS`]): the
+/// new attempt an in-process restart hands the rank's live process. The rank leaves its
+/// step, tears its process group down, sets `env` in its environment (after removing
+/// [`RESTART_CLEARED_VARS`]), tells the agent with `POST /v1/restart` under the new
+/// token within [`RESTART_ACK_TIMEOUT_MS`] of the offer (else the agent kills it and the
+/// job falls back to a full restart), waits `hold_ms`, and re-enters training from the
+/// resume step the environment names. A poll that times out answers 204.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestartOffer {
+    /// The new attempt number (`CUMULUS_ATTEMPT`).
+    pub attempt: u32,
+    /// The rank contract's variables of the new attempt (its token, `MASTER_PORT`,
+    /// staging and resume variables, ...), by name.
+    pub env: BTreeMap<String, String>,
+    /// The rest of the restart's backoff, in ms from when the agent learned it.
+    pub hold_ms: u64,
+    /// How long the agent waits for the rank's `POST /v1/restart`, in ms.
+    pub ack_timeout_ms: u64,
+}
+
+/// Longest wait of one `GET /v1/restart`, in milliseconds (`?timeout_ms=` is capped to it).
+pub const MAX_RESTART_POLL_MS: u64 = 30_000;
+/// How long an in-process restart waits for its rank's `POST /v1/restart` (the rank left
+/// its step and tore down its process group), in milliseconds: past it the agent kills
+/// the process and the job falls back to a full restart.
+pub const RESTART_ACK_TIMEOUT_MS: u64 = 10_000;
+/// Variables a rank removes from its environment before it sets a [`RestartOffer`]'s
+/// `env` (the new attempt sets them again when it has them).
+pub const RESTART_CLEARED_VARS: [&str; 3] = [
+    crate::rank_env::CKPT_STAGING,
+    crate::rank_env::RESUME_STEP,
+    crate::rank_env::RESUME_DIR,
+];
+
 /// Most steps one [`CheckpointsReply`] lists (the newest ones): its JSON stays under
 /// [`MAX_REPLY_BYTES`] (each step is at most 21 bytes with its comma).
 pub const MAX_LISTED_STEPS: usize = 1024;

@@ -226,6 +226,62 @@ impl RestartScope {
     }
 }
 
+/// How a restart was carried out (`RestartRecord.path`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RestartPath {
+    /// Every restarted rank got a new process. Default.
+    #[default]
+    Full,
+    /// The surviving ranks kept their processes and re-entered their training function
+    /// (`cumulus.runtime.run`); the others got a new process.
+    InProcess,
+}
+
+wire_enum!(RestartPath, "restart path", "full, in_process", {
+    Full => "full",
+    InProcess => "in_process",
+});
+
+/// What the leader does about a straggler: a rank whose steps/s stays below the job's
+/// straggler fraction of the median of its other ranks for the job's straggler window
+/// (`JobSpec.straggler_action`, `cumulusctl submit --straggler-action`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum StragglerAction {
+    /// Flag it (an event in `describe`, the rank's `straggler` field); nothing else.
+    /// Default.
+    #[default]
+    Warn,
+    /// Flag it and fail its attempt: it restarts under the job's restart policy (and
+    /// budget), on another worker when one has room; its worker is avoided from then on.
+    Restart,
+    /// Flag it and avoid its worker in the job's later placements (restarts, requeues),
+    /// when other workers have room; the attempt runs on.
+    Exclude,
+    /// No straggler detection for the job.
+    Off,
+}
+
+wire_enum!(StragglerAction, "straggler action", "warn, restart, exclude, off", {
+    Warn => "warn",
+    Restart => "restart",
+    Exclude => "exclude",
+    Off => "off",
+});
+
+impl StragglerAction {
+    /// Parses a spec's action, where `""` means the default ([`StragglerAction::Warn`]).
+    pub fn from_spec(text: &str) -> Result<Self, UnknownName> {
+        if text.is_empty() {
+            Ok(Self::default())
+        } else {
+            text.parse()
+        }
+    }
+}
+
 /// What a user may do (`cumulusctl token create --role`), from most to least.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
@@ -366,6 +422,8 @@ mod tests {
         round_trips(RankState::ALL);
         round_trips(RankPhase::ALL);
         round_trips(RestartScope::ALL);
+        round_trips(StragglerAction::ALL);
+        round_trips(RestartPath::ALL);
         round_trips(CommitTier::ALL);
         round_trips(Role::ALL);
         round_trips(StopAction::ALL);

@@ -300,6 +300,10 @@ impl Template {
             environment: None,
             warm_spares: 0,
             warm_imports: Vec::new(),
+            min_world_size: 0,
+            straggler_action: String::new(),
+            straggler_fraction: None,
+            straggler_window_ms: 0,
         };
         let placeholder = "#".repeat(REQUEST_ID_LEN);
         let request = v1::SubmitJobRequest {

@@ -111,6 +111,11 @@ fn job() -> Job {
             cause: "rank 1 attempt 0 was killed by signal 9".into(),
             ranks: vec![0, 1],
             resume_step: Some(200),
+            path: "in_process".into(),
+            path_reason: "ranks [0] keep their processes (cumulus.runtime.run); ranks [1] get \
+                          new ones"
+                .into(),
+            in_process_ranks: vec![0],
             ..Default::default()
         }],
         ..Default::default()
@@ -186,16 +191,16 @@ fn tables() {
             }),
             allocated: 1.0,
         }],
-    };
-    check(
-        "cluster-status",
-        &render::cluster_status(&ClusterStatusResponse {
-            node_id: 1,
         warm_spares: vec![WarmSpare {
             job_id: "job-000007".into(),
             pid: 4242,
             age_ms: 12_300,
         }],
+    };
+    check(
+        "cluster-status",
+        &render::cluster_status(&ClusterStatusResponse {
+            node_id: 1,
             leader_id: Some(1),
             term: 4,
             commit_index: Some(1234),

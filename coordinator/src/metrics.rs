@@ -515,7 +515,10 @@ pub async fn track_http(req: Request, next: Next) -> Response {
 /// A route template as a label: `/v1/jobs/{id}` as `/v1/jobs/:id`, `/ui/{*path}` as
 /// `/ui/*path` (braces inside label values trip some text-format parsers).
 pub fn route_label(template: &str) -> String {
-    template.replace("{*", "*").replace('{', ":").replace('}', "")
+    template
+        .replace("{*", "*")
+        .replace('{', ":")
+        .replace('}', "")
 }
 
 fn observe_http(route: String, method: String, code: u16, took: Duration) {

@@ -48,6 +48,8 @@ pub struct ProgressSoft {
     /// Steps per second, an exponentially weighted mean of the rate between the
     /// reports that advanced `step` (0: not yet known).
     pub steps_per_s: f64,
+    /// The rank listens for in-process restarts (`ObservedRank.in_process`).
+    pub in_process: bool,
 }
 
 /// Weight of the newest rate in [`ProgressSoft::steps_per_s`].
@@ -102,6 +104,7 @@ impl ProgressSoft {
             first_report_at: None,
             metrics: std::collections::BTreeMap::new(),
             steps_per_s: 0.0,
+            in_process: false,
         }
     }
 }

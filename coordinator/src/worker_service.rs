@@ -54,9 +54,10 @@ fn desired_reply(node: &Node, worker_id: &str) -> (v1::HeartbeatResponse, Option
                 .job_index()
                 .placed_on(worker_id)
                 .filter(|(job_id, _)| {
-                    d.state.jobs.get(job_id).is_some_and(|j| {
-                        j.state == JobState::Running && j.spec.warm_spares > 0
-                    })
+                    d.state
+                        .jobs
+                        .get(job_id)
+                        .is_some_and(|j| j.state == JobState::Running && j.spec.warm_spares > 0)
                 })
                 .map(|(job_id, _)| job_id.clone())
                 .collect()
@@ -254,7 +255,10 @@ impl WorkerService for WorkerSvc {
         }
         if let Some(res) = &r.resources
             && (res.warm_spares.len() > MAX_WARM_SPARES_PER_HEARTBEAT
-                || res.warm_spares.iter().any(|w| !cumulus_api::is_job_id(&w.job_id)))
+                || res
+                    .warm_spares
+                    .iter()
+                    .any(|w| !cumulus_api::is_job_id(&w.job_id)))
         {
             return Err(Status::invalid_argument(format!(
                 "a heartbeat carries at most {MAX_WARM_SPARES_PER_HEARTBEAT} warm spares, \
@@ -285,6 +289,7 @@ impl WorkerService for WorkerSvc {
                 p.mark_reported(at, o.reported || o.step > 0);
                 p.total_steps = o.total_steps;
                 p.seen_at = at;
+                p.in_process = o.in_process;
                 // Bounded names only (the agent checks them too); NaN and infinities
                 // are kept: a diverging run shows them.
                 p.metrics = o

@@ -1177,6 +1177,7 @@ async fn checkpoint_part_retried_at_a_new_leader_after_its_step_committed_is_ack
         total_steps: 100,
         metrics: Default::default(),
         reported: true,
+        in_process: false,
     }];
     agent
         .call(|mut c| {

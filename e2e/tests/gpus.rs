@@ -7,6 +7,9 @@
 //! - a rank whose GPU turns unhealthy fails and restarts on another GPU;
 //! - two jobs of fraction 0.5 share the one GPU of a worker, a third waits (with the
 //!   reason) and runs once one of them ends; the ranks see `CUMULUS_GPU_MEMORY_FRACTION`.
+//! - a job of higher priority that needs half of a GPU a preemptible job holds whole
+//!   preempts it: the preemptible job stops, is queued again with no restart spent, and
+//!   the GPU goes to the other.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -327,6 +330,64 @@ async fn gpu_fractions_share_one_gpu_and_a_third_job_waits() {
     let env = rank_env(&outs[2], 0, 0).await;
     assert_eq!(env[0], "GPU-solo-0");
     for job in &jobs[1..] {
+        cancel(&cluster, job).await;
+        cluster.wait_finished(job, LONG).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_job_of_higher_priority_preempts_a_preemptible_one_holding_its_gpu() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let base = std::fs::canonicalize(dir.path()).expect("canonical");
+    let inventory = base.join("gpus.json");
+    write_inventory(&inventory, "solo", 1, &[]);
+    let cluster = Cluster::start(ClusterOpts {
+        workers: 1,
+        slots: 4,
+        per_worker_args: vec![vec![
+            "--gpus".into(),
+            inventory.to_str().expect("utf-8").into(),
+        ]],
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("cluster");
+    cluster.wait_leader(LONG).await;
+    wait_for("the GPU registered", LONG, || async {
+        let status = cluster.status().await?;
+        (status.workers.iter().map(|w| w.gpus.len()).sum::<usize>() == 1).then_some(())
+    })
+    .await;
+
+    // A preemptible job holds the whole GPU (its rank sleeps until stopped).
+    let low_out = out_dir(&base, "low");
+    let mut low = env_job(1, &low_out, true);
+    low.gpus_per_rank = 1;
+    low.preemptible = true;
+    low.stop_grace_ms = 500;
+    let low = submit(&cluster, "low", low).await;
+    assert_eq!(rank_env(&low_out, 0, 0).await[0], "GPU-solo-0");
+
+    // Half of that GPU for a job of higher priority: the first one gives way.
+    let high_out = out_dir(&base, "high");
+    let mut high = env_job(1, &high_out, true);
+    high.gpu_memory_fraction = Some(0.5);
+    high.priority = 5;
+    let high = submit(&cluster, "high", high).await;
+    let env = rank_env(&high_out, 0, 0).await;
+    assert_eq!((env[0].as_str(), env[3].as_str()), ("GPU-solo-0", "0.5"));
+    let requeued = cluster
+        .wait_job(&low, "queued again", LONG, |j| {
+            j.job_state() == Ok(JobState::Pending) && !j.pending_reason.is_empty()
+        })
+        .await;
+    assert_eq!(requeued.restarts_used, 0, "a preemption spends no budget");
+    assert!(
+        requeued.pending_reason.contains("waiting for GPUs"),
+        "{}",
+        requeued.pending_reason
+    );
+    for job in [&high, &low] {
         cancel(&cluster, job).await;
         cluster.wait_finished(job, LONG).await;
     }

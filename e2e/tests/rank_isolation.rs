@@ -537,7 +537,8 @@ async fn a_warm_spare_runs_as_its_jobs_user() {
     };
     let (first, second) = (log(0), log(1));
     assert!(
-        first.contains(&format!("attempt 0 uid={uid} gid={uid} ")) && first.contains("progress=204"),
+        first.contains(&format!("attempt 0 uid={uid} gid={uid} "))
+            && first.contains("progress=204"),
         "{first}"
     );
     assert!(

@@ -43,8 +43,19 @@ that step (synchronously: committed before the rank exits) and exits 0. A paused
 final weights are still a fault-free run's. Under plain
 ``torchrun`` only SIGTERM asks to stop, and nothing is committed.
 
+Restarts in-process: the training runs in ``runtime.run(train_attempt, args)``. When a
+rank dies, the job's other ranks keep their processes (and their imports): each leaves
+its step, and ``runtime.run`` calls ``train_attempt`` again as the rank's new attempt,
+which forms a new process group and resumes from the last committed step as a new
+process would; only the dead rank gets a new process. Under ``torchrun`` (no agent)
+``runtime.run`` just calls it.
+
 Fault injection, for tests: ``--kill-rank R --kill-at-step S`` makes rank R's first
-attempt SIGKILL itself after step S, once the last checkpoint before S is committed.
+attempt SIGKILL itself after step S, once the last checkpoint before S is committed;
+``--kill-again-rank R`` makes rank R SIGKILL itself when its second attempt begins
+(before it restores anything: a failure during the recovery); ``--hang-rank R
+--hang-at-step S`` makes rank R's first attempt stop making progress after step S (the
+job's progress timeout then fails it, and an in-process restart interrupts it).
 """
 
 from __future__ import annotations
@@ -107,6 +118,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kill-again-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--hang-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--hang-at-step", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -261,11 +275,11 @@ class Checkpoints:
         self._say(step, ckpt.save_checkpoint(step, state, **objects))
 
 
-def kill_self(
+def wait_committed(
     ctx: runtime.Context, step: int, ckpt_every: int, saver: Checkpoints
 ) -> None:
-    """Fault injection: SIGKILLs this rank once the last checkpoint before ``step`` is
-    committed by every rank."""
+    """Fault injection: waits until the last checkpoint before ``step`` is committed by
+    every rank."""
     saver.drain()  # this rank's part; then the others'
     if ctx.staging_dir is not None:
         last = step - step % ckpt_every
@@ -274,8 +288,25 @@ def kill_self(
             if time.monotonic() > deadline:
                 sys.exit(f"timed out waiting for step {last} to be committed")
             time.sleep(0.02)
+
+
+def kill_self(
+    ctx: runtime.Context, step: int, ckpt_every: int, saver: Checkpoints
+) -> None:
+    """Fault injection: SIGKILLs this rank once the last checkpoint before ``step`` is
+    committed by every rank."""
+    wait_committed(ctx, step, ckpt_every, saver)
     print(f"rank={ctx.rank} killing itself at step {step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang(ctx: runtime.Context, step: int, ckpt_every: int, saver: Checkpoints) -> None:
+    """Fault injection: stops making progress (for ever) once the last checkpoint before
+    ``step`` is committed; only an in-process restart (or a kill) ends it."""
+    wait_committed(ctx, step, ckpt_every, saver)
+    print(f"rank={ctx.rank} hanging at step {step}", flush=True)
+    while True:
+        time.sleep(0.05)
 
 
 @dataclass
@@ -335,6 +366,12 @@ def train(t: Training, start: int) -> tuple[int, float, bool]:
             and ctx.attempt == 0
         ):
             kill_self(ctx, step, args.ckpt_every, saver)
+        if (
+            ctx.rank == args.hang_rank
+            and step == args.hang_at_step
+            and ctx.attempt == 0
+        ):
+            hang(ctx, step, args.ckpt_every, saver)
         if stop:
             asked = rt.stop_request() or "another rank was asked"
             print(f"rank={ctx.rank} asked to stop at step {step} ({asked})", flush=True)
@@ -361,8 +398,18 @@ def save_weights(t: Training) -> str:
 
 def main() -> int:
     args = parse_args()
-    rt = runtime.init(handle_sigterm=True)
+    runtime.install_stop_handler()  # SIGTERM asks to stop (should_stop, stop_agreed)
+    # One call per attempt: a restart of the job's ranks calls it again in this process.
+    return int(runtime.run(train_attempt, args))
+
+
+def train_attempt(args: argparse.Namespace) -> int:
+    """One attempt of this rank: process group, data, model, resume, training, results."""
+    rt = runtime.get_runtime()  # this attempt's runtime (a new one after each restart)
     ctx = rt.context
+    if ctx.rank == args.kill_again_rank and ctx.attempt == 1:
+        print(f"rank={ctx.rank} killing itself as attempt 1 begins", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     device, backend = init_distributed(args, ctx)
     x, y, ids = load_records(ctx, args.data)
     x, y = x.to(device), y.to(device)
@@ -388,7 +435,7 @@ def main() -> int:
         data.restore(point.state)
     print(
         f"rank={ctx.rank} attempt={ctx.attempt} world={ctx.world_size} backend={backend} "
-        f"records={len(ids)} start={start}",
+        f"records={len(ids)} start={start} pid={os.getpid()}",
         flush=True,
     )
     wrap = nn.parallel.DistributedDataParallel if args.stock_ddp else exact_ddp
@@ -404,6 +451,7 @@ def main() -> int:
     result = {
         "rank": ctx.rank,
         "attempt": ctx.attempt,
+        "pid": os.getpid(),
         "resumed_from": start if point is not None else None,
         "steps": step,
         "epoch": data.sampler.epoch,

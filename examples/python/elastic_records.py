@@ -113,7 +113,11 @@ def train(args: argparse.Namespace) -> None:
                 pass
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"rank": ctx.rank, "world_size": ctx.world_size, "count": count}
+    result: dict[str, Any] = {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "count": count,
+    }
     result["sum"] = f"{total:016x}"
     tmp = out / f".rank-{ctx.rank}.json.{os.getpid()}"
     tmp.write_text(json.dumps(result))

@@ -220,12 +220,21 @@ mod tests {
         }
         crate::metrics::metrics().dataset_fetch(false, 7);
         for token in ["scrape-secret", "cluster-secret"] {
-            let r = s.http.get(&url).bearer_auth(token).send().await.expect("send");
+            let r = s
+                .http
+                .get(&url)
+                .bearer_auth(token)
+                .send()
+                .await
+                .expect("send");
             assert_eq!(r.status(), 200);
             let kind = header(&r, "content-type").to_string();
             assert!(kind.starts_with("text/plain; version=0.0.4"), "{kind}");
             let text = r.text().await.expect("body");
-            assert!(text.contains("# TYPE cumulus_agent_live_ranks gauge"), "{text}");
+            assert!(
+                text.contains("# TYPE cumulus_agent_live_ranks gauge"),
+                "{text}"
+            );
             assert!(
                 text.contains("cumulus_agent_dataset_cache_requests_total{result=\"miss\"}"),
                 "{text}"

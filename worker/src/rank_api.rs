@@ -32,6 +32,14 @@
 //!   runtime's exception hook); a non-zero exit of the attempt then reports it as its
 //!   cause (`ValueError: bad lr (train.py:42)`). 400 past the bounds of
 //!   [`cumulus_api::rank_local::ExceptionReport`].
+//! - `GET /v1/restart?timeout_ms=N` → 200 [`cumulus_api::rank_local::RestartOffer`] once an
+//!   in-process restart hands this rank's live process a newer attempt (the token may be
+//!   the retired one of an earlier attempt of the process), 204 when none came within N
+//!   ms (default and at most [`MAX_RESTART_POLL_MS`]). Polling marks the rank as
+//!   listening: a group restart may keep its process (`cumulus.runtime.run`).
+//! - `POST /v1/restart` (the new attempt's token) → 204: the rank took the offer (left its
+//!   step, tore its process group down); the agent reports the attempt started. 409 when
+//!   no offer was made to it.
 //!
 //! Errors are `{"error": ..}`.
 
@@ -45,25 +53,42 @@ use cumulus_ckpt::CkptError;
 
 use crate::client::ClientError;
 use crate::http::{json_error, limit_concurrency, request_permits, request_token};
-use crate::supervisor::{CommitError, Progress, Supervisor};
+use crate::supervisor::{CommitError, Progress, RestartAck, RestartPoll, Supervisor};
 use cumulus_api::limits::{MAX_METRIC_NAME_BYTES, MAX_METRICS, MAX_STATE_JSON_BYTES};
 use cumulus_api::rank_local::{
-    CheckpointRequest, CheckpointsReply, CommitReply, ControlReply, ExceptionReport, ProgressReport,
+    CheckpointRequest, CheckpointsReply, CommitReply, ControlReply, ExceptionReport,
+    MAX_RESTART_POLL_MS, ProgressReport,
 };
 
 /// Largest request body, in bytes (the state plus room for the envelope).
 pub const MAX_BODY_BYTES: usize = MAX_STATE_JSON_BYTES + 4 * 1024;
+/// Most `/v1/restart` requests served at once (long polls, one per listening rank);
+/// past it a poll is answered 503 and the rank polls again later.
+pub const MAX_RESTART_POLLS: usize = 128;
 
 /// The router of the rank-local API, with its body and concurrency limits. With
 /// `check_caller`, a token is honoured only from a process of its rank's session on the
 /// Unix socket (see the module documentation).
 pub fn router(supervisor: Supervisor, check_caller: bool) -> Router {
+    // Restart long polls (one per listening rank) have their own permits: they never
+    // take those of the other requests.
+    let polls = Router::new()
+        .route("/v1/restart", get(restart_poll).post(restart_ack))
+        .layer(axum::middleware::from_fn_with_state(
+            std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_RESTART_POLLS)),
+            limit_concurrency,
+        ));
     let router = Router::new()
         .route("/v1/progress", post(progress))
         .route("/v1/checkpoint", post(checkpoint))
         .route("/v1/control", get(control))
         .route("/v1/checkpoints", get(checkpoints))
-        .route("/v1/exception", post(exception));
+        .route("/v1/exception", post(exception))
+        .layer(axum::middleware::from_fn_with_state(
+            request_permits(),
+            limit_concurrency,
+        ))
+        .merge(polls);
     let router = if check_caller {
         router.layer(axum::middleware::from_fn_with_state(
             supervisor.clone(),
@@ -75,10 +100,6 @@ pub fn router(supervisor: Supervisor, check_caller: bool) -> Router {
     router
         .with_state(supervisor)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(axum::middleware::from_fn_with_state(
-            request_permits(),
-            limit_concurrency,
-        ))
 }
 
 /// Middleware: a request whose token names a live attempt passes only when it came over
@@ -89,7 +110,10 @@ async fn caller_is_the_rank(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let Some(key) = request_token(request.headers()).and_then(|t| sup.attempt_for_token(t)) else {
+    let Some(key) = request_token(request.headers()).and_then(|t| {
+        sup.attempt_for_token(t)
+            .or_else(|| sup.attempt_for_retired_token(t))
+    }) else {
         return next.run(request).await;
     };
     let Some(peer) = request
@@ -289,6 +313,49 @@ async fn checkpoints(State(sup): State<Supervisor>, headers: HeaderMap) -> Respo
     match sup.committed_steps(token).await {
         Ok(steps) => axum::Json(CheckpointsReply { steps }).into_response(),
         Err(e) => commit_error_response(e),
+    }
+}
+
+/// The query of `GET /v1/restart`.
+#[derive(Debug, serde::Deserialize)]
+struct RestartQuery {
+    /// How long to wait for an offer, in ms (capped to [`MAX_RESTART_POLL_MS`]).
+    timeout_ms: Option<u64>,
+}
+
+async fn restart_poll(
+    State(sup): State<Supervisor>,
+    headers: HeaderMap,
+    axum::extract::Query(query): axum::extract::Query<RestartQuery>,
+) -> Response {
+    let Some(token) = request_token(&headers) else {
+        return missing_token();
+    };
+    let wait_ms = query
+        .timeout_ms
+        .unwrap_or(MAX_RESTART_POLL_MS)
+        .min(MAX_RESTART_POLL_MS);
+    match sup
+        .restart_poll(token, std::time::Duration::from_millis(wait_ms))
+        .await
+    {
+        RestartPoll::Unknown => unknown_token(),
+        RestartPoll::Nothing => StatusCode::NO_CONTENT.into_response(),
+        RestartPoll::Offer(offer) => axum::Json(&*offer).into_response(),
+    }
+}
+
+async fn restart_ack(State(sup): State<Supervisor>, headers: HeaderMap) -> Response {
+    let Some(token) = request_token(&headers) else {
+        return missing_token();
+    };
+    match sup.restart_ack(token) {
+        RestartAck::Unknown => unknown_token(),
+        RestartAck::NotOffered => json_error(
+            StatusCode::CONFLICT,
+            "no in-process restart was offered to this attempt",
+        ),
+        RestartAck::Done => StatusCode::NO_CONTENT.into_response(),
     }
 }
 

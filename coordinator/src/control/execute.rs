@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use cumulus_raft_store::Command;
+use cumulus_raft_store::state::StragglerFlag;
 use tracing::{info, warn};
 
 use crate::node::Node;
@@ -90,7 +91,10 @@ pub(super) fn execute(
                 };
                 if commit_planned(&node, cmd, &describe).await {
                     let cause = crate::metrics::CauseLabel { cause: label };
-                    crate::metrics::metrics().restarts.get_or_create(&cause).inc();
+                    crate::metrics::metrics()
+                        .restarts
+                        .get_or_create(&cause)
+                        .inc();
                 }
                 IoOutcome::Done
             });
@@ -129,20 +133,7 @@ pub(super) fn execute(
             info!(job = %job_id, "job succeeded");
             Command::JobSucceeded { job_id, at_ms: now }
         }
-        Action::FlagStraggler { job_id, mut flag } => {
-            warn!(
-                job = %job_id,
-                rank = flag.rank,
-                attempt = flag.attempt,
-                worker = %flag.worker_id,
-                millisteps_per_s = flag.millisteps_per_s,
-                median_millisteps_per_s = flag.median_millisteps_per_s,
-                action = %flag.action,
-                "straggler"
-            );
-            flag.at_ms = now;
-            Command::FlagStraggler { job_id, flag }
-        }
+        Action::FlagStraggler { job_id, flag } => straggler_command(job_id, flag, now),
         Action::RequestStop { job_id, action } => {
             info!(job = %job_id, %action, "asking the job's ranks to checkpoint and stop");
             Command::RequestStop {
@@ -297,4 +288,21 @@ pub(super) async fn commit_planned(node: &Node, cmd: Command, describe: &str) ->
             false
         }
     }
+}
+
+/// The command that records a straggler flag, stamped with the leader's time `now_ms`;
+/// logged once here as a warning.
+fn straggler_command(job_id: String, mut flag: StragglerFlag, now_ms: u64) -> Command {
+    warn!(
+        job = %job_id,
+        rank = flag.rank,
+        attempt = flag.attempt,
+        worker = %flag.worker_id,
+        millisteps_per_s = flag.millisteps_per_s,
+        median_millisteps_per_s = flag.median_millisteps_per_s,
+        action = %flag.action,
+        "straggler"
+    );
+    flag.at_ms = now_ms;
+    Command::FlagStraggler { job_id, flag }
 }

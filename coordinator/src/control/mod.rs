@@ -13,8 +13,15 @@
 
 mod ckpt_io;
 mod execute;
+#[cfg(test)]
+mod gpu_preemption_tests;
+#[cfg(test)]
+mod inprocess_tests;
 mod observe;
 mod plan;
+mod straggler;
+#[cfg(test)]
+mod straggler_plan_tests;
 #[cfg(test)]
 mod tests;
 
@@ -72,6 +79,10 @@ struct LoopMemory {
     io_tasks: tokio::task::JoinSet<(String, IoOutcome)>,
     /// The job of every task in `io_tasks` (at most one task per job).
     io_jobs: HashMap<tokio::task::Id, String>,
+    /// The straggler detector's memory of each running job it watches.
+    stragglers: HashMap<String, straggler::JobMemory>,
+    /// Last pass of [`detect_stragglers`].
+    last_straggler_pass: Option<Instant>,
 }
 
 impl LoopMemory {
@@ -161,7 +172,8 @@ pub async fn run(node: Arc<Node>, cancel: CancellationToken) {
             continue;
         }
         memory.reap_io();
-        let obs = observe(&node);
+        let mut obs = observe(&node);
+        detect_stragglers(&node, &mut memory, &mut obs);
         let actions = {
             let mut rng = rand::rng();
             let mut jitter = || rng.random_range(-1.0..=1.0);

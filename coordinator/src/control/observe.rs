@@ -99,6 +99,12 @@ pub(super) fn observe(node: &Node) -> Observations {
             .map_or(0, |s| now.duration_since(s.last_seen).as_millis() as u64);
         obs.worker_silence_ms.insert(w.clone(), silence);
         if let Some(s) = soft.workers.get(w) {
+            obs.in_process.extend(
+                s.observed
+                    .iter()
+                    .filter(|o| o.in_process && o.pid != 0)
+                    .map(|o| AttemptKey::new(o.job_id.clone(), o.rank, o.attempt)),
+            );
             for g in s.resources.gpus.iter().filter(|g| !g.healthy) {
                 let error = if g.error.is_empty() {
                     "reported unhealthy"
@@ -242,9 +248,9 @@ pub(super) fn record_history(
                         .collect(),
                     // A job's first sample at once (a chart is never empty for
                     // long); the others on the sampling passes, when due.
-                    s.histories.get(&j.id).is_none_or(|h| {
-                        h.points.is_empty() || (sampling && h.due(at_ms))
-                    }),
+                    s.histories
+                        .get(&j.id)
+                        .is_none_or(|h| h.points.is_empty() || (sampling && h.due(at_ms))),
                 )
             })
             .collect()
@@ -299,4 +305,88 @@ pub(super) fn record_history(
         }
     }
     (!samples.is_empty()).then_some(cumulus_raft_store::Command::RecordProgress { samples })
+}
+
+/// Least time between two passes of [`detect_stragglers`]: its samples are at least
+/// this far apart anyway ([`straggler::SAMPLE_INTERVAL_MS`]).
+const STRAGGLER_PASS_INTERVAL: Duration = Duration::from_millis(straggler::SAMPLE_INTERVAL_MS);
+
+/// Feeds the straggler detector the steps of every rank of each running job that has
+/// straggler detection on and no stop in flight (at most every
+/// [`STRAGGLER_PASS_INTERVAL`]), and puts the attempts it finds in `obs.stragglers`.
+/// O(ranks of those jobs); the detector's memory of other jobs is dropped.
+pub(super) fn detect_stragglers(node: &Node, memory: &mut LoopMemory, obs: &mut Observations) {
+    if memory
+        .last_straggler_pass
+        .is_some_and(|t| t.elapsed() < STRAGGLER_PASS_INTERVAL)
+    {
+        return;
+    }
+    memory.last_straggler_pass = Some(Instant::now());
+    #[allow(clippy::type_complexity)]
+    let jobs: Vec<(String, straggler::Rule, Vec<(u32, u32, bool)>)> = node.read_state(|s| {
+        s.job_index()
+            .running
+            .iter()
+            .filter_map(|id| s.jobs.get(id))
+            .filter(|j| {
+                j.state == JobState::Running
+                    && j.stop.is_none()
+                    && j.spec.straggler.action != cumulus_raft_store::state::StragglerAction::Off
+            })
+            .map(|j| {
+                (
+                    j.id.clone(),
+                    straggler::Rule {
+                        fraction_permille: j.spec.straggler.fraction_permille,
+                        window_ms: j.spec.straggler.window_ms,
+                    },
+                    // Ranks that finished (exited 0) or were never placed take no part;
+                    // a pending or failed one keeps the job from being judged.
+                    j.ranks
+                        .iter()
+                        .filter(|r| {
+                            matches!(
+                                r.state,
+                                RankState::Pending | RankState::Running | RankState::Failed
+                            )
+                        })
+                        .map(|r| (r.rank, r.attempt, r.state == RankState::Running))
+                        .collect(),
+                )
+            })
+            .collect()
+    });
+    let soft = node.soft();
+    let mut watched = HashSet::new();
+    for (job_id, rule, ranks) in jobs {
+        let samples: Vec<straggler::RankSample> = ranks
+            .into_iter()
+            .map(|(rank, attempt, running)| {
+                let p = running
+                    .then(|| {
+                        soft.progress
+                            .get(&AttemptKey::new(job_id.clone(), rank, attempt))
+                    })
+                    .flatten();
+                straggler::RankSample {
+                    rank,
+                    attempt,
+                    step: p.map_or(0, |p| p.step),
+                    reported: p.is_some_and(|p| p.first_report_at.is_some()),
+                }
+            })
+            .collect();
+        let verdicts = memory
+            .stragglers
+            .entry(job_id.clone())
+            .or_default()
+            .observe(rule, obs.now_ms, &samples);
+        for v in verdicts {
+            obs.stragglers
+                .insert(AttemptKey::new(job_id.clone(), v.rank, v.attempt), v);
+        }
+        watched.insert(job_id);
+    }
+    memory.stragglers.retain(|id, _| watched.contains(id));
 }

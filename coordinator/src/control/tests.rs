@@ -69,7 +69,10 @@ fn periodic_io_is_due_at_most_once_per_interval() {
     assert!(memory.due("b", IoKind::Latest), "jobs are independent");
 }
 
-fn state_with_running_job(world_size: u32, scope: RestartScope) -> (ClusterState, String) {
+pub(super) fn state_with_running_job(
+    world_size: u32,
+    scope: RestartScope,
+) -> (ClusterState, String) {
     let mut s = ClusterState::default();
     let mut d = BTreeSet::new();
     for w in ["w1", "w2"] {
@@ -212,6 +215,8 @@ fn group_restart_then_budget_exhaustion() {
         cause: cause.clone(),
         resume_step: None,
         agent_fault: false,
+        in_process: Vec::new(),
+        path_reason: String::new(),
     };
     assert_eq!(s.apply(&cmd, &mut d), Response::Ok);
     // Second failure: the budget of 1 is used up.
@@ -325,6 +330,8 @@ fn agent_resource_errors_restart_elsewhere_without_spending_budget() {
                 cause: cause.clone(),
                 resume_step: None,
                 agent_fault,
+                in_process: Vec::new(),
+                path_reason: String::new(),
             },
             &mut BTreeSet::new(),
         )

@@ -394,6 +394,8 @@ fn stale_attempt_reports_are_rejected() {
         cause: "rank 1 exited".into(),
         resume_step: None,
         agent_fault: false,
+        in_process: Vec::new(),
+        path_reason: String::new(),
     };
     assert_eq!(apply(&mut s, restart), Response::Ok);
     let job = &s.jobs[&job_id];
@@ -435,6 +437,8 @@ fn restart_budget_and_delay_floor_are_enforced() {
             cause: "c".into(),
             resume_step: None,
             agent_fault: false,
+            in_process: Vec::new(),
+            path_reason: String::new(),
         };
         assert!(matches!(
             apply(&mut s, too_short),
@@ -449,6 +453,8 @@ fn restart_budget_and_delay_floor_are_enforced() {
             cause: "c".into(),
             resume_step: None,
             agent_fault: false,
+            in_process: Vec::new(),
+            path_reason: String::new(),
         };
         assert_eq!(apply(&mut s, ok), Response::Ok);
     }
@@ -462,6 +468,8 @@ fn restart_budget_and_delay_floor_are_enforced() {
         cause: "c".into(),
         resume_step: None,
         agent_fault: false,
+        in_process: Vec::new(),
+        path_reason: String::new(),
     };
     assert!(matches!(apply(&mut s, over), Response::Rejected { .. }));
     assert_eq!(s.jobs[&job_id].restarts_used, 2);
@@ -634,6 +642,8 @@ fn checkpoint_commits_only_with_every_part_and_keeps_k() {
         cause: "c".into(),
         resume_step: Some(30),
         agent_fault: false,
+        in_process: Vec::new(),
+        path_reason: String::new(),
     };
     assert_eq!(apply(&mut s, restart), Response::Ok);
     assert_eq!(
@@ -700,6 +710,8 @@ fn resuming_from_an_older_step_forgets_newer_steps_and_stale_parts() {
         cause: "step 20 is corrupt".into(),
         resume_step: Some(10),
         agent_fault: false,
+        in_process: Vec::new(),
+        path_reason: String::new(),
     };
     assert_eq!(apply(&mut s, restart), Response::Ok);
     let job = &s.jobs[&job_id];
@@ -768,6 +780,8 @@ fn a_jobs_size_estimate_covers_its_encoding() {
         cause: "rank 1 exited with code 1".into(),
         resume_step: Some(30),
         agent_fault: false,
+        in_process: Vec::new(),
+        path_reason: String::new(),
     };
     assert_eq!(apply(&mut s, restart), Response::Ok);
     check(&s.jobs[&job_id], "restarted");
@@ -1306,6 +1320,8 @@ fn a_pause_stops_the_ranks_then_parks_the_job_and_a_resume_queues_it_from_its_st
         cause: "x".into(),
         resume_step: Some(20),
         agent_fault: false,
+        in_process: Vec::new(),
+        path_reason: String::new(),
     };
     assert!(matches!(apply(&mut s, restart), Response::Rejected { .. }));
     assert_eq!(apply(&mut s, stopped), Response::Ok);
@@ -1539,6 +1555,35 @@ fn startup_timeouts_are_validated_and_default_with_hang_detection() {
 }
 
 #[test]
+fn warm_spares_are_validated_and_absent_from_old_specs() {
+    let warm = |warm_spares, imports: &[&str], command: &[&str]| JobSpec {
+        warm_spares,
+        warm_imports: imports.iter().map(|m| m.to_string()).collect(),
+        ..JobSpec::new(2, command.iter().map(|a| a.to_string()).collect())
+    };
+    assert!(
+        warm(2, &["torch", "numpy"], &["python3", "train.py"])
+            .validate(8)
+            .is_ok()
+    );
+    for (bad, field) in [
+        (warm(9, &[], &["python3", "train.py"]), "warm_spares"),
+        (
+            warm(1, &["not a module"], &["python3", "train.py"]),
+            "warm_imports",
+        ),
+        (warm(1, &[], &["bash", "run.sh"]), "warm_spares needs"),
+    ] {
+        let err = bad.validate(8).expect_err("refused");
+        assert!(err.to_string().contains(field), "{err}");
+    }
+    let json = serde_json::to_value(JobSpec::new(1, vec!["x".into()])).expect("json");
+    assert!(json.get("warm_spares").is_none() && json.get("warm_imports").is_none());
+    let back: JobSpec = serde_json::from_value(json).expect("old spec");
+    assert_eq!((back.warm_spares, back.warm_imports.len()), (0, 0));
+}
+
+#[test]
 fn only_finished_jobs_are_deleted_with_their_request_id() {
     let (mut s, job) = cluster_with_job(1);
     let delete = Command::DeleteJob {
@@ -1554,28 +1599,6 @@ fn only_finished_jobs_are_deleted_with_their_request_id() {
         at_ms: 9,
     };
     assert_eq!(apply(&mut s, cancel), Response::Ok);
-#[test]
-fn warm_spares_are_validated_and_absent_from_old_specs() {
-    let warm = |warm_spares, imports: &[&str], command: &[&str]| JobSpec {
-        warm_spares,
-        warm_imports: imports.iter().map(|m| m.to_string()).collect(),
-        ..JobSpec::new(2, command.iter().map(|a| a.to_string()).collect())
-    };
-    assert!(warm(2, &["torch", "numpy"], &["python3", "train.py"]).validate(8).is_ok());
-    for (bad, field) in [
-        (warm(9, &[], &["python3", "train.py"]), "warm_spares"),
-        (warm(1, &["not a module"], &["python3", "train.py"]), "warm_imports"),
-        (warm(1, &[], &["bash", "run.sh"]), "warm_spares needs"),
-    ] {
-        let err = bad.validate(8).expect_err("refused");
-        assert!(err.to_string().contains(field), "{err}");
-    }
-    let json = serde_json::to_value(JobSpec::new(1, vec!["x".into()])).expect("json");
-    assert!(json.get("warm_spares").is_none() && json.get("warm_imports").is_none());
-    let back: JobSpec = serde_json::from_value(json).expect("old spec");
-    assert_eq!((back.warm_spares, back.warm_imports.len()), (0, 0));
-}
-
     assert_eq!(apply(&mut s, delete.clone()), Response::Ok);
     assert!(!s.jobs.contains_key(&job));
     assert!(s.request_ids.is_empty(), "the request id goes with it");
@@ -1699,6 +1722,8 @@ fn a_job_resumed_from_another_jobs_step_starts_there_until_it_commits_its_own() 
             cause: "rank 0 exited 1".into(),
             resume_step: None,
             agent_fault: false,
+            in_process: Vec::new(),
+            path_reason: String::new(),
         },
     );
     assert_eq!(r, Response::Ok, "{r:?}");

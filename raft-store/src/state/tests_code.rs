@@ -40,6 +40,8 @@ fn restart_all(s: &mut ClusterState, job_id: &str, world_size: u32, failed_at_ms
             cause: "c".into(),
             resume_step: None,
             agent_fault: false,
+            in_process: Vec::new(),
+            path_reason: String::new(),
         },
     );
     assert_eq!(r, Response::Ok);

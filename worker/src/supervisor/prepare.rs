@@ -112,55 +112,7 @@ impl Supervisor {
         }
 
         self.check_paths(d, creds.as_ref()).await?;
-        let shards_path = shards_file(&settings.data_dir, key);
-        if let Some(bad) = d.shards.iter().find(|s| s.contains(['\n', '\0'])) {
-            return Err(PrepareError::Invalid(format!(
-                "shard path {bad:?} contains a newline or NUL"
-            )));
-        }
-        let mut shards = String::with_capacity(d.shards.iter().map(|s| s.len() + 1).sum());
-        for s in &d.shards {
-            if s.starts_with("s3://") {
-                let local = self.fetch_shard(key, s).await?;
-                shards.push_str(&local);
-            } else {
-                shards.push_str(s);
-            }
-            shards.push('\n');
-        }
-        write_file_atomic(&shards_path, shards.as_bytes())
-            .await
-            .map_err(|source| PrepareError::Write {
-                path: shards_path.clone(),
-                source,
-            })?;
-        if let Some(creds) = &creds {
-            give_shards_file(&shards_path, creds)
-                .await
-                .map_err(|source| PrepareError::Write {
-                    path: shards_path.clone(),
-                    source,
-                })?;
-        }
-
-        let plan_path =
-            (!d.data_plan_json.is_empty()).then(|| data_plan_file(&settings.data_dir, key));
-        if let Some(path) = &plan_path {
-            write_file_atomic(path, d.data_plan_json.as_bytes())
-                .await
-                .map_err(|source| PrepareError::Write {
-                    path: path.clone(),
-                    source,
-                })?;
-            if let Some(creds) = &creds {
-                give_shards_file(path, creds)
-                    .await
-                    .map_err(|source| PrepareError::Write {
-                        path: path.clone(),
-                        source,
-                    })?;
-            }
-        }
+        let (shards_path, plan_path) = self.write_rank_files(key, d, creds.as_ref()).await?;
 
         let master_addr = if d.master_addr.is_empty() {
             settings.advertise_host.as_str()
@@ -257,6 +209,68 @@ impl Supervisor {
 }
 
 impl Supervisor {
+    /// Writes the attempt's shards file (s3:// shards fetched to local copies first) and,
+    /// for an elastic job, its data plan, each given to the rank's user under `--run-as`.
+    /// Returns the shards file's path and the data plan's, if any.
+    async fn write_rank_files(
+        &self,
+        key: &AttemptKey,
+        d: &DesiredRank,
+        creds: Option<&crate::identity::RankCreds>,
+    ) -> Result<(PathBuf, Option<PathBuf>), PrepareError> {
+        let shards_path = shards_file(&self.inner.settings.data_dir, key);
+        if let Some(bad) = d.shards.iter().find(|s| s.contains(['\n', '\0'])) {
+            return Err(PrepareError::Invalid(format!(
+                "shard path {bad:?} contains a newline or NUL"
+            )));
+        }
+        let mut shards = String::with_capacity(d.shards.iter().map(|s| s.len() + 1).sum());
+        for s in &d.shards {
+            if s.starts_with("s3://") {
+                let local = self.fetch_shard(key, s).await?;
+                shards.push_str(&local);
+            } else {
+                shards.push_str(s);
+            }
+            shards.push('\n');
+        }
+        write_file_atomic(&shards_path, shards.as_bytes())
+            .await
+            .map_err(|source| PrepareError::Write {
+                path: shards_path.clone(),
+                source,
+            })?;
+        if let Some(creds) = creds {
+            give_shards_file(&shards_path, creds)
+                .await
+                .map_err(|source| PrepareError::Write {
+                    path: shards_path.clone(),
+                    source,
+                })?;
+        }
+
+        let plan_path = (!d.data_plan_json.is_empty())
+            .then(|| data_plan_file(&self.inner.settings.data_dir, key));
+        if let Some(path) = &plan_path {
+            write_file_atomic(path, d.data_plan_json.as_bytes())
+                .await
+                .map_err(|source| PrepareError::Write {
+                    path: path.clone(),
+                    source,
+                })?;
+            if let Some(creds) = creds {
+                give_shards_file(path, creds)
+                    .await
+                    .map_err(|source| PrepareError::Write {
+                        path: path.clone(),
+                        source,
+                    })?;
+            }
+        }
+
+        Ok((shards_path, plan_path))
+    }
+
     /// Checks the job's host paths against this agent's roots before anything is
     /// created: the checkpoint dir and every local shard normalized and under their
     /// roots as written, and with symlinks resolved (each shard directory once), on the

@@ -12,13 +12,13 @@ use crate::logs::truncation_marker;
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
-struct Harness {
+pub(super) struct Harness {
     _dir: tempfile::TempDir,
-    root: PathBuf,
-    sup: Supervisor,
+    pub(super) root: PathBuf,
+    pub(super) sup: Supervisor,
 }
 
-struct Options {
+pub(super) struct Options {
     stop_grace: Duration,
     log_max_bytes: u64,
     rank_api_url: String,
@@ -39,7 +39,7 @@ impl Default for Options {
     }
 }
 
-fn harness(opts: Options) -> Harness {
+pub(super) fn harness(opts: Options) -> Harness {
     let dir = tempfile::tempdir().expect("tempdir");
     let root = dir.path().to_path_buf();
     let sup = supervisor_at(&root, opts);
@@ -106,7 +106,7 @@ fn supervisor_at(root: &Path, opts: Options) -> Supervisor {
     )
 }
 
-fn desired(job: &str, rank: u32, attempt: u32, script: &str) -> DesiredRank {
+pub(super) fn desired(job: &str, rank: u32, attempt: u32, script: &str) -> DesiredRank {
     DesiredRank {
         job_id: job.into(),
         rank,
@@ -120,7 +120,7 @@ fn desired(job: &str, rank: u32, attempt: u32, script: &str) -> DesiredRank {
     }
 }
 
-async fn poll_until(what: &str, mut cond: impl FnMut() -> bool) {
+pub(super) async fn poll_until(what: &str, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
     while !cond() {
         assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
@@ -140,7 +140,7 @@ async fn wait_finished(sup: &Supervisor, key: &AttemptKey) -> ExitRecord {
         .expect("exit record exists")
 }
 
-fn log_text(sup: &Supervisor, key: &AttemptKey) -> String {
+pub(super) fn log_text(sup: &Supervisor, key: &AttemptKey) -> String {
     let paths = AttemptPaths::new(&sup.inner.settings.data_dir, key).expect("paths");
     std::fs::read_to_string(paths.log).unwrap_or_default()
 }

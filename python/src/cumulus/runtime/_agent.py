@@ -276,6 +276,32 @@ class AgentClient:
         status, data = self._post("/v1/exception", report, timeout_s)
         self._check("/v1/exception", status, data)
 
+    def restart_poll(self, *, timeout_s: float) -> bytes | None:
+        """``GET /v1/restart?timeout_ms=...``: waits up to ``timeout_s`` for an in-process
+        restart to hand this process a new attempt (see
+        :mod:`cumulus.runtime._inprocess`); returns the offer's JSON body, or ``None``
+        when none came (204).
+
+        :raises StaleAttempt: 401/409: the token names no live attempt (ended).
+        :raises AgentError: any other failure (503: too many polls at once; retry later).
+        """
+        wait_ms = max(0, int(timeout_s * 1000))
+        path = f"/v1/restart?timeout_ms={wait_ms}"
+        status, data = self._request("GET", path, None, timeout_s + PROGRESS_TIMEOUT_S + 3.0)
+        self._check("/v1/restart", status, data)
+        return None if status == 204 else data
+
+    def restart_ack(self, *, timeout_s: float = PROGRESS_TIMEOUT_S) -> None:
+        """``POST /v1/restart`` under the new attempt's token: this process took the
+        in-process restart (left its step, tore its process group down); the agent
+        reports the attempt started.
+
+        :raises StaleAttempt: 401/409: the token is unknown, or no restart was offered.
+        :raises AgentError: any other failure.
+        """
+        status, data = self._post("/v1/restart", {}, timeout_s)
+        self._check("/v1/restart", status, data)
+
     def checkpoints(self, *, timeout_s: float = LIST_TIMEOUT_S) -> list[int]:
         """``GET /v1/checkpoints``: the committed steps of this rank's job, ascending (the
         step ``LATEST`` names and every older one with a valid manifest; at most the

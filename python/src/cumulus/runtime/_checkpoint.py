@@ -657,6 +657,14 @@ class Checkpointer:
         pending = self._pending
         return None if pending is None else pending.wait(timeout_s)
 
+    def abandon_pending(self) -> None:
+        """Forgets the background commit of this attempt (an in-process restart replaced
+        it): it is not waited for at exit, and its error is never raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending._raised = True
+            _untrack(pending)
+
     def settle_pending(self, why: str = "at close") -> None:
         """Waits for the background commit in flight (within its commit deadline plus one
         request's time limit) and logs on stderr a failure whose error was not raised, or

@@ -168,7 +168,20 @@ def install_exception_report(agent: AgentClient) -> bool:
         sys.excepthook = hook
         threading.excepthook = thread_hook
         _installed = (hook, thread_hook)
+        global _installed_agent
+        _installed_agent = agent
         return True
+
+
+_installed_agent: AgentClient | None = None
+
+
+def use_token(token: str) -> None:
+    """Reports later exceptions with ``token``: the new attempt's, after an in-process
+    restart (:func:`cumulus.runtime.run`). Nothing when no hook is installed."""
+    agent = _installed_agent
+    if agent is not None:
+        agent._token = token
 
 
 def install_from_env(environ: dict[str, str] | None = None) -> bool:
