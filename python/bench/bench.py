@@ -1240,7 +1240,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = [{**asdict(r), "machine": machine} for r in rows]
     path.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {path} ({machine['wall_s']} s)")
-    return 1 if any(r.value is None for r in rows) else 0
+    # torchrun failing to recover from the kills is a finding its rows report (with the
+    # reason), as the benchmarks doc's P3 does, not this harness failing.
+    compared_only = {
+        "kill_to_every_rank_step_torchrun_p50_s",
+        "kill_to_every_rank_step_torchrun_p99_s",
+    }
+    return 1 if any(r.value is None and r.name not in compared_only for r in rows) else 0
 
 
 if __name__ == "__main__":
