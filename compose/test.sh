@@ -204,7 +204,9 @@ say "TLS on every connection: plain HTTP refused, $enrolled workers enrolled for
 # settings it changes nothing and says so; given another cluster's CA it refuses, and
 # changes nothing either. (The agent runs with the Kubernetes DaemonSet's capabilities
 # only: cap_drop/cap_add in docker-compose.yml.)
-wcid="$(dc ps -q worker | head -n1)"
+# sed, not head: head exits after one line and, under pipefail, the SIGPIPE it leaves
+# docker-compose fails the script whenever the second id is written after it.
+wcid="$(dc ps -q worker | sed -n 1p)"
 installed() {
   docker exec "$wcid" sh -c 'cd / && cat etc/cumulus-worker/agent.pid &&
     ls -l --time-style=+%s.%N etc/cumulus-worker etc/systemd/system/cumulus-worker.service \
