@@ -453,6 +453,9 @@ def train_attempt(args: argparse.Namespace) -> int:
         "attempt": ctx.attempt,
         "pid": os.getpid(),
         "resumed_from": start if point is not None else None,
+        # "memory": restored from the host copy of this process's asynchronous checkpoint
+        # (a survivor of an in-process restart); "disk": from the committed part's files.
+        "restore_source": point.source if point is not None else None,
         "steps": step,
         "epoch": data.sampler.epoch,
         "records": data.sampler.taken,

@@ -11,10 +11,11 @@
    recovery (the last rank's first progress report from the resumed position), p50 and
    p99, with the phases the leader, the agent and the runtime timestamp, under Cumulus
    (backoff set low, ``--warm-spares 1 --warm-imports torch``, resume from the committed
-   checkpoint) and under ``torchrun --max-restarts`` (which restarts the script; without a
-   Cumulus checkpoint it starts again from step 0). Targets: Cumulus p50 <= 1.0 s and
-   <= 0.3 x torchrun's. ``spares_steady_ratio``: DDP steps/s with a warm spare over
-   without (target >= 0.99).
+   checkpoint; the next kill once the leader has seen every rank's progress in its new
+   attempt, as a group restart needs to keep a process) and under ``torchrun
+   --max-restarts`` (which restarts the script; without a Cumulus checkpoint it starts
+   again from step 0). Targets: Cumulus p50 <= 1.0 s and <= 0.3 x torchrun's.
+   ``spares_steady_ratio``: DDP steps/s with a warm spare over without (target >= 0.99).
 3. ``report_us_per_call``: :func:`cumulus.runtime.Runtime.report` on the caller's thread,
    against a fake agent. Target < 20 us.
 4. ``ckpt_blocked_ratio``: time the training loop is blocked by a 1 GiB PyTorch
@@ -505,10 +506,11 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 def import_time_s() -> float:
-    """Seconds a fresh interpreter takes to import torch here (what a warm spare saves,
-    and how long a new spare needs before it is ready)."""
+    """Seconds a fresh interpreter takes to import torch here, with torch._dynamo as a
+    warm spare does (what a spare saves, and how long a new spare needs before it is
+    ready)."""
     t = time.monotonic()
-    subprocess.run([PYTHON, "-c", "import torch"], check=True, env=child_env())
+    subprocess.run([PYTHON, "-c", "import torch, torch._dynamo"], check=True, env=child_env())
     return time.monotonic() - t
 
 
@@ -525,13 +527,25 @@ def wait_every_rank_past(stamps: Stamps, step: int, deadline_s: float) -> None:
     )
 
 
-def spares_ready(client: cumulus.Client, job_id: str, ready_s: float) -> int:
-    """Spares of ``job_id`` the workers list that are older than ``ready_s``."""
+def spares_ready(client: cumulus.Client, job: cumulus.Job, ready_s: float) -> int:
+    """Spares of ``job`` the workers list that are older than ``ready_s`` (not one a rank
+    took since the workers' last heartbeat: its pid is a rank's now)."""
+    ranks = {r.pid for r in job.status().ranks}
     return sum(
         1
         for w in client.cluster().workers
         for x in w.warm_spares
-        if x.job_id == job_id and x.age_ms >= ready_s * 1000
+        if x.job_id == job.id and x.age_ms >= ready_s * 1000 and x.pid not in ranks
+    )
+
+
+def progress_seen(job: cumulus.Job) -> bool:
+    """Whether the leader has seen every rank running in ``cumulus.runtime.run`` and
+    reporting progress in its current attempt: what a group restart needs to keep a
+    rank's process (a kill before that restarts in full)."""
+    return all(
+        r.state == "running" and r.in_process and r.step > (r.resume_step or 0)
+        for r in job.status().ranks
     )
 
 
@@ -585,9 +599,14 @@ def kill_cumulus(
         resume = 0
         for k in range(1, cfg.kills + 1):
             wait_every_rank_past(s, resume + cfg.kill_ckpt_every + 10, cfg.run_timeout_s)
+            wait_until(
+                partial(progress_seen, job),
+                cfg.run_timeout_s,
+                "the leader seeing every rank's progress in its current attempt",
+            )
             if cfg.kill_spares:
                 wait_until(
-                    lambda: spares_ready(client, job.id, ready_s) >= cfg.kill_spares,
+                    lambda: spares_ready(client, job, ready_s) >= cfg.kill_spares,
                     cfg.run_timeout_s,
                     "the warm spares ready",
                 )
@@ -712,11 +731,12 @@ def kill_torchrun(cfg: Config, tmp: Path) -> tuple[list[dict[str, Any]], str | N
 def bench_kill(cfg: Config, client: cumulus.Client, tmp: Path) -> list[Row]:
     """P3: ``kill -9`` of rank 0 -> the first training step of EVERY rank after the
     recovery, ``cfg.kills`` kills in one long run per launcher (the next kill once every
-    rank has gone 60 steps past the resume point and, under Cumulus, the replacement
-    spare has had time to import torch), with the phases the leader, the agent and the
+    rank has gone 60 steps past the resume point and, under Cumulus, the leader has seen
+    every rank's progress in its current attempt and the replacement spare has had time
+    to import torch), with the phases the leader, the agent and the
     runtime timestamp."""
     ready_s = 1.5 * import_time_s() + 1.0
-    log(f"  import torch: a new spare is ready after ~{ready_s:.1f} s")
+    log(f"  import torch, torch._dynamo: a new spare is ready after ~{ready_s:.1f} s")
     results = {"cumulus": kill_cumulus(cfg, client, tmp, ready_s)}
     results["torchrun"], torchrun_error = kill_torchrun(cfg, tmp)
     c = [r["seconds"] for r in results["cumulus"]]

@@ -117,6 +117,9 @@ def test_ddp_survivor_keeps_its_process_and_the_run_stays_exact(
     after = results(once_out)
     assert [r["attempt"] for r in after] == [1, 1], after
     assert all(r["resumed_from"] == RESUMED for r in after), after
+    # The survivor restored the step from its asynchronous checkpoint's host copy, the
+    # replacement from the part's files.
+    assert [r["restore_source"] for r in after] == ["memory", "disk"], after
     pids = start_pids(once)
     # The survivor kept its process; the killed rank got a new one.
     assert after[0]["pid"] == pids[(0, 0)] == pids[(0, 1)], (after, pids)
@@ -134,6 +137,7 @@ def test_ddp_survivor_keeps_its_process_and_the_run_stays_exact(
     assert "had not" in second.path_reason, second
     after = results(twice_out)
     assert [r["attempt"] for r in after] == [2, 2], after
+    assert [r["restore_source"] for r in after] == ["disk", "disk"], after
     pids = start_pids(twice)
     # The full restart gave both ranks new processes.
     assert after[0]["pid"] == pids[(0, 2)] != pids[(0, 0)], (after, pids)

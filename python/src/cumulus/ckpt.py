@@ -74,6 +74,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -767,51 +768,58 @@ def load(directory: str | os.PathLike[str], /, **objects: Any) -> dict[str, Any]
                 f"no object {name!r} in the checkpoint {d} (it has: {', '.join(sorted(index))})"
             )
         saved_kind = entry["kind"]
-        if saved_kind == "rng":
-            if obj is None:
-                out[name] = entry["tree"]
-                continue
-            if not isinstance(obj, RNG):
-                raise TypeError(f"{name!r} was saved as an RNG state: pass a cumulus.ckpt.RNG")
-            runtime.set_rng_state(entry["tree"], *obj.generators, strict=obj.strict)
-            out[name] = obj
-            continue
         if saved_kind in _FRAMEWORKS:
             out[name] = _load_framework(d, name, entry, obj)
             continue
-        if isinstance(obj, Trusted):
-            obj = obj.obj
-        if saved_kind == "numpy.ndarray":
-            np = _import("numpy")
-            value = np.load(d / f"{name}.npy", allow_pickle=False)
-        elif saved_kind == "json":
-            value = entry["tree"]
-        else:
-            if saved_kind.startswith("torch."):
+
+        def read(name: str = name, entry: Mapping[str, Any] = entry) -> Any:
+            kind = entry["kind"]
+            if kind in ("rng", "json"):
+                return entry["tree"]
+            if kind == "numpy.ndarray":
+                return _import("numpy").load(d / f"{name}.npy", allow_pickle=False)
+            if kind.startswith("torch."):
                 _import("torch")
-            value = _load_state(d, name, entry)
-        if obj is None or saved_kind == "json":
-            out[name] = value
-            continue
-        kind = _kind(obj)
-        if kind != saved_kind:
-            raise TypeError(
-                f"{name!r} was saved as {saved_kind}, but a {type(obj).__qualname__} "
-                f"({kind}) was passed"
-            )
-        if kind == "torch.module":
-            _unwrap_module(obj).load_state_dict(value)
-        elif kind in ("torch.optimizer", "state_dict"):
-            obj.load_state_dict(value)
-        elif kind == "torch.tensor":
-            torch = sys.modules["torch"]
-            with torch.no_grad():
-                obj.copy_(value)
-        elif kind == "numpy.ndarray":
-            np = sys.modules["numpy"]
-            np.copyto(obj, value, casting="no")
-        out[name] = obj
+            return _load_state(d, name, entry)
+
+        out[name] = _restore(name, saved_kind, obj, read)
     return out
+
+
+def _restore(name: str, saved_kind: str, obj: Any, read: Callable[[], Any]) -> Any:
+    """Restores ``obj`` (``None``: nothing) from the value saved under ``name`` as
+    ``saved_kind``, which ``read()`` returns (an RNG state tree, a state dict, an array, a
+    JSON value); returns what :func:`load` returns for it."""
+    if saved_kind == "rng":
+        if obj is None:
+            return read()
+        if not isinstance(obj, RNG):
+            raise TypeError(f"{name!r} was saved as an RNG state: pass a cumulus.ckpt.RNG")
+        runtime.set_rng_state(read(), *obj.generators, strict=obj.strict)
+        return obj
+    if isinstance(obj, Trusted):
+        obj = obj.obj
+    value = read()
+    if obj is None or saved_kind == "json":
+        return value
+    kind = _kind(obj)
+    if kind != saved_kind:
+        raise TypeError(
+            f"{name!r} was saved as {saved_kind}, but a {type(obj).__qualname__} "
+            f"({kind}) was passed"
+        )
+    if kind == "torch.module":
+        _unwrap_module(obj).load_state_dict(value)
+    elif kind in ("torch.optimizer", "state_dict"):
+        obj.load_state_dict(value)
+    elif kind == "torch.tensor":
+        torch = sys.modules["torch"]
+        with torch.no_grad():
+            obj.copy_(value)
+    elif kind == "numpy.ndarray":
+        np = sys.modules["numpy"]
+        np.copyto(obj, value, casting="no")
+    return obj
 
 
 # -- through the runtime -------------------------------------------------------------------
@@ -887,6 +895,27 @@ _buffers: tuple[PendingCheckpoint, dict[tuple[str, str], tuple[Any, bool]]] | No
 _async_lock = threading.Lock()
 
 
+@dataclasses.dataclass(frozen=True)
+class _HostCopy:
+    """The latest snapshot :func:`save_checkpoint_async` took in this process, as it was
+    written (the host buffers hold it until the next snapshot copies into them): after an
+    in-process restart, :func:`load_checkpoint` restores from it instead of reading the
+    part back when it is the very part the new attempt resumes from."""
+
+    #: The commit that wrote it.
+    pending: PendingCheckpoint
+    #: The objects, by name, as :func:`_write_all` wrote them.
+    captured: Mapping[str, _Captured]
+    #: The job and rank that took it.
+    job_id: str
+    rank: int
+
+
+#: The latest snapshot (``None`` while a snapshot is being taken, or after one failed:
+#: the buffers may hold parts of two).
+_host_copy: _HostCopy | None = None
+
+
 def save_checkpoint_async(
     step: int, /, state: Mapping[str, Any] | None = None, **objects: Any
 ) -> PendingCheckpoint:
@@ -930,12 +959,14 @@ def save_checkpoint_async(
         :class:`~cumulus.errors.InvalidState`); the commit's own errors come from
         :meth:`PendingCheckpoint.wait`.
     """
-    global _buffers
+    global _buffers, _host_copy
     _check_names(objects)
     _check_not_stale(objects)
-    checkpointer = runtime.get_runtime().checkpointer
+    rt = runtime.get_runtime()
+    checkpointer = rt.checkpointer
     with _async_lock:
         stagings: list[_Staging] = []
+        snapshots: list[dict[str, _Captured]] = []
 
         def snapshot() -> Callable[[Path], None]:
             # Called once the previous commit has ended: its buffers are free to reuse
@@ -946,14 +977,19 @@ def save_checkpoint_async(
             stagings.append(staging)
             captured = {name: _capture(name, obj, staging) for name, obj in objects.items()}
             staging.synchronize()
+            snapshots.append(captured)
 
             def write(d: Path) -> None:
                 _write_all(d, captured)
 
             return write
 
+        # The buffers the host copy lies in may be copied into from here on.
+        _host_copy = None
         pending = checkpointer.save_async(step, snapshot, state)
         _buffers = (pending, stagings[0].buffers) if stagings[0].buffers else None
+        ctx = rt.context
+        _host_copy = _HostCopy(pending, snapshots[0], ctx.job_id or "", ctx.rank)
         return pending
 
 
@@ -971,9 +1007,10 @@ def wait_pending(timeout_s: float | None = None) -> CommittedPart | None:
 def release_async_buffers() -> None:
     """Frees the host buffers :func:`save_checkpoint_async` keeps for its next snapshot
     (once the commit writing them ends); the next call allocates them again."""
-    global _buffers
+    global _buffers, _host_copy
     with _async_lock:
         _buffers = None
+        _host_copy = None
 
 
 def load_checkpoint(**objects: Any) -> ResumePoint | None:
@@ -996,5 +1033,59 @@ def load_checkpoint(**objects: Any) -> ResumePoint | None:
     point = runtime.resume()
     if point is None:
         return None
-    loaded = load(point.dir, **objects)
-    return dataclasses.replace(point, objects=MappingProxyType(loaded))
+    captured = _host_copy_of(point)
+    if captured is None:
+        loaded = load(point.dir, **objects)
+        return dataclasses.replace(point, objects=MappingProxyType(loaded), source="disk")
+    _check_names(objects)
+    loaded = {}
+    for name, obj in objects.items():
+        c = captured.get(name)
+        if c is None:
+            raise KeyError(
+                f"no object {name!r} in the checkpoint {point.dir} (it has: "
+                f"{', '.join(sorted(captured))})"
+            )
+        loaded[name] = _restore(name, c.kind, obj, partial(_captured_value, c))
+    print(
+        f"cumulus: step {point.step} restored from the host copy of its asynchronous "
+        f"checkpoint (memory), not from {point.dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return dataclasses.replace(point, objects=MappingProxyType(loaded), source="memory")
+
+
+def _host_copy_of(point: ResumePoint) -> Mapping[str, _Captured] | None:
+    """The objects of this rank's part ``point`` as this process's latest asynchronous
+    snapshot holds them, when that snapshot is still in its host buffers and is the very
+    part ``point`` names: committed (by the attempt this process ran before an in-process
+    restart), of the same job, rank and step, in the directory ``point.dir`` ends with.
+    ``None`` otherwise (read the part from disk)."""
+    copy_ = _host_copy
+    part = None if copy_ is None else copy_.pending.committed_part()
+    if copy_ is None or part is None or part.step != point.step:
+        return None
+    ctx = runtime.get_runtime().context
+    if (copy_.job_id, copy_.rank) != (ctx.job_id or "", ctx.rank):
+        return None
+    rel = Path(part.dir).parts
+    if not rel or point.dir.parts[-len(rel) :] != rel:
+        return None
+    if any(c.kind in _FRAMEWORKS for c in copy_.captured.values()):
+        return None
+    return copy_.captured
+
+
+def _captured_value(c: _Captured) -> Any:
+    """What reading ``c``'s files back would give (see :func:`load`), sharing no memory
+    with the snapshot: its host buffers are copied into by the next snapshot, and an
+    optimizer keeps the tensors its ``load_state_dict`` is given."""
+    if c.kind in ("torch.module", "torch.optimizer", "state_dict", "torch.tensor"):
+        state: _State = c.value
+        if state.tensors is None:
+            return copy.deepcopy(state.pickled)
+        return _decode(state.tree, {k: t.clone() for k, t in state.tensors.items()})
+    if c.kind == "numpy.ndarray":
+        return c.value.copy()
+    return copy.deepcopy(c.value)  # rng, json

@@ -1,5 +1,6 @@
 # A warm spare's first code (`python -c`, from worker/src/supervisor/spares.rs): import
-# the job's modules, wait on stdin for an assignment, then become the rank: its
+# the job's modules (with torch, also torch._dynamo, which PyTorch imports lazily on a
+# training's first steps), wait on stdin for an assignment, then become the rank: its
 # environment, argv, working directory and sys.path[0] exactly as a fresh
 # `python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) would have them, and its script
 # run as __main__ in this process. argv: -c CODE IMPORTS SCRIPT_DIR (IMPORTS
@@ -22,6 +23,16 @@ def _cumulus_spare():
     for name in imports:
         importlib.import_module(name)
     torch = sys.modules.get("torch")
+    if torch is not None:
+        # PyTorch imports torch._dynamo (and with it torch._inductor and sympy) lazily,
+        # when the first DistributedDataParallel model is made or an optimizer first
+        # steps: 1.5 s of CPU on an idle 2-core machine, several loaded, that a rank
+        # taking this spare would spend while its peers wait in DDP's first broadcast.
+        # Only a head start: a PyTorch without it still runs the rank.
+        try:
+            importlib.import_module("torch._dynamo")
+        except Exception:
+            pass
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():
         sys.stderr.write(

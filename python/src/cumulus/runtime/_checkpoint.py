@@ -101,6 +101,11 @@ class ResumePoint:
     #: (or a JSON value) the saved value, to rebind (``perm = point.objects["perm"]``).
     #: Empty from :func:`cumulus.runtime.resume`, which loads nothing.
     objects: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: Where :func:`cumulus.ckpt.load_checkpoint` read :attr:`objects` from: ``"memory"``
+    #: (after an in-process restart, the host copy this process's asynchronous
+    #: checkpoint kept of this very part) or ``"disk"`` (the part's files). ``None`` from
+    #: :func:`cumulus.runtime.resume`, which loads nothing.
+    source: str | None = field(default=None, compare=False)
 
 
 class StagedCheckpoint(os.PathLike[str]):
@@ -162,6 +167,13 @@ class PendingCheckpoint:
     def done(self) -> bool:
         """Whether the commit has ended (committed, or failed); never blocks."""
         return self._done.is_set()
+
+    def committed_part(self) -> CommittedPart | None:
+        """The part, once committed; ``None`` while in flight, or when the commit failed
+        or was refused. Never blocks nor raises (an error stays for :meth:`wait`)."""
+        if not self._done.is_set() or self._error is not None:
+            return None
+        return self._part
 
     def wait(self, timeout_s: float | None = None) -> CommittedPart | None:
         """Waits until the part is committed (at most ``timeout_s`` seconds; ``None``: as

@@ -27,7 +27,16 @@ The protocol with the worker agent (``GET``/``POST /v1/restart``):
    the agent's bound, else the agent kills the process and the job restarts in full),
    waits out the rest of the restart's backoff, and calls the function again. The
    function restores the resume step as a fresh process would (``ckpt.load_checkpoint``,
-   ``runtime.resume()``) and forms a new process group at the new ``MASTER_PORT``.
+   ``runtime.resume()``; from the host copy of this process's asynchronous checkpoint
+   when it is the part resumed from) and forms a new process group at the new
+   ``MASTER_PORT``.
+5. When the abandoned attempt's process group had been formed through ``MASTER_ADDR`` /
+   ``MASTER_PORT`` (its store a ``TCPStore`` there) and this rank does not host the new
+   store (``RANK`` is not 0), :func:`run` first waits, polling every
+   :data:`STORE_POLL_S`, until the new ``MASTER_PORT`` accepts connections (at most
+   :data:`STORE_WAIT_S`): a ``TCPStore`` client that finds no listener sleeps a growing
+   backoff (0.6 s, then more) before it tries again, and rank 0 is usually a replacement
+   still starting.
 
 An error of the function that is not a restart ends :func:`run` as it would end the
 function, except that an error that looks like a lost peer (a failed collective, a
@@ -39,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -78,6 +88,11 @@ TEARDOWN_TIMEOUT_S = 5.0
 #: Seconds after an offer arrives before :class:`RestartRequested` is raised
 #: asynchronously in a function that neither called the runtime nor failed meanwhile.
 INTERRUPT_AFTER_S = 2.0
+#: Longest wait, in seconds, for the new rendezvous store to listen before the function
+#: is called again (it then connects as it would have: see the module doc, step 5).
+STORE_WAIT_S = 60.0
+#: Seconds between two tries to connect to the new rendezvous store.
+STORE_POLL_S = 0.01
 #: Exit code of a process whose process group could not be torn down in time.
 EXIT_TEARDOWN_FAILED = 1
 #: Variables removed before a new attempt's are set (it sets them again when it has them).
@@ -273,14 +288,29 @@ def _abort_nccl() -> None:
         print(f"cumulus: in-process restart: NCCL abort failed: {e}", file=sys.stderr)
 
 
-def _teardown_distributed() -> float:
+def _store_at_master_port(dist: Any) -> bool:
+    """Whether the default process group's store is a ``TCPStore`` at ``MASTER_PORT`` (the
+    ``env://`` rendezvous, as ``init_process_group`` does by default and torchrun)."""
+    try:
+        c10d = sys.modules["torch.distributed.distributed_c10d"]
+        store = c10d._get_default_store()
+        while hasattr(store, "underlying_store"):  # PrefixStore
+            store = store.underlying_store
+        return isinstance(store, dist.TCPStore) and str(store.port) == os.environ.get("MASTER_PORT")
+    except Exception:  # a PyTorch without these: no wait
+        return False
+
+
+def _teardown_distributed() -> tuple[float, bool]:
     """Tears the default process group down (NCCL aborted first) within
-    :data:`TEARDOWN_TIMEOUT_S`; returns the seconds it took. A teardown that does not
-    finish in time ends the process (:data:`EXIT_TEARDOWN_FAILED`): it cannot be reused."""
+    :data:`TEARDOWN_TIMEOUT_S`; returns the seconds it took and whether the group had
+    been formed through ``MASTER_PORT``. A teardown that does not finish in time ends the
+    process (:data:`EXIT_TEARDOWN_FAILED`): it cannot be reused."""
     start = time.monotonic()
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 0.0
+        return 0.0, False
+    env_rendezvous = _store_at_master_port(dist)
     _abort_nccl()
     errors: list[BaseException] = []
 
@@ -308,7 +338,28 @@ def _teardown_distributed() -> float:
             flush=True,
         )
         os._exit(EXIT_TEARDOWN_FAILED)
-    return time.monotonic() - start
+    return time.monotonic() - start, env_rendezvous
+
+
+def _wait_for_store(watcher: _Watcher) -> float | None:
+    """Waits until ``MASTER_ADDR:MASTER_PORT`` (the new attempt's) accepts a connection,
+    for at most :data:`STORE_WAIT_S`, or until a newer offer arrives; returns the seconds
+    waited, ``None`` when it never listened meanwhile. Nothing to wait for on rank 0,
+    which hosts the store."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not host or not port.isdigit() or os.environ.get("RANK", "0") == "0":
+        return 0.0
+    start = time.monotonic()
+    while watcher.offer is None:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return time.monotonic() - start
+        except OSError:
+            pass
+        if time.monotonic() - start > STORE_WAIT_S:
+            break
+        time.sleep(STORE_POLL_S)
+    return None
 
 
 def _apply_env(offer: RestartOffer) -> None:
@@ -340,6 +391,9 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     watcher.start()
     try:
         while True:
+            if watcher.offer is not None:  # a newer attempt came while re-entering
+                _restart(watcher)
+                continue
             try:
                 watcher.inside = True
                 try:
@@ -383,7 +437,7 @@ def _restart(watcher: _Watcher) -> None:
     offer = watcher.offer
     assert offer is not None
     left_s = time.monotonic() - offer.received_at
-    teardown_s = _teardown_distributed()
+    teardown_s, env_rendezvous = _teardown_distributed()
     old = rt_mod.get_runtime()
     old._abandon()
     _apply_env(offer)
@@ -396,12 +450,20 @@ def _restart(watcher: _Watcher) -> None:
     hold_s = offer.hold_ms / 1000 - (time.monotonic() - offer.received_at)
     if hold_s > 0:
         time.sleep(hold_s)
+    store = ""
+    if env_rendezvous:
+        waited_s = _wait_for_store(watcher)
+        store = (
+            f", the new rendezvous store listening after {waited_s * 1000:.0f} ms"
+            if waited_s is not None
+            else f", the new rendezvous store not listening (waited {STORE_WAIT_S:.0f} s)"
+        )
     total_s = time.monotonic() - offer.received_at
     print(
         f"cumulus: in-process restart to attempt {offer.attempt}: left the step in "
         f"{left_s * 1000:.0f} ms, process group torn down in {teardown_s * 1000:.0f} ms, "
         f"re-entering the training function {total_s * 1000:.0f} ms after the restart "
-        f"reached this rank (resume step {new.context.resume_step})",
+        f"reached this rank (resume step {new.context.resume_step}){store}",
         file=sys.stderr,
         flush=True,
     )
