@@ -12,7 +12,8 @@
    p99, with the phases the leader, the agent and the runtime timestamp, under Cumulus
    (backoff set low, ``--warm-spares 1 --warm-imports torch``, resume from the committed
    checkpoint; the next kill once the leader has seen every rank's progress in its new
-   attempt, as a group restart needs to keep a process) and under ``torchrun
+   attempt, as a group restart needs to keep a process, and the new spare waits on its
+   stdin, its imports done) and under ``torchrun
    --max-restarts`` (which restarts the script; without a Cumulus checkpoint it starts
    again from step 0). Targets: Cumulus p50 <= 1.0 s and <= 0.3 x torchrun's.
    ``spares_steady_ratio``: DDP steps/s with a warm spare over without (target >= 0.99).
@@ -527,15 +528,27 @@ def wait_every_rank_past(stamps: Stamps, step: int, deadline_s: float) -> None:
     )
 
 
+def spare_waiting(pid: int, age_ms: int, ready_s: float) -> bool:
+    """Whether the spare ``pid`` has done its imports: its main thread blocks reading its
+    stdin (``/proc/PID/syscall``: ``read``, fd 0), or, where that cannot be read, it is
+    older than ``ready_s`` (under ``SCHED_IDLE`` on a loaded machine a spare can take
+    several times that)."""
+    try:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return age_ms >= ready_s * 1000
+    return fields[:2] == ["0", "0x0"]
+
+
 def spares_ready(client: cumulus.Client, job: cumulus.Job, ready_s: float) -> int:
-    """Spares of ``job`` the workers list that are older than ``ready_s`` (not one a rank
+    """Spares of ``job`` the workers list that have done their imports (not one a rank
     took since the workers' last heartbeat: its pid is a rank's now)."""
     ranks = {r.pid for r in job.status().ranks}
     return sum(
         1
         for w in client.cluster().workers
         for x in w.warm_spares
-        if x.job_id == job.id and x.age_ms >= ready_s * 1000 and x.pid not in ranks
+        if x.job_id == job.id and x.pid not in ranks and spare_waiting(x.pid, x.age_ms, ready_s)
     )
 
 
@@ -549,13 +562,28 @@ def progress_seen(job: cumulus.Job) -> bool:
     )
 
 
+#: ``stamped.py``'s phase lines, by the name of the phase they end or begin.
+STAMPED_PHASES = {
+    "script started (new process or spare)": re.compile(r"^stamped: script$"),
+    "rendezvous begins": re.compile(r"^stamped: rendezvous begins$"),
+    "rendezvous returns": re.compile(r"^stamped: rendezvous returns$"),
+    "restore begins": re.compile(r"^stamped: restore begins$"),
+    "restore returns": re.compile(r"^stamped: restore returns$"),
+}
+
+
 def kill_phases(
     s: Stamps, t_kill: float, mark: dict[int, tuple[int, int]], firsts: list[tuple[float, int]]
 ) -> dict[str, float]:
-    """Milliseconds from the kill to each rank's ``start=`` line (its process group made
-    and its checkpoint loaded) and to its first step."""
+    """Milliseconds from the kill to each rank's phases (``stamped.py``: the script's
+    start, ``init_process_group``, ``load_checkpoint``), its ``start=`` line (process
+    group made, checkpoint loaded) and its first step."""
     out: dict[str, float] = {}
     for r in range(KILL_WORLD):
+        for name, pattern in STAMPED_PHASES.items():
+            got = s.first_line(r, t_kill, pattern, mark)
+            if got:
+                out[f"rank {r} {name}"] = (got[0] - t_kill) * 1000
         start = s.first_line(r, t_kill, START_LINE, mark)
         if start:
             out[f"rank {r} start line (group made, checkpoint loaded)"] = (start[0] - t_kill) * 1000
@@ -732,8 +760,8 @@ def bench_kill(cfg: Config, client: cumulus.Client, tmp: Path) -> list[Row]:
     """P3: ``kill -9`` of rank 0 -> the first training step of EVERY rank after the
     recovery, ``cfg.kills`` kills in one long run per launcher (the next kill once every
     rank has gone 60 steps past the resume point and, under Cumulus, the leader has seen
-    every rank's progress in its current attempt and the replacement spare has had time
-    to import torch), with the phases the leader, the agent and the
+    every rank's progress in its current attempt and the replacement spare has done its
+    imports), with the phases the leader, the agent and the
     runtime timestamp."""
     ready_s = 1.5 * import_time_s() + 1.0
     log(f"  import torch, torch._dynamo: a new spare is ready after ~{ready_s:.1f} s")

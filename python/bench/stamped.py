@@ -6,6 +6,13 @@ per line, flushed per line, so a line printed just before a SIGKILL is kept), an
 after each training step, on every rank, under Cumulus and torchrun alike) as a line
 ``report step <N>``.
 
+It also stamps the phases of a rank's (re)start: ``stamped: script`` when it starts the
+script (a new process, or a warm spare that took the attempt), and ``stamped: <name>
+begins`` / ``stamped: <name> returns`` around ``torch.distributed.init_process_group``
+(``rendezvous``: the store, the gloo mesh) and ``cumulus.ckpt.load_checkpoint``
+(``restore``), as the script calls them (``dist.init_process_group``,
+``ckpt.load_checkpoint``).
+
 The attempt is ``CUMULUS_ATTEMPT`` under Cumulus and ``TORCHELASTIC_RESTART_COUNT`` under
 torchrun. The benchmark uses it to time "rank killed" → "first step after the restart"
 with the same clock under both launchers, without changing the script.
@@ -17,7 +24,7 @@ import os
 import runpy
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 
 class _Stamped:
@@ -58,6 +65,29 @@ def _stamp_reports(fd: int) -> None:
     Runtime.report = stamped  # type: ignore[method-assign]
 
 
+def _stamp_phases(fd: int) -> None:
+    """Stamps the beginning and the end of each ``init_process_group`` and
+    ``load_checkpoint`` call (imported here, before the script: it imports them anyway)."""
+    import torch.distributed as dist
+
+    from cumulus import ckpt
+
+    def wrap(module: Any, attr: str, name: str) -> None:
+        inner = getattr(module, attr)
+
+        def stamped(*args: Any, **kwargs: Any) -> Any:
+            os.write(fd, f"{time.time():.6f} stamped: {name} begins\n".encode())
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                os.write(fd, f"{time.time():.6f} stamped: {name} returns\n".encode())
+
+        setattr(module, attr, stamped)
+
+    wrap(dist, "init_process_group", "rendezvous")
+    wrap(ckpt, "load_checkpoint", "restore")
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: stamped.py SCRIPT [ARGS...]")
@@ -72,6 +102,8 @@ def main() -> None:
         sys.stdout = _Stamped(sys.stdout, fd)
         sys.stderr = _Stamped(sys.stderr, fd)
         _stamp_reports(fd)
+        os.write(fd, f"{time.time():.6f} stamped: script\n".encode())
+        _stamp_phases(fd)
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     runpy.run_path(script, run_name="__main__")
