@@ -732,7 +732,9 @@ pub struct AddLearnerArgs {
     /// Raft node id of the new coordinator (≥ 1).
     #[arg(value_parser = clap::value_parser!(u64).range(1..))]
     pub id: u64,
-    /// Its addresses: `GRPC_HOST:PORT@HTTP_HOST:PORT` (as in the coordinator's `--peer`).
+    /// Its addresses: `GRPC_HOST:PORT@HTTP_HOST:PORT`, or
+    /// `GRPC_HOST:PORT@HTTP_HOST:PORT@RAFT_HOST:PORT` for a coordinator started with
+    /// `--raft-listen` (as in the coordinator's `--peer`).
     /// (Named apart from the global `--addr`, whose clap id it would otherwise share.)
     #[arg(value_name = "ADDR")]
     pub member_addr: String,

@@ -855,14 +855,37 @@ pub async fn workers(conn: &Conn, output: OutputFormat) -> Result<()> {
     }
 }
 
-/// Splits `GRPC_HOST:PORT@HTTP_HOST:PORT` into its two addresses.
+/// A new member's addresses, as `cluster add-learner` takes them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemberAddr {
+    /// Its gRPC address (clients and workers).
+    pub grpc: String,
+    /// Its HTTP address.
+    pub http: String,
+    /// Its Raft address (`--raft-listen`); empty when Raft shares the gRPC port.
+    pub raft: String,
+}
+
+/// Splits `GRPC_HOST:PORT@HTTP_HOST:PORT[@RAFT_HOST:PORT]` into its addresses (the
+/// third for a coordinator started with `--raft-listen`).
 ///
 /// # Errors
-/// When either half is missing or has no port.
-pub fn parse_member_addr(addr: &str) -> Result<(String, String)> {
-    let usage = || format!("{addr:?} must look like GRPC_HOST:PORT@HTTP_HOST:PORT");
-    let (grpc, http) = addr.split_once('@').with_context(usage)?;
-    for a in [grpc, http] {
+/// When the gRPC or HTTP address is missing, or any address has no port.
+pub fn parse_member_addr(addr: &str) -> Result<MemberAddr> {
+    let usage = || {
+        format!(
+            "{addr:?} must look like GRPC_HOST:PORT@HTTP_HOST:PORT, or \
+             GRPC_HOST:PORT@HTTP_HOST:PORT@RAFT_HOST:PORT for a coordinator started with \
+             --raft-listen"
+        )
+    };
+    let parts: Vec<&str> = addr.split('@').collect();
+    let (grpc, http, raft) = match parts[..] {
+        [grpc, http] => (grpc, http, None),
+        [grpc, http, raft] => (grpc, http, Some(raft)),
+        _ => bail!(usage()),
+    };
+    for a in [Some(grpc), Some(http), raft].into_iter().flatten() {
         let ok = a
             .rsplit_once(':')
             .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
@@ -870,7 +893,11 @@ pub fn parse_member_addr(addr: &str) -> Result<(String, String)> {
             bail!(usage());
         }
     }
-    Ok((grpc.to_string(), http.to_string()))
+    Ok(MemberAddr {
+        grpc: grpc.to_string(),
+        http: http.to_string(),
+        raft: raft.unwrap_or_default().to_string(),
+    })
 }
 
 fn print_membership(resp: &cumulus_api::ClusterStatusResponse, output: OutputFormat) -> Result<()> {
@@ -880,14 +907,15 @@ fn print_membership(resp: &cumulus_api::ClusterStatusResponse, output: OutputFor
     }
 }
 
-/// `cluster add-learner ID GRPC@HTTP`.
+/// `cluster add-learner ID GRPC@HTTP[@RAFT]`.
 pub async fn add_learner(conn: &Conn, id: u64, addr: &str, output: OutputFormat) -> Result<()> {
-    let (grpc_addr, http_addr) = parse_member_addr(addr)?;
+    let addr = parse_member_addr(addr)?;
     let resp = Client::new(conn)?
         .add_learner(cumulus_api::AddLearnerRequest {
             node_id: id,
-            grpc_addr,
-            http_addr,
+            grpc_addr: addr.grpc,
+            http_addr: addr.http,
+            raft_addr: addr.raft,
         })
         .await?;
     print_membership(&resp, output)
@@ -1011,6 +1039,27 @@ mod tests {
         match Cli::try_parse_from(argv).expect("parse").command {
             Command::Submit(s) => s,
             _ => panic!("not submit"),
+        }
+    }
+
+    #[test]
+    fn member_addresses_take_an_optional_raft_address() {
+        let a = parse_member_addr("c4:7000@c4:8000").expect("two addresses");
+        assert_eq!(
+            (a.grpc.as_str(), a.http.as_str(), a.raft.as_str()),
+            ("c4:7000", "c4:8000", "")
+        );
+        let a = parse_member_addr("c4:7000@c4:8000@c4:7100").expect("three addresses");
+        assert_eq!(a.raft, "c4:7100");
+        for bad in [
+            "c4:7000",
+            "c4:7000@c4:8000@",
+            "c4:7000@c4:8000@c4",
+            "a:1@b:2@c:3@d:4",
+            "c4:7000@:8000",
+        ] {
+            let err = parse_member_addr(bad).expect_err(bad).to_string();
+            assert!(err.contains("RAFT_HOST:PORT"), "{bad}: {err}");
         }
     }
 

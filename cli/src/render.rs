@@ -1011,18 +1011,30 @@ pub fn cluster_status(resp: &ClusterStatusResponse) -> String {
         opt(resp.snapshot_index),
         opt(resp.purged_index),
     ));
-    let mut m = table(&["NODE", "GRPC", "HTTP", "ROLE", "VOTER"]);
+    // A RAFT column only where some member's Raft service has a port of its own
+    // (`--raft-listen`); "-" for a member whose Raft shares its gRPC port.
+    let raft_apart = resp.members.iter().any(|m| !m.raft_addr.is_empty());
+    let mut m = if raft_apart {
+        table(&["NODE", "GRPC", "HTTP", "RAFT", "ROLE", "VOTER"])
+    } else {
+        table(&["NODE", "GRPC", "HTTP", "ROLE", "VOTER"])
+    };
     for mem in &resp.members {
-        add_row(
-            &mut m,
-            vec![
-                mem.node_id.to_string(),
-                mem.grpc_addr.clone(),
-                mem.http_addr.clone(),
-                member_role_text(mem),
-                if mem.voter { "yes".into() } else { "no".into() },
-            ],
-        );
+        let mut row = vec![
+            mem.node_id.to_string(),
+            mem.grpc_addr.clone(),
+            mem.http_addr.clone(),
+        ];
+        if raft_apart {
+            row.push(if mem.raft_addr.is_empty() {
+                "-".into()
+            } else {
+                mem.raft_addr.clone()
+            });
+        }
+        row.push(member_role_text(mem));
+        row.push(if mem.voter { "yes".into() } else { "no".into() });
+        add_row(&mut m, row);
     }
     out.push_str(&table_text(&m));
     out.push('\n');

@@ -51,7 +51,7 @@ use crate::network::{MAX_RAFT_MESSAGE_BYTES, Network};
 use crate::node::{Node, NodeLimits, Raft};
 use crate::soft::SoftState;
 
-/// A peer given on the command line: `ID=GRPC_ADDR@HTTP_ADDR`.
+/// A peer given on the command line: `ID=GRPC_ADDR@HTTP_ADDR[@RAFT_ADDR]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Peer {
     /// Raft node id (≥ 1).
@@ -60,22 +60,33 @@ pub struct Peer {
     pub node: CumulusNode,
 }
 
-/// A `--peer` value that is not `ID=GRPC_HOST:PORT@HTTP_HOST:PORT`.
+/// A `--peer` value that is not `ID=GRPC_HOST:PORT@HTTP_HOST:PORT[@RAFT_HOST:PORT]`.
 #[derive(Debug, thiserror::Error)]
-#[error("peer {0:?} must look like ID=GRPC_HOST:PORT@HTTP_HOST:PORT")]
+#[error(
+    "peer {0:?} must look like ID=GRPC_HOST:PORT@HTTP_HOST:PORT, or \
+     ID=GRPC_HOST:PORT@HTTP_HOST:PORT@RAFT_HOST:PORT for a node started with --raft-listen"
+)]
 pub struct BadPeer(pub String);
 
-/// Parses `ID=GRPC_ADDR@HTTP_ADDR`, e.g. `1=127.0.0.1:7001@127.0.0.1:8001`.
+/// Parses `ID=GRPC_ADDR@HTTP_ADDR[@RAFT_ADDR]`, e.g. `1=127.0.0.1:7001@127.0.0.1:8001`
+/// or, for a node whose Raft service has a port of its own (`--raft-listen`),
+/// `1=127.0.0.1:7001@127.0.0.1:8001@127.0.0.1:7101`.
 ///
 /// # Errors
-/// [`BadPeer`] when it is malformed (the id must be a non-zero integer, both addresses
+/// [`BadPeer`] when it is malformed (the id must be a non-zero integer, every address
 /// `host:port`).
 pub fn parse_peer(s: &str) -> Result<Peer, BadPeer> {
     let bad = || BadPeer(s.to_owned());
     let (id, addrs) = s.split_once('=').ok_or_else(bad)?;
-    let (grpc, http) = addrs.split_once('@').ok_or_else(bad)?;
+    let parts: Vec<&str> = addrs.split('@').collect();
+    let (grpc, http, raft) = match parts[..] {
+        [grpc, http] => (grpc, http, ""),
+        [grpc, http, raft] if !raft.is_empty() => (grpc, http, raft),
+        _ => return Err(bad()),
+    };
     let id: NodeId = id.parse().map_err(|_| bad())?;
-    if id == 0 || grpc.is_empty() || http.is_empty() || !grpc.contains(':') || !http.contains(':') {
+    let host_port = |a: &str| !a.is_empty() && a.contains(':');
+    if id == 0 || !host_port(grpc) || !host_port(http) || !(raft.is_empty() || host_port(raft)) {
         return Err(bad());
     }
     Ok(Peer {
@@ -83,6 +94,7 @@ pub fn parse_peer(s: &str) -> Result<Peer, BadPeer> {
         node: CumulusNode {
             grpc_addr: grpc.to_string(),
             http_addr: http.to_string(),
+            raft_addr: raft.to_string(),
         },
     })
 }
@@ -98,14 +110,24 @@ pub struct Config {
     /// Raft node id of this coordinator (≥ 1, unique in the cluster).
     #[arg(long, env = "CUMULUS_NODE_ID")]
     pub node_id: NodeId,
-    /// Address the gRPC server (Raft, client and worker services) listens on.
+    /// Address the gRPC server (client and worker services; Raft too, without
+    /// `--raft-listen`) listens on.
     #[arg(long)]
     pub grpc_listen: SocketAddr,
     /// Address the HTTP server (REST, SSE logs, health) listens on.
     #[arg(long)]
     pub http_listen: SocketAddr,
-    /// Every member of the initial cluster, this node included: `ID=GRPC@HTTP` (repeat).
-    /// With `--join`, this node's own entry is enough.
+    /// Address the Raft service (and blob replication between coordinators) listens on,
+    /// apart from the gRPC port, which then serves clients and workers only: a firewall
+    /// or NetworkPolicy can admit only coordinators to this port. This node's `--peer`
+    /// entry must then name its Raft address (`ID=GRPC@HTTP@RAFT`), and it is added to a
+    /// cluster with `cluster add-learner ID GRPC@HTTP@RAFT`. Every member must run a
+    /// version that knows `--raft-listen`. Without it, Raft shares the gRPC port.
+    #[arg(long, env = "CUMULUS_RAFT_LISTEN")]
+    pub raft_listen: Option<SocketAddr>,
+    /// Every member of the initial cluster, this node included: `ID=GRPC@HTTP`, or
+    /// `ID=GRPC@HTTP@RAFT` for a member started with `--raft-listen` (repeat). With
+    /// `--join`, this node's own entry is enough.
     #[arg(long = "peer", value_parser = parse_peer, required = true)]
     pub peers: Vec<Peer>,
     /// Directory of this node's sled database (created if missing).
@@ -236,6 +258,7 @@ impl Config {
         let Some(me) = ids.get(&self.node_id).cloned() else {
             bail!("--peer must include this node (id {})", self.node_id);
         };
+        self.validate_raft_listen(&me)?;
         if self.heartbeat_interval_ms == 0
             || self.heartbeat_timeout_ms <= self.heartbeat_interval_ms
         {
@@ -257,6 +280,103 @@ impl Config {
         }
         self.blobs.validate()?;
         Ok(me)
+    }
+
+    /// `--raft-listen` must be a port of its own, and this node's `--peer` entry (`me`)
+    /// must name a Raft address exactly when it is given: peers dial the Raft address
+    /// in the membership, and without `--raft-listen` nothing serves it.
+    fn validate_raft_listen(&self, me: &CumulusNode) -> anyhow::Result<()> {
+        let Some(raft) = self.raft_listen else {
+            if !me.raft_addr.is_empty() {
+                bail!(
+                    "this node's --peer entry names a Raft address ({}), but no --raft-listen \
+                     was given: add --raft-listen, or drop the third address from its \
+                     --peer entry (Raft then shares the gRPC port)",
+                    me.raft_addr
+                );
+            }
+            return Ok(());
+        };
+        // Port 0 (any free port) never collides; otherwise the same port on the same
+        // or an unspecified (`0.0.0.0`, `[::]`) address does.
+        let clash = |other: SocketAddr| {
+            raft.port() != 0
+                && raft.port() == other.port()
+                && (raft.ip() == other.ip()
+                    || raft.ip().is_unspecified()
+                    || other.ip().is_unspecified())
+        };
+        if clash(self.grpc_listen) {
+            bail!(
+                "--raft-listen {raft} is the gRPC port (--grpc-listen {}): give Raft a port \
+                 of its own, or leave --raft-listen out to share the gRPC port",
+                self.grpc_listen
+            );
+        }
+        if clash(self.http_listen) {
+            bail!(
+                "--raft-listen {raft} is the HTTP port (--http-listen {}): give Raft a port \
+                 of its own",
+                self.http_listen
+            );
+        }
+        if me.raft_addr.is_empty() {
+            bail!(
+                "--raft-listen is given, but this node's --peer entry ({}={}@{}) names no \
+                 Raft address: write it as ID=GRPC@HTTP@RAFT, with the address peers reach \
+                 --raft-listen at",
+                self.node_id,
+                me.grpc_addr,
+                me.http_addr
+            );
+        }
+        if me.raft_addr == me.grpc_addr {
+            bail!(
+                "this node's --peer entry gives the same address for gRPC and Raft ({}): \
+                 with --raft-listen, Raft has a port of its own",
+                me.raft_addr
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Checks this node's entry in the membership its data dir holds (`stored`; `None`
+/// for a node that is not a member yet) against `--raft-listen` (`raft_listen`): peers
+/// dial the Raft address stored there, so a member stored with Raft on its gRPC port
+/// cannot move it to a port of its own by a flag (its peers would dial a port that
+/// no longer serves Raft), nor the reverse. The membership, not `--peer`, is what
+/// peers use once the cluster exists.
+///
+/// # Errors
+/// A mismatch, naming the stored addresses and how to move the member (remove it and
+/// add it back with the new addresses, docs/deploy.md).
+pub fn check_stored_raft_addr(
+    node_id: NodeId,
+    raft_listen: Option<SocketAddr>,
+    stored: Option<&CumulusNode>,
+) -> anyhow::Result<()> {
+    let Some(stored) = stored else {
+        return Ok(());
+    };
+    let how = "to move a member between a shared and a separate Raft port, remove it \
+               (cumulusctl cluster remove ID), restart it with the new flags and \
+               --rejoin-empty, and add it back with cumulusctl cluster add-learner \
+               (docs/deploy.md, \"Moving Raft to a port of its own\")";
+    match (raft_listen, stored.raft_addr.is_empty()) {
+        (Some(addr), true) => bail!(
+            "--raft-listen {addr} is given, but node {node_id} is a member with Raft on its \
+             gRPC port ({stored}): its peers would dial {} for Raft, which would no longer \
+             serve it; {how}",
+            stored.grpc_addr
+        ),
+        (None, false) => bail!(
+            "node {node_id} is a member with Raft on a port of its own ({stored}), but no \
+             --raft-listen is given: its peers would dial {} for Raft, which nothing would \
+             serve; add --raft-listen, or {how}",
+            stored.raft_addr
+        ),
+        _ => Ok(()),
     }
 }
 
@@ -289,6 +409,23 @@ pub async fn run(
         rejoin_empty(&config, &token, &tls).await?;
     }
     let (raft, shared) = start_raft(&config, &peer_token, &tls).await?;
+    // This node's entry in the membership its data dir holds, asked of the core (whose
+    // metrics may not have reported the loaded state yet).
+    let node_id = config.node_id;
+    let stored = raft
+        .with_raft_state(move |st| {
+            st.membership_state
+                .effective()
+                .membership()
+                .get_node(&node_id)
+                .cloned()
+        })
+        .await
+        .context("reading this node's stored membership")?;
+    if let Err(e) = check_stored_raft_addr(node_id, config.raft_listen, stored.as_ref()) {
+        let _ = raft.shutdown().await;
+        return Err(e);
+    }
     let cancel = CancellationToken::new();
     let blob_peers =
         blobs::peers::BlobPeers::new(AddToken::new(&peer_token)?, network::client_tls(&tls));
@@ -318,12 +455,23 @@ pub async fn run(
     } else {
         config.peers.iter().map(|p| p.id).collect()
     };
-    let (grpc_listener, http_listener) = bind_listeners(&config, &tls).await?;
-    info!(node_id = config.node_id, grpc = %me.grpc_addr, http = %me.http_addr, tls = node.tls, "coordinator listening");
+    let Listeners {
+        grpc: grpc_listener,
+        http: http_listener,
+        raft: raft_listener,
+    } = bind_listeners(&config, &tls).await?;
+    info!(
+        node_id = config.node_id,
+        grpc = %me.grpc_addr,
+        http = %me.http_addr,
+        raft = %me.raft_target(),
+        tls = node.tls,
+        "coordinator listening"
+    );
 
     let grpc_task = spawn_grpc(
         &node,
-        grpc_listener,
+        (grpc_listener, raft_listener),
         initial_members,
         token,
         peer_token,
@@ -578,36 +726,62 @@ async fn bootstrap_if_first(config: &Config, raft: &Raft) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Binds the gRPC and HTTP ports and wraps them in bounded listeners (TLS when
-/// configured): their connection caps lowered, with a warning, to fit the open-file
-/// limit, and on the gRPC port connections reserved for coordinators. Returns
-/// `(gRPC, HTTP)`.
+/// Most connections open at once on the Raft port (`--raft-listen`), beyond the
+/// [`cumulus_listen::COORDINATOR_RESERVED_CONNECTIONS`] kept for connections whose
+/// certificate names a coordinator: only coordinators have any use for the port (a few
+/// channels each), so anything else only ever holds a pending slot until refused.
+pub const MAX_RAFT_CONNECTIONS: usize = 64;
+
+/// The bound ports of a coordinator.
+struct Listeners {
+    /// The gRPC port: client and worker services, and Raft unless `raft` is set.
+    grpc: cumulus_listen::BoundedListener,
+    /// The HTTP port.
+    http: cumulus_listen::BoundedListener,
+    /// The Raft port of `--raft-listen`, if given.
+    raft: Option<cumulus_listen::BoundedListener>,
+}
+
+/// Binds the gRPC, HTTP and (with `--raft-listen`) Raft ports and wraps them in bounded
+/// listeners (TLS when configured): their connection caps lowered, with a warning, to
+/// fit the open-file limit, and on the gRPC and Raft ports connections reserved for
+/// coordinators.
 ///
 /// # Errors
 /// A port in use, an unreadable open-file limit, an unusable server TLS configuration.
-async fn bind_listeners(
-    config: &Config,
-    tls: &Tls,
-) -> anyhow::Result<(
-    cumulus_listen::BoundedListener,
-    cumulus_listen::BoundedListener,
-)> {
+async fn bind_listeners(config: &Config, tls: &Tls) -> anyhow::Result<Listeners> {
     let grpc_listener = tokio::net::TcpListener::bind(config.grpc_listen)
         .await
         .with_context(|| format!("binding gRPC on {}", config.grpc_listen))?;
     let http_listener = tokio::net::TcpListener::bind(config.http_listen)
         .await
         .with_context(|| format!("binding HTTP on {}", config.http_listen))?;
+    let raft_listener = match config.raft_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding Raft on {addr} (--raft-listen)"))?,
+        ),
+        None => None,
+    };
     let budget = cumulus_listen::fd_budget(cumulus_listen::open_fds())
         .context("reading the open-file limit")?;
-    let caps = cumulus_listen::fit_caps(
-        &[config.max_grpc_connections, config.max_http_connections],
-        budget,
-    );
-    if caps != [config.max_grpc_connections, config.max_http_connections] {
+    let raft_wanted = if raft_listener.is_some() {
+        MAX_RAFT_CONNECTIONS + cumulus_listen::COORDINATOR_RESERVED_CONNECTIONS
+    } else {
+        0
+    };
+    let wanted = [
+        config.max_grpc_connections,
+        config.max_http_connections,
+        raft_wanted,
+    ];
+    let caps = cumulus_listen::fit_caps(&wanted, budget);
+    if caps != wanted {
         warn!(
             grpc = caps[0],
             http = caps[1],
+            raft = caps[2],
             fd_budget = budget,
             "connection caps lowered to fit the open-file limit"
         );
@@ -632,29 +806,39 @@ async fn bind_listeners(
         "coordinator HTTP",
         cumulus_listen::Limits::connections(caps[1]),
     )
-    .with_tls(server_tls);
-    Ok((grpc_listener, http_listener))
+    .with_tls(server_tls.clone());
+    // The Raft port: its whole cap is for coordinators; the reserve still keeps their
+    // connections apart from a flood's.
+    let raft_listener = raft_listener.map(|l| {
+        let cap = caps[2].saturating_sub(cumulus_listen::COORDINATOR_RESERVED_CONNECTIONS);
+        cumulus_listen::BoundedListener::new(
+            l,
+            "coordinator Raft",
+            cumulus_listen::Limits::connections(cap.max(16))
+                .with_reserved(cumulus_listen::COORDINATOR_RESERVED_CONNECTIONS),
+        )
+        .with_tls(server_tls)
+    });
+    Ok(Listeners {
+        grpc: grpc_listener,
+        http: http_listener,
+        raft: raft_listener,
+    })
 }
 
-/// Serves the gRPC services on `listener` until `cancel`: Raft (the `peer_token` only;
-/// a pristine node votes only for `initial_members`), the client service (the cluster
-/// `token` or a user's) and the worker service (the cluster `token` only; enrolment
-/// signed by `enrolment_ca`). Returns the server's task.
-fn spawn_grpc(
-    node: &Arc<Node>,
-    listener: cumulus_listen::BoundedListener,
-    initial_members: Vec<NodeId>,
-    token: Arc<str>,
-    peer_token: Arc<str>,
-    enrolment_ca: Option<Arc<cumulus_tls::generate::ClusterCa>>,
-    cancel: CancellationToken,
-) -> tokio::task::JoinHandle<Result<(), tonic::transport::Error>> {
-    let interceptor = AuthInterceptor { token };
-    // HTTP/2 and TCP keepalive: a replication stream from a leader that vanished (host
-    // down, network cut) ends instead of holding its task and openraft's behind it.
-    // Streams per connection and header bytes bounded; `TrackLayer` counts each
-    // connection's calls for the listener's first-request and idle deadlines.
-    let grpc = tonic::transport::Server::builder()
+/// The layers every gRPC server of a coordinator runs requests through.
+type GrpcLayers = tower_layer::Stack<
+    metrics::GrpcTimingLayer,
+    tower_layer::Stack<cumulus_listen::TrackLayer, tower_layer::Identity>,
+>;
+
+/// A gRPC server with the bounds every coordinator port has. HTTP/2 and TCP keepalive: a
+/// replication stream from a leader that vanished (host down, network cut) ends instead
+/// of holding its task and openraft's behind it. Streams per connection and header
+/// bytes bounded; `TrackLayer` counts each connection's calls for the listener's
+/// first-request and idle deadlines.
+fn grpc_server() -> tonic::transport::Server<GrpcLayers> {
+    tonic::transport::Server::builder()
         .concurrency_limit_per_connection(cumulus_listen::GRPC_MAX_CONCURRENT_STREAMS as usize)
         .max_concurrent_streams(cumulus_listen::GRPC_MAX_CONCURRENT_STREAMS)
         .http2_max_header_list_size(cumulus_listen::HTTP2_MAX_HEADER_LIST_BYTES)
@@ -662,32 +846,69 @@ fn spawn_grpc(
         .http2_keepalive_timeout(Some(Duration::from_millis(network::KEEPALIVE_TIMEOUT_MS)))
         .layer(cumulus_listen::TrackLayer)
         .layer(metrics::GrpcTimingLayer)
-        .add_service(tonic::service::interceptor::InterceptedService::new(
-            RaftServiceServer::new(raft_service::RaftSvc::new(node.clone(), initial_members))
-                .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
-            AuthInterceptor { token: peer_token },
-        ))
-        // Users: the cluster token or a user's token, with its role.
-        .add_service(ClientServiceServer::with_interceptor(
-            client_service::ClientSvc { node: node.clone() },
-            auth::UserAuth { node: node.clone() },
-        ))
-        .add_service(WorkerServiceServer::with_interceptor(
-            worker_service::WorkerSvc {
-                node: node.clone(),
-                enrolment_ca,
-            },
-            interceptor,
-        ));
+}
+
+/// Serves the gRPC services until `cancel`: Raft (the `peer_token` only; a pristine
+/// node votes only for `initial_members`), the client service (the cluster `token` or a
+/// user's) and the worker service (the cluster `token` only; enrolment signed by
+/// `enrolment_ca`). With a Raft listener (`--raft-listen`), Raft is served there alone
+/// and the gRPC listener serves only the client and worker services (a Raft call there
+/// is answered `UNIMPLEMENTED`); without one, all three share the gRPC listener.
+/// Returns the task of the servers, which ends when either server stops.
+fn spawn_grpc(
+    node: &Arc<Node>,
+    (listener, raft_listener): (
+        cumulus_listen::BoundedListener,
+        Option<cumulus_listen::BoundedListener>,
+    ),
+    initial_members: Vec<NodeId>,
+    token: Arc<str>,
+    peer_token: Arc<str>,
+    enrolment_ca: Option<Arc<cumulus_tls::generate::ClusterCa>>,
+    cancel: CancellationToken,
+) -> tokio::task::JoinHandle<Result<(), tonic::transport::Error>> {
+    let interceptor = AuthInterceptor { token };
+    let raft = tonic::service::interceptor::InterceptedService::new(
+        RaftServiceServer::new(raft_service::RaftSvc::new(node.clone(), initial_members))
+            .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
+        AuthInterceptor { token: peer_token },
+    );
+    // Users: the cluster token or a user's token, with its role.
+    let client = ClientServiceServer::with_interceptor(
+        client_service::ClientSvc { node: node.clone() },
+        auth::UserAuth { node: node.clone() },
+    );
+    let worker = WorkerServiceServer::with_interceptor(
+        worker_service::WorkerSvc {
+            node: node.clone(),
+            enrolment_ca,
+        },
+        interceptor,
+    );
     // The bounded listeners set TCP_NODELAY on every accepted connection: with Nagle's
     // algorithm a small gRPC reply (an AppendEntries ack, a submit's answer) written
     // behind unacknowledged bytes waits for the peer's delayed ACK (~40 ms on Linux).
-    tokio::spawn(
-        grpc.serve_with_incoming_shutdown(listener.into_incoming(), async move {
-            cancel.cancelled().await
-        }),
-    )
+    let stop = |cancel: CancellationToken| async move { cancel.cancelled().await };
+    match raft_listener {
+        None => {
+            let grpc = grpc_server()
+                .add_service(raft)
+                .add_service(client)
+                .add_service(worker);
+            tokio::spawn(grpc.serve_with_incoming_shutdown(listener.into_incoming(), stop(cancel)))
+        }
+        Some(raft_listener) => {
+            let grpc = grpc_server().add_service(client).add_service(worker);
+            let raft = grpc_server().add_service(raft);
+            let main =
+                grpc.serve_with_incoming_shutdown(listener.into_incoming(), stop(cancel.clone()));
+            let raft =
+                raft.serve_with_incoming_shutdown(raft_listener.into_incoming(), stop(cancel));
+            // Either server failing ends both (the coordinator then exits).
+            tokio::spawn(async move { tokio::try_join!(main, raft).map(|_| ()) })
+        }
+    }
 }
 
 /// Resolves when this node's Raft core has stopped: its metrics report a fatal error
@@ -787,8 +1008,125 @@ mod tests {
         assert_eq!(p.id, 2);
         assert_eq!(p.node.grpc_addr, "127.0.0.1:7002");
         assert_eq!(p.node.http_addr, "127.0.0.1:8002");
-        for bad in ["", "1", "x=a:1@b:2", "0=a:1@b:2", "1=a:1", "1=a@b:2"] {
+        assert_eq!(p.node.raft_addr, "");
+        assert_eq!(p.node.raft_target(), "127.0.0.1:7002");
+        let p = parse_peer("2=c2:7000@c2:8000@c2:7100").expect("valid, with a raft address");
+        assert_eq!(p.node.raft_addr, "c2:7100");
+        assert_eq!(p.node.raft_target(), "c2:7100");
+        for bad in [
+            "",
+            "1",
+            "x=a:1@b:2",
+            "0=a:1@b:2",
+            "1=a:1",
+            "1=a@b:2",
+            "1=a:1@b:2@",
+            "1=a:1@b:2@c",
+            "1=a:1@b:2@c:3@d:4",
+        ] {
             assert!(parse_peer(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// A configuration of node 1 with `peer` as its `--peer` entry and `more` flags.
+    fn config_with(peer: &str, more: &[&str]) -> Config {
+        use clap::Parser;
+        let mut args = vec![
+            "cumulus-coordinator",
+            "--node-id",
+            "1",
+            "--grpc-listen",
+            "0.0.0.0:7000",
+            "--http-listen",
+            "0.0.0.0:8000",
+            "--peer",
+            peer,
+            "--data-dir",
+            "/tmp/unused",
+        ];
+        args.extend_from_slice(more);
+        Config::try_parse_from(args).expect("parses")
+    }
+
+    #[test]
+    fn the_stored_membership_decides_where_raft_is() {
+        let shared = CumulusNode {
+            grpc_addr: "c1:7000".into(),
+            http_addr: "c1:8000".into(),
+            raft_addr: String::new(),
+        };
+        let apart = CumulusNode {
+            raft_addr: "c1:7100".into(),
+            ..shared.clone()
+        };
+        let flag: SocketAddr = "0.0.0.0:7100".parse().expect("addr");
+        // Not a member yet (pristine, joining): the flags decide.
+        check_stored_raft_addr(1, Some(flag), None).expect("no membership");
+        check_stored_raft_addr(1, None, None).expect("no membership");
+        check_stored_raft_addr(1, None, Some(&shared)).expect("shared, as stored");
+        check_stored_raft_addr(1, Some(flag), Some(&apart)).expect("apart, as stored");
+        let err = check_stored_raft_addr(1, Some(flag), Some(&shared))
+            .expect_err("moving by a flag")
+            .to_string();
+        assert!(
+            err.contains("would no longer serve") && err.contains("cluster remove"),
+            "{err}"
+        );
+        let err = check_stored_raft_addr(1, None, Some(&apart))
+            .expect_err("dropping the flag")
+            .to_string();
+        assert!(
+            err.contains("c1:7100") && err.contains("nothing would serve"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_raft_port_of_its_own_is_checked() {
+        let apart = "1=c1:7000@c1:8000@c1:7100";
+        let shared = "1=c1:7000@c1:8000";
+        // Both ways that agree: Raft on the gRPC port, or on a port of its own.
+        config_with(shared, &[]).validate().expect("shared port");
+        config_with(apart, &["--raft-listen", "0.0.0.0:7100"])
+            .validate()
+            .expect("a port of its own");
+        // Port 0 (tests: any free port) never collides.
+        config_with(apart, &["--raft-listen", "127.0.0.1:0"])
+            .validate()
+            .expect("port 0");
+        for (peer, flags, says) in [
+            (
+                apart,
+                &["--raft-listen", "0.0.0.0:7000"][..],
+                "is the gRPC port",
+            ),
+            (
+                apart,
+                &["--raft-listen", "10.0.0.1:7000"][..],
+                "is the gRPC port",
+            ),
+            (
+                apart,
+                &["--raft-listen", "10.0.0.1:8000"][..],
+                "is the HTTP port",
+            ),
+            (
+                shared,
+                &["--raft-listen", "0.0.0.0:7100"][..],
+                "names no Raft address",
+            ),
+            (apart, &[][..], "no --raft-listen"),
+            (
+                "1=c1:7000@c1:8000@c1:7000",
+                &["--raft-listen", "0.0.0.0:7100"][..],
+                "same address for gRPC and Raft",
+            ),
+        ] {
+            let err = config_with(peer, flags)
+                .validate()
+                .expect_err("refused")
+                .to_string();
+            assert!(err.contains(says), "{peer} {flags:?}: {err}");
         }
     }
 

@@ -222,7 +222,9 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         // HTTP/2 keepalive: a replication stream waits for answers without a deadline, so
         // a peer that stops answering (stopped process, dropped packets) must break the
         // connection, which ends the stream with an error.
-        let endpoint = endpoint(&node.grpc_addr, self.tls.is_some())
+        // Its Raft address: `--raft-listen`'s port, or the gRPC port when Raft shares it.
+        let addr = node.raft_target();
+        let endpoint = endpoint(addr, self.tls.is_some())
             .map(|e| {
                 e.connect_timeout(Duration::from_millis(500))
                     .tcp_nodelay(true)
@@ -230,7 +232,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
                     .keep_alive_timeout(Duration::from_millis(KEEPALIVE_TIMEOUT_MS))
                     .keep_alive_while_idle(true)
             })
-            .map_err(|e| format!("bad peer address {}: {e}", node.grpc_addr));
+            .map_err(|e| format!("bad peer address {addr}: {e}"));
         let connector = self.connector(target);
         let refusals = match &connector {
             Ok(Some(c)) => Some(c.refusals().clone()),
@@ -246,7 +248,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         });
         PeerClient {
             target,
-            addr: node.grpc_addr.clone(),
+            addr: addr.to_string(),
             client,
             refusals,
         }

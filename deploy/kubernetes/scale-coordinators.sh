@@ -4,7 +4,9 @@
 #
 #   grow N -> M:   checks the certificates exist for the new ids, scales the StatefulSet,
 #                  then for each new node: waits for its pod (it starts with --join),
-#                  `cumulusctl cluster add-learner` (returns once it caught up),
+#                  `cumulusctl cluster add-learner` with its gRPC, HTTP and Raft
+#                  addresses (the ports of the StatefulSet's CUMULUS_*_PORT; returns
+#                  once it caught up),
 #                  `cumulusctl cluster promote`, waits until it is ready;
 #   shrink N -> M: for each node from the highest id down: `cumulusctl cluster remove`
 #                  (the StatefulSet removes the highest ordinals), then scales the
@@ -68,7 +70,20 @@ set_pdb() {
   k patch poddisruptionbudget "$sts" --type merge -p "{\"spec\":{\"minAvailable\":$majority}}" >/dev/null
   say "PodDisruptionBudget: at least $majority of $1 available"
 }
-addr() { echo "$sts-$1.$raft:7000@$sts-$1.$raft:8000"; }
+# The ports coordinator-start.sh names in every node's --peer entry: the StatefulSet's.
+port_of() {
+  k get statefulset "$sts" -o jsonpath="{.spec.template.spec.containers[0].env[?(@.name==\"$1\")].value}"
+}
+grpc_port="$(port_of CUMULUS_GRPC_PORT)"
+http_port="$(port_of CUMULUS_HTTP_PORT)"
+raft_port="$(port_of CUMULUS_RAFT_PORT)"
+for p in "$grpc_port" "$http_port" "$raft_port"; do
+  case "$p" in
+    '' | *[!0-9]*) echo "the StatefulSet $sts lacks CUMULUS_GRPC_PORT, CUMULUS_HTTP_PORT or CUMULUS_RAFT_PORT (got '$grpc_port' '$http_port' '$raft_port')" >&2; exit 1 ;;
+  esac
+done
+# GRPC@HTTP@RAFT: peers reach the new node's Raft service on its raft port.
+addr() { echo "$sts-$1.$raft:$grpc_port@$sts-$1.$raft:$http_port@$sts-$1.$raft:$raft_port"; }
 
 if [ "$target" -gt "$current" ]; then
   initial="$(k get configmap "$sts" -o jsonpath='{.data.initial-members}')"

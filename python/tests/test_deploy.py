@@ -344,6 +344,34 @@ def test_network_policies_let_only_cluster_members_in(overlay: str) -> None:
 
     assert canon(sources(coord, "grpc")) == canon([COORDINATOR, WORKER, CLIENT])
     assert canon(sources(coord, "http")) == canon([COORDINATOR, CLIENT])
+    # Only coordinators reach the Raft port, and it truly is a port of its own: the one
+    # --raft-listen binds, apart from the gRPC and HTTP ports, published by the headless
+    # Service only, and named in every --peer entry the start script writes.
+    assert sources(coord, "raft") == [COORDINATOR]
+    sts = one(docs, "StatefulSet", "cumulus-coordinator")
+    main = sts["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    assert set(ports) == {"grpc", "http", "raft"} and len(set(ports.values())) == 3, ports
+    listen = {
+        flag: int(value.rsplit(":", 1)[1])
+        for flag, value in (a.split("=", 1) for a in main["args"] if "=" in a)
+        if flag.endswith("-listen")
+    }
+    assert listen == {
+        "--grpc-listen": ports["grpc"],
+        "--http-listen": ports["http"],
+        "--raft-listen": ports["raft"],
+    }
+    env = env_of(main)
+    for name in ("grpc", "http", "raft"):
+        assert env[f"CUMULUS_{name.upper()}_PORT"]["value"] == str(ports[name]), name
+    headless = one(docs, "Service", sts["spec"]["serviceName"])
+    assert {p["name"]: p["targetPort"] for p in headless["spec"]["ports"]}["raft"] == "raft"
+    client = one(docs, "Service", "cumulus-coordinator")
+    assert "raft" not in {p["targetPort"] for p in client["spec"]["ports"]}, "clients: no Raft"
+    start = (K8S / "base" / "coordinator-start.sh").read_text()
+    (peer,) = re.findall(r'^peer\(\) \{ echo "(--peer=.*)"; \}$', start, re.M)
+    assert peer.count("@") == 2 and peer.endswith(":$raft_port"), peer
     # No rule opens every port of a coordinator.
     assert all(rule.get("ports") for rule in coord["spec"]["ingress"])
     worker = one(docs, "NetworkPolicy", "cumulus-worker")
@@ -469,6 +497,10 @@ def test_the_coordinator_flags_in_the_manifests_and_unit_are_ones_it_accepts() -
     assert unit_envs - {"CUMULUS_PEERS"} <= envs and "CUMULUS_NODE_ID" in unit_envs
     peers = re.search(r"^#   CUMULUS_PEERS=(.*)$", unit, re.M)
     assert peers and flag_names(peers.group(1).split()) == {"--peer"}
+    # Raft on a port of its own, which every --peer entry names (ID=GRPC@HTTP@RAFT).
+    assert "--raft-listen" in flags and "CUMULUS_RAFT_LISTEN" in envs
+    assert "--raft-listen" in flag_names(exec_start[1].split())
+    assert all(p.count("@") == 2 for p in peers.group(1).split()), peers.group(1)
 
 
 def test_the_worker_settings_in_the_manifests_script_and_unit_are_ones_it_accepts() -> None:
@@ -584,11 +616,12 @@ def _ready(port: int, ca: Path) -> tuple[int, Doc] | None:
         return None
 
 
-def _start_as_the_pod(tmp: Path, node: int, initial: int, pki: Path) -> tuple[Any, int, Path]:
+def _start_as_the_pod(tmp: Path, node: int, initial: int, pki: Path) -> tuple[Any, int, int, Path]:
     """Starts node ``node`` as its pod would: the init container's script copies its
     files from the "Secrets" (directories here), then the container's command runs
     ``coordinator-start.sh`` with the manifest's args and variables, the pod's paths and
-    ports moved to temporary ones. Returns the process, its HTTP port and its CA file."""
+    ports moved to temporary ones. Returns the process, its HTTP and Raft ports and its
+    CA file."""
     docs = rendered("dev")
     spec = one(docs, "StatefulSet", "cumulus-coordinator")["spec"]["template"]["spec"]
     (init,) = spec["initContainers"]
@@ -614,19 +647,21 @@ def _start_as_the_pod(tmp: Path, node: int, initial: int, pki: Path) -> tuple[An
     subprocess.run(["sh", "-c", script], env={"HOSTNAME": host, "PATH": path}, check=True)
     start = root / "coordinator-start.sh"
     start.write_text(one(docs, "ConfigMap", "cumulus-coordinator-start")["data"][start.name])
-    grpc, http = _free_port(), _free_port()
+    grpc, http, raft = _free_port(), _free_port(), _free_port()
     env = {e["name"]: e["value"] for e in main["env"] if "value" in e}
     env = {k: v.replace("/run/cumulus/secrets", str(secrets)) for k, v in env.items()}
     env |= {
         "CUMULUS_CONFIG_DIR": str(config),
         "CUMULUS_GRPC_PORT": str(grpc),
         "CUMULUS_HTTP_PORT": str(http),
+        "CUMULUS_RAFT_PORT": str(raft),
         "HOSTNAME": host,
         "PATH": path,
     }
     args = {
         "--grpc-listen": f"127.0.0.1:{grpc}",
         "--http-listen": f"127.0.0.1:{http}",
+        "--raft-listen": f"127.0.0.1:{raft}",
         "--data-dir": str(root / "data" / "data"),
     }
     assert flag_names(main["args"]) == set(args)
@@ -638,7 +673,7 @@ def _start_as_the_pod(tmp: Path, node: int, initial: int, pki: Path) -> tuple[An
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    return proc, http, secrets / "ca.pem"
+    return proc, http, raft, secrets / "ca.pem"
 
 
 def _wait_ready(proc: Any, port: int, ca: Path, want: int, log: Path) -> Doc:
@@ -673,11 +708,15 @@ def test_the_statefulset_starts_a_coordinator_that_becomes_ready(tmp_path: Path)
     (pki / "metrics-token" / "token").write_text("m" * 32)
     procs = []
     try:
-        first, port, ca = _start_as_the_pod(tmp_path, 1, 1, pki)
+        first, port, raft, ca = _start_as_the_pod(tmp_path, 1, 1, pki)
         procs.append(first)
-        body = _wait_ready(first, port, ca, 200, tmp_path / "node-1" / "coordinator.log")
+        log1 = tmp_path / "node-1" / "coordinator.log"
+        body = _wait_ready(first, port, ca, 200, log1)
         assert body["ready"] is True and body["leader_id"] == 1, body
-        joining, port, ca = _start_as_the_pod(tmp_path, 2, 1, pki)
+        # Its Raft service listens on the port of its own, under the name peers dial.
+        assert f"raft=cumulus-coordinator-1.cumulus-raft:{raft}" in log1.read_text()
+        socket.create_connection(("127.0.0.1", raft), timeout=5).close()
+        joining, port, _, ca = _start_as_the_pod(tmp_path, 2, 1, pki)
         procs.append(joining)
         body = _wait_ready(joining, port, ca, 503, tmp_path / "node-2" / "coordinator.log")
         assert body["ready"] is False and body["reason"], body

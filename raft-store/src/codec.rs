@@ -94,6 +94,49 @@ mod tests {
     }
 
     #[test]
+    fn members_without_a_raft_address_read_and_write_as_before() {
+        use crate::CumulusNode;
+        // A member stored before `raft_addr` existed (JSON and MessagePack, as
+        // `to_vec_named` wrote it): read with an empty raft address, which means the
+        // gRPC port.
+        #[derive(serde::Serialize)]
+        struct OldNode {
+            grpc_addr: String,
+            http_addr: String,
+        }
+        let old = OldNode {
+            grpc_addr: "c1:7000".into(),
+            http_addr: "c1:8000".into(),
+        };
+        for bytes in [
+            encode(&old).expect("encode"),
+            serde_json::to_vec(&old).expect("json"),
+        ] {
+            let n: CumulusNode = decode(&bytes).expect("an old member decodes");
+            assert_eq!(n.raft_addr, "");
+            assert_eq!(n.raft_target(), "c1:7000");
+        }
+        // Without a raft address a member is written exactly as before.
+        let same = CumulusNode {
+            grpc_addr: "c1:7000".into(),
+            http_addr: "c1:8000".into(),
+            raft_addr: String::new(),
+        };
+        assert_eq!(
+            encode(&same).expect("encode"),
+            encode(&old).expect("encode")
+        );
+        // With one, it round-trips and is where peers dial.
+        let apart = CumulusNode {
+            raft_addr: "c1:7100".into(),
+            ..same
+        };
+        let back: CumulusNode = decode(&encode(&apart).expect("encode")).expect("decode");
+        assert_eq!(back, apart);
+        assert_eq!(back.raft_target(), "c1:7100");
+    }
+
+    #[test]
     fn damaged_bytes_are_refused_not_misread() {
         let packed = encode(&submit()).expect("encode");
         assert!(matches!(decode::<Command>(&[]), Err(CodecError::Empty)));

@@ -33,15 +33,39 @@ pub type NodeId = u64;
 /// The addresses of a coordinator, stored in Raft membership.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CumulusNode {
-    /// `host:port` of its gRPC server (Raft, client and worker services).
+    /// `host:port` of its gRPC server (client and worker services; Raft too when
+    /// `raft_addr` is empty).
     pub grpc_addr: String,
     /// `host:port` of its HTTP server (REST, SSE logs, health).
     pub http_addr: String,
+    /// `host:port` of its Raft listener (`cumulus-coordinator --raft-listen`: the Raft
+    /// service and blob replication between coordinators, on a port of their own); empty
+    /// when Raft shares the gRPC port. Absent from members stored before it existed,
+    /// and not written when empty, so nodes of either version read each other's
+    /// memberships.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub raft_addr: String,
+}
+
+impl CumulusNode {
+    /// Where peers reach this node's Raft service: `raft_addr`, or `grpc_addr` when
+    /// Raft shares the gRPC port.
+    pub fn raft_target(&self) -> &str {
+        if self.raft_addr.is_empty() {
+            &self.grpc_addr
+        } else {
+            &self.raft_addr
+        }
+    }
 }
 
 impl fmt::Display for CumulusNode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "grpc={} http={}", self.grpc_addr, self.http_addr)
+        write!(f, "grpc={} http={}", self.grpc_addr, self.http_addr)?;
+        if !self.raft_addr.is_empty() {
+            write!(f, " raft={}", self.raft_addr)?;
+        }
+        Ok(())
     }
 }
 

@@ -209,6 +209,7 @@ fn checkpoints_and_cluster_tables() {
                 voter: true,
                 last_role: "follower".into(),
                 last_ack_age_ms: Some(12_400),
+                ..Default::default()
             },
         ],
         workers: vec![WorkerInfo {
@@ -239,6 +240,33 @@ fn checkpoints_and_cluster_tables() {
     ] {
         assert!(text.contains(needle), "missing {needle:?} in\n{text}");
     }
+}
+
+#[test]
+fn a_raft_column_only_where_a_member_has_a_raft_port() {
+    let member = |id: u64, raft: &str| Member {
+        node_id: id,
+        grpc_addr: format!("c{id}:7000"),
+        http_addr: format!("c{id}:8000"),
+        raft_addr: raft.into(),
+        role: "follower".into(),
+        voter: true,
+        ..Default::default()
+    };
+    let status = |members| ClusterStatusResponse {
+        members,
+        ..Default::default()
+    };
+    let shared = cluster_status(&status(vec![member(1, ""), member(2, "")]));
+    assert!(!shared.contains("RAFT"), "{shared}");
+    let apart = cluster_status(&status(vec![member(1, "c1:7100"), member(2, "")]));
+    assert!(apart.contains("RAFT"), "{apart}");
+    assert!(apart.contains("c1:7100"), "{apart}");
+    let row2 = apart
+        .lines()
+        .find(|l| l.contains("c2:7000"))
+        .expect("row of node 2");
+    assert!(row2.contains(" - "), "{row2}");
 }
 
 #[test]

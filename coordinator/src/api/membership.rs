@@ -89,6 +89,7 @@ pub fn cluster_status(node: &Node) -> v1::ClusterStatusResponse {
                 node_id: *id,
                 grpc_addr: n.grpc_addr.clone(),
                 http_addr: n.http_addr.clone(),
+                raft_addr: n.raft_addr.clone(),
                 role: role.as_str().to_string(),
                 voter: voters.contains(id),
                 last_role,
@@ -171,9 +172,20 @@ pub async fn add_learner(
     }
     validate_member_addr("grpc_addr", &req.grpc_addr)?;
     validate_member_addr("http_addr", &req.http_addr)?;
+    if !req.raft_addr.is_empty() {
+        validate_member_addr("raft_addr", &req.raft_addr)?;
+        if req.raft_addr == req.grpc_addr {
+            return Err(ApiError::InvalidArgument(format!(
+                "raft_addr {:?} is its gRPC address: leave raft_addr empty when Raft shares \
+                 the gRPC port",
+                req.raft_addr
+            )));
+        }
+    }
     let new = CumulusNode {
         grpc_addr: req.grpc_addr.clone(),
         http_addr: req.http_addr.clone(),
+        raft_addr: req.raft_addr.clone(),
     };
     let existing = node
         .raft
@@ -187,8 +199,8 @@ pub async fn add_learner(
         && old != new
     {
         return Err(ApiError::InvalidArgument(format!(
-            "node {} is already a member at {} (HTTP {}); remove it first",
-            req.node_id, old.grpc_addr, old.http_addr
+            "node {} is already a member at {old}; remove it first",
+            req.node_id
         )));
     }
     let added = tokio::time::timeout(

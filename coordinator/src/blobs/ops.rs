@@ -100,7 +100,8 @@ impl Blobs {
             if *id == self.id {
                 continue;
             }
-            let entry = (*id, node.grpc_addr.clone());
+            // Blob replication is a peer-only call of the Raft service: its address.
+            let entry = (*id, node.raft_target().to_string());
             if voter_ids.contains(id) {
                 other_voters.push(entry);
             } else {

@@ -761,6 +761,9 @@ class MemberInfo:
     #: On the leader's answer: milliseconds since the coordinator last acknowledged the
     #: leader (``None`` for the leader itself, and in a follower's answer).
     last_ack_age_ms: int | None = None
+    #: Its Raft address (``cumulus-coordinator --raft-listen``); ``""`` when Raft shares
+    #: its gRPC port.
+    raft_addr: str = ""
 
 
 @dataclass(frozen=True)
@@ -877,6 +880,7 @@ class ClusterInfo:
                 voter=_get(m, "voter", bool, False),
                 last_role=_enum(m, "last_role", MemberRole) if m.get("last_role") else None,
                 last_ack_age_ms=_opt_int(m, "last_ack_age_ms"),
+                raft_addr=_get(m, "raft_addr", str, ""),
             )
             for m in (_obj(x, "a member") for x in _list(d, "members"))
         )
