@@ -69,6 +69,10 @@ pub struct RankEnv {
     pub ckpt_staging: Option<PathBuf>,
     /// `CUMULUS_RESUME_DIR` + `CUMULUS_RESUME_STEP`.
     pub resume: Option<ResumeFrom>,
+    /// `CUMULUS_DATA_PLAN`: the data plan of an elastic job's rank (a JSON file,
+    /// [`cumulus_api::rank_env::RankDataPlan`]); the trainer then reads its records
+    /// through the plan ([`crate::trainer::elastic`]).
+    pub data_plan: Option<PathBuf>,
 }
 
 fn cut(value: &str) -> String {
@@ -188,6 +192,7 @@ impl RankEnv {
             agent_socket,
             ckpt_staging,
             resume,
+            data_plan: get(rank_env::DATA_PLAN).map(PathBuf::from),
         })
     }
 }
@@ -227,9 +232,11 @@ mod tests {
             ("CUMULUS_CKPT_STAGING", "/st"),
             ("CUMULUS_RESUME_DIR", "/r"),
             ("CUMULUS_RESUME_STEP", "100"),
+            ("CUMULUS_DATA_PLAN", "/plan.json"),
         ])
         .unwrap();
         assert_eq!(e.rank, 2);
+        assert_eq!(e.data_plan, Some(PathBuf::from("/plan.json")));
         assert_eq!(e.attempt, 3);
         assert_eq!(
             e.resume,

@@ -122,6 +122,14 @@ pub enum ResumeError {
         /// What is wrong.
         source: ModelError,
     },
+    /// An elastic run's checkpoint part does not fit this run ([`elastic`]).
+    #[error("checkpoint {dir}: {why}")]
+    Elastic {
+        /// The checkpoint dir.
+        dir: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
     /// The next record named by the state is not the one the record order gives.
     #[error(
         "checkpoint {dir}: state.json names the next record as {found}, but the record \
@@ -837,8 +845,14 @@ pub struct TrainConfig {
     pub ckpt_every: u64,
     /// Sleep after every step, in milliseconds (simulates a heavier model).
     pub step_sleep_ms: u64,
+    /// Sleep `step_sleep_ms` only while this file exists (tests slow a run down for as
+    /// long as they need it running, then let it finish).
+    pub slow_file: Option<PathBuf>,
     /// Print a progress line every this many steps (0: only the last step).
     pub log_every: u64,
+    /// Steps of an elastic job's run, the same on every rank at any world size
+    /// (required there; refused for a fixed-size run, whose steps follow from its data).
+    pub total_steps: Option<u64>,
 }
 
 /// `result.json`, written to `<out>/rank-<RANK>/` at the end of a run.
@@ -852,7 +866,8 @@ pub struct RankResult {
     pub accuracy: Option<f64>,
     /// Records consumed over the whole run, across restarts.
     pub records_consumed: u64,
-    /// Final record digest, 64 hex characters.
+    /// Final record digest, 64 hex characters ("" for an elastic run: see
+    /// `record_sum`).
     pub digest: String,
     /// Steps of the whole run.
     pub steps: u64,
@@ -873,6 +888,14 @@ pub struct RankResult {
     pub feature_stats: Option<FeatureStats>,
     /// Records of the test file; `None` without one.
     pub test_records: Option<u64>,
+    /// An elastic run's order-free record sum over the whole run, 16 hex digits
+    /// ([`elastic::RecordSum`]: across resizes, the sums of the last ranks add up to the
+    /// data set's); absent for a fixed-size run, whose `digest` is the chained one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record_sum: Option<String>,
+    /// The world size of an elastic run's last ranks; absent for a fixed-size run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<u32>,
 }
 
 /// What a completed run produced.
@@ -971,6 +994,7 @@ pub fn evaluate(
     })
 }
 
+pub mod elastic;
 mod rank;
 #[cfg(test)]
 mod tests;

@@ -16,7 +16,7 @@ use cumulus_examples::data;
 use cumulus_examples::digest::expected_digest;
 use cumulus_examples::env::RankEnv;
 use cumulus_examples::trainer::{
-    self, EXIT_INPUT, FeatureScale, Hyper, RESULT_FILE, RankResult, TrainConfig, TrainError,
+    self, EXIT_INPUT, elastic, FeatureScale, Hyper, RESULT_FILE, RankResult, TrainConfig, TrainError,
 };
 
 /// Softmax-regression trainer on CSV shards, using the Cumulus rank contract.
@@ -70,6 +70,10 @@ struct TrainArgs {
     /// Sleep this many milliseconds after each step (simulates a heavier model).
     #[arg(long, default_value_t = 0)]
     step_sleep_ms: u64,
+    /// Sleep --step-sleep-ms after a step only while this file exists (a test keeps a
+    /// run going for as long as it needs, then removes the file to let it finish).
+    #[arg(long)]
+    slow_file: Option<PathBuf>,
     /// Number of classes (default: the largest training label + 1).
     #[arg(long)]
     classes: Option<u32>,
@@ -86,6 +90,12 @@ struct TrainArgs {
     /// Print a progress line every this many steps (the last step is always printed).
     #[arg(long, default_value_t = 20)]
     log_every: u64,
+    /// Steps of the run of an elastic job's rank (CUMULUS_DATA_PLAN set), the same on
+    /// every rank: each step takes up to --batch-size of the records the job's data plan
+    /// deals this rank, and once every epoch is done the steps are empty. Pick it large
+    /// enough for the smallest world size. Only for elastic jobs.
+    #[arg(long)]
+    total_steps: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -99,6 +109,10 @@ struct DigestArgs {
     /// Seed of the run's record shuffle (as `train --seed`).
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Print the order-free record sum instead, as JSON `{"count", "sum"}`: what the
+    /// `record_sum`s of an elastic run's last ranks add up to (the seed plays no part).
+    #[arg(long)]
+    order_free: bool,
 }
 
 #[derive(Debug, Args)]
@@ -138,7 +152,9 @@ fn train(args: TrainArgs) -> Result<(), TrainError> {
         feature_stats: args.feature_stats,
         ckpt_every: args.ckpt_every,
         step_sleep_ms: args.step_sleep_ms,
+        slow_file: args.slow_file,
         log_every: args.log_every,
+        total_steps: args.total_steps,
     };
     let mut out = std::io::stdout().lock();
     trainer::run(&config, &env, &mut out).map(|_| ())
@@ -152,6 +168,14 @@ fn digest(args: DigestArgs) -> Result<(), TrainError> {
     }
     let paths = data::read_shards_file(&args.shards_file)?;
     let dataset = data::load_shards(&paths)?;
+    if args.order_free {
+        let sum = elastic::expected_sum(&dataset, args.epochs);
+        println!(
+            "{}",
+            serde_json::json!({"count": sum.count, "sum": sum.sum_hex()})
+        );
+        return Ok(());
+    }
     println!(
         "{}",
         expected_digest(&dataset, args.epochs, args.seed).to_hex()

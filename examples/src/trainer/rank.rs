@@ -2,7 +2,7 @@
 //! resumed, the steps with progress reports (at most one per [`PROGRESS_INTERVAL_MS`])
 //! and checkpoints committed through the agent, then the results written.
 
-use std::io::Write;
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -11,17 +11,56 @@ use cumulus_api::StopAction;
 use super::{
     CKPT_BACKOFF_INITIAL_MS, CKPT_MAX_RETRIES, FeatureScale, OPTIMIZER_FILE,
     PROGRESS_FAILURES_LOGGED, PROGRESS_INTERVAL_MS, RESULT_FILE, RankResult, STATE_FILE,
-    TrainConfig, TrainData, TrainError, TrainOutcome, Trainer, WEIGHTS_FILE, load_feature_stats,
-    write_atomic,
+    StepReport, TrainConfig, TrainData, TrainError, TrainOutcome, Trainer, WEIGHTS_FILE,
+    load_feature_stats, write_atomic,
 };
 use crate::agent::{AgentClient, AgentError, ProgressReport};
 use crate::data::{self, Dataset};
 use crate::env::RankEnv;
-use crate::model;
+use crate::model::{self, SoftmaxModel};
+
+/// What the loop of a rank needs of a trainer: the fixed-size one ([`Trainer`]) and the
+/// elastic one ([`super::elastic::ElasticTrainer`]).
+pub(super) trait RankTrainer {
+    /// Steps completed.
+    fn steps_done(&self) -> u64;
+    /// Steps of the whole run.
+    fn steps_total(&self) -> u64;
+    /// Runs one step; `None` when training is already complete.
+    fn next_step(&mut self) -> Option<StepReport>;
+    /// The loss to report now.
+    fn loss_now(&self) -> Option<f64>;
+    /// Writes the checkpoint files into `dir` (which exists); returns the resume state
+    /// sent with the commit.
+    fn write_checkpoint_files(&self, dir: &Path) -> io::Result<serde_json::Value>;
+}
+
+impl RankTrainer for Trainer<'_> {
+    fn steps_done(&self) -> u64 {
+        self.step()
+    }
+
+    fn steps_total(&self) -> u64 {
+        self.total_steps()
+    }
+
+    fn next_step(&mut self) -> Option<StepReport> {
+        self.train_step()
+    }
+
+    fn loss_now(&self) -> Option<f64> {
+        self.current_loss()
+    }
+
+    fn write_checkpoint_files(&self, dir: &Path) -> io::Result<serde_json::Value> {
+        let state = self.write_checkpoint(dir)?;
+        Ok(serde_json::to_value(&state).expect("a TrainState always serializes"))
+    }
+}
 
 /// Sends progress reports, at most one per [`PROGRESS_INTERVAL_MS`], logging failures
 /// (bounded) and otherwise ignoring them.
-struct ProgressSender<'c> {
+pub(super) struct ProgressSender<'c> {
     client: Option<&'c AgentClient>,
     last_sent: Option<Instant>,
     failures: u64,
@@ -32,8 +71,19 @@ struct ProgressSender<'c> {
     first: Option<(Instant, u64)>,
 }
 
-impl ProgressSender<'_> {
-    fn send(&mut self, step: u64, total_steps: u64, loss: Option<f64>, force: bool) {
+impl<'c> ProgressSender<'c> {
+    /// A sender to `client` (none: reports go nowhere).
+    pub(super) fn new(client: Option<&'c AgentClient>) -> Self {
+        Self {
+            client,
+            last_sent: None,
+            failures: 0,
+            asked: None,
+            first: None,
+        }
+    }
+
+    pub(super) fn send(&mut self, step: u64, total_steps: u64, loss: Option<f64>, force: bool) {
         let Some(client) = self.client else { return };
         if !force
             && self
@@ -111,12 +161,12 @@ fn warn_foreign_entries(staging: &Path, step: u64) {
 /// the last try got no answer from the agent at all, the error is
 /// [`TrainError::AgentUnreachable`].
 pub(super) fn commit_checkpoint(
-    trainer: &Trainer<'_>,
+    trainer: &impl RankTrainer,
     staging: &Path,
     agent: &AgentClient,
     log: &mut dyn Write,
 ) -> Result<(), TrainError> {
-    let step = trainer.step();
+    let step = trainer.steps_done();
     let mut backoff_ms = CKPT_BACKOFF_INITIAL_MS;
     let mut last_error = String::new();
     let mut unreachable = false;
@@ -138,7 +188,7 @@ pub(super) fn commit_checkpoint(
             continue;
         }
         warn_foreign_entries(staging, step);
-        let state = match trainer.write_checkpoint(staging) {
+        let state_json = match trainer.write_checkpoint_files(staging) {
             Ok(s) => s,
             Err(e) => {
                 last_error = format!("cannot write into staging dir {}: {e}", staging.display());
@@ -146,7 +196,6 @@ pub(super) fn commit_checkpoint(
                 continue;
             }
         };
-        let state_json = serde_json::to_value(&state).expect("a TrainState always serializes");
         match agent.commit_checkpoint(step, &state_json) {
             Ok(reply) => {
                 // A failed log write cannot be reported anywhere better; training goes on.
@@ -192,16 +241,21 @@ pub fn run(
     log: &mut dyn Write,
 ) -> Result<Option<TrainOutcome>, TrainError> {
     config.hyper.validate()?;
+    if let Some(plan) = &env.data_plan {
+        return super::elastic::run(config, env, plan, log);
+    }
+    if config.total_steps.is_some() {
+        return Err(TrainError::Config(
+            "--total-steps is for the ranks of an elastic job (CUMULUS_DATA_PLAN set); a \
+             fixed-size run has epochs × ceil(records / batch size) steps"
+                .to_string(),
+        ));
+    }
     let (agent, staging) = agent_and_staging(config, env)?;
-    let (data, test) = load_data(config, log)?;
+    let shard_paths = data::read_shards_file(&config.shards_file)?;
+    let (data, test) = load_data(config, &shard_paths, log)?;
     let mut trainer = start_trainer(&data, config, env, log)?;
-    let mut progress = ProgressSender {
-        client: agent.as_ref(),
-        last_sent: None,
-        failures: 0,
-        asked: None,
-        first: None,
-    };
+    let mut progress = ProgressSender::new(agent.as_ref());
     let checkpoints = staging.as_deref().zip(agent.as_ref());
     if !train(&mut trainer, config, env, checkpoints, &mut progress, log)? {
         return Ok(None);
@@ -217,7 +271,7 @@ pub fn run(
 
 /// The agent's client (when the environment names the agent) and the staging dir (when
 /// the run checkpoints); a staging dir nobody could commit is a configuration error.
-fn agent_and_staging(
+pub(super) fn agent_and_staging(
     config: &TrainConfig,
     env: &RankEnv,
 ) -> Result<(Option<AgentClient>, Option<PathBuf>), TrainError> {
@@ -244,20 +298,20 @@ fn agent_and_staging(
 }
 
 /// The test file and its features scaled as the training data's.
-type TestSet = (Dataset, Vec<f64>);
+pub(super) type TestSet = (Dataset, Vec<f64>);
 
-/// The rank's shards, prepared for training (standardized with the feature statistics
-/// or scaled), and the test file with its scaled features when one is given.
-fn load_data(
+/// The shards `shard_paths`, prepared for training (standardized with the feature
+/// statistics or scaled), and the test file with its scaled features when one is given.
+pub(super) fn load_data(
     config: &TrainConfig,
+    shard_paths: &[PathBuf],
     log: &mut dyn Write,
 ) -> Result<(TrainData, Option<TestSet>), TrainError> {
-    let shard_paths = data::read_shards_file(&config.shards_file)?;
-    let dataset = data::load_shards(&shard_paths)?;
+    let dataset = data::load_shards(shard_paths)?;
     let stats = match config.feature_scale {
         FeatureScale::Standardize => {
             let (stats, from) =
-                load_feature_stats(config.feature_stats.as_deref(), &shard_paths, &dataset)?;
+                load_feature_stats(config.feature_stats.as_deref(), shard_paths, &dataset)?;
             let _ = writeln!(log, "feature statistics: {from}");
             Some(stats)
         }
@@ -321,16 +375,16 @@ fn start_trainer<'a>(
 /// Trains to the end, reporting progress and committing a checkpoint every
 /// `ckpt_every` steps through `checkpoints` (staging dir, agent). `false` when the rank
 /// was asked to pause, give way or stop for a time limit and stopped at a checkpoint.
-fn train(
-    trainer: &mut Trainer<'_>,
+pub(super) fn train(
+    trainer: &mut impl RankTrainer,
     config: &TrainConfig,
     env: &RankEnv,
     checkpoints: Option<(&Path, &AgentClient)>,
     progress: &mut ProgressSender<'_>,
     log: &mut dyn Write,
 ) -> Result<bool, TrainError> {
-    let total = trainer.total_steps();
-    while let Some(report) = trainer.train_step() {
+    let total = trainer.steps_total();
+    while let Some(report) = trainer.next_step() {
         let step = report.step;
         if (config.log_every > 0 && step.is_multiple_of(config.log_every)) || step == total {
             let _ = writeln!(
@@ -339,10 +393,10 @@ fn train(
                 env.rank,
                 env.attempt,
                 report.epoch,
-                fmt_loss(trainer.current_loss())
+                fmt_loss(trainer.loss_now())
             );
         }
-        progress.send(step, total, trainer.current_loss(), false);
+        progress.send(step, total, trainer.loss_now(), false);
         if let Some((staging, agent)) = checkpoints
             && step.is_multiple_of(config.ckpt_every)
         {
@@ -360,7 +414,7 @@ fn train(
                 return Ok(false);
             }
         }
-        if config.step_sleep_ms > 0 {
+        if config.step_sleep_ms > 0 && config.slow_file.as_ref().is_none_or(|f| f.exists()) {
             std::thread::sleep(Duration::from_millis(config.step_sleep_ms));
         }
     }
@@ -378,11 +432,6 @@ fn write_results(
     log: &mut dyn Write,
 ) -> Result<TrainOutcome, TrainError> {
     let accuracy = test.map(|(t, x)| trainer.model().accuracy(x, &t.labels));
-    let rank_dir = config.out_dir.join(format!("rank-{}", env.rank));
-    std::fs::create_dir_all(&rank_dir).map_err(|source| TrainError::Io {
-        what: format!("cannot create output dir {}", rank_dir.display()),
-        source,
-    })?;
     let result = RankResult {
         rank: env.rank,
         attempt: env.attempt,
@@ -397,15 +446,41 @@ fn write_results(
         feature_scale: data.feature_scale,
         feature_stats: data.stats.clone(),
         test_records: test.map(|(t, _)| t.len() as u64),
+        record_sum: None,
+        world_size: None,
     };
-    let weights_path = rank_dir.join(WEIGHTS_FILE);
-    write_atomic(
-        &weights_path,
-        &model::f64s_to_le_bytes(trainer.model().weights()),
-    )
-    .map_err(|source| TrainError::Io {
-        what: format!("cannot write {}", weights_path.display()),
+    let outcome = write_outputs(trainer.model(), result, config, env)?;
+    let _ = writeln!(
+        log,
+        "RESULT rank={} accuracy={} records={} digest={}",
+        env.rank,
+        accuracy.map_or_else(|| "none".to_string(), |a| format!("{a:.4}")),
+        outcome.result.records_consumed,
+        outcome.result.digest
+    );
+    let _ = log.flush();
+    Ok(outcome)
+}
+
+/// Writes `model`'s `weights.bin` and `result` as `result.json` into
+/// `<out>/rank-<RANK>/`.
+pub(super) fn write_outputs(
+    model: &SoftmaxModel,
+    result: RankResult,
+    config: &TrainConfig,
+    env: &RankEnv,
+) -> Result<TrainOutcome, TrainError> {
+    let rank_dir = config.out_dir.join(format!("rank-{}", env.rank));
+    std::fs::create_dir_all(&rank_dir).map_err(|source| TrainError::Io {
+        what: format!("cannot create output dir {}", rank_dir.display()),
         source,
+    })?;
+    let weights_path = rank_dir.join(WEIGHTS_FILE);
+    write_atomic(&weights_path, &model::f64s_to_le_bytes(model.weights())).map_err(|source| {
+        TrainError::Io {
+            what: format!("cannot write {}", weights_path.display()),
+            source,
+        }
     })?;
     let result_path = rank_dir.join(RESULT_FILE);
     let text = serde_json::to_vec_pretty(&result).expect("a RankResult always serializes");
@@ -413,15 +488,6 @@ fn write_results(
         what: format!("cannot write {}", result_path.display()),
         source,
     })?;
-    let _ = writeln!(
-        log,
-        "RESULT rank={} accuracy={} records={} digest={}",
-        env.rank,
-        accuracy.map_or_else(|| "none".to_string(), |a| format!("{a:.4}")),
-        result.records_consumed,
-        result.digest
-    );
-    let _ = log.flush();
     Ok(TrainOutcome {
         result,
         weights_path,
