@@ -16,7 +16,8 @@ use cumulus_examples::data;
 use cumulus_examples::digest::expected_digest;
 use cumulus_examples::env::RankEnv;
 use cumulus_examples::trainer::{
-    self, EXIT_INPUT, elastic, FeatureScale, Hyper, RESULT_FILE, RankResult, TrainConfig, TrainError,
+    self, EXIT_INPUT, FeatureScale, Hyper, RESULT_FILE, RankResult, TrainConfig, TrainError,
+    elastic,
 };
 
 /// Softmax-regression trainer on CSV shards, using the Cumulus rank contract.

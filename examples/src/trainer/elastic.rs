@@ -33,8 +33,8 @@ use super::rank::{
     ProgressSender, RankTrainer, agent_and_staging, load_data, train, write_outputs,
 };
 use super::{
-    Hyper, OPTIMIZER_FILE, RankResult, ResumeError, STATE_FILE, StepReport, TrainConfig,
-    TrainData, TrainError, TrainOutcome, WEIGHTS_FILE, normalization_fingerprint, read_f64_file,
+    Hyper, OPTIMIZER_FILE, RankResult, ResumeError, STATE_FILE, StepReport, TrainConfig, TrainData,
+    TrainError, TrainOutcome, WEIGHTS_FILE, normalization_fingerprint, read_f64_file,
 };
 use crate::data::{self, Dataset};
 use crate::env::RankEnv;
@@ -135,9 +135,7 @@ pub fn read_plan(path: &Path) -> Result<RankDataPlan, TrainError> {
         .map_err(|e| bad(format!("cannot read it: {e}")))?
         .len();
     if size_bytes > MAX_PLAN_BYTES {
-        return Err(bad(format!(
-            "{size_bytes} bytes, limit {MAX_PLAN_BYTES}"
-        )));
+        return Err(bad(format!("{size_bytes} bytes, limit {MAX_PLAN_BYTES}")));
     }
     let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
     let plan: RankDataPlan =
@@ -243,11 +241,7 @@ impl Layout {
             .map(|(e, segments)| {
                 let segs = segments
                     .iter()
-                    .filter_map(|s| {
-                        index
-                            .get(Path::new(&s.shard))
-                            .map(|i| (*i, s.first_record))
-                    })
+                    .filter_map(|s| index.get(Path::new(&s.shard)).map(|i| (*i, s.first_record)))
                     .collect();
                 (*e, segs)
             })
@@ -267,7 +261,9 @@ impl Layout {
 
     /// This rank's segments of `epoch`.
     fn segments(&self, epoch: u32) -> &[(usize, u64)] {
-        self.epochs.get(&epoch).map_or(&self.standard, Vec::as_slice)
+        self.epochs
+            .get(&epoch)
+            .map_or(&self.standard, Vec::as_slice)
     }
 }
 
@@ -371,12 +367,15 @@ impl<'a> ElasticTrainer<'a> {
         let params = self.model.param_count();
         let weights = read_f64_file(dir, WEIGHTS_FILE, params)?;
         let velocity = read_f64_file(dir, OPTIMIZER_FILE, params)?;
-        self.model =
-            SoftmaxModel::from_weights(self.data.classes as usize, self.data.dataset.features, weights)
-                .map_err(|source| ResumeError::Model {
-                    dir: dir.to_path_buf(),
-                    source,
-                })?;
+        self.model = SoftmaxModel::from_weights(
+            self.data.classes as usize,
+            self.data.dataset.features,
+            weights,
+        )
+        .map_err(|source| ResumeError::Model {
+            dir: dir.to_path_buf(),
+            source,
+        })?;
         self.opt = Momentum::with_velocity(self.hyper.lr, self.hyper.momentum, velocity);
         self.step = state.step;
         if starts_plan {
@@ -416,13 +415,22 @@ impl<'a> ElasticTrainer<'a> {
         let ours = self.state();
         let mut differ = Vec::new();
         if state.total_steps != ours.total_steps {
-            differ.push(format!("total_steps {} (this run {})", state.total_steps, ours.total_steps));
+            differ.push(format!(
+                "total_steps {} (this run {})",
+                state.total_steps, ours.total_steps
+            ));
         }
         if state.epochs != ours.epochs {
-            differ.push(format!("epochs {} (this run {})", state.epochs, ours.epochs));
+            differ.push(format!(
+                "epochs {} (this run {})",
+                state.epochs, ours.epochs
+            ));
         }
         if state.batch_size != ours.batch_size {
-            differ.push(format!("batch_size {} (this run {})", state.batch_size, ours.batch_size));
+            differ.push(format!(
+                "batch_size {} (this run {})",
+                state.batch_size, ours.batch_size
+            ));
         }
         if state.lr != ours.lr || state.momentum != ours.momentum {
             differ.push("lr or momentum".to_string());
@@ -439,12 +447,13 @@ impl<'a> ElasticTrainer<'a> {
                 differ.join(", ")
             ));
         }
-        if state.normalization != ours.normalization || state.feature_scale != ours.feature_scale
-        {
+        if state.normalization != ours.normalization || state.feature_scale != ours.feature_scale {
             if !starts_plan {
                 return Err(format!(
                     "state.json has normalization {} (scale {}), this run {} (scale {})",
-                    state.normalization, state.feature_scale.0, ours.normalization,
+                    state.normalization,
+                    state.feature_scale.0,
+                    ours.normalization,
                     ours.feature_scale.0
                 ));
             }
@@ -470,7 +479,10 @@ impl<'a> ElasticTrainer<'a> {
             return if epoch == self.hyper.epochs && segment == 0 && record == 0 {
                 Ok(())
             } else {
-                Err(format!("data position {:?} is past the last epoch", self.at))
+                Err(format!(
+                    "data position {:?} is past the last epoch",
+                    self.at
+                ))
             };
         }
         let segments = self.layout.segments(epoch);
@@ -491,7 +503,9 @@ impl<'a> ElasticTrainer<'a> {
 
     /// Records of segment `(shard, first_record)`.
     fn available(&self, (shard, first): (usize, u64)) -> u64 {
-        self.data.dataset.shards[shard].records.saturating_sub(first)
+        self.data.dataset.shards[shard]
+            .records
+            .saturating_sub(first)
     }
 
     /// Moves past used-up segments and, at the end of an epoch, to the next one.
@@ -685,8 +699,8 @@ fn read_elastic_state(dir: &Path) -> Result<ElasticState, TrainError> {
         .into());
     }
     let bytes = std::fs::read(&path).map_err(io_err)?;
-    let value: serde_json::Value = serde_json::from_slice(&bytes)
-        .map_err(|source| ResumeError::Json {
+    let value: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|source| ResumeError::Json {
             path: path.clone(),
             source,
         })?;
@@ -701,8 +715,7 @@ fn read_elastic_state(dir: &Path) -> Result<ElasticState, TrainError> {
         }
         .into());
     }
-    serde_json::from_value(value)
-        .map_err(|source| ResumeError::Json { path, source }.into())
+    serde_json::from_value(value).map_err(|source| ResumeError::Json { path, source }.into())
 }
 
 /// Runs `cumulus-trainer train` for a rank of an elastic job whose data plan is the
@@ -914,8 +927,19 @@ mod tests {
         expected.add(0, "a.csv", 2);
         expected.add(0, "c.csv", 3);
         t.train_step();
-        assert_eq!(t.record_sum(), expected, "epoch 0 has 2 records: one short step");
-        assert_eq!(t.position(), Position { epoch: 1, segment: 0, record: 0 });
+        assert_eq!(
+            t.record_sum(),
+            expected,
+            "epoch 0 has 2 records: one short step"
+        );
+        assert_eq!(
+            t.position(),
+            Position {
+                epoch: 1,
+                segment: 0,
+                record: 0
+            }
+        );
         t.train_step();
         for i in 0..3 {
             expected.add(1, "a.csv", i);
@@ -947,9 +971,14 @@ mod tests {
         std::fs::create_dir(&part).unwrap();
         t.write_checkpoint_files(&part).unwrap();
         let fresh = || ElasticTrainer::new(&data, &layout, hyper(2, 2), 20, (1, 0)).unwrap();
-        let (mut r, started) = fresh().resume(&part, 3, &standard, &mut Vec::new()).unwrap();
+        let (mut r, started) = fresh()
+            .resume(&part, 3, &standard, &mut Vec::new())
+            .unwrap();
         assert!(!started);
-        assert_eq!((r.position(), r.record_sum()), (t.position(), t.record_sum()));
+        assert_eq!(
+            (r.position(), r.record_sum()),
+            (t.position(), t.record_sum())
+        );
         while r.train_step().is_some() {}
         while t.train_step().is_some() {}
         assert_eq!(r.model().weights(), t.model().weights(), "exact resume");
@@ -967,7 +996,14 @@ mod tests {
         };
         let (r, started) = fresh().resume(&part, 3, &plan, &mut Vec::new()).unwrap();
         assert!(started);
-        assert_eq!(r.position(), Position { epoch: 1, segment: 0, record: 0 });
+        assert_eq!(
+            r.position(),
+            Position {
+                epoch: 1,
+                segment: 0,
+                record: 0
+            }
+        );
         assert_eq!(r.record_sum(), RecordSum { count: 14, sum: 22 });
 
         // Another run's part is refused.
@@ -990,11 +1026,21 @@ mod tests {
         let mut first = [0u8; 8];
         first.copy_from_slice(&h[..8]);
         assert_eq!(record_hash(1, "s.csv", 2), u64::from_le_bytes(first));
-        let carry = RecordSum { count: 3, sum: u64::MAX }.to_carry();
-        assert_eq!(carry, serde_json::json!({"count": 3, "sum": "ffffffffffffffff"}));
+        let carry = RecordSum {
+            count: 3,
+            sum: u64::MAX,
+        }
+        .to_carry();
+        assert_eq!(
+            carry,
+            serde_json::json!({"count": 3, "sum": "ffffffffffffffff"})
+        );
         assert_eq!(
             RecordSum::from_carry(&carry),
-            Ok(RecordSum { count: 3, sum: u64::MAX })
+            Ok(RecordSum {
+                count: 3,
+                sum: u64::MAX
+            })
         );
         assert!(RecordSum::from_carry(&serde_json::Value::Null).is_err());
     }
