@@ -53,6 +53,9 @@ pub struct Coordinator {
     pub grpc_listen: String,
     /// HTTP address.
     pub http: String,
+    /// Raft address (`--raft-listen`), when the cluster gives Raft a port of its own
+    /// ([`ClusterOpts::raft_listen`]).
+    pub raft: Option<String>,
     /// Data dir.
     pub data_dir: PathBuf,
     /// Process.
@@ -62,6 +65,21 @@ pub struct Coordinator {
     pub join: bool,
     /// More arguments for its next start (e.g. `--rejoin-empty`).
     pub extra_args: Vec<String>,
+}
+
+impl Coordinator {
+    /// `GRPC@HTTP`, or `GRPC@HTTP@RAFT` when it has a Raft port of its own.
+    pub fn member_addr(&self) -> String {
+        match &self.raft {
+            Some(raft) => format!("{}@{}@{raft}", self.grpc, self.http),
+            None => format!("{}@{}", self.grpc, self.http),
+        }
+    }
+
+    /// Its `--peer` entry: `ID=` and [`Coordinator::member_addr`].
+    pub fn peer_entry(&self) -> String {
+        format!("{}={}", self.id, self.member_addr())
+    }
 }
 
 /// `RUST_LOG` of a test coordinator: `info,openraft=warn`, then `extra` if any.
@@ -112,6 +130,10 @@ pub struct ClusterOpts {
     /// With `tls`: workers get no certificate; they enrol (`--tls-enrol`) with the
     /// coordinators, which hold the CA key (`--tls-ca-key`).
     pub enrol_workers: bool,
+    /// Every coordinator serves Raft on a port of its own (`--raft-listen`, named in its
+    /// `--peer` entry and in `add-learner`), apart from its gRPC port. Not with
+    /// `proxied` (the proxies front the gRPC ports).
+    pub raft_listen: bool,
 }
 
 impl Default for ClusterOpts {
@@ -133,6 +155,7 @@ impl Default for ClusterOpts {
             worker_nofile: None,
             tls: true,
             enrol_workers: false,
+            raft_listen: false,
         }
     }
 }
@@ -255,6 +278,10 @@ impl Cluster {
     /// Starts the coordinators and workers and waits for a leader and every worker.
     pub async fn start(opts: ClusterOpts) -> anyhow::Result<Cluster> {
         record_panics();
+        anyhow::ensure!(
+            !(opts.proxied && opts.raft_listen),
+            "a proxied cluster fronts the gRPC ports: it cannot also use --raft-listen"
+        );
         let serial = ONE_CLUSTER_AT_A_TIME
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -295,6 +322,9 @@ impl Cluster {
                 grpc,
                 grpc_listen,
                 http: format!("127.0.0.1:{}", free_port()),
+                raft: opts
+                    .raft_listen
+                    .then(|| format!("127.0.0.1:{}", free_port())),
                 data_dir: dir.path().join(format!("coord-{id}")),
                 proc: Proc {
                     name: format!("coord-{id}"),
@@ -347,12 +377,7 @@ impl Cluster {
         self.coordinators
             .iter()
             .filter(|c| !c.join)
-            .flat_map(|c| {
-                [
-                    "--peer".to_string(),
-                    format!("{}={}@{}", c.id, c.grpc, c.http),
-                ]
-            })
+            .flat_map(|c| ["--peer".to_string(), c.peer_entry()])
             .collect()
     }
 
@@ -376,8 +401,11 @@ impl Cluster {
         }
         let c = &mut self.coordinators[i];
         if c.join {
-            peers = vec!["--peer".into(), format!("{}={}@{}", c.id, c.grpc, c.http)];
+            peers = vec!["--peer".into(), c.peer_entry()];
             extra.push("--join".into());
+        }
+        if let Some(raft) = &c.raft {
+            extra.extend(["--raft-listen".into(), raft.clone()]);
         }
         if let Some(n) = self.opts.snapshot_every_entries {
             // A fixed interval: the test counts on a snapshot every n entries.
@@ -440,6 +468,10 @@ impl Cluster {
             grpc_listen: grpc.clone(),
             grpc,
             http: format!("127.0.0.1:{}", free_port()),
+            raft: self
+                .opts
+                .raft_listen
+                .then(|| format!("127.0.0.1:{}", free_port())),
             data_dir: dir.join(format!("coord-{id}")),
             proc: Proc {
                 name: format!("coord-{id}"),
@@ -509,10 +541,10 @@ impl Cluster {
             .expect("a cluster of several coordinators has a follower")
     }
 
-    /// `GRPC@HTTP` of coordinator `i`, as `cumulusctl cluster add-learner` takes it.
+    /// `GRPC@HTTP` (`GRPC@HTTP@RAFT` with a Raft port of its own) of coordinator `i`,
+    /// as `cumulusctl cluster add-learner` takes it.
     pub fn member_addr(&self, i: usize) -> String {
-        let c = &self.coordinators[i];
-        format!("{}@{}", c.grpc, c.http)
+        self.coordinators[i].member_addr()
     }
 
     /// Cluster status as coordinator `i` itself sees it (None when it does not answer).

@@ -419,3 +419,125 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// A call's gRPC status code, or `None` when it was answered.
+fn code<T>(answer: Result<tonic::Response<T>, tonic::Status>) -> Option<tonic::Code> {
+    answer.err().map(|s| s.code())
+}
+
+/// `--raft-listen`: three coordinators serve Raft (and blob replication) on ports of
+/// their own, named in the membership; they elect, commit a job, replicate a blob to a
+/// majority, and add a fourth member with `add-learner ID GRPC@HTTP@RAFT`. Each gRPC port
+/// answers a Raft call, even with the peer token and a coordinator's certificate,
+/// `UNIMPLEMENTED`; each Raft port answers the client service the same. About 15 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raft_on_a_port_of_its_own() {
+    use cumulus_api::v1::client_service_client::ClientServiceClient;
+    use cumulus_api::v1::raft_service_client::RaftServiceClient;
+    use cumulus_e2e::{Auth, PEER_TOKEN, TOKEN};
+    use cumulus_raft_store::{TypeConfig, Vote};
+
+    let mut cluster = Cluster::start(ClusterOpts {
+        workers: 1,
+        raft_listen: true,
+        ..ClusterOpts::default()
+    })
+    .await
+    .expect("a cluster with Raft ports of their own");
+    let s = cluster.status().await.expect("status");
+    for c in &cluster.coordinators {
+        let m = s
+            .members
+            .iter()
+            .find(|m| m.node_id == c.id)
+            .expect("a member");
+        let raft = c.raft.as_deref().expect("a raft port");
+        assert_eq!(
+            (m.grpc_addr.as_str(), m.raft_addr.as_str()),
+            (c.grpc.as_str(), raft)
+        );
+        assert_ne!(m.raft_addr, m.grpc_addr);
+    }
+
+    // Raft commits (a job runs to its end on the worker, which reached the gRPC port),
+    // and blobs reach a majority over the Raft ports.
+    let r = cluster
+        .submit("raft-port-job", small_spec())
+        .await
+        .expect("submit");
+    let job = cluster.wait_finished(&r.job_id, LONG).await;
+    assert_eq!(job.job_state(), Ok(JobState::Succeeded), "{job:?}");
+    let data = b"replicated over the raft ports".to_vec();
+    let digest = blake3::hash(&data).to_hex().to_string();
+    let mut leader = cluster.leader_client().await.expect("leader client");
+    cumulus_e2e::blobs::put_blob(&mut leader, &digest, &data)
+        .await
+        .expect("a blob stored on a majority");
+
+    // The gRPC port serves no Raft, whoever asks; the Raft port serves only Raft.
+    let leader_id = cluster.wait_leader(LONG).await;
+    let f = cluster.follower_of(leader_id);
+    let (f_grpc, f_raft) = {
+        let c = &cluster.coordinators[f];
+        (c.grpc.clone(), c.raft.clone().expect("a raft port"))
+    };
+    let as_leader = cluster
+        .member_tls(&cumulus_tls::Identity::Coordinator(leader_id))
+        .expect("a coordinator certificate");
+    // A pre-vote persists nothing; at term 1 it is refused or answered, never acted on.
+    let pre_vote = v1::RaftPayload {
+        body: serde_json::to_vec(&openraft::raft::VoteRequest::<TypeConfig> {
+            vote: Vote::new(1, leader_id),
+            last_log_id: None,
+            leadership_transfer: false,
+        })
+        .expect("json"),
+    };
+    let raft_at = async |addr: &str| {
+        let channel = cumulus_e2e::endpoint(addr, as_leader.as_ref())
+            .expect("endpoint")
+            .connect_timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .expect("connect");
+        RaftServiceClient::with_interceptor(channel, Auth::new(PEER_TOKEN))
+    };
+    let on_grpc = raft_at(&f_grpc).await.pre_vote(pre_vote.clone()).await;
+    assert_eq!(
+        code(on_grpc),
+        Some(tonic::Code::Unimplemented),
+        "raft on {f_grpc}"
+    );
+    let on_raft = code(raft_at(&f_raft).await.pre_vote(pre_vote).await);
+    assert_ne!(
+        on_raft,
+        Some(tonic::Code::Unimplemented),
+        "raft on {f_raft}"
+    );
+    let tls = cluster.client_tls();
+    let channel = cumulus_e2e::coordinator_channel(&f_raft, tls.as_ref())
+        .await
+        .expect("connect to the raft port");
+    let status = ClientServiceClient::with_interceptor(channel, Auth::new(TOKEN))
+        .cluster_status(v1::ClusterStatusRequest {})
+        .await;
+    assert_eq!(
+        code(status),
+        Some(tonic::Code::Unimplemented),
+        "clients on {f_raft}"
+    );
+
+    // A member added later is reached at the Raft address `add-learner` names.
+    let i = cluster.add_coordinator().expect("a fourth coordinator");
+    let addr = cluster.member_addr(i);
+    assert_eq!(addr.matches('@').count(), 2, "{addr}");
+    let id = cluster.coordinators[i].id.to_string();
+    ctl_cluster(&cluster, &["add-learner", &id, &addr]);
+    let s = ctl_cluster(&cluster, &["promote", &id]);
+    assert_eq!(voters(&s).len(), 4, "{s:?}");
+    let raft = cluster.coordinators[i].raft.clone().expect("a raft port");
+    assert!(
+        s.members.iter().any(|m| m.raft_addr == raft),
+        "{raft} in {s:?}"
+    );
+}
