@@ -2,11 +2,13 @@
 paths"): the DDP example (``examples/python/ddp_digits.py``, gloo, world size 2, which runs
 its training in ``cumulus.runtime.run``) with one rank ``kill -9``ed keeps the survivor's
 process and ends bit-identical to a fault-free run; a second kill during the recovery
-falls back to a full restart, still exact; and a survivor that ignores the restart is
-fenced (its commit refused) and then replaced by a full restart."""
+falls back to a full restart, still exact; a SIGSTOPped rank is replaced while its peer
+keeps its process; and a survivor that ignores the restart is fenced (its commit refused)
+and then replaced by a full restart."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -143,6 +145,68 @@ def test_ddp_survivor_keeps_its_process_and_the_run_stays_exact(
     assert after[0]["pid"] == pids[(0, 2)] != pids[(0, 0)], (after, pids)
     assert after[1]["pid"] == pids[(1, 2)] != pids[(1, 0)], (after, pids)
     assert_same_training(reference, after)
+
+
+def test_a_stopped_rank_is_replaced_and_its_peer_leaves_the_collective(
+    cluster: LocalCluster, client: cumulus.Client, digits_shards: Path, tmp_path: Path
+) -> None:
+    """A SIGSTOPped rank holds its peer in the next collective (its sockets stay open):
+    once the leader fails it as hung (the progress timeout), the group restart keeps the
+    peer's process and replaces the stopped one, whose SIGKILL closes its connections,
+    so the peer leaves its collective at once; the run stays exact."""
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    clean, clean_out = submit_ddp(client, digits_shards, tmp_path, "clean")
+    out = tmp_path / "stopped"
+    job = client.submit(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--out",
+            str(out),
+            "--steps",
+            str(STEPS),
+            "--ckpt-every",
+            str(CKPT_EVERY),
+            "--step-sleep-ms",
+            "15",
+        ],
+        world_size=2,
+        dataset=digits_shards,
+        ckpt_dir=tmp_path / "ckpt-stopped",
+        max_restarts=3,
+        backoff_initial_ms=100,
+        backoff_max_ms=500,
+        progress_timeout_s=3,
+        stop_grace_s=1,
+        name="inproc-stopped",
+    )
+
+    def listening() -> list[cumulus.RankInfo] | None:
+        info = job.status()
+        ranks = info.ranks
+        ready = (info.committed_step or 0) >= CKPT_EVERY and all(
+            r.state == "running" and r.in_process and r.step > CKPT_EVERY for r in ranks
+        )
+        return list(ranks) if ready else None
+
+    ranks = wait_for(listening, 120, "both ranks listening, step 40 committed")
+    stopped = ranks[1].pid
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        info = job.wait(timeout_s=JOB_TIMEOUT_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGKILL)
+    assert info.succeeded and info.restarts_used == 1, explain(job, cluster)
+    (restart,) = info.restarts
+    assert restart.path == "in_process" and restart.in_process_ranks == (0,), restart
+    assert "hung" in restart.cause, restart
+    assert clean.wait(timeout_s=JOB_TIMEOUT_S).succeeded, explain(clean, cluster)
+    after = results(out)
+    pids = start_pids(job)
+    assert after[0]["pid"] == pids[(0, 0)] == pids[(0, 1)], (after, pids)
+    assert after[1]["pid"] == pids[(1, 1)] != stopped, (after, pids)
+    assert_same_training(results(clean_out), after)
 
 
 def test_a_survivor_ignoring_the_restart_is_fenced_then_replaced(

@@ -15,6 +15,7 @@
 //! the new one: the agent reports the new attempt started (same pid). Without that
 //! acknowledgement within [`RESTART_ACK_TIMEOUT_MS`] (or when preparing fails) the agent
 //! kills the process; its exit fails the attempt and the leader restarts the job in full.
+//! A stopped process (`SIGSTOP`) is never kept: see [`process_stopped`].
 
 use std::collections::BTreeMap;
 
@@ -63,6 +64,21 @@ pub enum RestartAck {
     Done,
 }
 
+/// Whether process `pid` is stopped (`SIGSTOP`, a tracer): it cannot leave its step nor
+/// acknowledge a restart, and its sockets stay open, holding its peers in their
+/// collectives. Such a rank is neither reported listening nor adopted: the restart
+/// replaces it, and stopping its old attempt (SIGKILL after the grace) closes its
+/// connections, so its peers' collectives fail at once.
+pub(super) fn process_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The command name (field 2) may contain spaces and ')': the state follows the
+        // last ')'.
+        stat.rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+            .is_some_and(|state| state == 'T' || state == 't')
+    })
+}
+
 impl Supervisor {
     /// Adopts, for each desired in-process attempt not yet here, the live process of an
     /// older attempt of its rank whose rank listens for restarts; an attempt without one
@@ -82,7 +98,7 @@ impl Supervisor {
                         && k.attempt < d.attempt
                         && !e.stopping
                         && e.control.is_none()
-                        && e.pid.is_some()
+                        && e.pid.is_some_and(|pid| !process_stopped(pid))
                         && e.restart.listening
                         && e.log_switch.is_some()
                 })

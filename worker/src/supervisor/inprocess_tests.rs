@@ -116,3 +116,46 @@ async fn a_listening_process_is_handed_the_next_attempt() {
         RestartPoll::Unknown
     ));
 }
+
+#[tokio::test]
+async fn a_stopped_process_is_neither_reported_listening_nor_adopted() {
+    let h = harness(Options::default());
+    let script = "while true; do sleep 0.05; done";
+    let d0 = desired("job-000001", 0, 0, script);
+    h.sup.apply_desired(std::slice::from_ref(&d0));
+    let k0 = AttemptKey::of(&d0);
+    poll_until("attempt 0 running", || h.sup.attempt_pid(&k0).is_some()).await;
+    let pid = h.sup.attempt_pid(&k0).expect("pid");
+    let token = h.sup.table().entries[&k0].token.clone();
+    let poll = h.sup.restart_poll(&token, Duration::from_millis(1)).await;
+    assert!(matches!(poll, RestartPoll::Nothing), "{poll:?}");
+    let listening = |sup: &Supervisor| {
+        sup.observed()
+            .iter()
+            .any(|o| o.attempt == 0 && o.in_process)
+    };
+    assert!(listening(&h.sup));
+
+    // SIGSTOPped (a hung host, a debugger): it could neither leave its step nor
+    // acknowledge, and its open sockets would hold its peers in their collectives.
+    signal_group(pid, Signal::SIGSTOP).expect("SIGSTOP");
+    poll_until("the process stopped", || inprocess::process_stopped(pid)).await;
+    assert!(!listening(&h.sup));
+    let mut d1 = desired("job-000001", 0, 1, script);
+    d1.in_process = true;
+    let k1 = AttemptKey::of(&d1);
+    // Not adopted: attempt 0 is stopped as no longer desired (the SIGKILL after the
+    // grace reaches a stopped process), and attempt 1 starts once it is gone.
+    let actions = h.sup.apply_desired(std::slice::from_ref(&d1));
+    assert_eq!(actions, vec![Action::Stop(k0.clone())]);
+    assert_eq!(h.sup.attempt_pid(&k1), None);
+    poll_until("attempt 0 gone", || {
+        h.sup.is_finished(&k0) && h.sup.live_count() == 0
+    })
+    .await;
+    let actions = h.sup.apply_desired(std::slice::from_ref(&d1));
+    assert!(
+        matches!(&actions[..], [Action::Start(d)] if d.attempt == 1),
+        "{actions:?}"
+    );
+}

@@ -520,7 +520,7 @@ impl Supervisor {
                         total_steps: progress.total_steps,
                         metrics: progress.metrics.into_iter().collect(),
                         reported,
-                        in_process: e.restart.listening,
+                        in_process: e.restart.listening && !inprocess::process_stopped(pid),
                     },
                 ))
             })
