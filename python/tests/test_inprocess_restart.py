@@ -167,8 +167,10 @@ def test_a_stopped_rank_is_replaced_and_its_peer_leaves_the_collective(
             str(STEPS),
             "--ckpt-every",
             str(CKPT_EVERY),
+            # Slower than the others: the stop lands well before the last step, however
+            # late the test sees step 40 committed (heartbeats).
             "--step-sleep-ms",
-            "15",
+            "40",
         ],
         world_size=2,
         dataset=digits_shards,
