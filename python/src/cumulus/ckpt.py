@@ -1006,7 +1006,8 @@ def wait_pending(timeout_s: float | None = None) -> CommittedPart | None:
 
 def release_async_buffers() -> None:
     """Frees the host buffers :func:`save_checkpoint_async` keeps for its next snapshot
-    (once the commit writing them ends); the next call allocates them again."""
+    (once the commit writing them ends), and the snapshot :func:`load_checkpoint` would
+    restore from after an in-process restart; the next call allocates them again."""
     global _buffers, _host_copy
     with _async_lock:
         _buffers = None
@@ -1020,6 +1021,12 @@ def load_checkpoint(**objects: Any) -> ResumePoint | None:
     name passed as ``None``, and for a JSON value, the saved value: a state dict, a
     tensor on the CPU, a new booster...). Else returns ``None`` and leaves the objects
     alone.
+
+    After an in-process restart (``cumulus.runtime.run``) the objects come from the host
+    copy of this process's last :func:`save_checkpoint_async` snapshot when that snapshot
+    is the very part resumed from (committed by this process's previous attempt, not
+    copied into since): nothing is read back from disk, and the result is the same.
+    ``point.source`` says which: ``"memory"`` or ``"disk"``.
 
     ::
 
