@@ -429,7 +429,8 @@ fn code<T>(answer: Result<tonic::Response<T>, tonic::Status>) -> Option<tonic::C
 /// their own, named in the membership; they elect, commit a job, replicate a blob to a
 /// majority, and add a fourth member with `add-learner ID GRPC@HTTP@RAFT`. Each gRPC port
 /// answers a Raft call, even with the peer token and a coordinator's certificate,
-/// `UNIMPLEMENTED`; each Raft port answers the client service the same. About 15 s.
+/// `UNIMPLEMENTED`; each Raft port answers the client service the same. A member
+/// restarted without `--raft-listen` refuses to start. About 2–5 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raft_on_a_port_of_its_own() {
     use cumulus_api::v1::client_service_client::ClientServiceClient;
@@ -540,4 +541,16 @@ async fn raft_on_a_port_of_its_own() {
         s.members.iter().any(|m| m.raft_addr == raft),
         "{raft} in {s:?}"
     );
+
+    // A member stored with a Raft port of its own refuses to restart without
+    // --raft-listen (its peers would dial a port nothing serves), rather than vanish.
+    cluster.coordinators[f].proc.kill9();
+    cluster.coordinators[f].raft = None;
+    cluster
+        .spawn_coordinator(f)
+        .expect("restart without --raft-listen");
+    let exit = cluster.wait_coordinator_exit(f, LONG).await;
+    assert!(!exit.success(), "{exit:?}");
+    let log = std::fs::read_to_string(&cluster.coordinators[f].proc.log).expect("its log");
+    assert!(log.contains("nothing would serve"), "{log}");
 }
