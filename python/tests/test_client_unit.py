@@ -1924,6 +1924,7 @@ def test_cluster_asks_the_leader_and_reads_unreachable_members(
     script.on(A, "GET", "/v1/cluster", ok(cluster_json(1, 2, n2="leader")))
     leader_view = cluster_json(2, 2, n2="leader", n3="unreachable")
     leader_view["members"][2] |= {"last_role": "follower", "last_ack_age_ms": 4200}
+    leader_view["members"][1] |= {"raft_addr": "b.example:7100"}  # --raft-listen
     script.on(B, "GET", "/v1/cluster", ok(leader_view))
     info = client.cluster()
     assert info.node_id == 2 and script.where()[-1] == f"{B} GET /v1/cluster"
@@ -1931,6 +1932,7 @@ def test_cluster_asks_the_leader_and_reads_unreachable_members(
     assert dead.role == "unreachable" and dead.role is cumulus.MemberRole.UNREACHABLE
     assert (dead.last_role, dead.last_ack_age_ms) == (cumulus.MemberRole.FOLLOWER, 4200)
     assert info.members[0].last_role is None and info.members[0].last_ack_age_ms is None
+    assert (info.members[0].raft_addr, info.members[1].raft_addr) == ("", "b.example:7100")
     # A named leader that does not answer: the first answer stands.
     script.routes.pop((B, "GET", "/v1/cluster"))
     assert client.cluster().node_id == 1
