@@ -605,11 +605,22 @@ fn resume_rank(job: &Job, r: &cumulus_raft_store::state::RankRecord) -> Option<u
 }
 
 /// An elastic job's data plan for `rank` as the rank reads it
-/// ([`cumulus_api::rank_env::RankDataPlan`], JSON); "" for a job without one.
+/// ([`cumulus_api::rank_env::RankDataPlan`], JSON): before its first resize the standard
+/// plan (every epoch the rank's shards file); "" for a job with a fixed world size.
 fn data_plan_json(job: &Job, rank: u32) -> String {
     use cumulus_api::rank_env::{DataSegment, RankDataPlan};
     let Some(record) = job.data_plan() else {
-        return String::new();
+        if !job.spec.is_elastic() {
+            return String::new();
+        }
+        // So that a trainer knows from its first attempt on that it is an elastic job's
+        // rank and saves its data position (the Rust example trainer needs it to).
+        let standard = RankDataPlan {
+            world_size: job.world_size(),
+            previous_world_size: job.world_size(),
+            ..RankDataPlan::default()
+        };
+        return serde_json::to_string(&standard).unwrap_or_default();
     };
     let previous_world_size = job.resizes.last().map_or(job.world_size(), |r| r.from);
     let plan = RankDataPlan {

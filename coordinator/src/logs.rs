@@ -487,6 +487,21 @@ async fn last_line_end(
 struct RankView {
     current_attempt: u32,
     attempt_workers: Vec<(u32, String)>,
+    /// An elastic job's rank a shrink removed (or a rank past its current size): it gets
+    /// no new attempt, so its last one, once read, is its end.
+    removed: bool,
+}
+
+impl RankView {
+    /// The view of a rank the job does not have now: the attempts it had before a
+    /// shrink removed it (none for a rank it never had).
+    fn removed(attempt_workers: Vec<(u32, String)>) -> Self {
+        Self {
+            current_attempt: attempt_workers.iter().map(|(a, _)| *a).max().unwrap_or(0),
+            attempt_workers,
+            removed: true,
+        }
+    }
 }
 
 /// One `log` event; its id is the cursor after the line.
@@ -554,6 +569,7 @@ async fn poll_rank(
 ) -> Option<RankPoll> {
     let c = cursor[&rank];
     let superseded = c.attempt < view.current_attempt;
+    let terminal = terminal || view.removed;
     let worker = view
         .attempt_workers
         .iter()
@@ -665,9 +681,16 @@ fn job_view(node: &Node, job_id: &str) -> Option<JobView> {
                         RankView {
                             current_attempt: r.attempt,
                             attempt_workers: r.attempt_workers.clone(),
+                            removed: false,
                         },
                     )
                 })
+                .chain(
+                    j.removed_rank_workers
+                        .iter()
+                        .filter(|(rank, _)| **rank >= j.world_size())
+                        .map(|(rank, aw)| (*rank, RankView::removed(aw.clone()))),
+                )
                 .collect();
             let workers: BTreeMap<String, (String, WorkerState)> = s
                 .workers
@@ -708,11 +731,12 @@ async fn pump(
         let mut progressed = false;
         let mut done = 0usize;
         for rank in &ranks {
+            let none = RankView::removed(Vec::new());
             match poll_rank(
                 &node,
                 &job_id,
                 *rank,
-                &views[rank],
+                views.get(rank).unwrap_or(&none),
                 &workers,
                 (terminal, since_ms),
                 &mut cursor,

@@ -142,6 +142,10 @@ pub(super) fn execute(
                 at_ms: now,
             }
         }
+        Action::RequestGrow { job_id, cause } => {
+            info!(job = %job_id, %cause, "asking the job's ranks to checkpoint and stop before it grows");
+            Command::RequestGrow { job_id, at_ms: now }
+        }
         Action::Stopped { job_id, finalize } => {
             if memory.io_busy(&job_id) {
                 return None; // a restart or a commit of this job is still in flight

@@ -209,6 +209,15 @@ pub enum Action {
         /// Why.
         action: StopAction,
     },
+    /// Ask a running elastic job's ranks to checkpoint and stop before it grows (the
+    /// grow rule allows it now): [`Command::RequestGrow`]. Once they stopped, the job is
+    /// resized from the step they committed ([`Action::Resize`]).
+    RequestGrow {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// Why, in words (the grow the rule found room for).
+        cause: String,
+    },
     /// No rank of a stopping job runs any more: commit `finalize` first when its
     /// parts are all in (the checkpoint the ranks took on request), then complete the
     /// stop.
@@ -273,7 +282,9 @@ pub fn plan(
     let index = state.job_index();
     for job in index.running.iter().filter_map(|id| state.jobs.get(id)) {
         match job.state {
-            JobState::Running if job.stop.is_some() => plan_stopping(job, obs, &mut actions),
+            JobState::Running if job.stop.is_some() => {
+                plan_stopping(state, job, obs, (&mut used, &alive), &mut actions);
+            }
             // A job whose ranks all finished succeeds, limit or not.
             JobState::Running if time_is_up(job, obs.now_ms) && !job.all_ranks_succeeded() => {
                 actions.push(Action::RequestStop {
@@ -836,8 +847,15 @@ fn time_is_up(job: &Job, now_ms: u64) -> bool {
 }
 
 /// A job whose ranks were asked to stop ([`Job::stop`]): nothing restarts; once no rank
-/// runs, the stop completes (after the step the ranks completed is committed).
-fn plan_stopping(job: &Job, obs: &Observations, actions: &mut Vec<Action>) {
+/// runs, the stop completes (after the step the ranks completed is committed): a grow's
+/// by the resize ([`elastic::plan_grown`]), when the room is still there.
+fn plan_stopping(
+    state: &ClusterState,
+    job: &Job,
+    obs: &Observations,
+    (used, alive): (&mut Used, &dyn Fn(&str) -> bool),
+    actions: &mut Vec<Action>,
+) {
     let mut running = false;
     for r in job.ranks.iter().filter(|r| r.state == RankState::Running) {
         running = true;
@@ -856,9 +874,16 @@ fn plan_stopping(job: &Job, obs: &Observations, actions: &mut Vec<Action>) {
     if running {
         return;
     }
+    let finalize = newest_complete_step(job);
+    if finalize.is_none()
+        && job.stop.as_ref().is_some_and(|s| s.grow)
+        && elastic::plan_grown(state, job, obs, used, alive, actions)
+    {
+        return;
+    }
     actions.push(Action::Stopped {
         job_id: job.id.clone(),
-        finalize: newest_complete_step(job),
+        finalize,
     });
 }
 

@@ -88,6 +88,7 @@ impl ClusterState {
                 action,
                 at_ms,
             } => self.request_stop(job_id, *action, *at_ms, dirty),
+            Command::RequestGrow { job_id, at_ms } => self.request_grow(job_id, *at_ms, dirty),
             Command::JobStopped { job_id, at_ms } => self.job_stopped(job_id, *at_ms, dirty),
             Command::DeleteJob { job_id } => self.delete_job(job_id, dirty),
             Command::RegisterWorker {

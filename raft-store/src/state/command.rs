@@ -83,6 +83,16 @@ pub enum Command {
         /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
         at_ms: u64,
     },
+    /// The leader asks a running elastic job below its most ranks to checkpoint and stop
+    /// before it grows: [`Job::stop`] becomes a [`StopAction::Preempt`] with
+    /// [`StopRequest::grow`] set; once no rank runs, the leader resizes the job from the
+    /// step they committed ([`Command::ResizeJob`]).
+    RequestGrow {
+        /// The job's id (`job-NNNNNN`).
+        job_id: String,
+        /// The leader's clock when it proposed this, in ms since the Unix epoch (`apply` reads no clock).
+        at_ms: u64,
+    },
     /// No rank of a job with a stop in flight runs any more (and a step they completed
     /// is committed): a pause parks it, a preemption queues it again, a time limit ends
     /// it `timed_out`.
@@ -333,6 +343,7 @@ impl std::fmt::Display for Command {
             Command::PauseJob { .. } => "PauseJob",
             Command::ResumeJob { .. } => "ResumeJob",
             Command::RequestStop { .. } => "RequestStop",
+            Command::RequestGrow { .. } => "RequestGrow",
             Command::JobStopped { .. } => "JobStopped",
             Command::DeleteJob { .. } => "DeleteJob",
             Command::RegisterWorker { .. } => "RegisterWorker",

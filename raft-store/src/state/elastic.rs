@@ -213,12 +213,24 @@ impl Job {
             .unwrap_or(0)
             .max(self.attempt_floor);
         self.attempt_floor = floor;
-        self.ranks.truncate(new_world as usize);
+        // The removed ranks' attempts stay findable (their logs), and come back with the
+        // rank when a grow adds it again.
+        for r in self.ranks.drain(new_world.min(from) as usize..) {
+            if !r.attempt_workers.is_empty() {
+                self.removed_rank_workers
+                    .entry(r.rank)
+                    .or_default()
+                    .extend(r.attempt_workers);
+            }
+        }
         while self.world_size() < new_world {
             let mut r = self.ranks[0].clone();
             r.rank = self.world_size();
             r.attempt = floor;
-            r.attempt_workers.clear();
+            r.attempt_workers = self
+                .removed_rank_workers
+                .remove(&r.rank)
+                .unwrap_or_default();
             r.worker_id = None;
             r.gpus.clear();
             self.ranks.push(r);
@@ -253,10 +265,11 @@ impl Job {
 pub const MAX_RESIZE_CAUSE_BYTES: usize = 512;
 
 impl ClusterState {
-    /// `ResizeJob`: a running elastic job with no stop in flight changes its number of
-    /// ranks to `placements.len()` (within its bounds, not its current size), every rank
-    /// placed as given (checked as a placement with the job's old ranks' slots free),
-    /// resuming from a kept committed step or from scratch ([`Job::resize`]).
+    /// `ResizeJob`: a running elastic job with no stop in flight (or a grow's, once no
+    /// rank runs: the resize clears it) changes its number of ranks to
+    /// `placements.len()` (within its bounds, not its current size), every rank placed as
+    /// given (checked as a placement with the job's old ranks' slots free), resuming from
+    /// a kept committed step or from scratch ([`Job::resize`]).
     pub(super) fn resize_job(
         &mut self,
         job_id: &str,
@@ -279,10 +292,18 @@ impl ClusterState {
             return reject(format!("job {job_id} has a fixed world size"));
         }
         if let Some(stop) = &job.stop {
-            return reject(format!(
-                "job {job_id} is stopping ({}): no resize",
-                stop.action
-            ));
+            if !stop.grow {
+                return reject(format!(
+                    "job {job_id} is stopping ({}): no resize",
+                    stop.action
+                ));
+            }
+            if let Some(r) = job.ranks.iter().find(|r| r.state == RankState::Running) {
+                return reject(format!(
+                    "job {job_id} is stopping to grow, and rank {} attempt {} still runs",
+                    r.rank, r.attempt
+                ));
+            }
         }
         let n = placements.len();
         if n < job.spec.min_world_size as usize || n > job.spec.world_size as usize {
@@ -304,6 +325,7 @@ impl ClusterState {
         if let Err(why) = resized.resize((placements, gpus), resume_step, cause, at_ms) {
             return reject(why);
         }
+        resized.stop = None;
         self.jobs.insert(job_id.to_string(), Arc::new(resized));
         let all: BTreeSet<u32> = (0..n as u32).collect();
         if let Err(e) = self.check_placements(job_id, &all, placements, gpus) {

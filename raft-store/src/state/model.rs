@@ -282,6 +282,11 @@ pub struct Job {
     /// rank added again never reuses an attempt number (and its directories).
     #[serde(default, skip_serializing_if = "is_zero_u32")]
     pub attempt_floor: u32,
+    /// Elastic jobs: the `(attempt, worker)` records of the ranks a shrink removed, by
+    /// rank, so that their logs stay readable (`cumulusctl logs`); a rank a grow adds
+    /// again takes its records back.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub removed_rank_workers: BTreeMap<u32, Vec<(u32, String)>>,
 }
 
 fn is_zero_u32(v: &u32) -> bool {
@@ -307,6 +312,13 @@ pub struct StopRequest {
     pub action: StopAction,
     /// Leader time of the request, in ms since the Unix epoch.
     pub requested_at_ms: u64,
+    /// A grow of an elastic job ([`Command::RequestGrow`], action
+    /// [`StopAction::Preempt`]): once its ranks stopped at a committed step, the leader
+    /// resizes it from there ([`Command::ResizeJob`] clears the stop) instead of redoing
+    /// the steps since its last commit; when the room is gone by then, `JobStopped`
+    /// queues it again as a preemption does.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub grow: bool,
 }
 
 impl Job {
@@ -474,6 +486,12 @@ impl Job {
                         .sum::<usize>()
             })
             .sum();
+        let removed: usize = self
+            .removed_rank_workers
+            .values()
+            .flatten()
+            .map(|(_, w)| w.len() + 2 * PER_STRING_BYTES)
+            .sum();
         let restarts: usize = self
             .restarts
             .iter()
@@ -521,7 +539,8 @@ impl Job {
                 .resizes
                 .iter()
                 .map(|r| RESTART_BYTES + r.cause.len())
-                .sum::<usize>();
+                .sum::<usize>()
+            + removed;
         (ranks
             + restarts
             + parts

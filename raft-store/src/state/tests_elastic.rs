@@ -200,6 +200,14 @@ fn a_shrink_then_a_grow_deal_the_unconsumed_records_and_carries() {
     );
     assert_eq!(e0[1].len(), 4);
     assert_eq!(job.shard_plan.len(), 2);
+    // The removed ranks' attempts stay findable (their logs).
+    for rank in [2, 3] {
+        let w = if rank % 2 == 0 { "w1" } else { "w2" };
+        assert_eq!(
+            job.removed_rank_workers.get(&rank),
+            Some(&vec![(before[rank as usize], w.to_string())])
+        );
+    }
 
     // At 2 ranks, 1 more record each; then back to 4: ranks 2 and 3 resume from the
     // parts of ranks 0 and 1, with attempt numbers above any rank 2 or 3 ever had.
@@ -214,6 +222,15 @@ fn a_shrink_then_a_grow_deal_the_unconsumed_records_and_carries() {
     assert_eq!(job.ranks[2].resume_dir, parts[0].dir);
     assert_eq!(job.ranks[3].resume_dir, parts[1].dir);
     assert!(job.ranks[2].attempt > before[2] && job.ranks[3].attempt > before[3]);
+    // Ranks 2 and 3 take their old attempts back, before the new ones.
+    assert!(job.removed_rank_workers.is_empty());
+    assert_eq!(
+        job.ranks[2].attempt_workers,
+        vec![
+            (before[2], "w1".to_string()),
+            (job.ranks[2].attempt, "w1".to_string())
+        ]
+    );
     let plan = job.data_plan().expect("a plan");
     // The plan in force at step 20 was the first resize's: s0 from record 4 now.
     let all: Vec<(String, u64)> = plan.plan.epochs[&0]
@@ -256,4 +273,102 @@ fn the_spec_bounds_an_elastic_world_size() {
         ..spec(4)
     };
     assert_eq!(fork.validate(MAX_WORLD_SIZE), Err(SpecError::ElasticFork));
+}
+
+/// Every rank's current attempt starts (`exit: None`) or exits with `exit`.
+fn run_all(s: &mut ClusterState, job_id: &str, exit: Option<i32>) {
+    let ranks: Vec<(u32, u32, String)> = s.jobs[job_id]
+        .ranks
+        .iter()
+        .map(|r| (r.rank, r.attempt, r.worker_id.clone().expect("placed")))
+        .collect();
+    for (rank, attempt, worker_id) in ranks {
+        let cmd = match exit {
+            None => Command::RankStarted {
+                job_id: job_id.into(),
+                rank,
+                attempt,
+                worker_id,
+                pid: 100 + rank,
+                at_ms: 6,
+            },
+            Some(code) => Command::RankExited {
+                job_id: job_id.into(),
+                rank,
+                attempt,
+                worker_id,
+                exit_code: Some(code),
+                signal: None,
+                spawn_error: String::new(),
+                agent_fault: false,
+                agent_evidence: String::new(),
+                exec_failed: false,
+                step: 0,
+                total_steps: 0,
+                artifacts: None,
+                cause: String::new(),
+                at_ms: 7,
+            },
+        };
+        assert_eq!(apply(s, cmd), Response::Ok);
+    }
+}
+
+#[test]
+fn a_grow_stop_is_completed_by_the_resize_once_no_rank_runs() {
+    let (mut s, job_id) = elastic_job(2, 4, 2, 2);
+    run_all(&mut s, &job_id, None);
+    commit(&mut s, &job_id, 10, &[1, 1]);
+    let grow = Command::RequestGrow {
+        job_id: job_id.clone(),
+        at_ms: 20,
+    };
+    assert_eq!(apply(&mut s, grow.clone()), Response::Ok);
+    let stop = s.jobs[&job_id].stop.clone().expect("a stop in flight");
+    assert!(stop.grow && stop.action == StopAction::Preempt, "{stop:?}");
+    assert!(
+        matches!(apply(&mut s, grow), Response::Rejected { .. }),
+        "one stop at a time"
+    );
+    // Not while a rank still runs.
+    assert!(matches!(
+        apply(&mut s, resize(&job_id, alternating(4), Some(10))),
+        Response::Rejected { .. }
+    ));
+    // The ranks took step 20 on request and exited 0: the resize from it ends the stop.
+    commit(&mut s, &job_id, 20, &[2, 2]);
+    run_all(&mut s, &job_id, Some(0));
+    assert_eq!(
+        apply(&mut s, resize(&job_id, alternating(4), Some(20))),
+        Response::Ok
+    );
+    let job = &s.jobs[&job_id];
+    assert_eq!((job.world_size(), job.stop.clone()), (4, None));
+    assert_eq!(job.state, JobState::Running);
+
+    // A job at its most ranks cannot grow; a pause takes over a grow's stop.
+    let (mut s, job_id) = elastic_job(2, 4, 4, 2);
+    let grow = |id: &str| Command::RequestGrow {
+        job_id: id.into(),
+        at_ms: 20,
+    };
+    assert!(matches!(
+        apply(&mut s, grow(&job_id)),
+        Response::Rejected { .. }
+    ));
+    let (mut s, job_id) = elastic_job(2, 4, 2, 2);
+    run_all(&mut s, &job_id, None);
+    assert_eq!(apply(&mut s, grow(&job_id)), Response::Ok);
+    assert_eq!(
+        apply(
+            &mut s,
+            Command::PauseJob {
+                job_id: job_id.clone(),
+                at_ms: 21
+            }
+        ),
+        Response::Ok
+    );
+    let stop = s.jobs[&job_id].stop.clone().expect("a stop in flight");
+    assert!(!stop.grow && stop.action == StopAction::Pause, "{stop:?}");
 }

@@ -12,8 +12,13 @@
 //!   a checkpoint step was committed since its last resize (the boundary it resumes
 //!   from), its last resize is [`GROW_INTERVAL_MS`] old, no job waits in the queue, and
 //!   each worker the new ranks would use has been registered for [`GROW_INTERVAL_MS`]
-//!   (a worker that comes and goes is not grown onto). The steps the ranks made since
-//!   that commit are redone at the new size.
+//!   (a worker that comes and goes is not grown onto). The ranks are first asked to
+//!   checkpoint and stop ([`Action::RequestGrow`], a preemption's checkpoint-then-stop):
+//!   once none runs and the step they took is committed, the job is resized from that
+//!   step ([`plan_grown`]), so no step is redone (a rank that stops without committing
+//!   leaves the job to resume from its newest commit, as before). When the room is gone
+//!   by then, the stop completes as a preemption (the job is queued and placed again
+//!   with the ranks that fit).
 
 use cumulus_raft_store::state::JobSpec;
 
@@ -124,8 +129,9 @@ pub(super) fn plan_shrink(
     true
 }
 
-/// A running elastic `job` below its `world_size` with every rank running: plans a
-/// grow when the module doc's rule allows it (and returns whether it did).
+/// A running elastic `job` below its `world_size` with every rank running: when the
+/// module doc's rule allows a grow, asks its ranks to checkpoint and stop first
+/// ([`Action::RequestGrow`]) and returns true.
 pub(super) fn plan_grow(
     state: &ClusterState,
     job: &Job,
@@ -187,7 +193,54 @@ pub(super) fn plan_grow(
     *used = mine;
     used.add(&placements, &gpus, job.spec.gpu_share_permille());
     let cause = format!(
-        "grow from {} to {} ranks: capacity back, at committed step {}",
+        "room for {} ranks (now {}) since committed step {}",
+        placements.len(),
+        job.world_size(),
+        job.committed_step.unwrap_or_default()
+    );
+    actions.push(Action::RequestGrow {
+        job_id: job.id.clone(),
+        cause,
+    });
+    true
+}
+
+/// A grow's stop ((`StopRequest::grow`)) has completed: no rank of `job` runs and the
+/// step they took on request (if any) is committed. Plans the resize to as many ranks as
+/// fit now, from that step, and returns true; false when no more ranks than it had fit
+/// any longer (the stop then completes as a preemption).
+pub(super) fn plan_grown(
+    state: &ClusterState,
+    job: &Job,
+    obs: &Observations,
+    used: &mut Used,
+    alive: &dyn Fn(&str) -> bool,
+    actions: &mut Vec<Action>,
+) -> bool {
+    let mine = used_without_job(used, job);
+    let free: Vec<WorkerSlots> = free_workers(state, alive, &mine.slots)
+        .into_iter()
+        .filter(|w| w.free_slots > 0)
+        .collect();
+    let Some((placements, gpus)) = largest_fit(
+        state,
+        obs,
+        &job.spec,
+        &free,
+        &mine,
+        alive,
+        job.spec.world_size,
+    ) else {
+        return false;
+    };
+    if placements.len() <= job.ranks.len() {
+        return false;
+    }
+    *used = mine;
+    used.add(&placements, &gpus, job.spec.gpu_share_permille());
+    let cause = format!(
+        "grow from {} to {} ranks: capacity back, the ranks checkpointed first (committed \
+         step {})",
         job.world_size(),
         placements.len(),
         job.committed_step.unwrap_or_default()
@@ -239,6 +292,51 @@ mod tests {
 
     /// Starts every rank of the job and commits `step` with a part of each.
     fn start_and_commit(s: &mut ClusterState, job_id: &str, step: u64) {
+        start_with_parts(s, job_id, step);
+        apply(
+            s,
+            Command::CheckpointCommitted {
+                job_id: job_id.into(),
+                step,
+                at_ms: 3,
+            },
+        );
+    }
+
+    /// Every rank's current attempt exits 0.
+    fn exit_all(s: &mut ClusterState, job_id: &str) {
+        let ranks: Vec<(u32, u32, String)> = s.jobs[job_id]
+            .ranks
+            .iter()
+            .map(|r| (r.rank, r.attempt, r.worker_id.clone().expect("placed")))
+            .collect();
+        for (rank, attempt, worker_id) in ranks {
+            apply(
+                s,
+                Command::RankExited {
+                    job_id: job_id.into(),
+                    rank,
+                    attempt,
+                    worker_id,
+                    exit_code: Some(0),
+                    signal: None,
+                    spawn_error: String::new(),
+                    agent_fault: false,
+                    agent_evidence: String::new(),
+                    exec_failed: false,
+                    step: 0,
+                    total_steps: 0,
+                    artifacts: None,
+                    cause: String::new(),
+                    at_ms: 4,
+                },
+            );
+        }
+    }
+
+    /// Starts every rank of the job (those pending) and records a part of `step` from
+    /// each, not committed yet.
+    fn start_with_parts(s: &mut ClusterState, job_id: &str, step: u64) {
         let ranks: Vec<(u32, u32, String)> = s.jobs[job_id]
             .ranks
             .iter()
@@ -273,14 +371,6 @@ mod tests {
                 },
             );
         }
-        apply(
-            s,
-            Command::CheckpointCommitted {
-                job_id: job_id.into(),
-                step,
-                at_ms: 3,
-            },
-        );
     }
 
     fn resizes(actions: &[Action]) -> Vec<(usize, String)> {
@@ -358,12 +448,60 @@ mod tests {
         // A second worker registers at 1 s: no grow before it is 20 s old, nor before the
         // job's last resize is 20 s old.
         register(&mut s, "w2", 1_000);
-        assert!(resizes(&plan_at(&s, 15_000)).is_empty());
+        let grows = |actions: &[Action]| {
+            actions
+                .iter()
+                .filter(|a| matches!(a, Action::RequestGrow { .. }))
+                .count()
+        };
+        assert_eq!(grows(&plan_at(&s, 15_000)), 0);
+        // The rule allows a grow: the ranks are asked to checkpoint and stop first.
         let actions = plan_at(&s, 21_000);
+        assert!(resizes(&actions).is_empty(), "{actions:?}");
+        assert_eq!(grows(&actions), 1, "{actions:?}");
+        apply(
+            &mut s,
+            Command::RequestGrow {
+                job_id: job_id.clone(),
+                at_ms: 21_000,
+            },
+        );
+        let stop = s.jobs[&job_id].stop.clone().expect("a stop in flight");
+        assert!(stop.grow && stop.action == StopAction::Preempt, "{stop:?}");
+        // They take step 12 and exit 0: it is committed first, then the job grows from it.
+        start_with_parts(&mut s, &job_id, 12);
+        assert!(resizes(&plan_at(&s, 21_500)).is_empty(), "ranks still run");
+        exit_all(&mut s, &job_id);
+        let actions = plan_at(&s, 22_000);
+        assert!(
+            matches!(
+                actions.as_slice(),
+                [Action::Stopped {
+                    finalize: Some(12),
+                    ..
+                }]
+            ),
+            "{actions:?}"
+        );
+        apply(
+            &mut s,
+            Command::CheckpointCommitted {
+                job_id: job_id.clone(),
+                step: 12,
+                at_ms: 22_100,
+            },
+        );
+        let actions = plan_at(&s, 22_200);
         assert_eq!(resizes(&actions).len(), 1, "{actions:?}");
-        assert!(resizes(&actions)[0].1.contains("grow from 2 to 4"));
-        commit_resize(&mut s, &job_id, &actions, 21_000);
-        assert_eq!(s.jobs[&job_id].world_size(), 4);
+        assert!(
+            resizes(&actions)[0].1.contains("grow from 2 to 4")
+                && resizes(&actions)[0].1.contains("step 12"),
+            "{actions:?}"
+        );
+        commit_resize(&mut s, &job_id, &actions, 22_200);
+        let job = &s.jobs[&job_id];
+        assert_eq!((job.world_size(), job.stop.clone()), (4, None));
+        assert_eq!(job.resizes.last().map(|r| r.resume_step), Some(Some(12)));
 
         // No second grow, and none without a commit since the resize.
         start_and_commit(&mut s, &job_id, 20);

@@ -125,6 +125,7 @@ impl ClusterState {
             data_plans: Vec::new(),
             resize_count: 0,
             attempt_floor: 0,
+            removed_rank_workers: BTreeMap::new(),
         };
         // Indexed now (its fixed size computed once, kept by the index), so that the
         // eviction below counts it.
@@ -268,9 +269,10 @@ impl ClusterState {
         })
     }
 
-    /// `PauseJob`: rejects a job with a stop in flight or one already paused; a pending
-    /// job is paused at once, a running one gets a `Pause` stop request (its ranks stop, then
-    /// [`ClusterState::job_stopped`] pauses it); any other state is rejected.
+    /// `PauseJob`: rejects a job with a stop in flight (but a grow's, which the pause
+    /// replaces) or one already paused; a pending job is paused at once, a running one
+    /// gets a `Pause` stop request (its ranks stop, then [`ClusterState::job_stopped`]
+    /// pauses it); any other state is rejected.
     pub(super) fn pause_job(
         &mut self,
         job_id: &str,
@@ -278,7 +280,7 @@ impl ClusterState {
         dirty: &mut BTreeSet<DirtyKey>,
     ) -> Response {
         self.with_live_job(job_id, dirty, |job| {
-            if let Some(stop) = &job.stop {
+            if let Some(stop) = job.stop.as_ref().filter(|s| !s.grow) {
                 return reject(format!(
                     "job {job_id} is already stopping ({}): one pause or resume at a time",
                     stop.action
@@ -295,6 +297,7 @@ impl ClusterState {
                     job.stop = Some(StopRequest {
                         action: StopAction::Pause,
                         requested_at_ms: at_ms,
+                        grow: false,
                     });
                     Response::Ok
                 }
@@ -357,6 +360,41 @@ impl ClusterState {
             job.stop = Some(StopRequest {
                 action,
                 requested_at_ms: at_ms,
+                grow: false,
+            });
+            Response::Ok
+        })
+    }
+
+    /// `RequestGrow`: a running elastic job below its most ranks, with no stop in flight,
+    /// is asked to checkpoint and stop before it grows ([`StopRequest::grow`]).
+    pub(super) fn request_grow(
+        &mut self,
+        job_id: &str,
+        at_ms: u64,
+        dirty: &mut BTreeSet<DirtyKey>,
+    ) -> Response {
+        self.with_live_job(job_id, dirty, |job| {
+            if job.state != JobState::Running {
+                return reject(format!("job {job_id} is {}, not running", job.state));
+            }
+            if !job.spec.is_elastic() || job.world_size() >= job.spec.world_size {
+                return reject(format!(
+                    "job {job_id} cannot grow: it runs {} of at most {} ranks",
+                    job.world_size(),
+                    job.spec.world_size
+                ));
+            }
+            if let Some(stop) = &job.stop {
+                return reject(format!(
+                    "job {job_id} is already stopping ({})",
+                    stop.action
+                ));
+            }
+            job.stop = Some(StopRequest {
+                action: StopAction::Preempt,
+                requested_at_ms: at_ms,
+                grow: true,
             });
             Response::Ok
         })
