@@ -50,6 +50,18 @@ which forms a new process group and resumes from the last committed step as a ne
 process would; only the dead rank gets a new process. Under ``torchrun`` (no agent)
 ``runtime.run`` just calls it.
 
+Elastic jobs (``--world-size 2:4``, ``submit(world_size=(2, 4))``): the ranks read their
+records through the job's data plan (``runtime.ElasticData``) instead of the sampler:
+``--epochs`` passes over the data set, each record once per epoch however often the job
+is resized (a batch may span two epochs; once every epoch is done, batches are empty and
+only the momentum moves the weights). Every checkpoint's state holds the data position
+under ``"cumulus_data"`` with a *carry*: the number of records consumed and the sum,
+modulo 2^64, of their id hashes (as ``elastic_records.py``'s), which the rank that takes
+over a departed rank's records takes over too. ``rank-<R>.json`` then has
+``world_size``, ``record_count`` and ``record_sum``; the last ranks' sums add up to the
+data set's. A resized run's weights differ from a fixed-size run's (other ranks, other
+batches); a fixed-size job reads its records as before.
+
 Fault injection, for tests: ``--kill-rank R --kill-at-step S`` makes rank R's first
 attempt SIGKILL itself after step S, once the last checkpoint before S is committed;
 ``--kill-again-rank R`` makes rank R SIGKILL itself when its second attempt begins
@@ -69,7 +81,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +114,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=1,
+        help="an elastic job's passes over its data set (its ranks read the data plan);"
+        " a fixed-size job's sampler runs on for --steps",
+    )
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     p.add_argument(
@@ -222,6 +241,103 @@ class DataPosition:
         self.digest = bytes.fromhex(state["digest"])
 
 
+MASK = (1 << 64) - 1
+
+
+def record_hash(epoch: int, shard: str, index: int) -> int:
+    """The id hash of record ``index`` of ``shard`` in ``epoch`` (as elastic_records.py's)."""
+    h = hashlib.sha256(f"{epoch}\0{shard}\0{index}".encode())
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+@dataclass
+class ElasticFeed:
+    """An elastic job's records, as its data plan deals them to this rank (the module
+    doc): batches of features and labels, and the position with its record count and
+    sum for every checkpoint's state."""
+
+    epochs: int
+    features: int
+    data: runtime.ElasticData = field(default_factory=runtime.ElasticData)
+    count: int = 0
+    total: int = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.data.epoch
+
+    def restore(self, point: runtime.ResumePoint | None) -> None:
+        """Moves to where this attempt starts and takes over the carries: the plan's
+        start after a resize, else the checkpoint's own position."""
+        self.data.restore(point.state if point else None, point.step if point else None)
+        if point is None:
+            return
+        carries: list[Any] = list(self.data.carried)
+        if not self.data.started_plan:
+            carries = [(point.state.get(runtime.DATA_STATE_KEY) or {}).get("carry")]
+        for c in carries:
+            if isinstance(c, dict):
+                self.total = (self.total + int(c["sum"], 16)) & MASK
+                self.count += int(c["count"])
+
+    def next_batch(
+        self, size: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``size`` records (fewer at the end of the data), counted."""
+        rows: list[list[str]] = []
+        while len(rows) < size and self.data.epoch < self.epochs:
+            reader = self.data.reader()
+            row = next(reader, None)
+            if row is None:
+                self.data.next_epoch()
+                continue
+            pos = reader.state()
+            shard, first = self.data.segments()[int(pos["shard"])]
+            index = first + int(pos["record"]) - 1
+            self.total = (
+                self.total + record_hash(self.data.epoch, shard.name, index)
+            ) & MASK
+            self.count += 1
+            rows.append(row)
+        x = torch.tensor(
+            [[float(v) for v in r[:-1]] for r in rows], dtype=torch.float32
+        ).reshape(len(rows), self.features)
+        y = torch.tensor([int(r[-1]) for r in rows], dtype=torch.int64)
+        return (x / 16.0).to(device), y.to(device)
+
+    def state(self) -> dict[str, Any]:
+        """The checkpoint's JSON state: the data position with the carry."""
+        carry = {"sum": f"{self.total:016x}", "count": self.count}
+        return {runtime.DATA_STATE_KEY: self.data.state(carry=carry)}
+
+
+def rank_data(
+    args: argparse.Namespace, ctx: runtime.Context, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[str], ElasticFeed | None]:
+    """This rank's records (features, labels, ids) for a fixed-size job; for an elastic
+    one (it has a data plan) empty ones and the feed that reads the plan."""
+    plan = runtime.data_plan()
+    if plan is None:
+        x, y, ids = load_records(ctx, args.data)
+        return x.to(device), y.to(device), ids, None
+    reader = runtime.ElasticData(plan=plan)
+    feed = ElasticFeed(args.epochs, elastic_features(reader, ctx), reader)
+    return torch.empty(0), torch.empty(0), [], feed
+
+
+def elastic_features(feed_data: runtime.ElasticData, ctx: runtime.Context) -> int:
+    """The feature count of the data set: columns of its first record, less the label."""
+    segments = [
+        p
+        for e in (feed_data.plan.epochs if feed_data.plan else {}).values()
+        for p, _ in e
+    ]
+    for shard in [*ctx.shard_paths, *segments]:
+        for row in runtime.ShardReader([shard]):
+            return len(row) - 1
+    sys.exit(f"rank {ctx.rank}: no records in its shards nor its data plan")
+
+
 class Checkpoints:
     """This rank's checkpoints: the periodic ones asynchronous, one in flight at a time;
     the stop one synchronous (committed before the rank exits)."""
@@ -319,10 +435,20 @@ class Training:
     model: nn.Module
     ddp: nn.Module
     opt: torch.optim.Optimizer
-    data: DataPosition
+    #: A fixed-size job's sampler position (``None`` for an elastic job).
+    data: DataPosition | None
     ids: list[str]
     x: torch.Tensor
     y: torch.Tensor
+    #: An elastic job's records (instead of ``data``, ``ids``, ``x``, ``y``).
+    elastic: ElasticFeed | None = None
+
+    @property
+    def position(self) -> DataPosition | ElasticFeed:
+        """Where this rank is in its records (either kind)."""
+        out = self.data if self.elastic is None else self.elastic
+        assert out is not None
+        return out
 
 
 def train(t: Training, start: int) -> tuple[int, float, bool]:
@@ -333,9 +459,15 @@ def train(t: Training, start: int) -> tuple[int, float, bool]:
     saver = Checkpoints(ctx.rank)
     step, value = start, float("nan")
     for step in range(start + 1, args.steps + 1):
-        batch = t.data.next_batch(t.ids, args.batch_size)
-        idx = torch.tensor(batch, device=t.device)
-        loss = loss_fn(t.ddp(t.x[idx]), t.y[idx])
+        if t.elastic is None:
+            assert t.data is not None
+            batch = t.data.next_batch(t.ids, args.batch_size)
+            idx = torch.tensor(batch, device=t.device)
+            loss = loss_fn(t.ddp(t.x[idx]), t.y[idx])
+        else:
+            xb, yb = t.elastic.next_batch(args.batch_size, t.device)
+            # An empty batch (this rank's records are done) still joins the all-reduce.
+            loss = loss_fn(t.ddp(xb), yb) if len(yb) else t.ddp(xb).sum() * 0.0
         t.opt.zero_grad(set_to_none=True)
         loss.backward()
         t.opt.step()
@@ -344,8 +476,13 @@ def train(t: Training, start: int) -> tuple[int, float, bool]:
         if args.step_sleep_ms > 0:
             time.sleep(args.step_sleep_ms / 1000)
         if step % args.log_every == 0 and ctx.rank == 0:
+            if t.elastic is not None:
+                epoch = t.elastic.epoch
+            else:
+                assert t.data is not None
+                epoch = t.data.sampler.epoch
             print(
-                f"step {step}/{args.steps} epoch {t.data.sampler.epoch} loss {value:.4f}",
+                f"step {step}/{args.steps} epoch {epoch} loss {value:.4f}",
                 flush=True,
             )
         saver.reap()
@@ -354,7 +491,7 @@ def train(t: Training, start: int) -> tuple[int, float, bool]:
         if (step % args.ckpt_every == 0 or stop) and rt.checkpoints_enabled:
             saver.save(
                 step,
-                t.data.state(),
+                t.position.state(),
                 stop=stop,
                 model=t.model,
                 optimizer=t.opt,
@@ -411,12 +548,12 @@ def train_attempt(args: argparse.Namespace) -> int:
         print(f"rank={ctx.rank} killing itself as attempt 1 begins", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     device, backend = init_distributed(args, ctx)
-    x, y, ids = load_records(ctx, args.data)
-    x, y = x.to(device), y.to(device)
+    x, y, ids, elastic = rank_data(args, ctx, device)
+    features = x.shape[1] if elastic is None else elastic.features
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = nn.Sequential(
-        nn.Linear(x.shape[1], args.hidden),
+        nn.Linear(features, args.hidden),
         nn.ReLU(),
         nn.Dropout(args.dropout),
         nn.Linear(args.hidden, 10),
@@ -424,23 +561,35 @@ def train_attempt(args: argparse.Namespace) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     torch.manual_seed(args.seed * 1000 + 1 + ctx.rank)  # this rank's dropout masks
     # This rank's data order: each epoch shuffled from (seed, epoch).
-    data = DataPosition(
-        runtime.EpochSampler(len(ids), seed=args.seed * 1000 + 500 + ctx.rank)
+    data = (
+        DataPosition(
+            runtime.EpochSampler(len(ids), seed=args.seed * 1000 + 500 + ctx.rank)
+        )
+        if elastic is None
+        else None
     )
 
     start = 0
     point = ckpt.load_checkpoint(model=model, optimizer=opt, rng=ckpt.RNG())
     if point is not None:
         start = point.step
+    if data is not None and point is not None:
         data.restore(point.state)
+    if elastic is not None:
+        elastic.restore(point)
+    records = (
+        len(ids)
+        if elastic is None
+        else f"{elastic.count} so far, epoch {elastic.epoch}"
+    )
     print(
         f"rank={ctx.rank} attempt={ctx.attempt} world={ctx.world_size} backend={backend} "
-        f"records={len(ids)} start={start} pid={os.getpid()}",
+        f"records={records} start={start} pid={os.getpid()}",
         flush=True,
     )
     wrap = nn.parallel.DistributedDataParallel if args.stock_ddp else exact_ddp
     ddp = wrap(model, device_ids=[device.index] if device.type == "cuda" else None)
-    t = Training(args, rt, device, model, ddp, opt, data, ids, x, y)
+    t = Training(args, rt, device, model, ddp, opt, data, ids, x, y, elastic)
     t0 = time.monotonic()
     step, value, stopped = train(t, start)
     if stopped:
@@ -448,7 +597,7 @@ def train_attempt(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
         return 0
     elapsed = time.monotonic() - t0
-    result = {
+    result: dict[str, Any] = {
         "rank": ctx.rank,
         "attempt": ctx.attempt,
         "pid": os.getpid(),
@@ -457,9 +606,21 @@ def train_attempt(args: argparse.Namespace) -> int:
         # (a survivor of an in-process restart); "disk": from the committed part's files.
         "restore_source": point.source if point is not None else None,
         "steps": step,
-        "epoch": data.sampler.epoch,
-        "records": data.sampler.taken,
-        "record_digest": data.digest.hex(),
+    }
+    if data is not None:
+        result |= {
+            "epoch": data.sampler.epoch,
+            "records": data.sampler.taken,
+            "record_digest": data.digest.hex(),
+        }
+    if elastic is not None:
+        result |= {
+            "epoch": elastic.epoch,
+            "world_size": ctx.world_size,
+            "record_count": elastic.count,
+            "record_sum": f"{elastic.total:016x}",
+        }
+    result |= {
         "weights_sha256": save_weights(t),
         "final_loss": value if step > start else None,
         "steps_per_s": (step - start) / elapsed if elapsed > 0 else None,

@@ -22,6 +22,11 @@ often the job was resized or restarted.
 
     python examples/python/elastic_records.py digest --shards-dir /tmp/digits --epochs 2
 
+Asked to stop (a pause, a preemption, a grow of the job: ``runtime.should_stop()``), a
+rank goes on to its next ``--ckpt-every`` step, commits it and exits 0 without writing
+results, so every rank stops at the same step and the job resumes from it with no step
+redone.
+
 While the file ``--slow-file`` exists, each step sleeps ``--step-sleep-ms`` (tests keep
 the job running through resizes that way).
 """
@@ -89,6 +94,7 @@ def train(args: argparse.Namespace) -> None:
         flush=True,
     )
     slow = Path(args.slow_file) if args.slow_file else None
+    asked = False
     while step < args.total_steps:
         taken = 0
         while taken < args.batch and data.epoch < args.epochs:
@@ -106,11 +112,20 @@ def train(args: argparse.Namespace) -> None:
         if slow is not None and args.step_sleep_ms > 0 and slow.exists():
             time.sleep(args.step_sleep_ms / 1000)
         runtime.report(step, args.total_steps, records=float(count))
+        asked = asked or runtime.should_stop()
         if step % args.ckpt_every == 0 or step == args.total_steps:
             carry = {"sum": f"{total:016x}", "count": count}
             state = {runtime.DATA_STATE_KEY: data.state(carry=carry)}
             with runtime.checkpoint(step, state):
                 pass
+            if asked and step < args.total_steps:
+                print(
+                    f"rank {ctx.rank} asked to {runtime.stop_request()}: stopped at "
+                    f"checkpoint step {step}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {

@@ -1200,6 +1200,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config, 
         help="kills of the kill -> first step measurement, each launcher (default: 12)",
     )
     p.add_argument(
+        "--ckpt-reps",
+        type=int,
+        metavar="N",
+        help="repetitions of the checkpoint measurement, each one a sync, a plain and an "
+        "async save in rotated order (default: 3; more make the medians settle)",
+    )
+    p.add_argument(
         "--run-calls",
         type=int,
         metavar="N",
@@ -1209,6 +1216,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config, 
     cfg = SMOKE if args.smoke else FULL
     for flag, value, attr in (
         ("--ddp-pairs", args.ddp_pairs, "ddp_pairs"),
+        ("--ckpt-reps", args.ckpt_reps, "ckpt_reps"),
         ("--run-calls", args.run_calls, "run_calls"),
         ("--kills", args.kills, "kills"),
     ):

@@ -48,6 +48,7 @@ impl Supervisor {
                     .await?
             }
         };
+        let local_ms = started.elapsed().as_secs_f64() * 1e3;
         let state_json = serde_json::to_string(&part.state).expect("a JSON value serializes");
         let request = CommitCheckpointPartRequest {
             worker_id: self.inner.settings.worker_id.clone(),
@@ -71,7 +72,15 @@ impl Supervisor {
             .await;
         match result {
             Ok(_) => {
-                tracing::info!(attempt = %key, step, dir = %part.dir, "checkpoint part acknowledged");
+                let total_ms = started.elapsed().as_secs_f64() * 1e3;
+                tracing::info!(
+                    attempt = %key,
+                    step,
+                    dir = %part.dir,
+                    local_ms,
+                    leader_ms = total_ms - local_ms,
+                    "checkpoint part acknowledged"
+                );
                 let m = crate::metrics::metrics();
                 m.checkpoint_seconds
                     .observe(started.elapsed().as_secs_f64());

@@ -46,6 +46,7 @@ from cumulus.errors import (
 )
 from cumulus.runtime._agent import CHECKPOINT_TIMEOUT_S, AgentClient
 from cumulus.runtime._env import Context
+from cumulus.runtime._writeback import Writeback
 
 __all__ = [
     "COMMIT_DEADLINE_S",
@@ -526,7 +527,8 @@ class Checkpointer:
                     step,
                 ) from e
             try:
-                yield stage
+                with Writeback(staging):
+                    yield stage
                 state_bytes = _encode_state(stage.state)
                 self._write_state_file(staging, state_bytes)
             except BaseException:
@@ -574,7 +576,8 @@ class Checkpointer:
 
         def fill() -> None:
             _empty_dir(staging)
-            write(staging)
+            with Writeback(staging):  # the disk writes start while the part is written
+                write(staging)
             self._write_state_file(staging, state_bytes)
 
         try:
