@@ -17,7 +17,7 @@ only (``ctypes``), as the rest of :mod:`cumulus.runtime`.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
 import stat
 import sys
@@ -42,9 +42,14 @@ MAX_FILES = 256
 _MAX_DEPTH = 8
 
 
-def _load() -> Any:
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's ``sync_file_range`` (loaded at the first checkpoint, not at import: a
+    rank that never checkpoints does not pay for ``ctypes``), or ``None``."""
     if not sys.platform.startswith("linux"):
         return None
+    import ctypes
+
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
@@ -54,13 +59,10 @@ def _load() -> Any:
     return fn
 
 
-_sync_file_range = _load()
-
-
 def available() -> bool:
     """Whether this platform can start a file's writeback (Linux with
     ``sync_file_range``)."""
-    return _sync_file_range is not None
+    return _sync_file_range() is not None
 
 
 class _File:
@@ -100,7 +102,7 @@ class Writeback:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Writeback:
-        if _sync_file_range is not None:
+        if available():
             self._thread = threading.Thread(
                 target=self._run, name="cumulus-ckpt-writeback", daemon=True
             )
@@ -149,8 +151,7 @@ class Writeback:
             seen = (st.st_size, st.st_blocks)
             if seen == f.seen:
                 continue
-            assert _sync_file_range is not None
-            if _sync_file_range(f.fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0:
+            if _sync_file_range()(f.fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0:
                 f.seen = seen
                 self.handed_bytes += st.st_size - max(f.handed_size, 0)
                 f.handed_size = st.st_size
