@@ -894,7 +894,6 @@ mod tests {
     fn a_plan_is_read_segment_by_segment_and_batches_stay_in_their_epoch() {
         let dir = tempfile::tempdir().unwrap();
         let paths = shards(dir.path());
-        let data = prepared(&paths);
         // Epoch 0: the rest of a.csv from record 2, then c.csv from record 3; epoch 1
         // is standard: the shards file (a.csv only), whole.
         let plan = RankDataPlan {
