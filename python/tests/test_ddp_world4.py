@@ -5,11 +5,13 @@ on the 2 workers of a real local cluster (2 slots each), the digits data in 8 sh
 bit; with stock ``DistributedDataParallel`` (``--stock-ddp``) it consumes the same
 records in the same order and ends with other weights (its first iteration after the
 restart lays the gradient buckets out differently, and a sum of four floats depends on
-the order)."""
+the order). The example trains in ``cumulus.runtime.run``, so the exact run's restart is
+in-process: the three survivors, on both workers, keep their processes (issue 43)."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +86,29 @@ def results(
     return a[0]["weights_sha256"], b[0]["weights_sha256"], weights[0], weights[1]
 
 
+def start_pids(job: cumulus.Job) -> dict[tuple[int, int], int]:
+    """``(rank, attempt) → pid`` from the example's start lines in the job's logs."""
+    pids = {}
+    for x in job.logs(follow=False):
+        m = re.search(r"rank=(\d+) attempt=(\d+) .* pid=(\d+)", x.line)
+        if m:
+            pids[(int(m[1]), int(m[2]))] = int(m[3])
+    return pids
+
+
+def assert_survivors_kept_their_processes(cluster: LocalCluster, job: cumulus.Job) -> None:
+    """The restart was in-process for ranks 0-2 (both workers): their pids did not
+    change; the killed rank 3 got a new process."""
+    info = job.status()
+    (restart,) = info.restarts
+    assert restart.path == "in_process", (restart, explain(job, cluster))
+    assert restart.in_process_ranks == (0, 1, 2), restart
+    pids = start_pids(job)
+    for rank in range(WORLD - 1):
+        assert pids[(rank, 0)] == pids[(rank, 1)], pids
+    assert pids[(KILL_RANK, 0)] != pids[(KILL_RANK, 1)], pids
+
+
 def test_ddp_at_world_size_4_resumes_bit_identically_only_with_exact_ddp(
     two_workers: LocalCluster, tmp_path: Path
 ) -> None:
@@ -96,13 +121,17 @@ def test_ddp_at_world_size_4_resumes_bit_identically_only_with_exact_ddp(
         # All four queued at once; each takes every slot, so they run one after another.
         jobs = [
             submit(client, shards, tmp_path, "clean"),
-            submit(client, shards, tmp_path, "killed", *kill),
+            # Paced (sleeps only: the same training), so the leader has heard every
+            # survivor's progress (a heartbeat, 1 s) before the kill, as it must to keep
+            # their processes.
+            submit(client, shards, tmp_path, "killed", "--step-sleep-ms", "100", *kill),
             submit(client, shards, tmp_path, "stock-clean", "--stock-ddp"),
             submit(client, shards, tmp_path, "stock-killed", "--stock-ddp", *kill),
         ]
         clean, killed, clean_blob, killed_blob = results(two_workers, jobs[0], jobs[1])
         assert clean == killed
         assert clean_blob == killed_blob
+        assert_survivors_kept_their_processes(two_workers, jobs[1][0])
         # The same script on stock DDP: the same records, other weights.
         clean, killed, clean_blob, killed_blob = results(two_workers, jobs[2], jobs[3])
         assert clean != killed
