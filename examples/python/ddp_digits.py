@@ -58,8 +58,8 @@ only the momentum moves the weights). Every checkpoint's state holds the data po
 under ``"cumulus_data"`` with a *carry*: the number of records consumed and the sum,
 modulo 2^64, of their id hashes (as ``elastic_records.py``'s), which the rank that takes
 over a departed rank's records takes over too. ``rank-<R>.json`` then has
-``world_size``, ``record_count`` and ``record_sum``; the last ranks' sums add up to the
-data set's. A resized run's weights differ from a fixed-size run's (other ranks, other
+``world_size``, ``record_count``, ``record_sum`` and ``carries_taken`` (the carries its
+attempt started with); the last ranks' sums add up to the data set's. A resized run's weights differ from a fixed-size run's (other ranks, other
 batches); a fixed-size job reads its records as before.
 
 Fault injection, for tests: ``--kill-rank R --kill-at-step S`` makes rank R's first
@@ -261,6 +261,9 @@ class ElasticFeed:
     data: runtime.ElasticData = field(default_factory=runtime.ElasticData)
     count: int = 0
     total: int = 0
+    #: The carries this attempt took over when it started: the old ranks' after a
+    #: resize, else its own checkpoint's (the count of those that held one).
+    carries_taken: int = 0
 
     @property
     def epoch(self) -> int:
@@ -279,6 +282,7 @@ class ElasticFeed:
             if isinstance(c, dict):
                 self.total = (self.total + int(c["sum"], 16)) & MASK
                 self.count += int(c["count"])
+                self.carries_taken += 1
 
     def next_batch(
         self, size: int, device: torch.device
@@ -619,6 +623,7 @@ def train_attempt(args: argparse.Namespace) -> int:
             "world_size": ctx.world_size,
             "record_count": elastic.count,
             "record_sum": f"{elastic.total:016x}",
+            "carries_taken": elastic.carries_taken,
         }
     result |= {
         "weights_sha256": save_weights(t),

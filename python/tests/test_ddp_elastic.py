@@ -108,6 +108,8 @@ def test_elastic_ddp_shrinks_on_a_lost_worker_and_consumes_every_record_once(
         assert info.resizes[0].resume_step is not None
         results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
         assert {r["world_size"] for r in results} == {2}, results
+        # The 2 ranks took over the positions and carries of the 4 before the loss.
+        assert sum(r["carries_taken"] for r in results) == 4, results
         count = sum(r["record_count"] for r in results)
         total = sum(int(r["record_sum"], 16) for r in results) & MASK
         assert (count, total) == expected(shards), results
