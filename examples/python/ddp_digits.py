@@ -59,8 +59,9 @@ under ``"cumulus_data"`` with a *carry*: the number of records consumed and the 
 modulo 2^64, of their id hashes (as ``elastic_records.py``'s), which the rank that takes
 over a departed rank's records takes over too. ``rank-<R>.json`` then has
 ``world_size``, ``record_count``, ``record_sum`` and ``carries_taken`` (the carries its
-attempt started with); the last ranks' sums add up to the data set's. A resized run's weights differ from a fixed-size run's (other ranks, other
-batches); a fixed-size job reads its records as before.
+attempt started with); the last ranks' sums add up to the data set's. A resized run's
+weights differ from a fixed-size run's (other ranks, other batches); a fixed-size job
+reads its records as before.
 
 Fault injection, for tests: ``--kill-rank R --kill-at-step S`` makes rank R's first
 attempt SIGKILL itself after step S, once the last checkpoint before S is committed;
