@@ -90,6 +90,26 @@ fn used_without_job(used: &Used, job: &Job) -> Used {
     out
 }
 
+/// The most ranks of a running `job` (at most `below`, at least its minimum) that fit
+/// on the free slots of the workers `alive` accepts once the job's own slots and GPU
+/// shares are given back, with the usage without the job (to reserve them in).
+fn refit(
+    state: &ClusterState,
+    job: &Job,
+    obs: &Observations,
+    used: &Used,
+    alive: &dyn Fn(&str) -> bool,
+    below: u32,
+) -> Option<(Placed, Used)> {
+    let mine = used_without_job(used, job);
+    let free: Vec<WorkerSlots> = free_workers(state, alive, &mine.slots)
+        .into_iter()
+        .filter(|w| w.free_slots > 0)
+        .collect();
+    let placed = largest_fit(state, obs, &job.spec, &free, &mine, alive, below)?;
+    Some((placed, mine))
+}
+
 /// A running elastic `job` whose failed ranks found no room to restart: plans a
 /// resize to the most ranks that fit (below its current size, at least its minimum)
 /// and returns true; false when even its minimum does not fit (it waits, as a fixed
@@ -103,14 +123,8 @@ pub(super) fn plan_shrink(
     alive: &dyn Fn(&str) -> bool,
     actions: &mut Vec<Action>,
 ) -> bool {
-    let mine = used_without_job(used, job);
-    let free: Vec<WorkerSlots> = free_workers(state, alive, &mine.slots)
-        .into_iter()
-        .filter(|w| w.free_slots > 0)
-        .collect();
     let below = job.world_size().saturating_sub(1);
-    let Some((placements, gpus)) = largest_fit(state, obs, &job.spec, &free, &mine, alive, below)
-    else {
+    let Some(((placements, gpus), mine)) = refit(state, job, obs, used, alive, below) else {
         return false;
     };
     *used = mine;
@@ -171,20 +185,9 @@ pub(super) fn plan_grow(
                 .get(id)
                 .is_some_and(|w| obs.now_ms >= w.registered_at_ms.saturating_add(GROW_INTERVAL_MS))
     };
-    let mine = used_without_job(used, job);
-    let free: Vec<WorkerSlots> = free_workers(state, &stable, &mine.slots)
-        .into_iter()
-        .filter(|w| w.free_slots > 0)
-        .collect();
-    let Some((placements, gpus)) = largest_fit(
-        state,
-        obs,
-        &job.spec,
-        &free,
-        &mine,
-        &stable,
-        job.spec.world_size,
-    ) else {
+    let Some(((placements, gpus), mine)) =
+        refit(state, job, obs, used, &stable, job.spec.world_size)
+    else {
         return false;
     };
     if placements.len() <= job.ranks.len() {
@@ -217,20 +220,8 @@ pub(super) fn plan_grown(
     alive: &dyn Fn(&str) -> bool,
     actions: &mut Vec<Action>,
 ) -> bool {
-    let mine = used_without_job(used, job);
-    let free: Vec<WorkerSlots> = free_workers(state, alive, &mine.slots)
-        .into_iter()
-        .filter(|w| w.free_slots > 0)
-        .collect();
-    let Some((placements, gpus)) = largest_fit(
-        state,
-        obs,
-        &job.spec,
-        &free,
-        &mine,
-        alive,
-        job.spec.world_size,
-    ) else {
+    let Some(((placements, gpus), mine)) = refit(state, job, obs, used, alive, job.spec.world_size)
+    else {
         return false;
     };
     if placements.len() <= job.ranks.len() {
