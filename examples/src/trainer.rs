@@ -781,6 +781,13 @@ impl<'a> Trainer<'a> {
 }
 
 fn read_state(dir: &Path) -> Result<TrainState, ResumeError> {
+    let (path, bytes) = read_state_bytes(dir)?;
+    serde_json::from_slice(&bytes).map_err(|source| ResumeError::Json { path, source })
+}
+
+/// The bytes of `state.json` in the checkpoint part `dir` and its path; a file over
+/// [`MAX_STATE_BYTES`] is refused before it is read.
+fn read_state_bytes(dir: &Path) -> Result<(PathBuf, Vec<u8>), ResumeError> {
     let path = dir.join(STATE_FILE);
     let io_err = |source| ResumeError::Io {
         path: path.clone(),
@@ -795,7 +802,7 @@ fn read_state(dir: &Path) -> Result<TrainState, ResumeError> {
         });
     }
     let bytes = std::fs::read(&path).map_err(io_err)?;
-    serde_json::from_slice(&bytes).map_err(|source| ResumeError::Json { path, source })
+    Ok((path, bytes))
 }
 
 fn read_f64_file(dir: &Path, name: &str, values: usize) -> Result<Vec<f64>, ResumeError> {

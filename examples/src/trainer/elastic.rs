@@ -39,7 +39,7 @@ use super::{
 use crate::data::{self, Dataset};
 use crate::env::RankEnv;
 use crate::model::{self, Momentum, SoftmaxModel};
-use crate::state::{HexF64, MAX_STATE_BYTES};
+use crate::state::HexF64;
 
 /// The value of [`ElasticState::format`].
 pub const ELASTIC_STATE_FORMAT: &str = "cumulus-trainer-elastic-state/1";
@@ -684,21 +684,7 @@ impl RankTrainer for ElasticTrainer<'_> {
 
 /// Reads `state.json` of an elastic run's checkpoint part.
 fn read_elastic_state(dir: &Path) -> Result<ElasticState, TrainError> {
-    let path = dir.join(STATE_FILE);
-    let io_err = |source| ResumeError::Io {
-        path: path.clone(),
-        source,
-    };
-    let size_bytes = std::fs::metadata(&path).map_err(io_err)?.len();
-    if size_bytes > MAX_STATE_BYTES {
-        return Err(ResumeError::TooLarge {
-            path,
-            size_bytes,
-            limit_bytes: MAX_STATE_BYTES,
-        }
-        .into());
-    }
-    let bytes = std::fs::read(&path).map_err(io_err)?;
+    let (path, bytes) = super::read_state_bytes(dir)?;
     let value: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|source| ResumeError::Json {
             path: path.clone(),
