@@ -516,6 +516,11 @@ def import_time_s() -> float:
 
 
 KILL_WORLD = 2
+#: How long torchrun gets to have every rank stepping again after a kill, seconds: its
+#: restarted workers have been seen to block in gloo's full-mesh connect for the whole
+#: default 30 min timeout; 60 s is 150x Cumulus's in-process p50, so a slower recovery is
+#: reported as none rather than waited for.
+TORCHRUN_RECOVERY_TIMEOUT_S = 60.0
 #: Steps of a kill run: more than any run makes (it is cancelled after its kills).
 KILL_STEPS = 1 << 30
 
@@ -737,7 +742,7 @@ def kill_torchrun(cfg: Config, tmp: Path) -> tuple[list[dict[str, Any]], str | N
                 os.kill(pid, signal.SIGKILL)
                 _, firsts = wait_until(
                     partial(s.recovered, KILL_WORLD, t_kill, mark),
-                    cfg.run_timeout_s,
+                    min(cfg.run_timeout_s, TORCHRUN_RECOVERY_TIMEOUT_S),
                     f"every torchrun rank's first step after kill {k}",
                 )
                 run = {
