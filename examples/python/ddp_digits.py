@@ -447,6 +447,9 @@ class Training:
     y: torch.Tensor
     #: An elastic job's records (instead of ``data``, ``ids``, ``x``, ``y``).
     elastic: ElasticFeed | None = None
+    #: ``(step, time.monotonic())`` once the step halfway to ``--steps`` ended: the
+    #: second half's steps/s leaves out start-up work (a warm spare's imports).
+    half: tuple[int, float] | None = None
 
     @property
     def position(self) -> DataPosition | ElasticFeed:
@@ -478,6 +481,8 @@ def train(t: Training, start: int) -> tuple[int, float, bool]:
         t.opt.step()
         value = loss.item()
         rt.report(step, args.steps, loss=value)
+        if t.half is None and step >= (start + args.steps) // 2:
+            t.half = (step, time.monotonic())
         if args.step_sleep_ms > 0:
             time.sleep(args.step_sleep_ms / 1000)
         if step % args.log_every == 0 and ctx.rank == 0:
@@ -601,7 +606,8 @@ def train_attempt(args: argparse.Namespace) -> int:
         rt.close()
         dist.destroy_process_group()
         return 0
-    elapsed = time.monotonic() - t0
+    end = time.monotonic()
+    elapsed = end - t0
     result: dict[str, Any] = {
         "rank": ctx.rank,
         "attempt": ctx.attempt,
@@ -630,6 +636,11 @@ def train_attempt(args: argparse.Namespace) -> int:
         "weights_sha256": save_weights(t),
         "final_loss": value if step > start else None,
         "steps_per_s": (step - start) / elapsed if elapsed > 0 else None,
+        "steps_per_s_second_half": (
+            (step - t.half[0]) / (end - t.half[1])
+            if t.half is not None and step > t.half[0] and end > t.half[1]
+            else None
+        ),
     }
     (args.out / f"rank-{ctx.rank}.json").write_text(json.dumps(result, indent=1))
     print(f"rank={ctx.rank} done: {json.dumps(result)}", flush=True)
