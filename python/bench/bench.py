@@ -121,6 +121,11 @@ class Config:
     workdir_pairs: int
     #: Deadline of one run (a job or a torchrun), seconds.
     run_timeout_s: float
+    #: Item 6: clean runs of the straggler measurement, their length (seconds) and how
+    #: many run at once.
+    straggler_runs: int
+    straggler_run_s: float
+    straggler_parallel: int
 
 
 FULL = Config(
@@ -140,6 +145,9 @@ FULL = Config(
     workdir_mib=100,
     workdir_pairs=3,
     run_timeout_s=600,
+    straggler_runs=100,
+    straggler_run_s=25.0,
+    straggler_parallel=8,
 )
 SMOKE = Config(
     smoke=True,
@@ -158,6 +166,9 @@ SMOKE = Config(
     workdir_mib=4,
     workdir_pairs=1,
     run_timeout_s=120,
+    straggler_runs=2,
+    straggler_run_s=8.0,
+    straggler_parallel=2,
 )
 
 #: Cumulus restart delay of item 2 (initial and max backoff), milliseconds.
@@ -917,6 +928,70 @@ def bench_spares_steady(cfg: Config, client: cumulus.Client, tmp: Path) -> list[
     ]
 
 
+# -- 6. straggler detection: false flags in clean runs ----------------------------------------
+
+#: The clean runs' straggler window, seconds: short, so a 25 s run is judged for most of
+#: its length (the detector's lookback is window/6 clamped to 5-10 s, and it judges only
+#: once every rank has a full lookback).
+STRAGGLER_WINDOW_S = 4.0
+
+
+def bench_stragglers(cfg: Config, tmp: Path) -> list[Row]:
+    """S1 on a real cluster: ``cfg.straggler_runs`` clean 2-rank jobs of ``paced_rank.py``
+    (a step every 20 ms, nothing slowed), ``cfg.straggler_parallel`` at a time over two
+    workers, with the default fraction (0.7) and a 4 s window; counts the ranks the leader
+    flags. Every run's ranks share two vCPUs with the others', the agents and the
+    coordinator: a flag here is a false one."""
+    runs: list[dict[str, Any]] = []
+    with (
+        LocalCluster(
+            tmp / "straggler-cluster", coordinators=1, workers=2, slots=cfg.straggler_parallel
+        ) as cluster,
+        cluster.client() as client,
+    ):
+        cmd = [PYTHON, str(HERE / "paced_rank.py")]
+        left = cfg.straggler_runs
+        while left > 0:
+            wave = [
+                client.submit(
+                    cmd,
+                    world_size=2,
+                    env={"CUMULUS_BENCH_RUN_S": str(cfg.straggler_run_s)},
+                    straggler_action="warn",
+                    straggler_window_s=STRAGGLER_WINDOW_S,
+                    max_restarts=0,
+                    name=f"bench-clean-{cfg.straggler_runs - left + i}",
+                )
+                for i in range(min(left, cfg.straggler_parallel))
+            ]
+            left -= len(wave)
+            for job in wave:
+                info = job.wait(timeout_s=cfg.run_timeout_s, poll_interval_s=1.0)
+                if not info.succeeded:
+                    raise BenchError(f"{job.id} {info.state}: {info.failure_cause}")
+                runs.append({"job": job.id, "flags": len(info.stragglers)})
+            log(f"  {len(runs)} clean runs, {sum(r['flags'] for r in runs)} flagged")
+    flags = sum(r["flags"] for r in runs)
+    details = {
+        "runs": len(runs),
+        "run_s": cfg.straggler_run_s,
+        "parallel": cfg.straggler_parallel,
+        "window_s": STRAGGLER_WINDOW_S,
+        "fraction": 0.7,
+        "flagged_jobs": [r["job"] for r in runs if r["flags"]],
+    }
+    return [
+        Row(
+            "straggler_false_flags",
+            f"straggler flags in {len(runs)} clean runs (real cluster)",
+            float(flags),
+            "flags",
+            target="<= 0",
+            details=details,
+        )
+    ]
+
+
 # -- 3. report() -----------------------------------------------------------------------------
 
 
@@ -1195,7 +1270,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config, 
     p.add_argument(
         "--only",
         action="append",
-        choices=["ddp", "kill", "spares", "report", "ckpt", "run"],
+        choices=["ddp", "kill", "spares", "report", "ckpt", "run", "stragglers"],
         help="run only these measurements (repeatable)",
     )
     p.add_argument(
@@ -1236,7 +1311,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config, 
             if value < 1:
                 p.error(f"{flag} must be at least 1")
             cfg = replace(cfg, **{attr: value})
-    only = set(args.only or ["ddp", "kill", "spares", "report", "ckpt", "run"])
+    only = set(args.only or ["ddp", "kill", "spares", "report", "ckpt", "run", "stragglers"])
     return args, cfg, only
 
 
@@ -1263,6 +1338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if "report" in only:
             attempt("report_us_per_call", "report() cost", lambda: bench_report(cfg))
+        if "stragglers" in only:
+            attempt(
+                "straggler_false_flags",
+                "straggler flags in clean runs",
+                partial(bench_stragglers, cfg, tmp),
+            )
         if only & {"ddp", "kill", "spares", "ckpt", "run"}:
             log(f"[{time.monotonic() - started:6.1f} s] starting a local cluster...")
             try:
