@@ -58,6 +58,9 @@ from typing import Any, TypeVar
 
 from cumulus._contract import (
     RANK_ENV_CKPT_STAGING,
+    RANK_ENV_MASTER_ADDR,
+    RANK_ENV_MASTER_PORT,
+    RANK_ENV_RANK,
     RANK_ENV_RESUME_DIR,
     RANK_ENV_RESUME_STEP,
     RANK_MAX_RESTART_POLL_MS,
@@ -296,7 +299,9 @@ def _store_at_master_port(dist: Any) -> bool:
         store = c10d._get_default_store()
         while hasattr(store, "underlying_store"):  # PrefixStore
             store = store.underlying_store
-        return isinstance(store, dist.TCPStore) and str(store.port) == os.environ.get("MASTER_PORT")
+        return isinstance(store, dist.TCPStore) and str(store.port) == os.environ.get(
+            RANK_ENV_MASTER_PORT
+        )
     except Exception:  # a PyTorch without these: no wait
         return False
 
@@ -346,8 +351,8 @@ def _wait_for_store(watcher: _Watcher) -> float | None:
     for at most :data:`STORE_WAIT_S`, or until a newer offer arrives; returns the seconds
     waited, ``None`` when it never listened meanwhile. Nothing to wait for on rank 0,
     which hosts the store."""
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    if not host or not port.isdigit() or os.environ.get("RANK", "0") == "0":
+    host, port = os.environ.get(RANK_ENV_MASTER_ADDR), os.environ.get(RANK_ENV_MASTER_PORT, "")
+    if not host or not port.isdigit() or os.environ.get(RANK_ENV_RANK, "0") == "0":
         return 0.0
     start = time.monotonic()
     while watcher.offer is None:
