@@ -110,6 +110,25 @@ fn refit(
     Some((placed, mine))
 }
 
+/// For a grow: the most ranks of `job` up to its `world_size` that fit (as [`refit`]),
+/// reserved in `used`, when that is more ranks than it has now; else `None` and `used`
+/// unchanged.
+fn reserve_larger(
+    state: &ClusterState,
+    job: &Job,
+    obs: &Observations,
+    used: &mut Used,
+    alive: &dyn Fn(&str) -> bool,
+) -> Option<Placed> {
+    let ((placements, gpus), mine) = refit(state, job, obs, used, alive, job.spec.world_size)?;
+    if placements.len() <= job.ranks.len() {
+        return None;
+    }
+    *used = mine;
+    used.add(&placements, &gpus, job.spec.gpu_share_permille());
+    Some((placements, gpus))
+}
+
 /// A running elastic `job` whose failed ranks found no room to restart: plans a
 /// resize to the most ranks that fit (below its current size, at least its minimum)
 /// and returns true; false when even its minimum does not fit (it waits, as a fixed
@@ -185,16 +204,9 @@ pub(super) fn plan_grow(
                 .get(id)
                 .is_some_and(|w| obs.now_ms >= w.registered_at_ms.saturating_add(GROW_INTERVAL_MS))
     };
-    let Some(((placements, gpus), mine)) =
-        refit(state, job, obs, used, &stable, job.spec.world_size)
-    else {
+    let Some((placements, _)) = reserve_larger(state, job, obs, used, &stable) else {
         return false;
     };
-    if placements.len() <= job.ranks.len() {
-        return false;
-    }
-    *used = mine;
-    used.add(&placements, &gpus, job.spec.gpu_share_permille());
     let cause = format!(
         "room for {} ranks (now {}) since committed step {}",
         placements.len(),
@@ -220,15 +232,9 @@ pub(super) fn plan_grown(
     alive: &dyn Fn(&str) -> bool,
     actions: &mut Vec<Action>,
 ) -> bool {
-    let Some(((placements, gpus), mine)) = refit(state, job, obs, used, alive, job.spec.world_size)
-    else {
+    let Some((placements, gpus)) = reserve_larger(state, job, obs, used, alive) else {
         return false;
     };
-    if placements.len() <= job.ranks.len() {
-        return false;
-    }
-    *used = mine;
-    used.add(&placements, &gpus, job.spec.gpu_share_permille());
     let cause = format!(
         "grow from {} to {} ranks: capacity back, the ranks checkpointed first (committed \
          step {})",
