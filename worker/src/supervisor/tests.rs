@@ -1114,7 +1114,12 @@ async fn a_new_attempt_runs_in_a_warm_spare_which_ends_with_the_job() {
     assert_eq!(spare.job_id, "job-000031");
 
     h.sup.apply_desired(std::slice::from_ref(&second));
-    poll_until("attempt 0 gone", || h.sup.is_finished(&k0)).await;
+    // Gone from the table too: its exit record is written just before its entry is
+    // removed, and the rank's next attempt starts only once the entry is gone.
+    poll_until("attempt 0 gone", || {
+        h.sup.is_finished(&k0) && h.sup.live_count() == 0
+    })
+    .await;
     h.sup.apply_desired(std::slice::from_ref(&second));
     let exit = wait_finished(&h.sup, &k1).await;
     assert_eq!(exit.exit_code, Some(0), "{}", log_text(&h.sup, &k1));
