@@ -531,11 +531,16 @@ def import_time_s() -> float:
 
 
 KILL_WORLD = 2
-#: How long torchrun gets to have every rank stepping again after a kill, seconds: its
-#: restarted workers have been seen to block in gloo's full-mesh connect for the whole
-#: default 30 min timeout; 60 s is 150x Cumulus's in-process p50, so a slower recovery is
-#: reported as none rather than waited for.
+#: How long torchrun gets to have every rank stepping again after a kill, seconds; 60 s
+#: is 150x Cumulus's in-process p50, so a slower recovery is reported as none rather
+#: than waited for.
 TORCHRUN_RECOVERY_TIMEOUT_S = 60.0
+#: torchrun's environment for a restart to work: since PyTorch 2.5 its c10d rendezvous
+#: shares one TCPStore across restarts and the workers' keys carry no restart prefix, so
+#: a restarted gloo group reads the dead workers' addresses ("connectFullMesh failed ...
+#: Connection refused"; pytorch/pytorch#135712, still so in 2.15). Its documented opt-out
+#: gives each restart a store of its own, as a torchrun user would set.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 #: Steps of a kill run: more than any run makes (it is cancelled after its kills).
 KILL_STEPS = 1 << 30
 
@@ -741,7 +746,7 @@ def kill_torchrun(cfg: Config, tmp: Path) -> tuple[list[dict[str, Any]], str | N
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=child_env(CUMULUS_BENCH_STAMPS=str(stamps)),
+            env=child_env(CUMULUS_BENCH_STAMPS=str(stamps), **TORCHRUN_ENV),
             cwd=REPO,
             start_new_session=True,
         )
@@ -1071,6 +1076,8 @@ def bench_ckpt(cfg: Config, client: cumulus.Client, tmp: Path) -> list[Row]:
             str(cfg.ckpt_reps),
             "--plain-dir",
             str(tmp / "ckpt-plain"),
+            "--ckpt-dir",
+            str(tmp / "ckpt-cumulus"),
             "--result",
             str(result),
         ],
@@ -1100,7 +1107,10 @@ def bench_ckpt(cfg: Config, client: cumulus.Client, tmp: Path) -> list[Row]:
             "loop takes a step; committed_s: call -> wait() returned"
         ),
         "cumulus": "ckpt.save_checkpoint(model=...): safetensors + agent commit (fsync)",
-        "plain": "torch.save(state_dict) + fsync(file) + fsync(dir)",
+        "plain": (
+            "torch.save(state_dict) into a new file + fsync(file) + fsync(dir); the previous "
+            "file deleted after"
+        ),
         "order": "rotated per repetition (cumulus, plain, cumulus_async); median of each",
     }
     mib = f"{cfg.ckpt_mib} MiB"
