@@ -15,14 +15,14 @@ order rotated every repetition:
 
 Every arm starts from the same memory: the previous checkpoint of each kind is deleted
 after the timed part (Cumulus prunes its older step once the new one is committed), then
-the rank waits until the cluster has pruned and :data:`SETTLE_S` more. On a VM that
-reports free memory to its host (virtio-balloon free page reporting, 2 s after pages
-are freed), a first write to memory the host took back costs a fault in the host:
-1 GiB of new anonymous memory takes 0.75-0.83 s to write on machine M, 0.16-0.20 s to
-write again. Without the wait, an arm that follows a deletion writes into pages still
-backed, and which arm that is decides the ratio (deleting the old file just before
-``torch.save``, an in-place overwrite, made the plain arm 1.24 s instead of ~2 s). A
-checkpoint taken minutes after the last meets the settled state.
+the rank waits until the cluster has pruned and ``--settle-s`` more (:data:`SETTLE_S`).
+On a VM that reports free memory to its host (virtio-balloon free page reporting, 2 s
+after pages are freed), a first write to memory the host took back costs a fault in the
+host: 1 GiB of new anonymous memory takes 0.75-0.83 s to write on machine M, 0.16-0.20 s
+to write again. Without the wait, an arm that follows a deletion writes into pages
+still backed, and which arm that is decides the ratio (deleting the old file just
+before ``torch.save``, an in-place overwrite, made the plain arm 1.24 s instead of
+~2.8 s). A checkpoint taken minutes after the last meets the settled state.
 
 Writes ``{"cumulus_s": [...], "cumulus_async_s": [...], "cumulus_async_committed_s":
 [...], "plain_s": [...], "bytes": N}`` to ``--result`` (samples in the order taken; the
@@ -45,8 +45,8 @@ from cumulus import ckpt, runtime
 
 #: Parameters per tensor (64 MiB of float32), as a large model's layers would be.
 CHUNK = 16 << 20
-#: Seconds waited before each timed arm once the old checkpoints are gone: longer than
-#: the kernel's free page reporting delay (2 s, mm/page_reporting.c).
+#: Seconds waited before each timed arm once the old checkpoints are gone, by default:
+#: longer than the kernel's free page reporting delay (2 s, mm/page_reporting.c).
 SETTLE_S = 3.0
 #: Longest wait for the cluster to prune the older step, seconds.
 PRUNE_TIMEOUT_S = 60.0
@@ -60,15 +60,15 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def settle(job_ckpt_dir: Path) -> None:
+def settle(job_ckpt_dir: Path, settle_s: float) -> None:
     """Waits until ``job_ckpt_dir`` holds at most one step (``ckpt_keep`` 1: the older
-    one pruned), then :data:`SETTLE_S`."""
+    one pruned), then ``settle_s`` seconds."""
     deadline = time.monotonic() + PRUNE_TIMEOUT_S
     while len(list(job_ckpt_dir.glob("step-*"))) > 1:
         if time.monotonic() > deadline:
             sys.exit(f"{job_ckpt_dir}: the older step was not pruned in {PRUNE_TIMEOUT_S} s")
         time.sleep(0.01)
-    time.sleep(SETTLE_S)
+    time.sleep(settle_s)
 
 
 def parse_args() -> argparse.Namespace:
@@ -79,6 +79,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--ckpt-dir", type=Path, required=True, help="the job's checkpoint root (ckpt_dir)"
     )
+    p.add_argument("--settle-s", type=float, default=SETTLE_S)
     p.add_argument("--result", type=Path, required=True)
     return p.parse_args()
 
@@ -180,7 +181,7 @@ def main() -> int:
         # Rotate which goes first, so none always follows the same one.
         order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
         for how in order:
-            settle(job_ckpt_dir)
+            settle(job_ckpt_dir, args.settle_s)
             arms.training_step()
             step += 1
             getattr(arms, how)(rep, step)
