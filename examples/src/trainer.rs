@@ -766,18 +766,29 @@ impl<'a> Trainer<'a> {
     /// exist); returns the state written.
     pub fn write_checkpoint(&self, dir: &Path) -> io::Result<TrainState> {
         let state = self.state();
-        std::fs::write(
-            dir.join(WEIGHTS_FILE),
-            model::f64s_to_le_bytes(self.model.weights()),
-        )?;
-        std::fs::write(
-            dir.join(OPTIMIZER_FILE),
-            model::f64s_to_le_bytes(self.opt.velocity()),
-        )?;
-        let text = serde_json::to_vec_pretty(&state).expect("a TrainState always serializes");
-        std::fs::write(dir.join(STATE_FILE), text)?;
+        write_part_files(dir, &self.model, &self.opt, &state)?;
         Ok(state)
     }
+}
+
+/// Writes a checkpoint part's three files into `dir` (which must exist): `weights.bin`
+/// and `optimizer.bin` (little-endian f64s) and `state` as pretty JSON in `state.json`.
+fn write_part_files(
+    dir: &Path,
+    model: &SoftmaxModel,
+    opt: &Momentum,
+    state: &impl Serialize,
+) -> io::Result<()> {
+    std::fs::write(
+        dir.join(WEIGHTS_FILE),
+        model::f64s_to_le_bytes(model.weights()),
+    )?;
+    std::fs::write(
+        dir.join(OPTIMIZER_FILE),
+        model::f64s_to_le_bytes(opt.velocity()),
+    )?;
+    let text = serde_json::to_vec_pretty(state).expect("a trainer state always serializes");
+    std::fs::write(dir.join(STATE_FILE), text)
 }
 
 fn read_state(dir: &Path) -> Result<TrainState, ResumeError> {

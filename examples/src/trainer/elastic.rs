@@ -38,7 +38,7 @@ use super::{
 };
 use crate::data::{self, Dataset};
 use crate::env::RankEnv;
-use crate::model::{self, Momentum, SoftmaxModel};
+use crate::model::{Momentum, SoftmaxModel};
 use crate::state::HexF64;
 
 /// The value of [`ElasticState::format`].
@@ -667,17 +667,8 @@ impl RankTrainer for ElasticTrainer<'_> {
     }
 
     fn write_checkpoint_files(&self, dir: &Path) -> io::Result<serde_json::Value> {
-        std::fs::write(
-            dir.join(WEIGHTS_FILE),
-            model::f64s_to_le_bytes(self.model.weights()),
-        )?;
-        std::fs::write(
-            dir.join(OPTIMIZER_FILE),
-            model::f64s_to_le_bytes(self.opt.velocity()),
-        )?;
         let state = self.state();
-        let text = serde_json::to_vec_pretty(&state).expect("an ElasticState always serializes");
-        std::fs::write(dir.join(STATE_FILE), text)?;
+        super::write_part_files(dir, &self.model, &self.opt, &state)?;
         Ok(serde_json::to_value(&state).expect("an ElasticState always serializes"))
     }
 }
